@@ -1,0 +1,105 @@
+"""Run megatron-core on a machine without CUDA (gloo ranks on the CPU).
+
+megatron-core assumes a CUDA current device in a few places: ``torch.cuda.current_device()`` used as
+a ``device=`` argument (sequence-parallel gathers, pipeline p2p buffers), ``torch.cuda.synchronize``,
+``torch.cuda.current_stream`` and the CUDA RNG tracker. This module is the one place that redirects
+those to the CPU. ``apply()`` is idempotent and does nothing when CUDA is available, so GPU runs
+never see it. ``cuda_to_cpu()`` is a context that also rewrites ``device="cuda"`` / ``.cuda()``
+made inside megatron-core code (schedules, DDP buffers, optimizers) to the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_applied = False
+_lock = threading.Lock()
+
+
+def needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+class _DummyStream:
+    """Stands in for a CUDA stream: waits and syncs are no-ops on the CPU."""
+
+    def wait_stream(self, *args, **kwargs):
+        return None
+
+    def wait_event(self, *args, **kwargs):
+        return None
+
+    def synchronize(self):
+        return None
+
+    def record_event(self, *args, **kwargs):
+        return None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def apply() -> bool:
+    """Patch torch.cuda entry points that megatron-core calls; returns True if patched."""
+    global _applied
+    if not needed():
+        return False
+    with _lock:
+        if _applied:
+            return True
+        torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+        torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+        torch.cuda.current_stream = lambda *a, **k: _DummyStream()  # type: ignore[assignment]
+        torch.cuda.default_stream = lambda *a, **k: _DummyStream()  # type: ignore[assignment]
+        torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+        # megatron's CUDA RNG tracker forks CUDA generator states; on the CPU the CPU generator
+        # plays that role (deterministic per rank once seeded).
+        torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
+        torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)  # type: ignore
+        torch.cuda.manual_seed = lambda seed: None  # type: ignore[assignment]
+        _applied = True
+        return True
+
+
+def _to_cpu_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cpu")
+    dev = torch.device(device)
+    return torch.device("cpu") if dev.type == "cuda" else device
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites tensor factories and moves that name CUDA so megatron code runs on the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if func in (torch.Tensor.to,) and len(args) > 1 and not isinstance(args[1], torch.Tensor):
+            if isinstance(args[1], (str, int, torch.device)) and not isinstance(args[1], bool):
+                args = (args[0], _to_cpu_device(args[1]), *args[2:])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_to_cpu():
+    """Context in which ``device='cuda'`` and ``.cuda()`` mean the CPU (no-op with CUDA)."""
+    if not needed():
+        yield
+        return
+    apply()
+    with _CudaToCpu():
+        yield

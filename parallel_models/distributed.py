@@ -1,0 +1,131 @@
+"""Process groups: torch.distributed start-up and megatron-core ``parallel_state``.
+
+``init_parallel`` is the one call a program makes before building models. It starts
+torch.distributed from the torchrun environment (or as a single process when there is none), nccl
+with CUDA and gloo without, then builds megatron-core's tensor/pipeline/data-parallel groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from parallel_models import cpu_shim
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelSettings:
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    virtual_pipeline_parallel_size: int | None
+    data_parallel_size: int
+    sequence_parallel: bool
+
+
+_SETTINGS: ParallelSettings | None = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_process_group(timeout_minutes: float) -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # a plain `python script.py`: one rank
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def init_parallel(
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    virtual_pipeline_parallel_size: int | None = None,
+    sequence_parallel: bool = False,
+    timeout_minutes: float = 30.0,
+) -> ParallelSettings:
+    """Start torch.distributed (if needed) and megatron-core's model-parallel groups.
+
+    The data-parallel size is what is left: world_size / (TP * PP).
+    """
+    global _SETTINGS
+    for name, value in (("tensor_parallel_size", tensor_parallel_size),
+                        ("pipeline_parallel_size", pipeline_parallel_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if virtual_pipeline_parallel_size is not None:
+        if virtual_pipeline_parallel_size < 1:
+            raise ValueError("virtual_pipeline_parallel_size must be >= 1 or None, "
+                             f"got {virtual_pipeline_parallel_size}")
+        if virtual_pipeline_parallel_size > 1 and pipeline_parallel_size < 2:
+            raise ValueError("virtual_pipeline_parallel_size > 1 needs pipeline_parallel_size > 1")
+    if sequence_parallel and tensor_parallel_size == 1:
+        sequence_parallel = False  # nothing to split; megatron would only warn
+
+    _start_process_group(timeout_minutes)
+    cpu_shim.apply()  # no-op with CUDA
+    world = dist.get_world_size()
+    if world % (tensor_parallel_size * pipeline_parallel_size):
+        raise ValueError(
+            f"world size {world} is not divisible by tensor_parallel_size ({tensor_parallel_size})"
+            f" x pipeline_parallel_size ({pipeline_parallel_size})")
+
+    vpp = virtual_pipeline_parallel_size if (virtual_pipeline_parallel_size or 1) > 1 else None
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel_size,
+        pipeline_model_parallel_size=pipeline_parallel_size,
+        virtual_pipeline_model_parallel_size=vpp,
+    )
+    _SETTINGS = ParallelSettings(
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        virtual_pipeline_parallel_size=vpp,
+        data_parallel_size=world // (tensor_parallel_size * pipeline_parallel_size),
+        sequence_parallel=sequence_parallel,
+    )
+    return _SETTINGS
+
+
+def get_parallel_settings() -> ParallelSettings:
+    if _SETTINGS is None or not mpu.model_parallel_is_initialized():
+        raise RuntimeError("parallel groups are not initialized: call "
+                           "parallel_models.init_parallel(...) first")
+    return _SETTINGS
+
+
+def is_initialized() -> bool:
+    return _SETTINGS is not None and mpu.model_parallel_is_initialized()
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron-core groups and the default process group."""
+    global _SETTINGS
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _SETTINGS = None
+
+
+def compute_device() -> torch.device:
+    """The device this rank computes on: its CUDA device, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

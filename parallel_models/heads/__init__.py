@@ -1,0 +1,4 @@
+from parallel_models.heads.lm_head import ParallelLMHead
+from parallel_models.heads.value_head import ValueHead
+
+__all__ = ["ParallelLMHead", "ValueHead"]

@@ -1,0 +1,32 @@
+"""Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import ModelParallelConfig
+
+from parallel_models.config import ModelConfig
+from parallel_models.llama.layers.attention import ParallelAttention
+from parallel_models.llama.layers.mlp import ParallelMLP
+from parallel_models.llama.layers.norm import RMSNorm
+
+
+class ParallelDecoderLayer(torch.nn.Module):
+    def __init__(self, config: ModelConfig, mp_config: ModelParallelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id  # global index (differs from the local one under PP)
+        sp = mp_config.sequence_parallel
+        kw = dict(sequence_parallel=sp, dtype=mp_config.params_dtype, device=_param_device(mp_config))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.self_attn = ParallelAttention(config, mp_config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.mlp = ParallelMLP(config, mp_config)
+
+    def forward(self, hidden, cos, sin, cu_seqlens, max_seqlen):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, cu_seqlens,
+                                         max_seqlen)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def _param_device(mp_config: ModelParallelConfig):
+    return "cpu" if mp_config.use_cpu_initialization else torch.cuda.current_device()

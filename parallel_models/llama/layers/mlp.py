@@ -1,0 +1,27 @@
+"""SwiGLU MLP: fused gate-up column-parallel, down row-parallel."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core import ModelParallelConfig
+
+from parallel_models.config import ModelConfig
+from parallel_models.llama.layers.linear import GateUpParallelLinear, ParallelRowLinear
+
+
+class ParallelMLP(torch.nn.Module):
+    def __init__(self, config: ModelConfig, mp_config: ModelParallelConfig):
+        super().__init__()
+        std = config.initializer_range
+        self.gate_up_proj = GateUpParallelLinear(config.hidden_size, config.intermediate_size,
+                                                 bias=config.mlp_bias, config=mp_config,
+                                                 init_std=std)
+        self.down_proj = ParallelRowLinear(config.intermediate_size, config.hidden_size,
+                                           bias=config.mlp_bias, config=mp_config, init_std=std)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate_up, _ = self.gate_up_proj(hidden)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out, _ = self.down_proj(F.silu(gate) * up)
+        return out

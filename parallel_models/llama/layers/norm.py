@@ -1,0 +1,22 @@
+"""RMSNorm computed exactly as transformers does (fp32 statistics, cast, then scale)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, sequence_parallel: bool = False,
+                 dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.eps = eps
+        # Under sequence parallel each rank sees part of the tokens, so the weight's gradient is
+        # partial: megatron's finalize_model_grads all-reduces params marked this way.
+        self.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = hidden.dtype
+        h = hidden.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)

@@ -1,0 +1,285 @@
+"""The one decoder family (Llama, Qwen2, ...) and its variants.
+
+Variants are compositions, not copies:
+- input: RmPad (packed tokens + ``cu_seqlens``) is the core path; the padded ``(batch, seq)`` path
+  packs, runs it, and unpacks;
+- head: CausalLM (vocab-parallel LM head) or Value (one scalar per token);
+- pipeline stage: ``pre_process`` (has the embedding) / ``post_process`` (final norm + head) and the
+  layers this stage owns.
+Hidden states travel as ``[tokens, 1, hidden]`` (megatron's ``[s, b, h]``), split over the TP ranks
+along tokens under sequence parallel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+from megatron.core import ModelParallelConfig, parallel_state as mpu
+from megatron.core.tensor_parallel import VocabParallelEmbedding, gather_from_sequence_parallel_region
+
+from parallel_models.config import ModelConfig, resolve_dtype
+from parallel_models.distributed import get_parallel_settings
+from parallel_models.heads import ParallelLMHead, ValueHead
+from parallel_models.llama.layers import ParallelDecoderLayer, RMSNorm, RotaryEmbedding
+from parallel_models.utils.padding import (pack_padded_batch, position_ids_from_cu_seqlens,
+                                           unpack_to_padded)
+
+
+@dataclasses.dataclass
+class CausalLMOutput:
+    """``logits``: full vocab if ``full_vocab=True``, else this TP rank's vocab slice."""
+
+    logits: torch.Tensor
+
+
+@dataclasses.dataclass
+class ValueOutput:
+    values: torch.Tensor
+
+
+def build_megatron_config(config: ModelConfig, dtype: torch.dtype, sequence_parallel: bool
+                          ) -> ModelParallelConfig:
+    settings = get_parallel_settings()
+    tp = settings.tensor_parallel_size
+    config.check_tensor_parallel(tp)
+    return ModelParallelConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=settings.pipeline_parallel_size,
+        virtual_pipeline_model_parallel_size=settings.virtual_pipeline_parallel_size,
+        sequence_parallel=sequence_parallel and tp > 1,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        perform_initialization=False,  # weights are loaded or initialized by us
+        gradient_accumulation_fusion=False,
+    )
+
+
+class ParallelDecoder(torch.nn.Module):
+    """Embedding (first stage) -> decoder layers of this stage -> final norm (last stage)."""
+
+    def __init__(self, config: ModelConfig, mp_config: ModelParallelConfig, layer_ids: list[int],
+                 pre_process: bool = True, post_process: bool = True):
+        super().__init__()
+        self.config = config
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.sequence_parallel = mp_config.sequence_parallel
+        self.tp = mp_config.tensor_model_parallel_size
+        if pre_process:
+            std = config.initializer_range
+            self.embed_tokens = VocabParallelEmbedding(
+                config.padded_vocab_size(self.tp), config.hidden_size,
+                init_method=lambda w: torch.nn.init.normal_(w, 0.0, std),
+                reduce_scatter_embeddings=self.sequence_parallel, config=mp_config)
+            self.embed_tokens.weight.tensor_model_parallel = True
+            self.embed_tokens.weight.partition_dim = 0
+            self.embed_tokens.weight.partition_stride = 1
+        self.layers = torch.nn.ModuleList(
+            ParallelDecoderLayer(config, mp_config, layer_id) for layer_id in layer_ids)
+        if post_process:
+            device = "cpu" if mp_config.use_cpu_initialization else torch.cuda.current_device()
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                sequence_parallel=self.sequence_parallel,
+                                dtype=mp_config.params_dtype, device=device)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.input_tensor = None  # set by the pipeline schedule on later stages
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[tokens] -> [tokens(/tp under SP), 1, hidden]."""
+        hidden = self.embed_tokens(input_ids.unsqueeze(0))  # [1, tokens, h] (or [t/tp, 1, h])
+        if not self.sequence_parallel:
+            hidden = hidden.transpose(0, 1).contiguous()
+        return hidden
+
+    def forward(self, input_ids, position_ids, cu_seqlens, max_seqlen, hidden=None):
+        if self.pre_process:
+            hidden = self.embed(input_ids)
+        elif hidden is None:
+            hidden = self.input_tensor
+        cos, sin = self.rotary_emb(position_ids, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, cu_seqlens, max_seqlen)
+        if self.post_process:
+            hidden = self.norm(hidden)
+        return hidden
+
+
+class ParallelModel(torch.nn.Module):
+    """Common part of every variant: config, decoder stack, packing, loading.
+
+    Subclasses set ``head_kind`` ("causal_lm" or "value") and ``padded_input``.
+    """
+
+    head_kind: ClassVar[str] = "causal_lm"
+    padded_input: ClassVar[bool] = False
+    architecture: ClassVar[str | None] = None  # set by the registry's named subclasses
+
+    def __init__(self, config: ModelConfig, *, dtype=None, sequence_parallel: bool | None = None,
+                 pre_process: bool = True, post_process: bool = True,
+                 layer_ids: list[int] | None = None):
+        super().__init__()
+        settings = get_parallel_settings()
+        self.config = config
+        self.dtype = resolve_dtype(dtype, resolve_dtype(config.torch_dtype))
+        if sequence_parallel is None:
+            sequence_parallel = settings.sequence_parallel
+        self.mp_config = build_megatron_config(config, self.dtype, sequence_parallel)
+        self.sequence_parallel = self.mp_config.sequence_parallel
+        self.tp = settings.tensor_parallel_size
+        self.pre_process = pre_process
+        self.post_process = post_process
+        layer_ids = list(range(config.num_layers)) if layer_ids is None else list(layer_ids)
+        self.model = ParallelDecoder(config, self.mp_config, layer_ids, pre_process, post_process)
+        device = "cpu" if self.mp_config.use_cpu_initialization else torch.cuda.current_device()
+        self.share_embeddings_and_output_weights = (
+            config.tie_word_embeddings and self.head_kind == "causal_lm")
+        if post_process:
+            if self.head_kind == "causal_lm":
+                tied_here = self.share_embeddings_and_output_weights and pre_process
+                self.lm_head = ParallelLMHead(
+                    config.hidden_size, config.vocab_size, config.padded_vocab_size(self.tp),
+                    mp_config=self.mp_config, tied=tied_here, init_std=config.initializer_range)
+            else:
+                self.value_head = ValueHead(config.hidden_size, sequence_parallel=self.sequence_parallel,
+                                            dtype=self.dtype, device=device)
+        self.load_report = None
+
+    # ---- pipeline plumbing ------------------------------------------------------------------
+    def set_input_tensor(self, input_tensor) -> None:
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.model.input_tensor = input_tensor
+
+    def output_weight(self):
+        if self.head_kind != "causal_lm":
+            return None
+        if self.share_embeddings_and_output_weights and self.pre_process:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    # ---- packed (RmPad) core ---------------------------------------------------------------------
+    def _pad_for_sequence_parallel(self, input_ids, position_ids, cu_seqlens):
+        """Make the token count divisible by TP: the extra tokens form their own sequence."""
+        total = input_ids.shape[0]
+        pad = (-total) % self.tp if self.sequence_parallel else 0
+        if pad:
+            input_ids = torch.nn.functional.pad(input_ids, (0, pad))
+            position_ids = torch.cat([position_ids, torch.arange(pad, device=position_ids.device)])
+            cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([total + pad])])
+        return input_ids, position_ids, cu_seqlens, pad
+
+    def forward_hidden(self, input_ids, cu_seqlens, position_ids=None, max_seqlen=None):
+        """Packed tokens -> final hidden states ``[tokens(+pad)(/tp), 1, hidden]`` and the pad."""
+        cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
+        if position_ids is None:
+            position_ids = position_ids_from_cu_seqlens(cu_seqlens)
+        if max_seqlen is None:
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+        input_ids, position_ids, cu_seqlens, pad = self._pad_for_sequence_parallel(
+            input_ids, position_ids, cu_seqlens)
+        max_seqlen = max(max_seqlen, pad)
+        hidden = self.model(input_ids, position_ids, cu_seqlens, max_seqlen)
+        return hidden, pad
+
+    def _head(self, hidden, pad, full_vocab):
+        if self.head_kind == "causal_lm":
+            logits = self.lm_head(hidden, weight=self.output_weight() if self.lm_head.tied else None)
+            logits = logits.squeeze(1)  # [tokens(+pad), vocab/tp]; SP gathered by the head
+            if full_vocab:
+                logits = self.lm_head.gather(logits)
+            return logits[: logits.shape[0] - pad]
+        values = self.value_head(hidden)
+        return values[: values.shape[0] - pad]
+
+    def forward_packed(self, input_ids, cu_seqlens, position_ids=None, max_seqlen=None,
+                       full_vocab: bool = False):
+        if input_ids.dim() != 1:
+            raise ValueError(f"packed input_ids must be 1-D (total_tokens,), got shape "
+                             f"{tuple(input_ids.shape)}; use the padded variant for (batch, seq)")
+        hidden, pad = self.forward_hidden(input_ids, cu_seqlens, position_ids, max_seqlen)
+        if not self.post_process:
+            return hidden
+        out = self._head(hidden, pad, full_vocab)
+        return CausalLMOutput(out) if self.head_kind == "causal_lm" else ValueOutput(out)
+
+    def forward_padded(self, input_ids, attention_mask=None, position_ids=None,
+                       full_vocab: bool = False):
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        packed = pack_padded_batch(input_ids, attention_mask, position_ids)
+        out = self.forward_packed(packed.input_ids, packed.cu_seqlens, packed.position_ids,
+                                  packed.max_seqlen, full_vocab=full_vocab)
+        if not self.post_process:
+            return out
+        if self.head_kind == "causal_lm":
+            return CausalLMOutput(unpack_to_padded(out.logits, packed))
+        return ValueOutput(unpack_to_padded(out.values, packed))
+
+    # ---- loading -----------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype=None, sequence_parallel: bool | None = None,
+                        pre_process: bool = True, post_process: bool = True,
+                        layer_ids: list[int] | None = None, value_head_seed: int = 0,
+                        strict: bool = True):
+        """Build this rank's shard and fill it from an HF folder (or hub id).
+
+        Each rank reads only its own slices of the safetensors files. Value variants take
+        ``score.weight`` of a ``*ForSequenceClassification`` checkpoint, or a fresh head.
+        """
+        from parallel_models.config import ModelConfig
+        from parallel_models.llama.checkpoint_utils.loader import load_hf_weights, resolve_model_path
+
+        path = resolve_model_path(path)
+        config = ModelConfig.from_hf(path)
+        model = cls(config, dtype=dtype, sequence_parallel=sequence_parallel,
+                    pre_process=pre_process, post_process=post_process, layer_ids=layer_ids)
+        model.load_report = load_hf_weights(model, path, value_head_seed=value_head_seed,
+                                            strict=strict)
+        model.name_or_path = path
+        return model
+
+
+class CausalLMRmPad(ParallelModel):
+    """Packed input: ``model(input_ids[total], cu_seqlens)`` -> ``.logits [total, vocab(/tp)]``."""
+
+    head_kind = "causal_lm"
+
+    def forward(self, input_ids, cu_seqlens, position_ids=None, max_seqlen=None,
+                full_vocab: bool = False):
+        return self.forward_packed(input_ids, cu_seqlens, position_ids, max_seqlen, full_vocab)
+
+
+class CausalLM(ParallelModel):
+    """Padded input: ``model(input_ids, attention_mask)`` -> ``.logits [batch, seq, vocab(/tp)]``."""
+
+    head_kind = "causal_lm"
+    padded_input = True
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, full_vocab: bool = False):
+        return self.forward_padded(input_ids, attention_mask, position_ids, full_vocab)
+
+
+class ValueRmPad(ParallelModel):
+    """Packed input -> ``.values [total]`` (one scalar per token)."""
+
+    head_kind = "value"
+
+    def forward(self, input_ids, cu_seqlens, position_ids=None, max_seqlen=None):
+        return self.forward_packed(input_ids, cu_seqlens, position_ids, max_seqlen)
+
+
+class Value(ParallelModel):
+    """Padded input -> ``.values [batch, seq]`` (zeros at padding)."""
+
+    head_kind = "value"
+    padded_input = True
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return self.forward_padded(input_ids, attention_mask, position_ids)

@@ -1,0 +1,103 @@
+"""HF ``architectures`` string -> model family -> variant classes.
+
+Every family is the one Llama-style decoder (``parallel_models.llama.modeling``) under another
+name: the differences (qkv bias, tied embeddings, rope scaling) come from the HF config.
+Class names follow ``{Family}For{CausalLM|Value}[RmPad]``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from parallel_models.config import ConfigError, load_hf_config
+from parallel_models.llama.modeling import CausalLM, CausalLMRmPad, ParallelModel, Value, ValueRmPad
+
+FAMILIES = ("Llama", "Qwen2")
+_BASES = {("causal_lm", False): CausalLM, ("causal_lm", True): CausalLMRmPad,
+          ("value", False): Value, ("value", True): ValueRmPad}
+_HEAD_NAMES = {"causal_lm": "CausalLM", "value": "Value"}
+
+# HF architecture string -> family. Sequence-classification checkpoints (reward models) map to
+# the same family; the head is chosen by the caller.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "Llama",
+    "LlamaForSequenceClassification": "Llama",
+    "LlamaModel": "Llama",
+    "Qwen2ForCausalLM": "Qwen2",
+    "Qwen2ForSequenceClassification": "Qwen2",
+    "Qwen2Model": "Qwen2",
+}
+
+_CLASSES: dict[str, type[ParallelModel]] = {}
+
+
+def _make(family: str, head: str, rmpad: bool) -> type[ParallelModel]:
+    name = f"{family}For{_HEAD_NAMES[head]}{'RmPad' if rmpad else ''}"
+    base = _BASES[(head, rmpad)]
+    cls = type(name, (base,), {"__module__": "parallel_models.models",
+                               "__doc__": f"{family} as {base.__name__}. {base.__doc__}",
+                               "architecture": f"{family}ForCausalLM"})
+    _CLASSES[name] = cls
+    return cls
+
+
+for _family in FAMILIES:
+    for (_head, _rmpad) in _BASES:
+        _make(_family, _head, _rmpad)
+
+
+def supported_architectures() -> list[str]:
+    return sorted(ARCHITECTURES)
+
+
+def family_of(architecture: str) -> str:
+    if architecture not in ARCHITECTURES:
+        raise ConfigError(f"unsupported architecture {architecture!r}; supported: "
+                          f"{', '.join(supported_architectures())}")
+    return ARCHITECTURES[architecture]
+
+
+def get_model_class(architecture: str, head: str = "causal_lm", rmpad: bool = False
+                    ) -> type[ParallelModel]:
+    """The variant class for an HF architecture string, e.g. ('Qwen2ForCausalLM', 'value', True)
+    -> ``Qwen2ForValueRmPad``."""
+    if head not in _HEAD_NAMES:
+        raise ValueError(f"head must be one of {sorted(_HEAD_NAMES)}, got {head!r}")
+    family = family_of(architecture)
+    return _CLASSES[f"{family}For{_HEAD_NAMES[head]}{'RmPad' if rmpad else ''}"]
+
+
+def model_class(name: str) -> type[ParallelModel]:
+    """A variant class by its public name, e.g. 'LlamaForCausalLMRmPad'."""
+    if name not in _CLASSES:
+        raise ConfigError(f"unknown model class {name!r}; available: {', '.join(sorted(_CLASSES))}")
+    return _CLASSES[name]
+
+
+def architecture_of(path: str) -> str:
+    """The first ``architectures`` entry of an HF folder's config (clear error when absent)."""
+    from parallel_models.llama.checkpoint_utils.loader import resolve_model_path
+
+    path = resolve_model_path(path)
+    archs = getattr(load_hf_config(path), "architectures", None) or []
+    if not archs:
+        raise ConfigError(f"{os.path.join(path, 'config.json')}: no 'architectures' entry; "
+                          f"supported: {', '.join(supported_architectures())}")
+    return archs[0]
+
+
+class _AutoModel:
+    head: str = "causal_lm"
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, rmpad: bool = False, **kwargs) -> ParallelModel:
+        """Pick the class from the folder's ``architectures`` and load this rank's shard."""
+        return get_model_class(architecture_of(path), cls.head, rmpad).from_pretrained(path, **kwargs)
+
+
+class AutoModelForCausalLM(_AutoModel):
+    head = "causal_lm"
+
+
+class AutoModelForValue(_AutoModel):
+    head = "value"

@@ -1,0 +1,133 @@
+"""Helpers for tests and examples: spawn N gloo ranks on the CPU, build tiny HF models locally.
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (spawn, 1 thread
+each) with the torchrun environment set, runs ``fn(*args)`` in each and returns the per-rank
+results; a failing rank's traceback is raised in the parent, and a hang hits ``timeout``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn, args, kwargs, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+                      OMP_NUM_THREADS="1")
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        out = fn(*args, **kwargs)
+        results.put((rank, "ok", pickle.dumps(out)))
+    except BaseException:  # report everything, including SystemExit from argparse
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            from parallel_models.distributed import destroy_parallel
+
+            destroy_parallel()
+        except Exception:
+            pass
+
+
+def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0, **kwargs
+                    ) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` CPU ranks (gloo); returns results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, results),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outs: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        while len(outs) + len(errors) < world_size:
+            try:
+                rank, status, payload = results.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"distributed run of {fn.__name__} on {world_size} ranks did "
+                                   f"not finish in {timeout:.0f}s") from None
+            if status == "ok":
+                outs[rank] = pickle.loads(payload)
+            else:
+                errors.append(f"--- rank {rank} ---\n{payload}")
+                break  # the other ranks are likely blocked in a collective
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError(f"distributed run of {fn.__name__} failed:\n" + "\n".join(errors))
+    return [outs[r] for r in range(world_size)]
+
+
+def tiny_hf_config(family: str = "llama", **overrides):
+    """A small transformers config: Llama (GQA, llama3 rope) or Qwen2 (qkv bias, tied)."""
+    if family == "llama":
+        from transformers import LlamaConfig
+
+        kw = dict(vocab_size=257, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                  rope_theta=10000.0, architectures=["LlamaForCausalLM"])
+        kw.update(overrides)
+        return LlamaConfig(**kw)
+    if family == "qwen2":
+        from transformers import Qwen2Config
+
+        kw = dict(vocab_size=251, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1000000.0,
+                  architectures=["Qwen2ForCausalLM"])
+        kw.update(overrides)
+        return Qwen2Config(**kw)
+    raise ValueError(f"unknown family {family!r}; use 'llama' or 'qwen2'")
+
+
+def save_tiny_hf_model(path: str, family: str = "llama", *, head: str = "causal_lm",
+                       seed: int = 0, dtype=None, max_shard_size: str | None = None,
+                       **overrides) -> str:
+    """Build a random tiny HF model (CausalLM or SequenceClassification, num_labels=1) and
+    ``save_pretrained`` it (safetensors) to ``path``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = tiny_hf_config(family, **overrides)
+    torch.manual_seed(seed)
+    if head == "value":
+        config.num_labels = 1
+        config.architectures = [config.architectures[0].replace("CausalLM", "SequenceClassification")]
+        config.pad_token_id = 0
+        model = AutoModelForSequenceClassification.from_config(config)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+    # HF's init leaves biases at zero and norms at one: randomize so tests see every tensor
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    if dtype is not None:
+        model = model.to(dtype)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kwargs)
+    return path

@@ -1,0 +1,21 @@
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    """Tiny random HF checkpoints built locally: Llama (GQA, llama3 rope) and Qwen2 (qkv bias,
+    tied embeddings), as CausalLM and as SequenceClassification (num_labels=1)."""
+    from parallel_models.testing import save_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for family in ("llama", "qwen2"):
+        for head in ("causal_lm", "value"):
+            out[(family, head)] = save_tiny_hf_model(str(root / f"{family}_{head}"), family,
+                                                     head=head, seed=1)
+    return out

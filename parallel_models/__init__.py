@@ -5,9 +5,10 @@ from parallel_models.distributed import (compute_device, destroy_parallel, get_p
                                          init_parallel)
 from parallel_models.llama.checkpoint_utils import CheckpointError
 from parallel_models.llama.modeling import CausalLMOutput, ParallelModel, ValueOutput
-from parallel_models.models import (LlamaForCausalLM, LlamaForCausalLMRmPad, LlamaForValue,
-                                    LlamaForValueRmPad, Qwen2ForCausalLM, Qwen2ForCausalLMRmPad,
-                                    Qwen2ForValue, Qwen2ForValueRmPad)
+from parallel_models.models import *  # noqa: F401,F403  (the {Arch}For{Head}[RmPad][PP] classes)
+from parallel_models.models import __all__ as _model_names
+from parallel_models.pipeline import (build_pipeline_chunks, format_pipeline_layout, forward_backward,
+                                      forward_only, pipeline_layout)
 from parallel_models.registry import (AutoModelForCausalLM, AutoModelForValue, get_model_class,
                                       supported_architectures)
 from parallel_models.utils.padding import PackedBatch, pack_padded_batch, unpack_to_padded
@@ -17,8 +18,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ConfigError", "ModelConfig", "CheckpointError", "init_parallel", "destroy_parallel",
     "get_parallel_settings", "compute_device", "ParallelModel", "CausalLMOutput", "ValueOutput",
-    "LlamaForCausalLM", "LlamaForCausalLMRmPad", "LlamaForValue", "LlamaForValueRmPad",
-    "Qwen2ForCausalLM", "Qwen2ForCausalLMRmPad", "Qwen2ForValue", "Qwen2ForValueRmPad",
+    *_model_names, "build_pipeline_chunks", "format_pipeline_layout", "forward_backward",
+    "forward_only", "pipeline_layout",
     "AutoModelForCausalLM", "AutoModelForValue", "get_model_class", "supported_architectures",
     "PackedBatch", "pack_padded_batch", "unpack_to_padded",
 ]

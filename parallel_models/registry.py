@@ -31,19 +31,27 @@ ARCHITECTURES = {
 _CLASSES: dict[str, type[ParallelModel]] = {}
 
 
-def _make(family: str, head: str, rmpad: bool) -> type[ParallelModel]:
-    name = f"{family}For{_HEAD_NAMES[head]}{'RmPad' if rmpad else ''}"
+def _class_name(family: str, head: str, rmpad: bool, pp: bool) -> str:
+    return f"{family}For{_HEAD_NAMES[head]}{'RmPad' if rmpad else ''}{'PP' if pp else ''}"
+
+
+def _make(family: str, head: str, rmpad: bool, pp: bool) -> type[ParallelModel]:
+    name = _class_name(family, head, rmpad, pp)
     base = _BASES[(head, rmpad)]
+    stage = (" Built for one pipeline stage (this rank's, or ``vpp_chunk``); the schedules in "
+             "``parallel_models.pipeline`` run it.") if pp else ""
     cls = type(name, (base,), {"__module__": "parallel_models.models",
-                               "__doc__": f"{family} as {base.__name__}. {base.__doc__}",
-                               "architecture": f"{family}ForCausalLM"})
+                               "__doc__": f"{family} as {base.__name__}.{stage} {base.__doc__}",
+                               "architecture": f"{family}ForCausalLM",
+                               "pipeline_stage": pp})
     _CLASSES[name] = cls
     return cls
 
 
 for _family in FAMILIES:
     for (_head, _rmpad) in _BASES:
-        _make(_family, _head, _rmpad)
+        for _pp in (False, True):
+            _make(_family, _head, _rmpad, _pp)
 
 
 def supported_architectures() -> list[str]:
@@ -57,14 +65,14 @@ def family_of(architecture: str) -> str:
     return ARCHITECTURES[architecture]
 
 
-def get_model_class(architecture: str, head: str = "causal_lm", rmpad: bool = False
-                    ) -> type[ParallelModel]:
+def get_model_class(architecture: str, head: str = "causal_lm", rmpad: bool = False,
+                    pp: bool = False) -> type[ParallelModel]:
     """The variant class for an HF architecture string, e.g. ('Qwen2ForCausalLM', 'value', True)
     -> ``Qwen2ForValueRmPad``."""
     if head not in _HEAD_NAMES:
         raise ValueError(f"head must be one of {sorted(_HEAD_NAMES)}, got {head!r}")
     family = family_of(architecture)
-    return _CLASSES[f"{family}For{_HEAD_NAMES[head]}{'RmPad' if rmpad else ''}"]
+    return _CLASSES[_class_name(family, head, rmpad, pp)]
 
 
 def model_class(name: str) -> type[ParallelModel]:
@@ -90,9 +98,11 @@ class _AutoModel:
     head: str = "causal_lm"
 
     @classmethod
-    def from_pretrained(cls, path: str, *, rmpad: bool = False, **kwargs) -> ParallelModel:
+    def from_pretrained(cls, path: str, *, rmpad: bool = False, pp: bool = False, **kwargs
+                        ) -> ParallelModel:
         """Pick the class from the folder's ``architectures`` and load this rank's shard."""
-        return get_model_class(architecture_of(path), cls.head, rmpad).from_pretrained(path, **kwargs)
+        return get_model_class(architecture_of(path), cls.head, rmpad, pp).from_pretrained(
+            path, **kwargs)
 
 
 class AutoModelForCausalLM(_AutoModel):

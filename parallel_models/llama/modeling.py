@@ -16,8 +16,10 @@ import dataclasses
 from typing import ClassVar
 
 import torch
-from megatron.core import ModelParallelConfig, parallel_state as mpu
-from megatron.core.tensor_parallel import VocabParallelEmbedding, gather_from_sequence_parallel_region
+from megatron.core import ModelParallelConfig
+from megatron.core.tensor_parallel import VocabParallelEmbedding
+from megatron.core.enums import ModelType
+from megatron.core.transformer import TransformerConfig
 
 from parallel_models.config import ModelConfig, resolve_dtype
 from parallel_models.distributed import get_parallel_settings
@@ -40,11 +42,24 @@ class ValueOutput:
 
 
 def build_megatron_config(config: ModelConfig, dtype: torch.dtype, sequence_parallel: bool
-                          ) -> ModelParallelConfig:
+                          ) -> TransformerConfig:
+    """The megatron-core config our parallel layers and megatron's schedules/DDP read.
+
+    A ``TransformerConfig`` (not just a ``ModelParallelConfig``) because the pipeline schedules
+    read ``hidden_size`` and the loss/grad settings from it.
+    """
     settings = get_parallel_settings()
     tp = settings.tensor_parallel_size
     config.check_tensor_parallel(tp)
-    return ModelParallelConfig(
+    mp_config = TransformerConfig(
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_key_value_heads,
+        kv_channels=config.head_dim,
+        ffn_hidden_size=config.intermediate_size,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=settings.pipeline_parallel_size,
         virtual_pipeline_model_parallel_size=settings.virtual_pipeline_parallel_size,
@@ -57,6 +72,10 @@ def build_megatron_config(config: ModelConfig, dtype: torch.dtype, sequence_para
         perform_initialization=False,  # weights are loaded or initialized by us
         gradient_accumulation_fusion=False,
     )
+    # packed microbatches differ in token count: pipeline p2p must send shapes first (set after
+    # construction: the MoE-only validation in __post_init__ rejects it for dense models)
+    mp_config.variable_seq_lengths = True
+    return mp_config
 
 
 class ParallelDecoder(torch.nn.Module):
@@ -118,12 +137,19 @@ class ParallelModel(torch.nn.Module):
     head_kind: ClassVar[str] = "causal_lm"
     padded_input: ClassVar[bool] = False
     architecture: ClassVar[str | None] = None  # set by the registry's named subclasses
+    pipeline_stage: ClassVar[bool] = False  # PP variants: built for one pipeline stage
+    model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
 
     def __init__(self, config: ModelConfig, *, dtype=None, sequence_parallel: bool | None = None,
-                 pre_process: bool = True, post_process: bool = True,
-                 layer_ids: list[int] | None = None):
+                 pre_process: bool | None = None, post_process: bool | None = None,
+                 layer_ids: list[int] | None = None, vpp_chunk: int | None = None,
+                 layers_per_stage: list[int] | None = None):
         super().__init__()
         settings = get_parallel_settings()
+        if settings.pipeline_parallel_size > 1 and not self.pipeline_stage:
+            raise ValueError(
+                f"pipeline_parallel_size={settings.pipeline_parallel_size}: use the PP variant "
+                f"({type(self).__name__}PP) or parallel_models.pipeline.build_pipeline_chunks")
         self.config = config
         self.dtype = resolve_dtype(dtype, resolve_dtype(config.torch_dtype))
         if sequence_parallel is None:
@@ -131,8 +157,17 @@ class ParallelModel(torch.nn.Module):
         self.mp_config = build_megatron_config(config, self.dtype, sequence_parallel)
         self.sequence_parallel = self.mp_config.sequence_parallel
         self.tp = settings.tensor_parallel_size
-        self.pre_process = pre_process
-        self.post_process = post_process
+        if self.pipeline_stage:
+            from parallel_models.pipeline import stage_of_this_rank
+
+            stage = stage_of_this_rank(config.num_layers, vpp_chunk, layers_per_stage)
+            pre_process = stage.pre_process if pre_process is None else pre_process
+            post_process = stage.post_process if post_process is None else post_process
+            layer_ids = stage.layer_ids if layer_ids is None else layer_ids
+            self.vp_stage = vpp_chunk
+        self.pre_process = True if pre_process is None else pre_process
+        self.post_process = True if post_process is None else post_process
+        pre_process, post_process = self.pre_process, self.post_process
         layer_ids = list(range(config.num_layers)) if layer_ids is None else list(layer_ids)
         self.model = ParallelDecoder(config, self.mp_config, layer_ids, pre_process, post_process)
         device = "cpu" if self.mp_config.use_cpu_initialization else torch.cuda.current_device()
@@ -154,6 +189,15 @@ class ParallelModel(torch.nn.Module):
         if isinstance(input_tensor, (list, tuple)):
             input_tensor = input_tensor[0]
         self.model.input_tensor = input_tensor
+
+    def shared_embedding_or_output_weight(self):
+        """The tied embedding/head weight of this stage (megatron's finalize_model_grads sums
+        its gradient over the embedding group: first and last pipeline stage)."""
+        if self.pre_process:
+            return self.model.embed_tokens.weight
+        if self.post_process and self.head_kind == "causal_lm":
+            return self.lm_head.weight
+        return None
 
     def output_weight(self):
         if self.head_kind != "causal_lm":
@@ -225,12 +269,14 @@ class ParallelModel(torch.nn.Module):
     # ---- loading -----------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, path: str, *, dtype=None, sequence_parallel: bool | None = None,
-                        pre_process: bool = True, post_process: bool = True,
-                        layer_ids: list[int] | None = None, value_head_seed: int = 0,
+                        pre_process: bool | None = None, post_process: bool | None = None,
+                        layer_ids: list[int] | None = None, vpp_chunk: int | None = None,
+                        layers_per_stage: list[int] | None = None, value_head_seed: int = 0,
                         strict: bool = True):
         """Build this rank's shard and fill it from an HF folder (or hub id).
 
-        Each rank reads only its own slices of the safetensors files. Value variants take
+        Each rank reads only its own slices of the safetensors files (PP variants: only the
+        layers of their stage / virtual chunk ``vpp_chunk``). Value variants take
         ``score.weight`` of a ``*ForSequenceClassification`` checkpoint, or a fresh head.
         """
         from parallel_models.config import ModelConfig
@@ -239,7 +285,8 @@ class ParallelModel(torch.nn.Module):
         path = resolve_model_path(path)
         config = ModelConfig.from_hf(path)
         model = cls(config, dtype=dtype, sequence_parallel=sequence_parallel,
-                    pre_process=pre_process, post_process=post_process, layer_ids=layer_ids)
+                    pre_process=pre_process, post_process=post_process, layer_ids=layer_ids,
+                    vpp_chunk=vpp_chunk, layers_per_stage=layers_per_stage)
         model.load_report = load_hf_weights(model, path, value_head_seed=value_head_seed,
                                             strict=strict)
         model.name_or_path = path

@@ -1,0 +1,248 @@
+"""Pipeline parallelism: layer assignment, per-rank model chunks, and running batches through
+megatron-core's schedules (1F1B, interleaved 1F1B with virtual chunks).
+
+Virtual stage ``v = chunk * pp_size + pp_rank`` owns the ``v``-th run of consecutive layers,
+as megatron-core's interleaved schedule expects: with PP=2, VPP=2 and 8 layers, rank 0 holds
+layers 0-1 and 4-5, rank 1 holds 2-3 and 6-7.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from parallel_models import cpu_shim
+from parallel_models.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    pp_rank: int
+    vpp_chunk: int
+    layer_ids: tuple[int, ...]
+    pre_process: bool   # holds the embedding
+    post_process: bool  # holds the final norm and the head
+
+
+def pipeline_layout(num_layers: int, pp_size: int, vpp_size: int | None = None,
+                    layers_per_stage: list[int] | None = None) -> list[list[Stage]]:
+    """Which layers each (pp_rank, chunk) holds: ``layout[pp_rank][chunk]``.
+
+    ``layers_per_stage`` (one count per virtual stage, in virtual-stage order) overrides the even
+    split; without it ``num_layers`` must divide evenly.
+    """
+    vpp = vpp_size or 1
+    n_stages = pp_size * vpp
+    if layers_per_stage is None:
+        if num_layers % n_stages:
+            raise ConfigError(
+                f"num_layers ({num_layers}) is not divisible by pipeline_parallel_size ({pp_size})"
+                f" x virtual_pipeline_parallel_size ({vpp}); pass layers_per_stage=[...] with "
+                f"{n_stages} counts to split unevenly")
+        layers_per_stage = [num_layers // n_stages] * n_stages
+    layers_per_stage = list(layers_per_stage)
+    if len(layers_per_stage) != n_stages or sum(layers_per_stage) != num_layers or \
+            min(layers_per_stage) < 0:
+        raise ConfigError(f"layers_per_stage={layers_per_stage} must have {n_stages} non-negative "
+                          f"counts (PP {pp_size} x VPP {vpp}) summing to num_layers ({num_layers})")
+    starts = [sum(layers_per_stage[:v]) for v in range(n_stages)]
+    layout = []
+    for rank in range(pp_size):
+        row = []
+        for chunk in range(vpp):
+            v = chunk * pp_size + rank
+            row.append(Stage(rank, chunk, tuple(range(starts[v], starts[v] + layers_per_stage[v])),
+                             pre_process=v == 0, post_process=v == n_stages - 1))
+        layout.append(row)
+    return layout
+
+
+def format_pipeline_layout(num_layers: int, pp_size: int, vpp_size: int | None = None,
+                           layers_per_stage: list[int] | None = None) -> str:
+    """A readable table of the layout (for logs and ``--help`` style output)."""
+    lines = []
+    for row in pipeline_layout(num_layers, pp_size, vpp_size, layers_per_stage):
+        for st in row:
+            extra = ("embedding " if st.pre_process else "") + ("norm+head" if st.post_process else "")
+            layers = f"{st.layer_ids[0]}-{st.layer_ids[-1]}" if st.layer_ids else "none"
+            lines.append(f"pp_rank {st.pp_rank} chunk {st.vpp_chunk}: layers {layers} {extra}".rstrip())
+    return "\n".join(lines)
+
+
+def stage_of_this_rank(num_layers: int, vpp_chunk: int | None = None,
+                       layers_per_stage: list[int] | None = None) -> Stage:
+    pp = mpu.get_pipeline_model_parallel_world_size()
+    vpp = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
+    chunk = 0 if vpp_chunk is None else vpp_chunk
+    if not 0 <= chunk < vpp:
+        raise ConfigError(f"vpp_chunk={vpp_chunk} out of range for virtual_pipeline_parallel_size {vpp}")
+    if vpp > 1 and vpp_chunk is None:
+        raise ConfigError("virtual pipeline parallel is on: build each chunk with vpp_chunk=i, or "
+                          "use parallel_models.pipeline.build_pipeline_chunks")
+    return pipeline_layout(num_layers, pp, vpp, layers_per_stage)[
+        mpu.get_pipeline_model_parallel_rank()][chunk]
+
+
+def build_pipeline_chunks(cls, path: str, **kwargs) -> list[torch.nn.Module]:
+    """All model chunks of this rank (one per virtual stage) loaded from ``path``.
+
+    ``cls`` is a PP variant class, e.g. ``LlamaForCausalLMRmPadPP``.
+    """
+    vpp = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
+    return [cls.from_pretrained(path, vpp_chunk=c if vpp > 1 else None, **kwargs) for c in range(vpp)]
+
+
+# ---- running batches through the schedules ---------------------------------------------------
+_MODEL_INPUTS = ("input_ids", "cu_seqlens", "position_ids", "max_seqlen", "attention_mask",
+                 "full_vocab")
+
+
+class _ScheduleView(torch.nn.Module):
+    """Lets megatron's schedules find the megatron config of an unwrapped chunk (they read
+    ``.config``, which on our models is the HF-derived ModelConfig)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.config = module.mp_config
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def _schedule_chunks(chunks):
+    return [c if hasattr(c, "ddp_config") else _ScheduleView(c) for c in chunks]
+
+
+def _unwrap(model):
+    while not hasattr(model, "head_kind"):
+        model = model.module
+    return model
+
+
+def _forward_step(data_iterator, model, *, fn, with_loss: bool):
+    batch = next(data_iterator)
+    inner = _unwrap(model)
+    params = inspect.signature(inner.forward).parameters
+    inputs = {k: v for k, v in batch.items() if k in _MODEL_INPUTS and k in params}
+    output = model(**inputs)
+    if not inner.post_process:
+        return output, None
+
+    def loss_func(out):
+        if with_loss:
+            loss, num_tokens, metrics = fn(out, batch)
+            return loss, num_tokens, metrics
+        result = fn(out, batch)
+        zero = (out.logits if hasattr(out, "logits") else out.values).sum() * 0.0
+        return zero, {"output": result}
+
+    return output, loss_func
+
+
+def _run(chunks, microbatches, fn, forward_only: bool, with_loss: bool):
+    if not microbatches:
+        raise ValueError("no microbatches")
+    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    sched = _schedule_chunks(chunks)
+    config = sched[0].config
+    config.calculate_per_token_loss = with_loss  # global token-mean loss (see forward_backward)
+    if with_loss and not forward_only:
+        from megatron.core.distributed import finalize_model_grads
+
+        ddp = all(hasattr(c, "ddp_config") for c in chunks)
+        config.finalize_model_grads_func = finalize_model_grads if ddp else _finalize_plain
+    else:
+        config.finalize_model_grads_func = None
+    n_tokens = max(int(mb["input_ids"].numel()) for mb in microbatches)
+    iterators = [iter(microbatches) for _ in chunks]
+    step = functools.partial(_forward_step, fn=fn, with_loss=with_loss)
+    with cpu_shim.cuda_to_cpu():
+        results = get_forward_backward_func()(
+            forward_step_func=step,
+            data_iterator=iterators if len(chunks) > 1 else iterators[0],
+            model=sched if len(chunks) > 1 else sched[0],
+            num_microbatches=len(microbatches),
+            seq_length=n_tokens,
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+    return results
+
+
+def _finalize_plain(model, num_tokens=None, *args, **kwargs):
+    """Without megatron DDP: sum tied-embedding and sequence-parallel grads, scale by tokens."""
+    from parallel_models.utils.grads import allreduce_sequence_parallel_grads, allreduce_tied_embedding_grads
+
+    chunks = [_unwrap(m) for m in model]
+    for c in chunks:
+        allreduce_sequence_parallel_grads(c)
+    allreduce_tied_embedding_grads(chunks)
+    if num_tokens is not None:
+        pp_group = mpu.get_pipeline_model_parallel_group()
+        dist.broadcast(num_tokens, src=mpu.get_pipeline_model_parallel_last_rank(), group=pp_group)
+        dist.all_reduce(num_tokens, group=mpu.get_data_parallel_group())
+        scale = 1.0 / max(int(num_tokens), 1)
+        for c in chunks:
+            for p in c.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+
+
+def forward_backward(chunks, microbatches: list[dict], loss_fn: Callable, *,
+                     forward_only: bool = False) -> list[dict]:
+    """Forward and backward of a batch split into microbatches, through all pipeline stages.
+
+    ``loss_fn(output, microbatch) -> (loss_sum, num_tokens, metrics)`` runs on the last stage;
+    gradients end up as those of ``sum(loss_sum) / sum(num_tokens)`` over the whole batch (and
+    data-parallel replicas), i.e. a global token mean. Returns the per-microbatch ``metrics``,
+    broadcast to every pipeline stage.
+    """
+    results = _run(chunks, microbatches, loss_fn, forward_only, with_loss=True)
+    return broadcast_from_last_stage(results if mpu.is_pipeline_last_stage() else None)
+
+
+def forward_only(chunks, microbatches: list[dict], output_fn: Callable | None = None) -> list[Any]:
+    """Run microbatches forward through all stages; returns ``output_fn(output, microbatch)``
+    (default: the logits or values) per microbatch, on every rank of the pipeline group."""
+    fn = output_fn or (lambda out, mb: out.logits if hasattr(out, "logits") else out.values)
+    with torch.no_grad():
+        results = _run(chunks, microbatches, fn, forward_only=True, with_loss=False)
+    local = [r["output"] for r in results] if mpu.is_pipeline_last_stage() else None
+    return broadcast_from_last_stage(local)
+
+
+def broadcast_from_last_stage(obj):
+    """Send a (nested list/dict of) tensors from the last pipeline stage to the whole PP group."""
+    if mpu.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    group = mpu.get_pipeline_model_parallel_group()
+    src = mpu.get_pipeline_model_parallel_last_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+        torch.device("cpu")
+    leaves, spec = [], None
+    if mpu.is_pipeline_last_stage():
+        flat, spec = torch.utils._pytree.tree_flatten(obj)
+        leaves = flat
+        meta = [(tuple(t.shape), t.dtype) if torch.is_tensor(t) else ("obj", t) for t in flat]
+        payload = [spec, meta]
+    else:
+        payload = [None, None]
+    dist.broadcast_object_list(payload, src=src, group=group)
+    spec, meta = payload
+    out = []
+    for i, m in enumerate(meta):
+        if m[0] == "obj":
+            out.append(m[1])
+            continue
+        t = leaves[i].detach().to(device).contiguous() if leaves else torch.empty(m[0], dtype=m[1], device=device)
+        dist.broadcast(t, src=src, group=group)
+        out.append(t)
+    return torch.utils._pytree.tree_unflatten(out, spec)

@@ -84,6 +84,10 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # megatron's optimizers dispatch on type strings such as 'torch.cuda.FloatTensor'
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
         if "device" in kwargs:
             kwargs["device"] = _to_cpu_device(kwargs["device"])
         if func in (torch.Tensor.to,) and len(args) > 1 and not isinstance(args[1], torch.Tensor):

@@ -161,20 +161,41 @@ def _run(chunks, microbatches, fn, forward_only: bool, with_loss: bool):
         config.finalize_model_grads_func = finalize_model_grads if ddp else _finalize_plain
     else:
         config.finalize_model_grads_func = None
-    n_tokens = max(int(mb["input_ids"].numel()) for mb in microbatches)
+    n_tokens = max(_token_count(mb) for mb in microbatches)
+    models = [_unwrap(c) for c in chunks]
+    interleaved = len(chunks) > 1
+    if interleaved:
+        # megatron's interleaved schedule mixes forward and backward p2p in one call, which
+        # does not work with per-microbatch shapes: pad every microbatch to one token count
+        tp = models[0].tp if models[0].sequence_parallel else 1
+        n_tokens = -(-n_tokens // tp) * tp
+        for m in models:
+            m.pad_tokens_to = n_tokens
+        config.variable_seq_lengths = False
     iterators = [iter(microbatches) for _ in chunks]
     step = functools.partial(_forward_step, fn=fn, with_loss=with_loss)
-    with cpu_shim.cuda_to_cpu():
-        results = get_forward_backward_func()(
-            forward_step_func=step,
-            data_iterator=iterators if len(chunks) > 1 else iterators[0],
-            model=sched if len(chunks) > 1 else sched[0],
-            num_microbatches=len(microbatches),
-            seq_length=n_tokens,
-            micro_batch_size=1,
-            forward_only=forward_only,
-        )
+    try:
+        with cpu_shim.cuda_to_cpu():
+            results = get_forward_backward_func()(
+                forward_step_func=step,
+                data_iterator=iterators if interleaved else iterators[0],
+                model=sched if interleaved else sched[0],
+                num_microbatches=len(microbatches),
+                seq_length=n_tokens,
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
+    finally:
+        for m in models:
+            m.pad_tokens_to = None
+        config.variable_seq_lengths = True
     return results
+
+
+def _token_count(mb: dict) -> int:
+    if "attention_mask" in mb and mb["attention_mask"] is not None:
+        return int(mb["attention_mask"].sum())
+    return int(mb["input_ids"].numel())
 
 
 def _finalize_plain(model, num_tokens=None, *args, **kwargs):

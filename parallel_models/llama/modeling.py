@@ -75,6 +75,11 @@ def build_megatron_config(config: ModelConfig, dtype: torch.dtype, sequence_para
     # packed microbatches differ in token count: pipeline p2p must send shapes first (set after
     # construction: the MoE-only validation in __post_init__ rejects it for dense models)
     mp_config.variable_seq_lengths = True
+    if not torch.cuda.is_available():
+        # gloo pairs p2p messages per peer in issue order; megatron's batched p2p issues
+        # send-prev before send-next, which with PP=2 (prev == next) swaps activations and
+        # gradients in the interleaved schedule. The unbatched path orders them safely.
+        mp_config.batch_p2p_comm = False
     return mp_config
 
 
@@ -173,12 +178,19 @@ class ParallelModel(torch.nn.Module):
         device = "cpu" if self.mp_config.use_cpu_initialization else torch.cuda.current_device()
         self.share_embeddings_and_output_weights = (
             config.tie_word_embeddings and self.head_kind == "causal_lm")
+        if pre_process and self.share_embeddings_and_output_weights:
+            self.model.embed_tokens.weight.shared_embedding = True
         if post_process:
             if self.head_kind == "causal_lm":
                 tied_here = self.share_embeddings_and_output_weights and pre_process
                 self.lm_head = ParallelLMHead(
                     config.hidden_size, config.vocab_size, config.padded_vocab_size(self.tp),
                     mp_config=self.mp_config, tied=tied_here, init_std=config.initializer_range)
+                if self.share_embeddings_and_output_weights and not pre_process:
+                    # the last stage's copy of the tied embedding: its gradient is summed with
+                    # the first stage's, and grad norms count the pair once (megatron's flags)
+                    self.lm_head.weight.shared = True
+                    self.lm_head.weight.shared_embedding = True
             else:
                 self.value_head = ValueHead(config.hidden_size, sequence_parallel=self.sequence_parallel,
                                             dtype=self.dtype, device=device)
@@ -207,10 +219,18 @@ class ParallelModel(torch.nn.Module):
         return self.lm_head.weight
 
     # ---- packed (RmPad) core ---------------------------------------------------------------------
+    # set by the interleaved pipeline runner: every microbatch padded to one token count
+    pad_tokens_to: int | None = None
+
     def _pad_for_sequence_parallel(self, input_ids, position_ids, cu_seqlens):
-        """Make the token count divisible by TP: the extra tokens form their own sequence."""
+        """Make the token count divisible by TP under SP (and equal to ``pad_tokens_to`` when
+        set): the extra tokens form their own sequence and are cut after the head."""
         total = input_ids.shape[0]
         pad = (-total) % self.tp if self.sequence_parallel else 0
+        if self.pad_tokens_to is not None:
+            if self.pad_tokens_to < total + pad:
+                raise ValueError(f"pad_tokens_to={self.pad_tokens_to} < {total + pad} tokens")
+            pad = self.pad_tokens_to - total
         if pad:
             input_ids = torch.nn.functional.pad(input_ids, (0, pad))
             position_ids = torch.cat([position_ids, torch.arange(pad, device=position_ids.device)])
@@ -291,6 +311,13 @@ class ParallelModel(torch.nn.Module):
                                             strict=strict)
         model.name_or_path = path
         return model
+
+    def save_pretrained(self, out_dir: str, **kwargs) -> dict:
+        """Gather this model to an HF folder (call on every rank; rank 0 writes). See
+        ``checkpoint_utils.saver.save_pretrained`` for the options."""
+        from parallel_models.llama.checkpoint_utils.saver import save_pretrained
+
+        return save_pretrained(self, out_dir, **kwargs)
 
 
 class CausalLMRmPad(ParallelModel):

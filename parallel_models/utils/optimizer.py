@@ -1,0 +1,155 @@
+"""Optimizer for the parallel models: megatron-core DDP + ``get_megatron_optimizer`` + LR scheduler.
+
+``build_optimizer(chunks, OptimConfig(...))`` wraps each model chunk in megatron-core's
+``DistributedDataParallel`` (grad buffers, data-parallel reduction, ``finalize_model_grads``),
+builds the megatron optimizer (Adam; bf16/fp16 params keep fp32 master weights; optional
+distributed optimizer) and an ``OptimizerParamScheduler``. ``train_step`` runs one step of
+forward-backward over microbatches (pipeline schedules), clipping and the update.
+
+On the CPU, megatron-core's grad clipping asserts CUDA tensors, so there the global grad norm
+and clipping are computed here with the same rules (TP duplicates and the tied embedding copy
+counted once, reduced over the model-parallel group) before the optimizer step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from parallel_models import cpu_shim
+from parallel_models.config import ConfigError
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_steps: int = 0
+    total_steps: int = 1_000_000  # decay horizon
+    lr_decay_style: str = "constant"  # constant | linear | cosine
+    use_distributed_optimizer: bool = False
+
+    def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"optimizer lr must be > 0, got {self.lr}")
+        if self.lr_decay_style not in ("constant", "linear", "cosine"):
+            raise ConfigError(f"lr_decay_style must be constant, linear or cosine, got "
+                              f"{self.lr_decay_style!r}")
+        if self.clip_grad < 0:
+            raise ConfigError(f"clip_grad must be >= 0 (0 = off), got {self.clip_grad}")
+
+
+@dataclasses.dataclass
+class TrainState:
+    chunks: list          # DDP-wrapped model chunks of this rank
+    optimizer: object     # megatron MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+    config: OptimConfig
+
+
+def _check_trainable(model) -> None:
+    cfg = model.config
+    tp = mpu.get_tensor_model_parallel_world_size()
+    if cfg.num_key_value_heads < tp:
+        raise ConfigError(
+            f"training with num_key_value_heads ({cfg.num_key_value_heads}) < "
+            f"tensor_parallel_size ({tp}) is not supported: the replicated KV heads' gradients "
+            "would need a sum over their replicas. Use TP <= num_key_value_heads.")
+
+
+def build_optimizer(chunks, config: OptimConfig) -> TrainState:
+    """Wrap ``chunks`` (one model or this rank's pipeline chunks) for training."""
+    config.validate()
+    chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
+    for c in chunks:
+        _check_trainable(c)
+    dtype = chunks[0].dtype
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+        use_distributed_optimizer=config.use_distributed_optimizer)
+    for c in chunks:
+        # forward_backward normalizes by the global token count (finalize_model_grads), so
+        # DDP must sum, not average, over data-parallel replicas
+        c.mp_config.calculate_per_token_loss = True
+    with cpu_shim.cuda_to_cpu():
+        wrapped = [DistributedDataParallel(config=c.mp_config, ddp_config=ddp_config, module=c)
+                   for c in chunks]
+        # start from identical weights on every data-parallel replica
+        for w in wrapped:
+            w.broadcast_params()
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=config.lr, min_lr=config.min_lr,
+            weight_decay=config.weight_decay, adam_beta1=config.betas[0],
+            adam_beta2=config.betas[1], adam_eps=config.eps,
+            clip_grad=config.clip_grad if torch.cuda.is_available() else 0.0,
+            bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+            use_distributed_optimizer=config.use_distributed_optimizer)
+        optimizer = get_megatron_optimizer(opt_config, wrapped)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if config.warmup_steps else config.lr, max_lr=config.lr,
+        min_lr=config.min_lr, lr_warmup_steps=config.warmup_steps,
+        lr_decay_steps=max(config.total_steps, config.warmup_steps + 1),
+        lr_decay_style=config.lr_decay_style, start_wd=config.weight_decay,
+        end_wd=config.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
+    return TrainState(wrapped, optimizer, scheduler, config)
+
+
+def _step_with_own_clipping(optimizer, max_norm: float):
+    """megatron's ``optimizer.step()`` with the norm and clipping done here (CPU path).
+
+    Same sequence as megatron: prepare (copy model grads to main grads, unscale), global norm
+    over the main grads megatron selects for it (no TP duplicates, tied copy once) reduced over
+    its grad-stats group (model-parallel, or the world for the distributed optimizer), clip,
+    then the update.
+    """
+    if optimizer.prepare_grads():
+        return False, None
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    grads = [g for o in opts for g in o.get_main_grads_for_grad_norm()]
+    sq = torch.zeros(1, dtype=torch.float64)
+    for g in grads:
+        sq += g.detach().double().pow(2).sum().cpu()
+    dist.all_reduce(sq, group=optimizer.get_grad_stats_parallel_group())
+    norm = math.sqrt(float(sq))
+    if max_norm > 0:
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for o in opts:
+                for p in o.get_parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(coef)
+    return optimizer.step_with_ready_grads(), norm
+
+
+def train_step(state: TrainState, microbatches: list[dict], loss_fn) -> dict:
+    """One optimizer step over ``microbatches`` (a global token-mean loss, see
+    ``parallel_models.pipeline.forward_backward``). Returns metrics incl. grad_norm and lr."""
+    from parallel_models.pipeline import forward_backward
+
+    for c in state.chunks:
+        c.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    metrics = forward_backward(state.chunks, microbatches, loss_fn)
+    with cpu_shim.cuda_to_cpu():
+        if torch.cuda.is_available():
+            ok, grad_norm, _ = state.optimizer.step()
+        else:
+            ok, grad_norm = _step_with_own_clipping(state.optimizer, state.config.clip_grad)
+    state.scheduler.step(1)
+    out = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+           "lr": state.optimizer.param_groups[0]["lr"], "update_ok": bool(ok)}
+    for key in (metrics[0] if metrics else {}):
+        vals = [m[key] for m in metrics]
+        out[key] = float(sum(float(v) for v in vals) / len(vals))
+    return out

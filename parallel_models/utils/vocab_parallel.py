@@ -1,0 +1,307 @@
+"""Log-probs and entropy from vocab-parallel logits, without gathering the vocabulary.
+
+Each tensor-parallel rank holds ``logits[..., V_local]`` for its vocab slice
+``[rank * V_local, (rank + 1) * V_local)`` (``V_local = padded_vocab / tp``, as produced by
+:class:`parallel_models.heads.lm_head.ParallelLMHead`, whose padding rows on the last rank hold
+``torch.finfo(dtype).min``). The softmax statistics are combined with two all-reduces over the
+TP group per call (one MAX, then one SUM of ``[sum exp, sum exp * z, target logit]`` stacked),
+and the backward is analytic and local (it needs no communication)::
+
+    s        = z - max_global(z)                       (float32, <= 0)
+    Z        = sum_global exp(s),  p = exp(s) / Z
+    log p(y) = s_y - log Z
+    H        = log Z - sum_global p * s               (= logsumexp(z) - sum p * z)
+
+    d log p(y) / dz = onehot(y) - p
+    d H / dz        = -p * (s - sum p * s)            (= -p * (z - E_p[z]))
+
+Everything is computed in float32 whatever the input dtype (bf16/fp16/fp32; float64 input is
+kept in float64); outputs are float32 and gradients are cast back to the input dtype. ``-inf``
+and ``finfo.min`` logits get probability 0 and gradient 0 (no NaN/inf). Labels must lie in
+``[0, vocab_size)``: a label no rank owns (e.g. -100) yields a meaningless finite value, so mask
+such positions yourself (the RmPad helper below does).
+
+``group`` defaults to megatron-core's tensor-model-parallel group. With ``group=None`` and
+torch.distributed not initialized (or a group of one rank) the plain local math is used, so
+everything works at TP=1 in a single process.
+
+RmPad (packed) helpers:
+
+* :func:`log_probs_from_packed_logits` — per-token log-prob of the *next* token of the same
+  sequence from packed ``[T, V_local]`` logits (0 at each sequence's last token);
+* :func:`packed_next_token_mask` — where those values are defined;
+* :func:`gather_response` / :func:`response_mask` — cut a padded ``[B, R]`` response block out of
+  packed per-token outputs laid out as ``prompt_i + response_i`` per sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "vocab_parallel_log_probs",
+    "vocab_parallel_entropy",
+    "vocab_parallel_log_probs_and_entropy",
+    "log_probs_from_packed_logits",
+    "packed_next_token_mask",
+    "gather_response",
+    "response_mask",
+]
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for every input dtype except float64, which is kept (exact gradchecks)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _resolve_group(group):
+    """The TP group to reduce over, or None for local math (a single rank)."""
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        from megatron.core import parallel_state as mpu
+
+        if not mpu.model_parallel_is_initialized():
+            raise RuntimeError(
+                "torch.distributed is initialized but megatron-core's model-parallel groups are "
+                "not: call parallel_models.init_parallel(...) or pass group= explicitly")
+        group = mpu.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return None
+    return group
+
+
+def _vocab_start(group, local_vocab: int) -> int:
+    return 0 if group is None else dist.get_rank(group) * local_vocab
+
+
+def _shifted(z: torch.Tensor, max_z: torch.Tensor) -> torch.Tensor:
+    """``z - max``, with -inf (banned tokens) clamped to finfo.min so that ``exp(s) * s`` is 0
+    rather than NaN. Always returns a fresh tensor (safe to modify in place)."""
+    return torch.sub(z, max_z.unsqueeze(-1)).clamp_(min=torch.finfo(z.dtype).min)
+
+
+class _VocabParallelLogProbsEntropy(torch.autograd.Function):
+    """Forward returns ``(log_probs or None, entropy or None)``, float32 (float64 for float64
+    input), shape ``logits.shape[:-1]``; backward is local (no communication)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, group, need_entropy):
+        need_logp = labels is not None
+        # the input itself when already float32: never modified in place
+        z = logits.to(_compute_dtype(logits.dtype))
+        local_vocab = z.shape[-1]
+
+        max_z = z.amax(dim=-1)
+        if group is not None:
+            dist.all_reduce(max_z, op=dist.ReduceOp.MAX, group=group)
+
+        s = _shifted(z, max_z)
+        e = torch.exp(s)
+        parts = [e.sum(dim=-1)]
+        if need_entropy:
+            parts.append(s.mul_(e).sum(dim=-1))  # sum exp(s) * s; 0 * finfo.min = 0
+        del e, s  # backward recomputes them from the saved logits (no [..., V] float32 kept)
+
+        if need_logp:
+            start = _vocab_start(group, local_vocab)
+            local = labels.long() - start
+            in_range = (local >= 0) & (local < local_vocab)
+            idx = local.clamp(0, local_vocab - 1).unsqueeze(-1)
+            target = z.gather(-1, idx).squeeze(-1)
+            parts.append(torch.where(in_range, target, torch.zeros_like(target)))
+
+        stats = torch.stack(parts, dim=-1)
+        if group is not None:
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+        sum_exp = stats[..., 0]
+        log_z = sum_exp.log()
+
+        log_probs = entropy = None
+        mean_s = None
+        if need_entropy:
+            mean_s = stats[..., 1] / sum_exp  # E_p[s] (<= 0)
+            entropy = log_z - mean_s
+        if need_logp:
+            log_probs = stats[..., -1] - max_z - log_z
+            ctx.save_for_backward(logits, max_z, sum_exp, mean_s, in_range, idx)
+        else:
+            ctx.save_for_backward(logits, max_z, sum_exp, mean_s, None, None)
+        ctx.need_logp, ctx.need_entropy = need_logp, need_entropy
+        ctx.set_materialize_grads(False)
+        return log_probs, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logp, grad_ent):
+        logits, max_z, sum_exp, mean_s, in_range, idx = ctx.saved_tensors
+        if grad_logp is None and grad_ent is None:
+            return None, None, None, None
+        ct = _compute_dtype(logits.dtype)
+        z = logits.to(ct)
+        s = _shifted(z, max_z)
+        p = torch.exp(s).div_(sum_exp.unsqueeze(-1))
+        # d/dz [g_lp * log p(y) + g_H * H] = g_lp * onehot(y) - p * g_lp - p * (s - E_p[s]) * g_H
+        # p multiplies (s - E) before g_H does: s - E can be ~finfo.min at padding rows, where
+        # p = 0, and scaling it by |g_H| > 1 first would overflow to inf (then 0 * inf = NaN).
+        if grad_ent is not None:
+            grad = s.sub_(mean_s.unsqueeze(-1)).mul_(p).mul_(grad_ent.to(ct).unsqueeze(-1))
+            if grad_logp is not None:
+                grad.add_(p.mul_(grad_logp.to(ct).unsqueeze(-1)))
+        else:
+            grad = p.mul_(grad_logp.to(ct).unsqueeze(-1))
+        grad.neg_()
+        if grad_logp is not None:
+            g = grad_logp.to(ct)
+            hit = torch.where(in_range, g, torch.zeros_like(g))
+            grad.scatter_add_(-1, idx, hit.unsqueeze(-1))
+        return grad.to(logits.dtype), None, None, None
+
+
+def _check(logits: torch.Tensor, labels: torch.Tensor | None):
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be floating point, got {logits.dtype}")
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError("logits need a non-empty last (vocab) dimension, got "
+                         f"{tuple(logits.shape)}")
+    if labels is not None:
+        if labels.shape != logits.shape[:-1]:
+            raise ValueError(f"labels {tuple(labels.shape)} must match logits "
+                             f"{tuple(logits.shape)} without the vocab dimension")
+        if labels.is_floating_point():
+            raise TypeError(f"labels must be integer token ids, got {labels.dtype}")
+
+
+def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, group=None
+                             ) -> torch.Tensor:
+    """``log softmax(full logits)[label]`` per position, float32 ``logits.shape[:-1]``.
+
+    ``logits [..., V_local]`` is this rank's vocab slice; ``labels [...]`` are global token ids.
+    Gradient w.r.t. the local logits: ``(onehot_local(label) - softmax_local) * grad``.
+    """
+    _check(logits, labels)
+    logp, _ = _VocabParallelLogProbsEntropy.apply(logits, labels, _resolve_group(group), False)
+    return logp
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, group=None) -> torch.Tensor:
+    """Entropy of ``softmax(full logits)`` per position, float32 ``logits.shape[:-1]``.
+
+    ``H = logsumexp(z) - sum(p * z)``; gradient ``dH/dz = -p * (z - sum(p * z))``.
+    """
+    _check(logits, None)
+    _, ent = _VocabParallelLogProbsEntropy.apply(logits, None, _resolve_group(group), True)
+    return ent
+
+
+def vocab_parallel_log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
+                                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both of the above in one pass (two all-reduces in all): ``(log_probs, entropy)``."""
+    _check(logits, labels)
+    return _VocabParallelLogProbsEntropy.apply(logits, labels, _resolve_group(group), True)
+
+
+# ---- RmPad (packed) helpers ------------------------------------------------------------------
+
+def packed_next_token_mask(cu_seqlens: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """Bool ``[total]``: True where packed token ``t`` has a next token in its own sequence.
+
+    False at the last token of every sequence and past ``cu_seqlens[-1]`` (trailing padding).
+    ``total`` defaults to ``cu_seqlens[-1]``.
+    """
+    cu = cu_seqlens.long()
+    if total is None:
+        total = int(cu[-1])
+    pos = torch.arange(total, device=cu.device)
+    mask = pos < cu[-1]  # tokens inside some sequence
+    lengths = cu[1:] - cu[:-1]
+    ends = (cu[1:] - 1)[lengths > 0]
+    ends = ends[ends < total]
+    mask[ends] = False
+    return mask
+
+
+def log_probs_from_packed_logits(logits: torch.Tensor, input_ids: torch.Tensor,
+                                 cu_seqlens: torch.Tensor, group=None, *,
+                                 with_entropy: bool = False):
+    """Next-token log-probs of a packed (RmPad) batch from vocab-parallel logits.
+
+    ``logits [T, V_local]`` (this rank's vocab slice), ``input_ids [T]``, ``cu_seqlens [B + 1]``.
+    Returns float32 ``[T]`` with ``out[t] = log p(input_ids[t + 1] | tokens <= t)`` when ``t + 1``
+    is in the same sequence as ``t``, and 0 (no gradient) at the last token of each sequence
+    (see :func:`packed_next_token_mask`). With ``with_entropy=True`` returns
+    ``(log_probs, entropy)``, where ``entropy[t]`` is the entropy of the distribution at ``t``
+    (defined at every token, including the last), computed in the same pass.
+    """
+    if logits.dim() != 2 or input_ids.dim() != 1 or logits.shape[0] != input_ids.shape[0]:
+        raise ValueError(f"expected logits [T, V_local] and input_ids [T], got "
+                         f"{tuple(logits.shape)} and {tuple(input_ids.shape)}")
+    labels = torch.roll(input_ids, shifts=-1)  # a valid id everywhere; masked below
+    mask = packed_next_token_mask(cu_seqlens, input_ids.shape[0])
+    if with_entropy:
+        logp, ent = vocab_parallel_log_probs_and_entropy(logits, labels, group)
+    else:
+        logp, ent = vocab_parallel_log_probs(logits, labels, group), None
+    logp = torch.where(mask, logp, torch.zeros_like(logp))
+    return (logp, ent) if with_entropy else logp
+
+
+def _response_index(cu_seqlens, prompt_lengths, response_length: int, shift: int):
+    cu = cu_seqlens.long()
+    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
+    if not torch.is_tensor(prompt_lengths):
+        prompt_lengths = torch.tensor(list(prompt_lengths), dtype=torch.long)
+    prompt = prompt_lengths.to(device=cu.device, dtype=torch.long).flatten()
+    if prompt.numel() != starts.numel():
+        raise ValueError(f"prompt_lengths has {prompt.numel()} entries for "
+                         f"{starts.numel()} packed sequences")
+    resp = lengths - prompt
+    if response_length < 0 or shift < 0:
+        raise ValueError("response_length and shift must be >= 0")
+    bad = (resp < 0) | (resp > response_length) | (prompt < shift)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(
+            f"sequence {i}: length {int(lengths[i])} with prompt length {int(prompt[i])} does not "
+            f"fit prompt + response (0..{response_length} tokens) with shift={shift} "
+            f"(needs prompt_length >= shift)")
+    j = torch.arange(response_length, device=cu.device)
+    valid = j.unsqueeze(0) < resp.unsqueeze(1)  # [B, R]
+    index = (starts + prompt - shift).unsqueeze(1) + j.unsqueeze(0)
+    return torch.where(valid, index, torch.zeros_like(index)), valid
+
+
+def response_mask(cu_seqlens: torch.Tensor, prompt_lengths, response_length: int) -> torch.Tensor:
+    """Bool ``[B, R]``: True for the response tokens each packed sequence actually has
+    (``seqlen_i - prompt_lengths[i]`` of them, right-padded to ``response_length``)."""
+    _, valid = _response_index(cu_seqlens, prompt_lengths, response_length, 0)
+    return valid
+
+
+def gather_response(packed_values: torch.Tensor, cu_seqlens: torch.Tensor,
+                    prompt_lengths: torch.Tensor | Sequence[int], response_length: int, *,
+                    shift: int = 1, fill_value: float = 0.0) -> torch.Tensor:
+    """Packed per-token outputs -> a right-padded response block ``[B, R, ...]``.
+
+    Layout: packed sequence ``i`` (``cu_seqlens[i]:cu_seqlens[i+1]``) is its prompt
+    (``prompt_lengths[i]`` tokens) followed by its response (the remaining
+    ``seqlen_i - prompt_lengths[i] <= response_length`` tokens, no padding in between).
+    ``out[i, j]`` is the value for response token ``j`` of sequence ``i``, read at packed position
+    ``cu_seqlens[i] + prompt_lengths[i] + j - shift``:
+
+    * ``shift=1`` (default) for next-token-aligned outputs, where position ``t`` describes the
+      prediction of token ``t + 1``: :func:`log_probs_from_packed_logits`, the entropy, and PPO
+      critic values (the value of the state before each response token);
+    * ``shift=0`` for outputs that belong to the token at the same position.
+
+    Missing response slots (``j >= seqlen_i - prompt_lengths[i]``) hold ``fill_value`` and get
+    no gradient; :func:`response_mask` gives the matching mask. Differentiable w.r.t.
+    ``packed_values``. Raises ``ValueError`` for a response longer than ``response_length`` or a
+    prompt shorter than ``shift`` (this check syncs with the device once).
+    """
+    index, valid = _response_index(cu_seqlens, prompt_lengths, response_length, shift)
+    out = packed_values[index]  # [B, R, ...]
+    mask = valid.view(*valid.shape, *([1] * (packed_values.dim() - 1)))
+    return torch.where(mask, out, torch.full((), fill_value, dtype=out.dtype, device=out.device))

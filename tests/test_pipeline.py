@@ -1,0 +1,88 @@
+"""Pipeline-parallel variants and the training step on megatron-core (4 gloo ranks at most)."""
+
+import pytest
+import torch
+
+from parallel_models.config import ConfigError
+from parallel_models.pipeline import format_pipeline_layout, pipeline_layout
+from parallel_models.testing import run_distributed, save_tiny_hf_model
+from tests import pipeline_checks
+
+FWD_TOL = 1e-4
+# name: (tp, pp, vpp, sp); world size 4 -> the rest is data parallel
+FORWARD = {"tp2_pp2": (2, 2, None, False), "tp2_pp2_sp": (2, 2, None, True),
+           "pp2_vpp2": (1, 2, 2, False), "pp4": (1, 4, None, False), "dp2_pp2": (1, 2, None, False)}
+
+
+@pytest.fixture(scope="module")
+def pp_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pp")
+    return {(f, h): save_tiny_hf_model(str(root / f"{f}_{h}"), f, head=h, seed=1, num_hidden_layers=4)
+            for f in ("llama", "qwen2") for h in ("causal_lm", "value")}
+
+
+@pytest.fixture(scope="module")
+def forward_results(pp_models):
+    return {name: run_distributed(pipeline_checks.check_pp_forward, 4, pp_models, tp, pp, vpp, sp,
+                                  timeout=400)
+            for name, (tp, pp, vpp, sp) in FORWARD.items()}
+
+
+@pytest.mark.parametrize("setting", list(FORWARD))
+def test_pp_variants_match_transformers(forward_results, setting):
+    for rank, errors in enumerate(forward_results[setting]):
+        assert len(errors) == 8
+        for key, err in errors.items():
+            assert err <= FWD_TOL, f"{setting} rank {rank} {key}: max abs error {err:.3e}"
+
+
+def _assert_same_step(results, what):
+    for r in results:
+        assert r["worst_rel"] <= 1e-4, f"{what}: weights differ from HF by rel {r['worst_rel']:.2e}"
+        for ours, ref in zip(r["norms"], r["hf_norms"]):
+            assert abs(ours - ref) <= 1e-5 * ref, f"{what}: grad norm {ours} vs HF {ref}"
+
+
+def test_train_step_tp2_pp2_matches_hf_adamw(pp_models):
+    results = run_distributed(pipeline_checks.check_train_steps, 4, pp_models[("llama", "causal_lm")],
+                              2, 2, None, 1, timeout=400)
+    _assert_same_step(results, "TP=2 x PP=2")
+
+
+def test_qwen2_tied_embeddings_stay_in_sync_over_pp(pp_models):
+    results = run_distributed(pipeline_checks.check_train_steps, 2, pp_models[("qwen2", "causal_lm")],
+                              1, 2, None, 3, timeout=400)
+    _assert_same_step(results, "Qwen2 PP=2, 3 steps")
+    embed = next(r["tied"]["embed"] for r in results if "embed" in r["tied"])
+    head = next(r["tied"]["head"] for r in results if "head" in r["tied"])
+    assert torch.equal(embed, head), (embed - head).abs().max()
+
+
+def test_train_dp2_pp2_distributed_optimizer(pp_models):
+    results = run_distributed(pipeline_checks.check_train_steps, 4, pp_models[("llama", "causal_lm")],
+                              1, 2, None, 2, True, timeout=400)
+    _assert_same_step(results, "DP=2 x PP=2, distributed optimizer")
+
+
+def test_train_interleaved_pp2_vpp2(pp_models):
+    results = run_distributed(pipeline_checks.check_train_steps, 2, pp_models[("llama", "causal_lm")],
+                              1, 2, 2, 1, timeout=400)
+    _assert_same_step(results, "PP=2 x VPP=2")
+
+
+def test_pipeline_layout_interleaves_chunks():
+    layout = pipeline_layout(8, 2, 2)
+    assert [s.layer_ids for s in layout[0]] == [(0, 1), (4, 5)]
+    assert [s.layer_ids for s in layout[1]] == [(2, 3), (6, 7)]
+    assert layout[0][0].pre_process and not layout[0][1].pre_process
+    assert layout[1][1].post_process and not layout[1][0].post_process
+    assert "pp_rank 1 chunk 1: layers 6-7 norm+head" in format_pipeline_layout(8, 2, 2)
+
+
+def test_pipeline_layout_uneven():
+    with pytest.raises(ConfigError, match=r"num_layers \(7\).*pipeline_parallel_size \(2\).*layers_per_stage"):
+        pipeline_layout(7, 2)
+    layout = pipeline_layout(7, 2, layers_per_stage=[3, 4])
+    assert layout[0][0].layer_ids == (0, 1, 2) and layout[1][0].layer_ids == (3, 4, 5, 6)
+    with pytest.raises(ConfigError, match="summing to num_layers"):
+        pipeline_layout(7, 2, layers_per_stage=[3, 3])

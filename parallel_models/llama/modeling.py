@@ -120,14 +120,14 @@ class ParallelDecoder(torch.nn.Module):
             hidden = hidden.transpose(0, 1).contiguous()
         return hidden
 
-    def forward(self, input_ids, position_ids, cu_seqlens, max_seqlen, hidden=None):
+    def forward(self, input_ids, position_ids, cu_seqlens, max_seqlen, hidden=None, kv_cache=None):
         if self.pre_process:
             hidden = self.embed(input_ids)
         elif hidden is None:
             hidden = self.input_tensor
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin, cu_seqlens, max_seqlen)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos, sin, cu_seqlens, max_seqlen, kv_cache, i)
         if self.post_process:
             hidden = self.norm(hidden)
         return hidden
@@ -237,7 +237,8 @@ class ParallelModel(torch.nn.Module):
             cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([total + pad])])
         return input_ids, position_ids, cu_seqlens, pad
 
-    def forward_hidden(self, input_ids, cu_seqlens, position_ids=None, max_seqlen=None):
+    def forward_hidden(self, input_ids, cu_seqlens, position_ids=None, max_seqlen=None,
+                       kv_cache=None):
         """Packed tokens -> final hidden states ``[tokens(+pad)(/tp), 1, hidden]`` and the pad."""
         cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
         if position_ids is None:
@@ -247,7 +248,10 @@ class ParallelModel(torch.nn.Module):
         input_ids, position_ids, cu_seqlens, pad = self._pad_for_sequence_parallel(
             input_ids, position_ids, cu_seqlens)
         max_seqlen = max(max_seqlen, pad)
-        hidden = self.model(input_ids, position_ids, cu_seqlens, max_seqlen)
+        if kv_cache is not None and pad:
+            raise ValueError("KV-cached decoding runs without sequence-parallel padding; use "
+                             "parallel_models.rl.generation (it switches SP off)")
+        hidden = self.model(input_ids, position_ids, cu_seqlens, max_seqlen, kv_cache=kv_cache)
         return hidden, pad
 
     def _head(self, hidden, pad, full_vocab):

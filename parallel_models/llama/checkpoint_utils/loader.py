@@ -113,14 +113,26 @@ class SafetensorsCheckpoint:
         raise ValueError(f"slicing along dim {dim} is not supported")
 
 
+def open_checkpoint(folder: str, config=None):
+    """The weights of ``folder``: HF safetensors, or a megatron-core dist checkpoint (``hf2mcore``
+    / ``save_mcore`` output, or one megatron-core saved) seen through HF names."""
+    from parallel_models.llama.checkpoint_utils.mcore import McoreCheckpoint, is_mcore_checkpoint
+
+    if is_mcore_checkpoint(folder):
+        ckpt = McoreCheckpoint(folder, config)
+        ckpt.validate(ckpt.keys())
+        return ckpt
+    return SafetensorsCheckpoint(folder)
+
+
 def load_hf_weights(model, folder: str, *, value_head_seed: int = 0, strict: bool = True) -> dict:
     """Fill ``model`` (this rank's shard) from the HF checkpoint in ``folder``.
 
     Returns a report ``{"missing": [...], "unexpected": [...], "initialized": [...]}``. Missing
     tensors raise (``strict``); unexpected ones are logged by name.
     """
-    ckpt = SafetensorsCheckpoint(folder)
     config = model.config
+    ckpt = open_checkpoint(folder, config)
     tp = mpu.get_tensor_model_parallel_world_size()
     rank = mpu.get_tensor_model_parallel_rank()
     params = dict(model.named_parameters())

@@ -24,12 +24,16 @@ class ParallelAttention(torch.nn.Module):
         self.scale = config.head_dim ** -0.5
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+                cu_seqlens: torch.Tensor, max_seqlen: int, kv_cache=None,
+                layer_index: int = 0) -> torch.Tensor:
         """hidden: [tokens(/tp under SP), 1, hidden] -> same shape."""
         qkv, _ = self.qkv_proj(hidden)  # gathers the sequence under SP: [tokens, 1, local]
         q, k, v = self.qkv_proj.split(qkv.squeeze(1))
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        out = varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, scale=self.scale)
+        if kv_cache is not None:
+            out = kv_cache.attend(layer_index, q, k, v, cu_seqlens, max_seqlen, self.scale)
+        else:
+            out = varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, scale=self.scale)
         out, _ = self.o_proj(out.reshape(out.shape[0], 1, -1))
         return out

@@ -22,9 +22,9 @@ class ParallelDecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.mlp = ParallelMLP(config, mp_config)
 
-    def forward(self, hidden, cos, sin, cu_seqlens, max_seqlen):
+    def forward(self, hidden, cos, sin, cu_seqlens, max_seqlen, kv_cache=None, layer_index=0):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, cu_seqlens,
-                                         max_seqlen)
+                                         max_seqlen, kv_cache, layer_index)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 

@@ -1,0 +1,279 @@
+"""Output plumbing shared by the saver and the converters: atomic output folders, a streaming
+writer of size-limited safetensors shards, HF ``config.json`` and the files copied along.
+
+Nothing here pickles: weights go to safetensors, configs to JSON.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import json
+import os
+import shutil
+import struct
+import uuid
+from typing import Iterable
+
+import torch
+
+from parallel_models.llama.checkpoint_utils.loader import SAFE_INDEX, CheckpointError
+
+# files copied from the source folder when present (tokenizer, generation defaults, chat template)
+EXTRA_FILE_PATTERNS = ("generation_config.json", "tokenizer*", "special_tokens_map.json",
+                       "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "*.tiktoken",
+                       "spiece.model", "chat_template*", "preprocessor_config.json")
+
+SAFE_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+               torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+               torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+               torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def parse_size(size: int | str) -> int:
+    """``5GB``, ``500MB``, ``2GiB``, or a number of bytes -> bytes."""
+    if isinstance(size, int):
+        return size
+    text = str(size).strip().upper()
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    for unit, mult in units.items():
+        if text.endswith(unit):
+            try:
+                return int(float(text[: -len(unit)]) * mult)
+            except ValueError:
+                break
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"cannot parse size {size!r}; use e.g. '5GB', '500MB' or bytes") from None
+
+
+# ---- atomic output folder ----------------------------------------------------------------------------
+def check_output_dir(path: str, overwrite: bool = False) -> None:
+    """Raise a CheckpointError if ``path`` cannot receive a new checkpoint (before any work)."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{path}: output path exists and is not a folder")
+        if os.listdir(path) and not overwrite:
+            raise CheckpointError(f"{path}: output folder exists and is not empty (nothing was "
+                                  "written; choose a new path or remove it)")
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(parent) and not os.access(parent, os.W_OK):
+        raise CheckpointError(f"{parent}: not writable")
+
+
+def temp_dir_for(path: str, tag: str | None = None) -> str:
+    """A hidden sibling of ``path`` on the same file system (so the final rename is atomic)."""
+    path = os.path.abspath(path)
+    return os.path.join(os.path.dirname(path),
+                        f".{os.path.basename(path)}.tmp-{tag or uuid.uuid4().hex[:12]}")
+
+
+def publish_dir(tmp: str, path: str, overwrite: bool = False) -> None:
+    """Move the finished ``tmp`` folder to ``path`` (rename; an empty ``path`` is replaced)."""
+    path = os.path.abspath(path)
+    old = None
+    if os.path.isdir(path):
+        if not os.listdir(path):
+            os.rmdir(path)
+        elif overwrite:
+            old = temp_dir_for(path, "old-" + uuid.uuid4().hex[:8])
+            os.rename(path, old)
+        else:
+            raise CheckpointError(f"{path}: output folder appeared while writing; the result is "
+                                  f"left in {tmp}")
+    os.rename(tmp, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class AtomicOutputDir:
+    """``with AtomicOutputDir(out) as tmp:`` write into ``tmp``; on success it becomes ``out``,
+    on any error it is removed, so an interrupted save leaves no half folder behind."""
+
+    def __init__(self, path: str, overwrite: bool = False):
+        check_output_dir(path, overwrite)
+        self.path = path
+        self.overwrite = overwrite
+        self.tmp = temp_dir_for(path)
+
+    def __enter__(self) -> str:
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        os.makedirs(self.tmp)
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return False
+        try:
+            publish_dir(self.tmp, self.path, self.overwrite)
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        return False
+
+
+# ---- streaming safetensors shards ----------------------------------------------------------------------
+def _nbytes(shape, dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+class ShardedSafetensorsWriter:
+    """Writes ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json`` one tensor
+    at a time. The tensors (name, shape, dtype) are planned up front, so each file's header is
+    written first and the data streamed after it: memory stays at about one tensor.
+
+    ``write`` must be called in the planned order; ``close`` checks that all were written.
+    """
+
+    def __init__(self, folder: str, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]],
+                 max_shard_size: int | str = "5GB"):
+        self.folder = folder
+        self.specs = [(n, tuple(int(x) for x in s), d) for n, s, d in specs]
+        names = [n for n, _, _ in self.specs]
+        if len(set(names)) != len(names):
+            raise ValueError("duplicate tensor names in the save plan")
+        for n, _, d in self.specs:
+            if d not in SAFE_DTYPES:
+                raise CheckpointError(f"{n}: dtype {d} cannot be stored in safetensors")
+        limit = parse_size(max_shard_size)
+        shards: list[list[int]] = [[]]
+        size = 0
+        for i, (_, shape, dtype) in enumerate(self.specs):
+            nb = _nbytes(shape, dtype)
+            if shards[-1] and size + nb > limit:
+                shards.append([])
+                size = 0
+            shards[-1].append(i)
+            size += nb
+        count = len(shards)
+        self.files = [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
+        self.shard_of = {}
+        for k, idx in enumerate(shards):
+            for i in idx:
+                self.shard_of[i] = k
+        self.shards = shards
+        self.next = 0
+        self.handle = None
+        self.bytes_written = 0
+        self.total_bytes = sum(_nbytes(s, d) for _, s, d in self.specs)
+
+    def _open_shard(self, k: int) -> None:
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for i in self.shards[k]:
+            name, shape, dtype = self.specs[i]
+            nb = _nbytes(shape, dtype)
+            header[name] = {"dtype": SAFE_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nb]}
+            offset += nb
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+        self.handle = open(os.path.join(self.folder, self.files[k]), "wb")
+        self.handle.write(struct.pack("<Q", len(raw)))
+        self.handle.write(raw)
+
+    def _close_shard(self) -> None:
+        self.handle.flush()
+        os.fsync(self.handle.fileno())
+        self.handle.close()
+        self.handle = None
+
+    @property
+    def expected(self) -> str | None:
+        return self.specs[self.next][0] if self.next < len(self.specs) else None
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self.next >= len(self.specs):
+            raise CheckpointError(f"internal: tensor {name!r} written after the planned ones")
+        want_name, shape, dtype = self.specs[self.next]
+        if name != want_name:
+            raise CheckpointError(f"internal: got tensor {name!r}, expected {want_name!r}")
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise CheckpointError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, planned "
+                                  f"{shape} {dtype}")
+        k = self.shard_of[self.next]
+        if self.handle is None:
+            self._open_shard(k)
+        t = tensor.detach().to("cpu").contiguous().reshape(-1)
+        if t.numel():
+            self.handle.write(t.view(torch.uint8).numpy().data)
+        self.bytes_written += t.numel() * t.element_size()
+        self.next += 1
+        if self.next == len(self.specs) or self.shard_of[self.next] != k:
+            self._close_shard()
+
+    def close(self) -> None:
+        if self.next != len(self.specs):
+            if self.handle is not None:
+                self.handle.close()
+            raise CheckpointError(f"internal: {len(self.specs) - self.next} planned tensors were "
+                                  f"not written (next: {self.expected!r})")
+        total_params = sum(_nbytes(s, d) // torch.empty((), dtype=d).element_size()
+                           for _, s, d in self.specs)
+        index = {"metadata": {"total_size": self.total_bytes, "total_parameters": total_params},
+                 "weight_map": {name: self.files[self.shard_of[i]]
+                                for i, (name, _, _) in enumerate(self.specs)}}
+        with open(os.path.join(self.folder, SAFE_INDEX), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+            f.write("\n")
+
+    def abort(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
+
+# ---- config.json and the files that travel with the weights -------------------------------------------
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def hf_architecture(family: str, head_kind: str) -> str:
+    return f"{family}For{'SequenceClassification' if head_kind == 'value' else 'CausalLM'}"
+
+
+def write_hf_config(folder: str, hf_config, *, architecture: str, head_kind: str,
+                    dtype: torch.dtype | None) -> None:
+    """``config.json`` for the saved weights: the source config with ``architectures`` set (value
+    models as ``*ForSequenceClassification`` with ``num_labels=1``) and ``dtype`` set."""
+    cfg = copy.deepcopy(hf_config)
+    cfg.architectures = [architecture]
+    if head_kind == "value":
+        cfg.num_labels = 1
+    if dtype is not None and dtype in DTYPE_NAMES:
+        cfg.dtype = DTYPE_NAMES[dtype]
+    cfg.to_json_file(os.path.join(folder, "config.json"), use_diff=True)
+
+
+def copy_extra_files(src: str | None, dst: str) -> list[str]:
+    """Copy tokenizer / generation-config files of ``src`` (when present) into ``dst``."""
+    if not src or not os.path.isdir(src):
+        return []
+    copied = []
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if not os.path.isfile(path) or name == "config.json":
+            continue
+        if any(fnmatch.fnmatch(name, pat) for pat in EXTRA_FILE_PATTERNS):
+            shutil.copyfile(path, os.path.join(dst, name))
+            copied.append(name)
+    return copied

@@ -1,0 +1,788 @@
+"""megatron-core ``GPTModel`` distributed checkpoints (``torch_dist`` format), read and written
+through the one weight map.
+
+The format, as megatron-core 0.16 writes it (``dist_checkpointing.save``):
+- ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``), ``common.pt`` (the non-sharded
+  part of the state dict; empty for a ``GPTModel``), ``.metadata`` (torch DCP's index: every key's
+  global shape and dtype, its chunks, and where each chunk's bytes are) and ``__<rank>_<n>.distcp``
+  files holding the chunks (each one a ``torch.save`` record).
+- keys as ``GPTModel.sharded_state_dict()`` names them (see ``weight_map``); per-layer tensors
+  stacked with a leading layer axis, one chunk per layer and TP shard; ``_extra_state`` objects
+  as ``<key>/shard_<layer>_<num_layers>``.
+
+What is here:
+- :class:`McoreCheckpoint` reads such a checkpoint (saved at any TP/PP, by megatron-core or by us)
+  as if it were an HF checkpoint: ``ckpt(hf_name, dim, start, end)`` returns rows/columns of an HF
+  tensor, reading only the chunks that hold them. The loader uses it to fill a model at any TP/PP
+  (``from_pretrained`` on an mcore folder) and ``mcore2hf`` to write HF files. Metadata is
+  unpickled by an allow-list unpickler and chunks with ``torch.load(weights_only=True)``.
+- :func:`write_dist_checkpoint` writes one from a plan of chunks whose data is produced on demand
+  (``hf2mcore`` streams tensor by tensor), with torch DCP's own writer.
+- :func:`save_mcore` saves a TP/PP-sharded model of ours with megatron-core's
+  ``dist_checkpointing.save``: every rank declares its shards as megatron ``ShardedTensor`` s
+  (the same layout ``GPTModel`` declares), and megatron-core writes them in parallel.
+- :func:`mcore_config_dict` / :func:`build_gpt_model`: the matching megatron-core
+  ``TransformerConfig`` / ``GPTModel`` arguments, as JSON, and a builder from that JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import pickle
+import shutil
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from parallel_models.config import ConfigError, ModelConfig
+from parallel_models.llama.checkpoint_utils.loader import CheckpointError
+from parallel_models.llama.checkpoint_utils.weight_map import (LOCAL_SPEC_NAMES,
+                                                              MCORE_EXTRA_STATE_KEYS, WeightRule,
+                                                              hf_shapes, mcore_key, mcore_pieces,
+                                                              mcore_rows, weight_rules)
+
+MCORE_CONFIG_FILE = "mcore_config.json"  # our JSON of TransformerConfig / GPTModel arguments
+MEGATRON_METADATA = "metadata.json"      # megatron-core's: backend and version
+DCP_METADATA = ".metadata"               # torch DCP's index
+COMMON_FILE = "common.pt"
+FORMAT = "parallel_models.mcore/1"
+
+
+# ---- safe reading of DCP metadata ---------------------------------------------------------------------
+_ALLOWED_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.planner": {
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan", "ReadItem",
+        "LoadItemType", "BytesIOWriteData"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo", "_StoragePrefix"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "collections": {"OrderedDict"},
+    "builtins": {"set", "frozenset", "slice", "getattr"},
+    "uuid": {"UUID"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles torch DCP ``.metadata`` allowing only its own dataclasses, torch.Size and dtypes:
+    a crafted checkpoint cannot run code through it."""
+
+    def find_class(self, module: str, name: str):
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if name in _ALLOWED_GLOBALS.get(module, ()):
+            if module == "builtins" and name == "getattr":
+                return _safe_getattr
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's metadata")
+
+
+def _safe_getattr(obj, name):
+    if not isinstance(obj, type) or obj.__module__.split(".")[0] != "torch":
+        raise pickle.UnpicklingError("getattr is only allowed on torch classes")
+    return getattr(obj, name)
+
+
+def read_dcp_metadata(folder: str):
+    path = os.path.join(folder, DCP_METADATA)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{folder}: no {DCP_METADATA} (not a torch_dist checkpoint, or its "
+                              "save did not finish)")
+    try:
+        with open(path, "rb") as f:
+            return _MetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as err:
+        raise CheckpointError(f"{path}: cannot read checkpoint metadata ({err})") from err
+
+
+# ---- locating a checkpoint ----------------------------------------------------------------------------
+def is_mcore_checkpoint(path: str) -> bool:
+    """A megatron-core dist checkpoint folder (or a Megatron-LM run folder pointing to one)."""
+    if not os.path.isdir(path):
+        return False
+    if os.path.isfile(os.path.join(path, DCP_METADATA)):
+        return True
+    meta = os.path.join(path, MEGATRON_METADATA)
+    if os.path.isfile(meta):
+        try:
+            with open(meta) as f:
+                return "sharded_backend" in json.load(f)
+        except (OSError, json.JSONDecodeError):
+            return False
+    return os.path.isfile(os.path.join(path, "latest_checkpointed_iteration.txt"))
+
+
+def resolve_mcore_dir(path: str) -> str:
+    """``path`` itself, or for a Megatron-LM run folder the iteration it names as latest."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such folder")
+    tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(os.path.join(path, MEGATRON_METADATA)) and os.path.isfile(tracker):
+        with open(tracker) as f:
+            it = f.read().strip()
+        sub = os.path.join(path, "release" if it == "release" else f"iter_{int(it):07d}")
+        if not os.path.isdir(sub):
+            raise CheckpointError(f"{tracker} names iteration {it}, but {sub} is missing")
+        return sub
+    meta = os.path.join(path, MEGATRON_METADATA)
+    if not os.path.isfile(meta):
+        raise CheckpointError(f"{path}: no {MEGATRON_METADATA}; not a megatron-core dist checkpoint")
+    try:
+        with open(meta) as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{meta}: not valid JSON ({err})") from err
+    if backend != "torch_dist":
+        raise CheckpointError(f"{path}: sharded_backend is {backend!r}; only 'torch_dist' "
+                              "checkpoints are supported")
+    return path
+
+
+def read_mcore_json(folder: str) -> dict | None:
+    path = os.path.join(folder, MCORE_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from err
+
+
+# ---- reading -------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    rule: WeightRule
+    key: str
+    layer: int | None
+    component: int
+
+
+def _expected_mcore_shape(rule: WeightRule, config: ModelConfig) -> tuple[int, ...]:
+    shapes = hf_shapes(rule, config)
+    if rule.rule in ("qkv", "gate_up"):
+        return (sum(s[0] for s in shapes), *shapes[0][1:])
+    return shapes[0]
+
+
+class McoreCheckpoint:
+    """An mcore dist checkpoint seen through HF names (the interface of ``SafetensorsCheckpoint``:
+    ``keys()``, ``in``, ``shape``, ``dtype`` and ``ckpt(name, dim, start, end)``).
+
+    ``config``: the model's config (default: ``config.json`` in the folder, as ``hf2mcore`` and
+    ``save_mcore`` write it). ``head_kind``: "causal_lm" or "value" (default: from
+    ``mcore_config.json``, else a one-row ``output_layer`` means a value head).
+    """
+
+    def __init__(self, folder: str, config: ModelConfig | None = None,
+                 head_kind: str | None = None):
+        self.folder = resolve_mcore_dir(folder)
+        self.metadata = read_dcp_metadata(self.folder)
+        self.tensors = {k: v for k, v in self.metadata.state_dict_metadata.items()
+                        if hasattr(v, "chunks")}
+        self.info = read_mcore_json(self.folder) or {}
+        if config is None:
+            if not os.path.isfile(os.path.join(self.folder, "config.json")):
+                raise CheckpointError(
+                    f"{self.folder}: no config.json next to the dist checkpoint; pass the HF "
+                    "config of the model (mcore2hf --hf-config DIR)")
+            config = ModelConfig.from_hf(self.folder)
+        self.config = config
+        if head_kind is None:
+            if "value_head" in self.info:
+                head_kind = "value" if self.info["value_head"] else "causal_lm"
+            else:
+                out = self.tensors.get("output_layer.weight")
+                head_kind = ("value" if out is not None and out.size[0] == 1
+                             and config.vocab_size != 1 else "causal_lm")
+        self.head_kind = head_kind
+        te = "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+        self.layer_spec = "local" if (te not in self.tensors
+                                      and LOCAL_SPEC_NAMES[te] in self.tensors) else "te"
+        self.sources: dict[str, _Source] = {}
+        self.rules = weight_rules(config, head_kind)
+        for rule in self.rules:
+            key = mcore_key(rule, self.layer_spec)
+            layers = range(config.num_layers) if rule.per_layer else [None]
+            for layer in layers:
+                for comp, name in enumerate(rule.hf):
+                    hf = name.format(i=layer) if layer is not None else name
+                    self.sources[hf] = _Source(rule, key, layer, comp)
+        self._files: dict[str, Any] = {}
+        self._cache: dict[tuple, torch.Tensor] = {}
+        self._cache_scope: tuple | None = None
+        self.bytes_read = 0
+
+    # -- interface of SafetensorsCheckpoint --
+    def keys(self):
+        return [n for n, s in self.sources.items() if s.key in self.tensors]
+
+    def __contains__(self, name: str) -> bool:
+        src = self.sources.get(name)
+        return src is not None and src.key in self.tensors
+
+    def shape(self, name: str) -> list[int]:
+        src = self._source(name)
+        return list(hf_shapes(src.rule, self.config)[src.component])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.tensors[self._source(name).key].properties.dtype
+
+    def __call__(self, name: str, dim: int | None, start: int | None, end: int | None):
+        src = self._source(name)
+        shape = self.shape(name)
+        r0, r1 = (start, end) if dim == 0 else (0, shape[0])
+        cols = (start, end) if dim == 1 else None
+        if dim not in (None, 0, 1):
+            raise ValueError(f"slicing along dim {dim} is not supported")
+        parts = [self.read_region(src.key, src.layer, a, b, cols)
+                 for a, b in mcore_rows(src.rule, src.component, r0, r1, self.config)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def _source(self, name: str) -> _Source:
+        src = self.sources.get(name)
+        if src is None or src.key not in self.tensors:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} not found in the checkpoint"
+                                  + (f" (megatron key {src.key!r})" if src else ""))
+        return src
+
+    # -- checks --
+    def validate(self, names=None) -> None:
+        """Raise a CheckpointError naming what is missing or inconsistent, before any reading:
+        keys, global shapes against the config, the chunk files and their sizes."""
+        names = list(self.sources) if names is None else list(names)
+        L = self.config.num_layers
+        missing, bad = [], []
+        keys: dict[str, _Source] = {}
+        for name in names:
+            src = self.sources[name]
+            if src.key not in self.tensors:
+                missing.append(f"{src.key} (for {name})")
+            else:
+                keys.setdefault(src.key, src)
+        if missing:
+            raise CheckpointError(f"{self.folder}: the dist checkpoint lacks "
+                                  f"{len(missing)} tensor(s): {', '.join(sorted(set(missing))[:8])}"
+                                  + (" ..." if len(set(missing)) > 8 else ""))
+        for key, src in keys.items():
+            md = self.tensors[key]
+            want = _expected_mcore_shape(src.rule, self.config)
+            if src.layer is not None:
+                want = (L, *want)
+            got = tuple(md.size)
+            vocab_ok = (src.rule.rule == "vocab" and len(got) == 2 and got[0] >= want[0]
+                        and got[1] == want[1])
+            if got != want and not vocab_ok:
+                bad.append(f"{key}: shape {got}, the config gives {want}")
+            volume = sum(int(torch.Size(c.sizes).numel()) for c in md.chunks)
+            if volume < int(torch.Size(got).numel()):
+                bad.append(f"{key}: its chunks cover {volume} of {int(torch.Size(got).numel())} "
+                           "elements (chunks missing)")
+        if bad:
+            raise CheckpointError(f"{self.folder}: checkpoint does not match the config: "
+                                  + "; ".join(bad[:8]))
+        sizes: dict[str, int] = {}
+        for index, info in self.metadata.storage_data.items():
+            if index.fqn.split("/")[0] not in keys:
+                continue
+            if info.transform_descriptors:
+                raise CheckpointError(f"{self.folder}: {index.fqn} is stored with transforms "
+                                      f"{info.transform_descriptors}; not supported")
+            path = os.path.join(self.folder, info.relative_path)
+            if info.relative_path not in sizes:
+                if not os.path.isfile(path):
+                    raise CheckpointError(f"{path}: checkpoint file is missing (it holds "
+                                          f"{index.fqn})")
+                sizes[info.relative_path] = os.path.getsize(path)
+            if info.offset + info.length > sizes[info.relative_path]:
+                raise CheckpointError(f"{path}: file is truncated ({sizes[info.relative_path]} "
+                                      f"bytes; {index.fqn} ends at {info.offset + info.length})")
+
+    # -- chunk reading --
+    def read_region(self, key: str, layer: int | None, r0: int, r1: int,
+                    cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """Rows ``[r0, r1)`` (and columns ``cols``) of one layer of ``key`` (or of the whole
+        tensor when ``layer`` is None), assembled from the chunks that overlap them."""
+        md = self.tensors[key]
+        size = tuple(md.size)
+        lead = 1 if layer is not None else 0
+        inner = size[lead:]
+        c0, c1 = cols if cols is not None else (0, inner[1] if len(inner) > 1 else None)
+        lo = ([layer] if lead else []) + [r0] + ([c0] if len(inner) > 1 else [])
+        hi = ([layer + 1] if lead else []) + [r1] + ([c1] if len(inner) > 1 else [])
+        out = torch.empty([h - l for l, h in zip(lo, hi)], dtype=md.properties.dtype)
+        scope = (key, layer)
+        if scope != self._cache_scope:
+            self._cache.clear()
+            self._cache_scope = scope
+        covered = 0
+        for chunk in md.chunks:
+            off, sz = tuple(chunk.offsets), tuple(chunk.sizes)
+            a = [max(l, o) for l, o in zip(lo, off)]
+            b = [min(h, o + s) for h, o, s in zip(hi, off, sz)]
+            if any(x >= y for x, y in zip(a, b)):
+                continue
+            data = self._chunk(key, chunk)
+            src = data
+            dst = out
+            for d, (x, y) in enumerate(zip(a, b)):
+                src = src.narrow(d, x - off[d], y - x)
+                dst = dst.narrow(d, x - lo[d], y - x)
+            dst.copy_(src)
+            covered += src.numel()
+        if covered != out.numel():
+            raise CheckpointError(f"{self.folder}: chunks of {key} cover {covered} of the "
+                                  f"{out.numel()} elements asked for (rows {r0}:{r1}"
+                                  + (f" of layer {layer}" if layer is not None else "") + ")")
+        return out[0] if lead else out
+
+    def _chunk(self, key: str, chunk) -> torch.Tensor:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        ck = (key, tuple(chunk.offsets))
+        if ck in self._cache:
+            return self._cache[ck]
+        index = MetadataIndex(key, chunk.offsets)
+        info = self.metadata.storage_data.get(index)
+        if info is None:
+            raise CheckpointError(f"{self.folder}: no storage entry for {key} at "
+                                  f"{tuple(chunk.offsets)}")
+        if info.transform_descriptors:
+            raise CheckpointError(f"{self.folder}: {key} is stored with transforms "
+                                  f"{info.transform_descriptors}; not supported")
+        path = os.path.join(self.folder, info.relative_path)
+        f = self._files.get(path)
+        if f is None:
+            try:
+                f = open(path, "rb")
+            except OSError as err:
+                raise CheckpointError(f"{path}: cannot open checkpoint file ({err})") from err
+            self._files[path] = f
+        f.seek(info.offset)
+        raw = f.read(info.length)
+        if len(raw) != info.length:
+            raise CheckpointError(f"{path}: file is truncated (reading {key})")
+        try:
+            data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except Exception as err:  # corrupt record
+            raise CheckpointError(f"{path}: cannot read {key} at {tuple(chunk.offsets)} "
+                                  f"({type(err).__name__}: {err})") from err
+        del raw
+        if not isinstance(data, torch.Tensor) or tuple(data.shape) != tuple(chunk.sizes):
+            raise CheckpointError(f"{path}: {key} at {tuple(chunk.offsets)} holds "
+                                  f"{getattr(data, 'shape', type(data))}, expected "
+                                  f"{tuple(chunk.sizes)}")
+        self.bytes_read += data.numel() * data.element_size()
+        self._cache[ck] = data
+        return data
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        self._cache.clear()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# ---- writing (one process, chunks produced on demand) --------------------------------------------------
+@dataclasses.dataclass
+class ChunkItem:
+    """One chunk to write: ``resolve()`` returns its data (shape ``sizes``) when it is written."""
+
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    resolve: Callable[[], torch.Tensor]
+
+
+def extra_state_items(num_layers: int) -> list[tuple[str, bytes]]:
+    """The ``_extra_state`` objects megatron-core saves for each linear of each layer. Local-spec
+    linears have none (``None``); transformer-engine's accept ``None`` (no FP8 state) on load."""
+    buf = io.BytesIO()
+    torch.save([None], buf)  # what megatron-core writes for a ShardedObject holding None
+    raw = buf.getvalue()
+    return [(f"{key}/shard_{i}_{num_layers}", raw) for key in MCORE_EXTRA_STATE_KEYS
+            for i in range(num_layers)]
+
+
+def _save_planner(items: list[ChunkItem], objects: list[tuple[str, bytes]], on_item=None):
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                       TensorProperties)
+    from torch.distributed.checkpoint.planner import (SavePlan, TensorWriteData, WriteItem,
+                                                      WriteItemType)
+
+    class LazyPlanner(DefaultSavePlanner):
+        def __init__(self):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self.resolvers: dict[MetadataIndex, Callable] = {}
+            self.write_items = []
+            for it in items:
+                index = MetadataIndex(it.key, torch.Size(it.offsets))
+                self.write_items.append(WriteItem(
+                    index=index, type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=torch.Size(it.offsets),
+                                                   sizes=torch.Size(it.sizes)),
+                        properties=TensorProperties(dtype=it.dtype),
+                        size=torch.Size(it.global_shape))))
+                self.resolvers[index] = (it, it.resolve)
+            for key, raw in objects:
+                index = MetadataIndex(key)
+                self.write_items.append(WriteItem(index=index, type=WriteItemType.BYTE_IO))
+                self.resolvers[index] = (None, lambda raw=raw: io.BytesIO(raw))
+
+        def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=True):
+            self.state_dict = {}
+            self.is_coordinator = is_coordinator
+
+        def create_local_plan(self):
+            self.plan = SavePlan(self.write_items)
+            return self.plan
+
+        def resolve_data(self, write_item):
+            it, fn = self.resolvers[write_item.index]
+            data = fn()
+            if it is not None:
+                if tuple(data.shape) != tuple(it.sizes):
+                    raise CheckpointError(f"internal: {it.key} at {it.offsets}: produced shape "
+                                          f"{tuple(data.shape)}, planned {it.sizes}")
+                data = data.to(it.dtype).contiguous()
+                if on_item is not None:
+                    on_item(it, data)
+            return data
+
+    return LazyPlanner()
+
+
+def write_dist_checkpoint(folder: str, items: list[ChunkItem], objects: list[tuple[str, bytes]],
+                          *, threads: int = 1, on_item=None) -> None:
+    """Write a megatron-core ``torch_dist`` checkpoint into the (new, empty) ``folder`` from
+    ``items``, each resolved only when torch DCP's writer reaches it: with ``threads=1`` memory
+    stays at about one chunk. Also writes ``common.pt`` (empty) and megatron's ``metadata.json``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    planner = _save_planner(items, objects, on_item)
+    writer = FileSystemWriter(folder, single_file_per_rank=True, sync_files=True,
+                              thread_count=max(1, threads), overwrite=True)
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+    except CheckpointException as err:  # DCP wraps what went wrong: raise that (clear message)
+        for exc, _trace in err.failures.values():
+            if isinstance(exc, BaseException):
+                raise exc from None
+        raise
+    _write_megatron_files(folder)
+
+
+def _write_megatron_files(folder: str) -> None:
+    # exactly what megatron-core's dist_checkpointing.save adds (the common state of a GPTModel
+    # is an empty dict; torch.save is the format megatron-core reads it with)
+    torch.save({}, os.path.join(folder, COMMON_FILE))
+    with open(os.path.join(folder, MEGATRON_METADATA), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                   "common_backend": "torch", "common_backend_version": 1}, f)
+
+
+# ---- megatron-core model arguments ----------------------------------------------------------------------
+def check_megatron_compatible(config: ModelConfig) -> None:
+    """Raise a ConfigError for models megatron-core's GPTModel cannot express."""
+    if config.o_bias != config.mlp_bias or (config.o_bias and not config.qkv_bias):
+        raise ConfigError(
+            f"attention_bias={config.o_bias}, mlp_bias={config.mlp_bias}: megatron-core's "
+            "add_bias_linear puts a bias on every linear (qkv, proj, fc1, fc2) and add_qkv_bias on "
+            "qkv only; this combination has no GPTModel equivalent")
+
+
+def _rope_args(config: ModelConfig) -> tuple[dict, list[str]]:
+    notes = []
+    args = {"rotary_base": config.rope_theta, "rotary_percent": 1.0, "rope_scaling": False,
+            "rope_scaling_factor": 8.0, "seq_len_interpolation_factor": None}
+    rs = config.rope_scaling or {}
+    kind = config.rope_type
+    if kind == "llama3":
+        args["rope_scaling"] = True
+        args["rope_scaling_factor"] = float(rs.get("factor", 8.0))
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}
+        diff = {k: rs.get(k) for k, v in fixed.items() if float(rs.get(k, v)) != v}
+        if diff:
+            notes.append(f"rope llama3 with {diff}: megatron-core 0.16 fixes low_freq_factor=1, "
+                         "high_freq_factor=4, original_max_position_embeddings=8192; its rotary "
+                         "embedding will differ from the HF model's")
+    elif kind == "linear":
+        args["seq_len_interpolation_factor"] = float(rs["factor"])
+    elif kind != "default":
+        notes.append(f"rope scaling {kind!r} has no megatron-core GPTModel equivalent; plain RoPE "
+                     "is configured")
+    return args, notes
+
+
+def mcore_config_dict(config: ModelConfig, *, head_kind: str, dtype: torch.dtype,
+                      layer_spec: str) -> dict:
+    """The JSON written next to a dist checkpoint: megatron-core ``TransformerConfig`` and
+    ``GPTModel`` arguments that reproduce the model (plus what is not expressible, in notes)."""
+    check_megatron_compatible(config)
+    rope, notes = _rope_args(config)
+    dname = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    tc = {
+        "num_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "ffn_hidden_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_query_groups": config.num_key_value_heads,
+        "kv_channels": config.head_dim,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": config.rms_norm_eps,
+        "gated_linear_unit": True,
+        "activation_func": "silu",
+        "add_bias_linear": bool(config.o_bias),
+        "add_qkv_bias": bool(config.qkv_bias),
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "init_method_std": config.initializer_range,
+        "params_dtype": dname,
+        "bf16": dtype == torch.bfloat16,
+        "fp16": dtype == torch.float16,
+    }
+    gpt = {
+        "vocab_size": config.vocab_size,
+        "max_sequence_length": config.max_position_embeddings,
+        "position_embedding_type": "rope",
+        "share_embeddings_and_output_weights": bool(config.tie_word_embeddings
+                                                    and head_kind == "causal_lm"),
+        **rope,
+    }
+    if head_kind == "value":
+        notes.append("value model: output_layer.weight is [1, hidden] (the value head, as verl's "
+                     "critic); build GPTModel with an output layer of size 1")
+    return {
+        "format": FORMAT,
+        "layer_spec": layer_spec,
+        "value_head": head_kind == "value",
+        "dtype": dname,
+        "hf_architecture": config.architecture,
+        "transformer_config": tc,
+        "gpt_model": gpt,
+        "vocab_note": "the checkpoint holds the true vocab rows; megatron-core pads the vocab "
+                      "(e.g. to a multiple of 128 x TP) and loads the stored rows into it",
+        "notes": notes,
+    }
+
+
+def build_gpt_model(mcore_json: dict | str, *, layer_spec="local",
+                    vocab_multiple: int = 128, pre_process: bool = True,
+                    post_process: bool = True, **overrides):
+    """A megatron-core ``GPTModel`` for this rank from the JSON :func:`mcore_config_dict` writes
+    (a dict, or a checkpoint folder / JSON path). The vocab is padded to a multiple of
+    ``vocab_multiple`` x TP like Megatron-LM does. Call after ``init_parallel``; on the CPU wrap
+    it in ``cpu_shim.cuda_to_cpu()``."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    if isinstance(mcore_json, str):
+        path = os.path.join(mcore_json, MCORE_CONFIG_FILE) if os.path.isdir(mcore_json) else mcore_json
+        with open(path) as f:
+            mcore_json = json.load(f)
+    tc = dict(mcore_json["transformer_config"])
+    act = tc.pop("activation_func")
+    if act != "silu":
+        raise ConfigError(f"activation {act!r} is not supported")
+    tc["activation_func"] = torch.nn.functional.silu
+    tc["params_dtype"] = getattr(torch, tc["params_dtype"])
+    tp = mpu.get_tensor_model_parallel_world_size()
+    tc.update(tensor_model_parallel_size=tp,
+              pipeline_model_parallel_size=mpu.get_pipeline_model_parallel_world_size(),
+              use_cpu_initialization=not torch.cuda.is_available(),
+              bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+              apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False)
+    tc.update(overrides.pop("transformer_config", {}))
+    config = TransformerConfig(**tc)
+    if layer_spec == "local":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    elif layer_spec == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    elif isinstance(layer_spec, str):
+        raise ValueError(f"layer_spec must be 'local', 'te' or a ModuleSpec, got {layer_spec!r}")
+    else:
+        spec = layer_spec
+    g = dict(mcore_json["gpt_model"])
+    multiple = vocab_multiple * tp
+    g["vocab_size"] = -(-g["vocab_size"] // multiple) * multiple
+    g.update(overrides)
+    return GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre_process,
+                    post_process=post_process, **g)
+
+
+# ---- save_mcore: a model of ours -> dist checkpoint, every rank writing its shards ----------------------
+def _sync_save_strategy():
+    """megatron-core's torch_dist save, written synchronously by torch DCP's plain writer.
+
+    megatron-core's default strategy forks writer processes (not allowed in daemon processes,
+    e.g. multiprocessing workers); this one differs only in who writes the files: the state dict
+    translation, the planner and hence the format are megatron-core's own."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner, TorchDistSaveShardedStrategy, _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict)
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class SyncTorchDistSave(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir):
+            sd, _, _ = _replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica)
+            pyt_state_dict = mcore_to_pyt_state_dict(sd, False)
+            dcp.save(pyt_state_dict,
+                     storage_writer=FileSystemWriter(str(checkpoint_dir), thread_count=1,
+                                                     overwrite=True),
+                     planner=MCoreSavePlanner(dedup_replicated_tensors=False,
+                                              flatten_state_dict=False))
+
+    return SyncTorchDistSave("torch_dist", 1)
+
+
+def model_sharded_state_dict(model, layer_spec: str = "te") -> dict:
+    """This rank's weights as megatron-core ``ShardedTensor`` s / ``ShardedObject`` s under the keys
+    and layout ``GPTModel.sharded_state_dict()`` uses (``model``: a model or its VPP chunks)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    config = chunks[0].config
+    head_kind = chunks[0].head_kind
+    L = config.num_layers
+    tp = mpu.get_tensor_model_parallel_world_size()
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
+    out: dict = {}
+
+    def add(name, rule, tensor, layer):
+        key = mcore_key(rule, layer_spec)
+        for k, piece in enumerate(mcore_pieces(rule, tensor, config, tp, tp_rank)):
+            offsets = []
+            if layer is not None:
+                offsets.append((0, layer, L))
+            if piece.axis is not None:
+                offsets.append((piece.axis + (1 if layer is not None else 0), piece.index,
+                                piece.count))
+            out[f"{name}#{k}"] = ShardedTensor.from_rank_offsets(
+                key, piece.tensor, *offsets, replica_id=(0, piece.replica, dp_rank),
+                prepend_axis_num=1 if layer is not None else 0)
+
+    for chunk in chunks:
+        params = dict(chunk.named_parameters())
+        rules = weight_rules(config, head_kind, pre_process=chunk.pre_process,
+                             post_process=chunk.post_process)
+        for rule in rules:
+            if rule.per_layer:
+                for li, layer in enumerate(chunk.model.layers):
+                    name = rule.ours.format(i=li)
+                    add(name, rule, params[name].detach(), layer.layer_id)
+            elif rule.ours == "lm_head.proj.weight" and rule.mcore.startswith("embedding."):
+                continue  # a tied last stage's copy of the embedding: saved by the first stage
+            else:
+                add(rule.ours, rule, params[rule.ours].detach(), None)
+        for li, layer in enumerate(chunk.model.layers):
+            for key in MCORE_EXTRA_STATE_KEYS:
+                out[f"{key}#{layer.layer_id}"] = ShardedObject(
+                    key, None, (L,), (layer.layer_id,), replica_id=(0, tp_rank, dp_rank))
+    return out
+
+
+def save_mcore(model, out_dir: str, *, layer_spec: str = "te", overwrite: bool = False,
+               source_dir: str | None = None) -> dict:
+    """Save a TP/PP-sharded model of ours as a megatron-core ``GPTModel`` dist checkpoint that
+    megatron-core (and ``from_pretrained``) loads at any TP/PP, plus ``config.json``,
+    ``mcore_config.json`` and the tokenizer files. Call on every rank; written into a temporary
+    folder and renamed at the end (all or nothing)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from parallel_models import cpu_shim
+    from parallel_models.llama.checkpoint_utils.files import (check_output_dir, copy_extra_files,
+                                                             hf_architecture, publish_dir,
+                                                             temp_dir_for, write_hf_config)
+    from parallel_models.llama.checkpoint_utils.saver import _all_ok, _device_of, _family
+
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    first = chunks[0]
+    config = first.config
+    device = _device_of(chunks)
+    rank = dist.get_rank()
+    start = time.perf_counter()
+    error = None
+    info = None
+    if rank == 0:
+        try:
+            check_output_dir(out_dir, overwrite)
+            info = mcore_config_dict(config, head_kind=first.head_kind, dtype=first.dtype,
+                                     layer_spec=layer_spec)
+        except (CheckpointError, ConfigError) as err:
+            error = err
+    if not _all_ok(error is None, device):
+        raise error if error is not None else CheckpointError(
+            f"save_mcore: rank 0 cannot write {out_dir} (see rank 0's error)")
+    # one temporary folder name for all ranks
+    tag = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+    dist.broadcast(tag, src=0)
+    tmp = temp_dir_for(out_dir, f"{int(tag.item()):x}")
+    if rank == 0:
+        os.makedirs(tmp)
+    dist.barrier()
+    failure = None
+    try:
+        sharded = model_sharded_state_dict(chunks, layer_spec)
+        with cpu_shim.cuda_to_cpu():
+            dist_checkpointing.save(sharded, tmp, sharded_strategy=_sync_save_strategy())
+    except BaseException as err:  # noqa: BLE001
+        failure = err
+    if rank == 0 and failure is None:
+        try:
+            write_hf_config(tmp, config.hf_config,
+                            architecture=hf_architecture(_family(config.architecture),
+                                                         first.head_kind),
+                            head_kind=first.head_kind, dtype=first.dtype)
+            with open(os.path.join(tmp, MCORE_CONFIG_FILE), "w") as f:
+                json.dump(info, f, indent=2)
+            copy_extra_files(source_dir if source_dir is not None
+                             else getattr(first, "name_or_path", None), tmp)
+        except BaseException as err:  # noqa: BLE001
+            failure = err
+    ok = _all_ok(failure is None, device)
+    if rank == 0:
+        if ok:
+            try:
+                publish_dir(tmp, out_dir, overwrite)
+            except BaseException as err:  # noqa: BLE001
+                failure = err
+        if not ok or failure is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if not _all_ok(failure is None, device) or failure is not None:
+        raise failure or CheckpointError(f"save_mcore: saving {out_dir} failed on another rank; "
+                                         "nothing was written")
+    return {"path": out_dir, "seconds": time.perf_counter() - start}

@@ -1,0 +1,245 @@
+"""Save a TP/PP-sharded model as an HF folder that ``transformers`` loads.
+
+``save_pretrained(model, out_dir)`` is called on every rank. Tensor by tensor, the TP ranks of the
+pipeline stage that owns it gather their shards to their first rank, which merges them back to the
+HF tensors (the weight map's ``merge_to_hf``: q/k/v and gate/up split, replicated KV heads taken
+once, vocab padding dropped) and, on a later stage, sends them to global rank 0. Rank 0 streams
+them into size-limited safetensors shards planned up front, so its memory stays at about one
+tensor. It writes into a hidden temporary folder next to ``out_dir`` and renames it at the end: an
+interrupted save leaves no half folder. Data-parallel replicas other than the first only wait.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from parallel_models.config import resolve_dtype
+from parallel_models.llama.checkpoint_utils.files import (ShardedSafetensorsWriter,
+                                                         check_output_dir, copy_extra_files,
+                                                         hf_architecture, publish_dir,
+                                                         temp_dir_for, write_hf_config)
+from parallel_models.llama.checkpoint_utils.loader import CheckpointError
+from parallel_models.llama.checkpoint_utils.weight_map import (WeightRule, hf_shapes, merge_to_hf,
+                                                              weight_rules)
+
+
+def _device_of(chunks) -> torch.device:
+    for c in chunks:
+        for p in c.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def _family(architecture: str) -> str:
+    from parallel_models.registry import family_of
+
+    return family_of(architecture)
+
+
+def global_jobs(config, head_kind: str) -> list[tuple[WeightRule, int | None]]:
+    """Every (rule, global layer) of the whole model, in save order: embedding, layer by layer,
+    final norm and head. All ranks walk this same list."""
+    rules = weight_rules(config, head_kind)
+    first = [(r, None) for r in rules if not r.per_layer and r.ours.startswith("model.embed_tokens")]
+    last = [(r, None) for r in rules if not r.per_layer and not r.ours.startswith("model.embed_tokens")]
+    layers = [(r, i) for i in range(config.num_layers) for r in rules if r.per_layer]
+    return first + layers + last
+
+
+def hf_names(rule: WeightRule, layer: int | None) -> tuple[str, ...]:
+    return tuple(n.format(i=layer) for n in rule.hf) if layer is not None else rule.hf
+
+
+class _Placement:
+    """Which pipeline stage owns each layer / the embedding / the head, and this rank's params."""
+
+    def __init__(self, chunks, config, device):
+        L = config.num_layers
+        self.L = L
+        self.pp = mpu.get_pipeline_model_parallel_world_size()
+        self.pp_rank = mpu.get_pipeline_model_parallel_rank()
+        own = torch.full((L + 2,), -1, dtype=torch.int64, device=device)
+        self.local: dict[int | str, tuple[object, int | None]] = {}
+        for c in chunks:
+            for li, layer in enumerate(c.model.layers):
+                own[layer.layer_id] = self.pp_rank
+                self.local[layer.layer_id] = (c, li)
+            if c.pre_process:
+                own[L] = self.pp_rank
+                self.local["pre"] = (c, None)
+            if c.post_process:
+                own[L + 1] = self.pp_rank
+                self.local["post"] = (c, None)
+        if self.pp > 1:
+            dist.all_reduce(own, op=dist.ReduceOp.MAX, group=mpu.get_pipeline_model_parallel_group())
+        own = own.cpu()
+        if (own < 0).any():
+            missing = [("embedding" if i == L else "head" if i == L + 1 else f"layer {i}")
+                       for i in range(L + 2) if own[i] < 0]
+            raise CheckpointError(f"save: no pipeline stage holds {', '.join(missing)}")
+        self.owner = own.tolist()
+        self.pp_ranks = (dist.get_process_group_ranks(mpu.get_pipeline_model_parallel_group())
+                         if self.pp > 1 else [0])
+
+    def stage_of(self, rule: WeightRule, layer: int | None) -> int:
+        if layer is not None:
+            return self.owner[layer]
+        return self.owner[self.L] if rule.ours.startswith("model.embed_tokens") else self.owner[self.L + 1]
+
+    def param(self, rule: WeightRule, layer: int | None) -> torch.Tensor:
+        if layer is not None:
+            chunk, li = self.local[layer]
+            name = rule.ours.format(i=li)
+        else:
+            chunk, _ = self.local["pre" if rule.ours.startswith("model.embed_tokens") else "post"]
+            name = rule.ours
+        params = dict(chunk.named_parameters())
+        if name not in params:
+            raise CheckpointError(f"internal: weight map names {name!r}, which the model lacks")
+        return params[name]
+
+
+def _all_ok(ok: bool, device) -> bool:
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item()) == 0
+
+
+def save_pretrained(model, out_dir: str, *, max_shard_size: int | str = "5GB", dtype=None,
+                    source_dir: str | None = None, overwrite: bool = False,
+                    progress: bool = False) -> dict:
+    """Gather a TP/PP-sharded CausalLM or Value model into an HF folder at ``out_dir``.
+
+    Call on every rank (``model``: this rank's model, or its list of virtual-pipeline chunks).
+    Value models are written as ``*ForSequenceClassification`` (``num_labels=1``). ``dtype``
+    casts the weights (default: as in the model). Tokenizer and generation-config files are
+    copied from ``source_dir`` (default: the folder the model was loaded from). Returns, on every
+    rank, ``{"path", "tensors", "bytes", "seconds"}`` (the counts are rank 0's).
+    """
+    chunks: Sequence = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not chunks:
+        raise ValueError("save_pretrained: no model given")
+    first = chunks[0]
+    config = first.config
+    head_kind = first.head_kind
+    if config.hf_config is None:
+        raise CheckpointError("save_pretrained: the model's config carries no HF config to write")
+    device = _device_of(chunks)
+    rank = dist.get_rank()
+    out_dtype = resolve_dtype(dtype, first.dtype)
+    source_dir = source_dir if source_dir is not None else getattr(first, "name_or_path", None)
+    start = time.perf_counter()
+
+    # 1. can rank 0 write there? (checked before any work; every rank learns the answer)
+    error = None
+    if rank == 0:
+        try:
+            check_output_dir(out_dir, overwrite)
+        except CheckpointError as err:
+            error = err
+    if not _all_ok(error is None, device):
+        raise error if error is not None else CheckpointError(
+            f"save_pretrained: rank 0 cannot write {out_dir} (see rank 0's error)")
+
+    placement = _Placement(chunks, config, device)
+    jobs = global_jobs(config, head_kind)
+    tp = mpu.get_tensor_model_parallel_world_size()
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    tp_src = mpu.get_tensor_model_parallel_src_rank()
+    tp_group = mpu.get_tensor_model_parallel_group()
+    active = mpu.get_data_parallel_rank() == 0  # other DP replicas hold the same weights
+
+    writer = None
+    tmp = None
+    if rank == 0:
+        tmp = temp_dir_for(out_dir)
+        specs = [(name, shape, out_dtype) for rule, layer in jobs
+                 for name, shape in zip(hf_names(rule, layer), hf_shapes(rule, config))]
+        os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
+        os.makedirs(tmp)
+        writer = ShardedSafetensorsWriter(tmp, specs, max_shard_size)
+    bar = None
+    if rank == 0 and progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(jobs), desc=f"save {os.path.basename(out_dir)}", unit="tensor")
+
+    failure: BaseException | None = None  # rank 0 keeps receiving after a write error: no hang
+    try:
+        for rule, layer in jobs:
+            names = hf_names(rule, layer)
+            stage = placement.stage_of(rule, layer)
+            tensors = None
+            if active and placement.pp_rank == stage:
+                shard = placement.param(rule, layer).detach().contiguous()
+                if rule.rule == "replicated" or tp == 1:
+                    if tp_rank == 0:
+                        tensors = merge_to_hf(rule, [shard], config)
+                else:
+                    bufs = [torch.empty_like(shard) for _ in range(tp)] if tp_rank == 0 else None
+                    dist.gather(shard, gather_list=bufs, dst=tp_src, group=tp_group)
+                    if tp_rank == 0:
+                        tensors = merge_to_hf(rule, bufs, config)
+                        del bufs
+                if tensors is not None and stage != 0:  # a later stage: send to global rank 0
+                    for t in tensors:
+                        dist.send(t.contiguous(), dst=0)
+            if rank == 0:
+                if stage != 0:
+                    src = placement.pp_ranks[stage]
+                    tensors = []
+                    for shape in hf_shapes(rule, config):
+                        buf = torch.empty(shape, dtype=first.dtype, device=device)
+                        dist.recv(buf, src=src)
+                        tensors.append(buf)
+                if failure is None:
+                    try:
+                        for name, t in zip(names, tensors):
+                            writer.write(name, t.to(out_dtype))
+                    except BaseException as err:  # noqa: BLE001 - re-raised below
+                        failure = err
+                if bar is not None:
+                    bar.update(1)
+            del tensors
+        if rank == 0 and failure is None:
+            try:
+                writer.close()
+                write_hf_config(tmp, config.hf_config,
+                                architecture=hf_architecture(_family(config.architecture), head_kind),
+                                head_kind=head_kind, dtype=out_dtype)
+                copy_extra_files(source_dir, tmp)
+            except BaseException as err:  # noqa: BLE001
+                failure = err
+    except BaseException as err:  # noqa: BLE001
+        failure = failure or err
+    finally:
+        if bar is not None:
+            bar.close()
+    ok = _all_ok(failure is None, device)
+    if rank == 0:
+        if ok:
+            try:
+                publish_dir(tmp, out_dir, overwrite)
+            except BaseException as err:  # noqa: BLE001
+                failure = err
+        if not ok or failure is not None:
+            if writer is not None:
+                writer.abort()
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    published = _all_ok(failure is None, device)
+    if failure is not None:
+        raise failure
+    if not published:
+        raise CheckpointError(f"save_pretrained: saving {out_dir} failed on another rank; "
+                              "nothing was written")
+    nbytes = writer.bytes_written if writer is not None else 0
+    return {"path": out_dir, "tensors": len(writer.specs) if writer is not None else 0,
+            "bytes": nbytes, "seconds": time.perf_counter() - start}

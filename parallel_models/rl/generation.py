@@ -1,0 +1,191 @@
+"""Rollout generation on the parallel CausalLM: KV-cached incremental decoding at any TP.
+
+Prompts of different lengths are packed for the prefill and each keeps its own cache row, so no
+compute is spent on padding. Every TP rank runs the model on its heads; the next-token logits
+are gathered over the vocab and the tokens drawn on TP rank 0 are broadcast, so all ranks of a
+TP group continue with the same tokens. Pipeline parallel is not supported here (clear error):
+build the rollout model with PP=1, or serve it with the rollout server.
+
+Returned ``log_probs`` are ``log_softmax(logits / temperature)`` of the chosen tokens (top-k /
+top-p only restrict what can be drawn), which is what a fresh forward pass of the same tokens
+gives and what PPO's importance ratio needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from parallel_models.llama.layers.kv_cache import KVCache
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_k: int = 0          # 0 = off
+    top_p: float = 1.0      # 1.0 = off
+    greedy: bool = False
+    eos_token_id: int | Sequence[int] | None = None
+    stop_token_ids: Sequence[int] = ()
+    pad_token_id: int = 0
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.greedy and self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 (or greedy=True), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    def stop_ids(self) -> list[int]:
+        eos = self.eos_token_id
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return eos + list(self.stop_token_ids)
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    prompts: torch.Tensor          # [B, P] left-padded prompt ids
+    prompt_mask: torch.Tensor      # [B, P]
+    responses: torch.Tensor        # [B, R] right-padded response ids (stop token included)
+    response_mask: torch.Tensor    # [B, R]
+    log_probs: torch.Tensor        # [B, R] float32, 0 where masked
+
+    @property
+    def sequences(self) -> torch.Tensor:
+        return torch.cat([self.prompts, self.responses], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+
+@contextlib.contextmanager
+def sequence_parallel_off(model):
+    """Decode steps carry one token per sequence: run them without sequence parallel (the
+    weights are the same; only the communication pattern changes)."""
+    if not model.sequence_parallel:
+        yield
+        return
+    touched = []
+    for m in model.modules():
+        for attr in ("sequence_parallel", "reduce_scatter_embeddings"):
+            if getattr(m, attr, None) is True:
+                touched.append((m, attr))
+                setattr(m, attr, False)
+    try:
+        yield
+    finally:
+        for m, attr in touched:
+            setattr(m, attr, True)
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the top one always stays)
+        drop = probs.cumsum(-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+def _next_tokens(logits: torch.Tensor, params: SamplingParams, generator=None):
+    logits = logits.float()
+    if params.greedy:
+        tokens = logits.argmax(-1)
+        scaled = logits
+    else:
+        scaled = logits / params.temperature
+        filtered = _filter_logits(scaled, params.top_k, params.top_p)
+        tokens = torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator).squeeze(-1)
+    log_probs = torch.log_softmax(scaled, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, log_probs
+
+
+def _broadcast_in_tp_group(*tensors):
+    if mpu.get_tensor_model_parallel_world_size() == 1:
+        return tensors
+    src = mpu.get_tensor_model_parallel_src_rank()
+    for t in tensors:
+        dist.broadcast(t, src=src, group=mpu.get_tensor_model_parallel_group())
+    return tensors
+
+
+def _last_token_logits(model, hidden, last_index):
+    return model._head(hidden[last_index], 0, full_vocab=True)
+
+
+@torch.no_grad()
+def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
+             generator: torch.Generator | None = None) -> GenerationOutput:
+    """Sample continuations of ``prompts`` (token-id lists) with ``model`` (a parallel CausalLM).
+
+    Every rank of a TP group must pass the same prompts. ``generator`` seeds sampling (TP rank
+    0's draws are used by the whole group).
+    """
+    params.validate()
+    if model.head_kind != "causal_lm":
+        raise TypeError(f"{type(model).__name__} has no LM head; generation needs a CausalLM")
+    if mpu.get_pipeline_model_parallel_world_size() > 1:
+        raise NotImplementedError("generation with pipeline_parallel_size > 1 is not supported; "
+                                  "build the rollout model with PP=1 (TP only)")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt, and no empty prompt")
+    device = model.model.layers[0].input_layernorm.weight.device
+    batch = len(prompts)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lengths.tolist()])
+    attn = model.model.layers[0].self_attn.qkv_proj
+    cache = KVCache(len(model.model.layers), batch, int(lengths.max()) + params.max_new_tokens,
+                    attn.num_kv_heads_per_rank, attn.head_dim, model.dtype, device)
+    stop = torch.tensor(params.stop_ids() or [-1], device=device)
+
+    tokens_out, logp_out, alive_out = [], [], []
+    alive = torch.ones(batch, dtype=torch.bool, device=device)
+    with sequence_parallel_off(model):
+        cache.begin_prefill(cu)
+        hidden, _ = model.forward_hidden(ids, cu, positions, int(lengths.max()), kv_cache=cache)
+        cache.end_step()
+        logits = _last_token_logits(model, hidden, (cu[1:] - 1).long())
+        step_cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        for step in range(params.max_new_tokens):
+            tokens, logp = _next_tokens(logits, params, generator)
+            tokens, logp = _broadcast_in_tp_group(tokens, logp)
+            tokens = torch.where(alive, tokens, torch.full_like(tokens, params.pad_token_id))
+            tokens_out.append(tokens)
+            logp_out.append(torch.where(alive, logp, torch.zeros_like(logp)))
+            alive_out.append(alive.clone())
+            alive = alive & ~torch.isin(tokens, stop)
+            if not bool(alive.any()) or step == params.max_new_tokens - 1:
+                break
+            cache.begin_decode()
+            hidden, _ = model.forward_hidden(tokens, step_cu, cache.lengths.clone(), 1,
+                                             kv_cache=cache)
+            cache.end_step()
+            logits = _last_token_logits(model, hidden, torch.arange(batch, device=device))
+
+    p_max = int(lengths.max())
+    prompt_ids = torch.full((batch, p_max), params.pad_token_id, dtype=torch.long, device=device)
+    prompt_mask = torch.zeros((batch, p_max), dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        prompt_ids[b, p_max - len(p):] = torch.as_tensor(list(p), device=device)
+        prompt_mask[b, p_max - len(p):] = 1
+    return GenerationOutput(prompts=prompt_ids, prompt_mask=prompt_mask,
+                            responses=torch.stack(tokens_out, 1),
+                            response_mask=torch.stack(alive_out, 1).long(),
+                            log_probs=torch.stack(logp_out, 1))

@@ -1,0 +1,62 @@
+"""PPO training entrypoint.
+
+    parallel-models-ppo [--config FILE.yaml] [--resume] [key=value ...]
+    python -m parallel_models.rl.train ...            (same)
+    torchrun --nproc-per-node N -m parallel_models.rl.train parallel.tensor_parallel_size=2 ...
+
+With no config at all it runs the built-in default: a tiny Llama and a character tokenizer made
+on the spot, built-in prompts and a rule-based reward that PPO visibly raises in a few minutes on
+two CPU cores. Overrides are dotted keys (``actor.lr=1e-5``, ``trainer.total_steps=50``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="parallel-models-ppo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config file (default: the built-in default run)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in trainer.output_dir")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted config overrides, e.g. trainer.total_steps=20")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+
+    from parallel_models.config import ConfigError
+    from parallel_models.rl.config import load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.resume:
+            cfg.trainer.resume = True
+        cfg.validate()
+        from parallel_models.rl.trainer import PPOTrainer
+
+        trainer = PPOTrainer(cfg)
+        history = trainer.fit()
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"parallel-models-ppo: error: {err}", file=sys.stderr)
+        return 2
+    import torch.distributed as dist
+
+    if history and (not dist.is_initialized() or dist.get_rank() == 0):
+        k = max(1, len(history) // 5)
+        first = sum(h["reward/mean"] for h in history[:k]) / k
+        last = sum(h["reward/mean"] for h in history[-k:]) / k
+        print(json.dumps({"steps": trainer.step_index, "reward_first": round(first, 4),
+                          "reward_last": round(last, 4), "output_dir": cfg.trainer.output_dir}))
+    from parallel_models.distributed import destroy_parallel
+
+    destroy_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,6 +6,7 @@ rollout server). Each data-parallel rank takes its share of every prompt batch.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -149,6 +150,7 @@ class PPOTrainer:
             pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
         if tcfg.resume:
             self.resume()
+        self._offload_all()  # each phase brings what it needs to the GPU
 
     # ---- set-up helpers -------------------------------------------------------------------------
     def _seed_everything(self, seed: int) -> None:
@@ -178,6 +180,35 @@ class PPOTrainer:
         from parallel_models.rl.reward_model import RewardModel  # issue: reward model role
 
         return RewardModel.from_config(r, self.tokenizer)
+
+    # ---- offload (CUDA): only the role a phase uses stays on the GPU ---------------------------------
+    def _offload_enabled(self) -> bool:
+        return bool(self.cfg.trainer.offload) and torch.cuda.is_available()
+
+    def _model_of(self, role):
+        return role.state.chunks[0] if getattr(role, "state", None) is not None else role.model
+
+    def _use(self, role, with_optimizer: bool = False):
+        from parallel_models.utils.offload import on_device
+
+        if role is None:
+            return contextlib.nullcontext()
+        opt = role.state.optimizer if with_optimizer and getattr(role, "state", None) else None
+        return on_device(self._model_of(role), opt, enabled=self._offload_enabled())
+
+    def _offload_all(self) -> None:
+        from parallel_models.utils.offload import offload_model, offload_optimizer
+
+        if not self._offload_enabled():
+            return
+        for role in (self.actor, self.ref, self.critic):
+            if role is None:
+                continue
+            offload_model(self._model_of(role))
+            if getattr(role, "state", None) is not None:
+                offload_optimizer(role.state.optimizer)
+        if hasattr(self.reward, "offload"):
+            self.reward.offload()
 
     # ---- one PPO step ----------------------------------------------------------------------------
     def _rollout(self, prompt_ids: list[list[int]]) -> dict:
@@ -215,10 +246,12 @@ class PPOTrainer:
         batch.update(advantages=adv, returns=ret, token_level_rewards=rewards)
         return metrics
 
-    def _minibatches(self, batch: dict) -> list[dict]:
+    def _minibatches(self, batch: dict, epoch: int) -> list[dict]:
+        """This PPO epoch's shuffled minibatches (this rank's share of ``mini_batch_size``)."""
         per_rank = max(1, self.cfg.actor.mini_batch_size // self.dp_size)
         n = batch["sequences"].shape[0]
-        g = torch.Generator().manual_seed(self.cfg.trainer.seed * 7919 + self.step_index)
+        g = torch.Generator().manual_seed(
+            (self.cfg.trainer.seed * 1_000_003 + self.step_index) * 101 + epoch)
         order = torch.randperm(n, generator=g)
         keys = [k for k, v in batch.items() if torch.is_tensor(v) and v.shape[:1] == (n,)]
         return [{k: batch[k][order[i:i + per_rank]] for k in keys} for i in range(0, n, per_rank)]
@@ -231,27 +264,33 @@ class PPOTrainer:
         prompt_ids = records["input_ids"] if isinstance(records, dict) else records[0]
         share = [p for i, p in enumerate(prompt_ids) if i % self.dp_size == self.dp_rank]
         memory: dict[str, float] = {}
-        with Timer("gen", timings, memory):
+        with Timer("gen", timings, memory), self._use(self.actor):
             batch = self._rollout(share)
         with Timer("score", timings, memory):
-            batch["old_log_probs"] = self.actor.log_probs(batch)
+            with self._use(self.actor):
+                batch["old_log_probs"] = self.actor.log_probs(batch)
             if self.ref is not None:
-                batch["ref_log_probs"] = self.ref.log_probs(batch)
+                with self._use(self.ref):
+                    batch["ref_log_probs"] = self.ref.log_probs(batch)
             if self.critic is not None:
-                batch["values"] = self.critic.values(batch)
+                with self._use(self.critic):
+                    batch["values"] = self.critic.values(batch)
             scores = self.reward.score(batch)
         with Timer("adv", timings, memory):
             metrics = self._advantages(batch, scores)
         train_metrics: dict[str, list[float]] = {}
-        with Timer("train", timings, memory):
-            for _ in range(self.cfg.actor.ppo_epochs):
-                for mb in self._minibatches(batch):
-                    if self.critic is not None:
-                        for k, v in self.critic.update(mb, self.cfg.critic,
-                                                       self.cfg.actor.loss_agg_mode).items():
-                            train_metrics.setdefault(k, []).append(float(v))
-                    for k, v in self.actor.update(mb, self.cfg.actor, None).items():
+        minibatches = [mb for epoch in range(self.cfg.actor.ppo_epochs)
+                       for mb in self._minibatches(batch, epoch)]
+        with Timer("train_critic", timings, memory), self._use(self.critic, True):
+            if self.critic is not None:
+                for mb in minibatches:
+                    for k, v in self.critic.update(mb, self.cfg.critic,
+                                                   self.cfg.actor.loss_agg_mode).items():
                         train_metrics.setdefault(k, []).append(float(v))
+        with Timer("train_actor", timings, memory), self._use(self.actor, True):
+            for mb in minibatches:
+                for k, v in self.actor.update(mb, self.cfg.actor, None).items():
+                    train_metrics.setdefault(k, []).append(float(v))
         mask = batch["response_mask"].float()
         if self.ref is not None:
             kl = algos.masked_mean(algos.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"],
@@ -295,6 +334,12 @@ class PPOTrainer:
 
             plot_reward_curve(os.path.join(tcfg.output_dir, "metrics.jsonl"),
                               os.path.join(tcfg.output_dir, "reward_curve.png"))
+        if self._offload_enabled():
+            for role in (self.actor, self.critic):
+                if role is not None:
+                    from parallel_models.utils.offload import onload_model
+
+                    onload_model(self._model_of(role))
         if tcfg.save_hf_at_end:
             # the final weights replace those of an earlier (resumed or repeated) run
             self.actor_model.save_pretrained(os.path.join(tcfg.output_dir, "actor_hf"),

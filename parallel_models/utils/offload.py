@@ -27,7 +27,10 @@ def _move(t: torch.Tensor, device) -> torch.Tensor:
 def _grad_buffers(model) -> list[torch.Tensor]:
     bufs = []
     for attr in ("buffers", "expert_parallel_buffers"):
-        for b in getattr(model, attr, None) or []:
+        found = getattr(model, attr, None)
+        if not isinstance(found, (list, tuple)):  # nn.Module.buffers is a method, DDP's a list
+            continue
+        for b in found:
             if getattr(b, "grad_data", None) is not None:
                 bufs.append(b.grad_data)
     return bufs

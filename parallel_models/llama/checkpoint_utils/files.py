@@ -277,3 +277,59 @@ def copy_extra_files(src: str | None, dst: str) -> list[str]:
             shutil.copyfile(path, os.path.join(dst, name))
             copied.append(name)
     return copied
+
+
+# ---- reading safetensors without mmap -------------------------------------------------------------------
+class SafetensorsFileReader:
+    """Whole tensors of safetensors files read with ``readinto`` straight into their tensor (one
+    copy, no memory map): a converter streaming a checkpoint keeps only the tensor at hand
+    resident, where mapped pages would stay in its RSS until the file is closed."""
+
+    _DTYPES = {v: k for k, v in SAFE_DTYPES.items()}
+
+    def __init__(self):
+        self._files: dict[str, tuple] = {}
+
+    def _header(self, path: str):
+        entry = self._files.get(path)
+        if entry is None:
+            f = open(path, "rb")
+            try:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            except (struct.error, ValueError) as err:
+                f.close()
+                raise CheckpointError(f"{path}: cannot read safetensors header ({err})") from err
+            header.pop("__metadata__", None)
+            entry = (f, header, 8 + n, os.fstat(f.fileno()).st_size)
+            self._files[path] = entry
+        return entry
+
+    def read(self, path: str, name: str) -> torch.Tensor:
+        f, header, base, size = self._header(path)
+        if name not in header:
+            raise CheckpointError(f"{path}: tensor {name!r} not found")
+        info = header[name]
+        dtype = self._DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{path}: {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        out = torch.empty(info["shape"], dtype=dtype)
+        nbytes = out.numel() * out.element_size()
+        if end - start != nbytes or base + end > size:
+            raise CheckpointError(f"{path}: {name} is truncated or its header is inconsistent")
+        if nbytes:
+            f.seek(base + start)
+            view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+            got = 0
+            while got < nbytes:
+                n = f.readinto(view[got:])
+                if not n:
+                    raise CheckpointError(f"{path}: file ends inside tensor {name!r}")
+                got += n
+        return out
+
+    def close(self) -> None:
+        for f, *_ in self._files.values():
+            f.close()
+        self._files.clear()

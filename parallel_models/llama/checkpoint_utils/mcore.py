@@ -158,6 +158,84 @@ def read_mcore_json(folder: str) -> dict | None:
 
 
 # ---- reading -------------------------------------------------------------------------------------------
+class _MemFile(io.RawIOBase):
+    """A seekable read-only file over a memoryview (zipfile reads its directory through it)."""
+
+    def __init__(self, buf):
+        self.buf = memoryview(buf)
+        self.pos = 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def tell(self):
+        return self.pos
+
+    def seek(self, offset, whence=io.SEEK_SET):
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.buf)}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, b):
+        n = max(0, min(len(b), len(self.buf) - self.pos))
+        b[:n] = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+
+def decode_torch_record(raw: torch.Tensor) -> torch.Tensor:
+    """A ``torch.save`` d tensor (one DCP chunk) from its bytes (a uint8 tensor), without copying
+    its data: the storages are views of ``raw`` (ZIP_STORED records), built by torch's
+    weights-only unpickler exactly as ``torch.load`` builds them. Anything unusual falls back to
+    ``torch.load(weights_only=True)``."""
+    import struct
+    import sys
+    import zipfile
+
+    from torch import _weights_only_unpickler
+
+    mem = memoryview(raw.numpy())
+    storage = raw.untyped_storage()
+    try:
+        zf = zipfile.ZipFile(_MemFile(mem))
+        names = zf.namelist()
+        pkl = next(n for n in names if n.endswith("/data.pkl"))
+        prefix = pkl[: -len("data.pkl")]
+        order = zf.read(prefix + "byteorder") if prefix + "byteorder" in names else b"little"
+        if order.decode() != sys.byteorder:
+            raise ValueError("byte order")
+
+        def persistent_load(saved_id):
+            typename, storage_type, key, _location, numel = saved_id
+            if typename != "storage":
+                raise ValueError(typename)
+            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+            nbytes = numel * torch._utils._element_size(dtype)
+            info = zf.getinfo(f"{prefix}data/{key}")
+            h = info.header_offset
+            if info.compress_type != zipfile.ZIP_STORED or info.file_size != nbytes or \
+                    bytes(mem[h:h + 4]) != b"PK\x03\x04":
+                raise ValueError("record layout")
+            name_len, extra_len = struct.unpack_from("<HH", mem, h + 26)
+            start = h + 30 + name_len + extra_len
+            if start + nbytes > len(mem):
+                raise ValueError("record out of range")
+            return torch.storage.TypedStorage(wrap_storage=storage[start:start + nbytes],
+                                              dtype=dtype, _internal=True)
+
+        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(zf.read(pkl)), encoding="utf-8")
+        unpickler.persistent_load = persistent_load
+        out = unpickler.load()
+        if isinstance(out, torch.Tensor):
+            return out
+    except Exception:  # noqa: BLE001 - the slow, general path below decides
+        pass
+    return torch.load(io.BytesIO(mem.tobytes()), map_location="cpu", weights_only=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Source:
     rule: WeightRule
@@ -318,11 +396,18 @@ class McoreCheckpoint:
         c0, c1 = cols if cols is not None else (0, inner[1] if len(inner) > 1 else None)
         lo = ([layer] if lead else []) + [r0] + ([c0] if len(inner) > 1 else [])
         hi = ([layer + 1] if lead else []) + [r1] + ([c1] if len(inner) > 1 else [])
-        out = torch.empty([h - l for l, h in zip(lo, hi)], dtype=md.properties.dtype)
         scope = (key, layer)
         if scope != self._cache_scope:
             self._cache.clear()
             self._cache_scope = scope
+        for chunk in md.chunks:  # one chunk holds it all: a view, no copy
+            off, sz = tuple(chunk.offsets), tuple(chunk.sizes)
+            if all(o <= l and h <= o + s_ for l, h, o, s_ in zip(lo, hi, off, sz)):
+                src = self._chunk(key, chunk)
+                for d, (l, h) in enumerate(zip(lo, hi)):
+                    src = src.narrow(d, l - off[d], h - l)
+                return src[0] if lead else src
+        out = torch.empty([h - l for l, h in zip(lo, hi)], dtype=md.properties.dtype)
         covered = 0
         for chunk in md.chunks:
             off, sz = tuple(chunk.offsets), tuple(chunk.sizes)
@@ -367,11 +452,16 @@ class McoreCheckpoint:
                 raise CheckpointError(f"{path}: cannot open checkpoint file ({err})") from err
             self._files[path] = f
         f.seek(info.offset)
-        raw = f.read(info.length)
-        if len(raw) != info.length:
-            raise CheckpointError(f"{path}: file is truncated (reading {key})")
+        raw = torch.empty(info.length, dtype=torch.uint8)  # not zero-filled
+        view, got = memoryview(raw.numpy()), 0
+        while got < info.length:
+            n = f.readinto(view[got:])
+            if not n:
+                raise CheckpointError(f"{path}: file is truncated (reading {key})")
+            got += n
+        del view
         try:
-            data = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            data = decode_torch_record(raw)
         except Exception as err:  # corrupt record
             raise CheckpointError(f"{path}: cannot read {key} at {tuple(chunk.offsets)} "
                                   f"({type(err).__name__}: {err})") from err
@@ -470,17 +560,55 @@ def _save_planner(items: list[ChunkItem], objects: list[tuple[str, bytes]], on_i
     return LazyPlanner()
 
 
+def _bucketed_writer(folder: str, bucket_bytes: int, threads: int):
+    """torch DCP's FileSystemWriter, with the chunks spread over files of about
+    ``bucket_bytes`` each, in plan order. (Its writer keeps every tensor of a file referenced
+    until the file is closed: one file for everything would hold much of the model.)"""
+    import queue
+
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    def chunk_bytes(item):  # (torch's _item_size counts the whole tensor, not the chunk)
+        td = item.tensor_data
+        return int(torch.Size(td.chunk.sizes).numel()) * torch.empty(
+            (), dtype=td.properties.dtype).element_size()
+
+    class BucketedWriter(FileSystemWriter):
+        def write_data(self, plan, planner):
+            buckets, current, size = [], [], 0
+            for item in plan.items:
+                n = 0 if item.type == WriteItemType.BYTE_IO else chunk_bytes(item)
+                if current and size + n > bucket_bytes:
+                    buckets.append(current)
+                    current, size = [], 0
+                current.append(item)
+                size += n
+            if current:
+                buckets.append(current)
+            files: queue.Queue = queue.Queue()
+            for i, bucket in enumerate(buckets):
+                name = f"{plan.storage_data.prefix}{i}{DEFAULT_SUFFIX}"
+                files.put((self.fs.concat_path(self.path, name), name, bucket))
+            return self._write_data(planner, files)
+
+    return BucketedWriter(folder, single_file_per_rank=True, sync_files=True,
+                          thread_count=max(1, threads), overwrite=True)
+
+
 def write_dist_checkpoint(folder: str, items: list[ChunkItem], objects: list[tuple[str, bytes]],
                           *, threads: int = 1, on_item=None) -> None:
     """Write a megatron-core ``torch_dist`` checkpoint into the (new, empty) ``folder`` from
-    ``items``, each resolved only when torch DCP's writer reaches it: with ``threads=1`` memory
-    stays at about one chunk. Also writes ``common.pt`` (empty) and megatron's ``metadata.json``."""
+    ``items``, each resolved only when torch DCP's writer reaches it, into files of about the
+    largest chunk (at least 256 MiB): memory stays at about two chunks per writer thread. Also
+    writes ``common.pt`` (empty) and megatron's ``metadata.json``."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
 
     planner = _save_planner(items, objects, on_item)
-    writer = FileSystemWriter(folder, single_file_per_rank=True, sync_files=True,
-                              thread_count=max(1, threads), overwrite=True)
+    largest = max((int(torch.Size(it.sizes).numel()) * torch.empty((), dtype=it.dtype).element_size()
+                   for it in items), default=0)
+    writer = _bucketed_writer(folder, max(largest, 256 * 2**20), threads)
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -681,7 +809,7 @@ def model_sharded_state_dict(model, layer_spec: str = "te") -> dict:
     dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
     out: dict = {}
 
-    def add(name, rule, tensor, layer):
+    def add(rule, tensor, layer):
         key = mcore_key(rule, layer_spec)
         for k, piece in enumerate(mcore_pieces(rule, tensor, config, tp, tp_rank)):
             offsets = []
@@ -690,7 +818,8 @@ def model_sharded_state_dict(model, layer_spec: str = "te") -> dict:
             if piece.axis is not None:
                 offsets.append((piece.axis + (1 if layer is not None else 0), piece.index,
                                 piece.count))
-            out[f"{name}#{k}"] = ShardedTensor.from_rank_offsets(
+            # dict keys must be unique on this rank: VPP chunks reuse local layer names
+            out[f"{key}#{layer}#{k}"] = ShardedTensor.from_rank_offsets(
                 key, piece.tensor, *offsets, replica_id=(0, piece.replica, dp_rank),
                 prepend_axis_num=1 if layer is not None else 0)
 
@@ -702,11 +831,11 @@ def model_sharded_state_dict(model, layer_spec: str = "te") -> dict:
             if rule.per_layer:
                 for li, layer in enumerate(chunk.model.layers):
                     name = rule.ours.format(i=li)
-                    add(name, rule, params[name].detach(), layer.layer_id)
+                    add(rule, params[name].detach(), layer.layer_id)
             elif rule.ours == "lm_head.proj.weight" and rule.mcore.startswith("embedding."):
                 continue  # a tied last stage's copy of the embedding: saved by the first stage
             else:
-                add(rule.ours, rule, params[rule.ours].detach(), None)
+                add(rule, params[rule.ours].detach(), None)
         for li, layer in enumerate(chunk.model.layers):
             for key in MCORE_EXTRA_STATE_KEYS:
                 out[f"{key}#{layer.layer_id}"] = ShardedObject(
@@ -757,8 +886,22 @@ def save_mcore(model, out_dir: str, *, layer_spec: str = "te", overwrite: bool =
     failure = None
     try:
         sharded = model_sharded_state_dict(chunks, layer_spec)
+        # megatron-core checks the sharding on rank 0 only and raises there, which would leave
+        # the other ranks waiting in the save: check first and let every rank know
+        from megatron.core.dist_checkpointing.validation import (determine_global_metadata,
+                                                                 validate_sharding_integrity)
+
+        validate_sharding_integrity(determine_global_metadata(sharded)[1])
+    except BaseException as err:  # noqa: BLE001
+        failure = err
+    if not _all_ok(failure is None, device):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise failure or CheckpointError("save_mcore: invalid sharding (see rank 0's error)")
+    try:
         with cpu_shim.cuda_to_cpu():
-            dist_checkpointing.save(sharded, tmp, sharded_strategy=_sync_save_strategy())
+            dist_checkpointing.save(sharded, tmp, sharded_strategy=_sync_save_strategy(),
+                                    validate_access_integrity=False)
     except BaseException as err:  # noqa: BLE001
         failure = err
     if rank == 0 and failure is None:

@@ -104,3 +104,16 @@ def test_bad_config_exits_nonzero(tmp_path, hf_models, args, message):
     proc = _run([f"trainer.output_dir={tmp_path}", *args], check=False, timeout=120)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_critic_free_estimators_run(tmp_path, estimator):
+    out = str(tmp_path / estimator)
+    _run([f"trainer.output_dir={out}", "trainer.total_steps=3", "trainer.save_every=0",
+          f"algorithm.adv_estimator={estimator}", "critic.enable=false",
+          "actor.use_kl_loss=true", "algorithm.kl_in_reward=false", "trainer.tensorboard=false"])
+    rows = _metrics(out)
+    assert len(rows) == 3
+    assert all("critic/vf_loss" not in r for r in rows)
+    assert all(r["actor/kl_loss"] == r["actor/kl_loss"] for r in rows)  # present, not NaN
+    assert not os.path.exists(os.path.join(out, "critic_hf"))

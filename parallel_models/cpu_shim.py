@@ -64,6 +64,11 @@ def apply() -> bool:
         torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
         torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)  # type: ignore
         torch.cuda.manual_seed = lambda seed: None  # type: ignore[assignment]
+        # megatron's RNG tracker reads/writes CUDA generator states through its own helpers
+        import megatron.core.tensor_parallel.random as mrandom
+
+        mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+        mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
         _applied = True
         return True
 

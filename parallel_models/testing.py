@@ -12,6 +12,7 @@ import os
 import pickle
 import queue
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -56,12 +57,19 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0
     outs: dict[int, Any] = {}
     errors: list[str] = []
     try:
+        deadline = time.monotonic() + timeout
         while len(outs) + len(errors) < world_size:
             try:
-                rank, status, payload = results.get(timeout=timeout)
+                rank, status, payload = results.get(timeout=1.0)
             except queue.Empty:
-                raise TimeoutError(f"distributed run of {fn.__name__} on {world_size} ranks did "
-                                   f"not finish in {timeout:.0f}s") from None
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:  # died before reporting (import or spawn bootstrap error, OOM kill)
+                    raise RuntimeError(f"distributed run of {fn.__name__}: rank(s) {dead} exited "
+                                       f"with code {procs[dead[0]].exitcode} without a result")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"distributed run of {fn.__name__} on {world_size} ranks "
+                                       f"did not finish in {timeout:.0f}s") from None
+                continue
             if status == "ok":
                 outs[rank] = pickle.loads(payload)
             else:

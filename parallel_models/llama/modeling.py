@@ -323,6 +323,13 @@ class ParallelModel(torch.nn.Module):
 
         return save_pretrained(self, out_dir, **kwargs)
 
+    def save_mcore(self, out_dir: str, **kwargs) -> dict:
+        """Write a megatron-core GPTModel dist checkpoint (loadable at any TP/PP, also by
+        ``from_pretrained``). Call on every rank. See ``checkpoint_utils.mcore.save_mcore``."""
+        from parallel_models.llama.checkpoint_utils.mcore import save_mcore
+
+        return save_mcore(self, out_dir, **kwargs)
+
 
 class CausalLMRmPad(ParallelModel):
     """Packed input: ``model(input_ids[total], cu_seqlens)`` -> ``.logits [total, vocab(/tp)]``."""

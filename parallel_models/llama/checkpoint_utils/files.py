@@ -305,6 +305,14 @@ class SafetensorsFileReader:
             self._files[path] = entry
         return entry
 
+    def check(self, path: str) -> None:
+        """Raise a CheckpointError if ``path`` is not a complete safetensors file."""
+        _, header, base, size = self._header(path)
+        end = max((info["data_offsets"][1] for info in header.values()), default=0)
+        if base + end != size:
+            raise CheckpointError(f"{path}: cannot read safetensors file: it is truncated or "
+                                  f"padded ({size} bytes, its header describes {base + end})")
+
     def read(self, path: str, name: str) -> torch.Tensor:
         f, header, base, size = self._header(path)
         if name not in header:

@@ -244,7 +244,7 @@ class _Source:
     component: int
 
 
-def _expected_mcore_shape(rule: WeightRule, config: ModelConfig) -> tuple[int, ...]:
+def expected_mcore_shape(rule: WeightRule, config: ModelConfig) -> tuple[int, ...]:
     shapes = hf_shapes(rule, config)
     if rule.rule in ("qkv", "gate_up"):
         return (sum(s[0] for s in shapes), *shapes[0][1:])
@@ -352,7 +352,7 @@ class McoreCheckpoint:
                                   + (" ..." if len(set(missing)) > 8 else ""))
         for key, src in keys.items():
             md = self.tensors[key]
-            want = _expected_mcore_shape(src.rule, self.config)
+            want = expected_mcore_shape(src.rule, self.config)
             if src.layer is not None:
                 want = (L, *want)
             got = tuple(md.size)

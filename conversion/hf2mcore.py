@@ -1,0 +1,210 @@
+"""hf2mcore: an HF Llama / Qwen2 folder (or hub id) -> a megatron-core ``GPTModel`` dist checkpoint.
+
+    hf2mcore --hf-path DIR_OR_HUB_ID --output DIR [--dtype bf16|fp16|fp32] [--layer-spec te|local]
+             [--value]
+
+The output folder is a ``torch_dist`` checkpoint that ``megatron.core.dist_checkpointing.load(
+model.sharded_state_dict(), DIR)`` loads at any TP/PP (keys, stacking and layouts as megatron-core
+0.16's ``GPTModel.sharded_state_dict()``; fused QKV grouped per KV head, ``linear_fc1`` = gate then
+up), plus ``mcore_config.json`` (the matching ``TransformerConfig`` / ``GPTModel`` arguments),
+``config.json`` and the tokenizer files, so ``mcore2hf`` and ``from_pretrained`` read it back.
+
+Tensors are read one at a time from the safetensors files and written as soon as they are fused:
+memory stays at about the largest tensor. Everything goes to a temporary folder renamed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from conversion._cli import quiet_megatron_import
+
+with quiet_megatron_import():  # megatron-core warns about optional GPU extras on import
+    from parallel_models.config import ConfigError, ModelConfig, resolve_dtype
+    from parallel_models.llama.checkpoint_utils.files import (AtomicOutputDir,
+                                                             SafetensorsFileReader,
+                                                             check_output_dir, copy_extra_files,
+                                                             hf_architecture, write_hf_config)
+    from parallel_models.llama.checkpoint_utils.loader import (CheckpointError, SafetensorsCheckpoint,
+                                                              resolve_model_path)
+    from parallel_models.llama.checkpoint_utils.mcore import (MCORE_CONFIG_FILE, ChunkItem,
+                                                             expected_mcore_shape,
+                                                             check_megatron_compatible,
+                                                             extra_state_items, mcore_config_dict,
+                                                             write_dist_checkpoint)
+    from parallel_models.llama.checkpoint_utils.saver import global_jobs, hf_names
+    from parallel_models.llama.checkpoint_utils.weight_map import hf_shapes, hf_to_mcore, mcore_key
+
+PROG = "hf2mcore"
+
+
+def _validate_hf(ckpt: SafetensorsCheckpoint, reader: SafetensorsFileReader, config: ModelConfig,
+                 jobs, value_init: bool):
+    """Every tensor there with the shape the config gives, every file complete: before writing."""
+    for fname in sorted(set(ckpt.files.values())):
+        reader.check(fname)
+    missing, bad = [], []
+    for rule, layer in jobs:
+        for name, shape in zip(hf_names(rule, layer), hf_shapes(rule, config)):
+            if name not in ckpt:
+                if not (value_init and name == "score.weight"):
+                    missing.append(name)
+                continue
+            got = tuple(ckpt.shape(name))
+            if got != tuple(shape):
+                bad.append(f"{name}: {got}, the config gives {tuple(shape)}")
+    if missing:
+        raise CheckpointError(f"{ckpt.folder}: missing tensors: {', '.join(missing[:10])}"
+                              + (" ..." if len(missing) > 10 else ""))
+    if bad:
+        raise CheckpointError(f"{ckpt.folder}: tensor shapes do not match config.json: "
+                              + "; ".join(bad[:8]))
+
+
+def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: str = "te",
+                        value: bool = False, threads: int = 1, progress: bool = True,
+                        overwrite: bool = False, value_head_seed: int = 0) -> dict:
+    """Convert; returns ``{"path", "tensors", "bytes", "seconds"}``. Raises CheckpointError /
+    ConfigError on bad input before anything is written."""
+    from parallel_models.registry import family_of
+
+    start = time.perf_counter()
+    if layer_spec not in ("te", "local"):
+        raise ConfigError(f"--layer-spec must be 'te' or 'local', got {layer_spec!r}")
+    check_output_dir(output, overwrite)
+    path = resolve_model_path(hf_path)
+    config = ModelConfig.from_hf(path)
+    family = family_of(config.architecture)  # unknown architecture -> ConfigError
+    is_classifier = config.architecture.endswith("ForSequenceClassification")
+    head_kind = "value" if (value or is_classifier) else "causal_lm"
+    if is_classifier and getattr(config.hf_config, "num_labels", 1) != 1:
+        raise ConfigError(f"{path}: a sequence classifier with num_labels="
+                          f"{config.hf_config.num_labels}; only value models (num_labels=1) convert")
+    check_megatron_compatible(config)
+    out_dtype = resolve_dtype(dtype, None) if dtype is not None else None
+    ckpt = SafetensorsCheckpoint(path)
+    jobs = global_jobs(config, head_kind)
+    value_init = head_kind == "value" and "score.weight" not in ckpt
+    reader = SafetensorsFileReader()
+    try:
+        _validate_hf(ckpt, reader, config, jobs, value_init)
+    except BaseException:
+        reader.close()
+        raise
+    L = config.num_layers
+
+    def read(name):
+        return reader.read(ckpt.files[name], name)
+
+    def value_head():
+        gen = torch.Generator().manual_seed(value_head_seed)
+        return torch.randn((1, config.hidden_size), generator=gen) * config.initializer_range
+
+    items: list[ChunkItem] = []
+    for rule, layer in jobs:
+        names = hf_names(rule, layer)
+        key = mcore_key(rule, layer_spec)
+        mshape = expected_mcore_shape(rule, config)
+        src_dtype = ckpt.dtype("model.embed_tokens.weight" if (value_init and names == (
+            "score.weight",)) else names[0])
+        dt = out_dtype or src_dtype
+        lead = (layer,) if layer is not None else ()
+        gshape = ((L,) if layer is not None else ()) + tuple(mshape)
+        zeros = (0,) * len(mshape)
+        sizes = ((1,) if layer is not None else ())
+
+        def shaped(t, layer=layer):
+            return t.unsqueeze(0) if layer is not None else t
+
+        if rule.rule == "gate_up":  # two chunks, as megatron-core saves its SwiGLU fc1
+            for comp, name in enumerate(names):
+                part = (mshape[0] // 2, *mshape[1:])
+                off = lead + (comp * part[0],) + zeros[1:]
+                items.append(ChunkItem(key, off, sizes + part, gshape, dt,
+                                       lambda n=name, s=shaped: s(read(n))))
+        elif value_init and names == ("score.weight",):
+            items.append(ChunkItem(key, lead + zeros, sizes + tuple(mshape), gshape, dt,
+                                   lambda: value_head()))
+        else:
+            items.append(ChunkItem(key, lead + zeros, sizes + tuple(mshape), gshape, dt,
+                                   lambda ns=names, r=rule, s=shaped:
+                                   s(hf_to_mcore(r, [read(n) for n in ns], config))))
+    stats = {"tensors": 0, "bytes": 0}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(items), desc=PROG, unit="tensor", file=sys.stderr)
+
+    def on_item(item, data):
+        stats["tensors"] += 1
+        stats["bytes"] += data.numel() * data.element_size()
+        if bar is not None:
+            bar.update(1)
+
+    written_dtype = out_dtype or ckpt.dtype("model.embed_tokens.weight")
+    try:
+        with AtomicOutputDir(output, overwrite) as tmp:
+            write_dist_checkpoint(tmp, items, extra_state_items(L), threads=threads,
+                                  on_item=on_item)
+            write_hf_config(tmp, config.hf_config, architecture=hf_architecture(family, head_kind),
+                            head_kind=head_kind, dtype=written_dtype)
+            info = mcore_config_dict(config, head_kind=head_kind, dtype=written_dtype,
+                                     layer_spec=layer_spec)
+            info["source"] = {"hf_path": hf_path, "value_head_initialized": value_init}
+            with open(os.path.join(tmp, MCORE_CONFIG_FILE), "w") as f:
+                json.dump(info, f, indent=2)
+            copy_extra_files(path, tmp)
+    finally:
+        reader.close()
+        if bar is not None:
+            bar.close()
+    if value_init:
+        print(f"{PROG}: {path} has no score.weight: the value head was initialized "
+              f"N(0, {config.initializer_range}) with seed {value_head_seed}", file=sys.stderr)
+    for note in info["notes"]:
+        print(f"{PROG}: note: {note}", file=sys.stderr)
+    n_hf = sum(len(rule.hf) for rule, _ in jobs)  # HF tensors converted (chunks: stats)
+    return {"path": output, "tensors": n_hf, "chunks": stats["tensors"], "bytes": stats["bytes"],
+            "seconds": time.perf_counter() - start}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, description="Convert an HF Llama/Qwen2 checkpoint (safetensors) to a "
+        "megatron-core GPTModel dist checkpoint (torch_dist) loadable at any TP/PP.")
+    p.add_argument("--hf-path", required=True, help="HF model folder or hub id")
+    p.add_argument("--output", required=True, help="new (or empty) output folder")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="cast the weights (default: keep the checkpoint's dtype)")
+    p.add_argument("--layer-spec", choices=["te", "local"], default="te",
+                   help="norm key names: 'te' = transformer-engine names (linear_qkv."
+                   "layer_norm_weight, linear_fc1.layer_norm_weight), which megatron-core 0.16's "
+                   "GPTModel uses with either spec; 'local' = input_layernorm / pre_mlp_layernorm "
+                   "(a local spec without the key map). Default: te")
+    p.add_argument("--value", action="store_true",
+                   help="a value model (critic / reward): score.weight -> output_layer.weight "
+                   "[1, hidden]; *ForSequenceClassification inputs are value models anyway")
+    p.add_argument("--threads", type=int, default=1,
+                   help="writer threads (memory grows with them; default 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv=None) -> int:
+    from conversion._cli import run
+
+    args = build_parser().parse_args(argv)
+    return run(PROG, lambda: convert_hf_to_mcore(
+        args.hf_path, args.output, dtype=args.dtype, layer_spec=args.layer_spec, value=args.value,
+        threads=args.threads, progress=not args.quiet))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""mcore2hf: a megatron-core ``GPTModel`` dist checkpoint (torch_dist, saved at any TP/PP by
+megatron-core, Megatron-LM, ``hf2mcore`` or ``save_mcore``) -> an HF folder that
+``transformers.AutoModelForCausalLM.from_pretrained`` loads (value models:
+``AutoModelForSequenceClassification``).
+
+    mcore2hf --mcore-path DIR --output DIR [--hf-config DIR]
+
+``--hf-config``: a folder with the model's HF ``config.json`` (needed when the checkpoint has none
+next to it, e.g. one Megatron-LM wrote; its tokenizer files are copied too). A Megatron-LM run
+folder (with ``latest_checkpointed_iteration.txt``) resolves to its latest iteration. Either norm
+naming (transformer-engine or local spec) is read. Each HF tensor is assembled from the chunks
+that hold it and streamed into size-limited safetensors shards; everything goes to a temporary
+folder renamed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from conversion._cli import quiet_megatron_import
+
+with quiet_megatron_import():  # megatron-core warns about optional GPU extras on import
+    from parallel_models.config import ModelConfig
+    from parallel_models.llama.checkpoint_utils.files import (AtomicOutputDir, ShardedSafetensorsWriter,
+                                                             check_output_dir, copy_extra_files,
+                                                             hf_architecture, write_hf_config)
+    from parallel_models.llama.checkpoint_utils.loader import CheckpointError
+    from parallel_models.llama.checkpoint_utils.mcore import McoreCheckpoint, resolve_mcore_dir
+    from parallel_models.llama.checkpoint_utils.saver import global_jobs, hf_names
+
+PROG = "mcore2hf"
+
+
+def convert_mcore_to_hf(mcore_path: str, output: str, *, hf_config: str | None = None,
+                        max_shard_size: int | str = "5GB", progress: bool = True,
+                        overwrite: bool = False) -> dict:
+    """Convert; returns ``{"path", "tensors", "bytes", "seconds"}``. Raises CheckpointError /
+    ConfigError on bad input before anything is written."""
+    from parallel_models.registry import family_of
+
+    start = time.perf_counter()
+    check_output_dir(output, overwrite)
+    folder = resolve_mcore_dir(mcore_path)
+    if hf_config is not None:
+        if not os.path.isdir(hf_config):
+            raise CheckpointError(f"--hf-config {hf_config}: not a folder (give the folder that "
+                                  "holds config.json)")
+        config = ModelConfig.from_hf(hf_config)
+    elif os.path.isfile(os.path.join(folder, "config.json")):
+        config = ModelConfig.from_hf(folder)
+    else:
+        raise CheckpointError(f"{folder}: no config.json next to the dist checkpoint; pass "
+                              "--hf-config DIR (a folder with the model's HF config.json)")
+    family = family_of(config.architecture)
+    ckpt = McoreCheckpoint(folder, config)
+    jobs = global_jobs(config, ckpt.head_kind)
+    names = [n for rule, layer in jobs for n in hf_names(rule, layer)]
+    ckpt.validate(names)  # every key, shape, file and byte range, before writing anything
+    specs = [(n, tuple(ckpt.shape(n)), ckpt.dtype(n)) for n in names]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(names), desc=PROG, unit="tensor", file=sys.stderr)
+    try:
+        with AtomicOutputDir(output, overwrite) as tmp:
+            writer = ShardedSafetensorsWriter(tmp, specs, max_shard_size)
+            try:
+                for name in names:
+                    writer.write(name, ckpt(name, None, None, None))
+                    if bar is not None:
+                        bar.update(1)
+                writer.close()
+            except BaseException:
+                writer.abort()
+                raise
+            write_hf_config(tmp, config.hf_config,
+                            architecture=hf_architecture(family, ckpt.head_kind),
+                            head_kind=ckpt.head_kind, dtype=ckpt.dtype("model.embed_tokens.weight"))
+            copy_extra_files(folder, tmp)
+            if hf_config is not None:
+                copy_extra_files(hf_config, tmp)
+    finally:
+        if bar is not None:
+            bar.close()
+        ckpt.close()
+    return {"path": output, "tensors": len(names), "bytes": writer.bytes_written,
+            "seconds": time.perf_counter() - start}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, description="Convert a megatron-core GPTModel dist checkpoint (torch_dist, any "
+        "TP/PP) to an HF folder (safetensors shards + index + config.json).")
+    p.add_argument("--mcore-path", required=True,
+                   help="dist checkpoint folder (or a Megatron-LM run folder)")
+    p.add_argument("--output", required=True, help="new (or empty) output folder")
+    p.add_argument("--hf-config", default=None,
+                   help="folder with the model's HF config.json (default: the one in --mcore-path)")
+    p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv=None) -> int:
+    from conversion._cli import run
+
+    args = build_parser().parse_args(argv)
+    return run(PROG, lambda: convert_mcore_to_hf(
+        args.mcore_path, args.output, hf_config=args.hf_config,
+        max_shard_size=args.max_shard_size, progress=not args.quiet))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

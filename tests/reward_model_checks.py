@@ -1,0 +1,288 @@
+"""Builders and the gloo worker for the reward-model tests (importable by spawned processes).
+
+Three tokenizers, all made locally:
+- the actor's: the built-in lowercase character tokenizer (BOS/EOS, ``role: content`` template);
+- ``rm_chat``: a BPE trained here on a few sentences (case-sensitive, merges, other ids), no BOS,
+  a ChatML template with ``<|im_start|>``/``<|im_end|>``;
+- ``rm_plain``: a character tokenizer with another vocabulary order, a ``<bos>`` added on encode
+  and no chat template (plain concatenation).
+"""
+
+from __future__ import annotations
+
+import string
+
+import torch
+
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+          "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog. " * 3,
+    "what is two plus two? four. once upon a time there was a cat who liked to sleep in the sun.",
+    "User: hello there\nAssistant: hi, how can I help you today?",
+    "name a color: blue, like the sky. tell me a story about a cat.",
+]
+
+# (prompt text or chat messages, response text, response ends with the actor's EOS)
+SAMPLES = [
+    {"prompt": "what is two plus two?", "response": "four.", "eos": True},
+    {"messages": [{"role": "system", "content": "be brief."},
+                  {"role": "user", "content": "name a color"}],
+     "response": "blue, like the sky.", "eos": True},
+    {"prompt": "say nothing", "response": "", "eos": False},          # empty response
+    {"prompt": "tell me a story about a cat",
+     "response": "once upon a time there was a cat who liked to sleep in the sun all day long.",
+     "eos": False},                                                     # cut at max_new_tokens
+    {"prompt": "hi", "response": "", "eos": True},                    # only the stop token
+]
+# what the actor's chat template renders for sample 1, special tokens dropped
+ACTOR_CHAT_PROMPT_1 = "system: be brief.\nuser: name a color\nassistant: "
+
+
+def build_rm_chat_tokenizer():
+    from tokenizers import Tokenizer, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # pad = 0 = the RM's pad_token_id
+    tok = Tokenizer(models.BPE())
+    trainer = trainers.BpeTrainer(vocab_size=180, special_tokens=specials,
+                                  initial_alphabet=list(string.printable), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>",
+                                   eos_token="<|im_end|>", chat_template=CHATML,
+                                   model_max_length=4096)
+
+
+def build_rm_plain_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set(string.printable) - set("\r\x0b\x0c\t"), reverse=True)
+    tokens = ["<pad>", "<bos>", "<eos>", "<unk>"] + chars
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                            special_tokens=[("<bos>", vocab["<bos>"])])
+    tok.add_special_tokens(["<pad>", "<bos>", "<eos>", "<unk>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", unk_token="<unk>", model_max_length=4096)
+
+
+# ---- actor batches in every layout ---------------------------------------------------------------
+def actor_ids(actor_tok):
+    """(prompt ids, response ids, messages-or-None) per sample, as the PPO rollout makes them."""
+    out = []
+    for s in SAMPLES:
+        if "messages" in s:
+            text = actor_tok.apply_chat_template(s["messages"], tokenize=False,
+                                                 add_generation_prompt=True)
+            prompt = list(actor_tok(text, add_special_tokens=False)["input_ids"])
+        else:
+            prompt = list(actor_tok(s["prompt"])["input_ids"])
+        resp = list(actor_tok(s["response"], add_special_tokens=False)["input_ids"])
+        if s["eos"]:
+            resp.append(actor_tok.eos_token_id)
+        out.append((prompt, resp, s.get("messages")))
+    return out
+
+
+def make_batches(rows, pad_id: int = 0) -> dict[str, dict]:
+    """The same rows as a PPO batch (left-padded prompt + right-padded response), a fully
+    left-padded batch, a fully right-padded batch and a packed batch."""
+    n = len(rows)
+    messages = [m for _, _, m in rows]
+    P = max(len(p) for p, _, _ in rows)
+    R = max(max(len(r) for _, r, _ in rows), 1)
+    seq = torch.full((n, P + R), pad_id, dtype=torch.long)
+    attn = torch.zeros(n, P + R, dtype=torch.long)
+    resp_mask = torch.zeros(n, R, dtype=torch.long)
+    for i, (p, r, _) in enumerate(rows):
+        seq[i, P - len(p):P] = torch.tensor(p)
+        attn[i, P - len(p):P] = 1
+        if r:
+            seq[i, P:P + len(r)] = torch.tensor(r)
+            attn[i, P:P + len(r)] = 1
+            resp_mask[i, :len(r)] = 1
+    ppo = {"sequences": seq, "attention_mask": attn, "response_mask": resp_mask,
+           "prompt_lengths": torch.tensor([len(p) for p, _, _ in rows]), "messages": messages}
+
+    L = max(len(p) + len(r) for p, r, _ in rows) + 2
+    batches = {"ppo": ppo}
+    for side in ("left", "right"):
+        seq = torch.full((n, L), pad_id, dtype=torch.long)
+        attn = torch.zeros(n, L, dtype=torch.long)
+        rmask = torch.zeros(n, L, dtype=torch.long)
+        for i, (p, r, _) in enumerate(rows):
+            full = p + r
+            start = L - len(full) if side == "left" else 0
+            seq[i, start:start + len(full)] = torch.tensor(full)
+            attn[i, start:start + len(full)] = 1
+            rmask[i, start + len(p):start + len(full)] = 1
+        b = {"sequences": seq, "attention_mask": attn, "response_mask": rmask,
+             "messages": messages}
+        if side == "right":
+            b["prompt_lengths"] = torch.tensor([len(p) for p, _, _ in rows])
+        # left: prompt lengths are derived from response_mask
+        batches[side] = b
+    flat = [t for p, r, _ in rows for t in p + r]
+    lengths = torch.tensor([len(p) + len(r) for p, r, _ in rows])
+    packed_resp = torch.tensor([v for p, r, _ in rows for v in [0] * len(p) + [1] * len(r)])
+    batches["packed"] = {"input_ids": torch.tensor(flat, dtype=torch.long),
+                         "cu_seqlens": torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int(),
+                         "prompt_lengths": torch.tensor([len(p) for p, _, _ in rows]),
+                         "messages": messages}
+    batches["packed_mask"] = {**batches["packed"], "response_mask": packed_resp}
+    del batches["packed_mask"]["prompt_lengths"]
+    return batches
+
+
+# ---- the worker -----------------------------------------------------------------------------------
+class CallCounter:
+    """Wraps a tokenizer's decode-like methods (on the instance) and counts the calls."""
+
+    NAMES = ("decode", "batch_decode", "convert_ids_to_tokens", "apply_chat_template", "encode")
+
+    def __init__(self, tok):
+        self.calls = {name: 0 for name in self.NAMES}
+        for name in self.NAMES:
+            original = getattr(tok, name)
+
+            def wrapper(*args, _name=name, _orig=original, **kwargs):
+                self.calls[_name] += 1
+                return _orig(*args, **kwargs)
+
+            setattr(tok, name, wrapper)
+
+    @property
+    def decodes(self) -> int:
+        return self.calls["decode"] + self.calls["batch_decode"]
+
+
+def _tensor_snapshot(rm):
+    return [t.detach().clone() for t in rm.tensors()]
+
+
+def _check_offload(rm_path, rm_tok, actor_tok_path, batch, device_type) -> dict:
+    """Explicit offload/onload and the automatic mode (bookkeeping on CPU, device on CUDA)."""
+    from transformers import AutoTokenizer
+
+    from parallel_models.rl.reward_model import RewardModel
+
+    actor_tok = AutoTokenizer.from_pretrained(actor_tok_path)
+    out = {}
+    rm = RewardModel(rm_path, tokenizer=rm_tok, actor_tokenizer=actor_tok, dtype=torch.float32,
+                     offload=False)
+    base = rm.score(batch)
+    before = _tensor_snapshot(rm)
+    ptrs = [t.data_ptr() for t in rm.tensors()]
+    params = [id(p) for c in rm.chunks for p in c.parameters()]
+    out["initially_offloaded"] = rm.is_offloaded
+    out["n_tensors"] = len(ptrs)
+    out["n_params"] = sum(1 for c in rm.chunks for _ in c.parameters())
+    out["n_buffers"] = sum(1 for c in rm.chunks for _ in c.buffers())
+    out["moved_bytes"] = rm.offload()
+    out["offloaded_flag"] = rm.is_offloaded
+    out["on_compute_device_after_offload"] = sum(t.device.type == device_type and device_type != "cpu"
+                                                 for t in rm.tensors())
+    out["same_storage_after_offload"] = sum(t.data_ptr() == p for t, p in zip(rm.tensors(), ptrs))
+    out["pinned_after_offload"] = all(t.is_pinned() for t in rm.tensors()) \
+        if device_type == "cuda" else None
+    out["second_offload_bytes"] = rm.offload()  # idempotent
+    while_off = rm.score(batch)
+    out["offloaded_after_score"] = rm.is_offloaded  # the call restores the offloaded state
+    out["score_while_offloaded_err"] = (while_off - base).abs().max().item()
+    rm.onload()
+    out["onloaded_flag"] = rm.is_offloaded
+    out["bit_identical_after_onload"] = all(torch.equal(a.cpu(), b.cpu())
+                                            for a, b in zip(rm.tensors(), before))
+    out["same_parameter_objects"] = [id(p) for c in rm.chunks for p in c.parameters()] == params
+    rm.score(batch)
+    out["resident_after_score"] = not rm.is_offloaded  # offload=False keeps an onloaded model
+
+    auto = RewardModel(rm_path, tokenizer=rm_tok, actor_tokenizer=actor_tok,
+                       dtype=torch.float32, offload=True)
+    out["auto_offloaded_at_setup"] = auto.is_offloaded
+    auto_scores = auto.score(batch)
+    out["auto_offloaded_after_score"] = auto.is_offloaded
+    out["auto_err"] = (auto_scores - base).abs().max().item()
+    return out
+
+
+def run_checks(paths: dict, batches: dict, settings: list[tuple[int, int]],
+               trunc_lengths: list[int]) -> dict:
+    """Every reward-model check at each (tp, pp) of ``settings`` in one spawn."""
+    from transformers import AutoTokenizer
+
+    import parallel_models as pm
+    from parallel_models.config import ConfigError
+    from parallel_models.rl.config import RewardSection
+    from parallel_models.rl.reward_model import RewardModel
+
+    results = {}
+    device_type = pm.compute_device().type if torch.cuda.is_available() else "cpu"
+    for tp, pp in settings:
+        pm.init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        res: dict = {"scores": {}, "ids": {}, "token_level": {}, "decodes": {}}
+        actor_tok = AutoTokenizer.from_pretrained(paths["actor_tok"])
+        counter = CallCounter(actor_tok)
+        for name in ("chat", "plain"):
+            rm = RewardModel(paths[f"rm_{name}"], tokenizer=paths.get(f"tok_{name}"),
+                             actor_tokenizer=actor_tok, dtype=torch.float32, offload=False,
+                             micro_batch_tokens=64, tensor_parallel_size=tp,
+                             pipeline_parallel_size=pp)
+            res[f"same_tokenizer_{name}"] = rm.same_tokenizer
+            before = counter.decodes
+            for layout, batch in batches.items():
+                res["scores"][(name, layout)] = rm.score(batch)
+                res["ids"][(name, layout)] = rm.encode_batch(batch)[0]
+                res["token_level"][(name, layout)] = rm.token_level_rewards(batch)
+            res["decodes"][name] = counter.decodes - before
+            res[f"metrics_{name}"] = dict(rm.metrics)
+
+        # same tokenizer: the actor's ids go in as they are, nothing decoded
+        same_actor = AutoTokenizer.from_pretrained(paths["actor_tok"])  # another object
+        same_rm_tok = AutoTokenizer.from_pretrained(paths["actor_tok"])
+        c_actor, c_rm = CallCounter(same_actor), CallCounter(same_rm_tok)
+        rm = RewardModel(paths["rm_chat"], tokenizer=same_rm_tok, actor_tokenizer=same_actor,
+                         dtype=torch.float32, offload=False)
+        res["fast_path"] = rm.same_tokenizer
+        res["fast_scores"] = {k: rm.score(b) for k, b in batches.items()}
+        res["fast_calls"] = {"actor": dict(c_actor.calls), "rm": dict(c_rm.calls)}
+
+        # truncation policies and the metric
+        for policy in ("left", "right"):
+            for m in trunc_lengths:
+                rm = RewardModel(paths["rm_chat"], actor_tokenizer=actor_tok, dtype=torch.float32,
+                                 offload=False, max_length=m, truncation=policy)
+                res[("trunc", policy, m)] = {"scores": rm.score(batches["ppo"]),
+                                             "ids": rm.encode_batch(batches["ppo"])[0],
+                                             "metrics": dict(rm.metrics),
+                                             "total": rm.num_truncated}
+
+        res["offload"] = _check_offload(paths["rm_chat"], paths.get("tok_chat"), paths["actor_tok"],
+                                        batches["ppo"], device_type)
+
+        # the trainer's entry point, and the clear error for a reward TP/PP unlike the actor's
+        section = RewardSection(type="model", model_path=paths["rm_chat"],
+                                tensor_parallel_size=tp, pipeline_parallel_size=pp, offload=True)
+        rm = RewardModel.from_config(section, actor_tok, dtype=torch.float32)
+        res["from_config_scores"] = rm.score(batches["ppo"])
+        res["from_config_offloaded"] = rm.is_offloaded
+        for key, bad in (("tp", RewardSection(type="model", model_path=paths["rm_chat"],
+                                              tensor_parallel_size=tp + 1,
+                                              pipeline_parallel_size=pp)),
+                         ("pp", RewardSection(type="model", model_path=paths["rm_chat"],
+                                              tensor_parallel_size=tp,
+                                              pipeline_parallel_size=pp + 1))):
+            try:
+                RewardModel.from_config(bad, actor_tok)
+                res[f"bad_{key}_error"] = None
+            except ConfigError as err:
+                res[f"bad_{key}_error"] = str(err)
+        results[(tp, pp)] = res
+    return results

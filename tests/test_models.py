@@ -2,7 +2,6 @@
 with replicated KV heads); padded and RmPad; left and right padding. fp32, max abs <= 1e-4."""
 
 import pytest
-import torch
 
 from parallel_models.testing import run_distributed, save_tiny_hf_model
 from tests import model_checks

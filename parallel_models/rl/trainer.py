@@ -13,7 +13,6 @@ import logging
 import os
 import random
 import shutil
-import time
 
 import numpy as np
 import torch

@@ -854,9 +854,10 @@ def save_mcore(model, out_dir: str, *, layer_spec: str = "te", overwrite: bool =
 
     from parallel_models import cpu_shim
     from parallel_models.llama.checkpoint_utils.files import (check_output_dir, copy_extra_files,
-                                                             hf_architecture, publish_dir,
-                                                             temp_dir_for, write_hf_config)
-    from parallel_models.llama.checkpoint_utils.saver import _all_ok, _device_of, _family
+                                                             hf_architecture, temp_dir_for,
+                                                             write_hf_config)
+    from parallel_models.llama.checkpoint_utils.saver import (_all_ok, _device_of, _family,
+                                                              publish_or_raise)
 
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     first = chunks[0]
@@ -916,16 +917,5 @@ def save_mcore(model, out_dir: str, *, layer_spec: str = "te", overwrite: bool =
                              else getattr(first, "name_or_path", None), tmp)
         except BaseException as err:  # noqa: BLE001
             failure = err
-    ok = _all_ok(failure is None, device)
-    if rank == 0:
-        if ok:
-            try:
-                publish_dir(tmp, out_dir, overwrite)
-            except BaseException as err:  # noqa: BLE001
-                failure = err
-        if not ok or failure is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    if not _all_ok(failure is None, device) or failure is not None:
-        raise failure or CheckpointError(f"save_mcore: saving {out_dir} failed on another rank; "
-                                         "nothing was written")
+    publish_or_raise(tmp, out_dir, overwrite, failure, device, rank, "save_mcore")
     return {"path": out_dir, "seconds": time.perf_counter() - start}

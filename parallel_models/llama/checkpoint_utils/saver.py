@@ -105,6 +105,30 @@ class _Placement:
         return params[name]
 
 
+def publish_or_raise(tmp: str, out_dir: str, overwrite: bool, failure, device, rank: int,
+                     what: str, cleanup=None) -> None:
+    """End of a collective save: if every rank succeeded, rank 0 renames ``tmp`` to ``out_dir``;
+    otherwise (or if that fails) ``tmp`` is removed and every rank raises."""
+    import shutil
+
+    ok = _all_ok(failure is None, device)
+    if rank == 0:
+        if ok:
+            try:
+                publish_dir(tmp, out_dir, overwrite)
+            except BaseException as err:  # noqa: BLE001
+                failure = err
+        if not ok or failure is not None:
+            if cleanup is not None:
+                cleanup()
+            shutil.rmtree(tmp, ignore_errors=True)
+    published = _all_ok(failure is None, device)
+    if failure is not None:
+        raise failure
+    if not published:
+        raise CheckpointError(f"{what}: saving {out_dir} failed on another rank; nothing was written")
+
+
 def _all_ok(ok: bool, device) -> bool:
     flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -221,25 +245,8 @@ def save_pretrained(model, out_dir: str, *, max_shard_size: int | str = "5GB", d
     finally:
         if bar is not None:
             bar.close()
-    ok = _all_ok(failure is None, device)
-    if rank == 0:
-        if ok:
-            try:
-                publish_dir(tmp, out_dir, overwrite)
-            except BaseException as err:  # noqa: BLE001
-                failure = err
-        if not ok or failure is not None:
-            if writer is not None:
-                writer.abort()
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
-    published = _all_ok(failure is None, device)
-    if failure is not None:
-        raise failure
-    if not published:
-        raise CheckpointError(f"save_pretrained: saving {out_dir} failed on another rank; "
-                              "nothing was written")
+    publish_or_raise(tmp, out_dir, overwrite, failure, device, rank, "save_pretrained",
+                     cleanup=writer.abort if writer is not None else None)
     nbytes = writer.bytes_written if writer is not None else 0
     return {"path": out_dir, "tensors": len(writer.specs) if writer is not None else 0,
             "bytes": nbytes, "seconds": time.perf_counter() - start}

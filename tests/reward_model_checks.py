@@ -141,7 +141,7 @@ def make_batches(rows, pad_id: int = 0) -> dict[str, dict]:
     return batches
 
 
-# ---- the worker -----------------------------------------------------------------------------------
+# ---- the worker ----------------------------------------------------------------------------------
 class CallCounter:
     """Wraps a tokenizer's decode-like methods (on the instance) and counts the calls."""
 
@@ -187,8 +187,8 @@ def _check_offload(rm_path, rm_tok, actor_tok_path, batch, device_type) -> dict:
     out["n_buffers"] = sum(1 for c in rm.chunks for _ in c.buffers())
     out["moved_bytes"] = rm.offload()
     out["offloaded_flag"] = rm.is_offloaded
-    out["on_compute_device_after_offload"] = sum(t.device.type == device_type and device_type != "cpu"
-                                                 for t in rm.tensors())
+    out["on_compute_device_after_offload"] = sum(
+        t.device.type == device_type and device_type != "cpu" for t in rm.tensors())
     out["same_storage_after_offload"] = sum(t.data_ptr() == p for t, p in zip(rm.tensors(), ptrs))
     out["pinned_after_offload"] = all(t.is_pinned() for t in rm.tensors()) \
         if device_type == "cuda" else None
@@ -213,9 +213,9 @@ def _check_offload(rm_path, rm_tok, actor_tok_path, batch, device_type) -> dict:
     return out
 
 
-def run_checks(paths: dict, batches: dict, settings: list[tuple[int, int]],
+def run_checks(paths: dict, batches: dict, settings: list[tuple[int, int, bool]],
                trunc_lengths: list[int]) -> dict:
-    """Every reward-model check at each (tp, pp) of ``settings`` in one spawn."""
+    """Every reward-model check at each (tp, pp, sequence_parallel) of ``settings``, one spawn."""
     from transformers import AutoTokenizer
 
     import parallel_models as pm
@@ -225,8 +225,8 @@ def run_checks(paths: dict, batches: dict, settings: list[tuple[int, int]],
 
     results = {}
     device_type = pm.compute_device().type if torch.cuda.is_available() else "cpu"
-    for tp, pp in settings:
-        pm.init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    for tp, pp, sp in settings:
+        pm.init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp, sequence_parallel=sp)
         res: dict = {"scores": {}, "ids": {}, "token_level": {}, "decodes": {}}
         actor_tok = AutoTokenizer.from_pretrained(paths["actor_tok"])
         counter = CallCounter(actor_tok)
@@ -284,5 +284,81 @@ def run_checks(paths: dict, batches: dict, settings: list[tuple[int, int]],
                 res[f"bad_{key}_error"] = None
             except ConfigError as err:
                 res[f"bad_{key}_error"] = str(err)
-        results[(tp, pp)] = res
+        res["sequence_parallel"] = [c.sequence_parallel for c in rm.chunks]
+        res["n_chunks_layers"] = [len(c.model.layers) for c in rm.chunks]
+        results[(tp, pp, sp)] = res
     return results
+
+
+# ---- GPU (run by hand on a CUDA machine; the CPU tests cannot see device memory) -----------------
+def gpu_offload_report(root: str) -> dict:
+    """One process, TP=1 on the current GPU: scores vs transformers on the GPU, and the device
+    memory an offloaded reward model frees. Returns plain numbers (MiB, seconds, errors)."""
+    import time
+
+    from transformers import AutoModelForSequenceClassification
+
+    import parallel_models as pm
+    from parallel_models.rl.reward_model import RewardModel
+    from parallel_models.rl.tokenizer import build_builtin_tokenizer
+    from parallel_models.testing import save_tiny_hf_model
+
+    assert torch.cuda.is_available()
+    pm.init_parallel(tensor_parallel_size=1)
+    actor_tok, chat_tok = build_builtin_tokenizer(), build_rm_chat_tokenizer()
+    small = save_tiny_hf_model(f"{root}/rm_small", "llama", head="value", seed=3)
+    chat_tok.save_pretrained(small)
+    big = save_tiny_hf_model(f"{root}/rm_big", "llama", head="value", seed=5, hidden_size=1024,
+                             intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                             num_key_value_heads=4)
+    chat_tok.save_pretrained(big)
+    rows = actor_ids(actor_tok)
+    batch = {k: v for k, v in make_batches(rows)["ppo"].items()}
+    mib = lambda: torch.cuda.memory_allocated() / 2**20  # noqa: E731
+    out = {"device": torch.cuda.get_device_name()}
+
+    rm = RewardModel(small, actor_tokenizer=actor_tok, dtype=torch.float32, offload=True)
+    got = rm.score(batch)
+    ids = rm.encode_batch(batch)[0]
+    hf = AutoModelForSequenceClassification.from_pretrained(small, dtype=torch.float32)
+    hf = hf.cuda().eval()
+    with torch.no_grad():
+        want = torch.tensor([hf(torch.tensor([s], device="cuda")).logits[0, 0].item() for s in ids])
+    out["small_max_abs_err_vs_hf"] = (got - want).abs().max().item()
+    out["small_on_cuda_after_score"] = sum(t.is_cuda for t in rm.tensors())
+    del hf, rm
+    torch.cuda.empty_cache()
+
+    base = mib()
+    rm = RewardModel(big, actor_tokenizer=actor_tok, dtype=torch.float32, offload=False)
+    out["param_mib"] = sum(t.numel() * t.element_size() for t in rm.tensors()) / 2**20
+    out["resident_mib"] = mib() - base
+    ref = rm.score(batch)
+    t0 = time.perf_counter()
+    moved = rm.offload()
+    out["offload_s"] = time.perf_counter() - t0
+    out["moved_mib"] = moved / 2**20
+    out["after_offload_mib"] = mib() - base
+    out["freed_mib"] = out["resident_mib"] - out["after_offload_mib"]
+    out["on_cuda_after_offload"] = sum(t.is_cuda for t in rm.tensors())
+    moved_ids = set(rm._moved)
+    out["moved_tensors"] = len(moved_ids)
+    out["unpinned_moved"] = [k for k in moved_ids if not rm.tensors()[k].is_pinned()]
+    out["never_on_gpu"] = [tuple(rm.tensors()[k].shape) for k in range(len(rm.tensors()))
+                           if k not in moved_ids]  # built on the host (e.g. rotary inv_freq)
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    again = rm.score(batch)  # onload, score, offload again
+    out["score_with_onload_s"] = time.perf_counter() - t0
+    out["peak_during_score_mib"] = torch.cuda.max_memory_allocated() / 2**20 - base
+    out["after_score_mib"] = mib() - base
+    out["offloaded_after_score"] = rm.is_offloaded
+    out["score_diff_after_round_trip"] = (again - ref).abs().max().item()
+    t0 = time.perf_counter()
+    rm.onload()
+    out["onload_s"] = time.perf_counter() - t0
+    out["after_onload_mib"] = mib() - base
+    t0 = time.perf_counter()
+    rm.offload()
+    out["second_offload_s"] = time.perf_counter() - t0
+    return out

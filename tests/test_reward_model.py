@@ -4,7 +4,8 @@ without decoding, token-level placement (PPO, left-, right-padded, packed), trun
 metric, empty responses, offload bookkeeping, and the trainer's entry point.
 
 All multi-rank checks run in one spawn of 2 gloo ranks (TP=1 as 2 data-parallel replicas, then
-TP=2, then PP=2); the references are computed here, from the original texts, with transformers.
+TP=2, TP=2 + sequence parallel, then PP=2); the references are computed here, from the original
+texts, with transformers.
 """
 
 import pytest
@@ -15,8 +16,8 @@ from parallel_models.testing import run_distributed, save_tiny_hf_model
 from tests import reward_model_checks as rc
 
 TOL = 1e-4
-SETTINGS = [(1, 1), (2, 1), (1, 2)]
-SETTING_IDS = ["tp1", "tp2", "pp2"]
+SETTINGS = [(1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False)]  # (tp, pp, seq. parallel)
+SETTING_IDS = ["tp1", "tp2", "tp2_sp", "pp2"]
 LAYOUTS = ("ppo", "left", "right", "packed", "packed_mask")
 
 
@@ -33,7 +34,8 @@ def _expected_rm_ids(tok, with_template: bool):
     out = []
     for i, s in enumerate(rc.SAMPLES):
         if with_template:
-            conv = list(s["messages"]) if "messages" in s else [{"role": "user", "content": s["prompt"]}]
+            conv = list(s["messages"]) if "messages" in s else \
+                [{"role": "user", "content": s["prompt"]}]
             conv.append({"role": "assistant", "content": s["response"]})
             text = tok.apply_chat_template(conv, tokenize=False)
             out.append(list(tok(text, add_special_tokens=False)["input_ids"]))
@@ -62,7 +64,8 @@ def env(tmp_path_factory):
 
     rows = rc.actor_ids(actor_tok)
     batches = rc.make_batches(rows)
-    want_ids = {"chat": _expected_rm_ids(chat_tok, True), "plain": _expected_rm_ids(plain_tok, False)}
+    want_ids = {"chat": _expected_rm_ids(chat_tok, True),
+                "plain": _expected_rm_ids(plain_tok, False)}
     lengths = sorted(len(x) for x in want_ids["chat"])
     trunc = [lengths[len(lengths) // 2]]  # some rows over, some not
     want = {name: _hf_scores(paths[f"rm_{name}"], ids) for name, ids in want_ids.items()}
@@ -209,16 +212,19 @@ def test_offload_bookkeeping(env, setting):
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=SETTING_IDS)
 def test_from_config_and_parallel_size_must_match_actor(env, setting):
-    tp, pp = setting
+    tp, pp, sp = setting
     for rank, res in _ranks(env, setting):
+        assert res["sequence_parallel"] == [sp] * len(res["sequence_parallel"])
+        assert res["n_chunks_layers"] == [2 // pp]  # PP=2: one of the two layers per stage
         assert (res["from_config_scores"] - env["want"]["chat"]).abs().max() <= TOL
-        assert res["from_config_offloaded"] is True
-        assert res["bad_tp_error"] and f"reward.tensor_parallel_size={tp + 1}" in res["bad_tp_error"]
-        assert f"({tp})" in res["bad_tp_error"]
-        assert res["bad_pp_error"] and f"reward.pipeline_parallel_size={pp + 1}" in res["bad_pp_error"]
+        # reward.offload=true acts on CUDA only (automatic there, resident on a CPU machine)
+        assert res["from_config_offloaded"] is torch.cuda.is_available()
+        bad_tp, bad_pp = res["bad_tp_error"], res["bad_pp_error"]
+        assert bad_tp and f"reward.tensor_parallel_size={tp + 1}" in bad_tp and f"({tp})" in bad_tp
+        assert bad_pp and f"reward.pipeline_parallel_size={pp + 1}" in bad_pp
 
 
-# ---- single-process unit checks --------------------------------------------------------------------
+# ---- single-process unit checks ------------------------------------------------------------------
 def test_place_scores_layouts():
     scores = torch.tensor([1.0, 2.0, 3.0])
     # right-padded responses [N, R]; row 1 empty

@@ -114,9 +114,14 @@ class RewardSection:
     function: str = "parallel_models.rl.rewards.vowel_reward"  # for type=rule
     model_path: str | None = None    # for type=model: an HF sequence-classification folder
     tokenizer: str | None = None     # None = the reward model's own tokenizer
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    offload: bool = False
+    # the reward model shares the actor's model-parallel groups for now: None = the actor's;
+    # any other value must equal it (RewardModel raises a ConfigError otherwise)
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    offload: bool = False            # weights on the host between score calls (CUDA)
+    max_length: int | None = None    # RM tokens; None = min(max_position_embeddings, tokenizer's)
+    truncation: Literal["left", "right"] = "left"  # over max_length: drop the start / the end
+    micro_batch_tokens: int = 4096
 
 
 @dataclasses.dataclass
@@ -355,7 +360,11 @@ class PPOConfig:
             need(bool(rw.model_path), "reward.type=model needs reward.model_path (an HF "
                                       "sequence-classification folder)")
         for key in ("tensor_parallel_size", "pipeline_parallel_size"):
-            need(getattr(rw, key) >= 1, f"reward.{key} must be >= 1, got {getattr(rw, key)}")
+            value = getattr(rw, key)
+            need(value is None or value == getattr(par, key),
+                 f"reward.{key}={value}: in this version the reward model shares the actor's "
+                 f"model-parallel groups, so it must equal parallel.{key} "
+                 f"({getattr(par, key)}) or be left unset")
 
         # algorithm
         if alg.adv_estimator in ("grpo", "rloo"):
@@ -396,11 +405,6 @@ class PPOConfig:
                                          f" / {model_par})")
             need(a.mini_batch_size % dp == 0, f"actor.mini_batch_size ({a.mini_batch_size}) is "
                                               f"not divisible by the data-parallel size ({dp})")
-        if rw.type == "model":
-            rpar = rw.tensor_parallel_size * rw.pipeline_parallel_size
-            need(rpar >= 1 and world_size % rpar == 0,
-                 f"world size {world_size} is not divisible by reward.tensor_parallel_size * "
-                 f"reward.pipeline_parallel_size = {rpar}")
 
         if errors:
             head = "invalid PPO config:" if len(errors) > 1 else "invalid PPO config: "

@@ -20,7 +20,8 @@ Re-tokenization (actor tokenizer != reward tokenizer)
        turn.
     3. Reward tokenizer with a chat template: ``apply_chat_template(conversation)`` then encode
        without adding special tokens (the template holds them). Without a chat template: plain
-       concatenation ``prompt_text + response_text`` encoded with the tokenizer's own special tokens.
+       concatenation ``prompt_text + response_text`` encoded with the tokenizer's own special
+       tokens.
     4. Over ``max_length`` tokens: ``truncation="left"`` drops tokens from the start (a leading
        BOS is kept) so the end of the response, where the score is read, survives;
        ``"right"`` keeps the first ``max_length`` tokens (the score is then read at the cut).
@@ -279,11 +280,12 @@ class RewardModel:
             raise ValueError(f"offload must be 'auto', True or False, got {offload!r}")
         if isinstance(micro_batch_tokens, bool) or not isinstance(micro_batch_tokens, int) \
                 or micro_batch_tokens < 1:
-            raise ValueError(f"micro_batch_tokens must be a positive int, got {micro_batch_tokens!r}")
+            raise ValueError(f"micro_batch_tokens must be a positive int, got "
+                             f"{micro_batch_tokens!r}")
         settings = get_parallel_settings()
-        for name, want, have in (
-                ("tensor_parallel_size", tensor_parallel_size, settings.tensor_parallel_size),
-                ("pipeline_parallel_size", pipeline_parallel_size, settings.pipeline_parallel_size)):
+        tp, pp = settings.tensor_parallel_size, settings.pipeline_parallel_size
+        for name, want, have in (("tensor_parallel_size", tensor_parallel_size, tp),
+                                 ("pipeline_parallel_size", pipeline_parallel_size, pp)):
             if want is not None and want != have:
                 raise ConfigError(
                     f"reward.{name}={want} but the actor runs with {name}={have}: in this version "
@@ -301,6 +303,7 @@ class RewardModel:
         if num_labels != 1:
             raise ConfigError(f"{path}: num_labels={num_labels}; a reward model has one output "
                               "(num_labels=1)")
+        self.tokenizer = self._load_tokenizer(tokenizer, path)  # before the weights: fail fast
         self.pp = settings.pipeline_parallel_size
         cls = pm.get_model_class(arch, "value", rmpad=True, pp=self.pp > 1)
         if self.pp > 1:
@@ -312,7 +315,6 @@ class RewardModel:
             c.eval()
         self.config = self.chunks[0].config
 
-        self.tokenizer = self._load_tokenizer(tokenizer, path)
         self.actor_tokenizer = actor_tokenizer
         if same_tokenizer is None:
             same_tokenizer = actor_tokenizer is None or _same_tokenizer(actor_tokenizer,
@@ -346,20 +348,24 @@ class RewardModel:
         if self.auto_offload:
             self.offload()
 
-    # ---- construction helpers -----------------------------------------------------------------------
+    # ---- construction helpers ----------------------------------------------------------------
     @classmethod
     def from_config(cls, reward_cfg, actor_tokenizer, **overrides) -> "RewardModel":
         """From the trainer's ``reward`` section (``parallel_models.rl.config.RewardSection``):
-        ``model_path``, ``tokenizer``, ``tensor_parallel_size``, ``pipeline_parallel_size``,
-        ``offload``; optional ``dtype``, ``max_length``, ``truncation``, ``micro_batch_tokens``
-        when the section has them. ``overrides`` win."""
+        ``model_path``, ``tokenizer``, ``tensor_parallel_size``, ``pipeline_parallel_size``
+        (``None`` = the actor's; anything else must equal it), ``offload`` (``true`` means
+        automatic offload where CUDA is present, like ``trainer.offload``); optional ``dtype``,
+        ``max_length``, ``truncation``, ``micro_batch_tokens`` when the section has them.
+        ``overrides`` win."""
         path = getattr(reward_cfg, "model_path", None)
         if not path:
             raise ConfigError("reward.type=model needs reward.model_path (an HF "
                               "*ForSequenceClassification folder)")
+        offload = getattr(reward_cfg, "offload", "auto")
         kwargs: dict[str, Any] = dict(
             tokenizer=getattr(reward_cfg, "tokenizer", None), actor_tokenizer=actor_tokenizer,
-            offload=getattr(reward_cfg, "offload", "auto"),
+            # the section's bool acts on CUDA only (as trainer.offload): True -> "auto"
+            offload="auto" if offload is True else offload,
             tensor_parallel_size=getattr(reward_cfg, "tensor_parallel_size", None),
             pipeline_parallel_size=getattr(reward_cfg, "pipeline_parallel_size", None))
         for key in ("dtype", "max_length", "truncation", "micro_batch_tokens"):
@@ -382,7 +388,7 @@ class RewardModel:
             raise ConfigError(f"cannot load the reward tokenizer from {where!r} "
                               f"({type(err).__name__}: {err}); set reward.tokenizer") from err
 
-    # ---- re-tokenization ----------------------------------------------------------------------------
+    # ---- re-tokenization ---------------------------------------------------------------------
     def encode_batch(self, batch: dict) -> tuple[list[list[int]], int]:
         """The reward model's token ids of every row (truncated) and how many were truncated."""
         if self.same_tokenizer:
@@ -393,7 +399,8 @@ class RewardModel:
         for i, ids in enumerate(seqs):
             if not ids:
                 raise ValueError(f"row {i}: the conversation has no tokens at all (empty prompt "
-                                 "and response, and the reward tokenizer adds none); nothing to score")
+                                 "and response, and the reward tokenizer adds none); nothing to "
+                                 "score")
             if len(ids) > self.max_length:
                 ids = self._truncate(ids)
                 n_trunc += 1
@@ -450,7 +457,7 @@ class RewardModel:
         texts = [tok.apply_chat_template(c, tokenize=False) for c in convs]
         return [list(x) for x in tok(texts, add_special_tokens=False)["input_ids"]]
 
-    # ---- scoring ------------------------------------------------------------------------------------
+    # ---- scoring -----------------------------------------------------------------------------
     def score(self, batch: dict) -> torch.Tensor:
         """Per-sequence scores ``float32 [N]`` on the CPU (every rank of the model-parallel group
         gets the same); updates ``metrics`` (``reward/truncated``: rows cut to ``max_length``)."""
@@ -468,7 +475,8 @@ class RewardModel:
         from parallel_models import pipeline
         from parallel_models.distributed import compute_device
         from parallel_models.utils.microbatch import plan_token_budget_partitions, restore_order
-        from parallel_models.utils.padding import cu_seqlens_from_lengths, position_ids_from_cu_seqlens
+        from parallel_models.utils.padding import (cu_seqlens_from_lengths,
+                                                   position_ids_from_cu_seqlens)
 
         if not ids:
             return torch.zeros(0, dtype=torch.float32)
@@ -503,7 +511,7 @@ class RewardModel:
 
     __call__ = score
 
-    # ---- offload ------------------------------------------------------------------------------------
+    # ---- offload -----------------------------------------------------------------------------
     def _tensor_slots(self) -> list[tuple[str, Any, str]]:
         """Every parameter and buffer once: (kind, owner, name)."""
         slots, seen = [], set()

@@ -261,10 +261,17 @@ class PPOTrainer:
         timings = {}
         records = self.loader.next_batch()
         prompt_ids = records["input_ids"] if isinstance(records, dict) else records[0]
-        share = [p for i, p in enumerate(prompt_ids) if i % self.dp_size == self.dp_rank]
+        mine = [i for i in range(len(prompt_ids)) if i % self.dp_size == self.dp_rank]
+        share = [prompt_ids[i] for i in mine]
         memory: dict[str, float] = {}
         with Timer("gen", timings, memory), self._use(self.actor):
             batch = self._rollout(share)
+        if isinstance(records, dict) and "records" in records:
+            # structured chat prompts for a reward model with another chat template (one per
+            # sample, None for plain prompts); a list, so minibatching leaves it out
+            key = self.cfg.data.messages_key
+            msgs = [records["records"][i].get(key) for i in mine]
+            batch["messages"] = [m for m in msgs for _ in range(self.cfg.rollout.n)]
         with Timer("score", timings, memory):
             with self._use(self.actor):
                 batch["old_log_probs"] = self.actor.log_probs(batch)
@@ -277,6 +284,7 @@ class PPOTrainer:
             scores = self.reward.score(batch)
         with Timer("adv", timings, memory):
             metrics = self._advantages(batch, scores)
+        metrics.update(getattr(self.reward, "metrics", None) or {})  # e.g. reward/truncated
         train_metrics: dict[str, list[float]] = {}
         minibatches = [mb for epoch in range(self.cfg.actor.ppo_epochs)
                        for mb in self._minibatches(batch, epoch)]

@@ -13,25 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
-
-
-def _time(fn, warmup=2, iters=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    return sorted(times)[len(times) // 2]
 
 
 def main():

@@ -42,9 +42,14 @@ def main():
         v = torch.randn(T, KV, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
 
+        import inspect
+
+        gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
+
         def varlen():
-            o = varlen_attn(q, k, v, cu, cu, max(lengths), max(lengths), window_size=(-1, 0),
-                            enable_gqa=True)
+            kk, vv = (k, v) if gqa else (k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1))
+            kw = {"enable_gqa": True} if gqa else {}
+            o = varlen_attn(q, kk, vv, cu, cu, max(lengths), max(lengths), window_size=(-1, 0), **kw)
             o.backward(g)
 
         def sdpa(backend):
@@ -59,7 +64,7 @@ def main():
                     torch.cat(outs).backward(g)
             return run
 
-        res = {"varlen_attn_ms": timed(varlen)}
+        res = {"varlen_attn_ms": timed(varlen), "varlen_native_gqa": gqa}
         for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
                         SDPBackend.EFFICIENT_ATTENTION):
             try:

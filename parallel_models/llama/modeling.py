@@ -111,6 +111,8 @@ class ParallelDecoder(torch.nn.Module):
                                 sequence_parallel=self.sequence_parallel,
                                 dtype=mp_config.params_dtype, device=device)
         self.rotary_emb = RotaryEmbedding(config)
+        if not mp_config.use_cpu_initialization:  # keep inv_freq beside the weights (no H2D per step)
+            self.rotary_emb.to(torch.cuda.current_device())
         self.input_tensor = None  # set by the pipeline schedule on later stages
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -147,8 +147,17 @@ class PPOTrainer:
             top_p=r.top_p, greedy=r.greedy, eos_token_id=eos,
             stop_token_ids=list(r.stop_token_ids or []),
             pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
+        self.rollout_client = None
+        if r.backend == "server":
+            from parallel_models.rl.server import RolloutClient
+
+            # the bearer token, if the server wants one, comes from the environment
+            self.rollout_client = RolloutClient(r.server_url,
+                                                api_key=os.environ.get("PARALLEL_MODELS_API_KEY"))
         if tcfg.resume:
             self.resume()
+        if self.rollout_client is not None:
+            self._push_weights()  # the server starts from the trainer's (possibly resumed) actor
         self._offload_all()  # each phase brings what it needs to the GPU
 
     # ---- set-up helpers -------------------------------------------------------------------------
@@ -210,8 +219,25 @@ class PPOTrainer:
             self.reward.offload()
 
     # ---- one PPO step ----------------------------------------------------------------------------
+    def _push_weights(self) -> None:
+        """rollout.backend=server: save the actor (HF folder) and have the server load it."""
+        from parallel_models.rl.server.rollout import push_weights
+
+        folder = os.path.join(self.cfg.trainer.output_dir, "rollout_weights")
+        with self._use(self.actor):
+            push_weights(self.actor_model, self.rollout_client, folder)
+
     def _rollout(self, prompt_ids: list[list[int]]) -> dict:
         n = self.cfg.rollout.n
+        if self.rollout_client is not None:
+            from parallel_models.rl.server.rollout import server_rollout
+
+            seed = (self.cfg.trainer.seed * 1_000_003 + self.step_index) * 1009 + self.dp_rank
+            batch = server_rollout(self.rollout_client, prompt_ids, self.sampling, n, seed=seed,
+                                   device=self.actor_model.model.layers[0].input_layernorm.weight.device)
+            batch.pop("weight_version", None)
+            batch.pop("rollout_log_probs", None)  # old_log_probs are recomputed by the actor
+            return batch
         prompts = [p for p in prompt_ids for _ in range(n)]
         groups = torch.arange(len(prompt_ids)).repeat_interleave(n)
         out = generate(self.actor_model, prompts, self.sampling)
@@ -319,6 +345,8 @@ class PPOTrainer:
             self.kl_ctrl.update(metrics["kl/current_kl"], len(prompt_ids) * self.cfg.rollout.n)
         metrics["kl/coef"] = float(self.kl_ctrl.value)
         self.step_index += 1
+        if self.rollout_client is not None:
+            self._push_weights()
         return metrics
 
     # ---- loop ------------------------------------------------------------------------------------

@@ -1,0 +1,439 @@
+"""HTTP front of the rollout server (rank 0): FastAPI app + request batcher.
+
+Endpoints (JSON; with ``--api-key`` every endpoint but ``/health`` needs
+``Authorization: Bearer KEY``):
+
+- ``GET /health`` -> ``{"status": "ok", "weight_version": v}``
+- ``GET /info`` -> model path, architecture, TP, dtype, vocab size, weight version, limits, stats
+- ``POST /generate`` body ``{"prompts": [str | [int, ...], ...], "n": 1, "max_new_tokens": 16,
+  "temperature": 1.0, "top_k": 0, "top_p": 1.0, "greedy": false, "seed": null,
+  "stop_token_ids": [], "ignore_eos": false, "return_text": true}`` -> ``{"weight_version": v,
+  "results": [{"prompt_token_ids": [...], "samples": [{"token_ids", "log_probs",
+  "finish_reason": "stop"|"length", "text"?}] * n}]}``. Text prompts need a tokenizer in the
+  model folder (encoded with its special tokens, e.g. BOS). Log-probs are
+  ``log_softmax(logits / temperature)`` of the drawn tokens (see ``rl.generation``).
+- ``POST /update_weights`` body ``{"path": folder}`` (HF safetensors or megatron-core checkpoint)
+  -> ``{"weight_version": v, ...}``; runs between batches, so requests already batched finish on
+  the old weights and the version moves by exactly one.
+- ``POST /shutdown`` -> graceful exit (in-flight requests finish); SIGTERM/SIGINT do the same.
+
+Errors are ``{"error": message}`` with: 400 malformed JSON / bad path / text prompt without a
+tokenizer, 401 missing or wrong API key, 404/405 unknown route/method, 413 body too large, 422
+wrong types or out-of-range values (prompt too long, n / max_new_tokens / batch rows over the
+limits, token ids outside the vocab), 503 shutting down, 504 request timeout, 500 internal.
+
+Batching: requests arriving within ``batch_window_ms`` of the first queued one are generated
+together, up to ``max_batch`` rows (prompts x n). Rows with the same sampling params share one
+``generate`` call; a request with a ``seed`` gets its own call (and generator), so its samples
+are reproducible. ``generate`` is row-independent, so greedy results do not depend on the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import hmac
+import logging
+import queue
+import threading
+import time
+from typing import Any, Optional, Union
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from parallel_models.rl.server.engine import Engine, GenCall
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ServerLimits:
+    max_batch: int = 64
+    batch_window_ms: float = 5.0
+    max_prompt_tokens: int = 1024
+    max_new_tokens: int = 512
+    max_n: int = 16
+    max_prompts: int = 64
+    max_body_bytes: int = 4 << 20
+    request_timeout_s: float = 300.0
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompts: list[Union[StrictStr, list[StrictInt]]] = Field(min_length=1)
+    n: StrictInt = Field(1, ge=1)
+    max_new_tokens: StrictInt = Field(16, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_k: StrictInt = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    greedy: StrictBool = False
+    seed: Optional[StrictInt] = None
+    stop_token_ids: list[StrictInt] = Field(default_factory=list, max_length=64)
+    ignore_eos: StrictBool = False
+    return_text: StrictBool = True
+
+
+class UpdateWeightsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: StrictStr = Field(min_length=1)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclasses.dataclass
+class _Job:
+    kind: str                      # "generate" | "update"
+    payload: Any
+    future: concurrent.futures.Future
+    rows: int = 0
+
+
+class Batcher:
+    """One thread owns the model: it collects generate jobs for a short window and runs them."""
+
+    def __init__(self, engine: Engine, limits: ServerLimits):
+        self.engine = engine
+        self.limits = limits
+        self.queue: queue.Queue = queue.Queue()
+        self._held: _Job | None = None
+        self._thread = threading.Thread(target=self._run, name="rollout-batcher", daemon=True)
+        self.closed = False
+
+    def start(self):
+        self._thread.start()
+
+    def submit(self, kind: str, payload, rows: int = 0) -> concurrent.futures.Future:
+        if self.closed:
+            raise ApiError(503, "server is shutting down")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.queue.put(_Job(kind, payload, fut, rows))
+        return fut
+
+    def close(self, timeout: float = 60.0):
+        self.closed = True
+        self.queue.put(None)
+        self._thread.join(timeout)
+
+    def _next(self, timeout=None):
+        if self._held is not None:
+            job, self._held = self._held, None
+            return job
+        return self.queue.get(timeout=timeout) if timeout is not None else self.queue.get()
+
+    def _run(self):
+        while True:
+            job = self._next()
+            if job is None:
+                break
+            if not job.future.set_running_or_notify_cancel():
+                continue  # timed out while queued
+            if job.kind == "update":
+                self._finish([job], lambda: [self.engine.update_weights(job.payload)])
+                continue
+            batch, rows = [job], job.rows
+            deadline = time.monotonic() + self.limits.batch_window_ms / 1000
+            while rows < self.limits.max_batch:
+                try:
+                    nxt = self._next(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if nxt is None or nxt.kind != "generate" or rows + nxt.rows > self.limits.max_batch:
+                    self._held = nxt
+                    break
+                if nxt.future.set_running_or_notify_cancel():
+                    batch.append(nxt)
+                    rows += nxt.rows
+            self._finish(batch, lambda: self._generate(batch))
+        # cancel whatever is left
+        while True:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None and job.future.set_running_or_notify_cancel():
+                job.future.set_exception(ApiError(503, "server is shutting down"))
+
+    def _finish(self, jobs, fn):
+        try:
+            results = fn()
+        except Exception as exc:  # noqa: BLE001 - report to the callers, keep serving
+            log.exception("batch failed")
+            for j in jobs:
+                j.future.set_exception(exc)
+            return
+        for j, r in zip(jobs, results):
+            j.future.set_result(r)
+
+    def _generate(self, batch: list[_Job]) -> list[list[list[dict]]]:
+        # group rows by (sampling params) for unseeded requests; seeded ones run alone
+        calls: list[GenCall] = []
+        where: list[list[tuple[int, int, int]]] = []  # per job: (call, start, count) pieces
+        by_key: dict = {}
+        for job in batch:
+            rows, params, seed = job.payload
+            if seed is None:
+                key = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                   for k, v in params.items()))
+                if key not in by_key:
+                    by_key[key] = len(calls)
+                    calls.append(GenCall([], params, None))
+                ci = by_key[key]
+            else:
+                ci = len(calls)
+                calls.append(GenCall([], params, seed))
+            where.append((ci, len(calls[ci].rows), len(rows)))
+            calls[ci].rows.extend(rows)
+        outs = self.engine.run_generate(calls)
+        version = self.engine.version  # same thread as updates: the weights these rows used
+        return [(outs[ci][start:start + count], version) for ci, start, count in where]
+
+
+def _auth_ok(header: str | None, api_key: str | None) -> bool:
+    if not api_key:
+        return True
+    if not header or not header.startswith("Bearer "):
+        return False
+    return hmac.compare_digest(header[7:].strip().encode(), api_key.encode())
+
+
+class _BodyLimit:
+    """ASGI middleware: 413 for bodies over the limit (Content-Length or streamed)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        from starlette.responses import JSONResponse
+
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        too_big = JSONResponse({"error": f"request body over {self.max_bytes} bytes"}, 413)
+        if length is not None:
+            try:
+                if int(length) > self.max_bytes:
+                    return await too_big(scope, receive, send)
+            except ValueError:
+                return await JSONResponse({"error": "bad Content-Length"}, 400)(scope, receive, send)
+        if length is not None:
+            return await self.app(scope, receive, send)
+        # no Content-Length (chunked): read the body here, up to the limit, then replay it
+        chunks, seen, more = [], 0, True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # client went away
+            chunks.append(msg.get("body", b""))
+            seen += len(chunks[-1])
+            more = msg.get("more_body", False)
+            if seen > self.max_bytes:
+                return await too_big(scope, receive, send)
+        body = b"".join(chunks)
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | None = None,
+               model_info: dict | None = None):
+    """The FastAPI app over ``engine`` (rank 0). Start its batcher in the lifespan."""
+    from contextlib import asynccontextmanager
+
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.responses import JSONResponse
+
+    batcher = Batcher(engine, limits)
+    config = engine.model.config
+    vocab_size = int(config.vocab_size)
+    max_pos = int(getattr(config, "max_position_embeddings", 1 << 30))
+    eos = None if tokenizer is None else tokenizer.eos_token_id
+    pad = 0 if tokenizer is None or tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    state = {"server": None, "started": time.time(), "requests": 0}
+
+    @asynccontextmanager
+    async def lifespan(app):
+        batcher.start()
+        yield
+        batcher.close()
+
+    app = FastAPI(title="parallel_models rollout server", lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.batcher = batcher
+    app.state.engine = engine
+    app.state.ctl = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return JSONResponse({"error": exc.message}, exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request, exc: RequestValidationError):
+        errs = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errs):
+            return JSONResponse({"error": "malformed JSON body"}, 400)
+        msgs = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: "
+                f"{e.get('msg')}" for e in errs[:10]]
+        return JSONResponse({"error": "invalid request: " + "; ".join(msgs)}, 422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, exc):
+        return JSONResponse({"error": str(exc.detail)}, exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc):
+        log.exception("internal error")
+        return JSONResponse({"error": f"internal error: {type(exc).__name__}: {exc}"}, 500)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if request.url.path != "/health" and not _auth_ok(request.headers.get("authorization"),
+                                                          api_key):
+            return JSONResponse({"error": "missing or wrong API key (Authorization: Bearer KEY)"},
+                                401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
+
+    async def _wait(fut):
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), limits.request_timeout_s)
+        except asyncio.TimeoutError:
+            fut.cancel()
+            raise ApiError(504, f"request timed out after {limits.request_timeout_s:g}s") from None
+        except ApiError:
+            raise
+        except ValueError as exc:
+            raise ApiError(422, str(exc)) from None
+
+    @app.get("/health")
+    async def health():
+        if batcher.closed:
+            return JSONResponse({"status": "shutting down"}, 503)
+        return {"status": "ok", "weight_version": engine.version}
+
+    @app.get("/info")
+    async def info():
+        return {**(model_info or {}), "tp": engine.tp, "weight_version": engine.version,
+                "weights_path": engine.weights_path, "vocab_size": vocab_size,
+                "max_position_embeddings": max_pos, "has_tokenizer": tokenizer is not None,
+                "eos_token_id": eos, "limits": dataclasses.asdict(limits),
+                "stats": {"requests": state["requests"], "batches": engine.batches,
+                          "generated_tokens": engine.generated_tokens,
+                          "uptime_s": round(time.time() - state["started"], 1)}}
+
+    def _encode(prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise ApiError(400, "text prompts need a tokenizer in the model folder; "
+                                    "send token ids")
+            if len(prompt) > limits.max_prompt_tokens * 64:
+                raise ApiError(422, "prompt text too long")
+            return list(tokenizer(prompt)["input_ids"])
+        return list(prompt)
+
+    async def _parse(request: Request, model_cls):
+        import json
+
+        from pydantic import ValidationError
+
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise ApiError(400, "malformed JSON body") from None
+        try:
+            return model_cls.model_validate(data)
+        except ValidationError as exc:
+            msgs = [f"{'.'.join(str(x) for x in e.get('loc', ())) or 'body'}: {e.get('msg')}"
+                    for e in exc.errors()[:10]]
+            raise ApiError(422, "invalid request: " + "; ".join(msgs)) from None
+
+    @app.post("/generate")
+    async def generate_endpoint(request: Request):
+        req = await _parse(request, GenerateRequest)
+        state["requests"] += 1
+        if req.n > limits.max_n:
+            raise ApiError(422, f"n={req.n} is over the limit {limits.max_n}")
+        if req.max_new_tokens > limits.max_new_tokens:
+            raise ApiError(422, f"max_new_tokens={req.max_new_tokens} is over the limit "
+                                f"{limits.max_new_tokens}")
+        if len(req.prompts) > limits.max_prompts:
+            raise ApiError(422, f"{len(req.prompts)} prompts; the limit is {limits.max_prompts}")
+        rows_total = len(req.prompts) * req.n
+        if rows_total > limits.max_batch:
+            raise ApiError(422, f"prompts x n = {rows_total} is over max_batch {limits.max_batch}")
+        bad_stop = [t for t in req.stop_token_ids if not 0 <= t < vocab_size]
+        if bad_stop:
+            raise ApiError(422, f"stop_token_ids outside the vocab [0, {vocab_size}): {bad_stop}")
+        encoded = []
+        for i, p in enumerate(req.prompts):
+            ids = _encode(p)
+            if not ids:
+                raise ApiError(422, f"prompt {i} is empty")
+            if len(ids) > limits.max_prompt_tokens:
+                raise ApiError(422, f"prompt {i} has {len(ids)} tokens; the limit is "
+                                    f"{limits.max_prompt_tokens}")
+            if len(ids) + req.max_new_tokens > max_pos:
+                raise ApiError(422, f"prompt {i}: {len(ids)} tokens + max_new_tokens "
+                                    f"{req.max_new_tokens} exceed the model's {max_pos} positions")
+            if min(ids) < 0 or max(ids) >= vocab_size:
+                raise ApiError(422, f"prompt {i} has token ids outside the vocab [0, {vocab_size})")
+            encoded.append(ids)
+        params = dict(max_new_tokens=req.max_new_tokens, temperature=float(req.temperature),
+                      top_k=req.top_k, top_p=float(req.top_p), greedy=req.greedy,
+                      eos_token_id=None if req.ignore_eos else eos,
+                      stop_token_ids=list(req.stop_token_ids), pad_token_id=pad)
+        rows = [ids for ids in encoded for _ in range(req.n)]
+        samples, version = await _wait(
+            batcher.submit("generate", (rows, params, req.seed), len(rows)))
+        results = []
+        for i, ids in enumerate(encoded):
+            group = samples[i * req.n:(i + 1) * req.n]
+            if req.return_text and tokenizer is not None:
+                for s in group:
+                    s["text"] = tokenizer.decode(s["token_ids"], skip_special_tokens=True)
+            results.append({"prompt_token_ids": ids, "samples": group})
+        return {"weight_version": version, "results": results}
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request):
+        import os
+
+        req = await _parse(request, UpdateWeightsRequest)
+
+        if not os.path.isdir(req.path):
+            raise ApiError(400, f"{req.path!r} is not a folder on the server")
+        try:
+            return await _wait(batcher.submit("update", req.path))
+        except ApiError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise ApiError(400, f"could not load weights from {req.path!r}: "
+                                f"{type(exc).__name__}: {exc}") from None
+
+    @app.post("/shutdown")
+    async def shutdown():
+        server = state.get("server")
+        if server is None:
+            raise ApiError(503, "no server handle to stop")
+        server.should_exit = True
+        return {"status": "shutting down"}
+
+    return _BodyLimit(app, limits.max_body_bytes), app, state

@@ -1,0 +1,98 @@
+"""Trainer side of ``rollout.backend: server``: rollouts from the server in the trainer's batch
+format, and weight pushes after each update.
+
+``server_rollout`` returns the same dict as ``PPOTrainer._rollout`` (``sequences`` = left-padded
+prompts + right-padded responses, ``attention_mask``, ``prompt_lengths``, ``response_mask``,
+``group_index``) plus the server's ``rollout_log_probs`` and ``weight_version``. In a TP group
+only TP rank 0 talks to the server; the batch is broadcast to the other TP ranks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def _tp_info():
+    try:
+        from megatron.core import parallel_state as mpu
+
+        if mpu.model_parallel_is_initialized():
+            return (mpu.get_tensor_model_parallel_world_size(),
+                    mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_src_rank(),
+                    mpu.get_tensor_model_parallel_group())
+    except ImportError:
+        pass
+    return 1, 0, 0, None
+
+
+def _request(client, prompt_ids, params, n: int, seed: int | None) -> dict:
+    kw = dict(n=n, max_new_tokens=params.max_new_tokens, greedy=params.greedy,
+              temperature=params.temperature if not params.greedy else 1.0, top_k=params.top_k,
+              top_p=params.top_p, stop_token_ids=params.stop_ids(), ignore_eos=True,
+              seed=None if params.greedy else seed, return_text=False)
+    return client.generate([list(map(int, p)) for p in prompt_ids], **kw)
+
+
+def batch_from_response(resp: dict, n: int, pad_token_id: int = 0) -> dict:
+    """The trainer's rollout dict from a /generate answer (rows: prompt-major, n per prompt)."""
+    prompts, samples = [], []
+    for r in resp["results"]:
+        for s in r["samples"]:
+            prompts.append(r["prompt_token_ids"])
+            samples.append(s)
+    rows = len(prompts)
+    p_max = max(len(p) for p in prompts)
+    r_max = max(max(len(s["token_ids"]) for s in samples), 1)
+    seq = torch.full((rows, p_max + r_max), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((rows, p_max + r_max), dtype=torch.long)
+    logp = torch.zeros((rows, r_max), dtype=torch.float32)
+    for b, (p, s) in enumerate(zip(prompts, samples)):
+        seq[b, p_max - len(p):p_max] = torch.tensor(p)
+        mask[b, p_max - len(p):p_max] = 1
+        k = len(s["token_ids"])
+        if k:
+            seq[b, p_max:p_max + k] = torch.tensor(s["token_ids"])
+            mask[b, p_max:p_max + k] = 1
+            logp[b, :k] = torch.tensor(s["log_probs"])
+    return {"sequences": seq, "attention_mask": mask,
+            "prompt_lengths": mask[:, :p_max].sum(-1), "response_mask": mask[:, p_max:].clone(),
+            "group_index": torch.arange(len(resp["results"])).repeat_interleave(n),
+            "rollout_log_probs": logp, "weight_version": resp["weight_version"]}
+
+
+def server_rollout(client, prompt_ids, params, n: int, seed: int | None = None,
+                   device=None) -> dict:
+    """Generate ``n`` samples of each prompt on the server with ``params`` (a SamplingParams;
+    its eos/stop ids are sent as ``stop_token_ids``, its pad id pads the batch)."""
+    import torch.distributed as dist
+
+    tp, tp_rank, src, group = _tp_info()
+    batch = None
+    if tp_rank == 0:
+        batch = batch_from_response(_request(client, prompt_ids, params, n, seed), n,
+                                    params.pad_token_id)
+    if tp > 1:
+        obj = [batch]
+        dist.broadcast_object_list(obj, src=src, group=group)
+        batch = obj[0]
+    if device is not None:
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    return batch
+
+
+def push_weights(model, client, folder: str) -> int | None:
+    """Save ``model`` as an HF folder (every rank calls; rank 0 writes) and have the server load
+    it. Returns the server's new weight version on global rank 0 (None elsewhere). The folder
+    must be readable by the server (same machine or a shared file system)."""
+    import torch.distributed as dist
+
+    model.save_pretrained(folder, overwrite=True)  # the server reads it only during the update
+    version = None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        version = client.update_weights(os.path.abspath(folder))["weight_version"]
+    if dist.is_initialized():
+        dist.barrier()
+    return version

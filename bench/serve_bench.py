@@ -19,12 +19,11 @@ import concurrent.futures
 import json
 import os
 import random
-import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import time
+
+from parallel_models.rl.server.launch import start_server, stop_server
 
 
 def build_model(folder: str, size: str) -> None:
@@ -53,29 +52,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def start(model: str, tp: int, port: int, max_new: int, log: str) -> subprocess.Popen:
-    import httpx
-
-    args = ["--model", model, "--port", str(port), "--tp", str(tp), "--max-batch", "64",
-            "--max-new-tokens", str(max(max_new, 32))]
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={tp}"] if tp > 1 else [sys.executable]) + \
-        ["-m", "parallel_models.rl.server", *args]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    for _ in range(1200):
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}); see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("server did not start")
 
 
 def run_level(client, prompts, concurrency: int, max_new: int) -> dict:
@@ -117,7 +93,9 @@ def main() -> None:
         model = os.path.join(tmp, f"model_{args.size}")
         build_model(model, args.size)
     port = _free_port()
-    proc = start(model, args.tp, port, args.max_new_tokens, os.path.join(tmp, "server.log"))
+    proc = start_server(model, port, tp=args.tp, log_path=os.path.join(tmp, "server.log"),
+                        extra=("--max-batch", "64", "--max-new-tokens",
+                               str(max(args.max_new_tokens, 32))), timeout=600)
     rows = []
     try:
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600,
@@ -136,9 +114,7 @@ def main() -> None:
         client.post("/shutdown")
         proc.wait(60)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(30)
+        stop_server(proc)
     result = {"model": model, "size": args.size if args.model is None else None, "tp": args.tp,
               "dtype": info.get("dtype"), "prompt_len": args.prompt_len,
               "max_new_tokens": args.max_new_tokens, "levels": rows, "server_stats": stats}

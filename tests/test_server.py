@@ -14,6 +14,7 @@ import random
 import httpx
 import pytest
 
+from parallel_models.rl.server.launch import start_server, stop_server
 from parallel_models.testing import run_distributed
 from tests import server_checks
 
@@ -45,14 +46,14 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(models):
     port = server_checks.free_port()
-    proc = server_checks.start_server(
+    proc = start_server(
         models["paths"][0], port, api_key=KEY, log_path=str(models["root"] / "tp1.log"),
         extra=("--max-prompt-tokens", "64", "--max-new-tokens", "32", "--max-n", "4",
                "--max-body-bytes", "100000", "--batch-window-ms", "20"))
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=60)
     yield {"proc": proc, "client": client, "port": port}
     client.close()
-    server_checks.stop_server(proc)
+    stop_server(proc)
 
 
 def _greedy(client, prompt):
@@ -211,7 +212,7 @@ def test_shutdown(server):
 
 def test_tp2_server(models):
     port = server_checks.free_port()
-    proc = server_checks.start_server(models["paths"][0], port, tp=2,
+    proc = start_server(models["paths"][0], port, tp=2,
                                       log_path=str(models["root"] / "tp2.log"))
     try:
         c = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
@@ -229,7 +230,7 @@ def test_tp2_server(models):
         c.close()
         rc = proc.wait(60)  # rank 0 tells rank 1 to stop; torchrun exits cleanly
     finally:
-        server_checks.stop_server(proc)
+        stop_server(proc)
     assert rc == 0, open(models["root"] / "tp2.log").read()[-3000:]
 
 
@@ -238,7 +239,7 @@ def test_request_timeout_and_sigterm(models):
     import signal
 
     port = server_checks.free_port()
-    proc = server_checks.start_server(models["paths"][0], port,
+    proc = start_server(models["paths"][0], port,
                                       log_path=str(models["root"] / "term.log"),
                                       extra=("--request-timeout", "0.001"))
     try:
@@ -249,7 +250,7 @@ def test_request_timeout_and_sigterm(models):
         os.kill(proc.pid, signal.SIGTERM)
         rc = proc.wait(30)
     finally:
-        server_checks.stop_server(proc)
+        stop_server(proc)
     assert rc == 0, open(models["root"] / "term.log").read()[-3000:]
 
 
@@ -271,7 +272,7 @@ def test_ppo_with_server_backend(tmp_path):
     model = str(tmp_path / "model")
     trainer.build_builtin_model(model, build_builtin_tokenizer(), seed=0)
     port = server_checks.free_port()
-    proc = server_checks.start_server(model, port, log_path=str(tmp_path / "server.log"))
+    proc = start_server(model, port, log_path=str(tmp_path / "server.log"))
     try:
         out = str(tmp_path / "run")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -284,7 +285,7 @@ def test_ppo_with_server_backend(tmp_path):
         assert run.returncode == 0, run.stderr[-3000:]
         version = httpx.get(f"http://127.0.0.1:{port}/info", timeout=10).json()["weight_version"]
     finally:
-        server_checks.stop_server(proc)
+        stop_server(proc)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rewards = [json.loads(line)["reward/mean"] for line in f if line.strip()]
     assert len(rewards) == 14

@@ -40,16 +40,19 @@ def _free_port() -> int:
 def _start_process_group(timeout_minutes: float) -> None:
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:  # a plain `python script.py`: one rank
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" not in os.environ:
+        # a plain `python script.py`: one rank on a private port. Nothing is written to
+        # os.environ, so child processes (servers, torchrun jobs) do not inherit this rendezvous.
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                rank=0, world_size=1, timeout=timeout)
+        return
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        backend = "nccl"
-    else:
-        backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+    dist.init_process_group(backend=backend, timeout=timeout)
 
 
 def init_parallel(

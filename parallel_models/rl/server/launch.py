@@ -23,7 +23,11 @@ def start_server(model: str, port: int, *, tp: int = 1, api_key: str | None = No
                f"--nproc_per_node={tp}", "-m", "parallel_models.rl.server", *args]
     else:
         cmd = [sys.executable, "-m", "parallel_models.rl.server", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+    # the server makes its own rendezvous: drop any torchrun variables of the caller
+    inherited = {k: v for k, v in os.environ.items()
+                 if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                              "MASTER_PORT", "GROUP_RANK") and not k.startswith("TORCHELASTIC_")}
+    env = dict(inherited, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                PYTHONWARNINGS="ignore")
     log = open(log_path, "w") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -19,10 +19,10 @@ import concurrent.futures
 import json
 import os
 import random
-import socket
 import tempfile
 import time
 
+from parallel_models.distributed import free_port
 from parallel_models.rl.server.launch import start_server, stop_server
 
 
@@ -46,12 +46,6 @@ def build_model(folder: str, size: str) -> None:
         torch.manual_seed(0)
         Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(folder)
     tok.save_pretrained(folder)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_level(client, prompts, concurrency: int, max_new: int) -> dict:
@@ -92,7 +86,7 @@ def main() -> None:
     if model is None:
         model = os.path.join(tmp, f"model_{args.size}")
         build_model(model, args.size)
-    port = _free_port()
+    port = free_port()
     proc = start_server(model, port, tp=args.tp, log_path=os.path.join(tmp, "server.log"),
                         extra=("--max-batch", "64", "--max-new-tokens",
                                str(max(args.max_new_tokens, 32))), timeout=600)

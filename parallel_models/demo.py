@@ -21,6 +21,7 @@ def main(argv=None) -> None:
 
     import parallel_models as pm
     from parallel_models.testing import save_tiny_hf_model
+    from parallel_models.utils.padding import position_ids_from_attention_mask
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     pm.init_parallel(tensor_parallel_size=world, sequence_parallel=args.sequence_parallel)
@@ -42,19 +43,13 @@ def main(argv=None) -> None:
 
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         with torch.no_grad():
-            ref = hf(input_ids=ids, attention_mask=mask, position_ids=packed_positions(mask)).logits
+            ref = hf(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_attention_mask(mask)).logits
         err = (ref[mask.bool()] - logits).abs().max().item()
         print(f"{type(model).__name__} TP={world} SP={model.sequence_parallel}: "
               f"{packed.input_ids.numel()} packed tokens, max |logits - transformers| = {err:.2e}")
         if err > 1e-4:
             raise SystemExit("mismatch against transformers")
     pm.destroy_parallel()
-
-
-def packed_positions(mask):
-    from parallel_models.utils.padding import position_ids_from_attention_mask
-
-    return position_ids_from_attention_mask(mask)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ class ParallelSettings:
 _SETTINGS: ParallelSettings | None = None
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (rendezvous, test servers)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -47,7 +48,7 @@ def _start_process_group(timeout_minutes: float) -> None:
         # os.environ, so child processes (servers, torchrun jobs) do not inherit this rendezvous.
         if torch.cuda.is_available():
             torch.cuda.set_device(0)
-        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}",
                                 rank=0, world_size=1, timeout=timeout)
         return
     if torch.cuda.is_available():

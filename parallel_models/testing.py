@@ -11,16 +11,11 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from typing import Any, Callable
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from parallel_models.distributed import free_port
 
 
 def _worker(rank: int, world_size: int, port: int, fn, args, kwargs, results) -> None:
@@ -49,7 +44,7 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0
     """Run ``fn(*args, **kwargs)`` on ``world_size`` CPU ranks (gloo); returns results by rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, results),
                          daemon=True) for r in range(world_size)]
     for p in procs:

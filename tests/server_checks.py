@@ -32,11 +32,5 @@ def reference_greedy(paths: list[str], prompts: list[list[int]], max_new_tokens:
     return out
 
 
-def free_port() -> int:
-    from parallel_models.testing import _free_port
-
-    return _free_port()
-
-
 
 

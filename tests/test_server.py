@@ -14,6 +14,7 @@ import random
 import httpx
 import pytest
 
+from parallel_models.distributed import free_port
 from parallel_models.rl.server.launch import start_server, stop_server
 from parallel_models.testing import run_distributed
 from tests import server_checks
@@ -45,7 +46,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(models):
-    port = server_checks.free_port()
+    port = free_port()
     proc = start_server(
         models["paths"][0], port, api_key=KEY, log_path=str(models["root"] / "tp1.log"),
         extra=("--max-prompt-tokens", "64", "--max-new-tokens", "32", "--max-n", "4",
@@ -211,7 +212,7 @@ def test_shutdown(server):
 
 
 def test_tp2_server(models):
-    port = server_checks.free_port()
+    port = free_port()
     proc = start_server(models["paths"][0], port, tp=2,
                                       log_path=str(models["root"] / "tp2.log"))
     try:
@@ -238,7 +239,7 @@ def test_request_timeout_and_sigterm(models):
     import os
     import signal
 
-    port = server_checks.free_port()
+    port = free_port()
     proc = start_server(models["paths"][0], port,
                                       log_path=str(models["root"] / "term.log"),
                                       extra=("--request-timeout", "0.001"))
@@ -271,7 +272,7 @@ def test_ppo_with_server_backend(tmp_path):
 
     model = str(tmp_path / "model")
     trainer.build_builtin_model(model, build_builtin_tokenizer(), seed=0)
-    port = server_checks.free_port()
+    port = free_port()
     proc = start_server(model, port, log_path=str(tmp_path / "server.log"))
     try:
         out = str(tmp_path / "run")

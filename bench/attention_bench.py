@@ -1,13 +1,16 @@
-"""Causal attention kernels on the GPU, fwd+bwd, bf16: varlen_attn (packed) vs SDPA backends.
+"""Causal attention kernels on the GPU, fwd+bwd, bf16, packed (varlen) and batched layouts.
 
-    python bench/attention_bench.py
+    python bench/attention_bench.py [--out results.json]
 
-Shapes: 16 heads (8 KV heads), head_dim 128, 2 sequences of 4096 and an RL-like set of lengths.
-Tells which kernel the packed path should use per sequence-length regime (issue 8).
+Shapes: 16 heads (8 KV heads), head_dim 128; two regimes: 2 x 4096 (equal lengths) and an
+RL-like ragged set. Every variant is checked against fp32 math attention (output and input
+grads, relative L2 error) before it is timed. Tells the kernel dispatch in
+``parallel_models/llama/layers/attention_kernels.py`` what to pick (issue 8).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import torch
@@ -19,62 +22,111 @@ def timed(fn, iters=10):
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
+    times = []
     for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
         fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def reference(q, k, v, lengths, g):
+    """fp32 math attention per sequence: output and grads of q, k, v."""
+    q, k, v = (t.detach().float().requires_grad_() for t in (q, k, v))
+    rep = q.shape[1] // k.shape[1]
+    outs, s = [], 0
+    for n in lengths:
+        o = F.scaled_dot_product_attention(
+            q[s:s + n].transpose(0, 1), k[s:s + n].transpose(0, 1).repeat_interleave(rep, 0),
+            v[s:s + n].transpose(0, 1).repeat_interleave(rep, 0), is_causal=True)
+        outs.append(o.transpose(0, 1))
+        s += n
+    out = torch.cat(outs)
+    out.backward(g.float())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def rel(a, b):
+    return float((a.float() - b).norm() / b.norm())
 
 
 def main():
-    from torch.nn.attention.varlen import varlen_attn
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    from parallel_models.llama.layers import attention_kernels as ak
 
     H, KV, D = 16, 8, 128
     dev = "cuda"
-    out = {}
-    for name, lengths in {"2x4096": [4096, 4096], "rl": [3920, 610, 2777, 1290, 4050, 2222, 3442]}.items():
-        T = sum(lengths)
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+    results = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
+    regimes = {"2x4096": [4096, 4096], "rl": [3920, 610, 2777, 1290, 4050, 2222, 3442]}
+    for name, lengths in regimes.items():
+        T, L = sum(lengths), max(lengths)
+        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32,
+                          device=dev)
+        torch.manual_seed(0)
         q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
         k = torch.randn(T, KV, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn(T, KV, D, device=dev, dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
+        ref = reference(q, k, v, lengths, g)
+        rep = H // KV
 
-        import inspect
+        def torch_varlen_repeat():
+            from torch.nn.attention.varlen import varlen_attn
+            return varlen_attn(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), cu, cu,
+                               L, L, window_size=(-1, 0))
 
-        gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
-
-        def varlen():
-            kk, vv = (k, v) if gqa else (k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1))
-            kw = {"enable_gqa": True} if gqa else {}
-            o = varlen_attn(q, kk, vv, cu, cu, max(lengths), max(lengths), window_size=(-1, 0), **kw)
-            o.backward(g)
-
-        def sdpa(backend):
+        def batched(backend, gqa):
             def run():
+                B = len(lengths)
+                qq = q.view(B, L, H, D).transpose(1, 2)
+                kk = k.view(B, L, KV, D).transpose(1, 2)
+                vv = v.view(B, L, KV, D).transpose(1, 2)
+                if not gqa:
+                    kk, vv = kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1)
                 with sdpa_kernel(backend):
-                    outs = []
-                    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
-                        o = F.scaled_dot_product_attention(
-                            q[s:e].transpose(0, 1)[None], k[s:e].transpose(0, 1)[None],
-                            v[s:e].transpose(0, 1)[None], is_causal=True, enable_gqa=True)
-                        outs.append(o[0].transpose(0, 1))
-                    torch.cat(outs).backward(g)
+                    o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=gqa)
+                return o.transpose(1, 2).reshape(T, H, D)
             return run
 
-        res = {"varlen_attn_ms": timed(varlen), "varlen_native_gqa": gqa}
-        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                        SDPBackend.EFFICIENT_ATTENTION):
+        variants = {
+            "torch varlen_attn (flash), K/V repeated": torch_varlen_repeat,
+            "aten flash varlen, native GQA": lambda: ak._flash_varlen(q, k, v, cu, L, None),
+            "dispatch (varlen_causal_attention)": lambda: ak.varlen_causal_attention(q, k, v, cu, L),
+        }
+        if len(set(lengths)) == 1:
+            for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+                for gqa in (True, False):
+                    variants[f"SDPA batched {backend.name}, gqa={gqa}"] = batched(backend, gqa)
+        flops = 4 * H * D * sum(n * n for n in lengths) / 2 * 3.5  # causal fwd + bwd (2.5x)
+        res = {}
+        for vname, fn in variants.items():
             try:
-                res[f"sdpa_{backend.name.lower()}_ms"] = timed(sdpa(backend))
-            except Exception as err:  # backend unavailable for this shape
-                res[f"sdpa_{backend.name.lower()}_ms"] = f"n/a ({type(err).__name__})"
-        flops = 4 * H * D * sum(n * n for n in lengths) / 2 * 3.5  # fwd + bwd (2.5x) causal
-        res["varlen_tflops"] = flops / (res["varlen_attn_ms"] / 1e3) / 1e12
-        out[name] = res
-    print(json.dumps(out, indent=1))
+                q.grad = k.grad = v.grad = None
+                out = fn()
+                out.backward(g)
+                errs = [rel(out, ref[0]), rel(q.grad, ref[1]), rel(k.grad, ref[2]),
+                        rel(v.grad, ref[3])]
+                ms = timed(lambda: fn().backward(g))
+                res[vname] = {"ms": ms, "tflops": flops / ms / 1e9, "max_rel_err": max(errs)}
+            except Exception as err:  # kernel unavailable for this shape/version
+                res[vname] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+        results[name] = res
+    print(json.dumps(results, indent=1))
+    for name in regimes:
+        print(f"\n{name}\n| variant | ms (fwd+bwd) | TFLOP/s | max rel err |\n| --- | --- | --- | --- |")
+        for vname, r in results[name].items():
+            if "ms" in r:
+                print(f"| {vname} | {r['ms']:.2f} | {r['tflops']:.0f} | {r['max_rel_err']:.1e} |")
+            else:
+                print(f"| {vname} | {r['error']} | | |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,12 @@ are gathered over the vocab and the tokens drawn on TP rank 0 are broadcast, so 
 TP group continue with the same tokens. Pipeline parallel is not supported here (clear error):
 build the rollout model with PP=1, or serve it with the rollout server.
 
+On CUDA the decode step (all layers and the LM head, fixed batch) is captured once per call in
+a CUDA graph and replayed: a step is then a single launch instead of hundreds of small kernels
+(decode of a small batch is launch-bound). Sampling stays outside the graph; whether any
+sequence is still running is read one step late (no host sync per step), and the extra step is
+cut. ``PARALLEL_MODELS_CUDA_GRAPHS=0`` turns graphs off.
+
 Returned ``log_probs`` are ``log_softmax(logits / temperature)`` of the chosen tokens (top-k /
 top-p only restrict what can be drawn), which is what a fresh forward pass of the same tokens
 gives and what PPO's importance ratio needs.
@@ -15,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import warnings
 from typing import Sequence
 
 import torch
@@ -128,6 +136,57 @@ def _last_token_logits(model, hidden, last_index):
     return model._head(hidden[last_index], 0, full_vocab=True)
 
 
+class _DecodeStep:
+    """One decode step of every row: tokens ``[B]`` in a fixed buffer -> logits ``[B, vocab]``.
+
+    Replayed from a CUDA graph when possible; the first call runs eagerly on a side stream (it
+    compiles kernels and initializes libraries; the cache entry it writes is the one the replay
+    rewrites with the same values), then captures.
+    """
+
+    def __init__(self, model, cache, batch: int, device):
+        self.model, self.cache = model, cache
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        self.cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        self.graph = None
+        self.use_graph = (device.type == "cuda" and model.config.rope_type != "dynamic"
+                          and os.environ.get("PARALLEL_MODELS_CUDA_GRAPHS", "1") != "0")
+
+    def _forward(self):
+        self.cache.begin_decode()
+        hidden, _ = self.model.forward_hidden(self.tokens, self.cu, self.cache.lengths, 1,
+                                              kv_cache=self.cache)
+        return self.model._head(hidden, 0, full_vocab=True)
+
+    def __call__(self, tokens):
+        self.tokens.copy_(tokens)
+        if not self.use_graph:
+            return self._forward()
+        if self.graph is None:
+            try:
+                self._capture()
+            except Exception as err:  # e.g. an op that syncs: run eagerly from now on
+                warnings.warn(f"CUDA graph capture of the decode step failed ({err}); decoding "
+                              "eagerly")
+                self.use_graph, self.graph = False, None
+                return self._forward()
+        if self.cache.filled >= self.cache.max_length:
+            raise ValueError(f"KV cache of {self.cache.max_length} positions is full")
+        self.graph.replay()
+        return self.logits
+
+    def _capture(self):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.logits = self._forward()
+        self.graph = graph
+
+
 @torch.no_grad()
 def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
              generator: torch.Generator | None = None) -> GenerationOutput:
@@ -157,12 +216,15 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
 
     tokens_out, logp_out, alive_out = [], [], []
     alive = torch.ones(batch, dtype=torch.bool, device=device)
+    # "any sequence still running?" of the previous step, copied without blocking
+    any_alive = torch.ones((), dtype=torch.bool, pin_memory=device.type == "cuda")
+    any_alive_ready = None
     with sequence_parallel_off(model):
         cache.begin_prefill(cu)
         hidden, _ = model.forward_hidden(ids, cu, positions, int(lengths.max()), kv_cache=cache)
         cache.end_step()
         logits = _last_token_logits(model, hidden, (cu[1:] - 1).long())
-        step_cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        decode_step = _DecodeStep(model, cache, batch, device)
         for step in range(params.max_new_tokens):
             tokens, logp = _next_tokens(logits, params, generator)
             tokens, logp = _broadcast_in_tp_group(tokens, logp)
@@ -171,13 +233,24 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
             logp_out.append(torch.where(alive, logp, torch.zeros_like(logp)))
             alive_out.append(alive.clone())
             alive = alive & ~torch.isin(tokens, stop)
-            if not bool(alive.any()) or step == params.max_new_tokens - 1:
+            if step == params.max_new_tokens - 1:
                 break
-            cache.begin_decode()
-            hidden, _ = model.forward_hidden(tokens, step_cu, cache.lengths.clone(), 1,
-                                             kv_cache=cache)
+            if any_alive_ready is not None:  # the previous step's flag: the GPU keeps busy
+                any_alive_ready.synchronize()
+                if not bool(any_alive):
+                    break
+            any_alive.copy_(alive.any(), non_blocking=True)
+            any_alive_ready = torch.cuda.Event() if device.type == "cuda" else None
+            if any_alive_ready is not None:
+                any_alive_ready.record()
+            elif not bool(any_alive):
+                break
+            logits = decode_step(tokens)
             cache.end_step()
-            logits = _last_token_logits(model, hidden, torch.arange(batch, device=device))
+        del decode_step  # frees the graph's memory pool
+    # a step made after every sequence had stopped (the flag is read one step late) is cut
+    while len(alive_out) > 1 and not bool(alive_out[-1].any()):
+        tokens_out.pop(), logp_out.pop(), alive_out.pop()
 
     p_max = int(lengths.max())
     prompt_ids = torch.full((batch, p_max), params.pad_token_id, dtype=torch.long, device=device)

@@ -27,16 +27,24 @@ What is here:
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import io
 import json
+import mmap
 import os
 import pickle
+import queue
 import shutil
+import threading
 import time
 import warnings
 from typing import Any, Callable
 
+import numpy
 import torch
 
 from parallel_models.config import ConfigError, ModelConfig
@@ -159,10 +167,14 @@ def read_mcore_json(folder: str) -> dict | None:
 
 # ---- reading -------------------------------------------------------------------------------------------
 class _MemFile(io.RawIOBase):
-    """A seekable read-only file over a memoryview (zipfile reads its directory through it)."""
+    """A seekable read-only file over byte pieces of a record: ``{start: memoryview}`` (one piece
+    at 0 for a whole record; a head and a tail when only those were read). zipfile reads a
+    record's directory through it; reading bytes that are not held raises ValueError."""
 
-    def __init__(self, buf):
-        self.buf = memoryview(buf)
+    def __init__(self, buf, length: int | None = None):
+        pieces = buf if isinstance(buf, dict) else {0: buf}
+        self.pieces = sorted((start, memoryview(p).cast("B")) for start, p in pieces.items())
+        self.length = (max(s + len(p) for s, p in self.pieces) if length is None else length)
         self.pos = 0
 
     def readable(self):
@@ -175,15 +187,71 @@ class _MemFile(io.RawIOBase):
         return self.pos
 
     def seek(self, offset, whence=io.SEEK_SET):
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.buf)}[whence]
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
         self.pos = max(0, base + offset)
         return self.pos
 
     def readinto(self, b):
-        n = max(0, min(len(b), len(self.buf) - self.pos))
-        b[:n] = self.buf[self.pos:self.pos + n]
+        n = max(0, min(len(b), self.length - self.pos))
+        if n:
+            for start, piece in self.pieces:
+                if start <= self.pos and self.pos + n <= start + len(piece):
+                    b[:n] = piece[self.pos - start:self.pos - start + n]
+                    break
+            else:
+                raise ValueError("record bytes not read")
         self.pos += n
         return n
+
+
+def _unpickle_record(f: _MemFile, storage_for: Callable) -> Any:
+    """Unpickle a ``torch.save`` record (a ZIP_STORED zip) with torch's weights-only unpickler.
+    Member bytes are located through the zip directory and read without CRC checks (records
+    written with ``torch.serialization.set_crc32_options(False)`` have none; torch.load does not
+    check them either). ``storage_for(start, nbytes, dtype)`` returns the storage of the data
+    member at ``start``."""
+    import struct
+    import sys
+    import zipfile
+
+    from torch import _weights_only_unpickler
+
+    zf = zipfile.ZipFile(f)
+    names = set(zf.namelist())
+
+    def member(name):  # (start, size) of a member's bytes
+        info = zf.getinfo(name)
+        f.seek(info.header_offset)
+        head = f.read(30)
+        if info.compress_type != zipfile.ZIP_STORED or head[:4] != b"PK\x03\x04":
+            raise ValueError("record layout")
+        name_len, extra_len = struct.unpack_from("<HH", head, 26)
+        return info.header_offset + 30 + name_len + extra_len, info.file_size
+
+    def read(name):
+        start, size = member(name)
+        f.seek(start)
+        return f.read(size)
+
+    pkl = next(n for n in names if n.endswith("/data.pkl"))
+    prefix = pkl[: -len("data.pkl")]
+    if prefix + "byteorder" in names and read(prefix + "byteorder").decode() != sys.byteorder:
+        raise ValueError("byte order")
+
+    def persistent_load(saved_id):
+        typename, storage_type, key, _location, numel = saved_id
+        if typename != "storage":
+            raise ValueError(typename)
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        nbytes = numel * torch._utils._element_size(dtype)
+        start, size = member(f"{prefix}data/{key}")
+        if size != nbytes or start + nbytes > f.length:
+            raise ValueError("record layout")
+        return storage_for(start, nbytes, dtype)
+
+    unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(read(pkl)), encoding="utf-8")
+    unpickler.persistent_load = persistent_load
+    return unpickler.load()
 
 
 def decode_torch_record(raw: torch.Tensor) -> torch.Tensor:
@@ -191,49 +259,37 @@ def decode_torch_record(raw: torch.Tensor) -> torch.Tensor:
     its data: the storages are views of ``raw`` (ZIP_STORED records), built by torch's
     weights-only unpickler exactly as ``torch.load`` builds them. Anything unusual falls back to
     ``torch.load(weights_only=True)``."""
-    import struct
-    import sys
-    import zipfile
-
-    from torch import _weights_only_unpickler
-
     mem = memoryview(raw.numpy())
     storage = raw.untyped_storage()
     try:
-        zf = zipfile.ZipFile(_MemFile(mem))
-        names = zf.namelist()
-        pkl = next(n for n in names if n.endswith("/data.pkl"))
-        prefix = pkl[: -len("data.pkl")]
-        order = zf.read(prefix + "byteorder") if prefix + "byteorder" in names else b"little"
-        if order.decode() != sys.byteorder:
-            raise ValueError("byte order")
-
-        def persistent_load(saved_id):
-            typename, storage_type, key, _location, numel = saved_id
-            if typename != "storage":
-                raise ValueError(typename)
-            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-            nbytes = numel * torch._utils._element_size(dtype)
-            info = zf.getinfo(f"{prefix}data/{key}")
-            h = info.header_offset
-            if info.compress_type != zipfile.ZIP_STORED or info.file_size != nbytes or \
-                    bytes(mem[h:h + 4]) != b"PK\x03\x04":
-                raise ValueError("record layout")
-            name_len, extra_len = struct.unpack_from("<HH", mem, h + 26)
-            start = h + 30 + name_len + extra_len
-            if start + nbytes > len(mem):
-                raise ValueError("record out of range")
-            return torch.storage.TypedStorage(wrap_storage=storage[start:start + nbytes],
-                                              dtype=dtype, _internal=True)
-
-        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(zf.read(pkl)), encoding="utf-8")
-        unpickler.persistent_load = persistent_load
-        out = unpickler.load()
+        out = _unpickle_record(_MemFile(mem), lambda start, nbytes, dtype: torch.storage.TypedStorage(
+            wrap_storage=storage[start:start + nbytes], dtype=dtype, _internal=True))
         if isinstance(out, torch.Tensor):
             return out
     except Exception:  # noqa: BLE001 - the slow, general path below decides
         pass
     return torch.load(io.BytesIO(mem.tobytes()), map_location="cpu", weights_only=True)
+
+
+def record_data_start(head, tail, length: int, dtype: torch.dtype, shape) -> int | None:
+    """Where, in a ``torch.save`` record of ``length`` bytes of which only ``head`` (its first
+    bytes) and ``tail`` (its last) were read, the data of the tensor it holds starts, if that
+    tensor is ``shape`` / ``dtype``, contiguous, over one storage; else None (decode it whole)."""
+    starts = []
+
+    def storage_for(start, nbytes, dt):  # a storage without memory: only the layout is wanted
+        starts.append(start)
+        return torch.storage.TypedStorage(wrap_storage=torch.UntypedStorage(nbytes, device="meta"),
+                                          dtype=dt, _internal=True)
+
+    try:
+        t = _unpickle_record(_MemFile({0: head, length - len(tail): tail}, length), storage_for)
+    except Exception:  # noqa: BLE001 - unusual record: the general path reads it
+        return None
+    if (not isinstance(t, torch.Tensor) or len(starts) != 1 or t.dtype != dtype
+            or tuple(t.shape) != tuple(shape) or not t.is_contiguous()):
+        return None
+    return starts[0] + t.storage_offset() * t.element_size()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,6 +353,7 @@ class McoreCheckpoint:
         self._files: dict[str, Any] = {}
         self._cache: dict[tuple, torch.Tensor] = {}
         self._cache_scope: tuple | None = None
+        self._starts: dict[tuple, tuple[str, int] | None] = {}
         self.bytes_read = 0
 
     # -- interface of SafetensorsCheckpoint --
@@ -474,6 +531,67 @@ class McoreCheckpoint:
         self._cache[ck] = data
         return data
 
+    # -- byte ranges, for copying tensors verbatim --
+    def byte_ranges(self, name: str, reader: "RangeReader") -> list[tuple[str, int, int]] | None:
+        """HF tensor ``name`` as ``(file, offset, length)`` byte ranges of the chunk files, in
+        order, when each of its rows lies whole (every column) in a chunk whose record stores it
+        contiguously (hf2mcore's output, megatron-core's at TP=1, column-parallel splits); else
+        None (``self(name, ...)`` assembles it). Reads only the records' headers."""
+        src = self._source(name)
+        md = self.tensors[src.key]
+        size = tuple(md.size)
+        lead = 1 if src.layer is not None else 0
+        inner = size[lead:]
+        row_bytes = int(torch.Size(inner[1:]).numel()) * torch.empty(
+            (), dtype=md.properties.dtype).element_size()
+        out: list[tuple[str, int, int]] = []
+        for a, b in mcore_rows(src.rule, src.component, 0, self.shape(name)[0], self.config):
+            r = a
+            while r < b:
+                for chunk in md.chunks:
+                    off, sz = tuple(chunk.offsets), tuple(chunk.sizes)
+                    if (lead and not off[0] <= src.layer < off[0] + sz[0]) or \
+                            not off[lead] <= r < off[lead] + sz[lead]:
+                        continue
+                    if any(off[lead + 1:]) or sz[lead + 1:] != inner[1:]:
+                        return None  # split by columns: rows are not contiguous
+                    break
+                else:
+                    return None
+                start = self._data_start(src.key, chunk, reader)
+                if start is None:
+                    return None
+                path, base = start
+                stop = min(b, off[lead] + sz[lead])
+                row = ((src.layer - off[0]) * sz[lead] if lead else 0) + r - off[lead]
+                seg = (path, base + row * row_bytes, (stop - r) * row_bytes)
+                if out and out[-1][0] == path and out[-1][1] + out[-1][2] == seg[1]:
+                    seg = (path, out[-1][1], out[-1][2] + seg[2])
+                    out.pop()
+                out.append(seg)
+                r = stop
+        return out
+
+    def _data_start(self, key: str, chunk, reader: "RangeReader") -> tuple[str, int] | None:
+        """(file, offset) of a chunk's first element, from its record's head and tail only."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        ck = (key, tuple(chunk.offsets))
+        if ck not in self._starts:
+            info = self.metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
+            if info is None or info.transform_descriptors:
+                return None  # the general path raises the clear error
+            path = os.path.join(self.folder, info.relative_path)
+            n = info.length
+            head = bytearray(min(n, 1 << 16))
+            tail = bytearray(min(n - len(head), 1 << 16))
+            reader.read_into(path, info.offset, head)
+            reader.read_into(path, info.offset + n - len(tail), tail)
+            start = record_data_start(head, tail, n, self.tensors[key].properties.dtype,
+                                      chunk.sizes)
+            self._starts[ck] = None if start is None else (path, info.offset + start)
+        return self._starts[ck]
+
     def close(self) -> None:
         for f in self._files.values():
             f.close()
@@ -487,10 +605,340 @@ class McoreCheckpoint:
             pass
 
 
+# ---- streaming file I/O: reused aligned buffers, O_DIRECT, write-behind ---------------------------------
+# Why: converting a checkpoint copies bytes, and copying within memory that is already mapped is
+# cheap (> 10 GB/s); what costs is fresh memory: every page-cache page a buffered write or read
+# creates, and every newly allocated tensor, is a page fault / page allocation (about 1 GB/s on
+# a VM, where page faults are expensive). So the converters stream through a few buffers faulted
+# in once and reused; they write them with O_DIRECT (from our buffer to the device, no page cache)
+# on a background thread while the next buffer is filled, and read with O_DIRECT what is not in
+# the page cache already.
+_ALIGN = 4096  # O_DIRECT offset / length / address alignment every Linux block device accepts
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
+
+def _prefaulted_buffer(nbytes: int) -> memoryview:
+    """Anonymous page-aligned memory, faulted in now, once (MAP_POPULATE)."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return memoryview(mmap.mmap(-1, max(nbytes, _ALIGN), flags=flags))
+
+
+def _open_direct(path: str, flags: int) -> tuple[int, bool]:
+    """An fd with O_DIRECT when the file system supports it (else a plain one)."""
+    if _O_DIRECT:
+        try:
+            return os.open(path, flags | _O_DIRECT, 0o644), True
+        except OSError as err:
+            if err.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+    return os.open(path, flags, 0o644), False
+
+
+def _clear_direct(fd: int) -> None:
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+
+
+def _pwrite_all(fd: int, mv: memoryview, offset: int) -> None:
+    while len(mv):
+        n = os.pwrite(fd, mv, offset)
+        mv, offset = mv[n:], offset + n
+
+
+class WriteBehind:
+    """Files written through ``count`` reused buffers of ``size`` bytes: the caller fills one
+    (:meth:`open` -> :class:`StreamFile`) while a background thread writes the full ones, then
+    the file's tail, fsyncs and closes it (so a file's fsync overlaps the filling of the next).
+    An error of the thread is raised by the caller's next call; :meth:`finish` waits for all."""
+
+    def __init__(self, size: int = 32 << 20, count: int = 3):
+        self.size = size - size % _ALIGN
+        self._free: queue.Queue = queue.Queue()
+        for _ in range(count):
+            self._free.put(_prefaulted_buffer(self.size))
+        self._jobs: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._cancel = False
+        self._thread = threading.Thread(target=self._run, name="write-behind", daemon=True)
+        self._thread.start()
+
+    def open(self, path: str) -> "StreamFile":
+        self._check()
+        return StreamFile(self, path)
+
+    def _run(self):
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            sf, buf, offset, n, last = job
+            try:
+                if not self._cancel and self._error is None:
+                    sf._write(buf[:n], offset, last)
+            except BaseException as err:  # noqa: BLE001 - handed to the caller
+                self._error = err
+            finally:
+                if last:
+                    os.close(sf.fd)
+                self._free.put(buf)
+
+    def _check(self):
+        if self._error is not None:
+            err, self._error = self._error, None
+            self._cancel = True  # what is queued after a failure is not written
+            raise err
+
+    def _submit(self, job) -> None:
+        self._check()
+        self._jobs.put(job)
+
+    def _take(self) -> memoryview:
+        buf = self._free.get()
+        self._check()
+        return buf
+
+    def finish(self) -> None:
+        """Wait until every file is written, fsynced and closed; raise the first error."""
+        self._jobs.put(None)
+        self._thread.join()
+        self._check()
+
+    def abort(self) -> None:
+        """Stop writing (queued data is dropped), close the files; for error paths."""
+        self._cancel = True
+        self._jobs.put(None)
+        self._thread.join()
+
+
+class StreamFile:
+    """One file written sequentially through a :class:`WriteBehind` (see there)."""
+
+    def __init__(self, wb: WriteBehind, path: str):
+        self.wb = wb
+        self.path = path
+        self.fd, self.direct = _open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        self.pos = 0       # bytes written so far = file offset of the next byte
+        self._base = 0     # file offset of the buffer's first byte
+        self._fill = 0
+        self._buf = wb._take()
+
+    def tell(self) -> int:
+        return self.pos
+
+    def write(self, data) -> int:
+        """Copy ``data`` (bytes-like) into the file."""
+        mv = memoryview(data).cast("B")
+        return self.fill(len(mv), lambda dst, done: dst.__setitem__(
+            slice(None), mv[done:done + len(dst)]))
+
+    def fill(self, n: int, produce: Callable[[memoryview, int], Any]) -> int:
+        """Append ``n`` bytes that ``produce(dst, done)`` writes into ``dst`` (a piece of the
+        buffer; ``done`` = bytes of the ``n`` produced before): e.g. read from a source file
+        straight into the buffer."""
+        done = 0
+        while done < n:
+            k = min(n - done, self.wb.size - self._fill)
+            produce(self._buf[self._fill:self._fill + k], done)
+            done += k
+            self._fill += k
+            self.pos += k
+            if self._fill == self.wb.size:
+                self.wb._submit((self, self._buf, self._base, self._fill, False))
+                self._base += self._fill
+                self._fill = 0
+                self._buf = self.wb._take()
+        return n
+
+    def close(self) -> None:
+        """Queue the tail, fsync and close (done on the background thread)."""
+        buf, self._buf = self._buf, None
+        self.wb._submit((self, buf, self._base, self._fill, True))
+
+    def abort(self) -> None:
+        if self._buf is not None:
+            buf, self._buf = self._buf, None
+            self.wb._cancel = True
+            self.wb._jobs.put((self, buf, self._base, 0, True))
+
+    def _write(self, mv: memoryview, offset: int, last: bool) -> None:  # background thread
+        if self.direct:
+            aligned = len(mv) - len(mv) % _ALIGN
+            try:
+                _pwrite_all(self.fd, mv[:aligned], offset)
+            except OSError as err:  # a file system with other O_DIRECT rules: write buffered
+                if err.errno != errno.EINVAL:
+                    raise
+                self.direct = False
+                _clear_direct(self.fd)
+                _pwrite_all(self.fd, mv[:aligned], offset)
+            mv, offset = mv[aligned:], offset + aligned
+            if len(mv):  # the unaligned end of the file (last buffer only): written buffered
+                self.direct = False
+                _clear_direct(self.fd)
+        _pwrite_all(self.fd, mv, offset)
+        if last:
+            os.fsync(self.fd)
+
+
+class RangeReader:
+    """Reads byte ranges of files into given buffers. A file is read with plain reads that may
+    not wait for the disk (RWF_NOWAIT) while its bytes are in the page cache; once they are not,
+    with O_DIRECT through one aligned bounce buffer: large reads straight from the device, no
+    page cache filled. File systems without RWF_NOWAIT (tmpfs) get plain reads. One per thread."""
+
+    def __init__(self, bounce: int = 16 << 20):
+        self._files: dict[str, list] = {}  # path -> [fd, O_DIRECT fd or None, mode]
+        self._bounce_size = bounce
+        self._bounce: memoryview | None = None
+
+    def read_into(self, path: str, offset: int, dst) -> None:
+        mv = memoryview(dst).cast("B")
+        entry = self._files.get(path)
+        fresh = entry is None
+        if fresh:
+            entry = self._files[path] = [os.open(path, os.O_RDONLY), None,
+                                         "cache" if _RWF_NOWAIT else "plain"]
+        got, probe = 0, fresh
+        if entry[2] == "cache":
+            try:
+                while got < len(mv):
+                    # a file's first read is small: a miss starts a readahead of its size
+                    piece = mv[got:got + (65536 if probe else len(mv))]
+                    n = os.preadv(entry[0], [piece], offset + got, _RWF_NOWAIT)
+                    probe = False
+                    if n == 0:
+                        _eof(path, offset + got, offset + len(mv))
+                    got += n
+            except BlockingIOError:  # not (all) in the page cache: the rest from the device
+                if entry[1] is None:
+                    entry[1], direct = _open_direct(path, os.O_RDONLY)
+                    if not direct:
+                        os.close(entry[1])
+                        entry[1], entry[2] = None, "plain"
+                if got == 0 and entry[2] == "cache":  # and so the rest of this file
+                    entry[2] = "direct"
+            except OSError as err:
+                if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise
+                entry[2] = "plain"  # no RWF_NOWAIT on this file system
+        pos, end = offset + got, offset + len(mv)
+        while pos < end:
+            if entry[1] is not None and entry[2] != "plain":
+                if self._bounce is None:
+                    self._bounce = _prefaulted_buffer(self._bounce_size)
+                a = pos - pos % _ALIGN
+                want = min(len(self._bounce), -(-end // _ALIGN) * _ALIGN - a)
+                n = min(os.preadv(entry[1], [self._bounce[:want]], a) - (pos - a), end - pos)
+                if n > 0:
+                    mv[pos - offset:pos - offset + n] = self._bounce[pos - a:pos - a + n]
+            else:
+                n = os.preadv(entry[0], [mv[pos - offset:]], pos)
+            if n <= 0:
+                _eof(path, pos, end)
+            pos += n
+
+    def close(self) -> None:
+        for fd, dfd, _ in self._files.values():
+            os.close(fd)
+            if dfd is not None:
+                os.close(dfd)
+        self._files.clear()
+
+
+def _eof(path: str, pos: int, end: int):
+    raise CheckpointError(f"{path}: file ends at {pos}, inside data that ends at {end}")
+
+
+@contextlib.contextmanager
+def _no_crc32():
+    """torch.save without its CRC32 of every record (a full extra pass over the data; torch.load
+    and megatron-core do not check it): scoped, the previous setting is restored."""
+    prev = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(prev)
+
+
+class _RecordSink:
+    """What ``torch.save`` writes to: its bytes go into a :class:`StreamFile`, except the data of
+    a placeholder tensor (memory never touched), which ``fill`` produces in their place, e.g.
+    straight from the source files. The record is byte for byte the one torch.save writes."""
+
+    def __init__(self, out: StreamFile, placeholder: torch.Tensor | None = None,
+                 fill: Callable | None = None):
+        self.out = out
+        self.ptr = placeholder.data_ptr() if placeholder is not None else None
+        self.nbytes = placeholder.nbytes if placeholder is not None else 0
+        self.fill = fill
+        self.filled = False
+        self.failed = False
+
+    def write(self, b) -> int:
+        mv = memoryview(b).cast("B")
+        if self.failed:  # torch.save ends the record even when a write raised: drop that
+            return len(mv)
+        try:
+            if (self.ptr is not None and len(mv) == self.nbytes and not self.filled
+                    and numpy.frombuffer(mv, dtype=numpy.uint8).ctypes.data == self.ptr):
+                self.out.fill(self.nbytes, self.fill)
+                self.filled = True
+            else:
+                self.out.write(mv)
+        except BaseException:
+            self.failed = True
+            raise
+        return len(mv)
+
+    def flush(self) -> None:
+        pass
+
+
+class _Placeholder:
+    """Tensors of any shape / dtype over reserved but never touched memory (no RSS): what
+    torch.save is given when the data itself is copied from the source files."""
+
+    def __init__(self):
+        self._mem = None
+
+    def tensor(self, sizes, dtype: torch.dtype) -> torch.Tensor:
+        numel = int(torch.Size(sizes).numel())
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if self._mem is None or len(self._mem) < nbytes:
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+            self._mem = mmap.mmap(-1, max(nbytes, _ALIGN), flags=flags)
+        # storage of exactly the tensor's size, offset 0: as DCP hands tensors to torch.save
+        return torch.frombuffer(self._mem, dtype=dtype, count=numel).view(sizes)
+
+
+def segment_filler(reader: RangeReader, segments: list[tuple[str, int, int]]) -> Callable:
+    """A ``StreamFile.fill`` producer for the concatenation of byte ranges ``(file, offset,
+    length)`` of files: each piece of the buffer is read straight from them."""
+    starts = [0]
+    for _, _, n in segments:
+        starts.append(starts[-1] + n)
+
+    def produce(dst: memoryview, done: int) -> None:
+        end, at = done + len(dst), done
+        i = bisect.bisect_right(starts, at) - 1
+        while at < end:
+            path, offset, n = segments[i]
+            k = min(starts[i + 1], end) - at
+            reader.read_into(path, offset + at - starts[i], dst[at - done:at - done + k])
+            at += k
+            i += 1
+
+    return produce
+
+
 # ---- writing (one process, chunks produced on demand) --------------------------------------------------
 @dataclasses.dataclass
 class ChunkItem:
-    """One chunk to write: ``resolve()`` returns its data (shape ``sizes``) when it is written."""
+    """One chunk to write: ``resolve()`` returns its data (shape ``sizes``) when it is written.
+    ``segments``, when given, are instead its bytes as ``(file, offset, length)`` ranges of files,
+    in order (already ``dtype``, nothing to transform): they are copied straight from the files
+    into the output buffers, without building the tensor."""
 
     key: str
     offsets: tuple[int, ...]
@@ -498,6 +946,11 @@ class ChunkItem:
     global_shape: tuple[int, ...]
     dtype: torch.dtype
     resolve: Callable[[], torch.Tensor]
+    segments: list[tuple[str, int, int]] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(torch.Size(self.sizes).numel()) * torch.empty((), dtype=self.dtype).element_size()
 
 
 def extra_state_items(num_layers: int) -> list[tuple[str, bytes]]:
@@ -510,7 +963,7 @@ def extra_state_items(num_layers: int) -> list[tuple[str, bytes]]:
             for i in range(num_layers)]
 
 
-def _save_planner(items: list[ChunkItem], objects: list[tuple[str, bytes]], on_item=None):
+def _save_planner(items: list[ChunkItem], objects: list[tuple[str, bytes]]):
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
                                                        TensorProperties)
@@ -520,7 +973,7 @@ def _save_planner(items: list[ChunkItem], objects: list[tuple[str, bytes]], on_i
     class LazyPlanner(DefaultSavePlanner):
         def __init__(self):
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-            self.resolvers: dict[MetadataIndex, Callable] = {}
+            self.resolvers: dict[MetadataIndex, tuple] = {}
             self.write_items = []
             for it in items:
                 index = MetadataIndex(it.key, torch.Size(it.offsets))
@@ -553,29 +1006,81 @@ def _save_planner(items: list[ChunkItem], objects: list[tuple[str, bytes]], on_i
                     raise CheckpointError(f"internal: {it.key} at {it.offsets}: produced shape "
                                           f"{tuple(data.shape)}, planned {it.sizes}")
                 data = data.to(it.dtype).contiguous()
-                if on_item is not None:
-                    on_item(it, data)
             return data
 
     return LazyPlanner()
 
 
-def _bucketed_writer(folder: str, bucket_bytes: int, threads: int):
-    """torch DCP's FileSystemWriter, with the chunks spread over files of about
-    ``bucket_bytes`` each, in plan order. (Its writer keeps every tensor of a file referenced
-    until the file is closed: one file for everything would hold much of the model.)"""
-    import queue
+def _direct_writer(folder: str, bucket_bytes: int, threads: int, on_item=None):
+    """torch DCP's FileSystemWriter (its plan, ``.metadata`` and file names), writing the
+    ``.distcp`` files itself: each chunk is the ``torch.save`` record DCP writes (saved without
+    CRC32), streamed through a :class:`WriteBehind`, the data of chunks with ``segments`` read
+    straight from their files into its buffers. Chunks go in plan order into files of about
+    ``bucket_bytes``; ``threads`` files are written at a time (each thread with its buffers)."""
+    import concurrent.futures
 
     from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
     from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    resolve_lock = threading.Lock()  # resolve() reads through shared file handles
+
+    def write_file(planner, out: StreamFile, name: str, bucket, reader: RangeReader,
+                   placeholder: _Placeholder) -> list:
+        results = []
+        # DCP's order within a file: the byte objects, then the tensors
+        for item in sorted(bucket, key=lambda wi: wi.type != WriteItemType.BYTE_IO):
+            offset = out.tell()
+            if item.type == WriteItemType.BYTE_IO:
+                out.write(planner.resolve_data(item).getbuffer())
+            else:
+                it, _ = planner.resolvers[item.index]
+                if it.segments is not None and it.nbytes:
+                    if sum(n for _, _, n in it.segments) != it.nbytes:
+                        raise CheckpointError(f"internal: {it.key} at {it.offsets}: segments "
+                                              f"hold the wrong number of bytes")
+                    ph = placeholder.tensor(it.sizes, it.dtype)
+                    sink = _RecordSink(out, ph, segment_filler(reader, it.segments))
+                    torch.save(ph, sink)
+                    if not sink.filled:
+                        raise CheckpointError("internal: torch.save did not write the tensor "
+                                              "data in one piece")
+                else:
+                    with resolve_lock:
+                        data = planner.resolve_data(item)
+                    torch.save(data, _RecordSink(out))
+                if on_item is not None:
+                    on_item(it, it.nbytes)
+            length = out.tell() - offset
+            results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                       storage_data=_StorageInfo(name, offset, length)))
+        return results
+
+    def write_files(planner, jobs) -> list:
+        wb, reader, placeholder, out, results = WriteBehind(), RangeReader(), _Placeholder(), None, []
+        try:
+            for path, name, bucket in jobs:
+                out = wb.open(path)
+                results += write_file(planner, out, name, bucket, reader, placeholder)
+                out.close()
+                out = None
+            wb.finish()
+        except BaseException:
+            if out is not None:
+                out.abort()
+            wb.abort()
+            raise
+        finally:
+            reader.close()
+        return results
 
     def chunk_bytes(item):  # (torch's _item_size counts the whole tensor, not the chunk)
         td = item.tensor_data
         return int(torch.Size(td.chunk.sizes).numel()) * torch.empty(
             (), dtype=td.properties.dtype).element_size()
 
-    class BucketedWriter(FileSystemWriter):
+    class DirectWriter(FileSystemWriter):
         def write_data(self, plan, planner):
             buckets, current, size = [], [], 0
             for item in plan.items:
@@ -587,28 +1092,38 @@ def _bucketed_writer(folder: str, bucket_bytes: int, threads: int):
                 size += n
             if current:
                 buckets.append(current)
-            files: queue.Queue = queue.Queue()
+            jobs = []
             for i, bucket in enumerate(buckets):
                 name = f"{plan.storage_data.prefix}{i}{DEFAULT_SUFFIX}"
-                files.put((self.fs.concat_path(self.path, name), name, bucket))
-            return self._write_data(planner, files)
+                jobs.append((str(self.fs.concat_path(self.path, name)), name, bucket))
+            n = max(1, min(threads, len(jobs)))
+            with _no_crc32():
+                if n == 1:
+                    results = write_files(planner, jobs)
+                else:
+                    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+                        parts = [pool.submit(write_files, planner, jobs[k::n]) for k in range(n)]
+                        results = [r for p in parts for r in p.result()]
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(results)
+            return fut
 
-    return BucketedWriter(folder, single_file_per_rank=True, sync_files=True,
-                          thread_count=max(1, threads), overwrite=True)
+    return DirectWriter(folder, single_file_per_rank=True, sync_files=True,
+                        thread_count=1, overwrite=True)
 
 
 def write_dist_checkpoint(folder: str, items: list[ChunkItem], objects: list[tuple[str, bytes]],
                           *, threads: int = 1, on_item=None) -> None:
     """Write a megatron-core ``torch_dist`` checkpoint into the (new, empty) ``folder`` from
-    ``items``, each resolved only when torch DCP's writer reaches it, into files of about the
-    largest chunk (at least 256 MiB): memory stays at about two chunks per writer thread. Also
-    writes ``common.pt`` (empty) and megatron's ``metadata.json``."""
+    ``items``, each resolved (or its segments read) only when its turn comes, into files of
+    about the largest chunk (at least 256 MiB); memory stays at one resolved chunk plus the
+    stream buffers per writer thread. ``on_item(item, nbytes)`` after each chunk. Also writes
+    ``common.pt`` (empty) and megatron's ``metadata.json``. Every file is fsynced."""
     import torch.distributed.checkpoint as dcp
 
-    planner = _save_planner(items, objects, on_item)
-    largest = max((int(torch.Size(it.sizes).numel()) * torch.empty((), dtype=it.dtype).element_size()
-                   for it in items), default=0)
-    writer = _bucketed_writer(folder, max(largest, 256 * 2**20), threads)
+    planner = _save_planner(items, objects)
+    largest = max((it.nbytes for it in items), default=0)
+    writer = _direct_writer(folder, max(largest, 256 * 2**20), threads, on_item)
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -626,10 +1141,15 @@ def write_dist_checkpoint(folder: str, items: list[ChunkItem], objects: list[tup
 def _write_megatron_files(folder: str) -> None:
     # exactly what megatron-core's dist_checkpointing.save adds (the common state of a GPTModel
     # is an empty dict; torch.save is the format megatron-core reads it with)
-    torch.save({}, os.path.join(folder, COMMON_FILE))
+    with open(os.path.join(folder, COMMON_FILE), "wb") as f:
+        torch.save({}, f)
+        f.flush()
+        os.fsync(f.fileno())
     with open(os.path.join(folder, MEGATRON_METADATA), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                    "common_backend": "torch", "common_backend_version": 1}, f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # ---- megatron-core model arguments ----------------------------------------------------------------------

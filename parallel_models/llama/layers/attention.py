@@ -8,7 +8,7 @@ from megatron.core import ModelParallelConfig
 from parallel_models.config import ModelConfig
 from parallel_models.llama.layers.attention_kernels import varlen_causal_attention
 from parallel_models.llama.layers.linear import ParallelRowLinear, QKVParallelLinear
-from parallel_models.llama.layers.rotary import apply_rotary
+from parallel_models.llama.layers.fused_ops import rotary
 
 
 class ParallelAttention(torch.nn.Module):
@@ -29,8 +29,7 @@ class ParallelAttention(torch.nn.Module):
         """hidden: [tokens(/tp under SP), 1, hidden] -> same shape."""
         qkv, _ = self.qkv_proj(hidden)  # gathers the sequence under SP: [tokens, 1, local]
         q, k, v = self.qkv_proj.split(qkv.squeeze(1))
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q, k = rotary(q, k, cos, sin)
         if kv_cache is not None:
             out = kv_cache.attend(layer_index, q, k, v, cu_seqlens, max_seqlen, self.scale)
         else:

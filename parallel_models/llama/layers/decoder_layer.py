@@ -7,6 +7,7 @@ from megatron.core import ModelParallelConfig
 
 from parallel_models.config import ModelConfig
 from parallel_models.llama.layers.attention import ParallelAttention
+from parallel_models.llama.layers.fused_ops import add_rms_norm
 from parallel_models.llama.layers.mlp import ParallelMLP
 from parallel_models.llama.layers.norm import RMSNorm
 
@@ -23,9 +24,11 @@ class ParallelDecoderLayer(torch.nn.Module):
         self.mlp = ParallelMLP(config, mp_config)
 
     def forward(self, hidden, cos, sin, cu_seqlens, max_seqlen, kv_cache=None, layer_index=0):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, cu_seqlens,
-                                         max_seqlen, kv_cache, layer_index)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, cu_seqlens, max_seqlen,
+                              kv_cache, layer_index)
+        norm = self.post_attention_layernorm
+        hidden, normed = add_rms_norm(attn, hidden, norm.weight, norm.eps)  # one fused pass
+        return hidden + self.mlp(normed)
 
 
 def _param_device(mp_config: ModelParallelConfig):

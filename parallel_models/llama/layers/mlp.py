@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from megatron.core import ModelParallelConfig
 
 from parallel_models.config import ModelConfig
+from parallel_models.llama.layers.fused_ops import swiglu
 from parallel_models.llama.layers.linear import GateUpParallelLinear, ParallelRowLinear
 
 
@@ -22,6 +22,5 @@ class ParallelMLP(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate_up, _ = self.gate_up_proj(hidden)
-        gate, up = gate_up.chunk(2, dim=-1)
-        out, _ = self.down_proj(F.silu(gate) * up)
+        out, _ = self.down_proj(swiglu(gate_up))
         return out

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from parallel_models.llama.layers.fused_ops import rms_norm
+
 
 class RMSNorm(torch.nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, sequence_parallel: bool = False,
@@ -16,7 +18,4 @@ class RMSNorm(torch.nn.Module):
         self.weight.sequence_parallel = sequence_parallel
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        dtype = hidden.dtype
-        h = hidden.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return rms_norm(hidden, self.weight, self.eps)

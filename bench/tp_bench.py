@@ -1,0 +1,113 @@
+"""Tensor-parallel scaling: per-GPU fwd+bwd throughput at TP=1 and TP=2 (+ sequence parallel).
+
+    torchrun --nproc-per-node 2 bench/tp_bench.py --tp 1 [--out tp1.json]
+    torchrun --nproc-per-node 2 bench/tp_bench.py --tp 2 [--sequence-parallel] [--out tp2.json]
+
+Llama-3-8B shape by default (hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate 14336,
+vocab 128256), bf16, random weights built directly on the GPUs (no checkpoint). Every GPU keeps
+the same number of tokens: at TP=1 each GPU runs its own model on ``--tokens-per-gpu`` tokens
+(the two GPUs run side by side, no communication); at TP=2 the pair runs one model on twice as
+many tokens. Per-GPU throughput = tokens / s / GPUs of the model. CUDA events, median of repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--intermediate", type=int, default=14336)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--tokens-per-gpu", type=int, default=4096)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--out", default=None)
+    p.add_argument("--profile", default=None, help="file: kernel table of one step (rank 0)")
+    args = p.parse_args()
+
+    import parallel_models as pm
+    from parallel_models.config import ModelConfig
+    from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
+    from transformers import LlamaConfig
+
+    pm.init_parallel(tensor_parallel_size=args.tp, sequence_parallel=args.sequence_parallel)
+    dev = pm.compute_device()
+    hf_cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                         intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                         max_position_embeddings=8192, rope_theta=500000.0,
+                         architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
+    config = ModelConfig.from_hf(hf_cfg)
+    model = pm.LlamaForCausalLMRmPad(config, dtype=torch.bfloat16)
+    gen = torch.Generator(device=dev).manual_seed(1234)  # same weights on the TP group's ranks
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            if "norm" in name:
+                prm.fill_(1.0)
+            else:
+                prm.normal_(0.0, 0.02, generator=gen)
+
+    tokens = args.tokens_per_gpu * args.tp
+    g = torch.Generator(device=dev).manual_seed(0)
+    ids = torch.randint(0, args.vocab, (tokens,), device=dev, generator=g)
+    cu = torch.arange(0, tokens + 1, args.seq, dtype=torch.int32, device=dev)
+
+    def step():
+        logits = model(ids, cu).logits
+        loss = -log_probs_from_packed_logits(logits, ids, cu).sum() / tokens
+        loss.backward()
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(args.iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        a.record()
+        step()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    t = sorted(times)[len(times) // 2]
+    n_params = sum(prm.numel() for prm in model.parameters()) * args.tp  # whole model (approx.)
+    flops = 6 * n_params * tokens + 6 * args.layers * args.hidden * (tokens // args.seq) * args.seq**2
+    res = {"tp": args.tp, "sequence_parallel": args.sequence_parallel,
+           "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "tokens_per_step": tokens, "step_s": t, "tokens_per_s": tokens / t,
+           "tokens_per_s_per_gpu": tokens / t / args.tp,
+           "tflops_per_gpu": flops / t / 1e12 / args.tp,
+           "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "args": vars(args)}
+    if args.profile and dist.get_rank() == 0:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        with open(args.profile, "w") as f:
+            f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30,
+                                              max_name_column_width=100))
+    elif args.profile:
+        step()
+    if dist.get_rank() == 0:
+        print(json.dumps(res, indent=1))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+    pm.destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()

@@ -82,8 +82,12 @@ def main():
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
     t = sorted(times)[len(times) // 2]
-    n_params = sum(prm.numel() for prm in model.parameters()) * args.tp  # whole model (approx.)
-    flops = 6 * n_params * tokens + 6 * args.layers * args.hidden * (tokens // args.seq) * args.seq**2
+    # parameters that multiply (the input embedding is a lookup): layers + LM head
+    head_dim = args.hidden // args.heads
+    per_layer = (args.hidden * (args.heads + 2 * args.kv_heads) * head_dim
+                 + args.heads * head_dim * args.hidden + 3 * args.hidden * args.intermediate)
+    n_matmul = args.layers * per_layer + args.vocab * args.hidden
+    flops = 6 * n_matmul * tokens + 6 * args.layers * args.hidden * (tokens // args.seq) * args.seq**2
     res = {"tp": args.tp, "sequence_parallel": args.sequence_parallel,
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "tokens_per_step": tokens, "step_s": t, "tokens_per_s": tokens / t,

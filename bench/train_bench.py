@@ -10,7 +10,7 @@ Cases (bf16, one GPU):
   effective tokens/s counts real tokens only;
 - ``decode``: batch of prompts, greedy, N new tokens: ours (KV cache) vs ``generate``.
 Timing: CUDA events, median of repeats after warm-up. TFLOP/s counts 6 x params x tokens plus
-causal attention (6 x layers x hidden x sum(len^2)). ``--profile DIR`` also writes the CUDA
+causal attention (6 x layers x hidden x sum(len^2)); params = all but the input embedding. ``--profile DIR`` also writes the CUDA
 kernels of one step of each side (self time) as text tables.
 """
 
@@ -135,6 +135,8 @@ def main():
                                               attn_implementation="sdpa").to(dev)
     ours = pm.LlamaForCausalLMRmPad.from_pretrained(folder, dtype=torch.bfloat16)
     n_params = sum(p.numel() for p in hf.parameters())
+    # model FLOPs count the parameters that multiply (not the input embedding lookup)
+    n_matmul = n_params - hf.get_input_embeddings().weight.numel()
     peak = matmul_peak_tflops(dev)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "params": n_params, "matmul_peak_tflops": peak, "args": vars(args)}
@@ -142,7 +144,7 @@ def main():
 
     def flops(lengths):
         tokens = sum(lengths)
-        return 6 * n_params * tokens + 6 * args.layers * args.hidden * sum(n * n for n in lengths)
+        return 6 * n_matmul * tokens + 6 * args.layers * args.hidden * sum(n * n for n in lengths)
 
     def ours_step(ids, cu):
         logits = ours(ids, cu).logits

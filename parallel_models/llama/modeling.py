@@ -119,7 +119,9 @@ class ParallelDecoder(torch.nn.Module):
         """[tokens] -> [tokens(/tp under SP), 1, hidden]."""
         hidden = self.embed_tokens(input_ids.unsqueeze(0))  # [1, tokens, h] (or [t/tp, 1, h])
         if not self.sequence_parallel:
-            hidden = hidden.transpose(0, 1).contiguous()
+            # a view, not transpose(): the same strides as every later [t, 1, h] activation (the
+            # fused kernels would compile once more for the transposed layout)
+            hidden = hidden.view(hidden.shape[1], 1, hidden.shape[2])
         return hidden
 
     def forward(self, input_ids, position_ids, cu_seqlens, max_seqlen, hidden=None, kv_cache=None):

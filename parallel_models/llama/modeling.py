@@ -200,6 +200,12 @@ class ParallelModel(torch.nn.Module):
                                             dtype=self.dtype, device=device)
         self.load_report = None
 
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's weights live (the compute device once loaded; the host while
+        offloaded)."""
+        return next(self.parameters()).device
+
     # ---- pipeline plumbing ------------------------------------------------------------------
     def set_input_tensor(self, input_tensor) -> None:
         if isinstance(input_tensor, (list, tuple)):

@@ -203,7 +203,7 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
                                   "build the rollout model with PP=1 (TP only)")
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and no empty prompt")
-    device = model.model.layers[0].input_layernorm.weight.device
+    device = model.device
     batch = len(prompts)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))

@@ -234,7 +234,7 @@ class PPOTrainer:
 
             seed = (self.cfg.trainer.seed * 1_000_003 + self.step_index) * 1009 + self.dp_rank
             batch = server_rollout(self.rollout_client, prompt_ids, self.sampling, n, seed=seed,
-                                   device=self.actor_model.model.layers[0].input_layernorm.weight.device)
+                                   device=self.actor_model.device)
             batch.pop("weight_version", None)
             batch.pop("rollout_log_probs", None)  # old_log_probs are recomputed by the actor
             return batch

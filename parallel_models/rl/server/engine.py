@@ -56,7 +56,7 @@ class Engine:
         self.version = 0
         self.group = control_group
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.device = model.model.layers[0].input_layernorm.weight.device
+        self.device = model.device
         self.generated_tokens = 0
         self.batches = 0
 

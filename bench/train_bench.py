@@ -92,6 +92,20 @@ def check_against_hf(hf, ours, folder, args, dev) -> dict:
         out["ours_fp32_vs_hf_fp32_max_abs_err"] = float((got32 - ref).abs().max())
         out["ours_bf16_vs_hf_fp32_rel_err"] = rel(ours(ids[0], cu, full_vocab=True).logits, ref)
         out["hf_bf16_vs_hf_fp32_rel_err"] = rel(hf(input_ids=ids).logits[0], ref)
+    # fp32 loss and gradients through the fused kernels and the fused vocab-parallel loss
+    from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
+
+    hf_loss = hf32(input_ids=ids, labels=ids).loss
+    hf_loss.backward()
+    logits = ours32(ids[0], cu).logits
+    ours_loss = -log_probs_from_packed_logits(logits, ids[0], cu).sum() / (n - 1)
+    ours_loss.backward()
+    out["fp32_loss_abs_diff"] = float((ours_loss - hf_loss).abs())
+    out["fp32_lm_head_grad_rel_err"] = rel(ours32.lm_head.weight.grad, hf32.lm_head.weight.grad)
+    out["fp32_embedding_grad_rel_err"] = rel(ours32.model.embed_tokens.weight.grad,
+                                             hf32.model.embed_tokens.weight.grad)
+    out["fp32_final_norm_grad_rel_err"] = rel(ours32.model.norm.weight.grad,
+                                              hf32.model.norm.weight.grad)
     del hf32, ours32
     torch.cuda.empty_cache()
     return out
@@ -117,7 +131,7 @@ def main():
     cases = set(args.cases.split(","))
 
     import parallel_models as pm
-    from parallel_models.llama.layers import fused_ops
+    from parallel_models.utils import gpu_compile
     from parallel_models.rl.generation import SamplingParams, generate
     from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -163,11 +177,11 @@ def main():
     res["correctness"] = check_against_hf(hf, ours, folder, args, dev)
 
     def ours_unfused(fn):
-        fused_ops.set_fusion(False)
+        gpu_compile.set_compilation(False)
         try:
             return timed(fn, warmup=1, iters=3)
         finally:
-            fused_ops.set_fusion(True)
+            gpu_compile.set_compilation(True)
 
     if "train_full" in cases:
         ids = torch.randint(0, args.vocab, (B, S), device=dev)

@@ -4,18 +4,16 @@ Each op is written once, in eager PyTorch, with the arithmetic transformers uses
 the reference). On CUDA the same function runs through ``torch.compile``, which turns each one
 into one Triton kernel forward and one backward instead of 5-10 elementwise passes over the
 activations (in eager mode those passes took ~40% of a training step: bench/train_bench.py
---profile). ``PARALLEL_MODELS_COMPILE=0`` switches compilation off.
+--profile). ``PARALLEL_MODELS_COMPILE=0`` switches compilation off (utils/gpu_compile.py).
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
 from parallel_models.llama.layers.rotary import apply_rotary
+from parallel_models.utils.gpu_compile import compiled_on_gpu
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,43 +40,7 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-@functools.cache
-def _compile_available() -> bool:
-    if os.environ.get("PARALLEL_MODELS_COMPILE", "1") == "0" or not torch.cuda.is_available():
-        return False
-    try:
-        from torch.utils._triton import has_triton
-    except ImportError:
-        return False
-    return has_triton()
-
-
-_ENABLED = True
-
-
-def set_fusion(enabled: bool) -> None:
-    """Switch the compiled kernels on or off at run time (benchmarks compare both)."""
-    global _ENABLED
-    _ENABLED = enabled
-
-
-def _on_gpu(eager_fn):
-    compiled = None
-
-    @functools.wraps(eager_fn)
-    def call(*args):
-        nonlocal compiled
-        if not (_ENABLED and args[0].is_cuda and _compile_available()):
-            return eager_fn(*args)
-        if compiled is None:
-            compiled = torch.compile(eager_fn, fullgraph=True)
-        return compiled(*args)
-
-    call.eager = eager_fn
-    return call
-
-
-rms_norm = _on_gpu(_rms_norm)
-add_rms_norm = _on_gpu(_add_rms_norm)
-rotary = _on_gpu(_rotary)
-swiglu = _on_gpu(_swiglu)
+rms_norm = compiled_on_gpu(_rms_norm)
+add_rms_norm = compiled_on_gpu(_add_rms_norm)
+rotary = compiled_on_gpu(_rotary)
+swiglu = compiled_on_gpu(_swiglu)

@@ -1,0 +1,50 @@
+"""``torch.compile`` for elementwise/reduction code on CUDA only, one switch for all of it.
+
+Functions wrapped with :func:`compiled_on_gpu` keep their eager definition (the CPU path and the
+reference) and, on CUDA tensors, run through ``torch.compile``, which fuses their passes over the
+activations into a few Triton kernels (forward and backward). ``PARALLEL_MODELS_COMPILE=0``
+switches compilation off; :func:`set_compilation` does the same at run time (benchmarks compare).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+_ENABLED = True
+
+
+def set_compilation(enabled: bool) -> None:
+    global _ENABLED
+    _ENABLED = enabled
+
+
+@functools.cache
+def _compile_available() -> bool:
+    if os.environ.get("PARALLEL_MODELS_COMPILE", "1") == "0" or not torch.cuda.is_available():
+        return False
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:
+        return False
+    return has_triton()
+
+
+def compiled_on_gpu(eager_fn):
+    """``eager_fn`` on CPU tensors; its ``torch.compile``d version when the first argument is a
+    CUDA tensor (compiled on first use)."""
+    compiled = None
+
+    @functools.wraps(eager_fn)
+    def call(*args):
+        nonlocal compiled
+        if not (_ENABLED and args[0].is_cuda and _compile_available()):
+            return eager_fn(*args)
+        if compiled is None:
+            compiled = torch.compile(eager_fn, fullgraph=True)
+        return compiled(*args)
+
+    call.eager = eager_fn
+    return call

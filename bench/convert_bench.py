@@ -2,14 +2,20 @@
 generated Llama-style model of a few GB.
 
     python bench/convert_bench.py --workdir /tmp/convert_bench --size 2GB [--dtype bf16]
-        [--threads 1] [--keep] [--json out.json]
+        [--threads 1] [--input-cache warm|cold|as-is] [--keep] [--json out.json]
 
 It writes a random HF checkpoint (safetensors shards, written tensor by tensor), then runs each
 direction in a fresh process (``conversion.hf2mcore`` / ``conversion.mcore2hf``) and reads that
 process's peak resident memory (VmHWM) and its resident memory right before converting (the
 imports). Finally it checks the round trip is bit-exact. GB/s = tensor bytes / wall time of the
-conversion (from the converter's own summary). The files are in the page cache when read (they
-were just written); fsync is on for every file written.
+conversion (from the converter's own summary). fsync is on for every file written.
+
+``--input-cache``: the state of each direction's input files in the page cache when it starts.
+``warm`` (default): read through once right before, so the disk only writes (what a conversion
+of a just-downloaded or just-written checkpoint sees); ``cold``: dropped from the page cache
+(``posix_fadvise(DONTNEED)``), so the disk reads and writes; ``as-is``: whatever is left (the
+converters write with O_DIRECT, which leaves nothing cached, and some VMs evict clean pages
+within seconds).
 """
 
 from __future__ import annotations
@@ -92,6 +98,27 @@ def generate(path: str, cfg: dict, dtype: torch.dtype) -> tuple[int, int]:
     return writer.total_bytes, largest
 
 
+def set_cache(folder: str, mode: str) -> None:
+    """Put the files of ``folder`` in the page cache (warm) or drop them from it (cold)."""
+    if mode == "as-is":
+        return
+    buf = bytearray(16 << 20)
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if mode == "cold":
+                os.fsync(fd)  # only clean pages can be dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            else:
+                while os.readv(fd, [buf]):
+                    pass
+        finally:
+            os.close(fd)
+
+
 def run_child(direction: str, src: str, out: str, threads: int) -> dict:
     env = dict(os.environ, BENCH_THREADS="1", PYTHONWARNINGS="ignore")
     args = json.dumps({"direction": direction, "src": src, "out": out, "threads": threads})
@@ -127,6 +154,9 @@ def main(argv=None) -> int:
     p.add_argument("--size", default="2GB", help="model size on disk (default 2GB)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--threads", type=int, default=1, help="hf2mcore writer threads")
+    p.add_argument("--input-cache", choices=["warm", "cold", "as-is"], default="warm",
+                   help="each direction's input in the page cache (warm, the default), dropped "
+                   "from it (cold) or as left")
     p.add_argument("--keep", action="store_true", help="keep the generated folders")
     p.add_argument("--json", default=None, help="write the results here too")
     args = p.parse_args(argv)
@@ -141,12 +171,15 @@ def main(argv=None) -> int:
     gen_s = time.perf_counter() - t0
     results = {"device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores",
                "date": time.strftime("%Y-%m-%d"), "model": cfg, "dtype": args.dtype,
-               "bytes": total, "largest_tensor": largest, "generate_seconds": round(gen_s, 1)}
+               "bytes": total, "largest_tensor": largest, "generate_seconds": round(gen_s, 1),
+               "input_cache": args.input_cache, "load_average": os.getloadavg()[0]}
     for direction, a, b in (("hf2mcore", src, mc), ("mcore2hf", mc, back)):
+        set_cache(a, args.input_cache)
         st = run_child(direction, a, b, args.threads)
         budget = 2 * largest + 2**30
         results[direction] = {
             "seconds": round(st["seconds"], 2), "GB/s": round(st["bytes"] / st["seconds"] / 1e9, 3),
+            "input_read_from_disk_GB": round(st.get("direct_read_bytes", 0) / 1e9, 3),
             "peak_rss_GB": round(st["rss_peak"] / 1e9, 3),
             "rss_before_GB": round(st["rss_before"] / 1e9, 3),
             "peak_minus_before_GB": round((st["rss_peak"] - st["rss_before"]) / 1e9, 3),

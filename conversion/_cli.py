@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import warnings
 from typing import Callable
@@ -52,3 +53,18 @@ def quiet_megatron_import():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex).*not installed")
         yield
+
+
+def fsync_small_files(folder: str, streamed: tuple[str, ...] = (".distcp", ".safetensors")) -> None:
+    """fsync the files of ``folder`` written with plain writes (configs, index, tokenizer files):
+    the weight files (``streamed``) were fsynced as they were written. Before the folder is
+    published, so a crash never leaves a published folder with an empty config."""
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if name.endswith(streamed) or not os.path.isfile(path):
+            continue
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -9,8 +9,11 @@ model.sharded_state_dict(), DIR)`` loads at any TP/PP (keys, stacking and layout
 up), plus ``mcore_config.json`` (the matching ``TransformerConfig`` / ``GPTModel`` arguments),
 ``config.json`` and the tokenizer files, so ``mcore2hf`` and ``from_pretrained`` read it back.
 
-Tensors are read one at a time from the safetensors files and written as soon as they are fused:
-memory stays at about the largest tensor. Everything goes to a temporary folder renamed at the end.
+Tensors that need no conversion of dtype are copied straight from the safetensors files into the
+output's write buffers (a fused QKV or fc1 is a sequence of row ranges of q/k/v or gate/up), and
+written with O_DIRECT while the next buffer is filled; others are read, fused and written one at a
+time. Memory stays at a few buffers (and the largest tensor). Everything goes to a temporary folder
+renamed at the end.
 """
 
 from __future__ import annotations
@@ -23,9 +26,13 @@ import time
 
 import torch
 
-from conversion._cli import quiet_megatron_import
+from conversion._cli import fsync_small_files, quiet_megatron_import
 
 with quiet_megatron_import():  # megatron-core warns about optional GPU extras on import
+    # every conversion reads an HF config: import transformers' config classes with the other
+    # modules (about 1.4 s on a small VM), not inside the conversion
+    from transformers import AutoConfig  # noqa: F401
+
     from parallel_models.config import ConfigError, ModelConfig, resolve_dtype
     from parallel_models.llama.checkpoint_utils.files import (AtomicOutputDir,
                                                              SafetensorsFileReader,
@@ -39,7 +46,9 @@ with quiet_megatron_import():  # megatron-core warns about optional GPU extras o
                                                              extra_state_items, mcore_config_dict,
                                                              write_dist_checkpoint)
     from parallel_models.llama.checkpoint_utils.saver import global_jobs, hf_names
-    from parallel_models.llama.checkpoint_utils.weight_map import hf_shapes, hf_to_mcore, mcore_key
+    from parallel_models.llama.checkpoint_utils.weight_map import (hf_shapes, hf_to_mcore,
+                                                                  mcore_key, mcore_rows)
+    from parallel_models.registry import family_of
 
 PROG = "hf2mcore"
 
@@ -67,13 +76,38 @@ def _validate_hf(ckpt: SafetensorsCheckpoint, reader: SafetensorsFileReader, con
                               + "; ".join(bad[:8]))
 
 
+def _row_segments(rule, comps, config, locate):
+    """The bytes of a megatron chunk made of the HF tensors ``comps`` (``(index in rule.hf,
+    name)``) as ``(file, offset, length)`` ranges, in order: the fused QKV (grouped per KV head)
+    and ``[gate; up]`` are row ranges of their parts (``mcore_rows``), any other tensor is itself.
+    None when a tensor cannot be copied verbatim (``locate`` says so: dtype to convert)."""
+    pieces = []
+    for comp, name in comps:
+        where = locate(name)
+        if where is None:
+            return None
+        path, start, shape, row_bytes = where
+        row = 0
+        for a, b in mcore_rows(rule, comp, 0, shape[0], config):
+            pieces.append((a, b, path, start + row * row_bytes, (b - a) * row_bytes))
+            row += b - a
+    pieces.sort()
+    segments = []
+    for k, (a, b, path, offset, n) in enumerate(pieces):
+        if k and a != pieces[k - 1][1]:
+            return None  # not one run of rows (not expected: the general path copes)
+        if segments and segments[-1][0] == path and sum(segments[-1][1:]) == offset:
+            segments[-1] = (path, segments[-1][1], segments[-1][2] + n)
+        else:
+            segments.append((path, offset, n))
+    return segments
+
+
 def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: str = "te",
                         value: bool = False, threads: int = 1, progress: bool = True,
                         overwrite: bool = False, value_head_seed: int = 0) -> dict:
     """Convert; returns ``{"path", "tensors", "bytes", "seconds"}``. Raises CheckpointError /
     ConfigError on bad input before anything is written."""
-    from parallel_models.registry import family_of
-
     start = time.perf_counter()
     if layer_spec not in ("te", "local"):
         raise ConfigError(f"--layer-spec must be 'te' or 'local', got {layer_spec!r}")
@@ -102,6 +136,16 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
     def read(name):
         return reader.read(ckpt.files[name], name)
 
+    def locate(name, dt):  # (file, offset, shape, row bytes) of a tensor to copy as it is
+        if ckpt.dtype(name) != dt:
+            return None
+        fname = ckpt.files[name]
+        _f, header, base, _size = reader._header(fname)  # (read and checked by _validate_hf)
+        info = header[name]
+        shape = tuple(info["shape"])
+        row = int(torch.Size(shape[1:]).numel()) * torch.empty((), dtype=dt).element_size()
+        return fname, base + info["data_offsets"][0], shape, row
+
     def value_head():
         gen = torch.Generator().manual_seed(value_head_seed)
         return torch.randn((1, config.hidden_size), generator=gen) * config.initializer_range
@@ -127,14 +171,18 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
                 part = (mshape[0] // 2, *mshape[1:])
                 off = lead + (comp * part[0],) + zeros[1:]
                 items.append(ChunkItem(key, off, sizes + part, gshape, dt,
-                                       lambda n=name, s=shaped: s(read(n))))
+                                       lambda n=name, s=shaped: s(read(n)),
+                                       _row_segments(rule, [(comp, name)], config,
+                                                     lambda n: locate(n, dt))))
         elif value_init and names == ("score.weight",):
             items.append(ChunkItem(key, lead + zeros, sizes + tuple(mshape), gshape, dt,
                                    lambda: value_head()))
         else:
             items.append(ChunkItem(key, lead + zeros, sizes + tuple(mshape), gshape, dt,
                                    lambda ns=names, r=rule, s=shaped:
-                                   s(hf_to_mcore(r, [read(n) for n in ns], config))))
+                                   s(hf_to_mcore(r, [read(n) for n in ns], config)),
+                                   _row_segments(rule, list(enumerate(names)), config,
+                                                 lambda n: locate(n, dt))))
     stats = {"tensors": 0, "bytes": 0}
     bar = None
     if progress:
@@ -142,17 +190,17 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
 
         bar = tqdm(total=len(items), desc=PROG, unit="tensor", file=sys.stderr)
 
-    def on_item(item, data):
+    def on_item(item, nbytes):
         stats["tensors"] += 1
-        stats["bytes"] += data.numel() * data.element_size()
+        stats["bytes"] += nbytes
         if bar is not None:
             bar.update(1)
 
     written_dtype = out_dtype or ckpt.dtype("model.embed_tokens.weight")
     try:
         with AtomicOutputDir(output, overwrite) as tmp:
-            write_dist_checkpoint(tmp, items, extra_state_items(L), threads=threads,
-                                  on_item=on_item)
+            io_stats = write_dist_checkpoint(tmp, items, extra_state_items(L), threads=threads,
+                                             on_item=on_item)
             write_hf_config(tmp, config.hf_config, architecture=hf_architecture(family, head_kind),
                             head_kind=head_kind, dtype=written_dtype)
             info = mcore_config_dict(config, head_kind=head_kind, dtype=written_dtype,
@@ -161,6 +209,7 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
             with open(os.path.join(tmp, MCORE_CONFIG_FILE), "w") as f:
                 json.dump(info, f, indent=2)
             copy_extra_files(path, tmp)
+            fsync_small_files(tmp)
     finally:
         reader.close()
         if bar is not None:
@@ -172,7 +221,8 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
         print(f"{PROG}: note: {note}", file=sys.stderr)
     n_hf = sum(len(rule.hf) for rule, _ in jobs)  # HF tensors converted (chunks: stats)
     return {"path": output, "tensors": n_hf, "chunks": stats["tensors"], "bytes": stats["bytes"],
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - start,
+            "direct_read_bytes": io_stats["direct_read_bytes"]}  # input not in the page cache
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -192,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a value model (critic / reward): score.weight -> output_layer.weight "
                    "[1, hidden]; *ForSequenceClassification inputs are value models anyway")
     p.add_argument("--threads", type=int, default=1,
-                   help="writer threads (memory grows with them; default 1)")
+                   help="files written in parallel, each by a thread with its own buffers "
+                   "(about 100 MB each; default 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 

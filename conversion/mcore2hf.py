@@ -10,28 +10,92 @@ next to it, e.g. one Megatron-LM wrote; its tokenizer files are copied too). A M
 folder (with ``latest_checkpointed_iteration.txt``) resolves to its latest iteration. Either norm
 naming (transformer-engine or local spec) is read. Each HF tensor is assembled from the chunks
 that hold it and streamed into size-limited safetensors shards; everything goes to a temporary
-folder renamed at the end.
+folder renamed at the end. Tensors whose rows lie whole in contiguously stored chunks (hf2mcore's
+output, megatron-core's at TP=1) are copied straight from the chunk files into the output's write
+buffers (QKV / fc1 parts as row ranges), written with O_DIRECT while the next buffer is filled.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import struct
 import sys
 import time
 
-from conversion._cli import quiet_megatron_import
+from conversion._cli import fsync_small_files, quiet_megatron_import
 
 with quiet_megatron_import():  # megatron-core warns about optional GPU extras on import
+    # every conversion reads an HF config: import transformers' config classes with the other
+    # modules (about 1.4 s on a small VM), not inside the conversion
+    from transformers import AutoConfig  # noqa: F401
+
     from parallel_models.config import ModelConfig
-    from parallel_models.llama.checkpoint_utils.files import (AtomicOutputDir, ShardedSafetensorsWriter,
+    from parallel_models.llama.checkpoint_utils.files import (SAFE_DTYPES, AtomicOutputDir,
+                                                             ShardedSafetensorsWriter, _nbytes,
                                                              check_output_dir, copy_extra_files,
                                                              hf_architecture, write_hf_config)
     from parallel_models.llama.checkpoint_utils.loader import CheckpointError
-    from parallel_models.llama.checkpoint_utils.mcore import McoreCheckpoint, resolve_mcore_dir
+    from parallel_models.llama.checkpoint_utils.mcore import (McoreCheckpoint, RangeReader,
+                                                             WriteBehind, resolve_mcore_dir,
+                                                             segment_filler)
     from parallel_models.llama.checkpoint_utils.saver import global_jobs, hf_names
+    from parallel_models.registry import family_of
 
 PROG = "mcore2hf"
+
+
+class StreamingShardsWriter(ShardedSafetensorsWriter):
+    """The same safetensors shards and index, each file streamed through a :class:`WriteBehind`
+    (reused buffers, O_DIRECT, fsync on its thread); :meth:`write_ranges` takes a tensor as byte
+    ranges of files, read straight into the write buffers."""
+
+    def __init__(self, folder, specs, max_shard_size, wb: WriteBehind):
+        super().__init__(folder, specs, max_shard_size)
+        self.wb = wb
+
+    def _open_shard(self, k: int) -> None:  # the header exactly as the base class writes it
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for i in self.shards[k]:
+            name, shape, dtype = self.specs[i]
+            nb = _nbytes(shape, dtype)
+            header[name] = {"dtype": SAFE_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nb]}
+            offset += nb
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+        self.handle = self.wb.open(os.path.join(self.folder, self.files[k]))
+        self.handle.write(struct.pack("<Q", len(raw)))
+        self.handle.write(raw)
+
+    def _close_shard(self) -> None:
+        self.handle.close()  # tail, fsync and close on the write-behind thread
+        self.handle = None
+
+    def write_ranges(self, name: str, ranges: list[tuple[str, int, int]],
+                     reader: RangeReader) -> None:
+        if self.next >= len(self.specs) or self.specs[self.next][0] != name:
+            raise CheckpointError(f"internal: got tensor {name!r}, expected {self.expected!r}")
+        _, shape, dtype = self.specs[self.next]
+        nbytes = sum(n for _, _, n in ranges)
+        if nbytes != _nbytes(shape, dtype):
+            raise CheckpointError(f"internal: {name}: {nbytes} bytes, planned "
+                                  f"{_nbytes(shape, dtype)}")
+        k = self.shard_of[self.next]
+        if self.handle is None:
+            self._open_shard(k)
+        self.handle.fill(nbytes, segment_filler(reader, ranges))
+        self.bytes_written += nbytes
+        self.next += 1
+        if self.next == len(self.specs) or self.shard_of[self.next] != k:
+            self._close_shard()
+
+    def abort(self) -> None:
+        if self.handle is not None:
+            self.handle.abort()
+            self.handle = None
 
 
 def convert_mcore_to_hf(mcore_path: str, output: str, *, hf_config: str | None = None,
@@ -39,8 +103,6 @@ def convert_mcore_to_hf(mcore_path: str, output: str, *, hf_config: str | None =
                         overwrite: bool = False) -> dict:
     """Convert; returns ``{"path", "tensors", "bytes", "seconds"}``. Raises CheckpointError /
     ConfigError on bad input before anything is written."""
-    from parallel_models.registry import family_of
-
     start = time.perf_counter()
     check_output_dir(output, overwrite)
     folder = resolve_mcore_dir(mcore_path)
@@ -65,17 +127,25 @@ def convert_mcore_to_hf(mcore_path: str, output: str, *, hf_config: str | None =
         from tqdm import tqdm
 
         bar = tqdm(total=len(names), desc=PROG, unit="tensor", file=sys.stderr)
+    reader = RangeReader()
     try:
         with AtomicOutputDir(output, overwrite) as tmp:
-            writer = ShardedSafetensorsWriter(tmp, specs, max_shard_size)
+            wb = WriteBehind()
+            writer = StreamingShardsWriter(tmp, specs, max_shard_size, wb)
             try:
                 for name in names:
-                    writer.write(name, ckpt(name, None, None, None))
+                    ranges = ckpt.byte_ranges(name, reader)
+                    if ranges is not None:  # rows stored contiguously: copied as they are
+                        writer.write_ranges(name, ranges, reader)
+                    else:  # e.g. split by columns (row-parallel TP shards): assembled
+                        writer.write(name, ckpt(name, None, None, None))
                     if bar is not None:
                         bar.update(1)
                 writer.close()
+                wb.finish()
             except BaseException:
                 writer.abort()
+                wb.abort()
                 raise
             write_hf_config(tmp, config.hf_config,
                             architecture=hf_architecture(family, ckpt.head_kind),
@@ -83,12 +153,15 @@ def convert_mcore_to_hf(mcore_path: str, output: str, *, hf_config: str | None =
             copy_extra_files(folder, tmp)
             if hf_config is not None:
                 copy_extra_files(hf_config, tmp)
+            fsync_small_files(tmp)
     finally:
         if bar is not None:
             bar.close()
+        reader.close()
         ckpt.close()
     return {"path": output, "tensors": len(names), "bytes": writer.bytes_written,
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - start,
+            "direct_read_bytes": reader.direct_bytes}  # input not in the page cache
 
 
 def build_parser() -> argparse.ArgumentParser:

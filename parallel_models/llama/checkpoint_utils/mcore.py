@@ -17,7 +17,10 @@ What is here:
   (``from_pretrained`` on an mcore folder) and ``mcore2hf`` to write HF files. Metadata is
   unpickled by an allow-list unpickler and chunks with ``torch.load(weights_only=True)``.
 - :func:`write_dist_checkpoint` writes one from a plan of chunks whose data is produced on demand
-  (``hf2mcore`` streams tensor by tensor), with torch DCP's own writer.
+  or copied verbatim from byte ranges of files (``hf2mcore``), with torch DCP's planner and
+  metadata; the chunk files (``torch.save`` records, as DCP writes them) are streamed through
+  :class:`WriteBehind` (reused buffers, O_DIRECT, write-behind fsync). :class:`RangeReader` reads
+  byte ranges from the page cache or, when they are not there, with O_DIRECT.
 - :func:`save_mcore` saves a TP/PP-sharded model of ours with megatron-core's
   ``dist_checkpointing.save``: every rank declares its shards as megatron ``ShardedTensor`` s
   (the same layout ``GPTModel`` declares), and megatron-core writes them in parallel.
@@ -262,8 +265,11 @@ def decode_torch_record(raw: torch.Tensor) -> torch.Tensor:
     mem = memoryview(raw.numpy())
     storage = raw.untyped_storage()
     try:
-        out = _unpickle_record(_MemFile(mem), lambda start, nbytes, dtype: torch.storage.TypedStorage(
-            wrap_storage=storage[start:start + nbytes], dtype=dtype, _internal=True))
+        def view(start, nbytes, dtype):  # a storage over the record's bytes: no copy
+            return torch.storage.TypedStorage(wrap_storage=storage[start:start + nbytes],
+                                              dtype=dtype, _internal=True)
+
+        out = _unpickle_record(_MemFile(mem), view)
         if isinstance(out, torch.Tensor):
             return out
     except Exception:  # noqa: BLE001 - the slow, general path below decides
@@ -605,7 +611,7 @@ class McoreCheckpoint:
             pass
 
 
-# ---- streaming file I/O: reused aligned buffers, O_DIRECT, write-behind ---------------------------------
+# ---- streaming file I/O: reused aligned buffers, O_DIRECT, write-behind --------------------------
 # Why: converting a checkpoint copies bytes, and copying within memory that is already mapped is
 # cheap (> 10 GB/s); what costs is fresh memory: every page-cache page a buffered write or read
 # creates, and every newly allocated tensor, is a page fault / page allocation (about 1 GB/s on
@@ -728,8 +734,11 @@ class StreamFile:
     def write(self, data) -> int:
         """Copy ``data`` (bytes-like) into the file."""
         mv = memoryview(data).cast("B")
-        return self.fill(len(mv), lambda dst, done: dst.__setitem__(
-            slice(None), mv[done:done + len(dst)]))
+
+        def copy(dst: memoryview, done: int) -> None:
+            dst[:] = mv[done:done + len(dst)]
+
+        return self.fill(len(mv), copy)
 
     def fill(self, n: int, produce: Callable[[memoryview, int], Any]) -> int:
         """Append ``n`` bytes that ``produce(dst, done)`` writes into ``dst`` (a piece of the
@@ -784,12 +793,15 @@ class RangeReader:
     """Reads byte ranges of files into given buffers. A file is read with plain reads that may
     not wait for the disk (RWF_NOWAIT) while its bytes are in the page cache; once they are not,
     with O_DIRECT through one aligned bounce buffer: large reads straight from the device, no
-    page cache filled. File systems without RWF_NOWAIT (tmpfs) get plain reads. One per thread."""
+    page cache filled. File systems without RWF_NOWAIT (tmpfs) get plain reads. One per
+    thread."""
 
     def __init__(self, bounce: int = 16 << 20):
         self._files: dict[str, list] = {}  # path -> [fd, O_DIRECT fd or None, mode]
         self._bounce_size = bounce
         self._bounce: memoryview | None = None
+        self._window = ("", 0, 0)  # (path, file offset, length) of what the bounce buffer holds
+        self.direct_bytes = 0  # bytes read with O_DIRECT (not in the page cache)
 
     def read_into(self, path: str, offset: int, dst) -> None:
         mv = memoryview(dst).cast("B")
@@ -822,15 +834,22 @@ class RangeReader:
                     raise
                 entry[2] = "plain"  # no RWF_NOWAIT on this file system
         pos, end = offset + got, offset + len(mv)
+        if entry[1] is not None and entry[2] != "plain":
+            self.direct_bytes += end - pos
         while pos < end:
             if entry[1] is not None and entry[2] != "plain":
-                if self._bounce is None:
-                    self._bounce = _prefaulted_buffer(self._bounce_size)
-                a = pos - pos % _ALIGN
-                want = min(len(self._bounce), -(-end // _ALIGN) * _ALIGN - a)
-                n = min(os.preadv(entry[1], [self._bounce[:want]], a) - (pos - a), end - pos)
+                wpath, w0, wn = self._window
+                if wpath != path or not w0 <= pos < w0 + wn:  # (else: read before, in memory)
+                    if self._bounce is None:
+                        self._bounce = _prefaulted_buffer(self._bounce_size)
+                    w0 = pos - pos % _ALIGN
+                    want = min(len(self._bounce), -(-end // _ALIGN) * _ALIGN - w0)
+                    self._window = ("", 0, 0)  # (nothing valid if the read fails)
+                    wn = os.preadv(entry[1], [self._bounce[:want]], w0)
+                    self._window = (path, w0, wn)
+                n = min(w0 + wn, end) - pos
                 if n > 0:
-                    mv[pos - offset:pos - offset + n] = self._bounce[pos - a:pos - a + n]
+                    mv[pos - offset:pos - offset + n] = self._bounce[pos - w0:pos - w0 + n]
             else:
                 n = os.preadv(entry[0], [mv[pos - offset:]], pos)
             if n <= 0:
@@ -873,11 +892,11 @@ class _RecordSink:
         self.nbytes = placeholder.nbytes if placeholder is not None else 0
         self.fill = fill
         self.filled = False
-        self.failed = False
+        self.error: BaseException | None = None
 
     def write(self, b) -> int:
         mv = memoryview(b).cast("B")
-        if self.failed:  # torch.save ends the record even when a write raised: drop that
+        if self.error is not None:  # torch.save still ends the record after a failed write
             return len(mv)
         try:
             if (self.ptr is not None and len(mv) == self.nbytes and not self.filled
@@ -886,13 +905,23 @@ class _RecordSink:
                 self.filled = True
             else:
                 self.out.write(mv)
-        except BaseException:
-            self.failed = True
+        except BaseException as err:
+            self.error = err
             raise
         return len(mv)
 
     def flush(self) -> None:
         pass
+
+    def save(self, tensor: torch.Tensor) -> None:
+        """torch.save ``tensor`` here; a write's error (a read error, Ctrl-C) is raised as it
+        is, not as the error torch.save's cleanup raises after it."""
+        try:
+            torch.save(tensor, self)
+        except BaseException:
+            if self.error is not None:
+                raise self.error from None
+            raise
 
 
 class _Placeholder:
@@ -950,7 +979,8 @@ class ChunkItem:
 
     @property
     def nbytes(self) -> int:
-        return int(torch.Size(self.sizes).numel()) * torch.empty((), dtype=self.dtype).element_size()
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return int(torch.Size(self.sizes).numel()) * size
 
 
 def extra_state_items(num_layers: int) -> list[tuple[str, bytes]]:
@@ -1011,7 +1041,8 @@ def _save_planner(items: list[ChunkItem], objects: list[tuple[str, bytes]]):
     return LazyPlanner()
 
 
-def _direct_writer(folder: str, bucket_bytes: int, threads: int, on_item=None):
+def _direct_writer(folder: str, bucket_bytes: int, threads: int, on_item=None,
+                   stats: dict | None = None):
     """torch DCP's FileSystemWriter (its plan, ``.metadata`` and file names), writing the
     ``.distcp`` files itself: each chunk is the ``torch.save`` record DCP writes (saved without
     CRC32), streamed through a :class:`WriteBehind`, the data of chunks with ``segments`` read
@@ -1025,6 +1056,7 @@ def _direct_writer(folder: str, bucket_bytes: int, threads: int, on_item=None):
     from torch.distributed.checkpoint.storage import WriteResult
 
     resolve_lock = threading.Lock()  # resolve() reads through shared file handles
+    stats = {"direct_read_bytes": 0} if stats is None else stats
 
     def write_file(planner, out: StreamFile, name: str, bucket, reader: RangeReader,
                    placeholder: _Placeholder) -> list:
@@ -1042,14 +1074,14 @@ def _direct_writer(folder: str, bucket_bytes: int, threads: int, on_item=None):
                                               f"hold the wrong number of bytes")
                     ph = placeholder.tensor(it.sizes, it.dtype)
                     sink = _RecordSink(out, ph, segment_filler(reader, it.segments))
-                    torch.save(ph, sink)
+                    sink.save(ph)
                     if not sink.filled:
                         raise CheckpointError("internal: torch.save did not write the tensor "
                                               "data in one piece")
                 else:
                     with resolve_lock:
                         data = planner.resolve_data(item)
-                    torch.save(data, _RecordSink(out))
+                    _RecordSink(out).save(data)
                 if on_item is not None:
                     on_item(it, it.nbytes)
             length = out.tell() - offset
@@ -1058,7 +1090,8 @@ def _direct_writer(folder: str, bucket_bytes: int, threads: int, on_item=None):
         return results
 
     def write_files(planner, jobs) -> list:
-        wb, reader, placeholder, out, results = WriteBehind(), RangeReader(), _Placeholder(), None, []
+        wb, reader, placeholder = WriteBehind(), RangeReader(), _Placeholder()
+        out, results = None, []
         try:
             for path, name, bucket in jobs:
                 out = wb.open(path)
@@ -1073,6 +1106,8 @@ def _direct_writer(folder: str, bucket_bytes: int, threads: int, on_item=None):
             raise
         finally:
             reader.close()
+            with resolve_lock:
+                stats["direct_read_bytes"] += reader.direct_bytes
         return results
 
     def chunk_bytes(item):  # (torch's _item_size counts the whole tensor, not the chunk)
@@ -1113,17 +1148,19 @@ def _direct_writer(folder: str, bucket_bytes: int, threads: int, on_item=None):
 
 
 def write_dist_checkpoint(folder: str, items: list[ChunkItem], objects: list[tuple[str, bytes]],
-                          *, threads: int = 1, on_item=None) -> None:
+                          *, threads: int = 1, on_item=None) -> dict:
     """Write a megatron-core ``torch_dist`` checkpoint into the (new, empty) ``folder`` from
     ``items``, each resolved (or its segments read) only when its turn comes, into files of
     about the largest chunk (at least 256 MiB); memory stays at one resolved chunk plus the
     stream buffers per writer thread. ``on_item(item, nbytes)`` after each chunk. Also writes
-    ``common.pt`` (empty) and megatron's ``metadata.json``. Every file is fsynced."""
+    ``common.pt`` (empty) and megatron's ``metadata.json``. Every file is fsynced. Returns
+    ``{"direct_read_bytes"}``: segment bytes that were not in the page cache."""
     import torch.distributed.checkpoint as dcp
 
     planner = _save_planner(items, objects)
     largest = max((it.nbytes for it in items), default=0)
-    writer = _direct_writer(folder, max(largest, 256 * 2**20), threads, on_item)
+    stats = {"direct_read_bytes": 0}
+    writer = _direct_writer(folder, max(largest, 256 * 2**20), threads, on_item, stats)
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -1136,6 +1173,7 @@ def write_dist_checkpoint(folder: str, items: list[ChunkItem], objects: list[tup
                 raise exc from None
         raise
     _write_megatron_files(folder)
+    return stats
 
 
 def _write_megatron_files(folder: str) -> None:

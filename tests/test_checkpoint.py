@@ -206,8 +206,8 @@ def test_from_pretrained_of_hf2mcore_output_at_tp2_is_bit_exact(env, tp2_saves, 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_save_mcore_at_tp2_then_mcore2hf_is_bit_exact(env, tp2_saves, name):
     mc = str(env["root"] / f"{name}.tp2.mcore")
-    assert {"metadata.json", "common.pt", ".metadata", "config.json",
-            "mcore_config.json"} <= set(os.listdir(mc))
+    # (common.pt too with megatron-core 0.16; 0.19 skips it when the common state is empty)
+    assert {"metadata.json", ".metadata", "config.json", "mcore_config.json"} <= set(os.listdir(mc))
     out = str(env["root"] / f"{name}.tp2.mcore.hf")
     to_hf(mc, out)
     assert_bit_exact(env["src"][name], out)

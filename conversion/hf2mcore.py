@@ -143,7 +143,7 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
         _f, header, base, _size = reader._header(fname)  # (read and checked by _validate_hf)
         info = header[name]
         shape = tuple(info["shape"])
-        row = int(torch.Size(shape[1:]).numel()) * torch.empty((), dtype=dt).element_size()
+        row = int(torch.Size(shape[1:]).numel()) * dt.itemsize
         return fname, base + info["data_offsets"][0], shape, row
 
     def value_head():

@@ -18,9 +18,7 @@ buffers (QKV / fc1 parts as row ranges), written with O_DIRECT while the next bu
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import struct
 import sys
 import time
 
@@ -32,7 +30,7 @@ with quiet_megatron_import():  # megatron-core warns about optional GPU extras o
     from transformers import AutoConfig  # noqa: F401
 
     from parallel_models.config import ModelConfig
-    from parallel_models.llama.checkpoint_utils.files import (SAFE_DTYPES, AtomicOutputDir,
+    from parallel_models.llama.checkpoint_utils.files import (AtomicOutputDir,
                                                              ShardedSafetensorsWriter, _nbytes,
                                                              check_output_dir, copy_extra_files,
                                                              hf_architecture, write_hf_config)
@@ -55,20 +53,8 @@ class StreamingShardsWriter(ShardedSafetensorsWriter):
         super().__init__(folder, specs, max_shard_size)
         self.wb = wb
 
-    def _open_shard(self, k: int) -> None:  # the header exactly as the base class writes it
-        header: dict = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for i in self.shards[k]:
-            name, shape, dtype = self.specs[i]
-            nb = _nbytes(shape, dtype)
-            header[name] = {"dtype": SAFE_DTYPES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + nb]}
-            offset += nb
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
-        self.handle = self.wb.open(os.path.join(self.folder, self.files[k]))
-        self.handle.write(struct.pack("<Q", len(raw)))
-        self.handle.write(raw)
+    def _open_file(self, path: str):  # the base class writes the header through it
+        return self.wb.open(path)
 
     def _close_shard(self) -> None:
         self.handle.close()  # tail, fsync and close on the write-behind thread

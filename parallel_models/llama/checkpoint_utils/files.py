@@ -134,7 +134,7 @@ def _nbytes(shape, dtype) -> int:
     n = 1
     for s in shape:
         n *= int(s)
-    return n * torch.empty((), dtype=dtype).element_size()
+    return n * dtype.itemsize
 
 
 class ShardedSafetensorsWriter:
@@ -188,9 +188,13 @@ class ShardedSafetensorsWriter:
             offset += nb
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
-        self.handle = open(os.path.join(self.folder, self.files[k]), "wb")
+        self.handle = self._open_file(os.path.join(self.folder, self.files[k]))
         self.handle.write(struct.pack("<Q", len(raw)))
         self.handle.write(raw)
+
+    def _open_file(self, path: str):
+        """A writable handle for one shard file (subclasses stream it differently)."""
+        return open(path, "wb")
 
     def _close_shard(self) -> None:
         self.handle.flush()
@@ -228,7 +232,7 @@ class ShardedSafetensorsWriter:
                 self.handle.close()
             raise CheckpointError(f"internal: {len(self.specs) - self.next} planned tensors were "
                                   f"not written (next: {self.expected!r})")
-        total_params = sum(_nbytes(s, d) // torch.empty((), dtype=d).element_size()
+        total_params = sum(_nbytes(s, d) // d.itemsize
                            for _, s, d in self.specs)
         index = {"metadata": {"total_size": self.total_bytes, "total_parameters": total_params},
                  "weight_map": {name: self.files[self.shard_of[i]]

@@ -933,7 +933,7 @@ class _Placeholder:
 
     def tensor(self, sizes, dtype: torch.dtype) -> torch.Tensor:
         numel = int(torch.Size(sizes).numel())
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if self._mem is None or len(self._mem) < nbytes:
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
             self._mem = mmap.mmap(-1, max(nbytes, _ALIGN), flags=flags)
@@ -979,8 +979,7 @@ class ChunkItem:
 
     @property
     def nbytes(self) -> int:
-        size = torch.empty((), dtype=self.dtype).element_size()
-        return int(torch.Size(self.sizes).numel()) * size
+        return int(torch.Size(self.sizes).numel()) * self.dtype.itemsize
 
 
 def extra_state_items(num_layers: int) -> list[tuple[str, bytes]]:

@@ -11,26 +11,11 @@ grads, relative L2 error) before it is timed. Tells the kernel dispatch in
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 import torch.nn.functional as F
+from common import report, timed
 from torch.nn.attention import SDPBackend, sdpa_kernel
-
-
-def timed(fn, iters=10):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
 
 
 def reference(q, k, v, lengths, g):
@@ -111,12 +96,12 @@ def main():
                 out.backward(g)
                 errs = [rel(out, ref[0]), rel(q.grad, ref[1]), rel(k.grad, ref[2]),
                         rel(v.grad, ref[3])]
-                ms = timed(lambda: fn().backward(g))
+                ms = 1e3 * timed(lambda: fn().backward(g), warmup=3, iters=10)
                 res[vname] = {"ms": ms, "tflops": flops / ms / 1e9, "max_rel_err": max(errs)}
             except Exception as err:  # kernel unavailable for this shape/version
                 res[vname] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
         results[name] = res
-    print(json.dumps(results, indent=1))
+    report(results, args.out)
     for name in regimes:
         print(f"\n{name}\n| variant | ms (fwd+bwd) | TFLOP/s | max rel err |\n| --- | --- | --- | --- |")
         for vname, r in results[name].items():
@@ -124,9 +109,6 @@ def main():
                 print(f"| {vname} | {r['ms']:.2f} | {r['tflops']:.0f} | {r['max_rel_err']:.1e} |")
             else:
                 print(f"| {vname} | {r['error']} | | |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

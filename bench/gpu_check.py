@@ -11,11 +11,11 @@ on rank 0's GPU (TP=1 only).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
 import torch.distributed as dist
+from common import report
 
 
 def main():
@@ -87,10 +87,7 @@ def main():
             same.append(refg[0, len(prompt):].tolist() == out.responses[b].tolist())
         results[f"{fam}-greedy-identical"] = same
     if rank == 0:
-        print(json.dumps(results, indent=1))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
+        report(results, args.out)
     pm.destroy_parallel()
 
 

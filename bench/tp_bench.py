@@ -13,11 +13,10 @@ many tokens. Per-GPU throughput = tokens / s / GPUs of the model. CUDA events, m
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import torch
 import torch.distributed as dist
+from common import kernel_table, report
 
 
 def main():
@@ -95,21 +94,12 @@ def main():
            "tflops_per_gpu": flops / t / 1e12 / args.tp,
            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "args": vars(args)}
     if args.profile and dist.get_rank() == 0:
-        from torch.profiler import ProfilerActivity, profile
-
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
-        with open(args.profile, "w") as f:
-            f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30,
-                                              max_name_column_width=100))
-    elif args.profile:
+        kernel_table(step, args.profile, rows=30)
+    elif args.profile:  # the other ranks take part in the same two steps (collectives)
+        step()
         step()
     if dist.get_rank() == 0:
-        print(json.dumps(res, indent=1))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(res, f, indent=1)
+        report(res, args.out)
     pm.destroy_parallel()
 
 

@@ -17,48 +17,11 @@ kernels of one step of each side (self time) as text tables.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 
 import torch
-
-
-def timed(fn, warmup=2, iters=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def peak_gib(fn):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() / 2**30
-
-
-def kernel_table(fn, path, rows=45):
-    """Profile one call of ``fn`` (after one warm call): ops by CUDA self time, to ``path``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    with open(path, "w") as f:
-        f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows,
-                                          max_name_column_width=100))
+from common import kernel_table, peak_gib, report, timed
 
 
 def matmul_peak_tflops(dev) -> float:
@@ -273,7 +236,7 @@ def main():
         table.append((f"decode b{Bd} {P}+{new}", r["hf_tok_s"], float("nan"), float("nan"),
                       r["ours_tok_s"], float("nan"), float("nan"), r["ratio"]))
 
-    print(json.dumps(res, indent=1))
+    report(res, args.out)
     print("correctness vs transformers:", res["correctness"])
     print(f"\n{res['device']}, matmul peak {peak:.0f} TFLOP/s, {n_params / 1e9:.2f}B params")
     print("| case | HF tok/s | HF TFLOP/s (% peak) | HF GiB | ours tok/s | ours TFLOP/s (% peak) "
@@ -282,9 +245,6 @@ def main():
     for name, ht, hf_tf, hg, ot, o_tf, og, ratio in table:
         print(f"| {name} | {ht:,.0f} | {hf_tf:.0f} ({100 * hf_tf / peak:.0f}%) | {hg:.1f} | {ot:,.0f} "
               f"| {o_tf:.0f} ({100 * o_tf / peak:.0f}%) | {og:.1f} | {ratio:.2f}x |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
     pm.destroy_parallel()
 
 

@@ -216,8 +216,9 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
 
     tokens_out, logp_out, alive_out = [], [], []
     alive = torch.ones(batch, dtype=torch.bool, device=device)
-    # "any sequence still running?" of the previous step, copied without blocking
-    any_alive = torch.ones((), dtype=torch.bool, pin_memory=device.type == "cuda")
+    # on CUDA "any sequence still running?" is copied without blocking and read a step later
+    lagged = device.type == "cuda"
+    any_alive = torch.ones((), dtype=torch.bool, pin_memory=lagged)
     any_alive_ready = None
     with sequence_parallel_off(model):
         cache.begin_prefill(cu)
@@ -235,16 +236,17 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
             alive = alive & ~torch.isin(tokens, stop)
             if step == params.max_new_tokens - 1:
                 break
-            if any_alive_ready is not None:  # the previous step's flag: the GPU keeps busy
-                any_alive_ready.synchronize()
-                if not bool(any_alive):
+            if not lagged:
+                if not bool(alive.any()):
                     break
-            any_alive.copy_(alive.any(), non_blocking=True)
-            any_alive_ready = torch.cuda.Event() if device.type == "cuda" else None
-            if any_alive_ready is not None:
+            else:
+                if any_alive_ready is not None:  # the previous step's flag: the GPU keeps busy
+                    any_alive_ready.synchronize()
+                    if not bool(any_alive):
+                        break
+                any_alive.copy_(alive.any(), non_blocking=True)
+                any_alive_ready = torch.cuda.Event()
                 any_alive_ready.record()
-            elif not bool(any_alive):
-                break
             logits = decode_step(tokens)
             cache.end_step()
         del decode_step  # frees the graph's memory pool

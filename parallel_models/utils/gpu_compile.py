@@ -46,5 +46,4 @@ def compiled_on_gpu(eager_fn):
             compiled = torch.compile(eager_fn, fullgraph=True)
         return compiled(*args)
 
-    call.eager = eager_fn
     return call

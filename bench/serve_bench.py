@@ -4,7 +4,7 @@
                                 [--requests 64] [--prompt-len 32] [--max-new-tokens 32]
                                 [--size tiny|small] [--out results.json]
 
-Starts ``python -m parallel_models.rl.server`` (torchrun for --tp > 1) on a free localhost port,
+Starts ``python -m parallel_models.rl.rollout.server`` (torchrun for --tp > 1) on a free localhost port,
 warms it up, then for each concurrency C sends ``--requests`` single-prompt requests from C
 client threads (httpx, one shared pool), greedy with ``ignore_eos`` so every request generates
 exactly ``--max-new-tokens`` tokens. Without --model a random model is built with the built-in
@@ -23,7 +23,7 @@ import tempfile
 import time
 
 from parallel_models.distributed import free_port
-from parallel_models.rl.server.launch import start_server, stop_server
+from parallel_models.rl.rollout.server.launch import start_server, stop_server
 
 
 def build_model(folder: str, size: str) -> None:

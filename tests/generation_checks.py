@@ -10,7 +10,7 @@ def check_generation(path: str, tp: int, sp: bool) -> dict:
     import parallel_models as pm
     from transformers import AutoModelForCausalLM
 
-    from parallel_models.rl.generation import SamplingParams, generate
+    from parallel_models.rl.rollout.generation import SamplingParams, generate
     from parallel_models.utils.padding import pack_padded_batch, unpack_to_padded
 
     pm.init_parallel(tensor_parallel_size=tp, sequence_parallel=sp)

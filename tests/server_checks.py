@@ -13,7 +13,7 @@ def reference_greedy(paths: list[str], prompts: list[list[int]], max_new_tokens:
     alone, in-process (TP=1)."""
     import parallel_models as pm
     from parallel_models.llama.checkpoint_utils.loader import load_hf_weights
-    from parallel_models.rl.generation import SamplingParams, generate
+    from parallel_models.rl.rollout.generation import SamplingParams, generate
 
     pm.init_parallel(tensor_parallel_size=1)
     model = pm.AutoModelForCausalLM.from_pretrained(paths[0], rmpad=True, dtype=torch.float32)

@@ -29,7 +29,7 @@ def test_generation(results, family, tp, sp):
 
 
 def test_bad_sampling_params():
-    from parallel_models.rl.generation import SamplingParams
+    from parallel_models.rl.rollout.generation import SamplingParams
 
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=0).validate()

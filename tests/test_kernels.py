@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from parallel_models.llama.layers import attention_kernels as ak
 from parallel_models.llama.layers import fused_ops
-from parallel_models.llama.layers.kv_cache import KVCache, _flash_decode_supported, _sdpa_decode
+from parallel_models.rl.rollout.kv_cache import KVCache, _flash_decode_supported, _sdpa_decode
 
 
 def _rel(a, b):

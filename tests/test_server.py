@@ -1,4 +1,4 @@
-"""Rollout server (parallel_models.rl.server): the real server as a subprocess on a free
+"""Rollout server (parallel_models.rl.rollout.server): the real server as a subprocess on a free
 localhost port (TP=1, and TP=2 over gloo via torchrun), driven with a real HTTP client.
 
 - 64 concurrent greedy requests all return, are batched, and equal in-process ``generate``
@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from parallel_models.distributed import free_port
-from parallel_models.rl.server.launch import start_server, stop_server
+from parallel_models.rl.rollout.server.launch import start_server, stop_server
 from parallel_models.testing import run_distributed
 from tests import server_checks
 
@@ -152,9 +152,9 @@ def test_bad_input(server, models, name, method, path, body, headers, status):
 
 def test_trainer_rollout_batch(server, models):
     """rollout.backend=server helper: the trainer's batch dict, greedy == in-process."""
-    from parallel_models.rl.generation import SamplingParams
-    from parallel_models.rl.server import RolloutClient
-    from parallel_models.rl.server.rollout import server_rollout
+    from parallel_models.rl.rollout.generation import SamplingParams
+    from parallel_models.rl.rollout.server import RolloutClient
+    from parallel_models.rl.rollout.server.rollout import server_rollout
 
     ref = models["ref"][0]
     prompts = models["prompts"][:3]

@@ -260,7 +260,7 @@ class ParallelModel(torch.nn.Module):
         max_seqlen = max(max_seqlen, pad)
         if kv_cache is not None and pad:
             raise ValueError("KV-cached decoding runs without sequence-parallel padding; use "
-                             "parallel_models.rl.generation (it switches SP off)")
+                             "parallel_models.rl.rollout.generation (it switches SP off)")
         hidden = self.model(input_ids, position_ids, cu_seqlens, max_seqlen, kv_cache=kv_cache)
         return hidden, pad
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 import parallel_models as pm
 from parallel_models.config import ConfigError
 from parallel_models.rl import algorithms as algos
-from parallel_models.rl.generation import SamplingParams, generate
+from parallel_models.rl.rollout.generation import SamplingParams, generate
 from parallel_models.rl.tokenizer import builtin_vocab
 from parallel_models.rl.roles import (CriticRole, PolicyRole, RuleReward, data_parallel_mean,
                                       token_level_scores)
@@ -149,7 +149,7 @@ class PPOTrainer:
             pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
         self.rollout_client = None
         if r.backend == "server":
-            from parallel_models.rl.server import RolloutClient
+            from parallel_models.rl.rollout.server import RolloutClient
 
             # the bearer token, if the server wants one, comes from the environment
             self.rollout_client = RolloutClient(r.server_url,
@@ -221,7 +221,7 @@ class PPOTrainer:
     # ---- one PPO step ----------------------------------------------------------------------------
     def _push_weights(self) -> None:
         """rollout.backend=server: save the actor (HF folder) and have the server load it."""
-        from parallel_models.rl.server.rollout import push_weights
+        from parallel_models.rl.rollout.server.rollout import push_weights
 
         folder = os.path.join(self.cfg.trainer.output_dir, "rollout_weights")
         with self._use(self.actor):
@@ -230,7 +230,7 @@ class PPOTrainer:
     def _rollout(self, prompt_ids: list[list[int]]) -> dict:
         n = self.cfg.rollout.n
         if self.rollout_client is not None:
-            from parallel_models.rl.server.rollout import server_rollout
+            from parallel_models.rl.rollout.server.rollout import server_rollout
 
             seed = (self.cfg.trainer.seed * 1_000_003 + self.step_index) * 1009 + self.dp_rank
             batch = server_rollout(self.rollout_client, prompt_ids, self.sampling, n, seed=seed,

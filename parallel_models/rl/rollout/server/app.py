@@ -11,7 +11,7 @@ Endpoints (JSON; with ``--api-key`` every endpoint but ``/health`` needs
   "results": [{"prompt_token_ids": [...], "samples": [{"token_ids", "log_probs",
   "finish_reason": "stop"|"length", "text"?}] * n}]}``. Text prompts need a tokenizer in the
   model folder (encoded with its special tokens, e.g. BOS). Log-probs are
-  ``log_softmax(logits / temperature)`` of the drawn tokens (see ``rl.generation``).
+  ``log_softmax(logits / temperature)`` of the drawn tokens (see ``rl.rollout.generation``).
 - ``POST /update_weights`` body ``{"path": folder}`` (HF safetensors or megatron-core checkpoint)
   -> ``{"weight_version": v, ...}``; runs between batches, so requests already batched finish on
   the old weights and the version moves by exactly one.
@@ -43,7 +43,7 @@ from typing import Any, Optional, Union
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from parallel_models.rl.server.engine import Engine, GenCall
+from parallel_models.rl.rollout.server.engine import Engine, GenCall
 
 log = logging.getLogger(__name__)
 

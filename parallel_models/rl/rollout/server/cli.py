@@ -1,7 +1,7 @@
 """``parallel-models-serve``: start the rollout server.
 
     parallel-models-serve --model PATH [--host 127.0.0.1] [--port 8000] [--api-key KEY]
-    torchrun --nproc_per_node 2 -m parallel_models.rl.server --model PATH --tp 2
+    torchrun --nproc_per_node 2 -m parallel_models.rl.rollout.server --model PATH --tp 2
 
 Every rank loads its TP shard; rank 0 serves HTTP, the others follow its commands. The API key
 may also come from the environment variable ``PARALLEL_MODELS_API_KEY``.
@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import parallel_models as pm
-    from parallel_models.rl.server.app import ServerLimits, create_app
-    from parallel_models.rl.server.engine import Engine, make_control_group, worker_loop
+    from parallel_models.rl.rollout.server.app import ServerLimits, create_app
+    from parallel_models.rl.rollout.server.engine import Engine, make_control_group, worker_loop
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != args.tp:

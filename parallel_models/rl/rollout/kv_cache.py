@@ -7,7 +7,7 @@ entries. Rows are independent, so prompts of different lengths need no padding i
 
 A decode step makes no host synchronization and keeps every tensor address fixed (positions are
 read from ``lengths`` in place), so it can be captured once in a CUDA graph and replayed
-(parallel_models/rl/generation.py). On CUDA fp16/bf16 it runs PyTorch's flash kernel with
+(parallel_models/rl/rollout/generation.py). On CUDA fp16/bf16 it runs PyTorch's flash kernel with
 per-row key counts (``seqused_k``): it reads only the filled part of each row and the GQA KV
 heads as they are (flash decoding); elsewhere SDPA over the filled span with a mask.
 """

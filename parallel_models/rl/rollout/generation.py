@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from parallel_models.llama.layers.kv_cache import KVCache
+from parallel_models.rl.rollout.kv_cache import KVCache
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from parallel_models.rl.generation import SamplingParams, generate
+from parallel_models.rl.rollout.generation import SamplingParams, generate
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ def start_server(model: str, port: int, *, tp: int = 1, api_key: str | None = No
         args += ["--api-key", api_key]
     if tp > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={tp}", "-m", "parallel_models.rl.server", *args]
+               f"--nproc_per_node={tp}", "-m", "parallel_models.rl.rollout.server", *args]
     else:
-        cmd = [sys.executable, "-m", "parallel_models.rl.server", *args]
+        cmd = [sys.executable, "-m", "parallel_models.rl.rollout.server", *args]
     # the server makes its own rendezvous: drop any torchrun variables of the caller
     inherited = {k: v for k, v in os.environ.items()
                  if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",

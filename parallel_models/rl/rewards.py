@@ -14,6 +14,11 @@ Built-in examples:
   vowels, minus a penalty for responses shorter than ``min_length``.
 * :func:`length_reward`: closeness of the response length to a target length.
 * :func:`exact_match`: 1 if the response equals the record's reference answer.
+* :func:`math_reward`: 1 if the response's final answer (``\\boxed{}``, ``#### x``, last number)
+  equals the reference as a number or expression (GSM8K / MATH style).
+
+How the trainer calls a reward function (dataset fields, verl's ``compute_score`` convention) is
+in ``parallel_models.rl.reward_calls``.
 """
 
 from __future__ import annotations
@@ -61,25 +66,74 @@ def length_reward(prompts: Sequence[str], responses: Sequence[str], target_lengt
             for r in responses]
 
 
-def exact_match(prompts: Sequence[str], responses: Sequence[str],
-                answers: Sequence[str] | None = None, records: Sequence[dict] | None = None,
-                answer_key: str = "answer", **extras: Any) -> list[float]:
-    """1.0 where the stripped response equals the reference answer (case-insensitive), else 0.
+REFERENCE_KEYS = ("ground_truth", "answer", "solution")
 
-    The references come from ``answers`` (one per response) or from ``records[i][answer_key]``.
-    """
+
+def reference_of(record: dict, keys: Sequence[str] = REFERENCE_KEYS):
+    """A record's reference answer: the first of ``keys`` present, also inside verl's nested
+    ``reward_model: {ground_truth: ...}``; None when there is none."""
+    for key in keys:
+        if record.get(key) is not None:
+            return record[key]
+    nested = record.get("reward_model")
+    if isinstance(nested, dict) and nested.get("ground_truth") is not None:
+        return nested["ground_truth"]
+    return None
+
+
+def _references(name: str, responses: Sequence[str], answers, records, answer_key: str | None):
     if answers is None:
         if records is None:
-            raise ValueError("exact_match needs the reference answers: pass answers=[...] or "
-                             f"records=[...] with an {answer_key!r} field")
-        missing = [i for i, rec in enumerate(records) if answer_key not in rec]
+            raise ValueError(f"{name} needs the reference answers: pass answers=[...] or "
+                             f"records=[...] with a {answer_key or REFERENCE_KEYS[0]!r} field")
+        keys = (answer_key,) if answer_key else REFERENCE_KEYS
+        answers = [reference_of(rec, keys) for rec in records]
+        missing = [i for i, a in enumerate(answers) if a is None]
         if missing:
-            raise ValueError(f"exact_match: records {missing[:5]} have no {answer_key!r} field "
+            fields = ", ".join(repr(k) for k in keys)
+            raise ValueError(f"{name}: records {missing[:5]} have none of the fields {fields} "
                              f"(keys: {sorted(records[missing[0]])})")
-        answers = [str(rec[answer_key]) for rec in records]
     if len(answers) != len(responses):
-        raise ValueError(f"exact_match: {len(answers)} answers for {len(responses)} responses")
+        raise ValueError(f"{name}: {len(answers)} answers for {len(responses)} responses")
+    return answers
+
+
+def exact_match(prompts: Sequence[str], responses: Sequence[str],
+                answers: Sequence[str] | None = None, records: Sequence[dict] | None = None,
+                answer_key: str | None = None, **extras: Any) -> list[float]:
+    """1.0 where the stripped response equals the reference answer (case-insensitive), else 0.
+
+    The references come from ``answers`` (one per response) or from the records: ``answer_key``
+    if given, else the first of ``ground_truth``, ``answer``, ``solution`` (or verl's
+    ``reward_model.ground_truth``).
+    """
+    answers = _references("exact_match", responses, answers, records, answer_key)
     return [float(r.strip().lower() == str(a).strip().lower()) for r, a in zip(responses, answers)]
+
+
+def math_reward(prompts: Sequence[str], responses: Sequence[str],
+                answers: Sequence[str] | None = None, records: Sequence[dict] | None = None,
+                answer_key: str | None = None, format_score: float = 0.0,
+                **extras: Any) -> list[float]:
+    """1.0 where the response's final answer (``\\boxed{}``, ``#### x``, "the answer is x", else
+    its last number) equals the reference as a number or normalized expression; ``format_score``
+    where it gives an answer that is wrong; 0 where it gives none. References as in
+    :func:`exact_match` (a GSM8K-style reference ``"... #### 42"`` counts as ``42``).
+    """
+    from parallel_models.rl.math_answers import answers_equal, extract_answer
+
+    answers = _references("math_reward", responses, answers, records, answer_key)
+    scores = []
+    for response, reference in zip(responses, answers):
+        reference = str(reference)
+        if "####" in reference or "\\boxed" in reference:
+            reference = extract_answer(reference) or reference
+        predicted = extract_answer(response)
+        if predicted is None:
+            scores.append(0.0)
+        else:
+            scores.append(1.0 if answers_equal(predicted, reference) else float(format_score))
+    return scores
 
 
 def load_reward_function(path: str) -> RewardFn:
@@ -145,5 +199,5 @@ def _load_file(file: str, path: str):
     return module
 
 
-__all__ = ["vowel_reward", "length_reward", "exact_match", "load_reward_function", "RewardFn",
-           "VOWELS"]
+__all__ = ["vowel_reward", "length_reward", "exact_match", "math_reward", "reference_of",
+           "load_reward_function", "RewardFn", "VOWELS"]

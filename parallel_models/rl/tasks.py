@@ -1,0 +1,86 @@
+"""Built-in verifiable tasks, generated on the spot: prompts with exact answers and a held-out split.
+
+``data.task: max_digit`` (or ``last_digit``, ``add_mod10``) replaces the prompt file: every
+record is ``{"prompt", "ground_truth", "data_source"}``, and the validation set holds prompts that
+never appear in training (other operand pairs), so the held-out accuracy measures what the policy
+learned rather than what it memorized. The matching reward is :func:`first_number_match` (the
+first integer of the response against the answer), which a character-level policy can satisfy
+without learning to stop.
+
+=============  =====================  ===========================================
+task           prompt                 answer
+=============  =====================  ===========================================
+last_digit     ``last of 37=``        the second digit
+max_digit      ``max 3 8=``           the larger digit
+add_mod10      ``3+8 mod 10=``        the last digit of the sum
+=============  =====================  ===========================================
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Callable, Sequence
+
+_FIRST_INT = re.compile(r"-?\d+")
+
+
+def _last_digit(a: int, b: int) -> tuple[str, str]:
+    return f"last of {a}{b}=", str(b)
+
+
+def _max_digit(a: int, b: int) -> tuple[str, str]:
+    return f"max {a} {b}=", str(max(a, b))
+
+
+def _add_mod10(a: int, b: int) -> tuple[str, str]:
+    return f"{a}+{b} mod 10=", str((a + b) % 10)
+
+
+TASKS: dict[str, Callable[[int, int], tuple[str, str]]] = {
+    "last_digit": _last_digit,
+    "max_digit": _max_digit,
+    "add_mod10": _add_mod10,
+}
+
+
+def task_records(task: str, split: str = "train", seed: int = 0,
+                 val_fraction: float = 0.2) -> list[dict]:
+    """All records of ``task``'s ``split`` ("train" or "val"): the 100 operand pairs (a, b) of
+    digits, shuffled with ``seed`` and split so no validation prompt is a training prompt."""
+    if task not in TASKS:
+        raise ValueError(f"data.task {task!r} is not a built-in task; choose one of "
+                         f"{', '.join(sorted(TASKS))}")
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    pairs = [(a, b) for a in range(10) for b in range(10)]
+    random.Random(seed).shuffle(pairs)
+    n_val = max(1, round(len(pairs) * val_fraction))
+    chosen = pairs[:n_val] if split == "val" else pairs[n_val:]
+    out = []
+    for a, b in chosen:
+        prompt, answer = TASKS[task](a, b)
+        out.append({"prompt": prompt, "ground_truth": answer, "data_source": task})
+    return out
+
+
+def first_number_match(prompts: Sequence[str], responses: Sequence[str],
+                       ground_truth: Sequence[str] | None = None, **extras) -> list[float]:
+    """1.0 where the first integer in the response equals ``ground_truth`` (as integers), else 0
+    (also when the response has no number)."""
+    if ground_truth is None:
+        raise ValueError("first_number_match needs ground_truth=[...] (records with a "
+                         "'ground_truth' field, e.g. a built-in data.task)")
+    if len(ground_truth) != len(responses):
+        raise ValueError(f"first_number_match: {len(ground_truth)} answers for "
+                         f"{len(responses)} responses")
+    scores = []
+    for response, answer in zip(responses, ground_truth):
+        m = _FIRST_INT.search(response)
+        scores.append(float(m is not None and answer is not None and int(m.group()) == int(answer)))
+    return scores
+
+
+__all__ = ["TASKS", "task_records", "first_number_match"]

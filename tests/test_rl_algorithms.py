@@ -13,21 +13,25 @@ import torch
 from parallel_models.rl.algorithms import (
     AdaptiveKLController,
     FixedKLController,
-    agg_loss,
     apply_kl_penalty,
-    compute_entropy_loss,
     compute_gae,
     compute_grpo_advantages,
-    compute_policy_loss,
     compute_returns,
     compute_rloo_advantages,
-    compute_value_loss,
-    entropy_from_logits,
     kl_penalty,
     masked_mean,
     masked_sum,
     masked_var,
     masked_whiten,
+    scores_at_last_token,
+)
+from parallel_models.rl.losses import (
+    agg_denominator,
+    agg_loss,
+    compute_entropy_loss,
+    compute_policy_loss,
+    compute_value_loss,
+    entropy_from_logits,
 )
 
 TOL = dict(rtol=1e-6, atol=1e-6)
@@ -449,24 +453,26 @@ def test_apply_kl_penalty_matches_loop(kind):
     rewards, metrics = apply_kl_penalty(scores, lp, ref, mask, ctrl, kind)
 
     S, LP, RF, M = rows(scores), rows(lp), rows(ref), rows(mask)
-    exp_r, seq_kls, tok_kls = [], [], []
+    exp_r, seq_kls, row_means = [], [], []
     for b in range(B):
-        row, seq = [], 0.0
+        row, seq, n = [], 0.0, 0
         for t in range(T):
             if M[b][t]:
                 k = ref_kl(LP[b][t], RF[b][t], kind)
                 row.append(S[b][t] - 0.1 * k)
                 seq += k
-                tok_kls.append(k)
+                n += 1
             else:
                 row.append(0.0)
         exp_r.append(row)
+        row_means.append(seq / n if n else 0.0)  # verl: an empty row counts as 0
         if any(M[b]):
             seq_kls.append(seq)
     torch.testing.assert_close(rewards, torch.tensor(exp_r, dtype=torch.float64), **TOL)
-    current = sum(seq_kls) / len(seq_kls)
+    current = sum(row_means) / B
     assert metrics["current_kl"] == pytest.approx(current, abs=1e-9)
-    assert metrics["token_kl"] == pytest.approx(sum(tok_kls) / len(tok_kls), abs=1e-9)
+    assert metrics["token_kl"] == pytest.approx(current, abs=1e-9)
+    assert metrics["seq_kl"] == pytest.approx(sum(seq_kls) / len(seq_kls), abs=1e-9)
     assert metrics["kl_coef"] == 0.1
     ref_ctrl = AdaptiveKLController(0.1, target_kl=1.0, horizon=1000)
     ref_ctrl.update(current, B)
@@ -475,6 +481,70 @@ def test_apply_kl_penalty_matches_loop(kind):
     ctrl3 = AdaptiveKLController(0.1, target_kl=1.0, horizon=1000)
     apply_kl_penalty(scores, lp, ref, mask, ctrl3, kind, update_kl_ctrl=False)
     assert ctrl3.value == 0.1
+
+
+def test_token_kl_is_verls_reward_kl_penalty():
+    """verl's reward_kl_penalty: token mean per response, then mean over responses (an empty row
+    counts as 0). A 1-token response at KL 1.0, a 50-token one at 0.1 and an empty row: 0.3667
+    (an all-token mean would give 6/51 = 0.1176)."""
+    T = 50
+    mask = torch.zeros(3, T)
+    mask[0, 0] = 1
+    mask[1, :] = 1
+    ref = torch.zeros(3, T)
+    lp = torch.zeros(3, T)
+    lp[0, 0] = 1.0
+    lp[1, :] = 0.1
+    lp[2, :] = 5.0  # masked away
+    _, metrics = apply_kl_penalty(torch.zeros(3, T), lp, ref, mask, FixedKLController(0.1), "k1")
+    assert metrics["token_kl"] == pytest.approx((1.0 + 0.1 + 0.0) / 3, abs=1e-6)
+    assert metrics["token_kl"] == pytest.approx(0.36667, abs=1e-5)
+    assert metrics["current_kl"] == metrics["token_kl"]
+    assert metrics["seq_kl"] == pytest.approx((1.0 + 5.0) / 2, abs=1e-5)
+
+
+def test_adaptive_kl_stays_bounded_with_long_responses_at_target():
+    """Every token at the target KL (0.1) on 500-token responses: the coefficient must not move
+    (fed a per-sequence sum, 50 nats, it grew by +20% * n / horizon every step)."""
+    B_, T_ = 8, 500
+    mask = torch.ones(B_, T_)
+    mask[1, 400:] = 0  # lengths differ; still 0.1 per token
+    lp, ref = torch.full((B_, T_), 0.1), torch.zeros(B_, T_)
+    ctrl = AdaptiveKLController(init_kl_coef=0.05, target_kl=0.1, horizon=100)
+    for _ in range(50):
+        apply_kl_penalty(torch.zeros(B_, T_), lp, ref, mask, ctrl, "k1")
+    assert ctrl.value == pytest.approx(0.05, rel=1e-6)
+    # and it still reacts: twice the target per token raises beta, half lowers it
+    up, down = AdaptiveKLController(0.05, 0.1, 100), AdaptiveKLController(0.05, 0.1, 100)
+    apply_kl_penalty(torch.zeros(B_, T_), 2 * lp, ref, mask, up, "k1")
+    apply_kl_penalty(torch.zeros(B_, T_), 0.5 * lp, ref, mask, down, "k1")
+    assert up.value == pytest.approx(0.05 * (1 + 0.2 * B_ / 100))
+    assert down.value == pytest.approx(0.05 * (1 - 0.2 * B_ / 100))
+
+
+def test_scores_at_last_valid_token_with_holes():
+    mask = torch.tensor([[1, 1, 0, 1, 0, 0],    # hole at 2: last valid is 3, not count-1 = 2
+                         [0, 0, 0, 0, 0, 0],    # empty
+                         [1, 0, 0, 0, 0, 1],    # last valid 5
+                         [1, 1, 1, 0, 0, 0]])
+    out = scores_at_last_token(torch.tensor([1.0, 2.0, 3.0, 4.0]), mask)
+    want = torch.zeros(4, 6)
+    want[0, 3], want[2, 5], want[3, 2] = 1.0, 3.0, 4.0
+    assert torch.equal(out, want)
+    assert torch.equal(scores_at_last_token(torch.tensor([1.0, 2.0, 3.0, 4.0]), mask.bool()), want)
+    with pytest.raises(ValueError, match="one per row"):
+        scores_at_last_token(torch.ones(3), mask)
+
+
+def test_compute_gae_without_whitening_is_raw():
+    mask = make_mask(40)
+    rewards, values = randn(41, B, T), randn(42, B, T)
+    adv_w, ret = compute_gae(rewards, values, mask, 0.99, 0.9)
+    raw, ret2 = compute_gae(rewards, values, mask, 0.99, 0.9, whiten=False)
+    torch.testing.assert_close(ret2, ret, rtol=0, atol=0)
+    torch.testing.assert_close(raw, torch.where(mask > 0, ret - values, torch.zeros(())), **TOL)
+    torch.testing.assert_close(masked_whiten(raw, mask), adv_w, **TOL)
+    assert not torch.allclose(raw, adv_w)
 
 
 # ---------------------------------------------------------------------------
@@ -508,6 +578,19 @@ def test_agg_loss_modes_differ_and_unknown_raises():
         compute_policy_loss(loss, loss, loss, mask, loss_agg_mode="bogus")
     with pytest.raises(ValueError):
         compute_entropy_loss(loss, mask, "bogus")
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_agg_denominator_splits_a_global_mean(mode):
+    """Loss x denominator summed over two halves / summed denominators == the whole batch's loss."""
+    mask = make_mask(28)
+    loss = randn(29, B, T)
+    parts = [(agg_loss(loss[i], mask[i], mode), agg_denominator(mask[i], mode))
+             for i in (slice(0, 3), slice(3, B))]
+    total = sum(l * d for l, d in parts) / sum(d for _, d in parts)
+    torch.testing.assert_close(total, agg_loss(loss, mask, mode), **TOL)
+    with pytest.raises(ValueError, match="token-mean"):
+        agg_denominator(mask, "bogus")
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])

@@ -39,6 +39,7 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "scores_at_last_token",
     "compute_gae",
     "compute_returns",
     "compute_grpo_advantages",
@@ -48,12 +49,6 @@ __all__ = [
     "FixedKLController",
     "AdaptiveKLController",
     "apply_kl_penalty",
-    "LOSS_AGG_MODES",
-    "agg_loss",
-    "compute_policy_loss",
-    "compute_value_loss",
-    "entropy_from_logits",
-    "compute_entropy_loss",
 ]
 
 # Added to the variance before rsqrt when whitening: keeps a constant batch finite.
@@ -65,7 +60,7 @@ _WHITEN_EPS = 1e-8
 # ---------------------------------------------------------------------------
 
 
-def _bool_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def as_bool_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Mask as bool, broadcast to ``like``'s shape (counts must see every element)."""
     m = mask if mask.dtype == torch.bool else mask > 0
     return m.expand_as(like)
@@ -75,7 +70,7 @@ def masked_sum(
     x: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] | None = None, keepdim: bool = False
 ) -> torch.Tensor:
     """Sum of ``x`` over positions where ``mask`` is set (masked entries may be NaN/inf)."""
-    m = _bool_mask(mask, x)
+    m = as_bool_mask(mask, x)
     return torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum(dim=dim, keepdim=keepdim)
 
 
@@ -83,7 +78,7 @@ def masked_mean(
     x: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] | None = None, keepdim: bool = False
 ) -> torch.Tensor:
     """Mean of ``x`` over valid positions; 0 (not NaN) where nothing is valid."""
-    m = _bool_mask(mask, x)
+    m = as_bool_mask(mask, x)
     total = masked_sum(x, m, dim=dim, keepdim=keepdim)
     count = m.sum(dim=dim, keepdim=keepdim).to(total.dtype)
     # clamp_min(1) keeps the division finite; for an empty slice total is exactly 0.
@@ -104,7 +99,7 @@ def masked_var(
     is not measurable and 0 is returned instead of raising, so this never needs a
     host sync to check counts.
     """
-    m = _bool_mask(mask, x)
+    m = as_bool_mask(mask, x)
     mean = masked_mean(x, m, dim=dim, keepdim=True)
     sq = masked_sum((x - mean) ** 2, m, dim=dim, keepdim=keepdim)
     count = m.sum(dim=dim, keepdim=keepdim).to(sq.dtype)
@@ -121,7 +116,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
     sign carries meaning). Masked positions are returned as 0; an all-empty mask
     gives all zeros.
     """
-    m = _bool_mask(mask, x)
+    m = as_bool_mask(mask, x)
     mean = masked_mean(x, m)
     var = masked_var(x, m, unbiased=True)
     whitened = (x - mean) * torch.rsqrt(var + _WHITEN_EPS)
@@ -135,6 +130,27 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
 # ---------------------------------------------------------------------------
 
 
+def scores_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Token-level rewards: each response's scalar score on its *last valid* response token.
+
+    ``scores`` is ``(batch,)``, ``response_mask`` ``(batch, response_len)`` and may have holes
+    (the last valid token is the last set position, not ``count - 1``). Empty rows get no
+    reward. Returns float32 zeros elsewhere, on the mask's device.
+    """
+    m = response_mask if response_mask.dtype == torch.bool else response_mask > 0
+    if scores.shape != m.shape[:1]:
+        raise ValueError(f"scores has shape {tuple(scores.shape)}, expected ({m.shape[0]},) "
+                         f"(one per row of response_mask {tuple(m.shape)})")
+    out = torch.zeros(m.shape, dtype=torch.float32, device=m.device)
+    positions = torch.arange(m.shape[-1], device=m.device).expand_as(m)
+    last = torch.where(m, positions, -1).amax(dim=-1) if m.shape[-1] else \
+        torch.full(m.shape[:1], -1, device=m.device)
+    has = last >= 0
+    rows = torch.arange(m.shape[0], device=m.device)[has]
+    out[rows, last[has]] = scores.to(device=m.device, dtype=torch.float32)[has]
+    return out
+
+
 @torch.no_grad()
 def compute_gae(
     token_level_rewards: torch.Tensor,
@@ -142,13 +158,16 @@ def compute_gae(
     response_mask: torch.Tensor,
     gamma: float,
     lam: float,
+    whiten: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation over the valid tokens of each response.
 
     Returns ``(advantages, returns)``, both ``(batch, response_len)``:
     ``returns`` are the raw lambda-returns (unwhitened advantages + values, the
-    critic's regression target) and ``advantages`` are the same advantages
-    whitened over the mask. Both are 0 at masked positions.
+    critic's regression target) and ``advantages`` are the same advantages,
+    whitened over the mask of this tensor when ``whiten`` (with ``whiten=False``
+    they are the raw GAE, ``returns - values``; a data-parallel caller whitens
+    them with global statistics instead). Both are 0 at masked positions.
 
     Masked positions are skipped, not treated as episode ends: at a hole the next
     value and the running advantage pass through unchanged, so a response with
@@ -160,7 +179,7 @@ def compute_gae(
     The time loop is sequential by nature; it costs a few small kernels per
     token and runs without autograd.
     """
-    m = _bool_mask(response_mask, values)
+    m = as_bool_mask(response_mask, values)
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     rewards = torch.where(m, token_level_rewards.to(values.dtype), zero)
     vals = torch.where(m, values, zero)
@@ -179,7 +198,9 @@ def compute_gae(
     advantages = torch.stack(advantages_reversed[::-1], dim=1)
 
     returns = torch.where(m, advantages + vals, zero)
-    advantages = masked_whiten(advantages, m)
+    advantages = torch.where(m, advantages, zero)
+    if whiten:
+        advantages = masked_whiten(advantages, m)
     return advantages, returns
 
 
@@ -194,7 +215,7 @@ def compute_returns(
     ignored), so this equals GAE's ``returns`` with ``lam=1`` and zero values.
     Used by critic-free estimators (REINFORCE, REINFORCE++). Masked positions are 0.
     """
-    m = _bool_mask(response_mask, token_level_rewards)
+    m = as_bool_mask(response_mask, token_level_rewards)
     zero = torch.zeros((), dtype=token_level_rewards.dtype, device=token_level_rewards.device)
     rewards = torch.where(m, token_level_rewards, zero)
     running = rewards.new_zeros(rewards.shape[0])
@@ -342,6 +363,13 @@ class AdaptiveKLController:
     clipped to +-20% so a single noisy batch cannot swing the coefficient, and the
     step is scaled by ``n_steps / horizon`` so the adaptation speed is set in
     samples rather than in calls.
+
+    Convention (verl's): ``current_kl`` and ``target_kl`` are *per-token* KLs, the
+    mean over responses of each response's token-mean KL (``current_kl`` of
+    :func:`apply_kl_penalty`), and ``n_steps`` is the number of responses of the
+    batch. A target like 0.1 therefore means the same for short and long
+    responses (a summed, per-sequence KL grows with length and would push the
+    coefficient up without bound).
     """
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: float):
@@ -376,194 +404,32 @@ def apply_kl_penalty(
 
     Metrics (Python floats):
 
-    * ``current_kl``: mean over non-empty responses of each response's *summed*
-      per-token KL, i.e. the sequence-level KL(pi || pi_ref) that Ziegler et al.
-      define their ``target_kl`` in (so a target like 6 nats means the same thing
-      for long and short responses). Empty rows are ignored. This is the value fed
-      to ``kl_ctrl.update`` with ``n_steps`` = number of rows.
-    * ``token_kl``: mean per-token KL over all valid tokens (what verl reports as
-      ``reward_kl_penalty``), for comparison across response lengths.
+    * ``current_kl``: verl's ``reward_kl_penalty``: each response's token-mean KL,
+      then the mean over all rows of the batch (an empty row counts as 0, as in
+      verl). This is the value fed to ``kl_ctrl.update`` with ``n_steps`` = number
+      of rows, in the per-token convention of :class:`AdaptiveKLController`.
+    * ``token_kl``: the same number, under the name the trainer has always logged.
+    * ``seq_kl``: mean over non-empty responses of each response's *summed* KL
+      (the sequence-level KL of Ziegler et al.), for reference only.
     * ``kl_coef``: the ``beta`` used.
 
     With data parallelism, pass ``update_kl_ctrl=False`` and update the controller
     with a globally reduced KL instead, so every rank keeps the same coefficient.
     """
-    m = _bool_mask(response_mask, token_level_scores)
+    m = as_bool_mask(response_mask, token_level_scores)
     kld = kl_penalty(logprob, ref_logprob, kind)
     kld = torch.where(m, kld, torch.zeros_like(kld))
     beta = kl_ctrl.value
     rewards = torch.where(m, token_level_scores - beta * kld, torch.zeros_like(token_level_scores))
 
-    seq_kl = kld.sum(dim=-1)
+    current_kl = float(masked_mean(kld, m, dim=-1).mean().item()) if kld.shape[0] else 0.0
     nonempty = m.any(dim=-1)
-    current_kl = float(masked_mean(seq_kl, nonempty).item())
     metrics = {
         "current_kl": current_kl,
-        "token_kl": float(masked_mean(kld, m).item()),
+        "token_kl": current_kl,
+        "seq_kl": float(masked_mean(kld.sum(dim=-1), nonempty).item()),
         "kl_coef": float(beta),
     }
     if update_kl_ctrl:
         kl_ctrl.update(current_kl=current_kl, n_steps=token_level_scores.shape[0])
     return rewards, metrics
-
-
-# ---------------------------------------------------------------------------
-# Losses
-# ---------------------------------------------------------------------------
-
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-
-
-def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
-    """Reduce a ``(batch, response_len)`` per-token loss to a scalar.
-
-    * ``token-mean``: mean over all valid tokens of the batch (every token weighs
-      the same; long responses weigh more).
-    * ``seq-mean-token-sum``: sum over each response's tokens, mean over responses.
-    * ``seq-mean-token-mean``: mean over each response's tokens, mean over
-      responses (every response weighs the same; the original GRPO recipe).
-
-    The sequence modes average over responses that have at least one valid token,
-    so all-padding rows do not dilute the mean. A fully empty mask gives 0 with a
-    finite (zero) gradient. Scaling across micro-batches / data-parallel ranks is
-    the caller's job.
-    """
-    m = _bool_mask(loss_mask, loss_mat)
-    if mode == "token-mean":
-        return masked_mean(loss_mat, m)
-    if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
-        if mode == "seq-mean-token-sum":
-            seq_losses = masked_sum(loss_mat, m, dim=-1)
-        else:
-            seq_losses = masked_mean(loss_mat, m, dim=-1)
-        return masked_mean(seq_losses, m.any(dim=-1))
-    raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {', '.join(LOSS_AGG_MODES)}")
-
-
-def compute_policy_loss(
-    old_logprob: torch.Tensor,
-    logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float | None = 3.0,
-    loss_agg_mode: str = "token-mean",
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped PPO surrogate loss with dual clip.
-
-    Per token, with ``ratio = exp(logprob - old_logprob)``::
-
-        clipped = max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))
-        loss    = min(clipped, -A * clip_ratio_c)   if A < 0   (dual clip)
-                  clipped                            otherwise
-
-    Plain PPO clipping does not bound the loss when ``A < 0`` and the ratio is
-    large (the ``max`` picks the unclipped, ever-growing term); dual clip (Ye et
-    al. 2020) caps it at ``clip_ratio_c * -A``, which stops a few stale tokens
-    from dominating the gradient. ``clip_ratio_c=None`` disables it.
-    Asymmetric ``clip_ratio_low`` / ``clip_ratio_high`` allow DAPO's clip-higher.
-
-    Metrics (detached): ``pg_clipfrac`` (fraction of valid tokens where the PPO
-    clip is active), ``pg_clipfrac_lower`` (fraction where the dual clip is
-    active), ``ppo_kl`` (mean of ``old_logprob - logprob``, a k1 estimate of
-    KL(pi_old || pi)).
-    """
-    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 for dual clip, got {clip_ratio_c}")
-    m = _bool_mask(response_mask, logprob)
-    zero = torch.zeros((), dtype=logprob.dtype, device=logprob.device)
-    # Zero the log-ratio and advantage at masked positions *before* the exp, so
-    # -inf/NaN padding cannot produce NaN gradients through the masked branch.
-    log_ratio = torch.where(m, logprob - old_logprob, zero)
-    adv = torch.where(m, advantages.to(logprob.dtype), zero)
-
-    ppo_kl = masked_mean(-log_ratio, m)
-    # exp(20) is already far outside any clip range; the clamp only keeps exp finite.
-    ratio = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))
-
-    pg_losses1 = -adv * ratio
-    pg_losses2 = -adv * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    clipped = torch.maximum(pg_losses1, pg_losses2)
-    pg_clipfrac = masked_mean((pg_losses2 > pg_losses1).to(logprob.dtype), m)
-
-    if clip_ratio_c is not None:
-        pg_losses3 = -adv * clip_ratio_c
-        negative = adv < 0
-        pg_losses = torch.where(negative, torch.minimum(clipped, pg_losses3), clipped)
-        pg_clipfrac_lower = masked_mean((negative & (clipped > pg_losses3)).to(logprob.dtype), m)
-    else:
-        pg_losses = clipped
-        pg_clipfrac_lower = torch.zeros((), dtype=logprob.dtype, device=logprob.device)
-
-    loss = agg_loss(pg_losses, m, loss_agg_mode)
-    metrics = {
-        "pg_clipfrac": pg_clipfrac.detach(),
-        "pg_clipfrac_lower": pg_clipfrac_lower.detach(),
-        "ppo_kl": ppo_kl.detach(),
-    }
-    return loss, metrics
-
-
-def compute_value_loss(
-    vpreds: torch.Tensor,
-    values_old: torch.Tensor,
-    returns: torch.Tensor,
-    response_mask: torch.Tensor,
-    cliprange_value: float | None = 0.5,
-    loss_agg_mode: str = "token-mean",
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss ``0.5 * max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)``.
-
-    The pessimistic max keeps the critic from moving further than ``c`` from the
-    rollout values in the direction that would look like an improvement (PPO2's
-    value clipping). ``cliprange_value=None`` gives the plain squared error.
-    Metrics (detached): ``vf_clipfrac`` (fraction of valid tokens where the
-    clipped term is the larger one).
-    """
-    m = _bool_mask(response_mask, vpreds)
-    zero = torch.zeros((), dtype=vpreds.dtype, device=vpreds.device)
-    v = torch.where(m, vpreds, zero)
-    v_old = torch.where(m, values_old.to(vpreds.dtype), zero)
-    ret = torch.where(m, returns.to(vpreds.dtype), zero)
-
-    vf_losses1 = (v - ret).square()
-    if cliprange_value is None:
-        vf_losses = vf_losses1
-        vf_clipfrac = torch.zeros((), dtype=vpreds.dtype, device=vpreds.device)
-    else:
-        v_clipped = torch.clamp(v, v_old - cliprange_value, v_old + cliprange_value)
-        vf_losses2 = (v_clipped - ret).square()
-        vf_losses = torch.maximum(vf_losses1, vf_losses2)
-        vf_clipfrac = masked_mean((vf_losses2 > vf_losses1).to(vpreds.dtype), m)
-
-    loss = 0.5 * agg_loss(vf_losses, m, loss_agg_mode)
-    return loss, {"vf_clipfrac": vf_clipfrac.detach()}
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of ``softmax(logits)`` over the last (vocab) dimension.
-
-    Computed as ``-sum(p * log p)`` with ``log p = logits - logsumexp(logits)``,
-    which never exponentiates a large logit. Half-precision logits are upcast to
-    float32 (the result is float32) because bf16 softmax sums lose most of their
-    digits over a 100k+ vocabulary. ``-inf`` logits (banned tokens) contribute 0
-    and get zero gradient instead of NaN.
-    """
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    logp = logits - torch.logsumexp(logits, dim=-1, keepdim=True)
-    p = torch.exp(logp)
-    # p * logp is 0 * -inf = NaN for banned tokens; select 0 there before the product.
-    finite = torch.isfinite(logp)
-    logp_safe = torch.where(finite, logp, torch.zeros((), dtype=logp.dtype, device=logp.device))
-    return -(p * logp_safe).sum(dim=-1)
-
-
-def compute_entropy_loss(entropy: torch.Tensor, response_mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
-    """Aggregate per-token entropy with :func:`agg_loss`.
-
-    Returns the mean entropy (a bonus, positive); the actor loss is
-    ``pg_loss - entropy_coeff * compute_entropy_loss(...)``.
-    """
-    return agg_loss(entropy, response_mask, mode)

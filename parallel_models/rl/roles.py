@@ -16,6 +16,7 @@ from megatron.core import parallel_state as mpu
 
 from parallel_models import pipeline
 from parallel_models.rl import algorithms as algos
+from parallel_models.rl import losses
 from parallel_models.utils.microbatch import restore_order, split_by_token_budget
 from parallel_models.utils.padding import pack_padded_batch
 from parallel_models.utils.vocab_parallel import gather_response, log_probs_from_packed_logits
@@ -50,13 +51,6 @@ def _response_log_probs(logits, mb, temperature: float, with_entropy: bool):
     return gather_response(out, mb["cu_seqlens"], mb["prompt_lengths"], R), None
 
 
-def _agg_denominator(mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """What ``agg_loss(mode)`` divides by, so a microbatch's loss can be summed globally."""
-    if mode == "token-mean":
-        return (mask > 0).sum()
-    return ((mask > 0).sum(-1) > 0).sum()
-
-
 class PolicyRole:
     """Actor (with a TrainState) or reference (frozen) over a RmPad CausalLM."""
 
@@ -86,21 +80,21 @@ class PolicyRole:
         def loss_fn(out, mb):
             logp, ent = _response_log_probs(out.logits, mb, self.temperature, True)
             mask = mb["response_mask"]
-            pg_loss, m = algos.compute_policy_loss(
+            pg_loss, m = losses.compute_policy_loss(
                 mb["old_log_probs"], logp, mb["advantages"], mask,
                 clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
                 clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=mode)
-            entropy = algos.compute_entropy_loss(ent, mask, mode)
+            entropy = losses.compute_entropy_loss(ent, mask, mode)
             loss = pg_loss - cfg.entropy_coef * entropy
             metrics = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach(),
                        "actor/pg_clipfrac": m["pg_clipfrac"], "actor/ppo_kl": m["ppo_kl"],
                        "actor/pg_clipfrac_lower": m["pg_clipfrac_lower"]}
             if cfg.use_kl_loss:
-                kl = algos.agg_loss(algos.kl_penalty(logp, mb["ref_log_probs"], cfg.kl_loss_type),
+                kl = losses.agg_loss(algos.kl_penalty(logp, mb["ref_log_probs"], cfg.kl_loss_type),
                                     mask, mode)
                 loss = loss + cfg.kl_loss_coef * kl
                 metrics["actor/kl_loss"] = kl.detach()
-            denom = _agg_denominator(mask, mode)
+            denom = losses.agg_denominator(mask, mode)
             return loss * denom, denom, metrics
 
         mbs, _ = make_microbatches(batch, self.max_tokens)
@@ -133,10 +127,10 @@ class CriticRole:
         def loss_fn(out, mb):
             vpreds = self._gather(out.values, mb)
             mask = mb["response_mask"]
-            loss, m = algos.compute_value_loss(vpreds, mb["values"], mb["returns"], mask,
+            loss, m = losses.compute_value_loss(vpreds, mb["values"], mb["returns"], mask,
                                                cliprange_value=cfg.cliprange_value,
                                                loss_agg_mode=loss_agg_mode)
-            denom = _agg_denominator(mask, loss_agg_mode)
+            denom = losses.agg_denominator(mask, loss_agg_mode)
             return loss * denom, denom, {"critic/vf_loss": loss.detach(),
                                          "critic/vf_clipfrac": m["vf_clipfrac"]}
 
@@ -168,14 +162,7 @@ class RuleReward:
         return torch.tensor([float(s) for s in scores], dtype=torch.float32)
 
 
-def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Place each sequence's score on its last valid response token."""
-    out = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
-    lengths = response_mask.long().sum(-1)
-    has = lengths > 0
-    rows = torch.arange(len(scores), device=response_mask.device)[has]
-    out[rows, lengths[has] - 1] = scores.to(out.device)[has]
-    return out
+token_level_scores = algos.scores_at_last_token  # the score on the last valid token
 
 
 def data_parallel_mean(metrics: dict) -> dict:

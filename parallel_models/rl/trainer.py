@@ -7,7 +7,6 @@ rollout server). Each data-parallel rank takes its share of every prompt batch.
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import logging
 import os
@@ -18,7 +17,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
-from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 import parallel_models as pm
@@ -352,6 +350,13 @@ class PPOTrainer:
     # ---- loop ------------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
         tcfg = self.cfg.trainer
+        from parallel_models.rl import checkpointing
+
+        finished = checkpointing.finished_run_summary(self)
+        if finished is not None:  # --resume of a run that already reached total_steps
+            if _rank() == 0:
+                print(json.dumps(finished))
+            return []
         history = []
         bar = tqdm(range(self.step_index, tcfg.total_steps), desc="ppo", disable=_rank() != 0,
                    initial=self.step_index, total=tcfg.total_steps)
@@ -361,7 +366,8 @@ class PPOTrainer:
             history.append(metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
                             kl=f"{metrics.get('kl/actor_ref', 0.0):.4f}")
-            if tcfg.save_every and self.step_index % tcfg.save_every == 0:
+            if tcfg.save_every and (self.step_index % tcfg.save_every == 0
+                                    or self.step_index == tcfg.total_steps):
                 self.save_checkpoint()
         self.metrics.close()
         if _rank() == 0:
@@ -386,7 +392,9 @@ class PPOTrainer:
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def _ckpt_root(self) -> str:
-        return os.path.join(self.cfg.trainer.output_dir, "checkpoints")
+        from parallel_models.rl import checkpointing
+
+        return checkpointing.checkpoint_root(self.cfg.trainer.output_dir)
 
     def _trainable(self):
         roles = {"actor": self.actor}
@@ -395,82 +403,19 @@ class PPOTrainer:
         return roles
 
     def save_checkpoint(self) -> str:
-        """Models, optimizers, schedulers, RNG and data position of every rank, atomically:
-        written under ``step_N.tmp`` and renamed once every rank has finished."""
-        root = self._ckpt_root()
-        final = os.path.join(root, f"step_{self.step_index:06d}")
-        tmp = final + ".tmp"
-        if _rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        _barrier()
-        mine = os.path.join(tmp, f"rank_{_rank():05d}")
-        os.makedirs(mine, exist_ok=True)
-        for name, role in self._trainable().items():
-            state = {k: v.detach().cpu().contiguous() for k, v in role.model.state_dict().items()
-                     if torch.is_tensor(v)}
-            save_file(state, os.path.join(mine, f"{name}.safetensors"))
-            torch.save({"optimizer": role.state.optimizer.state_dict(),
-                        "scheduler": role.state.scheduler.state_dict()},
-                       os.path.join(mine, f"{name}_optim.pt"))
-        np_state = np.random.get_state()
-        rng = {"torch": torch.get_rng_state(),
-               "numpy": torch.from_numpy(np_state[1].astype(np.int64)),
-               "numpy_pos": int(np_state[2]), "python": json.dumps(random.getstate())}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        torch.save(rng, os.path.join(mine, "rng.pt"))
-        if _rank() == 0:
-            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                json.dump({"step": self.step_index, "kl_coef": float(self.kl_ctrl.value),
-                           "loader": self.loader.state_dict(),
-                           "world_size": dist.get_world_size() if dist.is_initialized() else 1},
-                          f)
-        _barrier()
-        if _rank() == 0:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-        _barrier()
-        return final
+        """Models and optimizer states (megatron-core dist checkpoint, reshardable), trainer state,
+        RNG and config, atomically; see ``rl/checkpointing.py``."""
+        from parallel_models.rl import checkpointing
+
+        return checkpointing.save_trainer_checkpoint(self)
 
     def latest_checkpoint(self) -> str | None:
-        done = sorted(d for d in glob.glob(os.path.join(self._ckpt_root(), "step_*"))
-                      if not d.endswith(".tmp"))
-        return done[-1] if done else None
+        from parallel_models.rl import checkpointing
+
+        return checkpointing.latest_checkpoint(self._ckpt_root())
 
     def resume(self, path: str | None = None) -> None:
-        path = path or self.latest_checkpoint()
-        if path is None:
-            logger.warning("resume requested but no checkpoint in %s; starting fresh",
-                           self._ckpt_root())
-            return
-        with open(os.path.join(path, "trainer_state.json")) as f:
-            state = json.load(f)
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if state["world_size"] != world:
-            raise ConfigError(f"{path}: saved with world size {state['world_size']}, resuming "
-                              f"with {world}; resume with the same parallel layout")
-        mine = os.path.join(path, f"rank_{_rank():05d}")
-        for name, role in self._trainable().items():
-            weights = load_file(os.path.join(mine, f"{name}.safetensors"))
-            missing, unexpected = role.model.load_state_dict(weights, strict=False)
-            missing = [k for k in missing if not k.endswith("_extra_state")]
-            if missing or unexpected:
-                raise RuntimeError(f"{mine}/{name}.safetensors: missing {missing}, "
-                                   f"unexpected {unexpected}")
-            opt = torch.load(os.path.join(mine, f"{name}_optim.pt"), weights_only=True)
-            role.state.optimizer.load_state_dict(opt["optimizer"])
-            role.state.scheduler.load_state_dict(opt["scheduler"])
-        rng = torch.load(os.path.join(mine, "rng.pt"), weights_only=True)
-        torch.set_rng_state(rng["torch"])
-        np.random.set_state(("MT19937", rng["numpy"].numpy().astype(np.uint32),
-                             int(rng["numpy_pos"]), 0, 0.0))
-        py = json.loads(rng["python"])
-        random.setstate((py[0], tuple(py[1]), py[2]))
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-        self.loader.load_state_dict(state["loader"])
-        self.kl_ctrl.value = state["kl_coef"]
-        self.step_index = state["step"]
-        self.metrics.truncate_after(self.step_index)
-        logger.info("resumed from %s at step %d", path, self.step_index)
+        """Continue from ``path`` (default: the latest checkpoint), at any TP/PP/DP layout."""
+        from parallel_models.rl import checkpointing
+
+        checkpointing.resume_trainer(self, path)

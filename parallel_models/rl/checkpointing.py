@@ -1,0 +1,383 @@
+"""PPO trainer checkpoints: save, find the latest, check and resume, at any TP/PP/DP layout.
+
+A checkpoint is a folder ``<output_dir>/checkpoints/step_NNNNNN/``:
+
+- ``dist/``: one megatron-core ``dist_checkpointing`` checkpoint of every trainable role (actor,
+  critic): weights and megatron optimizer states (Adam ``exp_avg`` / ``exp_avg_sq``, the fp32
+  main params of bf16 models, the shared step) as sharded tensors under the role's prefix
+  (``rl/sharded_state.py``), so it loads at another TP/PP/DP layout.
+- ``trainer_state.json``: step, LR schedulers, data loader position, KL coefficient, metrics
+  position, the layout and the model shapes it was saved with. No pickles.
+- ``rng/rank_NNNNN.json``: each rank's torch / CUDA / numpy / Python RNG states.
+- ``config.yaml``: the resolved run config.
+
+Saves are atomic: every rank writes into a hidden temporary sibling, which rank 0 renames once all
+ranks have finished; then the ``latest`` file of ``checkpoints/`` names the new folder. A resume
+checks the folder (complete, ours, the same model shapes) on every rank before it loads anything,
+loads into fresh tensors, and only then replaces the weights, optimizer states and trainer state.
+"""
+
+from __future__ import annotations
+
+import base64
+import glob
+import json
+import logging
+import os
+import random
+import re
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from parallel_models import cpu_shim
+from parallel_models.config import ConfigError
+from parallel_models.llama.checkpoint_utils.loader import CheckpointError
+from parallel_models.rl import sharded_state
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "parallel_models.trainer_checkpoint/1"
+STATE_FILE = "trainer_state.json"
+CONFIG_FILE = "config.yaml"
+LATEST_FILE = "latest"
+DIST_DIR = "dist"
+RNG_DIR = "rng"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class TrainerCheckpointError(CheckpointError, ConfigError):
+    """A folder cannot be resumed from (names the folder and what is wrong)."""
+
+
+def checkpoint_root(output_dir: str) -> str:
+    return os.path.join(output_dir, "checkpoints")
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _all_ok(ok: bool) -> bool:
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64,
+                        device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item()) == 0
+
+
+def _layout() -> dict:
+    return {"tensor_parallel_size": mpu.get_tensor_model_parallel_world_size(),
+            "pipeline_parallel_size": mpu.get_pipeline_model_parallel_world_size(),
+            "data_parallel_size": mpu.get_data_parallel_world_size(),
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+
+
+def _position() -> dict:
+    return {"rank": _rank(), "tp_rank": mpu.get_tensor_model_parallel_rank(),
+            "pp_rank": mpu.get_pipeline_model_parallel_rank(),
+            "dp_rank": mpu.get_data_parallel_rank()}
+
+
+def _model_shape(model) -> dict:
+    c = model.config
+    return {"head_kind": model.head_kind, "num_layers": c.num_layers,
+            "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads, "vocab_size": c.vocab_size}
+
+
+# ---- RNG states as JSON ---------------------------------------------------------------------------
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def rng_state() -> dict:
+    """This process's RNG states (torch, CUDA, numpy, Python) as JSON-able values."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    out = {"torch": _b64(torch.get_rng_state()),
+           "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos),
+                     "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},
+           "python": {"version": version, "state": list(internal), "gauss_next": gauss_next}}
+    if torch.cuda.is_available():
+        out["cuda"] = _b64(torch.cuda.get_rng_state())
+    return out
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(_unb64(state["torch"]))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], np.array(n["keys"], dtype=np.uint32), n["pos"],
+                         n["has_gauss"], n["cached_gaussian"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(_unb64(state["cuda"]))
+
+
+# ---- files ------------------------------------------------------------------------------------------
+def _write_json(path: str, data) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _make_readable(folder: str) -> None:
+    """Checkpoint files readable by group and others (0644 files, 0755 folders)."""
+    for root, dirs, files in os.walk(folder):
+        os.chmod(root, 0o755)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o644)
+
+
+def _sharded(trainer, loading: bool) -> dict:
+    return {name: sharded_state.role_sharded_state_dict([role.model], role.state.optimizer, name,
+                                                        loading=loading)
+            for name, role in trainer._trainable().items()}
+
+
+def save_trainer_checkpoint(trainer) -> str:
+    """Write ``checkpoints/step_N`` (call on every rank); returns its path."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+    from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
+    from megatron.core.dist_checkpointing.validation import (determine_global_metadata,
+                                                             validate_sharding_integrity)
+
+    from parallel_models.llama.checkpoint_utils.files import temp_dir_for
+    from parallel_models.llama.checkpoint_utils.mcore import _sync_save_strategy
+    from parallel_models.llama.checkpoint_utils.saver import publish_or_raise
+
+    root = checkpoint_root(trainer.cfg.trainer.output_dir)
+    final = os.path.join(root, f"step_{trainer.step_index:06d}")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tag = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+    dist.broadcast(tag, src=0)
+    tmp = temp_dir_for(final, f"{int(tag.item()):x}")
+    rank = _rank()
+    if rank == 0:
+        os.makedirs(os.path.join(tmp, DIST_DIR))
+        os.makedirs(os.path.join(tmp, RNG_DIR))
+    dist.barrier()
+    failure = None
+    try:
+        sharded = _sharded(trainer, loading=False)
+        # megatron checks the sharding on rank 0 only and raises there: check first (on a
+        # second declaration, as megatron applies the factories in place), on all ranks
+        check = _sharded(trainer, loading=False)
+        apply_factories(check)
+        _, check = extract_nonpersistent(check)
+        validate_sharding_integrity(determine_global_metadata(extract_sharded_base(check)[0])[1])
+    except BaseException as err:  # noqa: BLE001
+        failure = err
+    if not _all_ok(failure is None):
+        if rank == 0:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise failure or CheckpointError(f"{final}: invalid sharding (see rank 0's error)")
+    try:
+        with cpu_shim.cuda_to_cpu():
+            dist_checkpointing.save(sharded, os.path.join(tmp, DIST_DIR),
+                                    sharded_strategy=_sync_save_strategy(),
+                                    validate_access_integrity=False)
+        _write_json(os.path.join(tmp, RNG_DIR, f"rank_{rank:05d}.json"),
+                    {**_position(), "rng": rng_state()})
+        if rank == 0:
+            roles = trainer._trainable()
+            _write_json(os.path.join(tmp, STATE_FILE), {
+                "format": FORMAT, "step": trainer.step_index,
+                "total_steps": trainer.cfg.trainer.total_steps,
+                "kl_coef": float(trainer.kl_ctrl.value),
+                "loader": trainer.loader.state_dict(),
+                "metrics_step": trainer.step_index,
+                "schedulers": {n: r.state.scheduler.state_dict() for n, r in roles.items()},
+                "models": {n: _model_shape(r.model) for n, r in roles.items()},
+                "layout": _layout()})
+            trainer.cfg.save(os.path.join(tmp, CONFIG_FILE))
+        dist.barrier()
+        if rank == 0:
+            _make_readable(tmp)
+    except BaseException as err:  # noqa: BLE001
+        failure = err
+    publish_or_raise(tmp, final, True, failure, device, rank, "trainer checkpoint")
+    if rank == 0:
+        _write_json(os.path.join(root, LATEST_FILE), {"latest": os.path.basename(final),
+                                                      "step": trainer.step_index})
+        os.chmod(os.path.join(root, LATEST_FILE), 0o644)
+    dist.barrier()
+    return final
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The folder ``root/latest`` names, else the highest complete ``step_N`` (temporary folders of
+    unfinished saves are ignored); None when there is none."""
+    pointer = os.path.join(root, LATEST_FILE)
+    if os.path.isfile(pointer):
+        try:
+            with open(pointer) as f:
+                name = json.load(f)["latest"]
+            if os.path.isfile(os.path.join(root, name, STATE_FILE)):
+                return os.path.join(root, name)
+        except (OSError, ValueError, KeyError, TypeError):
+            logger.warning("%s is unreadable; looking for step_* folders", pointer)
+    steps = [(int(m.group(1)), d) for d in glob.glob(os.path.join(root, "step_*"))
+             if (m := _STEP_DIR.match(os.path.basename(d)))
+             and os.path.isfile(os.path.join(d, STATE_FILE))]
+    return max(steps)[1] if steps else None
+
+
+def read_checkpoint_state(path: str) -> dict:
+    """Check that ``path`` is a complete trainer checkpoint; returns its trainer state."""
+    from parallel_models.llama.checkpoint_utils.mcore import MEGATRON_METADATA, read_dcp_metadata
+
+    if not os.path.isdir(path):
+        raise TrainerCheckpointError(f"{path}: no such checkpoint folder")
+    base = os.path.basename(os.path.normpath(path))
+    if ".tmp" in base:
+        raise TrainerCheckpointError(
+            f"{path}: a temporary folder of a checkpoint save that did not finish (partial); "
+            "resume from a complete step_N folder")
+    state_file = os.path.join(path, STATE_FILE)
+    if not os.path.isfile(state_file):
+        raise TrainerCheckpointError(f"{path}: not a trainer checkpoint (no {STATE_FILE})")
+    try:
+        with open(state_file) as f:
+            state = json.load(f)
+    except (OSError, ValueError) as err:
+        raise TrainerCheckpointError(f"{state_file}: unreadable ({err})") from err
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise TrainerCheckpointError(
+            f"{state_file}: not a {FORMAT} checkpoint (format {state.get('format') if isinstance(state, dict) else None!r}); "
+            "checkpoints of older versions (per-rank files) cannot be resumed")
+    dist_dir = os.path.join(path, DIST_DIR)
+    for needed in (os.path.join(dist_dir, MEGATRON_METADATA), os.path.join(dist_dir, ".metadata")):
+        if not os.path.isfile(needed):
+            raise TrainerCheckpointError(f"{path}: incomplete checkpoint, {needed} is missing")
+    try:
+        state["_tensors"] = {k: tuple(v.size) for k, v in
+                             read_dcp_metadata(dist_dir).state_dict_metadata.items()
+                             if hasattr(v, "size")}
+    except CheckpointError as err:
+        raise TrainerCheckpointError(f"{path}: {err}") from err
+    return state
+
+
+def _check_compatible(path: str, state: dict, trainer, sharded: dict) -> None:
+    roles = trainer._trainable()
+    saved_roles = set(state.get("models", {}))
+    if saved_roles != set(roles):
+        raise TrainerCheckpointError(
+            f"{path}: saved with trainable roles {sorted(saved_roles)}, this run has "
+            f"{sorted(roles)} (critic on/off must match)")
+    for name, role in roles.items():
+        mine, saved = _model_shape(role.model), state["models"][name]
+        diff = {k: (saved.get(k), v) for k, v in mine.items() if saved.get(k) != v}
+        if diff:
+            raise TrainerCheckpointError(
+                f"{path}: the {name} was saved with another model shape: "
+                + ", ".join(f"{k} {a} in the checkpoint vs {b} here" for k, (a, b) in diff.items()))
+    stored = state["_tensors"]
+    for key, shape in sharded_state.global_shapes(sharded).items():
+        if key not in stored:
+            raise TrainerCheckpointError(f"{path}: the checkpoint has no tensor {key!r}")
+        if tuple(stored[key]) != shape:
+            raise TrainerCheckpointError(
+                f"{path}: {key!r} has shape {list(stored[key])} in the checkpoint, this model "
+                f"needs {list(shape)} (a checkpoint of another model shape)")
+
+
+def _rng_for_this_rank(path: str, state: dict) -> dict | None:
+    """The RNG states to restore: this rank's own at the same layout, else those of the saved
+    rank with this data-parallel index (sampling agrees within a TP group); None if none."""
+    me = _position()
+    if state["layout"] == _layout():
+        file = os.path.join(path, RNG_DIR, f"rank_{me['rank']:05d}.json")
+        with open(file) as f:
+            return json.load(f)["rng"]
+    for file in sorted(glob.glob(os.path.join(path, RNG_DIR, "rank_*.json"))):
+        with open(file) as f:
+            saved = json.load(f)
+        if saved["dp_rank"] == me["dp_rank"] and saved["tp_rank"] == 0 and saved["pp_rank"] == 0:
+            return saved["rng"]
+    return None
+
+
+def resume_trainer(trainer, path: str | None = None) -> str | None:
+    """Load ``path`` (default: the latest checkpoint) into ``trainer`` on every rank; returns the
+    folder, or None when there is no checkpoint (a fresh start)."""
+    from megatron.core import dist_checkpointing
+
+    root = checkpoint_root(trainer.cfg.trainer.output_dir)
+    path = path or latest_checkpoint(root)
+    if path is None:
+        logger.warning("resume requested but no checkpoint in %s; starting fresh", root)
+        return None
+    error = None
+    try:
+        state = read_checkpoint_state(path)
+        sharded = _sharded(trainer, loading=True)
+        _check_compatible(path, state, trainer, sharded)
+        rng = _rng_for_this_rank(path, state)
+    except (TrainerCheckpointError, OSError, ValueError, KeyError) as err:
+        error = err if isinstance(err, TrainerCheckpointError) else TrainerCheckpointError(
+            f"{path}: cannot resume ({type(err).__name__}: {err})")
+    if not _all_ok(error is None):
+        raise error or TrainerCheckpointError(f"{path}: cannot resume (see rank 0's error)")
+    try:
+        with cpu_shim.cuda_to_cpu():
+            loaded = dist_checkpointing.load(sharded, os.path.join(path, DIST_DIR))
+    except Exception as err:  # noqa: BLE001
+        error = TrainerCheckpointError(f"{path}: loading the model and optimizer states failed "
+                                       f"({type(err).__name__}: {err})")
+    if not _all_ok(error is None):
+        raise error or TrainerCheckpointError(f"{path}: loading failed on another rank")
+    # everything is read: now replace the live state
+    for name, role in trainer._trainable().items():
+        sharded_state.load_model_weights([role.model], loaded[name]["model"])
+        role.state.optimizer.load_state_dict(loaded[name]["optimizer"])
+        role.state.scheduler.load_state_dict(state["schedulers"][name])
+    if rng is not None:
+        set_rng_state(rng)
+    else:
+        seed = trainer.cfg.trainer.seed + 7919 * state["step"]
+        logger.warning("%s: no saved RNG state for data-parallel rank %d; reseeding from %d",
+                       path, trainer.dp_rank, seed)
+        trainer._seed_everything(seed)
+    trainer.loader.load_state_dict(state["loader"])
+    trainer.kl_ctrl.value = state["kl_coef"]
+    trainer.step_index = state["step"]
+    trainer.metrics.truncate_after(state["metrics_step"])
+    trainer.resumed_from = path
+    if state["layout"] != _layout():
+        logger.info("resumed %s saved at layout %s with layout %s", path, state["layout"],
+                    _layout())
+    logger.info("resumed from %s at step %d", path, trainer.step_index)
+    return path
+
+
+def finished_run_summary(trainer) -> dict | None:
+    """After a resume at or past ``total_steps``: a summary of that run (None otherwise)."""
+    path = getattr(trainer, "resumed_from", None)
+    if path is None or trainer.step_index < trainer.cfg.trainer.total_steps:
+        return None
+    summary = {"finished": True, "checkpoint": path, "step": trainer.step_index,
+               "total_steps": trainer.cfg.trainer.total_steps}
+    metrics_file = os.path.join(trainer.cfg.trainer.output_dir, "metrics.jsonl")
+    if os.path.isfile(metrics_file):
+        from parallel_models.rl.metrics import read_metrics
+
+        rows = [r for r in read_metrics(metrics_file) if r.get("step", 0) <= trainer.step_index]
+        if rows:
+            summary["last_metrics"] = {k: v for k, v in rows[-1].items()
+                                       if not k.startswith(("timing/", "memory/"))}
+    return summary

@@ -1,0 +1,168 @@
+"""Sharded state of a trainable model of ours for megatron-core ``dist_checkpointing``: its weights
+and its megatron optimizer's states, declared so that a checkpoint saved at one TP/PP/DP layout
+loads at another.
+
+Our model classes are not megatron's ``GPTModel``, so their ``sharded_state_dict()`` is built here
+from the one weight map (``checkpoint_utils.weight_map``): every parameter becomes a megatron
+``ShardedTensorFactory`` whose pieces are ``ShardedTensor`` s of the megatron-core ``GPTModel``
+global tensor (``mcore_pieces``: the TP axis and block of each piece, fused QKV grouped per KV
+head, ``[gate; up]``), stacked over the *global* layer index (so PP stage offsets do not matter),
+with replica ids ``(tied copy, TP replica, DP rank)``. A factory, not a plain tensor, because the
+fused QKV / gate-up pieces are not views of one block of the global tensor; megatron's optimizer
+(``optimizer.sharded_state_dict(model_sharded_state_dict)``) applies the same factory to Adam's
+``exp_avg`` / ``exp_avg_sq`` (and the fp32 main params of a bf16 model), so optimizer states
+reshard exactly like the weights. Vocab rows are declared up to the true vocab size (our TP
+padding rows are not saved), so the global shapes do not depend on TP.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+from parallel_models.llama.checkpoint_utils import weight_map
+
+# our parameters split by vocab rows (TP-padded): saved up to the true vocab size
+_VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.proj.weight")
+
+
+def _pieces(mapping, tensor: torch.Tensor, config, tp: int, tp_rank: int) -> list:
+    """``mcore_pieces`` of the weight map for ``mapping`` (a rule object, or the older table)."""
+    rule = getattr(mapping, "rule", None)
+    if hasattr(rule, "mcore_pieces"):
+        return rule.mcore_pieces(tensor, config, tp, tp_rank)
+    return weight_map.mcore_pieces(mapping, tensor, config, tp, tp_rank)
+
+
+def _vocab_piece(key, tensor, config, tp_rank: int, replica_id):
+    """Rows of this rank's vocab shard that are real tokens, as a (possibly uneven) chunk of the
+    ``[vocab_size, ...]`` global tensor; None when the whole shard is padding."""
+    rows = tensor.shape[0]
+    start = tp_rank * rows
+    real = min(rows, config.vocab_size - start)
+    if real <= 0:
+        return None
+    piece = tensor[:real]
+    global_shape = (config.vocab_size, *tensor.shape[1:])
+    regular = real == rows and config.vocab_size % rows == 0
+    return ShardedTensor(key=key, data=piece, dtype=piece.dtype, local_shape=tuple(piece.shape),
+                         global_shape=global_shape, global_offset=(start, *[0] * (piece.dim() - 1)),
+                         axis_fragmentations=((config.vocab_size // rows, *[1] * (piece.dim() - 1))
+                                              if regular else None),
+                         replica_id=replica_id)
+
+
+def _source_indices(mapping, shape, config, tp: int, tp_rank: int) -> list[torch.Tensor]:
+    """For each piece the weight map cuts from a shard of ``shape``: the flat shard index of each
+    of its elements (the pieces of an index tensor), which inverts the cut exactly."""
+    index = torch.arange(int(torch.Size(shape).numel()), dtype=torch.int64).reshape(shape)
+    return [p.tensor.reshape(-1) for p in _pieces(mapping, index, config, tp, tp_rank)]
+
+
+def _factory(key: str, param: torch.Tensor, mapping, name: str, config, layer: int | None,
+             tied_copy: int, clone: bool) -> ShardedTensorFactory:
+    tp = mpu.get_tensor_model_parallel_world_size()
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
+    L = config.num_layers
+    shape = tuple(param.shape)
+    vocab = name in _VOCAB_PARAMS
+    if "qkv" in name and config.num_key_value_heads < tp:
+        raise ValueError(f"{name}: trainer checkpoints need num_key_value_heads "
+                         f"({config.num_key_value_heads}) >= tensor_parallel_size ({tp})")
+
+    def build(key, data, replica_id, *unused):
+        # fresh copies when loading, so a failed load leaves the model and optimizer untouched
+        src = data.detach().clone() if clone else data.detach()
+        out = {}
+        for i, piece in enumerate(_pieces(mapping, src, config, tp, tp_rank)):
+            replica = (tied_copy, piece.replica, dp_rank)
+            tensor = piece.tensor.contiguous()
+            if vocab:
+                sharded = _vocab_piece(key, tensor, config, tp_rank, replica)
+                if sharded is not None:
+                    out[i] = sharded
+                continue
+            offsets = [] if layer is None else [(0, layer, L)]
+            if piece.axis is not None:
+                offsets.append((piece.axis + (layer is not None), piece.index, piece.count))
+            out[i] = ShardedTensor.from_rank_offsets(
+                key, tensor, *offsets, replica_id=replica,
+                prepend_axis_num=1 if layer is not None else 0)
+        return out
+
+    def merge(loaded: dict) -> torch.Tensor:
+        """The inverse of ``build``: put every loaded element back where it came from."""
+        first = next(iter(loaded.values()), None)
+        out = torch.zeros(shape, dtype=first.dtype if first is not None else param.dtype)
+        flat = out.view(-1)
+        sources = _source_indices(mapping, shape, config, tp, tp_rank)
+        for i, values in loaded.items():
+            src = sources[i][: values.numel()]  # vocab: the real rows only
+            flat[src] = values.reshape(-1).to(out.dtype)
+        return out
+
+    return ShardedTensorFactory(key=key, data=param, build_fn=build, merge_fn=merge,
+                                replica_id=(tied_copy, tp_rank, dp_rank))
+
+
+def model_sharded_state_dict(chunks, prefix: str, *, clone: bool = False) -> dict:
+    """``{"<chunk>.<our parameter name>": factory}`` for this rank's model chunks; the factories
+    hold the parameters themselves (megatron's optimizer finds its states by parameter identity).
+    ``clone``: the factories build their pieces from copies (for loading)."""
+    out: dict = {}
+    for c, chunk in enumerate(chunks):
+        config = chunk.config
+        params = dict(chunk.named_parameters())
+        mappings = weight_map.weight_rules(config, chunk.head_kind, pre_process=chunk.pre_process,
+                                           post_process=chunk.post_process)
+        for m in mappings:
+            # a tied last stage's copy of the embedding: a non-main replica of the embedding
+            tied = int(m.ours == "lm_head.proj.weight" and m.mcore.startswith("embedding."))
+            key = f"{prefix}.{m.mcore}"
+            names = ([(m.ours.format(i=li), layer.layer_id)
+                      for li, layer in enumerate(chunk.model.layers)] if m.per_layer
+                     else [(m.ours, None)])
+            for name, layer in names:
+                out[f"{c}.{name}"] = _factory(key, params[name], m, name, config, layer, tied,
+                                              clone)
+        missing = set(params) - {k.split(".", 1)[1] for k in out if k.startswith(f"{c}.")}
+        if missing:
+            raise ValueError(f"{prefix}: parameters without a weight rule: {sorted(missing)}")
+    return out
+
+
+def role_sharded_state_dict(chunks, optimizer, prefix: str, *, loading: bool = False) -> dict:
+    """The model and megatron optimizer state of one trainable role, for ``dist_checkpointing``."""
+    model_sd = model_sharded_state_dict(chunks, prefix, clone=loading)
+    return {"model": model_sd,
+            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=loading)}
+
+
+def global_shapes(sharded: dict) -> dict[str, tuple[int, ...]]:
+    """``{key: global shape}`` of every ShardedTensor the factories of ``sharded`` declare."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    out: dict[str, tuple[int, ...]] = {}
+
+    def visit(value):
+        if isinstance(value, ShardedTensorFactory):
+            for v in nested_values(value.build()):
+                visit(v)
+        elif isinstance(value, ShardedTensor):
+            out[value.key] = tuple(value.global_shape)
+
+    for v in nested_values(sharded):
+        visit(v)
+    return out
+
+
+def load_model_weights(chunks, loaded: dict) -> None:
+    """Copy weights returned by ``dist_checkpointing.load`` (merged factories) into the params."""
+    for c, chunk in enumerate(chunks):
+        params = dict(chunk.named_parameters())
+        with torch.no_grad():
+            for name, param in params.items():
+                value = loaded[f"{c}.{name}"]
+                param.copy_(value.to(device=param.device, dtype=param.dtype))

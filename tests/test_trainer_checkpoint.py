@@ -1,0 +1,134 @@
+"""PPO trainer checkpoints (megatron-core dist checkpoints of models and optimizers + JSON trainer
+state): exact resume after a kill, resume at another TP layout, the final checkpoint, --resume of
+a finished run, clear errors for folders that cannot be resumed."""
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import torch
+from safetensors.torch import load_file
+
+from parallel_models.testing import run_distributed
+from tests import trainer_checkpoint_checks as checks
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+PPO = [sys.executable, "-m", "parallel_models.rl.train"]
+
+
+def _metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _load_folder(folder):
+    out = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, f)))
+    return out
+
+
+def _run(args, timeout=300, check=True):
+    proc = subprocess.run(PPO + args, env=ENV, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def test_resume_after_kill_continues_exactly(tmp_path):
+    common = ["trainer.total_steps=6", "trainer.save_every=2", "trainer.save_hf_at_end=false",
+              "trainer.tensorboard=false"]
+    ref = str(tmp_path / "ref")
+    _run([f"trainer.output_dir={ref}", *common])
+    killed = str(tmp_path / "killed")
+    proc = subprocess.Popen(PPO + [f"trainer.output_dir={killed}", *common], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while not os.path.isdir(os.path.join(killed, "checkpoints", "step_000002")):
+        assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    _run([f"trainer.output_dir={killed}", *common, "--resume"])
+    want, got = _metrics(ref), _metrics(killed)
+    assert [m["step"] for m in got] == list(range(1, 7))
+    for a, b in zip(want, got):
+        for key in a:
+            if not key.startswith("timing/"):
+                assert a[key] == b[key], f"step {a['step']} {key}: {a[key]} vs {b[key]} after resume"
+
+
+def test_final_checkpoint_layout_and_finished_resume(tmp_path):
+    """total_steps=3 with save_every=2 still checkpoints step 3; the folder holds a megatron
+    dist checkpoint, JSON state, per-rank RNG, config.yaml, all readable by others, and `latest`
+    names it; --resume of the finished run prints a summary and changes nothing."""
+    out = str(tmp_path / "run")
+    args = [f"trainer.output_dir={out}", "trainer.total_steps=3", "trainer.save_every=2",
+            *checks.TINY]
+    _run(args)
+    root = os.path.join(out, "checkpoints")
+    assert sorted(d for d in os.listdir(root)) == ["latest", "step_000002", "step_000003"]
+    with open(os.path.join(root, "latest")) as f:
+        assert json.load(f)["latest"] == "step_000003"
+    final = os.path.join(root, "step_000003")
+    for name in ("trainer_state.json", "config.yaml", "rng/rank_00000.json",
+                 "dist/metadata.json", "dist/.metadata"):
+        assert os.path.isfile(os.path.join(final, name)), name
+    with open(os.path.join(final, "trainer_state.json")) as f:
+        state = json.load(f)
+    assert state["step"] == 3 and set(state["models"]) == {"actor", "critic"}
+    for dirpath, _, files in os.walk(final):
+        for name in files:
+            mode = os.stat(os.path.join(dirpath, name)).st_mode
+            assert mode & stat.S_IRGRP and mode & stat.S_IROTH, f"{name}: {oct(mode)}"
+    before = {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
+              for d, _, fs in os.walk(out) for f in fs}
+    proc = _run([*args, "--resume"])
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["finished"] is True and summary["step"] == 3
+    assert summary["checkpoint"].endswith("step_000003")
+    assert "reward/mean" in summary["last_metrics"]
+    after = {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
+             for d, _, fs in os.walk(out) for f in fs}
+    assert after == before, "resuming a finished run changed files"
+
+
+def _assert_same_state(want_dir, got_dir):
+    for role in ("actor", "critic"):
+        for part in ("weights", "exp_avg", "exp_avg_sq"):
+            want = _load_folder(os.path.join(want_dir, role, part))
+            got = _load_folder(os.path.join(got_dir, role, part))
+            assert want.keys() == got.keys(), f"{role} {part}"
+            for k in want:
+                assert torch.equal(want[k], got[k]), f"{role} {part} {k} differs after resume"
+    with open(os.path.join(want_dir, "adam_steps.json")) as f1, \
+            open(os.path.join(got_dir, "adam_steps.json")) as f2:
+        want_steps, got_steps = json.load(f1), json.load(f2)
+    assert want_steps == got_steps == {"actor": [2.0], "critic": [2.0]}
+
+
+def test_resume_tp2_checkpoint_at_tp1(tmp_path):
+    """Save at TP=2 (2 ranks) after 2 steps, resume at TP=1 (1 rank): weights and Adam states
+    (gathered) are bit-exact, and the next step's losses match the TP=2 run's within 1e-5."""
+    out2, dump2 = str(tmp_path / "tp2"), str(tmp_path / "dump_tp2")
+    saved = run_distributed(checks.save_at_step2_then_step, 2, out2, dump2, 2, timeout=400)[0]
+    out1, dump1 = str(tmp_path / "tp1"), str(tmp_path / "dump_tp1")
+    resumed = run_distributed(checks.resume_then_step, 1, out1, saved["path"], dump1, 1,
+                              os.path.join(out2, "builtin_model"), timeout=400)[0]
+    assert resumed["step"] == 2
+    _assert_same_state(dump2, dump1)
+    want, got = saved["metrics"], resumed["metrics"]
+    assert want["response_length/mean"] == got["response_length/mean"], "other samples drawn"
+    for key in ("actor/pg_loss", "critic/vf_loss", "actor/entropy", "reward/mean",
+                "returns/mean", "actor/ppo_kl", "kl/actor_ref"):
+        assert abs(want[key] - got[key]) <= 1e-5, f"{key}: TP=2 {want[key]} vs TP=1 {got[key]}"
+
+
+def test_unusable_checkpoints_fail_clearly(tmp_path):
+    messages = run_distributed(checks.bad_checkpoints, 1, str(tmp_path), timeout=300)[0]
+    assert set(messages) == {"plain", "tmp", "cut", "shape", "tensor"}

@@ -1,0 +1,151 @@
+"""Workers for the trainer checkpoint tests (run on gloo ranks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+TINY = ["trainer.tensorboard=false", "trainer.save_hf_at_end=false", "actor.ppo_epochs=1",
+        "data.batch_size=4", "rollout.n=2", "actor.mini_batch_size=8",
+        "rollout.max_new_tokens=8"]
+
+
+def _trainer(output_dir: str, tp: int, *extra: str):
+    from parallel_models.rl.config import load_config
+    from parallel_models.rl.trainer import PPOTrainer
+
+    cfg = load_config(None, [f"trainer.output_dir={output_dir}", "trainer.total_steps=3",
+                             "trainer.save_every=0", f"parallel.tensor_parallel_size={tp}",
+                             *TINY, *extra])
+    cfg.validate()
+    return PPOTrainer(cfg)
+
+
+def _adam_states(optimizer) -> dict:
+    """{param: torch Adam state} of a megatron (chained) optimizer."""
+    out = {}
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        out.update(opt.optimizer.state)
+    return out
+
+
+@torch.no_grad()
+def dump_gathered_state(trainer, folder: str) -> None:
+    """Every trainable role's weights and Adam exp_avg / exp_avg_sq, gathered over TP into HF
+    folders by the HF saver (the optimizer states go through it in place of the weights), and
+    the Adam steps as JSON."""
+    steps = {}
+    for name, role in trainer._trainable().items():
+        model = role.model
+        model.save_pretrained(os.path.join(folder, name, "weights"), overwrite=True)
+        states = _adam_states(role.state.optimizer)
+        params = [p for p in model.parameters() if p in states]
+        assert len(params) == len(list(model.parameters())), "a parameter has no Adam state"
+        steps[name] = sorted({float(states[p]["step"]) for p in params})
+        for key in ("exp_avg", "exp_avg_sq"):
+            backup = [p.detach().clone() for p in params]
+            for p in params:
+                p.copy_(states[p][key])
+            model.save_pretrained(os.path.join(folder, name, key), overwrite=True)
+            for p, b in zip(params, backup):
+                p.copy_(b)
+    if torch.distributed.get_rank() == 0:
+        with open(os.path.join(folder, "adam_steps.json"), "w") as f:
+            json.dump(steps, f)
+
+
+def save_at_step2_then_step(output_dir: str, dump: str, tp: int) -> dict:
+    """Two PPO steps, a checkpoint, the gathered state, then one more step: its metrics."""
+    trainer = _trainer(output_dir, tp)
+    trainer.step()
+    trainer.step()
+    path = trainer.save_checkpoint()
+    dump_gathered_state(trainer, dump)
+    metrics = trainer.step()
+    return {"path": path, "metrics": metrics}
+
+
+def resume_then_step(output_dir: str, checkpoint: str, dump: str, tp: int, model: str) -> dict:
+    """Resume ``checkpoint`` at this layout, dump the gathered state, then one step."""
+    trainer = _trainer(output_dir, tp, f"model.path={model}")
+    trainer.resume(checkpoint)
+    dump_gathered_state(trainer, dump)
+    return {"step": trainer.step_index, "metrics": trainer.step()}
+
+
+def _snapshot(trainer) -> dict:
+    out = {f"{n}.{k}": v.detach().clone()
+           for n, role in trainer._trainable().items()
+           for k, v in role.model.named_parameters()}
+    out["step"] = torch.tensor(trainer.step_index)
+    return out
+
+
+def _expect_error(trainer, path: str, *needles: str) -> str:
+    from parallel_models.rl.checkpointing import TrainerCheckpointError
+
+    before = _snapshot(trainer)
+    try:
+        trainer.resume(path)
+    except TrainerCheckpointError as err:
+        message = str(err)
+    else:
+        raise AssertionError(f"resume({path}) did not fail")
+    for needle in (path, *needles):
+        assert needle in message, f"{needle!r} not in: {message}"
+    after = _snapshot(trainer)
+    for k, v in before.items():
+        assert torch.equal(v, after[k]), f"{k} changed by a failed resume of {path}"
+    return message
+
+
+def bad_checkpoints(output_dir: str) -> dict:
+    """Resuming from folders that are not (complete, compatible) checkpoints fails clearly and
+    loads nothing."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from parallel_models.rl.checkpointing import STATE_FILE
+
+    trainer = _trainer(os.path.join(output_dir, "run"), 1)
+    trainer.step()
+    good = trainer.save_checkpoint()
+    messages = {}
+    # 1. a folder that is not a checkpoint
+    plain = os.path.join(output_dir, "plain")
+    os.makedirs(plain)
+    with open(os.path.join(plain, "notes.txt"), "w") as f:
+        f.write("hello")
+    messages["plain"] = _expect_error(trainer, plain, "not a trainer checkpoint")
+    # 2. the temporary folder of an unfinished save, and a folder with its index missing
+    partial = os.path.join(os.path.dirname(good), ".step_000001.tmp-1234")
+    shutil.copytree(good, partial)
+    messages["tmp"] = _expect_error(trainer, partial, "did not finish")
+    cut = os.path.join(output_dir, "cut")
+    shutil.copytree(good, cut)
+    os.remove(os.path.join(cut, "dist", ".metadata"))
+    messages["cut"] = _expect_error(trainer, cut, "incomplete", ".metadata")
+    # 3. another model shape: a run whose model has a wider MLP
+    model_dir = os.path.join(output_dir, "wide_model")
+    src = os.path.join(output_dir, "run", "builtin_model")
+    config = LlamaConfig.from_pretrained(src)
+    config.intermediate_size = 96
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(src).save_pretrained(model_dir)
+    other = _trainer(os.path.join(output_dir, "other"), 1, f"model.path={model_dir}")
+    messages["shape"] = _expect_error(other, good, "intermediate_size 128", "96")
+    # the tensors themselves are checked too (here with the shape summary edited to agree)
+    forged = os.path.join(output_dir, "forged")
+    shutil.copytree(good, forged)
+    with open(os.path.join(forged, STATE_FILE)) as f:
+        state = json.load(f)
+    for shape in state["models"].values():
+        shape["intermediate_size"] = 96
+    with open(os.path.join(forged, STATE_FILE), "w") as f:
+        json.dump(state, f)
+    messages["tensor"] = _expect_error(other, forged, "linear_fc1.weight", "[2, 256, 64]",
+                                       "[2, 192, 64]")
+    return messages

@@ -26,6 +26,7 @@ import logging
 import os
 import random
 import re
+import shutil
 
 import numpy as np
 import torch
@@ -165,6 +166,8 @@ def save_trainer_checkpoint(trainer) -> str:
     tmp = temp_dir_for(final, f"{int(tag.item()):x}")
     rank = _rank()
     if rank == 0:
+        for stale in glob.glob(os.path.join(root, ".step_*.tmp-*")):  # saves cut by a kill
+            shutil.rmtree(stale, ignore_errors=True)
         os.makedirs(os.path.join(tmp, DIST_DIR))
         os.makedirs(os.path.join(tmp, RNG_DIR))
     dist.barrier()
@@ -181,8 +184,6 @@ def save_trainer_checkpoint(trainer) -> str:
         failure = err
     if not _all_ok(failure is None):
         if rank == 0:
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
         raise failure or CheckpointError(f"{final}: invalid sharding (see rank 0's error)")
     try:

@@ -14,7 +14,9 @@ class ConfigError(ValueError):
     """A model or parallel setting that cannot work; the message names the values."""
 
 
-_SUPPORTED_ROPE = ("default", "linear", "dynamic", "llama3")
+_SUPPORTED_ROPE = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+# rope types whose frequencies depend on the longest position of the batch
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -58,6 +60,12 @@ class ModelConfig:
         if not self.rope_scaling:
             return "default"
         return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+
+    @property
+    def rope_depends_on_length(self) -> bool:
+        """True when the rotary frequencies change with the batch's longest position (dynamic
+        NTK, longrope): such models cannot replay a fixed decode graph."""
+        return self.rope_type in _LENGTH_DEPENDENT_ROPE
 
     @classmethod
     def from_hf(cls, hf_config) -> "ModelConfig":

@@ -1,4 +1,4 @@
-"""Rotary position embeddings with HF's scaling rules (linear, dynamic NTK, llama3).
+"""Rotary position embeddings with HF's scaling rules (linear, dynamic NTK, llama3, YaRN, longrope).
 
 Inverse frequencies come from transformers' own ``ROPE_INIT_FUNCTIONS`` so every scaling rule
 matches the reference bit for bit; cos/sin are computed in fp32 like transformers does.
@@ -33,14 +33,19 @@ class RotaryEmbedding(torch.nn.Module):
         return inv_freq.float(), float(scaling)
 
     def _inv_freq_for(self, position_ids: torch.Tensor) -> torch.Tensor:
-        if self.config.rope_type != "dynamic":
+        if not self.config.rope_depends_on_length:
             return self.inv_freq
-        # dynamic NTK: frequencies depend on the longest position seen, as in transformers
+        # dynamic NTK / longrope: the frequencies depend on the longest position of the batch,
+        # as in transformers' dynamic_rope_update
         seq_len = int(position_ids.max()) + 1
         original = (self.config.rope_scaling or {}).get("original_max_position_embeddings",
                                                         self.config.max_position_embeddings)
         if seq_len <= original:
             return self.inv_freq
+        if self.config.rope_type == "longrope":  # one long set for every length past original
+            if getattr(self, "_long_inv_freq", None) is None:
+                self._long_inv_freq, _ = self._compute(original + 1)
+            return self._long_inv_freq.to(self.inv_freq.device)
         inv_freq, _ = self._compute(seq_len)
         return inv_freq.to(self.inv_freq.device)
 

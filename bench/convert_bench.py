@@ -76,17 +76,16 @@ def generate(path: str, cfg: dict, dtype: torch.dtype) -> tuple[int, int]:
     from transformers import LlamaConfig
 
     from parallel_models.config import ModelConfig
-    from parallel_models.llama.checkpoint_utils.files import ShardedSafetensorsWriter
-    from parallel_models.llama.checkpoint_utils.saver import global_jobs, hf_names
-    from parallel_models.llama.checkpoint_utils.weight_map import hf_shapes
+    from parallel_models.llama.checkpoint_utils.hf_format import ShardedSafetensorsWriter
+    from parallel_models.llama.checkpoint_utils.weight_map import LLAMA
 
     os.makedirs(path)
     hf = LlamaConfig(**cfg, dtype={torch.bfloat16: "bfloat16", torch.float32: "float32",
                                    torch.float16: "float16"}[dtype])
     hf.save_pretrained(path)
     config = ModelConfig.from_hf(hf)
-    specs = [(n, s, dtype) for r, i in global_jobs(config, "causal_lm")
-             for n, s in zip(hf_names(r, i), hf_shapes(r, config))]
+    specs = [(n, s, dtype) for m, i in LLAMA.global_jobs(config, "causal_lm")
+             for n, s in zip(m.hf_names(i), m.rule.hf_shapes(config))]
     writer = ShardedSafetensorsWriter(path, specs, "1GB")
     gen = torch.Generator().manual_seed(0)
     largest = 0
@@ -147,7 +146,7 @@ def verify(src: str, back: str) -> None:
 
 
 def main(argv=None) -> int:
-    from parallel_models.llama.checkpoint_utils.files import parse_size
+    from parallel_models.llama.checkpoint_utils.hf_format import parse_size
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", default="/tmp/convert_bench")

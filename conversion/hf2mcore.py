@@ -34,21 +34,18 @@ with quiet_megatron_import():  # megatron-core warns about optional GPU extras o
     from transformers import AutoConfig  # noqa: F401
 
     from parallel_models.config import ConfigError, ModelConfig, resolve_dtype
-    from parallel_models.llama.checkpoint_utils.files import (AtomicOutputDir,
-                                                             SafetensorsFileReader,
-                                                             check_output_dir, copy_extra_files,
-                                                             hf_architecture, write_hf_config)
-    from parallel_models.llama.checkpoint_utils.loader import (CheckpointError, SafetensorsCheckpoint,
-                                                              resolve_model_path)
-    from parallel_models.llama.checkpoint_utils.mcore import (MCORE_CONFIG_FILE, ChunkItem,
-                                                             expected_mcore_shape,
-                                                             check_megatron_compatible,
-                                                             extra_state_items, mcore_config_dict,
-                                                             write_dist_checkpoint)
-    from parallel_models.llama.checkpoint_utils.saver import global_jobs, hf_names
-    from parallel_models.llama.checkpoint_utils.weight_map import (hf_shapes, hf_to_mcore,
-                                                                  mcore_key, mcore_rows)
-    from parallel_models.registry import family_of
+    from parallel_models.llama.checkpoint_utils.dcp import ChunkItem, write_dist_checkpoint
+    from parallel_models.llama.checkpoint_utils.errors import CheckpointError
+    from parallel_models.llama.checkpoint_utils.hf_format import (SafetensorsCheckpoint,
+                                                                 SafetensorsFileReader,
+                                                                 copy_extra_files,
+                                                                 resolve_model_path,
+                                                                 write_hf_config)
+    from parallel_models.llama.checkpoint_utils.megatron_format import (
+        MCORE_CONFIG_FILE, check_megatron_compatible, extra_state_items, mcore_config_dict,
+        write_megatron_files)
+    from parallel_models.llama.checkpoint_utils.output_dir import AtomicOutputDir, check_output_dir
+    from parallel_models.registry import weight_map_of
 
 PROG = "hf2mcore"
 
@@ -59,10 +56,10 @@ def _validate_hf(ckpt: SafetensorsCheckpoint, reader: SafetensorsFileReader, con
     for fname in sorted(set(ckpt.files.values())):
         reader.check(fname)
     missing, bad = [], []
-    for rule, layer in jobs:
-        for name, shape in zip(hf_names(rule, layer), hf_shapes(rule, config)):
+    for mapping, layer in jobs:
+        for name, shape in zip(mapping.hf_names(layer), mapping.rule.hf_shapes(config)):
             if name not in ckpt:
-                if not (value_init and name == "score.weight"):
+                if not (value_init and mapping.optional):
                     missing.append(name)
                 continue
             got = tuple(ckpt.shape(name))
@@ -77,9 +74,10 @@ def _validate_hf(ckpt: SafetensorsCheckpoint, reader: SafetensorsFileReader, con
 
 
 def _row_segments(rule, comps, config, locate):
-    """The bytes of a megatron chunk made of the HF tensors ``comps`` (``(index in rule.hf,
-    name)``) as ``(file, offset, length)`` ranges, in order: the fused QKV (grouped per KV head)
-    and ``[gate; up]`` are row ranges of their parts (``mcore_rows``), any other tensor is itself.
+    """The bytes of a megatron chunk made of the HF tensors ``comps`` (``(index in the mapping's
+    HF names, name)``) as ``(file, offset, length)`` ranges, in order: the fused QKV (grouped per
+    KV head) and ``[gate; up]`` are row ranges of their parts (``rule.mcore_rows``), any other
+    tensor is itself.
     None when a tensor cannot be copied verbatim (``locate`` says so: dtype to convert)."""
     pieces = []
     for comp, name in comps:
@@ -88,7 +86,7 @@ def _row_segments(rule, comps, config, locate):
             return None
         path, start, shape, row_bytes = where
         row = 0
-        for a, b in mcore_rows(rule, comp, 0, shape[0], config):
+        for a, b in rule.mcore_rows(comp, 0, shape[0], config):
             pieces.append((a, b, path, start + row * row_bytes, (b - a) * row_bytes))
             row += b - a
     pieces.sort()
@@ -114,7 +112,7 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
     check_output_dir(output, overwrite)
     path = resolve_model_path(hf_path)
     config = ModelConfig.from_hf(path)
-    family = family_of(config.architecture)  # unknown architecture -> ConfigError
+    weight_map = weight_map_of(config.architecture)  # unknown architecture -> ConfigError
     is_classifier = config.architecture.endswith("ForSequenceClassification")
     head_kind = "value" if (value or is_classifier) else "causal_lm"
     if is_classifier and getattr(config.hf_config, "num_labels", 1) != 1:
@@ -123,8 +121,9 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
     check_megatron_compatible(config)
     out_dtype = resolve_dtype(dtype, None) if dtype is not None else None
     ckpt = SafetensorsCheckpoint(path)
-    jobs = global_jobs(config, head_kind)
-    value_init = head_kind == "value" and "score.weight" not in ckpt
+    jobs = weight_map.global_jobs(config, head_kind)
+    value_init = head_kind == "value" and any(
+        n not in ckpt for m, _ in jobs if m.optional for n in m.hf)
     reader = SafetensorsFileReader()
     try:
         _validate_hf(ckpt, reader, config, jobs, value_init)
@@ -151,13 +150,13 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
         return torch.randn((1, config.hidden_size), generator=gen) * config.initializer_range
 
     items: list[ChunkItem] = []
-    for rule, layer in jobs:
-        names = hf_names(rule, layer)
-        key = mcore_key(rule, layer_spec)
-        mshape = expected_mcore_shape(rule, config)
-        src_dtype = ckpt.dtype("model.embed_tokens.weight" if (value_init and names == (
-            "score.weight",)) else names[0])
-        dt = out_dtype or src_dtype
+    for mapping, layer in jobs:
+        rule = mapping.rule
+        names = mapping.hf_names(layer)
+        key = mapping.mcore_key(layer_spec)
+        mshape = rule.mcore_shape(config)
+        fresh = value_init and mapping.optional  # the value head, initialized here
+        dt = out_dtype or ckpt.dtype("model.embed_tokens.weight" if fresh else names[0])
         lead = (layer,) if layer is not None else ()
         gshape = ((L,) if layer is not None else ()) + tuple(mshape)
         zeros = (0,) * len(mshape)
@@ -166,22 +165,27 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
         def shaped(t, layer=layer):
             return t.unsqueeze(0) if layer is not None else t
 
-        if rule.rule == "gate_up":  # two chunks, as megatron-core saves its SwiGLU fc1
-            for comp, name in enumerate(names):
-                part = (mshape[0] // 2, *mshape[1:])
-                off = lead + (comp * part[0],) + zeros[1:]
-                items.append(ChunkItem(key, off, sizes + part, gshape, dt,
-                                       lambda n=name, s=shaped: s(read(n)),
-                                       _row_segments(rule, [(comp, name)], config,
-                                                     lambda n: locate(n, dt))))
-        elif value_init and names == ("score.weight",):
+        if fresh:
             items.append(ChunkItem(key, lead + zeros, sizes + tuple(mshape), gshape, dt,
                                    lambda: value_head()))
-        else:
-            items.append(ChunkItem(key, lead + zeros, sizes + tuple(mshape), gshape, dt,
-                                   lambda ns=names, r=rule, s=shaped:
-                                   s(hf_to_mcore(r, [read(n) for n in ns], config)),
-                                   _row_segments(rule, list(enumerate(names)), config,
+            continue
+        hf_shapes = rule.hf_shapes(config)
+        for block in rule.mcore_blocks(config):  # the chunks megatron-core itself would save
+            if len(block) == len(names):
+                first_row, rows = 0, mshape[0]
+
+                def resolve(ns=names, r=rule, s=shaped):
+                    return s(r.to_mcore([read(n) for n in ns], config))
+            else:  # one component stored as one run of rows (gate or up of fc1)
+                (comp,) = block
+                (first_row, end_row), = rule.mcore_rows(comp, 0, hf_shapes[comp][0], config)
+                rows = end_row - first_row
+
+                def resolve(n=names[comp], s=shaped):
+                    return s(read(n))
+            off = lead + (first_row,) + zeros[1:]
+            items.append(ChunkItem(key, off, sizes + (rows, *mshape[1:]), gshape, dt, resolve,
+                                   _row_segments(rule, [(c, names[c]) for c in block], config,
                                                  lambda n: locate(n, dt))))
     stats = {"tensors": 0, "bytes": 0}
     bar = None
@@ -201,7 +205,8 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
         with AtomicOutputDir(output, overwrite) as tmp:
             io_stats = write_dist_checkpoint(tmp, items, extra_state_items(L), threads=threads,
                                              on_item=on_item)
-            write_hf_config(tmp, config.hf_config, architecture=hf_architecture(family, head_kind),
+            write_megatron_files(tmp)
+            write_hf_config(tmp, config.hf_config, architecture=weight_map.architecture(head_kind),
                             head_kind=head_kind, dtype=written_dtype)
             info = mcore_config_dict(config, head_kind=head_kind, dtype=written_dtype,
                                      layer_spec=layer_spec)
@@ -219,10 +224,12 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
               f"N(0, {config.initializer_range}) with seed {value_head_seed}", file=sys.stderr)
     for note in info["notes"]:
         print(f"{PROG}: note: {note}", file=sys.stderr)
-    n_hf = sum(len(rule.hf) for rule, _ in jobs)  # HF tensors converted (chunks: stats)
+    n_hf = sum(len(mapping.hf) for mapping, _ in jobs)  # HF tensors converted (chunks: stats)
     return {"path": output, "tensors": n_hf, "chunks": stats["tensors"], "bytes": stats["bytes"],
             "seconds": time.perf_counter() - start,
-            "direct_read_bytes": io_stats["direct_read_bytes"]}  # input not in the page cache
+            "direct_read_bytes": io_stats["direct_read_bytes"],  # input not in the page cache
+            # CRC32 of the chunk records, computed on the write-behind thread(s)
+            "crc_seconds": io_stats["crc_seconds"], "crc_bytes": io_stats["crc_bytes"]}
 
 
 def build_parser() -> argparse.ArgumentParser:

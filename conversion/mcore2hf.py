@@ -30,16 +30,16 @@ with quiet_megatron_import():  # megatron-core warns about optional GPU extras o
     from transformers import AutoConfig  # noqa: F401
 
     from parallel_models.config import ModelConfig
-    from parallel_models.llama.checkpoint_utils.files import (AtomicOutputDir,
-                                                             ShardedSafetensorsWriter, _nbytes,
-                                                             check_output_dir, copy_extra_files,
-                                                             hf_architecture, write_hf_config)
-    from parallel_models.llama.checkpoint_utils.loader import CheckpointError
-    from parallel_models.llama.checkpoint_utils.mcore import (McoreCheckpoint, RangeReader,
-                                                             WriteBehind, resolve_mcore_dir,
-                                                             segment_filler)
-    from parallel_models.llama.checkpoint_utils.saver import global_jobs, hf_names
-    from parallel_models.registry import family_of
+    from parallel_models.llama.checkpoint_utils.direct_io import (RangeReader, WriteBehind,
+                                                                 segment_filler)
+    from parallel_models.llama.checkpoint_utils.errors import CheckpointError
+    from parallel_models.llama.checkpoint_utils.hf_format import (ShardedSafetensorsWriter,
+                                                                 _nbytes, copy_extra_files,
+                                                                 write_hf_config)
+    from parallel_models.llama.checkpoint_utils.mcore_reader import McoreCheckpoint
+    from parallel_models.llama.checkpoint_utils.megatron_format import resolve_mcore_dir
+    from parallel_models.llama.checkpoint_utils.output_dir import AtomicOutputDir, check_output_dir
+    from parallel_models.registry import weight_map_of
 
 PROG = "mcore2hf"
 
@@ -102,10 +102,10 @@ def convert_mcore_to_hf(mcore_path: str, output: str, *, hf_config: str | None =
     else:
         raise CheckpointError(f"{folder}: no config.json next to the dist checkpoint; pass "
                               "--hf-config DIR (a folder with the model's HF config.json)")
-    family = family_of(config.architecture)
-    ckpt = McoreCheckpoint(folder, config)
-    jobs = global_jobs(config, ckpt.head_kind)
-    names = [n for rule, layer in jobs for n in hf_names(rule, layer)]
+    weight_map = weight_map_of(config.architecture)
+    ckpt = McoreCheckpoint(folder, weight_map, config)
+    jobs = weight_map.global_jobs(config, ckpt.head_kind)
+    names = [n for mapping, layer in jobs for n in mapping.hf_names(layer)]
     ckpt.validate(names)  # every key, shape, file and byte range, before writing anything
     specs = [(n, tuple(ckpt.shape(n)), ckpt.dtype(n)) for n in names]
     bar = None
@@ -134,7 +134,7 @@ def convert_mcore_to_hf(mcore_path: str, output: str, *, hf_config: str | None =
                 wb.abort()
                 raise
             write_hf_config(tmp, config.hf_config,
-                            architecture=hf_architecture(family, ckpt.head_kind),
+                            architecture=weight_map.architecture(ckpt.head_kind),
                             head_kind=ckpt.head_kind, dtype=ckpt.dtype("model.embed_tokens.weight"))
             copy_extra_files(folder, tmp)
             if hf_config is not None:

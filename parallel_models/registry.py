@@ -10,23 +10,18 @@ from __future__ import annotations
 import os
 
 from parallel_models.config import ConfigError, load_hf_config
+from parallel_models.llama.checkpoint_utils import WEIGHT_MAPS, WeightMap, resolve_model_path
 from parallel_models.llama.modeling import CausalLM, CausalLMRmPad, ParallelModel, Value, ValueRmPad
 
-FAMILIES = ("Llama", "Qwen2")
+# family name -> its weight map (which also lists the HF architecture strings it serves)
+FAMILIES: dict[str, WeightMap] = {wm.family: wm for wm in WEIGHT_MAPS}
 _BASES = {("causal_lm", False): CausalLM, ("causal_lm", True): CausalLMRmPad,
           ("value", False): Value, ("value", True): ValueRmPad}
 _HEAD_NAMES = {"causal_lm": "CausalLM", "value": "Value"}
 
 # HF architecture string -> family. Sequence-classification checkpoints (reward models) map to
 # the same family; the head is chosen by the caller.
-ARCHITECTURES = {
-    "LlamaForCausalLM": "Llama",
-    "LlamaForSequenceClassification": "Llama",
-    "LlamaModel": "Llama",
-    "Qwen2ForCausalLM": "Qwen2",
-    "Qwen2ForSequenceClassification": "Qwen2",
-    "Qwen2Model": "Qwen2",
-}
+ARCHITECTURES = {arch: wm.family for wm in WEIGHT_MAPS for arch in wm.architectures}
 
 _CLASSES: dict[str, type[ParallelModel]] = {}
 
@@ -43,6 +38,7 @@ def _make(family: str, head: str, rmpad: bool, pp: bool) -> type[ParallelModel]:
     cls = type(name, (base,), {"__module__": "parallel_models.models",
                                "__doc__": f"{family} as {base.__name__}.{stage} {base.__doc__}",
                                "architecture": f"{family}ForCausalLM",
+                               "weight_map": FAMILIES[family],
                                "pipeline_stage": pp})
     _CLASSES[name] = cls
     return cls
@@ -65,6 +61,11 @@ def family_of(architecture: str) -> str:
     return ARCHITECTURES[architecture]
 
 
+def weight_map_of(architecture: str) -> WeightMap:
+    """The weight map of an HF architecture string's family (clear error when unsupported)."""
+    return FAMILIES[family_of(architecture)]
+
+
 def get_model_class(architecture: str, head: str = "causal_lm", rmpad: bool = False,
                     pp: bool = False) -> type[ParallelModel]:
     """The variant class for an HF architecture string, e.g. ('Qwen2ForCausalLM', 'value', True)
@@ -84,8 +85,6 @@ def model_class(name: str) -> type[ParallelModel]:
 
 def architecture_of(path: str) -> str:
     """The first ``architectures`` entry of an HF folder's config (clear error when absent)."""
-    from parallel_models.llama.checkpoint_utils.loader import resolve_model_path
-
     path = resolve_model_path(path)
     archs = getattr(load_hf_config(path), "architectures", None) or []
     if not archs:

@@ -29,7 +29,7 @@ def save_roundtrips(jobs: list[dict], tp: int, busy: str | None = None) -> dict:
     (in the checkpoint's dtype), then save_pretrained (kind hf; the model method) or save_mcore
     (kind mcore) to out. ``busy``: a non-empty folder both savers must refuse, on every rank."""
     import parallel_models as pm
-    from parallel_models.llama.checkpoint_utils.mcore import save_mcore
+    from parallel_models.llama.checkpoint_utils import save_mcore
 
     pm.init_parallel(tensor_parallel_size=tp)
     out = {}
@@ -42,7 +42,7 @@ def save_roundtrips(jobs: list[dict], tp: int, busy: str | None = None) -> dict:
             stats = save_mcore(model, job["out"], layer_spec=job.get("layer_spec", "te"))
         out[job["out"]] = {"seconds": stats["seconds"], "report": model.load_report}
     if busy is not None:
-        from parallel_models.llama.checkpoint_utils.saver import save_pretrained
+        from parallel_models.llama.checkpoint_utils import save_pretrained
 
         errors = []
         for fn in (save_pretrained, save_mcore):
@@ -62,7 +62,7 @@ def _build_megatron(mcore_dir_or_json, layer_spec="local", keys_map=True):
     from parallel_models import cpu_shim
 
     cpu_shim.apply()  # also routes megatron's CUDA RNG tracker to the CPU generator
-    from parallel_models.llama.checkpoint_utils.mcore import build_gpt_model
+    from parallel_models.llama.checkpoint_utils import build_gpt_model
 
     model_parallel_cuda_manual_seed(0)
     if not keys_map:  # a local spec that saves its norms under their module names
@@ -213,8 +213,8 @@ def pp_save_roundtrips(jobs: list[dict], tp: int, pp: int, vpp: int | None = Non
     """As :func:`save_roundtrips` with pipeline parallelism: each rank builds its PP chunks
     (``build_pipeline_chunks``) from ``src`` (HF or mcore folder) and saves them."""
     import parallel_models as pm
-    from parallel_models.llama.checkpoint_utils.mcore import save_mcore
-    from parallel_models.llama.checkpoint_utils.saver import save_pretrained
+    from parallel_models.llama.checkpoint_utils import save_mcore
+    from parallel_models.llama.checkpoint_utils import save_pretrained
     from parallel_models.registry import architecture_of
 
     pm.init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp,

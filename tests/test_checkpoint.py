@@ -108,9 +108,9 @@ def test_hf2mcore_mcore2hf_is_bit_exact(env, name):
 
 
 def test_local_spec_names_round_trip(env):
-    from parallel_models.llama.checkpoint_utils.mcore import McoreCheckpoint
+    from parallel_models.llama.checkpoint_utils import LLAMA, McoreCheckpoint
 
-    ck = McoreCheckpoint(env["mcore"]["llama.local"])
+    ck = McoreCheckpoint(env["mcore"]["llama.local"], LLAMA)
     assert ck.layer_spec == "local"
     assert "decoder.layers.input_layernorm.weight" in ck.tensors
     assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" not in ck.tensors
@@ -121,9 +121,9 @@ def test_local_spec_names_round_trip(env):
 
 def test_hf2mcore_layout_is_megatron_core_s(env):
     """Keys, stacking and the QKV grouping as megatron-core 0.16's GPTModel saves them."""
-    from parallel_models.llama.checkpoint_utils.mcore import McoreCheckpoint
+    from parallel_models.llama.checkpoint_utils import LLAMA, QWEN2, McoreCheckpoint
 
-    ck = McoreCheckpoint(env["mcore"]["llama"])
+    ck = McoreCheckpoint(env["mcore"]["llama"], LLAMA)
     src = load_all(env["src"]["llama"])
     qkv = ck.read_region("decoder.layers.self_attention.linear_qkv.weight", 1, 0, 128)
     q, k, v = (src[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv")
@@ -137,10 +137,10 @@ def test_hf2mcore_layout_is_megatron_core_s(env):
     extra = {k for k in ck.metadata.state_dict_metadata if "_extra_state" in k}
     assert len(extra) == 4 * 2 and "decoder.layers.mlp.linear_fc2._extra_state/shard_1_2" in extra
     assert "output_layer.weight" in ck.tensors
-    tied = McoreCheckpoint(env["mcore"]["qwen2"])
+    tied = McoreCheckpoint(env["mcore"]["qwen2"], QWEN2)
     assert "output_layer.weight" not in tied.tensors  # tied: absent, as megatron-core saves it
     assert "decoder.layers.self_attention.linear_qkv.bias" in tied.tensors
-    value = McoreCheckpoint(env["mcore"]["llama_value"])
+    value = McoreCheckpoint(env["mcore"]["llama_value"], LLAMA)
     assert value.head_kind == "value"
     assert tuple(value.tensors["output_layer.weight"].size) == (1, 64)
     info = json.loads(open(os.path.join(env["mcore"]["qwen2"], "mcore_config.json")).read())
@@ -152,11 +152,11 @@ def test_hf2mcore_layout_is_megatron_core_s(env):
 
 def test_hf2mcore_value_from_a_causal_lm(env, tmp_path):
     """--value on a causal LM: a critic initialized from it (fresh value head, no LM head)."""
-    from parallel_models.llama.checkpoint_utils.mcore import McoreCheckpoint
+    from parallel_models.llama.checkpoint_utils import LLAMA, McoreCheckpoint
 
     mc, out = str(tmp_path / "mc"), str(tmp_path / "hf")
     convert(env["src"]["llama"], mc, value=True)
-    ck = McoreCheckpoint(mc)
+    ck = McoreCheckpoint(mc, LLAMA)
     assert ck.head_kind == "value" and tuple(ck.tensors["output_layer.weight"].size) == (1, 64)
     to_hf(mc, out)
     cfg = json.loads(open(os.path.join(out, "config.json")).read())
@@ -280,7 +280,7 @@ def _load_cases(env, names):
 @pytest.fixture(scope="module")
 def megatron_tp2(env):
     from parallel_models import ModelConfig
-    from parallel_models.llama.checkpoint_utils.mcore import mcore_config_dict
+    from parallel_models.llama.checkpoint_utils.megatron_format import mcore_config_dict
 
     saves = []
     for name in ("llama", "qwen2"):
@@ -395,16 +395,18 @@ def test_hf2mcore_into_non_empty_folder(env, tmp_path):
 
 def _without_tensor(src: str, dst: str, drop: str) -> str:
     """A real dist checkpoint that lacks one tensor: ``src`` rewritten without ``drop``."""
-    from parallel_models.llama.checkpoint_utils.mcore import (ChunkItem, McoreCheckpoint,
-                                                             extra_state_items,
-                                                             write_dist_checkpoint)
+    from parallel_models.llama.checkpoint_utils import LLAMA, McoreCheckpoint
+    from parallel_models.llama.checkpoint_utils.dcp import ChunkItem, write_dist_checkpoint
+    from parallel_models.llama.checkpoint_utils.megatron_format import (extra_state_items,
+                                                                       write_megatron_files)
 
-    ck = McoreCheckpoint(src)
+    ck = McoreCheckpoint(src, LLAMA)
     items = [ChunkItem(key, tuple(c.offsets), tuple(c.sizes), tuple(md.size), md.properties.dtype,
                        lambda k=key, c=c: ck._chunk(k, c))
              for key, md in ck.tensors.items() if key != drop for c in md.chunks]
     os.makedirs(dst)
     write_dist_checkpoint(dst, items, extra_state_items(ck.config.num_layers))
+    write_megatron_files(dst)
     for f in ("config.json", "mcore_config.json"):
         shutil.copyfile(os.path.join(src, f), os.path.join(dst, f))
     return dst
@@ -456,7 +458,7 @@ def test_mcore_metadata_is_not_unpickled_blindly(env, tmp_path):
 
 
 def test_interrupted_conversion_leaves_nothing(env, tmp_path, monkeypatch):
-    from parallel_models.llama.checkpoint_utils.mcore import RangeReader
+    from parallel_models.llama.checkpoint_utils.direct_io import RangeReader
 
     calls = {"n": 0}
     original = RangeReader.read_into  # what copies the tensors from the safetensors files

@@ -21,9 +21,10 @@ from megatron.core.tensor_parallel import VocabParallelEmbedding
 from megatron.core.enums import ModelType
 from megatron.core.transformer import TransformerConfig
 
-from parallel_models.config import ModelConfig, resolve_dtype
+from parallel_models.config import ConfigError, ModelConfig, resolve_dtype
 from parallel_models.distributed import get_parallel_settings
 from parallel_models.heads import ParallelLMHead, ValueHead
+from parallel_models.llama import checkpoint_utils as ckpt_io
 from parallel_models.llama.layers import ParallelDecoderLayer, RMSNorm, RotaryEmbedding
 from parallel_models.utils.padding import (pack_padded_batch, position_ids_from_cu_seqlens,
                                            unpack_to_padded)
@@ -146,6 +147,7 @@ class ParallelModel(torch.nn.Module):
     head_kind: ClassVar[str] = "causal_lm"
     padded_input: ClassVar[bool] = False
     architecture: ClassVar[str | None] = None  # set by the registry's named subclasses
+    weight_map: ClassVar[ckpt_io.WeightMap | None] = None  # set by the registry too
     pipeline_stage: ClassVar[bool] = False  # PP variants: built for one pipeline stage
     model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
 
@@ -307,38 +309,36 @@ class ParallelModel(torch.nn.Module):
                         layer_ids: list[int] | None = None, vpp_chunk: int | None = None,
                         layers_per_stage: list[int] | None = None, value_head_seed: int = 0,
                         strict: bool = True):
-        """Build this rank's shard and fill it from an HF folder (or hub id).
+        """Build this rank's shard and fill it from an HF folder (or hub id) or a megatron-core
+        dist checkpoint (the format is told from the folder, once).
 
-        Each rank reads only its own slices of the safetensors files (PP variants: only the
-        layers of their stage / virtual chunk ``vpp_chunk``). Value variants take
-        ``score.weight`` of a ``*ForSequenceClassification`` checkpoint, or a fresh head.
+        Each rank reads only its own slices of the checkpoint (PP variants: only the layers of
+        their stage / virtual chunk ``vpp_chunk``). Value variants take ``score.weight`` of a
+        ``*ForSequenceClassification`` checkpoint, or a fresh head.
         """
-        from parallel_models.config import ModelConfig
-        from parallel_models.llama.checkpoint_utils.loader import load_hf_weights, resolve_model_path
-
-        path = resolve_model_path(path)
+        if cls.weight_map is None:
+            raise ConfigError(f"{cls.__name__} has no weight map: load through a named class "
+                              "(e.g. LlamaForCausalLM) or AutoModelForCausalLM")
+        path = ckpt_io.resolve_model_path(path)
         config = ModelConfig.from_hf(path)
+        reader = ckpt_io.open_checkpoint(path, cls.weight_map, config)
         model = cls(config, dtype=dtype, sequence_parallel=sequence_parallel,
                     pre_process=pre_process, post_process=post_process, layer_ids=layer_ids,
                     vpp_chunk=vpp_chunk, layers_per_stage=layers_per_stage)
-        model.load_report = load_hf_weights(model, path, value_head_seed=value_head_seed,
-                                            strict=strict)
+        model.load_report = ckpt_io.load_weights(model, reader, cls.weight_map,
+                                                 value_head_seed=value_head_seed, strict=strict)
         model.name_or_path = path
         return model
 
     def save_pretrained(self, out_dir: str, **kwargs) -> dict:
         """Gather this model to an HF folder (call on every rank; rank 0 writes). See
         ``checkpoint_utils.saver.save_pretrained`` for the options."""
-        from parallel_models.llama.checkpoint_utils.saver import save_pretrained
-
-        return save_pretrained(self, out_dir, **kwargs)
+        return ckpt_io.save_pretrained(self, out_dir, **kwargs)
 
     def save_mcore(self, out_dir: str, **kwargs) -> dict:
         """Write a megatron-core GPTModel dist checkpoint (loadable at any TP/PP, also by
-        ``from_pretrained``). Call on every rank. See ``checkpoint_utils.mcore.save_mcore``."""
-        from parallel_models.llama.checkpoint_utils.mcore import save_mcore
-
-        return save_mcore(self, out_dir, **kwargs)
+        ``from_pretrained``). Call on every rank. See ``checkpoint_utils.mcore_saver``."""
+        return ckpt_io.save_mcore(self, out_dir, **kwargs)
 
 
 class CausalLMRmPad(ParallelModel):

@@ -2,7 +2,7 @@
 
 ``save_pretrained(model, out_dir)`` is called on every rank. Tensor by tensor, the TP ranks of the
 pipeline stage that owns it gather their shards to their first rank, which merges them back to the
-HF tensors (the weight map's ``merge_to_hf``: q/k/v and gate/up split, replicated KV heads taken
+HF tensors (its weight rule's ``merge``: q/k/v and gate/up split, replicated KV heads taken
 once, vocab padding dropped) and, on a later stage, sends them to global rank 0. Rank 0 streams
 them into size-limited safetensors shards planned up front, so its memory stays at about one
 tensor. It writes into a hidden temporary folder next to ``out_dir`` and renames it at the end: an
@@ -20,40 +20,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from parallel_models.config import resolve_dtype
-from parallel_models.llama.checkpoint_utils.files import (ShardedSafetensorsWriter,
-                                                         check_output_dir, copy_extra_files,
-                                                         hf_architecture, publish_dir,
-                                                         temp_dir_for, write_hf_config)
-from parallel_models.llama.checkpoint_utils.loader import CheckpointError
-from parallel_models.llama.checkpoint_utils.weight_map import (WeightRule, hf_shapes, merge_to_hf,
-                                                              weight_rules)
-
-
-def _device_of(chunks) -> torch.device:
-    for c in chunks:
-        for p in c.parameters():
-            return p.device
-    return torch.device("cpu")
-
-
-def _family(architecture: str) -> str:
-    from parallel_models.registry import family_of
-
-    return family_of(architecture)
-
-
-def global_jobs(config, head_kind: str) -> list[tuple[WeightRule, int | None]]:
-    """Every (rule, global layer) of the whole model, in save order: embedding, layer by layer,
-    final norm and head. All ranks walk this same list."""
-    rules = weight_rules(config, head_kind)
-    first = [(r, None) for r in rules if not r.per_layer and r.ours.startswith("model.embed_tokens")]
-    last = [(r, None) for r in rules if not r.per_layer and not r.ours.startswith("model.embed_tokens")]
-    layers = [(r, i) for i in range(config.num_layers) for r in rules if r.per_layer]
-    return first + layers + last
-
-
-def hf_names(rule: WeightRule, layer: int | None) -> tuple[str, ...]:
-    return tuple(n.format(i=layer) for n in rule.hf) if layer is not None else rule.hf
+from parallel_models.llama.checkpoint_utils.collective_save import (all_ok, check_tied_copies,
+                                                                   device_of, publish_or_raise,
+                                                                   weight_map_of)
+from parallel_models.llama.checkpoint_utils.errors import CheckpointError
+from parallel_models.llama.checkpoint_utils.hf_format import (ShardedSafetensorsWriter,
+                                                             copy_extra_files, write_hf_config)
+from parallel_models.llama.checkpoint_utils.output_dir import check_output_dir, temp_dir_for
+from parallel_models.llama.checkpoint_utils.weight_map import WeightMap, WeightMapping
 
 
 class _Placement:
@@ -87,64 +61,36 @@ class _Placement:
         self.pp_ranks = (dist.get_process_group_ranks(mpu.get_pipeline_model_parallel_group())
                          if self.pp > 1 else [0])
 
-    def stage_of(self, rule: WeightRule, layer: int | None) -> int:
+    def stage_of(self, mapping: WeightMapping, layer: int | None) -> int:
         if layer is not None:
             return self.owner[layer]
-        return self.owner[self.L] if rule.ours.startswith("model.embed_tokens") else self.owner[self.L + 1]
+        return self.owner[self.L] if mapping.place == "pre" else self.owner[self.L + 1]
 
-    def param(self, rule: WeightRule, layer: int | None) -> torch.Tensor:
+    def param(self, mapping: WeightMapping, layer: int | None) -> torch.Tensor:
         if layer is not None:
             chunk, li = self.local[layer]
-            name = rule.ours.format(i=li)
+            name = mapping.ours.format(i=li)
         else:
-            chunk, _ = self.local["pre" if rule.ours.startswith("model.embed_tokens") else "post"]
-            name = rule.ours
+            chunk, _ = self.local[mapping.place]
+            name = mapping.ours
         params = dict(chunk.named_parameters())
         if name not in params:
             raise CheckpointError(f"internal: weight map names {name!r}, which the model lacks")
         return params[name]
 
 
-def publish_or_raise(tmp: str, out_dir: str, overwrite: bool, failure, device, rank: int,
-                     what: str, cleanup=None) -> None:
-    """End of a collective save: if every rank succeeded, rank 0 renames ``tmp`` to ``out_dir``;
-    otherwise (or if that fails) ``tmp`` is removed and every rank raises."""
-    import shutil
-
-    ok = _all_ok(failure is None, device)
-    if rank == 0:
-        if ok:
-            try:
-                publish_dir(tmp, out_dir, overwrite)
-            except BaseException as err:  # noqa: BLE001
-                failure = err
-        if not ok or failure is not None:
-            if cleanup is not None:
-                cleanup()
-            shutil.rmtree(tmp, ignore_errors=True)
-    published = _all_ok(failure is None, device)
-    if failure is not None:
-        raise failure
-    if not published:
-        raise CheckpointError(f"{what}: saving {out_dir} failed on another rank; nothing was written")
-
-
-def _all_ok(ok: bool, device) -> bool:
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item()) == 0
-
-
 def save_pretrained(model, out_dir: str, *, max_shard_size: int | str = "5GB", dtype=None,
                     source_dir: str | None = None, overwrite: bool = False,
-                    progress: bool = False) -> dict:
+                    progress: bool = False, weight_map: WeightMap | None = None) -> dict:
     """Gather a TP/PP-sharded CausalLM or Value model into an HF folder at ``out_dir``.
 
     Call on every rank (``model``: this rank's model, or its list of virtual-pipeline chunks).
     Value models are written as ``*ForSequenceClassification`` (``num_labels=1``). ``dtype``
     casts the weights (default: as in the model). Tokenizer and generation-config files are
     copied from ``source_dir`` (default: the folder the model was loaded from). Returns, on every
-    rank, ``{"path", "tensors", "bytes", "seconds"}`` (the counts are rank 0's).
+    rank, ``{"path", "tensors", "bytes", "seconds"}`` (the counts are rank 0's). ``weight_map``:
+    default the model's. With tied embeddings at PP > 1 the last stage's copy of the embedding
+    must equal the first stage's (only that one is written): checked first, every rank raises.
     """
     chunks: Sequence = list(model) if isinstance(model, (list, tuple)) else [model]
     if not chunks:
@@ -154,7 +100,8 @@ def save_pretrained(model, out_dir: str, *, max_shard_size: int | str = "5GB", d
     head_kind = first.head_kind
     if config.hf_config is None:
         raise CheckpointError("save_pretrained: the model's config carries no HF config to write")
-    device = _device_of(chunks)
+    weight_map = weight_map_of(chunks, weight_map)
+    device = device_of(chunks)
     rank = dist.get_rank()
     out_dtype = resolve_dtype(dtype, first.dtype)
     source_dir = source_dir if source_dir is not None else getattr(first, "name_or_path", None)
@@ -167,12 +114,13 @@ def save_pretrained(model, out_dir: str, *, max_shard_size: int | str = "5GB", d
             check_output_dir(out_dir, overwrite)
         except CheckpointError as err:
             error = err
-    if not _all_ok(error is None, device):
+    if not all_ok(error is None, device):
         raise error if error is not None else CheckpointError(
             f"save_pretrained: rank 0 cannot write {out_dir} (see rank 0's error)")
+    check_tied_copies(chunks, config, device, "save_pretrained")
 
     placement = _Placement(chunks, config, device)
-    jobs = global_jobs(config, head_kind)
+    jobs = weight_map.global_jobs(config, head_kind)
     tp = mpu.get_tensor_model_parallel_world_size()
     tp_rank = mpu.get_tensor_model_parallel_rank()
     tp_src = mpu.get_tensor_model_parallel_src_rank()
@@ -183,8 +131,8 @@ def save_pretrained(model, out_dir: str, *, max_shard_size: int | str = "5GB", d
     tmp = None
     if rank == 0:
         tmp = temp_dir_for(out_dir)
-        specs = [(name, shape, out_dtype) for rule, layer in jobs
-                 for name, shape in zip(hf_names(rule, layer), hf_shapes(rule, config))]
+        specs = [(name, shape, out_dtype) for mapping, layer in jobs
+                 for name, shape in zip(mapping.hf_names(layer), mapping.rule.hf_shapes(config))]
         os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
         os.makedirs(tmp)
         writer = ShardedSafetensorsWriter(tmp, specs, max_shard_size)
@@ -196,20 +144,21 @@ def save_pretrained(model, out_dir: str, *, max_shard_size: int | str = "5GB", d
 
     failure: BaseException | None = None  # rank 0 keeps receiving after a write error: no hang
     try:
-        for rule, layer in jobs:
-            names = hf_names(rule, layer)
-            stage = placement.stage_of(rule, layer)
+        for mapping, layer in jobs:
+            rule = mapping.rule
+            names = mapping.hf_names(layer)
+            stage = placement.stage_of(mapping, layer)
             tensors = None
             if active and placement.pp_rank == stage:
-                shard = placement.param(rule, layer).detach().contiguous()
-                if rule.rule == "replicated" or tp == 1:
+                shard = placement.param(mapping, layer).detach().contiguous()
+                if not rule.split_over_tp or tp == 1:
                     if tp_rank == 0:
-                        tensors = merge_to_hf(rule, [shard], config)
+                        tensors = rule.merge([shard], config)
                 else:
                     bufs = [torch.empty_like(shard) for _ in range(tp)] if tp_rank == 0 else None
                     dist.gather(shard, gather_list=bufs, dst=tp_src, group=tp_group)
                     if tp_rank == 0:
-                        tensors = merge_to_hf(rule, bufs, config)
+                        tensors = rule.merge(bufs, config)
                         del bufs
                 if tensors is not None and stage != 0:  # a later stage: send to global rank 0
                     for t in tensors:
@@ -218,7 +167,7 @@ def save_pretrained(model, out_dir: str, *, max_shard_size: int | str = "5GB", d
                 if stage != 0:
                     src = placement.pp_ranks[stage]
                     tensors = []
-                    for shape in hf_shapes(rule, config):
+                    for shape in rule.hf_shapes(config):
                         buf = torch.empty(shape, dtype=first.dtype, device=device)
                         dist.recv(buf, src=src)
                         tensors.append(buf)
@@ -235,7 +184,7 @@ def save_pretrained(model, out_dir: str, *, max_shard_size: int | str = "5GB", d
             try:
                 writer.close()
                 write_hf_config(tmp, config.hf_config,
-                                architecture=hf_architecture(_family(config.architecture), head_kind),
+                                architecture=weight_map.architecture(head_kind),
                                 head_kind=head_kind, dtype=out_dtype)
                 copy_extra_files(source_dir, tmp)
             except BaseException as err:  # noqa: BLE001

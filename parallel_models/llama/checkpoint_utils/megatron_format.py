@@ -1,0 +1,253 @@
+"""The megatron-core ``GPTModel`` dist-checkpoint format (``torch_dist``) around the DCP files:
+where such a checkpoint is, its key names, the small files megatron-core adds, and the
+``TransformerConfig`` / ``GPTModel`` arguments we write next to it (``mcore_config.json``) with a
+builder of megatron-core's own ``GPTModel`` from them.
+
+The format, as megatron-core 0.16 writes it (``dist_checkpointing.save``):
+- ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``), ``common.pt`` (the non-sharded
+  part of the state dict; empty for a ``GPTModel``; 0.19 writes none), ``.metadata`` (torch
+  DCP's index) and ``__<rank>_<n>.distcp`` files holding the chunks (``torch.save`` records).
+- keys as ``GPTModel.sharded_state_dict()`` names them; per-layer tensors stacked with a leading
+  layer axis; ``_extra_state`` objects as ``<key>/shard_<layer>_<num_layers>``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import torch
+
+from parallel_models.config import ConfigError, ModelConfig
+from parallel_models.llama.checkpoint_utils.dcp import DCP_METADATA
+from parallel_models.llama.checkpoint_utils.errors import CheckpointError
+
+MCORE_CONFIG_FILE = "mcore_config.json"  # our JSON of TransformerConfig / GPTModel arguments
+MEGATRON_METADATA = "metadata.json"      # megatron-core's: backend and version
+COMMON_FILE = "common.pt"
+FORMAT = "parallel_models.mcore/1"
+
+MCORE_LAYER_PREFIX = "decoder.layers."
+# megatron-core's local spec maps its norms to the transformer-engine names when it saves
+# (``sharded_state_dict_keys_map``); these are the module names a local spec without that map uses.
+LOCAL_SPEC_NAMES = {
+    "decoder.layers.self_attention.linear_qkv.layer_norm_weight": "decoder.layers.input_layernorm.weight",
+    "decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight",
+}
+# the linears of a layer: megatron-core saves an ``_extra_state`` object for each, and its default
+# (strict) load asks for them
+MCORE_EXTRA_STATE_KEYS = tuple(
+    f"decoder.layers.{m}._extra_state" for m in
+    ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"))
+
+
+def is_mcore_checkpoint(path: str) -> bool:
+    """A megatron-core dist checkpoint folder (or a Megatron-LM run folder pointing to one)."""
+    if not os.path.isdir(path):
+        return False
+    if os.path.isfile(os.path.join(path, DCP_METADATA)):
+        return True
+    meta = os.path.join(path, MEGATRON_METADATA)
+    if os.path.isfile(meta):
+        try:
+            with open(meta) as f:
+                return "sharded_backend" in json.load(f)
+        except (OSError, json.JSONDecodeError):
+            return False
+    return os.path.isfile(os.path.join(path, "latest_checkpointed_iteration.txt"))
+
+
+def resolve_mcore_dir(path: str) -> str:
+    """``path`` itself, or for a Megatron-LM run folder the iteration it names as latest."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such folder")
+    tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(os.path.join(path, MEGATRON_METADATA)) and os.path.isfile(tracker):
+        with open(tracker) as f:
+            it = f.read().strip()
+        sub = os.path.join(path, "release" if it == "release" else f"iter_{int(it):07d}")
+        if not os.path.isdir(sub):
+            raise CheckpointError(f"{tracker} names iteration {it}, but {sub} is missing")
+        return sub
+    meta = os.path.join(path, MEGATRON_METADATA)
+    if not os.path.isfile(meta):
+        raise CheckpointError(f"{path}: no {MEGATRON_METADATA}; not a megatron-core dist checkpoint")
+    try:
+        with open(meta) as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{meta}: not valid JSON ({err})") from err
+    if backend != "torch_dist":
+        raise CheckpointError(f"{path}: sharded_backend is {backend!r}; only 'torch_dist' "
+                              "checkpoints are supported")
+    return path
+
+
+def read_mcore_json(folder: str) -> dict | None:
+    path = os.path.join(folder, MCORE_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{path}: not valid JSON ({err})") from err
+
+
+def extra_state_items(num_layers: int) -> list[tuple[str, bytes]]:
+    """The ``_extra_state`` objects megatron-core saves for each linear of each layer. Local-spec
+    linears have none (``None``); transformer-engine's accept ``None`` (no FP8 state) on load."""
+    buf = io.BytesIO()
+    torch.save([None], buf)  # what megatron-core writes for a ShardedObject holding None
+    raw = buf.getvalue()
+    return [(f"{key}/shard_{i}_{num_layers}", raw) for key in MCORE_EXTRA_STATE_KEYS
+            for i in range(num_layers)]
+
+
+def write_megatron_files(folder: str) -> None:
+    """What megatron-core's ``dist_checkpointing.save`` adds to the DCP files (the common state
+    of a GPTModel is an empty dict; torch.save is the format megatron-core reads it with)."""
+    with open(os.path.join(folder, COMMON_FILE), "wb") as f:
+        torch.save({}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    with open(os.path.join(folder, MEGATRON_METADATA), "w") as f:
+        json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                   "common_backend": "torch", "common_backend_version": 1}, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def check_megatron_compatible(config: ModelConfig) -> None:
+    """Raise a ConfigError for models megatron-core's GPTModel cannot express."""
+    if config.o_bias != config.mlp_bias or (config.o_bias and not config.qkv_bias):
+        raise ConfigError(
+            f"attention_bias={config.o_bias}, mlp_bias={config.mlp_bias}: megatron-core's "
+            "add_bias_linear puts a bias on every linear (qkv, proj, fc1, fc2) and add_qkv_bias on "
+            "qkv only; this combination has no GPTModel equivalent")
+
+
+def _rope_args(config: ModelConfig) -> tuple[dict, list[str]]:
+    notes = []
+    args = {"rotary_base": config.rope_theta, "rotary_percent": 1.0, "rope_scaling": False,
+            "rope_scaling_factor": 8.0, "seq_len_interpolation_factor": None}
+    rs = config.rope_scaling or {}
+    kind = config.rope_type
+    if kind == "llama3":
+        args["rope_scaling"] = True
+        args["rope_scaling_factor"] = float(rs.get("factor", 8.0))
+        fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}
+        diff = {k: rs.get(k) for k, v in fixed.items() if float(rs.get(k, v)) != v}
+        if diff:
+            notes.append(f"rope llama3 with {diff}: megatron-core 0.16 fixes low_freq_factor=1, "
+                         "high_freq_factor=4, original_max_position_embeddings=8192; its rotary "
+                         "embedding will differ from the HF model's")
+    elif kind == "linear":
+        args["seq_len_interpolation_factor"] = float(rs["factor"])
+    elif kind != "default":
+        notes.append(f"rope scaling {kind!r} has no megatron-core GPTModel equivalent; plain RoPE "
+                     "is configured")
+    return args, notes
+
+
+def mcore_config_dict(config: ModelConfig, *, head_kind: str, dtype: torch.dtype,
+                      layer_spec: str) -> dict:
+    """The JSON written next to a dist checkpoint: megatron-core ``TransformerConfig`` and
+    ``GPTModel`` arguments that reproduce the model (plus what is not expressible, in notes)."""
+    check_megatron_compatible(config)
+    rope, notes = _rope_args(config)
+    dname = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
+    tc = {
+        "num_layers": config.num_layers,
+        "hidden_size": config.hidden_size,
+        "ffn_hidden_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_query_groups": config.num_key_value_heads,
+        "kv_channels": config.head_dim,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": config.rms_norm_eps,
+        "gated_linear_unit": True,
+        "activation_func": "silu",
+        "add_bias_linear": bool(config.o_bias),
+        "add_qkv_bias": bool(config.qkv_bias),
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "init_method_std": config.initializer_range,
+        "params_dtype": dname,
+        "bf16": dtype == torch.bfloat16,
+        "fp16": dtype == torch.float16,
+    }
+    gpt = {
+        "vocab_size": config.vocab_size,
+        "max_sequence_length": config.max_position_embeddings,
+        "position_embedding_type": "rope",
+        "share_embeddings_and_output_weights": bool(config.tie_word_embeddings
+                                                    and head_kind == "causal_lm"),
+        **rope,
+    }
+    if head_kind == "value":
+        notes.append("value model: output_layer.weight is [1, hidden] (the value head, as verl's "
+                     "critic); build GPTModel with an output layer of size 1")
+    return {
+        "format": FORMAT,
+        "layer_spec": layer_spec,
+        "value_head": head_kind == "value",
+        "dtype": dname,
+        "hf_architecture": config.architecture,
+        "transformer_config": tc,
+        "gpt_model": gpt,
+        "vocab_note": "the checkpoint holds the true vocab rows; megatron-core pads the vocab "
+                      "(e.g. to a multiple of 128 x TP) and loads the stored rows into it",
+        "notes": notes,
+    }
+
+
+def build_gpt_model(mcore_json: dict | str, *, layer_spec="local",
+                    vocab_multiple: int = 128, pre_process: bool = True,
+                    post_process: bool = True, **overrides):
+    """A megatron-core ``GPTModel`` for this rank from the JSON :func:`mcore_config_dict` writes
+    (a dict, or a checkpoint folder / JSON path). The vocab is padded to a multiple of
+    ``vocab_multiple`` x TP like Megatron-LM does. Call after ``init_parallel``; on the CPU wrap
+    it in ``cpu_shim.cuda_to_cpu()``."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    if isinstance(mcore_json, str):
+        path = os.path.join(mcore_json, MCORE_CONFIG_FILE) if os.path.isdir(mcore_json) else mcore_json
+        with open(path) as f:
+            mcore_json = json.load(f)
+    tc = dict(mcore_json["transformer_config"])
+    act = tc.pop("activation_func")
+    if act != "silu":
+        raise ConfigError(f"activation {act!r} is not supported")
+    tc["activation_func"] = torch.nn.functional.silu
+    tc["params_dtype"] = getattr(torch, tc["params_dtype"])
+    tp = mpu.get_tensor_model_parallel_world_size()
+    tc.update(tensor_model_parallel_size=tp,
+              pipeline_model_parallel_size=mpu.get_pipeline_model_parallel_world_size(),
+              use_cpu_initialization=not torch.cuda.is_available(),
+              bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+              apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False)
+    tc.update(overrides.pop("transformer_config", {}))
+    config = TransformerConfig(**tc)
+    if layer_spec == "local":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    elif layer_spec == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec()
+    elif isinstance(layer_spec, str):
+        raise ValueError(f"layer_spec must be 'local', 'te' or a ModuleSpec, got {layer_spec!r}")
+    else:
+        spec = layer_spec
+    g = dict(mcore_json["gpt_model"])
+    multiple = vocab_multiple * tp
+    g["vocab_size"] = -(-g["vocab_size"] // multiple) * multiple
+    g.update(overrides)
+    return GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre_process,
+                    post_process=post_process, **g)

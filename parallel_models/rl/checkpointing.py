@@ -33,9 +33,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from parallel_models import cpu_shim
 from parallel_models.config import ConfigError
-from parallel_models.llama.checkpoint_utils.loader import CheckpointError
+from parallel_models.llama.checkpoint_utils import CheckpointError
 from parallel_models.rl import sharded_state
 
 logger = logging.getLogger(__name__)
@@ -59,15 +58,6 @@ def checkpoint_root(output_dir: str) -> str:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _all_ok(ok: bool) -> bool:
-    if not dist.is_initialized():
-        return ok
-    flag = torch.tensor([0 if ok else 1], dtype=torch.int64,
-                        device="cuda" if torch.cuda.is_available() else "cpu")
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item()) == 0
 
 
 def _layout() -> dict:
@@ -140,23 +130,15 @@ def _make_readable(folder: str) -> None:
             os.chmod(os.path.join(root, name), 0o644)
 
 
-def _sharded(trainer, loading: bool) -> dict:
-    return {name: sharded_state.role_sharded_state_dict([role.model], role.state.optimizer, name,
-                                                        loading=loading)
+def _roles(trainer) -> dict:
+    return {name: ([role.model], role.state.optimizer)
             for name, role in trainer._trainable().items()}
 
 
 def save_trainer_checkpoint(trainer) -> str:
     """Write ``checkpoints/step_N`` (call on every rank); returns its path."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import apply_factories
-    from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
-    from megatron.core.dist_checkpointing.validation import (determine_global_metadata,
-                                                             validate_sharding_integrity)
-
-    from parallel_models.llama.checkpoint_utils.files import temp_dir_for
-    from parallel_models.llama.checkpoint_utils.mcore import _sync_save_strategy
-    from parallel_models.llama.checkpoint_utils.saver import publish_or_raise
+    from parallel_models.llama.checkpoint_utils.collective_save import publish_or_raise
+    from parallel_models.llama.checkpoint_utils.output_dir import temp_dir_for
 
     root = checkpoint_root(trainer.cfg.trainer.output_dir)
     final = os.path.join(root, f"step_{trainer.step_index:06d}")
@@ -173,24 +155,7 @@ def save_trainer_checkpoint(trainer) -> str:
     dist.barrier()
     failure = None
     try:
-        sharded = _sharded(trainer, loading=False)
-        # megatron checks the sharding on rank 0 only and raises there: check first (on a
-        # second declaration, as megatron applies the factories in place), on all ranks
-        check = _sharded(trainer, loading=False)
-        apply_factories(check)
-        _, check = extract_nonpersistent(check)
-        validate_sharding_integrity(determine_global_metadata(extract_sharded_base(check)[0])[1])
-    except BaseException as err:  # noqa: BLE001
-        failure = err
-    if not _all_ok(failure is None):
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise failure or CheckpointError(f"{final}: invalid sharding (see rank 0's error)")
-    try:
-        with cpu_shim.cuda_to_cpu():
-            dist_checkpointing.save(sharded, os.path.join(tmp, DIST_DIR),
-                                    sharded_strategy=_sync_save_strategy(),
-                                    validate_access_integrity=False)
+        sharded_state.save_roles(os.path.join(tmp, DIST_DIR), _roles(trainer))
         _write_json(os.path.join(tmp, RNG_DIR, f"rank_{rank:05d}.json"),
                     {**_position(), "rng": rng_state()})
         if rank == 0:
@@ -205,11 +170,13 @@ def save_trainer_checkpoint(trainer) -> str:
                 "models": {n: _model_shape(r.model) for n, r in roles.items()},
                 "layout": _layout()})
             trainer.cfg.save(os.path.join(tmp, CONFIG_FILE))
-        dist.barrier()
-        if rank == 0:
-            _make_readable(tmp)
     except BaseException as err:  # noqa: BLE001
         failure = err
+    if sharded_state.all_ranks_ok(failure is None) and rank == 0:  # every rank has written
+        try:
+            _make_readable(tmp)
+        except OSError as err:
+            failure = err
     publish_or_raise(tmp, final, True, failure, device, rank, "trainer checkpoint")
     if rank == 0:
         _write_json(os.path.join(root, LATEST_FILE), {"latest": os.path.basename(final),
@@ -239,7 +206,8 @@ def latest_checkpoint(root: str) -> str | None:
 
 def read_checkpoint_state(path: str) -> dict:
     """Check that ``path`` is a complete trainer checkpoint; returns its trainer state."""
-    from parallel_models.llama.checkpoint_utils.mcore import MEGATRON_METADATA, read_dcp_metadata
+    from parallel_models.llama.checkpoint_utils.dcp import read_dcp_metadata
+    from parallel_models.llama.checkpoint_utils.megatron_format import MEGATRON_METADATA
 
     if not os.path.isdir(path):
         raise TrainerCheckpointError(f"{path}: no such checkpoint folder")
@@ -316,8 +284,6 @@ def _rng_for_this_rank(path: str, state: dict) -> dict | None:
 def resume_trainer(trainer, path: str | None = None) -> str | None:
     """Load ``path`` (default: the latest checkpoint) into ``trainer`` on every rank; returns the
     folder, or None when there is no checkpoint (a fresh start)."""
-    from megatron.core import dist_checkpointing
-
     root = checkpoint_root(trainer.cfg.trainer.output_dir)
     path = path or latest_checkpoint(root)
     if path is None:
@@ -326,26 +292,24 @@ def resume_trainer(trainer, path: str | None = None) -> str | None:
     error = None
     try:
         state = read_checkpoint_state(path)
-        sharded = _sharded(trainer, loading=True)
+        sharded = sharded_state.roles_sharded_state_dict(_roles(trainer), loading=True)
         _check_compatible(path, state, trainer, sharded)
         rng = _rng_for_this_rank(path, state)
     except (TrainerCheckpointError, OSError, ValueError, KeyError) as err:
         error = err if isinstance(err, TrainerCheckpointError) else TrainerCheckpointError(
             f"{path}: cannot resume ({type(err).__name__}: {err})")
-    if not _all_ok(error is None):
+    if not sharded_state.all_ranks_ok(error is None):
         raise error or TrainerCheckpointError(f"{path}: cannot resume (see rank 0's error)")
     try:
-        with cpu_shim.cuda_to_cpu():
-            loaded = dist_checkpointing.load(sharded, os.path.join(path, DIST_DIR))
+        loaded = sharded_state.load_roles(os.path.join(path, DIST_DIR), sharded)
     except Exception as err:  # noqa: BLE001
         error = TrainerCheckpointError(f"{path}: loading the model and optimizer states failed "
                                        f"({type(err).__name__}: {err})")
-    if not _all_ok(error is None):
+    if not sharded_state.all_ranks_ok(error is None):
         raise error or TrainerCheckpointError(f"{path}: loading failed on another rank")
     # everything is read: now replace the live state
+    sharded_state.apply_loaded(_roles(trainer), loaded)
     for name, role in trainer._trainable().items():
-        sharded_state.load_model_weights([role.model], loaded[name]["model"])
-        role.state.optimizer.load_state_dict(loaded[name]["optimizer"])
         role.state.scheduler.load_state_dict(state["schedulers"][name])
     if rng is not None:
         set_rng_state(rng)

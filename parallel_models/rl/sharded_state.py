@@ -13,14 +13,19 @@ fused QKV / gate-up pieces are not views of one block of the global tensor; mega
 ``exp_avg`` / ``exp_avg_sq`` (and the fp32 main params of a bf16 model), so optimizer states
 reshard exactly like the weights. Vocab rows are declared up to the true vocab size (our TP
 padding rows are not saved), so the global shapes do not depend on TP.
+
+``save_roles`` / ``load_roles`` / ``apply_loaded`` write and read the models and optimizers of
+several roles (``{name: (chunks, optimizer)}``, keys prefixed by the name) as one dist checkpoint.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
+from parallel_models import cpu_shim
 from parallel_models.llama.checkpoint_utils import weight_map
 
 # our parameters split by vocab rows (TP-padded): saved up to the true vocab size
@@ -133,11 +138,65 @@ def model_sharded_state_dict(chunks, prefix: str, *, clone: bool = False) -> dic
     return out
 
 
-def role_sharded_state_dict(chunks, optimizer, prefix: str, *, loading: bool = False) -> dict:
-    """The model and megatron optimizer state of one trainable role, for ``dist_checkpointing``."""
-    model_sd = model_sharded_state_dict(chunks, prefix, clone=loading)
-    return {"model": model_sd,
-            "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=loading)}
+def roles_sharded_state_dict(roles: dict, *, loading: bool = False) -> dict:
+    """The models and megatron optimizer states of ``roles`` (``{name: (chunks, optimizer)}``)."""
+    out = {}
+    for name, (chunks, optimizer) in roles.items():
+        model_sd = model_sharded_state_dict(chunks, name, clone=loading)
+        out[name] = {"model": model_sd,
+                     "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=loading)}
+    return out
+
+
+def all_ranks_ok(ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank (a collective)."""
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64,
+                        device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item()) == 0
+
+
+def save_roles(folder: str, roles: dict) -> None:
+    """Save ``roles`` into the existing empty ``folder`` (every rank; collective). The sharding is
+    checked on every rank first (megatron checks it on rank 0 only and raises there)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import apply_factories
+    from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
+    from megatron.core.dist_checkpointing.validation import (determine_global_metadata,
+                                                             validate_sharding_integrity)
+
+    from parallel_models.llama.checkpoint_utils.mcore_saver import sync_save_strategy
+
+    failure = None
+    try:
+        sharded = roles_sharded_state_dict(roles)
+        check = roles_sharded_state_dict(roles)  # megatron applies the factories in place
+        apply_factories(check)
+        _, check = extract_nonpersistent(check)
+        validate_sharding_integrity(determine_global_metadata(extract_sharded_base(check)[0])[1])
+    except Exception as err:  # noqa: BLE001
+        failure = err
+    if not all_ranks_ok(failure is None):
+        raise failure or RuntimeError(f"{folder}: invalid sharding (see rank 0's error)")
+    with cpu_shim.cuda_to_cpu():
+        dist_checkpointing.save(sharded, folder, sharded_strategy=sync_save_strategy(),
+                                validate_access_integrity=False)
+
+
+def load_roles(folder: str, sharded: dict) -> dict:
+    """Read ``sharded`` (``roles_sharded_state_dict(roles, loading=True)``) from ``folder`` into
+    fresh tensors; the roles themselves are not touched (see ``apply_loaded``)."""
+    from megatron.core import dist_checkpointing
+
+    with cpu_shim.cuda_to_cpu():
+        return dist_checkpointing.load(sharded, folder)
+
+
+def apply_loaded(roles: dict, loaded: dict) -> None:
+    """Copy loaded weights into the models and loaded states into the optimizers."""
+    for name, (chunks, optimizer) in roles.items():
+        load_model_weights(chunks, loaded[name]["model"])
+        optimizer.load_state_dict(loaded[name]["optimizer"])
 
 
 def global_shapes(sharded: dict) -> dict[str, tuple[int, ...]]:

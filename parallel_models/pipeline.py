@@ -267,3 +267,18 @@ def broadcast_from_last_stage(obj):
         dist.broadcast(t, src=src, group=group)
         out.append(t)
     return torch.utils._pytree.tree_unflatten(out, spec)
+
+
+def train_step(state, microbatches: list[dict], loss_fn: Callable) -> dict:
+    """One optimizer step over ``microbatches`` (``state``: ``utils.optimizer.build_optimizer``'s
+    TrainState): :func:`forward_backward` (a global token-mean loss), then the optimizer's
+    clipping and update. Returns the metrics averaged over microbatches, grad_norm and lr."""
+    from parallel_models.utils.optimizer import optimizer_step, zero_grads
+
+    zero_grads(state)
+    metrics = forward_backward(state.chunks, microbatches, loss_fn)
+    out = optimizer_step(state)
+    for key in (metrics[0] if metrics else {}):
+        vals = [m[key] for m in metrics]
+        out[key] = float(sum(float(v) for v in vals) / len(vals))
+    return out

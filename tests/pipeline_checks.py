@@ -100,7 +100,8 @@ def check_train_steps(path: str, tp: int, pp: int, vpp: int | None, steps: int,
     from megatron.core import parallel_state as mpu
 
     from parallel_models.llama.checkpoint_utils.weight_map import shard_from_hf, weight_rules
-    from parallel_models.utils.optimizer import OptimConfig, build_optimizer, train_step
+    from parallel_models.pipeline import train_step
+    from parallel_models.utils.optimizer import OptimConfig, build_optimizer
 
     pm.init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                      virtual_pipeline_parallel_size=vpp)

@@ -73,7 +73,7 @@ class PolicyRole:
 
     def update(self, batch: dict, cfg, kl_cfg) -> dict:
         """One optimizer step on ``batch`` (a PPO minibatch) with the clipped policy loss."""
-        from parallel_models.utils.optimizer import train_step
+        from parallel_models.pipeline import train_step
 
         mode = cfg.loss_agg_mode
 
@@ -122,7 +122,7 @@ class CriticRole:
         return gather_response(values.float(), mb["cu_seqlens"], mb["prompt_lengths"], R)
 
     def update(self, batch: dict, cfg, loss_agg_mode: str) -> dict:
-        from parallel_models.utils.optimizer import train_step
+        from parallel_models.pipeline import train_step
 
         def loss_fn(out, mb):
             vpreds = self._gather(out.values, mb)

@@ -3,8 +3,9 @@
 ``build_optimizer(chunks, OptimConfig(...))`` wraps each model chunk in megatron-core's
 ``DistributedDataParallel`` (grad buffers, data-parallel reduction, ``finalize_model_grads``),
 builds the megatron optimizer (Adam; bf16/fp16 params keep fp32 master weights; optional
-distributed optimizer) and an ``OptimizerParamScheduler``. ``train_step`` runs one step of
-forward-backward over microbatches (pipeline schedules), clipping and the update.
+distributed optimizer) and an ``OptimizerParamScheduler``. ``optimizer_step`` clips and applies
+the gradients; ``parallel_models.pipeline.train_step`` runs a whole step (forward-backward over
+microbatches through the pipeline schedules, then this), so this utility needs no pipeline code.
 
 On the CPU, megatron-core's grad clipping asserts CUDA tensors, so there the global grad norm
 and clipping are computed here with the same rules (TP duplicates and the tied embedding copy
@@ -132,24 +133,22 @@ def _step_with_own_clipping(optimizer, max_norm: float):
     return optimizer.step_with_ready_grads(), norm
 
 
-def train_step(state: TrainState, microbatches: list[dict], loss_fn) -> dict:
-    """One optimizer step over ``microbatches`` (a global token-mean loss, see
-    ``parallel_models.pipeline.forward_backward``). Returns metrics incl. grad_norm and lr."""
-    from parallel_models.pipeline import forward_backward
-
+def zero_grads(state: TrainState) -> None:
+    """Clear the DDP grad buffers and the optimizer's grads before a step's backward passes."""
     for c in state.chunks:
         c.zero_grad_buffer()
     state.optimizer.zero_grad()
-    metrics = forward_backward(state.chunks, microbatches, loss_fn)
+
+
+def optimizer_step(state: TrainState) -> dict:
+    """Clip and apply the accumulated gradients, advance the LR schedule. Returns
+    ``{"grad_norm", "lr", "update_ok"}``. (``parallel_models.pipeline.train_step`` runs the
+    forward-backward passes and this.)"""
     with cpu_shim.cuda_to_cpu():
         if torch.cuda.is_available():
             ok, grad_norm, _ = state.optimizer.step()
         else:
             ok, grad_norm = _step_with_own_clipping(state.optimizer, state.config.clip_grad)
     state.scheduler.step(1)
-    out = {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-           "lr": state.optimizer.param_groups[0]["lr"], "update_ok": bool(ok)}
-    for key in (metrics[0] if metrics else {}):
-        vals = [m[key] for m in metrics]
-        out[key] = float(sum(float(v) for v in vals) / len(vals))
-    return out
+    return {"grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "lr": state.optimizer.param_groups[0]["lr"], "update_ok": bool(ok)}

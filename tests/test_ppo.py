@@ -81,12 +81,14 @@ def test_bad_config_exits_nonzero(tmp_path, hf_models, args, message):
     assert message in proc.stderr, proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
-def test_critic_free_estimators_run(tmp_path, estimator):
+@pytest.mark.parametrize("estimator,whiten", [("grpo", "false"), ("rloo", "true")])
+def test_critic_free_estimators_run(tmp_path, estimator, whiten):
+    """grpo without whitening raised KeyError('values') before (no critic)."""
     out = str(tmp_path / estimator)
     _run([f"trainer.output_dir={out}", "trainer.total_steps=3", "trainer.save_every=0",
           f"algorithm.adv_estimator={estimator}", "critic.enable=false",
-          "actor.use_kl_loss=true", "algorithm.kl_in_reward=false", "trainer.tensorboard=false"])
+          "actor.use_kl_loss=true", "algorithm.kl_in_reward=false", "trainer.tensorboard=false",
+          f"algorithm.whiten_advantages={whiten}"])
     rows = _metrics(out)
     assert len(rows) == 3
     assert all("critic/vf_loss" not in r for r in rows)

@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 # Added to the variance before rsqrt when whitening: keeps a constant batch finite.
-_WHITEN_EPS = 1e-8
+WHITEN_EPS = 1e-8
 
 
 # ---------------------------------------------------------------------------
@@ -119,7 +119,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) 
     m = as_bool_mask(mask, x)
     mean = masked_mean(x, m)
     var = masked_var(x, m, unbiased=True)
-    whitened = (x - mean) * torch.rsqrt(var + _WHITEN_EPS)
+    whitened = (x - mean) * torch.rsqrt(var + WHITEN_EPS)
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(m, whitened, torch.zeros_like(whitened))

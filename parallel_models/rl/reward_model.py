@@ -63,13 +63,13 @@ Offload
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any, Sequence
 
 import torch
 
 from parallel_models.config import ConfigError
+from parallel_models.utils.offload import Offloader
 
 logger = logging.getLogger(__name__)
 
@@ -339,10 +339,7 @@ class RewardModel:
         self.micro_batch_tokens = micro_batch_tokens
         self.offload_mode = offload
         self.auto_offload = offload is True or (offload == "auto" and torch.cuda.is_available())
-        self.is_offloaded = False
-        self._host: dict[int, torch.Tensor] = {}  # pinned host copies (CUDA), reused
-        self._moved: list[int] = []  # slots that offload() took off the compute device
-        self._slots = self._tensor_slots()
+        self._offloader = Offloader(self.chunks)  # parallel_models.utils.offload
         self.metrics: dict[str, float] = {}
         self.num_truncated = 0  # over all calls
         if self.auto_offload:
@@ -511,97 +508,29 @@ class RewardModel:
 
     __call__ = score
 
-    # ---- offload -----------------------------------------------------------------------------
-    def _tensor_slots(self) -> list[tuple[str, Any, str]]:
-        """Every parameter and buffer once: (kind, owner, name)."""
-        slots, seen = [], set()
-        for chunk in self.chunks:
-            for module in chunk.modules():
-                for name, p in module._parameters.items():
-                    if p is not None and id(p) not in seen:
-                        seen.add(id(p))
-                        slots.append(("param", p, name))
-                for name, b in module._buffers.items():
-                    if b is not None and id(b) not in seen:
-                        seen.add(id(b))
-                        slots.append(("buffer", module, name))
-        return slots
-
-    def _get(self, slot) -> torch.Tensor:
-        kind, owner, name = slot
-        return owner.data if kind == "param" else owner._buffers[name]
-
-    def _set(self, slot, value: torch.Tensor) -> None:
-        kind, owner, name = slot
-        if kind == "param":
-            owner.data = value
-        else:
-            owner._buffers[name] = value
+    # ---- offload (one implementation for every role: parallel_models.utils.offload) --------
+    @property
+    def is_offloaded(self) -> bool:
+        return self._offloader.is_offloaded
 
     def tensors(self) -> list[torch.Tensor]:
         """Every parameter and buffer tensor of the reward model (all chunks)."""
-        return [self._get(s) for s in self._slots]
+        return [slot.get() for slot in self._offloader.model_slots()]
 
     def offload(self) -> int:
         """Parameters and buffers to host memory (pinned on CUDA); returns the bytes moved off
         the compute device (0 when already offloaded)."""
-        if self.is_offloaded:
-            return 0
-        cuda = torch.cuda.is_available()
-        moved = 0
-        self._moved = []
-        for k, slot in enumerate(self._slots):
-            t = self._get(slot)
-            if cuda and not t.is_cuda:
-                continue  # already on the host (e.g. a CPU-built buffer): nothing to free
-            moved += t.numel() * t.element_size()
-            self._moved.append(k)
-            if cuda:
-                host = self._host.get(k)
-                if host is None or host.shape != t.shape or host.dtype != t.dtype:
-                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                    self._host[k] = host
-                host.copy_(t, non_blocking=True)
-                self._set(slot, host)
-            else:
-                # the compute device is the CPU: a fresh host storage keeps the bookkeeping honest
-                self._set(slot, t.detach().clone())
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        self.is_offloaded = True
-        return moved
+        return self._offloader.offload()
 
-    def onload(self) -> None:
-        """Parameters and buffers back to the compute device."""
-        if not self.is_offloaded:
-            return
-        from parallel_models.distributed import compute_device
+    def onload(self) -> int:
+        """Parameters and buffers back to the compute device; returns the bytes moved."""
+        return self._offloader.onload()
 
-        device = compute_device()
-        for k in self._moved:
-            slot = self._slots[k]
-            t = self._get(slot)
-            if device.type == "cuda":
-                self._set(slot, t.to(device, non_blocking=True))
-            else:
-                self._set(slot, t.detach().clone())
-        if device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
-        self._moved = []
-        self.is_offloaded = False
-
-    @contextlib.contextmanager
-    def on_device(self):
+    def on_device(self, with_optimizer: bool = False):
         """The weights on the compute device for the block; afterwards offloaded again when
-        they were before or the mode is automatic."""
-        was_offloaded = self.is_offloaded
-        self.onload()
-        try:
-            yield
-        finally:
-            if was_offloaded or self.auto_offload:
-                self.offload()
+        they were before or the mode is automatic (no optimizer: ``with_optimizer`` is for the
+        role protocol)."""
+        return self._offloader.on_device(offload_after=True if self.auto_offload else None)
 
 
 _same_tokenizer = same_tokenizer

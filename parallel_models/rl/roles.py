@@ -1,25 +1,64 @@
-"""PPO roles colocated on the same ranks: actor (trains), reference (frozen actor), critic
-(value model, trains) and reward (rule function or a value-head reward model).
+"""PPO roles colocated on the same ranks and the one protocol the trainer calls them through:
+actor (trains), reference (frozen actor), critic (value model, trains) and reward (a rule
+function here, or the value-head reward model of ``rl/reward_model.py``).
 
-A PPO batch is a dict of padded tensors, one row per sample:
-``sequences [N, P+R]`` (left-padded prompt, right-padded response), ``attention_mask``,
-``prompt_lengths [N]``, ``response_mask [N, R]`` and per-token tensors ``[N, R]`` (log-probs,
-values, advantages, returns). Microbatches are cut by a token budget and packed (no padding)
-before they reach the models; the per-token outputs are read back at the response positions.
+Every role can ``offload()`` / ``onload()`` itself (``parallel_models.utils.offload``; both
+return the bytes moved) and gives an ``on_device()`` block for a phase; besides that a role
+offers what it is for: ``log_probs`` (actor, reference), ``values`` (critic), ``score``
+(reward) and ``update`` (actor, critic: one optimizer step on a PPO minibatch).
+
+Batches are :class:`parallel_models.rl.batch.RolloutBatch` (or a dict with the same keys).
+Microbatches are cut by a token budget and packed (no padding) before they reach the models;
+the per-token outputs are read back at the response positions.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import ContextManager, Protocol, runtime_checkable
+
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 
 from parallel_models import pipeline
 from parallel_models.rl import algorithms as algos
-from parallel_models.rl import losses
+from parallel_models.rl import dp_stats, losses
 from parallel_models.utils.microbatch import restore_order, split_by_token_budget
+from parallel_models.utils.offload import Offloader
 from parallel_models.utils.padding import pack_padded_batch
 from parallel_models.utils.vocab_parallel import gather_response, log_probs_from_packed_logits
+
+
+@runtime_checkable
+class Role(Protocol):
+    """What every role offers the trainer: moving its weights (and optimizer states) between the
+    compute device and host memory."""
+
+    def offload(self) -> int: ...
+
+    def onload(self) -> int: ...
+
+    def on_device(self, with_optimizer: bool = False) -> ContextManager: ...
+
+
+@runtime_checkable
+class LogProbRole(Role, Protocol):
+    def log_probs(self, batch) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class ValueRole(Role, Protocol):
+    def values(self, batch) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class ScoreRole(Role, Protocol):
+    def score(self, batch) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class TrainableRole(Role, Protocol):
+    def update(self, batch) -> dict[str, float]: ...
+
 
 PER_SAMPLE_KEYS = ("sequences", "attention_mask", "prompt_lengths", "response_mask",
                    "old_log_probs", "ref_log_probs", "advantages", "returns", "values")
@@ -51,30 +90,68 @@ def _response_log_probs(logits, mb, temperature: float, with_entropy: bool):
     return gather_response(out, mb["cu_seqlens"], mb["prompt_lengths"], R), None
 
 
-class PolicyRole:
-    """Actor (with a TrainState) or reference (frozen) over a RmPad CausalLM."""
+class _ModelRole:
+    """Offload plumbing shared by the model-backed roles."""
 
-    def __init__(self, model, train_state=None, temperature: float = 1.0, max_tokens: int = 4096):
+    def _init_offload(self, chunks, optimizer) -> None:
+        self.offloader = Offloader(chunks, optimizer)
+
+    def offload(self) -> int:
+        return self.offloader.offload()
+
+    def onload(self) -> int:
+        return self.offloader.onload()
+
+    def on_device(self, with_optimizer: bool = False):
+        return self.offloader.on_device(with_optimizer=with_optimizer)
+
+
+def _global_update_metrics(out: dict, weighted: dict[str, str], n_microbatches: int,
+                           prefix: str) -> dict[str, float]:
+    """``train_step`` averages metrics over microbatches; the loss-like ones come in as
+    ``value * weight`` with their weights, so their means over microbatches and data-parallel
+    ranks are the global weighted means (the loss the gradients are of)."""
+    keys = sorted(weighted)
+    sums = torch.tensor([[out.pop(k) * n_microbatches, out[weighted[k]] * n_microbatches]
+                         for k in keys], dtype=torch.float64)
+    sums = dp_stats.data_parallel_sum(sums)
+    for k in set(weighted.values()):
+        out.pop(k, None)
+    result = {k: float(s / max(w, 1e-30)) for k, (s, w) in zip(keys, sums.tolist())}
+    result.update(out)
+    return {(prefix + k if "/" not in k else k): v for k, v in result.items()}
+
+
+class PolicyRole(_ModelRole):
+    """Actor (with a TrainState and its ``actor`` config section) or reference (frozen) over a
+    RmPad CausalLM."""
+
+    def __init__(self, model, train_state=None, temperature: float = 1.0, max_tokens: int = 4096,
+                 cfg=None):
         self.model = model
         self.state = train_state
         self.temperature = temperature
         self.max_tokens = max_tokens
+        self.cfg = cfg
+        self._init_offload(self.chunks, train_state.optimizer if train_state else None)
 
     @property
     def chunks(self):
         return self.state.chunks if self.state is not None else [self.model]
 
     @torch.no_grad()
-    def log_probs(self, batch: dict) -> torch.Tensor:
+    def log_probs(self, batch) -> torch.Tensor:
         mbs, indices = make_microbatches(batch, self.max_tokens)
         fn = lambda out, mb: _response_log_probs(out.logits, mb, self.temperature, False)[0]  # noqa: E731
         outs = pipeline.forward_only(self.chunks, mbs, fn)
         return restore_order(outs, indices)
 
-    def update(self, batch: dict, cfg, kl_cfg) -> dict:
-        """One optimizer step on ``batch`` (a PPO minibatch) with the clipped policy loss."""
+    def update(self, batch) -> dict[str, float]:
+        """One optimizer step on ``batch`` (a PPO minibatch) with the clipped policy loss.
+        Loss metrics are global token (or sequence) means over microbatches and ranks."""
         from parallel_models.pipeline import train_step
 
+        cfg = self.cfg
         mode = cfg.loss_agg_mode
 
         def loss_fn(out, mb):
@@ -86,32 +163,42 @@ class PolicyRole:
                 clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=mode)
             entropy = losses.compute_entropy_loss(ent, mask, mode)
             loss = pg_loss - cfg.entropy_coef * entropy
-            metrics = {"actor/pg_loss": pg_loss.detach(), "actor/entropy": entropy.detach(),
-                       "actor/pg_clipfrac": m["pg_clipfrac"], "actor/ppo_kl": m["ppo_kl"],
-                       "actor/pg_clipfrac_lower": m["pg_clipfrac_lower"]}
+            denom = losses.agg_denominator(mask, mode)
+            tokens = (mask > 0).sum()
+            metrics = {"pg_loss": pg_loss.detach() * denom, "entropy": entropy.detach() * denom,
+                       "pg_clipfrac": m["pg_clipfrac"] * tokens, "ppo_kl": m["ppo_kl"] * tokens,
+                       "pg_clipfrac_lower": m["pg_clipfrac_lower"] * tokens,
+                       "_denom": denom.detach().float(), "_tokens": tokens.float()}
             if cfg.use_kl_loss:
                 kl = losses.agg_loss(algos.kl_penalty(logp, mb["ref_log_probs"], cfg.kl_loss_type),
-                                    mask, mode)
+                                     mask, mode)
                 loss = loss + cfg.kl_loss_coef * kl
-                metrics["actor/kl_loss"] = kl.detach()
-            denom = losses.agg_denominator(mask, mode)
+                metrics["kl_loss"] = kl.detach() * denom
             return loss * denom, denom, metrics
 
         mbs, _ = make_microbatches(batch, self.max_tokens)
         out = train_step(self.state, mbs, loss_fn)
-        return {("actor/" + k if "/" not in k else k): v for k, v in out.items()}
+        weighted = {"pg_loss": "_denom", "entropy": "_denom", "pg_clipfrac": "_tokens",
+                    "ppo_kl": "_tokens", "pg_clipfrac_lower": "_tokens"}
+        if cfg.use_kl_loss:
+            weighted["kl_loss"] = "_denom"
+        return _global_update_metrics(out, weighted, len(mbs), "actor/")
 
 
-class CriticRole:
+class CriticRole(_ModelRole):
     """Value model (RmPad Value variant): values of the states before each response token."""
 
-    def __init__(self, model, train_state, max_tokens: int = 4096):
+    def __init__(self, model, train_state, max_tokens: int = 4096, cfg=None,
+                 loss_agg_mode: str = "token-mean"):
         self.model = model
         self.state = train_state
         self.max_tokens = max_tokens
+        self.cfg = cfg
+        self.loss_agg_mode = loss_agg_mode
+        self._init_offload(train_state.chunks, train_state.optimizer)
 
     @torch.no_grad()
-    def values(self, batch: dict) -> torch.Tensor:
+    def values(self, batch) -> torch.Tensor:
         mbs, indices = make_microbatches(batch, self.max_tokens)
         fn = lambda out, mb: self._gather(out.values, mb)  # noqa: E731
         return restore_order(pipeline.forward_only(self.state.chunks, mbs, fn), indices)
@@ -121,32 +208,48 @@ class CriticRole:
         R = mb["response_mask"].shape[1]
         return gather_response(values.float(), mb["cu_seqlens"], mb["prompt_lengths"], R)
 
-    def update(self, batch: dict, cfg, loss_agg_mode: str) -> dict:
+    def update(self, batch) -> dict[str, float]:
         from parallel_models.pipeline import train_step
+
+        mode = self.loss_agg_mode
 
         def loss_fn(out, mb):
             vpreds = self._gather(out.values, mb)
             mask = mb["response_mask"]
             loss, m = losses.compute_value_loss(vpreds, mb["values"], mb["returns"], mask,
-                                               cliprange_value=cfg.cliprange_value,
-                                               loss_agg_mode=loss_agg_mode)
-            denom = losses.agg_denominator(mask, loss_agg_mode)
-            return loss * denom, denom, {"critic/vf_loss": loss.detach(),
-                                         "critic/vf_clipfrac": m["vf_clipfrac"]}
+                                                cliprange_value=self.cfg.cliprange_value,
+                                                loss_agg_mode=mode)
+            denom = losses.agg_denominator(mask, mode)
+            tokens = (mask > 0).sum()
+            return loss * denom, denom, {"vf_loss": loss.detach() * denom,
+                                         "vf_clipfrac": m["vf_clipfrac"] * tokens,
+                                         "_denom": denom.detach().float(),
+                                         "_tokens": tokens.float()}
 
         mbs, _ = make_microbatches(batch, self.max_tokens)
         out = train_step(self.state, mbs, loss_fn)
-        return {("critic/" + k if "/" not in k else k): v for k, v in out.items()}
+        return _global_update_metrics(out, {"vf_loss": "_denom", "vf_clipfrac": "_tokens"},
+                                      len(mbs), "critic/")
 
 
 class RuleReward:
-    """A rule-based reward ``fn(prompts, responses) -> scores`` on decoded text."""
+    """A rule-based reward ``fn(prompts, responses) -> scores`` on decoded text (no weights:
+    offloading moves nothing)."""
 
     def __init__(self, fn, tokenizer):
         self.fn = fn
         self.tokenizer = tokenizer
 
-    def score(self, batch: dict) -> torch.Tensor:
+    def offload(self) -> int:
+        return 0
+
+    def onload(self) -> int:
+        return 0
+
+    def on_device(self, with_optimizer: bool = False):
+        return contextlib.nullcontext(self)
+
+    def score(self, batch) -> torch.Tensor:
         tok = self.tokenizer
         P = batch["sequences"].shape[1] - batch["response_mask"].shape[1]
         prompts = tok.batch_decode([row[m.bool()].tolist() for row, m in
@@ -160,19 +263,3 @@ class RuleReward:
             raise ValueError(f"reward function returned {len(scores)} scores for "
                              f"{len(responses)} responses")
         return torch.tensor([float(s) for s in scores], dtype=torch.float32)
-
-
-token_level_scores = algos.scores_at_last_token  # the score on the last valid token
-
-
-def data_parallel_mean(metrics: dict) -> dict:
-    """Average float metrics over the data-parallel group (same keys on every rank)."""
-    if not dist.is_initialized() or mpu.get_data_parallel_world_size() == 1:
-        return {k: float(v) for k, v in metrics.items()}
-    keys = sorted(metrics)
-    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    if torch.cuda.is_available():
-        t = t.cuda()
-    dist.all_reduce(t, group=mpu.get_data_parallel_group())
-    t /= mpu.get_data_parallel_world_size()
-    return dict(zip(keys, t.tolist()))

@@ -1,7 +1,12 @@
-"""The PPO loop: rollout -> score -> advantages -> PPO epochs, with checkpoints and exact resume.
+"""The PPO loop: one step is a list of timed phases (rollout -> score -> advantages -> critic
+update -> actor update -> metrics), with checkpoints and exact resume.
 
 All roles live on the same ranks (TP inside a model, data parallel across replicas; PP needs the
-rollout server). Each data-parallel rank takes its share of every prompt batch.
+rollout server) and follow one protocol (``rl/roles.py``); with ``trainer.offload`` on CUDA only
+the role a phase uses sits on the GPU. The batch travels between phases as a
+:class:`~parallel_models.rl.batch.RolloutBatch`. Each data-parallel rank takes its share of every
+prompt batch (prompts are dealt before they are repeated ``rollout.n`` times, so a grpo / rloo
+group never straddles ranks); batch statistics are global over the ranks (``rl/dp_stats.py``).
 """
 
 from __future__ import annotations
@@ -24,8 +29,11 @@ from parallel_models.config import ConfigError
 from parallel_models.rl import algorithms as algos
 from parallel_models.rl.rollout.generation import SamplingParams, generate
 from parallel_models.rl.tokenizer import builtin_vocab
-from parallel_models.rl.roles import (CriticRole, PolicyRole, RuleReward, data_parallel_mean,
-                                      token_level_scores)
+from parallel_models.rl import dp_stats
+from parallel_models.rl.advantages import compute_advantages
+from parallel_models.rl.batch import RolloutBatch
+from parallel_models.rl.metrics import Timer
+from parallel_models.rl.roles import CriticRole, PolicyRole, RuleReward
 from parallel_models.utils.optimizer import OptimConfig, build_optimizer
 
 logger = logging.getLogger(__name__)
@@ -105,7 +113,7 @@ class PPOTrainer:
             lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad,
             warmup_steps=a.warmup_steps, total_steps=tcfg.total_steps)),
             temperature=cfg.rollout.temperature if not cfg.rollout.greedy else 1.0,
-            max_tokens=budget)
+            max_tokens=budget, cfg=a)
         alg = cfg.algorithm
         self.ref = None
         if alg.kl_in_reward or a.use_kl_loss:
@@ -121,9 +129,11 @@ class PPOTrainer:
                                             rmpad=True)
             critic_model = critic_cls.from_pretrained(critic_path, dtype=dtype,
                                                       value_head_seed=tcfg.seed)
-            self.critic = CriticRole(critic_model, build_optimizer([critic_model], OptimConfig(
+            critic_state = build_optimizer([critic_model], OptimConfig(
                 lr=c.lr, weight_decay=c.weight_decay, clip_grad=c.clip_grad,
-                warmup_steps=c.warmup_steps, total_steps=tcfg.total_steps)), max_tokens=budget)
+                warmup_steps=c.warmup_steps, total_steps=tcfg.total_steps))
+            self.critic = CriticRole(critic_model, critic_state, max_tokens=budget, cfg=c,
+                                     loss_agg_mode=a.loss_agg_mode)
         self.reward = self._build_reward()
         if alg.kl_ctrl == "adaptive":
             self.kl_ctrl = algos.AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon)
@@ -191,32 +201,21 @@ class PPOTrainer:
     def _offload_enabled(self) -> bool:
         return bool(self.cfg.trainer.offload) and torch.cuda.is_available()
 
-    def _model_of(self, role):
-        return role.state.chunks[0] if getattr(role, "state", None) is not None else role.model
+    def _roles(self) -> list:
+        return [r for r in (self.actor, self.ref, self.critic, self.reward) if r is not None]
 
     def _use(self, role, with_optimizer: bool = False):
-        from parallel_models.utils.offload import on_device
-
-        if role is None:
+        """``role`` (and its optimizer states) on the device for a phase, when offloading."""
+        if role is None or not self._offload_enabled():
             return contextlib.nullcontext()
-        opt = role.state.optimizer if with_optimizer and getattr(role, "state", None) else None
-        return on_device(self._model_of(role), opt, enabled=self._offload_enabled())
+        return role.on_device(with_optimizer=with_optimizer)
 
-    def _offload_all(self) -> None:
-        from parallel_models.utils.offload import offload_model, offload_optimizer
-
+    def _offload_all(self) -> int:
+        """Every role to host memory (trainer.offload on CUDA); returns the bytes moved."""
         if not self._offload_enabled():
-            return
-        for role in (self.actor, self.ref, self.critic):
-            if role is None:
-                continue
-            offload_model(self._model_of(role))
-            if getattr(role, "state", None) is not None:
-                offload_optimizer(role.state.optimizer)
-        if hasattr(self.reward, "offload"):
-            self.reward.offload()
+            return 0
+        return sum(role.offload() for role in self._roles())
 
-    # ---- one PPO step ----------------------------------------------------------------------------
     def _push_weights(self) -> None:
         """rollout.backend=server: save the actor (HF folder) and have the server load it."""
         from parallel_models.rl.rollout.server.rollout import push_weights
@@ -225,126 +224,123 @@ class PPOTrainer:
         with self._use(self.actor):
             push_weights(self.actor_model, self.rollout_client, folder)
 
-    def _rollout(self, prompt_ids: list[list[int]]) -> dict:
+    # ---- one PPO step: the phases --------------------------------------------------------------
+    def step(self) -> dict:
+        timings: dict[str, float] = {}
+        memory: dict[str, float] = {}
+
+        def phase(name, fn, *args):
+            with Timer(name, timings, memory):
+                return fn(*args)
+
+        batch = phase("gen", self.rollout_phase)
+        metrics = phase("score", self.score_phase, batch)
+        metrics.update(phase("adv", self.advantage_phase, batch))
+        minibatches = self.minibatches(batch)
+        train = phase("train_critic", self.critic_update_phase, minibatches)
+        train.update(phase("train_actor", self.actor_update_phase, minibatches))
+        metrics = phase("metrics", self.metrics_phase, batch, metrics, train)
+        self.step_index += 1
+        if self.rollout_client is not None:
+            phase("sync", self._push_weights)
+        metrics.update({f"timing/{k}_s": v for k, v in timings.items()})
+        metrics.update({f"memory/{k}_peak_gib": v for k, v in memory.items()})
+        return metrics
+
+    def rollout_phase(self) -> RolloutBatch:
+        """This rank's prompts of the next batch, each sampled ``rollout.n`` times."""
+        records = self.loader.next_batch()
+        prompt_ids = records["input_ids"] if isinstance(records, dict) else records[0]
+        self._global_batch_rows = len(prompt_ids) * self.cfg.rollout.n
+        mine = [i for i in range(len(prompt_ids)) if i % self.dp_size == self.dp_rank]
+        with self._use(self.actor):
+            batch = self._rollout([prompt_ids[i] for i in mine])
+        if isinstance(records, dict) and "records" in records:
+            # structured chat prompts for a reward model with another chat template (one per
+            # sample, None for plain prompts)
+            key = self.cfg.data.messages_key
+            msgs = [records["records"][i].get(key) for i in mine]
+            batch["messages"] = [m for m in msgs for _ in range(self.cfg.rollout.n)]
+        return batch
+
+    def _rollout(self, prompt_ids: list[list[int]]) -> RolloutBatch:
         n = self.cfg.rollout.n
         if self.rollout_client is not None:
             from parallel_models.rl.rollout.server.rollout import server_rollout
 
             seed = (self.cfg.trainer.seed * 1_000_003 + self.step_index) * 1009 + self.dp_rank
-            batch = server_rollout(self.rollout_client, prompt_ids, self.sampling, n, seed=seed,
-                                   device=self.actor_model.device)
-            batch.pop("weight_version", None)
-            batch.pop("rollout_log_probs", None)  # old_log_probs are recomputed by the actor
-            return batch
+            out = server_rollout(self.rollout_client, prompt_ids, self.sampling, n, seed=seed,
+                                 device=self.actor_model.device)
+            out.pop("weight_version", None)
+            out.pop("rollout_log_probs", None)  # old_log_probs are recomputed by the actor
+            return RolloutBatch.from_dict(out)
         prompts = [p for p in prompt_ids for _ in range(n)]
-        groups = torch.arange(len(prompt_ids)).repeat_interleave(n)
         out = generate(self.actor_model, prompts, self.sampling)
-        return {"sequences": out.sequences, "attention_mask": out.attention_mask,
-                "prompt_lengths": out.prompt_mask.sum(-1), "response_mask": out.response_mask,
-                "group_index": groups}
+        return RolloutBatch(sequences=out.sequences, attention_mask=out.attention_mask,
+                            prompt_lengths=out.prompt_mask.sum(-1),
+                            response_mask=out.response_mask,
+                            group_index=torch.arange(len(prompt_ids)).repeat_interleave(n))
 
-    def _advantages(self, batch: dict, scores: torch.Tensor) -> dict:
-        alg = self.cfg.algorithm
-        mask = batch["response_mask"]
-        metrics = {}
-        token_scores = token_level_scores(scores, mask)
-        if alg.kl_in_reward:
-            rewards, klm = algos.apply_kl_penalty(token_scores, batch["old_log_probs"],
-                                                  batch["ref_log_probs"], mask, self.kl_ctrl,
-                                                  alg.kl_penalty, update_kl_ctrl=False)
-            metrics.update({f"kl/{k}": v for k, v in klm.items()})
-        else:
-            rewards = token_scores
-        if alg.adv_estimator == "gae":
-            adv, ret = algos.compute_gae(rewards, batch["values"], mask, alg.gamma, alg.lam)
-        else:
-            seq_scores = (rewards * mask).sum(-1)
-            if alg.adv_estimator == "grpo":
-                adv = algos.compute_grpo_advantages(seq_scores, batch["group_index"], mask)
-            else:
-                adv = algos.compute_rloo_advantages(seq_scores, batch["group_index"], mask)
-            ret = adv.clone()
-            if not alg.whiten_advantages:  # compute_gae whitens; undo on request
-                adv = (ret - batch["values"]) * mask
-        batch.update(advantages=adv, returns=ret, token_level_rewards=rewards)
-        return metrics
-
-    def _minibatches(self, batch: dict, epoch: int) -> list[dict]:
-        """This PPO epoch's shuffled minibatches (this rank's share of ``mini_batch_size``)."""
-        per_rank = max(1, self.cfg.actor.mini_batch_size // self.dp_size)
-        n = batch["sequences"].shape[0]
-        g = torch.Generator().manual_seed(
-            (self.cfg.trainer.seed * 1_000_003 + self.step_index) * 101 + epoch)
-        order = torch.randperm(n, generator=g)
-        keys = [k for k, v in batch.items() if torch.is_tensor(v) and v.shape[:1] == (n,)]
-        return [{k: batch[k][order[i:i + per_rank]] for k in keys} for i in range(0, n, per_rank)]
-
-    def step(self) -> dict:
-        from parallel_models.rl.metrics import Timer
-
-        timings = {}
-        records = self.loader.next_batch()
-        prompt_ids = records["input_ids"] if isinstance(records, dict) else records[0]
-        mine = [i for i in range(len(prompt_ids)) if i % self.dp_size == self.dp_rank]
-        share = [prompt_ids[i] for i in mine]
-        memory: dict[str, float] = {}
-        with Timer("gen", timings, memory), self._use(self.actor):
-            batch = self._rollout(share)
-        if isinstance(records, dict) and "records" in records:
-            # structured chat prompts for a reward model with another chat template (one per
-            # sample, None for plain prompts); a list, so minibatching leaves it out
-            key = self.cfg.data.messages_key
-            msgs = [records["records"][i].get(key) for i in mine]
-            batch["messages"] = [m for m in msgs for _ in range(self.cfg.rollout.n)]
-        with Timer("score", timings, memory):
-            with self._use(self.actor):
-                batch["old_log_probs"] = self.actor.log_probs(batch)
-            if self.ref is not None:
-                with self._use(self.ref):
-                    batch["ref_log_probs"] = self.ref.log_probs(batch)
-            if self.critic is not None:
-                with self._use(self.critic):
-                    batch["values"] = self.critic.values(batch)
-            scores = self.reward.score(batch)
-        with Timer("adv", timings, memory):
-            metrics = self._advantages(batch, scores)
-        metrics.update(getattr(self.reward, "metrics", None) or {})  # e.g. reward/truncated
-        train_metrics: dict[str, list[float]] = {}
-        minibatches = [mb for epoch in range(self.cfg.actor.ppo_epochs)
-                       for mb in self._minibatches(batch, epoch)]
-        with Timer("train_critic", timings, memory), self._use(self.critic, True):
-            if self.critic is not None:
-                for mb in minibatches:
-                    for k, v in self.critic.update(mb, self.cfg.critic,
-                                                   self.cfg.actor.loss_agg_mode).items():
-                        train_metrics.setdefault(k, []).append(float(v))
-        with Timer("train_actor", timings, memory), self._use(self.actor, True):
-            for mb in minibatches:
-                for k, v in self.actor.update(mb, self.cfg.actor, None).items():
-                    train_metrics.setdefault(k, []).append(float(v))
-        mask = batch["response_mask"].float()
+    def score_phase(self, batch: RolloutBatch) -> dict:
+        """Old log-probs (actor), reference log-probs, values (critic) and scores (reward)."""
+        with self._use(self.actor):
+            batch.old_log_probs = self.actor.log_probs(batch)
         if self.ref is not None:
-            kl = algos.masked_mean(algos.kl_penalty(batch["old_log_probs"], batch["ref_log_probs"],
-                                                    "k1"), mask)
-            metrics["kl/actor_ref"] = float(kl)
-        metrics.update({k: sum(v) / len(v) for k, v in train_metrics.items()})
+            with self._use(self.ref):
+                batch.ref_log_probs = self.ref.log_probs(batch)
+        if self.critic is not None:
+            with self._use(self.critic):
+                batch.values = self.critic.values(batch)
+        batch.scores = self.reward.score(batch)  # a reward model brings itself to the device
+        return dict(getattr(self.reward, "metrics", None) or {})  # e.g. reward/truncated
+
+    def advantage_phase(self, batch: RolloutBatch) -> dict:
+        return compute_advantages(batch, self.cfg.algorithm, self.kl_ctrl)
+
+    def minibatches(self, batch: RolloutBatch) -> list[RolloutBatch]:
+        """Every PPO epoch's shuffled minibatches of this rank's rows, in order."""
+        seed = (self.cfg.trainer.seed * 1_000_003 + self.step_index) * 101
+        return [mb for epoch in range(self.cfg.actor.ppo_epochs)
+                for mb in batch.minibatches(self.cfg.actor.mini_batch_size, self.dp_size,
+                                            seed + epoch)]
+
+    def _update_phase(self, role, minibatches: list[RolloutBatch]) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        if role is None:
+            return out
+        with self._use(role, with_optimizer=True):
+            for mb in minibatches:
+                for k, v in role.update(mb).items():
+                    out.setdefault(k, []).append(float(v))
+        return out
+
+    def critic_update_phase(self, minibatches: list[RolloutBatch]) -> dict[str, list[float]]:
+        return self._update_phase(self.critic, minibatches)
+
+    def actor_update_phase(self, minibatches: list[RolloutBatch]) -> dict[str, list[float]]:
+        return self._update_phase(self.actor, minibatches)
+
+    def metrics_phase(self, batch: RolloutBatch, metrics: dict, train: dict) -> dict:
+        """The step's metrics, global over data-parallel ranks; updates the KL controller."""
+        mask = batch.response_mask.float()
+        if self.ref is not None:
+            kl = algos.kl_penalty(batch.old_log_probs, batch.ref_log_probs, "k1")
+            metrics["kl/actor_ref"] = dp_stats.masked_mean(kl, mask)
+        local = {k: sum(v) / len(v) for k, v in train.items()}  # already global per update
+        local.update({"reward/max": float(batch.scores.max()),
+                      "reward/min": float(batch.scores.min())})
+        metrics.update(dp_stats.data_parallel_mean(local))
         metrics.update({
-            "reward/mean": float(scores.mean()),
-            "reward/max": float(scores.max()),
-            "reward/min": float(scores.min()),
-            "response_length/mean": float(mask.sum(-1).mean()),
-            "advantages/mean": float(algos.masked_mean(batch["advantages"], mask)),
-            "returns/mean": float(algos.masked_mean(batch["returns"], mask)),
+            "reward/mean": dp_stats.row_mean(batch.scores),
+            "response_length/mean": dp_stats.row_mean(mask.sum(-1)),
+            "advantages/mean": dp_stats.masked_mean(batch.advantages, mask),
+            "returns/mean": dp_stats.masked_mean(batch.returns, mask),
         })
-        metrics.update({f"timing/{k}_s": v for k, v in timings.items()})
-        metrics.update({f"memory/{k}_peak_gib": v for k, v in memory.items()})
-        metrics = data_parallel_mean(metrics)
         if self.cfg.algorithm.kl_in_reward and "kl/current_kl" in metrics:
-            self.kl_ctrl.update(metrics["kl/current_kl"], len(prompt_ids) * self.cfg.rollout.n)
+            # per-token KL (mean over responses) and the global batch size: the controller's
+            # convention, see algorithms.AdaptiveKLController
+            self.kl_ctrl.update(metrics["kl/current_kl"], self._global_batch_rows)
         metrics["kl/coef"] = float(self.kl_ctrl.value)
-        self.step_index += 1
-        if self.rollout_client is not None:
-            self._push_weights()
         return metrics
 
     # ---- loop ------------------------------------------------------------------------------------
@@ -378,9 +374,7 @@ class PPOTrainer:
         if self._offload_enabled():
             for role in (self.actor, self.critic):
                 if role is not None:
-                    from parallel_models.utils.offload import onload_model
-
-                    onload_model(self._model_of(role))
+                    role.onload()
         if tcfg.save_hf_at_end:
             # the final weights replace those of an earlier (resumed or repeated) run
             self.actor_model.save_pretrained(os.path.join(tcfg.output_dir, "actor_hf"),

@@ -1,86 +1,52 @@
-"""Move idle models and optimizer states to host memory between PPO phases (CUDA only).
+"""Move a model's weights, gradient buffers and optimizer states off the compute device and back.
 
-Parameters move to pinned CPU memory and back (the ``Parameter`` objects stay the same, so
-optimizers and DDP keep their references). megatron DDP's gradient buffers hold nothing between
-steps, so their storage is released and re-allocated (the ``main_grad`` views into them stay
-valid). Optimizer states (Adam moments, fp32 master weights) move like parameters.
-Without CUDA every call is a no-op: there is no device memory to free.
+One implementation for every role that idles between PPO phases (actor, reference, critic,
+reward model). :class:`Offloader` tracks
+
+* parameters and module buffers of the model chunks (the ``Parameter`` objects stay the same,
+  only ``.data`` is swapped, so optimizers and DDP keep their references); plain ``.grad``
+  tensors of models without megatron DDP;
+* megatron DDP's contiguous gradient buffers (``grad_data``): they hold nothing between
+  optimizer steps, so their storage is released and re-allocated zeroed (the ``main_grad``
+  views into them stay valid);
+* optimizer states (Adam moments, step counters, fp32 master weights of a megatron mixed-
+  precision optimizer, chained optimizers included), as a second group that can stay on the
+  host while only the model is needed.
+
+A tensor moves when it lives on the compute device. On CUDA it goes to pinned host memory
+(one buffer per tensor, reused between phases: a full-speed DMA copy) and comes back with a
+non-blocking copy. When the compute device is the CPU the host copy is a fresh storage: nothing
+is freed, but the bookkeeping (what moved, how many bytes, bit-identical round trip) is the
+same and testable on a CPU-only machine. Every move returns the bytes taken off (or put back
+on) the compute device.
 """
 
 from __future__ import annotations
 
 import contextlib
+from typing import Any, Iterator
 
 import torch
 
+__all__ = ["Offloader"]
 
-def _device() -> torch.device | None:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-
-
-def _move(t: torch.Tensor, device) -> torch.Tensor:
-    if device.type == "cpu":
-        if not t.is_cuda:
-            return t
-        # straight into pinned memory (torch's caching host allocator reuses the blocks between
-        # phases): one DMA copy at full PCIe speed. ``.to("cpu").pin_memory()`` went through
-        # pageable memory first, a synchronous slow copy plus a second host copy. The caller
-        # synchronizes before the host tensors are read.
-        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-        return host.copy_(t, non_blocking=True)
-    return t.to(device, non_blocking=True)
+MODEL, OPTIMIZER = "model", "optimizer"
 
 
-def _grad_buffers(model) -> list[torch.Tensor]:
-    bufs = []
+def _ddp_grad_buffers(module) -> list[torch.Tensor]:
+    """The ``grad_data`` tensors of a megatron-core DDP wrapper (empty for other modules)."""
+    out = []
     for attr in ("buffers", "expert_parallel_buffers"):
-        found = getattr(model, attr, None)
+        found = getattr(module, attr, None)
         if not isinstance(found, (list, tuple)):  # nn.Module.buffers is a method, DDP's a list
             continue
-        for b in found:
-            if getattr(b, "grad_data", None) is not None:
-                bufs.append(b.grad_data)
-    return bufs
+        out += [b.grad_data for b in found if getattr(b, "grad_data", None) is not None]
+    return out
 
 
-def offload_model(model) -> None:
-    """Parameters and buffers to pinned CPU memory; DDP grad buffers freed."""
-    if _device() is None:
-        return
-    for p in model.parameters():
-        p.data = _move(p.data, torch.device("cpu"))
-    for m in model.modules():
-        for name, buf in list(m._buffers.items()):
-            if buf is not None:
-                m._buffers[name] = _move(buf, torch.device("cpu"))
-    for g in _grad_buffers(model):
-        storage = g.untyped_storage()
-        g._offload_nbytes = storage.nbytes()
-        storage.resize_(0)
-    torch.cuda.synchronize()  # the host copies are complete before anyone reads them
-    torch.cuda.empty_cache()
-
-
-def onload_model(model) -> None:
-    device = _device()
-    if device is None:
-        return
-    for p in model.parameters():
-        p.data = _move(p.data, device)
-    for m in model.modules():
-        for name, buf in list(m._buffers.items()):
-            if buf is not None:
-                m._buffers[name] = _move(buf, device)
-    for g in _grad_buffers(model):
-        nbytes = getattr(g, "_offload_nbytes", None)
-        if nbytes and g.untyped_storage().nbytes() == 0:
-            g.untyped_storage().resize_(nbytes)
-            g.zero_()
-
-
-def _optimizer_tensors(optimizer):
-    """(holder dict, key) pairs of every state tensor and fp32 master weight of a megatron (or
-    torch) optimizer, including chained ones."""
+def _optimizer_holders(optimizer) -> Iterator[tuple[Any, Any]]:
+    """(holder, key) of every state tensor and fp32 master weight of a torch or megatron
+    optimizer (chained ones included); ``key`` is ``None`` for a master parameter."""
     inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     for opt in inner:
         torch_opt = getattr(opt, "optimizer", opt)
@@ -91,45 +57,190 @@ def _optimizer_tensors(optimizer):
         for group in getattr(opt, "shard_fp32_from_float16_groups", None) or \
                 getattr(opt, "fp32_from_float16_groups", None) or []:
             for p in group:
-                yield p, "data"
+                yield p, None
 
 
-def _move_optimizer(optimizer, device) -> None:
-    for holder, key in _optimizer_tensors(optimizer):
-        if key == "data":
-            holder.data = _move(holder.data, device)
+class _Slot:
+    """One tensor reference that can be read and replaced (a parameter's ``.data``, a module
+    buffer, a parameter's ``.grad``, an optimizer state entry)."""
+
+    __slots__ = ("holder", "key", "kind")
+
+    def __init__(self, kind: str, holder, key=None):
+        self.kind, self.holder, self.key = kind, holder, key
+
+    def get(self) -> torch.Tensor:
+        if self.kind == "data":
+            return self.holder.data
+        if self.kind == "grad":
+            return self.holder.grad
+        return self.holder[self.key] if self.kind == "state" else self.holder._buffers[self.key]
+
+    def set(self, value: torch.Tensor) -> None:
+        if self.kind == "data":
+            self.holder.data = value
+        elif self.kind == "grad":
+            self.holder.grad = value
+        elif self.kind == "state":
+            self.holder[self.key] = value
         else:
-            holder[key] = _move(holder[key], device)
+            self.holder._buffers[self.key] = value
 
 
-def offload_optimizer(optimizer) -> None:
-    if _device() is not None:
-        _move_optimizer(optimizer, torch.device("cpu"))
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+class Offloader:
+    """Offload ``modules`` (one model or a list of chunks) and ``optimizer`` to host memory.
 
+    ``offload()`` / ``onload()`` act on the model and, unless ``with_optimizer=False``, on the
+    optimizer; both return the bytes moved and are idempotent (a second call moves 0).
+    ``on_device()`` is the context manager a phase uses.
+    """
 
-def onload_optimizer(optimizer) -> None:
-    device = _device()
-    if device is not None:
-        _move_optimizer(optimizer, device)
+    def __init__(self, modules, optimizer=None, device: torch.device | str | None = None):
+        if device is None:
+            from parallel_models.distributed import compute_device
 
+            device = compute_device()
+        self.modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
+        self.optimizer = optimizer
+        self.device = torch.device(device)
+        self._host: dict[tuple[str, int], torch.Tensor] = {}  # pinned host copies, reused
+        self._moved: dict[str, list[_Slot]] = {MODEL: [], OPTIMIZER: []}
+        self._freed: dict[int, tuple[torch.Tensor, int]] = {}  # grad buffers: (tensor, nbytes)
+        self.offloaded = {MODEL: False, OPTIMIZER: False}
 
-@contextlib.contextmanager
-def on_device(model=None, optimizer=None, enabled: bool = True):
-    """Bring ``model`` (and ``optimizer`` states) to the GPU for the block, then send them back
-    to the host. ``enabled=False`` (or no CUDA) leaves everything where it is."""
-    active = enabled and _device() is not None
-    if active:
-        if model is not None:
-            onload_model(model)
-        if optimizer is not None:
-            onload_optimizer(optimizer)
-    try:
-        yield
-    finally:
-        if active:
-            if optimizer is not None:
-                offload_optimizer(optimizer)
-            if model is not None:
-                offload_model(model)
+    @property
+    def is_offloaded(self) -> bool:
+        """Whether the model is on the host (the optimizer may follow separately)."""
+        return self.offloaded[MODEL]
+
+    # ---- what moves ----------------------------------------------------------------------------
+    def model_slots(self) -> list[_Slot]:
+        """Every parameter, module buffer and plain ``.grad`` once (shared tensors once). A
+        ``.grad`` that views a DDP grad buffer (megatron sets ``grad = main_grad``) is not a
+        slot: the buffer's storage is released and restored under it."""
+        buffer_storages = {g.untyped_storage().data_ptr() for g in self.grad_buffers()}
+        slots, seen = [], set()
+        for chunk in self.modules:
+            for module in chunk.modules():
+                for p in module._parameters.values():
+                    if p is not None and id(p) not in seen:
+                        seen.add(id(p))
+                        slots.append(_Slot("data", p))
+                        if p.grad is not None and \
+                                p.grad.untyped_storage().data_ptr() not in buffer_storages:
+                            slots.append(_Slot("grad", p))
+                for name, b in module._buffers.items():
+                    if b is not None and id(b) not in seen:
+                        seen.add(id(b))
+                        slots.append(_Slot("buffer", module, name))
+        return slots
+
+    def optimizer_slots(self) -> list[_Slot]:
+        if self.optimizer is None:
+            return []
+        return [_Slot("data", h) if k is None else _Slot("state", h, k)
+                for h, k in _optimizer_holders(self.optimizer)]
+
+    def grad_buffers(self) -> list[torch.Tensor]:
+        return [g for chunk in self.modules for g in _ddp_grad_buffers(chunk)]
+
+    # ---- moves ---------------------------------------------------------------------------------
+    def _on_compute_device(self, t: torch.Tensor) -> bool:
+        if t.device.type != self.device.type:
+            return False
+        return self.device.index is None or t.device.index == self.device.index
+
+    def _to_host(self, group: str, k: int, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu":
+            return t.detach().clone()  # CPU compute device: a fresh storage, honest bookkeeping
+        host = self._host.get((group, k))
+        if host is None or host.shape != t.shape or host.dtype != t.dtype:
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+            self._host[(group, k)] = host
+        return host.copy_(t, non_blocking=True)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return t.detach().clone()
+        return t.to(self.device, non_blocking=True)
+
+    def _offload_group(self, group: str) -> int:
+        if self.offloaded[group]:
+            return 0
+        slots = self.model_slots() if group == MODEL else self.optimizer_slots()
+        moved, nbytes = [], 0
+        for k, slot in enumerate(slots):
+            t = slot.get()
+            if not self._on_compute_device(t):
+                continue  # already on the host (e.g. a CPU-built buffer): nothing to free
+            nbytes += t.numel() * t.element_size()
+            slot.set(self._to_host(group, k, t))
+            moved.append(slot)
+        if group == MODEL:
+            for g in self.grad_buffers():
+                storage = g.untyped_storage()
+                if self._on_compute_device(g) and storage.nbytes():
+                    self._freed[id(g)] = (g, storage.nbytes())
+                    nbytes += storage.nbytes()
+                    storage.resize_(0)
+        self._moved[group] = moved
+        self.offloaded[group] = True
+        return nbytes
+
+    def _onload_group(self, group: str) -> int:
+        if not self.offloaded[group]:
+            return 0
+        nbytes = 0
+        for slot in self._moved[group]:
+            t = slot.get()
+            nbytes += t.numel() * t.element_size()
+            slot.set(self._to_device(t))
+        if group == MODEL:
+            for g, size in self._freed.values():
+                g.untyped_storage().resize_(size)
+                g.zero_()
+                nbytes += size
+            self._freed = {}
+        self._moved[group] = []
+        self.offloaded[group] = False
+        return nbytes
+
+    def _sync(self, free_cache: bool) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # host copies complete before anyone reads them
+            if free_cache:
+                torch.cuda.empty_cache()
+
+    def offload(self, with_optimizer: bool = True) -> int:
+        """Model (and optimizer states) to host memory; returns the bytes taken off the device."""
+        nbytes = self._offload_group(MODEL)
+        if with_optimizer:
+            nbytes += self._offload_group(OPTIMIZER)
+        self._sync(free_cache=nbytes > 0)
+        return nbytes
+
+    def onload(self, with_optimizer: bool = True) -> int:
+        """Model (and optimizer states) back to the compute device; returns the bytes moved."""
+        nbytes = self._onload_group(MODEL)
+        if with_optimizer:
+            nbytes += self._onload_group(OPTIMIZER)
+        return nbytes
+
+    @contextlib.contextmanager
+    def on_device(self, with_optimizer: bool = False, offload_after: bool | None = None):
+        """The model (and the optimizer states when ``with_optimizer``) on the compute device for
+        the block. Afterwards what this call brought over goes back to the host; with
+        ``offload_after=True`` everything goes back, with ``False`` everything stays."""
+        was = dict(self.offloaded)
+        self.onload(with_optimizer=with_optimizer)
+        try:
+            yield self
+        finally:
+            if offload_after is None:
+                if was[MODEL]:
+                    self._offload_group(MODEL)
+                if with_optimizer and was[OPTIMIZER]:
+                    self._offload_group(OPTIMIZER)
+                self._sync(free_cache=True)
+            elif offload_after:
+                self.offload(with_optimizer=True)

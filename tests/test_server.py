@@ -152,7 +152,7 @@ def test_bad_input(server, models, name, method, path, body, headers, status):
 
 def test_trainer_rollout_batch(server, models):
     """rollout.backend=server helper: the trainer's batch dict, greedy == in-process."""
-    from parallel_models.rl.rollout.generation import SamplingParams
+    from parallel_models.rl.rollout.sampling import SamplingParams
     from parallel_models.rl.rollout.server import RolloutClient
     from parallel_models.rl.rollout.server.rollout import server_rollout
 
@@ -161,7 +161,7 @@ def test_trainer_rollout_batch(server, models):
     with RolloutClient(f"http://127.0.0.1:{server['port']}", api_key=KEY) as client:
         assert client.health()["status"] == "ok" and client.info()["tp"] == 1
         batch = server_rollout(client, prompts, SamplingParams(
-            max_new_tokens=MAX_NEW, greedy=True, eos_token_id=server_checks.EOS), n=2)
+            n=2, max_new_tokens=MAX_NEW, greedy=True), eos_token_id=server_checks.EOS)
     assert batch["group_index"].tolist() == [0, 0, 1, 1, 2, 2]
     p_max = max(len(p) for p in prompts)
     assert batch["sequences"].shape[0] == 6
@@ -293,3 +293,30 @@ def test_ppo_with_server_backend(tmp_path):
     assert version == 15, "expected one weight push at start and one after each of 14 steps"
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.1, f"reward did not rise: {rewards}"
+
+
+def test_update_weights_is_atomic(models):
+    """A read error after some tensors were copied (injected into the loader) leaves the weights
+    bit-identical, the version unchanged and the server generating the same greedy tokens."""
+    prompt = models["prompts"][0]
+    res = run_distributed(server_checks.atomic_update_http, 1, models["paths"], prompt, MAX_NEW)[0]
+    assert res["changed_before_error"] > 0, "the injected failure came before any copy"
+    assert res["status"] == 400 and "injected read error" in res["error"], res["error"]
+    assert res["bit_identical"], "a failed update left a mix of old and new weights"
+    assert res["health"] == {"status": "ok", "weight_version": 0}
+    assert res["greedy_after_failure"] == res["greedy_before"]
+    assert res["greedy_before"][0] == models["ref"][0][0][0]
+    assert res["clean_update"] == (200, 1)
+    assert res["greedy_new"] == (models["ref"][1][0][0], 1)
+
+
+def test_update_weights_atomic_across_tp_ranks(models):
+    """TP=2: only rank 1 fails to load; both ranks restore (they agree over the group)."""
+    prompt = models["prompts"][1]
+    ranks = run_distributed(server_checks.atomic_update_tp, 2, models["paths"], prompt, MAX_NEW,
+                            1)
+    assert ranks[1]["changed_before_error"] > 0
+    for r in ranks:
+        assert r["raised"] is not None and "kept" in r["raised"], r["raised"]
+        assert r["bit_identical"] and r["version"] == 0
+        assert r["greedy_after"] == r["greedy_before"] == models["ref"][0][1][0]

@@ -30,33 +30,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from parallel_models.rl.rollout.kv_cache import KVCache
-
-
-@dataclasses.dataclass
-class SamplingParams:
-    max_new_tokens: int = 32
-    temperature: float = 1.0
-    top_k: int = 0          # 0 = off
-    top_p: float = 1.0      # 1.0 = off
-    greedy: bool = False
-    eos_token_id: int | Sequence[int] | None = None
-    stop_token_ids: Sequence[int] = ()
-    pad_token_id: int = 0
-
-    def validate(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.greedy and self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (or greedy=True), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-
-    def stop_ids(self) -> list[int]:
-        eos = self.eos_token_id
-        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return eos + list(self.stop_token_ids)
+from parallel_models.rl.rollout.sampling import SamplingParams
 
 
 @dataclasses.dataclass
@@ -149,7 +123,7 @@ class _DecodeStep:
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
         self.cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
         self.graph = None
-        self.use_graph = (device.type == "cuda" and model.config.rope_type != "dynamic"
+        self.use_graph = (device.type == "cuda" and not model.config.rope_depends_on_length
                           and os.environ.get("PARALLEL_MODELS_CUDA_GRAPHS", "1") != "0")
 
     def _forward(self):
@@ -189,13 +163,21 @@ class _DecodeStep:
 
 @torch.no_grad()
 def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
-             generator: torch.Generator | None = None) -> GenerationOutput:
-    """Sample continuations of ``prompts`` (token-id lists) with ``model`` (a parallel CausalLM).
+             generator: torch.Generator | None = None, *,
+             stop_token_ids: Sequence[int] | None = None,
+             pad_token_id: int = 0) -> GenerationOutput:
+    """Sample one continuation of each of ``prompts`` (token-id lists) with ``model`` (a
+    parallel CausalLM); ``params.n`` must be 1 here (``RolloutEngine.generate`` repeats rows).
 
-    Every rank of a TP group must pass the same prompts. ``generator`` seeds sampling (TP rank
-    0's draws are used by the whole group).
+    Every rank of a TP group must pass the same prompts. ``generator`` (else a generator seeded
+    with ``params.seed``, else the global one) drives sampling; TP rank 0's draws are used by the
+    whole group. ``stop_token_ids`` (default ``params.stop_ids()``: EOS then the extra stop ids)
+    end a sample; ``pad_token_id`` fills the prompt and response padding.
     """
     params.validate()
+    if params.n != 1:
+        raise ValueError(f"generate draws one sample per row, got n={params.n}; repeat the rows "
+                         "or use RolloutEngine.generate")
     if model.head_kind != "causal_lm":
         raise TypeError(f"{type(model).__name__} has no LM head; generation needs a CausalLM")
     if mpu.get_pipeline_model_parallel_world_size() > 1:
@@ -212,7 +194,11 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
     attn = model.model.layers[0].self_attn.qkv_proj
     cache = KVCache(len(model.model.layers), batch, int(lengths.max()) + params.max_new_tokens,
                     attn.num_kv_heads_per_rank, attn.head_dim, model.dtype, device)
-    stop = torch.tensor(params.stop_ids() or [-1], device=device)
+    if stop_token_ids is None:
+        stop_token_ids = params.stop_ids()
+    stop = torch.tensor(list(stop_token_ids) or [-1], device=device)
+    if generator is None and params.seed is not None and not params.greedy:
+        generator = torch.Generator(device=device).manual_seed(int(params.seed))
 
     tokens_out, logp_out, alive_out = [], [], []
     alive = torch.ones(batch, dtype=torch.bool, device=device)
@@ -229,7 +215,7 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
         for step in range(params.max_new_tokens):
             tokens, logp = _next_tokens(logits, params, generator)
             tokens, logp = _broadcast_in_tp_group(tokens, logp)
-            tokens = torch.where(alive, tokens, torch.full_like(tokens, params.pad_token_id))
+            tokens = torch.where(alive, tokens, torch.full_like(tokens, pad_token_id))
             tokens_out.append(tokens)
             logp_out.append(torch.where(alive, logp, torch.zeros_like(logp)))
             alive_out.append(alive.clone())
@@ -255,7 +241,7 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
         tokens_out.pop(), logp_out.pop(), alive_out.pop()
 
     p_max = int(lengths.max())
-    prompt_ids = torch.full((batch, p_max), params.pad_token_id, dtype=torch.long, device=device)
+    prompt_ids = torch.full((batch, p_max), pad_token_id, dtype=torch.long, device=device)
     prompt_mask = torch.zeros((batch, p_max), dtype=torch.long, device=device)
     for b, p in enumerate(prompts):
         prompt_ids[b, p_max - len(p):] = torch.as_tensor(list(p), device=device)
@@ -264,3 +250,6 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
                             responses=torch.stack(tokens_out, 1),
                             response_mask=torch.stack(alive_out, 1).long(),
                             log_probs=torch.stack(logp_out, 1))
+
+
+__all__ = ["GenerationOutput", "SamplingParams", "generate", "sequence_parallel_off"]

@@ -5,16 +5,20 @@ Endpoints (JSON; with ``--api-key`` every endpoint but ``/health`` needs
 
 - ``GET /health`` -> ``{"status": "ok", "weight_version": v}``
 - ``GET /info`` -> model path, architecture, TP, dtype, vocab size, weight version, limits, stats
-- ``POST /generate`` body ``{"prompts": [str | [int, ...], ...], "n": 1, "max_new_tokens": 16,
-  "temperature": 1.0, "top_k": 0, "top_p": 1.0, "greedy": false, "seed": null,
-  "stop_token_ids": [], "ignore_eos": false, "return_text": true}`` -> ``{"weight_version": v,
+- ``POST /generate`` body ``{"prompts": [str | [int, ...], ...], "return_text": true}`` plus
+  the fields of :class:`~parallel_models.rl.rollout.sampling.SamplingParams` (``"n": 1,
+  "max_new_tokens": 16, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "greedy": false,
+  "seed": null, "stop_token_ids": [], "eos_token_id": null, "ignore_eos": false``; EOS defaults
+  to the server tokenizer's) -> ``{"weight_version": v,
   "results": [{"prompt_token_ids": [...], "samples": [{"token_ids", "log_probs",
   "finish_reason": "stop"|"length", "text"?}] * n}]}``. Text prompts need a tokenizer in the
   model folder (encoded with its special tokens, e.g. BOS). Log-probs are
   ``log_softmax(logits / temperature)`` of the drawn tokens (see ``rl.rollout.generation``).
 - ``POST /update_weights`` body ``{"path": folder}`` (HF safetensors or megatron-core checkpoint)
   -> ``{"weight_version": v, ...}``; runs between batches, so requests already batched finish on
-  the old weights and the version moves by exactly one.
+  the old weights and the version moves by exactly one. Atomic: if loading fails on any rank
+  (read error, out of memory, mismatch), the old weights stay bit-identical, the version does
+  not move and the answer is 400 with the cause.
 - ``POST /shutdown`` -> graceful exit (in-flight requests finish); SIGTERM/SIGINT do the same.
 
 Errors are ``{"error": message}`` with: 400 malformed JSON / bad path / text prompt without a
@@ -38,11 +42,12 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from parallel_models.rl.rollout.sampling import SamplingParams
 from parallel_models.rl.rollout.server.engine import Engine, GenCall
 
 log = logging.getLogger(__name__)
@@ -60,20 +65,16 @@ class ServerLimits:
     request_timeout_s: float = 300.0
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(SamplingParams):
+    """The /generate body: prompts, whether to decode text, and the sampling params."""
+
     model_config = ConfigDict(extra="forbid")
 
     prompts: list[Union[StrictStr, list[StrictInt]]] = Field(min_length=1)
-    n: StrictInt = Field(1, ge=1)
-    max_new_tokens: StrictInt = Field(16, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_k: StrictInt = Field(0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    greedy: StrictBool = False
-    seed: Optional[StrictInt] = None
-    stop_token_ids: list[StrictInt] = Field(default_factory=list, max_length=64)
-    ignore_eos: StrictBool = False
     return_text: StrictBool = True
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams.model_validate(self.model_dump(exclude={"prompts", "return_text"}))
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -179,17 +180,16 @@ class Batcher:
         where: list[list[tuple[int, int, int]]] = []  # per job: (call, start, count) pieces
         by_key: dict = {}
         for job in batch:
-            rows, params, seed = job.payload
-            if seed is None:
-                key = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
-                                   for k, v in params.items()))
+            rows, params = job.payload  # params: one sample per row (n=1)
+            if params.seed is None:
+                key = params.sampling_key()
                 if key not in by_key:
                     by_key[key] = len(calls)
-                    calls.append(GenCall([], params, None))
+                    calls.append(GenCall([], params))
                 ci = by_key[key]
             else:
                 ci = len(calls)
-                calls.append(GenCall([], params, seed))
+                calls.append(GenCall([], params))
             where.append((ci, len(calls[ci].rows), len(rows)))
             calls[ci].rows.extend(rows)
         outs = self.engine.run_generate(calls)
@@ -265,8 +265,7 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
     config = engine.model.config
     vocab_size = int(config.vocab_size)
     max_pos = int(getattr(config, "max_position_embeddings", 1 << 30))
-    eos = None if tokenizer is None else tokenizer.eos_token_id
-    pad = 0 if tokenizer is None or tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    eos = engine.rollout.eos_token_id  # the default EOS of requests (the tokenizer's)
     state = {"server": None, "started": time.time(), "requests": 0}
 
     @asynccontextmanager
@@ -382,6 +381,10 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
         bad_stop = [t for t in req.stop_token_ids if not 0 <= t < vocab_size]
         if bad_stop:
             raise ApiError(422, f"stop_token_ids outside the vocab [0, {vocab_size}): {bad_stop}")
+        eos_ids = req.eos_token_id if isinstance(req.eos_token_id, list) else [req.eos_token_id]
+        if any(t is not None and t >= vocab_size for t in eos_ids):
+            raise ApiError(422, f"eos_token_id outside the vocab [0, {vocab_size}): "
+                                f"{req.eos_token_id}")
         encoded = []
         for i, p in enumerate(req.prompts):
             ids = _encode(p)
@@ -396,13 +399,10 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
             if min(ids) < 0 or max(ids) >= vocab_size:
                 raise ApiError(422, f"prompt {i} has token ids outside the vocab [0, {vocab_size})")
             encoded.append(ids)
-        params = dict(max_new_tokens=req.max_new_tokens, temperature=float(req.temperature),
-                      top_k=req.top_k, top_p=float(req.top_p), greedy=req.greedy,
-                      eos_token_id=None if req.ignore_eos else eos,
-                      stop_token_ids=list(req.stop_token_ids), pad_token_id=pad)
+        # the app repeats the rows n times itself, so requests with different n share a call
+        params = req.sampling().model_copy(update={"n": 1})
         rows = [ids for ids in encoded for _ in range(req.n)]
-        samples, version = await _wait(
-            batcher.submit("generate", (rows, params, req.seed), len(rows)))
+        samples, version = await _wait(batcher.submit("generate", (rows, params), len(rows)))
         results = []
         for i, ids in enumerate(encoded):
             group = samples[i * req.n:(i + 1) * req.n]

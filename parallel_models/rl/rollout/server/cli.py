@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import parallel_models as pm
+    from parallel_models.rl.rollout.engine import RolloutEngine
     from parallel_models.rl.rollout.server.app import ServerLimits, create_app
     from parallel_models.rl.rollout.server.engine import Engine, make_control_group, worker_loop
 
@@ -113,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
              "float16": torch.float16}[args.dtype]
     model = pm.AutoModelForCausalLM.from_pretrained(args.model, rmpad=True, dtype=dtype)
     model.eval()
-    engine = Engine(model, args.model, args.tp, group)
+    # every rank loads the tokenizer: its EOS / pad ids are part of every generate call
+    tokenizer = _load_tokenizer(args.tokenizer or args.model)
+    eos = None if tokenizer is None else tokenizer.eos_token_id
+    pad = 0 if tokenizer is None or tokenizer.pad_token_id is None else tokenizer.pad_token_id
+    rollout = RolloutEngine(model, eos_token_id=eos, pad_token_id=pad, weights_path=args.model)
+    engine = Engine(rollout, args.tp, group)
     try:
         if rank != 0:
             worker_loop(engine)
@@ -129,7 +135,6 @@ def main(argv: list[str] | None = None) -> int:
                               max_new_tokens=args.max_new_tokens, max_n=args.max_n,
                               max_prompts=args.max_batch, max_body_bytes=args.max_body_bytes,
                               request_timeout_s=args.request_timeout)
-        tokenizer = _load_tokenizer(args.tokenizer or args.model)
         asgi, _, state = create_app(engine, tokenizer, limits, api_key=args.api_key,
                                     model_info={"model": args.model, "architecture": arch,
                                                 "dtype": str(dtype).replace("torch.", "")})

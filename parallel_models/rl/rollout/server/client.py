@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from parallel_models.rl.rollout.sampling import SamplingParams
+
 
 class ServerError(RuntimeError):
     """The server answered with an error status; ``status`` and ``message`` tell which."""
@@ -42,18 +44,20 @@ class RolloutClient:
     def info(self) -> dict:
         return self._call("GET", "/info")
 
-    def generate(self, prompts: Sequence[str | Sequence[int]], *, n: int = 1,
-                 max_new_tokens: int = 16, temperature: float = 1.0, top_k: int = 0,
-                 top_p: float = 1.0, greedy: bool = False, seed: int | None = None,
-                 stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
-                 return_text: bool = True) -> dict:
-        """POST /generate; returns ``{"weight_version", "results": [{"prompt_token_ids",
-        "samples": [{"token_ids", "log_probs", "finish_reason", "text"?}]}]}``."""
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | None = None, *, return_text: bool = True,
+                 **sampling: Any) -> dict:
+        """POST /generate with ``params`` (or the :class:`SamplingParams` fields as keywords:
+        ``n=4, max_new_tokens=32, temperature=0.7, seed=1, ...``; checked here first); returns
+        ``{"weight_version", "results": [{"prompt_token_ids", "samples": [{"token_ids",
+        "log_probs", "finish_reason", "text"?}]}]}``."""
+        if params is None:
+            params = SamplingParams(**sampling)
+        elif sampling:
+            params = params.model_copy(update=sampling)
+        params.validate()
         body = {"prompts": [p if isinstance(p, str) else [int(t) for t in p] for p in prompts],
-                "n": n, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                "top_k": top_k, "top_p": top_p, "greedy": greedy, "seed": seed,
-                "stop_token_ids": [int(t) for t in stop_token_ids], "ignore_eos": ignore_eos,
-                "return_text": return_text}
+                **params.model_dump(), "return_text": return_text}
         return self._call("POST", "/generate", body)
 
     def update_weights(self, path: str) -> dict:

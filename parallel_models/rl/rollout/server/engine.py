@@ -1,10 +1,13 @@
-"""The model side of the rollout server: one engine per rank, commands mirrored to every rank.
+"""The model side of the rollout server: the rollout engine on every rank, commands mirrored.
 
-Rank 0 turns a batch of HTTP requests into a list of ``generate`` calls, broadcasts the command
-over a gloo control group (``broadcast_object_list``) and runs it; ranks > 0 sit in
-:func:`worker_loop` and run the same commands, so the TP collectives inside ``generate`` match.
-All model work on rank 0 happens on one thread (the batcher), so a weight update runs between
-batches: requests already in a batch finish on the old weights, later ones see the new ones.
+Rank 0 turns a batch of HTTP requests into a list of generate calls, broadcasts the command over
+a gloo control group (``broadcast_object_list``) and runs it on its
+:class:`~parallel_models.rl.rollout.engine.RolloutEngine`; ranks > 0 sit in :func:`worker_loop`
+and run the same commands, so the TP collectives inside ``generate`` match. All model work on
+rank 0 happens on one thread (the batcher), so a weight update runs between batches: requests
+already in a batch finish on the old weights, later ones see the new ones. Weight updates are
+atomic across the ranks (the engine's ``update_weights`` with the control group): if any rank
+fails to load, every rank keeps its old shard and the version does not move.
 """
 
 from __future__ import annotations
@@ -12,53 +15,47 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
-import time
 
-import torch
 import torch.distributed as dist
 
-from parallel_models.rl.rollout.generation import SamplingParams, generate
+from parallel_models.rl.rollout.engine import RolloutEngine
+from parallel_models.rl.rollout.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class GenCall:
-    """One ``generate`` call: token-id rows sharing sampling params (and an optional seed)."""
+    """One generate call: token-id rows (one sample each) sharing sampling params; a seeded
+    call's params carry its seed."""
 
     rows: list[list[int]]
-    params: dict
-    seed: int | None = None
-
-
-def _sample_lists(out, params: SamplingParams) -> list[dict]:
-    stops = set(params.stop_ids())
-    res = []
-    mask = out.response_mask.cpu()
-    toks = out.responses.cpu()
-    logps = out.log_probs.float().cpu()
-    for b in range(toks.shape[0]):
-        n = int(mask[b].sum())
-        ids = toks[b, :n].tolist()
-        res.append({"token_ids": ids, "log_probs": logps[b, :n].tolist(),
-                    "finish_reason": "stop" if ids and ids[-1] in stops else "length"})
-    return res
+    params: SamplingParams
 
 
 class Engine:
-    """Holds this rank's model shard and executes commands (the same on every rank)."""
+    """This rank's :class:`RolloutEngine` plus the command mirroring (the same on every rank)."""
 
-    def __init__(self, model, model_path: str, tp: int, control_group=None):
-        self.model = model
-        self.model_path = model_path
-        self.weights_path = model_path
+    def __init__(self, rollout: RolloutEngine, tp: int, control_group=None):
+        self.rollout = rollout
+        self.model = rollout.model
+        self.model_path = rollout.weights_path
         self.tp = tp
-        self.version = 0
         self.group = control_group
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.device = model.device
-        self.generated_tokens = 0
         self.batches = 0
+
+    @property
+    def version(self) -> int:
+        return self.rollout.version
+
+    @property
+    def weights_path(self) -> str | None:
+        return self.rollout.weights_path
+
+    @property
+    def generated_tokens(self) -> int:
+        return self.rollout.generated_tokens
 
     # ---- rank 0 side ---------------------------------------------------------------------
     def _broadcast(self, cmd):
@@ -80,29 +77,14 @@ class Engine:
 
     # ---- every rank --------------------------------------------------------------------------
     def _do_generate(self, calls: list[GenCall]) -> list[list[dict]]:
-        outs = []
         self.model.eval()
-        for call in calls:
-            params = SamplingParams(**call.params)
-            gen = None
-            if call.seed is not None:
-                gen = torch.Generator(device=self.device).manual_seed(int(call.seed))
-            out = generate(self.model, call.rows, params, generator=gen)
-            samples = _sample_lists(out, params)
-            self.generated_tokens += sum(len(s["token_ids"]) for s in samples)
-            outs.append(samples)
+        outs = [self.rollout.generate_samples(call.rows, call.params) for call in calls]
         self.batches += 1
         return outs
 
     def _do_update(self, path: str) -> dict:
-        from parallel_models.llama.checkpoint_utils.loader import load_hf_weights
-
-        t0 = time.perf_counter()
-        load_hf_weights(self.model, path)
-        self.version += 1
-        self.weights_path = path
-        return {"weight_version": self.version, "path": path,
-                "seconds": round(time.perf_counter() - t0, 3)}
+        group = self.group if self.world > 1 else None
+        return self.rollout.update_weights(path, group=group)
 
     def execute(self, cmd):
         kind = cmd[0]

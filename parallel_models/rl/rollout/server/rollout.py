@@ -27,12 +27,12 @@ def _tp_info():
     return 1, 0, 0, None
 
 
-def _request(client, prompt_ids, params, n: int, seed: int | None) -> dict:
-    kw = dict(n=n, max_new_tokens=params.max_new_tokens, greedy=params.greedy,
-              temperature=params.temperature if not params.greedy else 1.0, top_k=params.top_k,
-              top_p=params.top_p, stop_token_ids=params.stop_ids(), ignore_eos=True,
-              seed=None if params.greedy else seed, return_text=False)
-    return client.generate([list(map(int, p)) for p in prompt_ids], **kw)
+def _request(client, prompt_ids, params, seed: int | None, eos_token_id) -> dict:
+    # the trainer's EOS travels as stop ids (the server's tokenizer may differ)
+    wire = params.model_copy(update=dict(
+        stop_token_ids=params.stop_ids(eos_token_id), eos_token_id=None, ignore_eos=True,
+        seed=None if params.greedy else seed))
+    return client.generate([list(map(int, p)) for p in prompt_ids], wire, return_text=False)
 
 
 def batch_from_response(resp: dict, n: int, pad_token_id: int = 0) -> dict:
@@ -62,17 +62,18 @@ def batch_from_response(resp: dict, n: int, pad_token_id: int = 0) -> dict:
             "rollout_log_probs": logp, "weight_version": resp["weight_version"]}
 
 
-def server_rollout(client, prompt_ids, params, n: int, seed: int | None = None,
-                   device=None) -> dict:
-    """Generate ``n`` samples of each prompt on the server with ``params`` (a SamplingParams;
-    its eos/stop ids are sent as ``stop_token_ids``, its pad id pads the batch)."""
+def server_rollout(client, prompt_ids, params, seed: int | None = None, device=None, *,
+                   eos_token_id: int | list[int] | None = None, pad_token_id: int = 0) -> dict:
+    """Generate ``params.n`` samples of each prompt on the server with ``params`` (a
+    SamplingParams; its EOS, else ``eos_token_id``, and its stop ids are sent as
+    ``stop_token_ids``); ``pad_token_id`` pads the batch."""
     import torch.distributed as dist
 
     tp, tp_rank, src, group = _tp_info()
     batch = None
     if tp_rank == 0:
-        batch = batch_from_response(_request(client, prompt_ids, params, n, seed), n,
-                                    params.pad_token_id)
+        batch = batch_from_response(_request(client, prompt_ids, params, seed, eos_token_id),
+                                    params.n, pad_token_id)
     if tp > 1:
         obj = [batch]
         dist.broadcast_object_list(obj, src=src, group=group)

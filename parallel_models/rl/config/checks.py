@@ -1,0 +1,133 @@
+"""Cross-field checks of the PPO config: what no single field can say (batch sizes that must
+divide each other, the layout vs the world size and the model's heads, files that must exist,
+options that need one another). :func:`cross_field_problems` returns every problem as a line
+naming the keys involved; ``PPOConfig``'s model validator raises them together.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from parallel_models.config import ConfigError
+from parallel_models.rl.config.sections import DATA_SUFFIXES
+
+logger = logging.getLogger(__name__)
+
+
+def _is_local(path: str) -> bool:
+    return os.path.isabs(path) or path.startswith((".", "~")) or os.path.exists(path)
+
+
+def _model_problems(cfg) -> list[str]:
+    m, par, r = cfg.model, cfg.parallel, cfg.rollout
+    errors = []
+    if m.path is not None and _is_local(m.path) and not os.path.isdir(os.path.expanduser(m.path)):
+        errors.append(f"model.path: {m.path!r} is not a directory (an HF model folder)")
+    if par.pipeline_parallel_size > 1 and r.backend == "inprocess":
+        errors.append(f"parallel.pipeline_parallel_size={par.pipeline_parallel_size}: "
+                      "in-process rollout generation needs pipeline_parallel_size=1 "
+                      "(use tensor/data parallelism, or rollout.backend=server)")
+    if m.path is not None and par.tensor_parallel_size > 1 and \
+            os.path.isfile(os.path.join(os.path.expanduser(m.path), "config.json")):
+        from parallel_models.config import ModelConfig
+
+        try:
+            ModelConfig.from_hf(os.path.expanduser(m.path)).check_tensor_parallel(
+                par.tensor_parallel_size)
+        except ConfigError as err:
+            errors.append(f"parallel.tensor_parallel_size: {m.path}: {err}")
+    return errors
+
+
+def _data_and_batch_problems(cfg) -> list[str]:
+    d, r, a = cfg.data, cfg.rollout, cfg.actor
+    errors = []
+    if d.path is not None:
+        if not os.path.isfile(d.path):
+            errors.append(f"data.path: prompt file not found: {d.path!r}")
+        elif not d.path.endswith(DATA_SUFFIXES):
+            errors.append(f"data.path: {d.path!r} has an unsupported extension; use one of "
+                          f"{', '.join(DATA_SUFFIXES)}")
+    if r.backend == "server" and not r.server_url:
+        errors.append("rollout.backend=server needs rollout.server_url")
+    samples = d.batch_size * r.n
+    if samples % a.mini_batch_size:
+        errors.append(f"data.batch_size * rollout.n = {d.batch_size} * {r.n} = {samples} "
+                      f"sequences per step is not divisible by actor.mini_batch_size "
+                      f"({a.mini_batch_size})")
+    longest = d.max_prompt_length + r.max_new_tokens
+    if a.micro_batch_tokens < longest:
+        errors.append(f"actor.micro_batch_tokens ({a.micro_batch_tokens}) is smaller than the "
+                      f"longest sequence, data.max_prompt_length + rollout.max_new_tokens = "
+                      f"{longest}")
+    return errors
+
+
+def _roles_problems(cfg) -> list[str]:
+    c, rw, alg, par, r = cfg.critic, cfg.reward, cfg.algorithm, cfg.parallel, cfg.rollout
+    errors = []
+    if alg.adv_estimator == "gae" and not c.enable:
+        errors.append("algorithm.adv_estimator=gae needs a critic: set critic.enable=true "
+                      "(or use adv_estimator=grpo / rloo)")
+    if c.path is not None and (os.path.isabs(c.path) or c.path.startswith((".", "~"))) and \
+            not os.path.exists(os.path.expanduser(c.path)):
+        errors.append(f"critic.path: {c.path!r} does not exist")
+    if rw.type == "rule":
+        if not rw.function:
+            errors.append("reward.type=rule needs reward.function (a dotted path "
+                          "'package.module.function')")
+        else:
+            from parallel_models.rl.rewards import load_reward_function
+
+            try:
+                load_reward_function(rw.function)
+            except ConfigError as err:
+                errors.append(f"reward.function: {err}")
+    elif not rw.model_path:
+        errors.append("reward.type=model needs reward.model_path (an HF sequence-classification "
+                      "folder)")
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        value = getattr(rw, key)
+        if value is not None and value != getattr(par, key):
+            errors.append(f"reward.{key}={value}: in this version the reward model shares the "
+                          f"actor's model-parallel groups, so it must equal parallel.{key} "
+                          f"({getattr(par, key)}) or be left unset")
+    if alg.adv_estimator in ("grpo", "rloo") and r.n < 2:
+        errors.append(f"algorithm.adv_estimator={alg.adv_estimator} compares the samples of a "
+                      f"prompt: it needs rollout.n >= 2, got {r.n}")
+    if alg.kl_ctrl == "adaptive" and not alg.kl_in_reward:
+        errors.append("algorithm.kl_ctrl=adaptive adjusts the in-reward KL coefficient: it "
+                      "needs algorithm.kl_in_reward=true")
+    return errors
+
+
+def _layout_problems(cfg, world_size: int) -> list[str]:
+    par, d, a = cfg.parallel, cfg.data, cfg.actor
+    model_par = par.tensor_parallel_size * par.pipeline_parallel_size
+    if world_size % model_par:
+        return [f"world size {world_size} is not divisible by tensor_parallel_size * "
+                f"pipeline_parallel_size = {model_par}"]
+    dp = world_size // model_par
+    errors = []
+    if d.batch_size % dp:
+        errors.append(f"data.batch_size ({d.batch_size}) is not divisible by the data-parallel "
+                      f"size ({dp} = world size {world_size} / {model_par})")
+    if a.mini_batch_size % dp:
+        errors.append(f"actor.mini_batch_size ({a.mini_batch_size}) is not divisible by the "
+                      f"data-parallel size ({dp})")
+    return errors
+
+
+def cross_field_problems(cfg, world_size: int | None = None) -> list[str]:
+    """Every cross-field problem of ``cfg`` (a type-checked PPOConfig). ``world_size`` (default
+    ``$WORLD_SIZE`` or 1) is checked against the model-parallel layout and the batch sizes."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if (cfg.trainer.offload or cfg.reward.offload):
+        import torch
+
+        if not torch.cuda.is_available():
+            logger.warning("trainer.offload / reward.offload only act on CUDA; ignored here")
+    return (_model_problems(cfg) + _data_and_batch_problems(cfg) + _roles_problems(cfg)
+            + _layout_problems(cfg, world_size))

@@ -1,0 +1,140 @@
+"""Readable messages for PPO config problems: pydantic's errors turned into lines that name the
+key (``actor.lr``), where the value came from (the YAML file or the override), the expected
+type or range, and for an unknown key the valid keys of its section with a did-you-mean.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from typing import Any, Literal
+
+import annotated_types
+from pydantic import BaseModel, ValidationError
+
+from parallel_models.config import ConfigError
+
+_BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+_TYPE_NAMES = {int: "an integer", float: "a number", bool: "true/false", str: "a string"}
+
+
+def unknown_key(full: str, name: str, valid: list[str], where: str, source: str) -> str:
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (f"{source}: unknown key {full!r}{hint}; valid keys of {where}: "
+            f"{', '.join(sorted(valid))}")
+
+
+def type_name(tp: Any) -> str:
+    """``Optional[int]`` -> "an integer or null", ``Literal['a', 'b']`` -> "one of 'a', 'b'"."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return type_name(typing.get_args(tp)[0])
+    if origin is Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else type_name(a)
+                           for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {type_name(typing.get_args(tp)[0])}"
+    if origin is tuple:
+        return "a list of " + ", ".join(type_name(a) for a in typing.get_args(tp))
+    return _TYPE_NAMES.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def bounds_text(metadata: list) -> str | None:
+    """``[Gt(0), Le(1)]`` -> "in (0, 1]"; ``[Ge(1)]`` -> ">= 1"."""
+    lo = hi = None
+    for m in metadata:
+        if isinstance(m, annotated_types.Gt):
+            lo = f"({m.gt:g}"
+        elif isinstance(m, annotated_types.Ge):
+            lo = f"[{m.ge:g}"
+        elif isinstance(m, annotated_types.Lt):
+            hi = f"{m.lt:g})"
+        elif isinstance(m, annotated_types.Le):
+            hi = f"{m.le:g}]"
+    if lo and hi:
+        return f"in {lo}, {hi}"
+    if lo:
+        return (">= " if lo[0] == "[" else "> ") + lo[1:]
+    if hi:
+        return ("<= " if hi[-1] == "]" else "< ") + hi[:-1]
+    return None
+
+
+def _field(model: type[BaseModel], section: str, key: str):
+    section_model = model.model_fields[section].annotation if section in model.model_fields \
+        else None
+    if isinstance(section_model, type) and issubclass(section_model, BaseModel):
+        return section_model.model_fields.get(key), section_model
+    return None, None
+
+
+def messages(err: ValidationError, model: type[BaseModel], sources: dict[str, str],
+             default_source: str = "config") -> list[str]:
+    """One line per problem of ``err`` (from validating ``model``), first one per key."""
+    out: list[str] = []
+    seen: set[str] = set()
+    for e in err.errors():
+        loc = tuple(e.get("loc", ()))
+        kind, value = e.get("type", ""), e.get("input")
+        if not loc:  # a model-level validator: its message lists the problems
+            text = str(e.get("msg", "")).removeprefix("Value error, ")
+            out += [line for line in text.split("\n") if line]
+            continue
+        section = str(loc[0])
+        key = str(loc[1]) if len(loc) > 1 else None
+        full = f"{section}.{key}" if key else section
+        source = sources.get(full, sources.get(section, default_source))
+        # the value's path: section.key then list positions (union member names are dropped)
+        where = full + "".join(f"[{p}]" for p in loc[2:] if isinstance(p, int))
+        if where in seen:
+            continue
+        seen.add(where)
+        if kind == "extra_forbidden":
+            if key is None:
+                out.append(unknown_key(section, section, list(model.model_fields),
+                                       "the config (sections)", source))
+            else:
+                _, section_model = _field(model, section, "")
+                valid = list(section_model.model_fields) if section_model else []
+                out.append(unknown_key(full, key, valid, f"section {section!r}", source))
+            continue
+        if key is None:
+            if kind in ("model_type", "model_attributes_type", "dict_type"):
+                out.append(f"{source}: section {section!r} must be a mapping of key: value, "
+                           f"got {value!r}")
+            else:
+                out.append(f"{source}: {section}: {e.get('msg')}")
+            continue
+        field, _ = _field(model, section, key)
+        nested = len([p for p in loc[2:] if isinstance(p, int)]) > 0
+        if kind in _BOUND_ERRORS and field is not None and not nested:
+            rng = bounds_text(field.metadata)
+            note = f" ({field.description})" if field.description else ""
+            out.append(f"{source}: {full} must be {rng or e.get('msg')}{note}, got {value!r}")
+        elif kind == "value_error":
+            text = str(e.get("msg", "")).removeprefix("Value error, ")
+            out.append(f"{source}: {where}: {text}, got {value!r}")
+        elif kind in ("literal_error",) or kind.endswith("_type") or kind.endswith("_parsing") \
+                or kind in ("bool_parsing", "int_from_float", "none_required"):
+            expected = type_name(field.annotation) if field is not None and not nested else None
+            if nested or expected is None:
+                out.append(f"{source}: {where}: {e.get('msg')}, got {value!r}")
+            else:
+                out.append(f"{source}: {where}: expected {expected}, got {value!r} "
+                           f"({type(value).__name__})")
+        else:
+            out.append(f"{source}: {where}: {e.get('msg')}, got {value!r}")
+    return out
+
+
+def raise_problems(problems: list[str], head: str = "invalid PPO config") -> None:
+    """One :class:`ConfigError` listing every problem (nothing when there are none)."""
+    if not problems:
+        return
+    if len(problems) == 1:
+        raise ConfigError(f"{head}: {problems[0]}")
+    raise ConfigError(f"{head}:\n  - " + "\n  - ".join(problems))

@@ -1,0 +1,217 @@
+"""The sections of the PPO config: pydantic v2 models, one per concern, with bounds and a
+description per field (the descriptions become the comments of ``configs/default.yaml``).
+
+Fields shared with other code are defined once and inherited: ``rollout`` takes the sampling
+knobs of :class:`~parallel_models.rl.rollout.sampling.SamplingFields` (``n``, ``temperature``,
+``top_k``, ...), ``actor`` and ``critic`` the optimizer knobs of
+:class:`~parallel_models.utils.optimizer.OptimizerFields` (``lr``, ``weight_decay``,
+``clip_grad``, ``warmup_steps``, ...). Where the PPO run wants another default than the shared
+model (``rollout.n``, ``actor.lr``), :data:`SECTION_DEFAULTS` says so.
+
+Values are checked as they come in: integers accept ``3`` and ``"3"`` but not ``2.5`` or
+``true``; floats accept integers and numeric strings (YAML 1.1 reads ``1e-5`` as a string);
+strings accept numbers; ``null`` only where a field says so.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
+
+from parallel_models.rl.rollout.sampling import SamplingFields, SamplingParams
+from parallel_models.utils.optimizer import OptimizerFields
+
+
+def _not_bool(value):
+    if isinstance(value, bool):
+        raise ValueError("expected a number, not true/false")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Number = Annotated[float, BeforeValidator(_not_bool)]
+
+KL_KINDS = ("k1", "abs", "k2", "mse", "k3", "low_var_kl")
+KLKind = Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+SECTION_CONFIG = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+
+
+class ModelSection(BaseModel):
+    """The actor model."""
+
+    model_config = SECTION_CONFIG
+
+    path: Optional[str] = Field(None, description="HF folder of the actor; null = build the "
+                                                  "built-in tiny Llama")
+    dtype: Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] = Field(
+        "float32", description="float32 | bfloat16 | float16")
+    tokenizer: Optional[str] = Field(None, description="null = the tokenizer of model.path (or "
+                                                       "the built-in one)")
+
+
+class ParallelSection(BaseModel):
+    """Model-parallel layout of the actor, reference and critic (data parallel = the rest)."""
+
+    model_config = SECTION_CONFIG
+
+    tensor_parallel_size: Int = Field(1, ge=1, description="divides the attention heads")
+    pipeline_parallel_size: Int = Field(1, ge=1, description="> 1 needs rollout.backend=server")
+    sequence_parallel: StrictBool = Field(False, description="sequence parallel on top of TP")
+
+
+class DataSection(BaseModel):
+    """The prompts."""
+
+    model_config = SECTION_CONFIG
+
+    path: Optional[str] = Field(None, description="null = built-in prompts; else .jsonl / "
+                                                  ".json / .parquet")
+    prompt_key: str = Field("prompt", min_length=1, description="plain-text prompt field")
+    messages_key: str = Field("messages", min_length=1, description="chat field, [{role, "
+                              "content}, ...]; wins over prompt_key when present")
+    max_prompt_length: Int = Field(64, ge=1, description="tokens after the chat template")
+    truncation: Literal["left", "drop", "error"] = Field(
+        "left", description="longer prompts: left (keep the end) | drop (skip) | error")
+    chat_template: StrictBool = Field(False, description="also wrap plain prompts in the "
+                                                        "tokenizer's chat template")
+    batch_size: Int = Field(8, ge=1, description="prompts per step (all data-parallel ranks "
+                                                 "together)")
+    shuffle: StrictBool = Field(True, description="reshuffle the prompts every epoch")
+    seed: Int = Field(0, description="seed of the shuffling")
+
+
+class RolloutSection(SamplingFields):
+    """Generation of the responses (the sampling knobs are those of SamplingParams)."""
+
+    model_config = SECTION_CONFIG
+
+    backend: Literal["inprocess", "server"] = Field(
+        "inprocess", description="inprocess | server (parallel-models-serve at server_url)")
+    server_url: Optional[str] = Field(None, description="rollout.backend=server: the server's "
+                                                        "base URL")
+
+    def sampling_params(self, seed: int | None = None) -> SamplingParams:
+        """The :class:`SamplingParams` of this section (with ``seed``)."""
+        fields = {k: getattr(self, k) for k in SamplingFields.model_fields}
+        return SamplingParams(**fields, seed=seed)
+
+
+class ActorSection(OptimizerFields):
+    """The policy and its PPO loss (the optimizer knobs are those of OptimConfig)."""
+
+    model_config = SECTION_CONFIG
+
+    ppo_epochs: Int = Field(2, ge=1, description="passes over each step's samples")
+    mini_batch_size: Int = Field(16, ge=1, description="sequences per optimizer step; divides "
+                                                      "data.batch_size * rollout.n")
+    micro_batch_tokens: Int = Field(2048, ge=1, description="token budget of one forward/"
+                                                            "backward microbatch")
+    clip_ratio_low: Number = Field(0.2, gt=0, lt=1, description="PPO clip below 1")
+    clip_ratio_high: Number = Field(0.2, gt=0, description="PPO clip above 1")
+    clip_ratio_c: Number = Field(3.0, gt=1, description="dual-clip bound")
+    entropy_coef: Number = Field(0.0, ge=0, description="entropy bonus")
+    loss_agg_mode: LossAggMode = Field("token-mean", description="token-mean | "
+                                       "seq-mean-token-sum | seq-mean-token-mean")
+    use_kl_loss: StrictBool = Field(False, description="KL to the reference as a loss term "
+                                                       "(GRPO style)")
+    kl_loss_coef: Number = Field(0.001, ge=0, description="weight of the KL loss")
+    kl_loss_type: KLKind = Field("low_var_kl", description="k1 | abs | k2 | mse | k3 | "
+                                                           "low_var_kl")
+
+
+class CriticSection(OptimizerFields):
+    """The value model (the optimizer knobs are those of OptimConfig)."""
+
+    model_config = SECTION_CONFIG
+
+    enable: StrictBool = Field(True, description="needed by adv_estimator=gae; unused by grpo "
+                                                 "/ rloo")
+    path: Optional[str] = Field(None, description="null = initialize from the actor with a new "
+                                                  "value head")
+    cliprange_value: Number = Field(0.5, gt=0, description="value clipping")
+
+
+class RewardSection(BaseModel):
+    """The reward: a rule (a Python function) or a value-head reward model."""
+
+    model_config = SECTION_CONFIG
+
+    type: Literal["rule", "model"] = Field("rule", description="rule | model")
+    function: str = Field("parallel_models.rl.rewards.vowel_reward",
+                          description="type=rule: fn(prompts, responses, **extras)")
+    model_path: Optional[str] = Field(None, description="type=model: HF sequence-"
+                                                        "classification folder")
+    tokenizer: Optional[str] = Field(None, description="null = the reward model's own")
+    tensor_parallel_size: Optional[Int] = Field(
+        None, ge=1, description="null = the actor's (the reward model shares its groups for "
+                                "now)")
+    pipeline_parallel_size: Optional[Int] = Field(None, ge=1, description="null = the actor's")
+    offload: StrictBool = Field(False, description="weights on the host between score calls "
+                                                   "(CUDA only)")
+    max_length: Optional[Int] = Field(None, ge=1, description="null = min("
+                                      "max_position_embeddings, tokenizer's model_max_length)")
+    truncation: Literal["left", "right"] = Field("left", description="over max_length: left "
+                                                 "drops the start, right the end")
+    micro_batch_tokens: Int = Field(4096, ge=1, description="token budget of one forward")
+
+
+class AlgorithmSection(BaseModel):
+    """Advantages and the KL penalty."""
+
+    model_config = SECTION_CONFIG
+
+    adv_estimator: Literal["gae", "grpo", "rloo"] = Field("gae", description="gae | grpo | "
+                                                                             "rloo")
+    gamma: Number = Field(1.0, ge=0, le=1, description="discount")
+    lam: Number = Field(0.95, ge=0, le=1, description="GAE lambda")
+    kl_penalty: KLKind = Field("k1", description="in-reward KL estimator: k1 | abs | k2 | mse "
+                                                 "| k3 | low_var_kl")
+    kl_in_reward: StrictBool = Field(True, description="subtract kl_coef * KL from the reward")
+    kl_coef: Number = Field(0.001, ge=0, description="in-reward KL coefficient (start value "
+                                                     "when adaptive)")
+    kl_ctrl: Literal["fixed", "adaptive"] = Field("fixed", description="fixed | adaptive")
+    kl_target: Number = Field(0.1, gt=0, description="adaptive controller: target KL")
+    kl_horizon: Int = Field(10000, gt=0, description="adaptive controller: horizon")
+    whiten_advantages: StrictBool = Field(True, description="normalize advantages per batch")
+
+
+class TrainerSection(BaseModel):
+    """The run: steps, seeds, outputs."""
+
+    model_config = SECTION_CONFIG
+
+    total_steps: Int = Field(20, ge=0, description="PPO steps")
+    seed: Int = Field(0, description="seeds sampling, value-head init and data order")
+    output_dir: str = Field("outputs/ppo", min_length=1, description="metrics, checkpoints, "
+                                                                     "final models")
+    log_every: Int = Field(1, ge=1, description="log metrics every N steps")
+    save_every: Int = Field(10, ge=0, description="checkpoint every N steps; 0 = never")
+    resume: StrictBool = Field(False, description="continue from the latest checkpoint")
+    offload: StrictBool = Field(False, description="CUDA only: idle models / optimizer states "
+                                                   "to CPU")
+    tensorboard: StrictBool = Field(True, description="TensorBoard event files")
+    save_hf_at_end: StrictBool = Field(True, description="actor_hf/ and critic_hf/ at the end")
+
+
+SECTIONS: dict[str, type[BaseModel]] = {
+    "model": ModelSection,
+    "parallel": ParallelSection,
+    "data": DataSection,
+    "rollout": RolloutSection,
+    "actor": ActorSection,
+    "critic": CriticSection,
+    "reward": RewardSection,
+    "algorithm": AlgorithmSection,
+    "trainer": TrainerSection,
+}
+
+# defaults of the PPO run that differ from the shared models' own
+SECTION_DEFAULTS: dict[str, dict] = {
+    "rollout": {"n": 4},
+    "actor": {"lr": 1e-3},
+    "critic": {"lr": 1e-3},
+}

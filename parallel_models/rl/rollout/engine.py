@@ -1,0 +1,143 @@
+"""The rollout engine: one object that turns prompts + :class:`SamplingParams` into samples with
+the parallel CausalLM and swaps its weights atomically. The PPO trainer uses it in-process; the
+rollout server (``server/engine.py``) wraps it and mirrors its commands to the other TP ranks.
+
+- :meth:`RolloutEngine.generate` -> :class:`GenerationOutput` (``n`` samples per prompt,
+  prompt-major; the tokenizer's EOS unless the params name their own or ``ignore_eos``; a
+  ``seed`` gets its own generator, so seeded draws are reproducible).
+- :meth:`RolloutEngine.generate_samples` -> per-row ``{"token_ids", "log_probs",
+  "finish_reason"}`` lists (the server's answer format).
+- :meth:`RolloutEngine.update_weights` loads an HF folder (or megatron-core checkpoint) into the
+  model **atomically**: a copy of the current weights is taken first and written back if
+  anything fails while loading (read error, out of memory, shape mismatch) on any rank of
+  ``group``; the weights are then bit-identical to before and ``version`` does not move.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from parallel_models.rl.rollout.generation import GenerationOutput, generate
+from parallel_models.rl.rollout.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class WeightUpdateError(RuntimeError):
+    """Loading new weights failed (here or on another rank); the old weights were restored."""
+
+
+def load_weights(model, path: str) -> None:
+    """Fill ``model`` (this rank's shard) from ``path``; a seam tests can replace."""
+    from parallel_models.llama.checkpoint_utils.loader import load_hf_weights
+
+    load_hf_weights(model, path)
+
+
+class RolloutEngine:
+    """``RolloutEngine(model, eos_token_id=None, pad_token_id=0, weights_path=None)``."""
+
+    def __init__(self, model, *, eos_token_id: int | list[int] | None = None,
+                 pad_token_id: int = 0, weights_path: str | None = None):
+        if model.head_kind != "causal_lm":
+            raise TypeError(f"{type(model).__name__} has no LM head; a rollout engine needs a "
+                            "CausalLM")
+        self.model = model
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.weights_path = weights_path
+        self.version = 0
+        self.generated_tokens = 0
+        self.batches = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    # ---- generation ------------------------------------------------------------------------
+    def stop_ids(self, params: SamplingParams) -> list[int]:
+        return params.stop_ids(self.eos_token_id)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 generator: torch.Generator | None = None) -> GenerationOutput:
+        """``params.n`` samples of each prompt (rows prompt-major). A ``params.seed`` seeds a
+        generator of its own unless ``generator`` is given."""
+        rows = [list(p) for p in prompts for _ in range(params.n)]
+        one_each = params.model_copy(update={"n": 1})  # (a seed makes generate's generator)
+        out = generate(self.model, rows, one_each, generator=generator,
+                       stop_token_ids=self.stop_ids(params), pad_token_id=self.pad_token_id)
+        self.generated_tokens += int(out.response_mask.sum())
+        return out
+
+    def generate_samples(self, prompts: Sequence[Sequence[int]], params: SamplingParams
+                         ) -> list[dict]:
+        """Like :meth:`generate`, as one ``{"token_ids", "log_probs", "finish_reason"}`` dict per
+        row (``"stop"`` when the last token is a stop id, else ``"length"``)."""
+        out = self.generate(prompts, params)
+        stops = set(self.stop_ids(params))
+        mask, toks = out.response_mask.cpu(), out.responses.cpu()
+        logps = out.log_probs.float().cpu()
+        samples = []
+        for b in range(toks.shape[0]):
+            k = int(mask[b].sum())
+            ids = toks[b, :k].tolist()
+            samples.append({"token_ids": ids, "log_probs": logps[b, :k].tolist(),
+                            "finish_reason": "stop" if ids and ids[-1] in stops else "length"})
+        return samples
+
+    # ---- weights -----------------------------------------------------------------------------
+    def _tensors(self) -> list[tuple[str, torch.Tensor]]:
+        named = list(self.model.named_parameters()) + list(self.model.named_buffers())
+        seen, out = set(), []
+        for name, t in named:
+            if id(t) not in seen:  # tied weights once
+                seen.add(id(t))
+                out.append((name, t))
+        return out
+
+    def _snapshot(self) -> list[torch.Tensor]:
+        # host copies on CUDA (the accelerator holds the model, the host has room), else clones
+        host = self.device.type == "cuda"
+        return [t.detach().to("cpu", copy=True) if host else t.detach().clone()
+                for _, t in self._tensors()]
+
+    @torch.no_grad()
+    def _restore(self, snapshot: list[torch.Tensor]) -> None:
+        for (_, t), saved in zip(self._tensors(), snapshot):
+            t.copy_(saved)
+
+    def update_weights(self, path: str, group=None) -> dict:
+        """Load ``path`` into the model, all or nothing. With ``group`` (a process group of every
+        rank holding a shard; all call this together) the ranks agree: if loading fails on any
+        of them, each restores its old shard. Returns ``{"weight_version", "path", "seconds"}``;
+        raises :class:`WeightUpdateError` (the weights and version unchanged) on failure."""
+        t0 = time.perf_counter()
+        snapshot = self._snapshot()  # before touching anything: an OOM here changes nothing
+        error: BaseException | None = None
+        try:
+            load_weights(self.model, path)
+        except Exception as exc:  # noqa: BLE001 - restored below, reported to the caller
+            error = exc
+        failed = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(failed, group=group)
+        if int(failed):
+            self._restore(snapshot)
+            if error is None:
+                raise WeightUpdateError(f"loading {path!r} failed on another rank; the previous "
+                                        f"weights (version {self.version}) were kept")
+            raise WeightUpdateError(f"{type(error).__name__}: {error} (the previous weights, "
+                                    f"version {self.version}, were kept)") from error
+        del snapshot
+        self.version += 1
+        self.weights_path = path
+        return {"weight_version": self.version, "path": path,
+                "seconds": round(time.perf_counter() - t0, 3)}
+
+
+__all__ = ["RolloutEngine", "WeightUpdateError", "load_weights"]

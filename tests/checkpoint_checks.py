@@ -224,7 +224,35 @@ def pp_save_roundtrips(jobs: list[dict], tp: int, pp: int, vpp: int | None = Non
         cls = pm.get_model_class(architecture_of(job["src"]), job["head"], pp=True)
         chunks = pm.build_pipeline_chunks(cls, job["src"], dtype=job.get("dtype"))
         fn = save_pretrained if job["kind"] == "hf" else save_mcore
+        if job.get("perturb_tied"):  # the last stage's copy of a tied embedding drifts
+            out[job["out"] + ":errors"] = _save_with_drifted_tied_copy(chunks, fn, job["out"])
         stats = fn(chunks, job["out"])
         out[job["out"]] = {"seconds": stats["seconds"],
                            "reports": [c.load_report for c in chunks]}
     return out
+
+
+def _save_with_drifted_tied_copy(chunks, fn, out_dir: str) -> list[str]:
+    """Perturb one element of the last stage's head copy (TP rank 0 only), try to save (every
+    rank must raise), then restore it. Returns the error message of each attempt on this rank."""
+    import torch.distributed as dist
+
+    from parallel_models.llama.checkpoint_utils import CheckpointError
+
+    last = [c for c in chunks if c.post_process and not c.pre_process]
+    errors = []
+    for attempt in range(2):
+        touched = last and dist.get_rank() % 2 == 0  # TP rank 0 of the last stage (TP=2)
+        if touched:
+            with torch.no_grad():
+                last[0].lm_head.weight[0, 0] += 2.0 ** -4
+        try:
+            fn(chunks, out_dir)
+            errors.append("")
+        except CheckpointError as err:
+            errors.append(str(err))
+        finally:
+            if touched:
+                with torch.no_grad():
+                    last[0].lm_head.weight[0, 0] -= 2.0 ** -4
+    return errors

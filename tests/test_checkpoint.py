@@ -95,6 +95,74 @@ def env(tmp_path_factory):
     return {"root": root, "src": src, "mcore": mc}
 
 
+# ---- weight rules: pure transforms, one CPU ----------------------------------------------------------------
+class _DictReader:
+    """The slice-reader interface over a dict of full HF tensors."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def shape(self, name):
+        return list(self.tensors[name].shape)
+
+    def dtype(self, name):
+        return self.tensors[name].dtype
+
+    def __call__(self, name, dim, start, end):
+        t = self.tensors[name]
+        return t if dim is None else t.narrow(dim, start, end - start)
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("llama", dict(attention_bias=True, mlp_bias=True)), ("llama", dict(num_key_value_heads=1)),
+    ("qwen2", {})], ids=["llama-biases", "llama-kv1", "qwen2"])
+@pytest.mark.parametrize("head", ["causal_lm", "value"])
+def test_weight_rules_are_inverse_pairs(family, overrides, head):
+    """For every mapping and TP in 1, 2, 4: merge(shard) and from_mcore(to_mcore) give the HF
+    tensors back bit for bit; mcore_rows locates each HF row in to_mcore's layout; the TP pieces
+    megatron-core is told about tile to_mcore's tensor (replica 0 once, others equal)."""
+    from parallel_models.config import ModelConfig
+    from parallel_models.llama.checkpoint_utils import LLAMA
+    from parallel_models.testing import tiny_hf_config
+
+    config = ModelConfig.from_hf(tiny_hf_config(family, **overrides))
+    gen = torch.Generator().manual_seed(0)
+    for m in LLAMA.mappings(config, head):
+        hf = {n: torch.randn(s, generator=gen) for n, s in zip(m.hf, m.rule.hf_shapes(config))}
+        parts = [hf[n] for n in m.hf]
+        fused = m.rule.to_mcore(parts, config)
+        assert tuple(fused.shape) == m.rule.mcore_shape(config), m.ours
+        assert all(torch.equal(a, b) for a, b in zip(m.rule.from_mcore(fused, config), parts))
+        for comp, t in enumerate(parts):
+            rows = m.rule.mcore_rows(comp, 0, t.shape[0], config)
+            assert torch.equal(torch.cat([fused[a:b] for a, b in rows]), t), (m.ours, comp)
+        for tp in (1, 2, 4):
+            shards = [m.rule.shard(_DictReader(hf), m.hf, config, tp, r) for r in range(tp)]
+            back = m.rule.merge(shards, config)
+            assert all(torch.equal(a, b) for a, b in zip(back, parts)), (m.ours, tp)
+            tiled = None  # the megatron tensor the pieces describe (vocab: padded rows)
+            for r, shard in enumerate(shards):
+                for p in m.rule.mcore_pieces(shard, config, tp, r):
+                    if p.axis is None:
+                        assert torch.equal(p.tensor, fused), (m.ours, tp)
+                        continue
+                    size = p.tensor.shape[p.axis]
+                    if tiled is None:
+                        shape = list(fused.shape)
+                        shape[p.axis] = size * p.count
+                        tiled = torch.full(shape, float("nan"))
+                    target = tiled.narrow(p.axis, p.index * size, size)
+                    if p.replica == 0:
+                        assert bool(target.isnan().all()), (m.ours, tp, "two main copies")
+                        target.copy_(p.tensor)
+                    else:  # a replica: equal to its main copy
+                        assert torch.equal(p.tensor, fused.narrow(p.axis, p.index * size, size))
+            if tiled is not None:
+                n = fused.shape[0]
+                assert torch.equal(tiled[:n], fused), (m.ours, tp)
+                assert not bool(tiled[n:].any()), (m.ours, tp)  # vocab padding rows: zero
+
+
 # ---- HF -> hf2mcore -> mcore2hf -> HF --------------------------------------------------------------
 @pytest.mark.parametrize("name", list(MODELS))
 def test_hf2mcore_mcore2hf_is_bit_exact(env, name):
@@ -247,12 +315,36 @@ def tp2_pp2_saves(env):
             for name, src in env["src"].items()]
     jobs += [{"src": env["mcore"][name], "head": HEAD[name], "out": str(root / f"{name}.tp2pp2.mcore"),
               "kind": "mcore"} for name in ("llama", "qwen2", "qwen2_value")]
+    # tied embeddings (Qwen2): a drifted head copy on the last stage makes both savers raise
+    jobs += [{"src": env["src"]["qwen2"], "head": "causal_lm", "kind": kind, "perturb_tied": True,
+              "out": str(root / f"qwen2.tp2pp2.tied.{kind}")} for kind in ("hf", "mcore")]
     return run_distributed(cc.pp_save_roundtrips, 4, jobs, 2, 2, timeout=RUN_TIMEOUT)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_from_pretrained_tp2_pp2_save_pretrained_is_bit_exact(env, tp2_pp2_saves, name):
     assert_bit_exact(env["src"][name], str(env["root"] / f"{name}.tp2pp2.hf"))
+
+
+@pytest.mark.parametrize("kind", ["hf", "mcore"])
+def test_tied_embedding_copies_that_differ_are_refused(env, tp2_pp2_saves, kind):
+    """Issue 21: Qwen2 (tie_word_embeddings) at TP=2 x PP=2. A save writes only stage 0's
+    embedding; when the last stage's head copy differs (here on TP rank 0 only), every rank
+    raises naming the stages and nothing is written; unperturbed, the same save succeeds and
+    matches the source."""
+    out = str(env["root"] / f"qwen2.tp2pp2.tied.{kind}")
+    for rank in range(4):
+        errors = tp2_pp2_saves[rank][out + ":errors"]
+        assert len(errors) == 2
+        for msg in errors:
+            assert "tied embeddings differ between pipeline stage 0" in msg, (rank, msg)
+            assert "stage 1 (its copy as the LM head)" in msg, (rank, msg)
+    assert "TP rank 0: stage 0 sum" in tp2_pp2_saves[0][out + ":errors"][0]
+    if kind == "mcore":
+        to_hf(out, out + ".hf")
+        out = out + ".hf"
+    assert_bit_exact(env["src"]["qwen2"], out)
+    assert no_leftovers(out)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen2_value"])
@@ -455,6 +547,80 @@ def test_mcore_metadata_is_not_unpickled_blindly(env, tmp_path):
     out = str(tmp_path / "out")
     _expect_error(lambda: to_hf(bad, out), out, "not allowed")
     assert not marker.exists()
+
+
+def _records(folder: str):
+    """(key, raw bytes) of every chunk record of a dist checkpoint, located by DCP's index."""
+    from parallel_models.llama.checkpoint_utils.dcp import read_dcp_metadata
+
+    md = read_dcp_metadata(folder)
+    for index, info in sorted(md.storage_data.items(), key=lambda kv: (kv[1].relative_path,
+                                                                         kv[1].offset)):
+        with open(os.path.join(folder, info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            yield index.fqn, f.read(info.length)
+
+
+def test_hf2mcore_records_carry_crc32(env):
+    """Every record hf2mcore writes (range-copied from safetensors or assembled) has a CRC32 in
+    each zip member that Python's zipfile verifies, and torch.load reads it."""
+    import io
+    import zipfile
+
+    n = 0
+    for name in ("llama", "qwen2", "qwen2.fp32"):  # verbatim copies, and dtype-converted ones
+        for key, raw in _records(env["mcore"][name]):
+            zf = zipfile.ZipFile(io.BytesIO(raw))
+            assert zf.testzip() is None, f"{name}: {key}: bad CRC32"
+            assert all(i.CRC != 0 for i in zf.infolist() if i.file_size), f"{name}: {key}: no CRC32"
+            torch.load(io.BytesIO(raw), weights_only=True)
+            n += 1
+    assert n > 50
+
+
+def test_records_streamed_through_small_buffers_match_torch_save(tmp_path):
+    """A record's data and its CRC32 fields crossing write-buffer boundaries: the file holds the
+    records torch.save writes (CRC32 checked by zipfile, values by torch.load), only the
+    serialization id differs."""
+    import io
+    import zipfile
+
+    from parallel_models.llama.checkpoint_utils.dcp import tensor_filler, write_record
+    from parallel_models.llama.checkpoint_utils.direct_io import (RangeReader, WriteBehind,
+                                                                 segment_filler)
+    from parallel_models.llama.checkpoint_utils.torch_record import Placeholder
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(37, 101, generator=gen), torch.randn(5000, generator=gen).bfloat16(),
+               torch.zeros(0, 3), torch.arange(3, dtype=torch.int64), torch.randn(3, 1999)]
+    src = str(tmp_path / "src.bin")  # the last tensor's bytes, copied verbatim as segments
+    with open(src, "wb") as f:
+        f.write(b"x" * 123 + tensors[-1].numpy().tobytes())
+    wb, reader, path = WriteBehind(size=8192, count=2), RangeReader(), str(tmp_path / "out.bin")
+    out, spans = wb.open(path), []
+    for i, t in enumerate(tensors):
+        start = out.tell()
+        if i == len(tensors) - 1:
+            write_record(out, Placeholder().tensor(t.shape, t.dtype),
+                         segment_filler(reader, [(src, 123, 4000), (src, 4123, t.nbytes - 4000)]))
+        else:
+            write_record(out, t, tensor_filler(t))
+        spans.append((start, out.tell()))
+    out.close()
+    wb.finish()
+    reader.close()
+    assert wb.crc_bytes == sum(t.nbytes for t in tensors)
+    data = open(path, "rb").read()
+    for t, (a, b) in zip(tensors, spans):
+        raw = data[a:b]
+        assert zipfile.ZipFile(io.BytesIO(raw)).testzip() is None
+        assert torch.equal(torch.load(io.BytesIO(raw), weights_only=True), t)
+        ref = io.BytesIO()
+        torch.save(t, ref)
+        ref = ref.getvalue()
+        differ = [k for k in range(len(ref)) if ref[k] != raw[k]]
+        sid = zipfile.ZipFile(io.BytesIO(ref)).getinfo("archive/.data/serialization_id")
+        assert len(ref) == len(raw) and all(k >= sid.header_offset for k in differ)
 
 
 def test_interrupted_conversion_leaves_nothing(env, tmp_path, monkeypatch):

@@ -27,14 +27,14 @@ from tqdm import tqdm
 import parallel_models as pm
 from parallel_models.config import ConfigError
 from parallel_models.rl import algorithms as algos
-from parallel_models.rl.rollout.generation import SamplingParams, generate
+from parallel_models.rl.rollout.engine import RolloutEngine
 from parallel_models.rl.tokenizer import builtin_vocab
 from parallel_models.rl import dp_stats
 from parallel_models.rl.advantages import compute_advantages
 from parallel_models.rl.batch import RolloutBatch
 from parallel_models.rl.metrics import Timer
 from parallel_models.rl.roles import CriticRole, PolicyRole, RuleReward
-from parallel_models.utils.optimizer import OptimConfig, build_optimizer
+from parallel_models.utils.optimizer import build_optimizer
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +109,8 @@ class PPOTrainer:
         self.actor_model = actor_cls.from_pretrained(model_path, dtype=dtype)
         a = cfg.actor
         budget = a.micro_batch_tokens
-        self.actor = PolicyRole(self.actor_model, build_optimizer([self.actor_model], OptimConfig(
-            lr=a.lr, weight_decay=a.weight_decay, clip_grad=a.clip_grad,
-            warmup_steps=a.warmup_steps, total_steps=tcfg.total_steps)),
+        self.actor = PolicyRole(self.actor_model, build_optimizer([self.actor_model],
+                                                                 a.optim_config(tcfg.total_steps)),
             temperature=cfg.rollout.temperature if not cfg.rollout.greedy else 1.0,
             max_tokens=budget, cfg=a)
         alg = cfg.algorithm
@@ -129,9 +128,7 @@ class PPOTrainer:
                                             rmpad=True)
             critic_model = critic_cls.from_pretrained(critic_path, dtype=dtype,
                                                       value_head_seed=tcfg.seed)
-            critic_state = build_optimizer([critic_model], OptimConfig(
-                lr=c.lr, weight_decay=c.weight_decay, clip_grad=c.clip_grad,
-                warmup_steps=c.warmup_steps, total_steps=tcfg.total_steps))
+            critic_state = build_optimizer([critic_model], c.optim_config(tcfg.total_steps))
             self.critic = CriticRole(critic_model, critic_state, max_tokens=budget, cfg=c,
                                      loss_agg_mode=a.loss_agg_mode)
         self.reward = self._build_reward()
@@ -149,12 +146,11 @@ class PPOTrainer:
         self.metrics = MetricsLogger(tcfg.output_dir, tensorboard=tcfg.tensorboard)
         self.step_index = 0
         r = cfg.rollout
-        eos = self.tokenizer.eos_token_id
-        self.sampling = SamplingParams(
-            max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
-            top_p=r.top_p, greedy=r.greedy, eos_token_id=eos,
-            stop_token_ids=list(r.stop_token_ids or []),
-            pad_token_id=self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
+        self.sampling = r.sampling_params()
+        pad = self.tokenizer.pad_token_id
+        self.rollout_engine = RolloutEngine(self.actor_model,
+                                            eos_token_id=self.tokenizer.eos_token_id,
+                                            pad_token_id=pad if pad is not None else 0)
         self.rollout_client = None
         if r.backend == "server":
             from parallel_models.rl.rollout.server import RolloutClient
@@ -269,13 +265,14 @@ class PPOTrainer:
             from parallel_models.rl.rollout.server.rollout import server_rollout
 
             seed = (self.cfg.trainer.seed * 1_000_003 + self.step_index) * 1009 + self.dp_rank
-            out = server_rollout(self.rollout_client, prompt_ids, self.sampling, n, seed=seed,
-                                 device=self.actor_model.device)
+            out = server_rollout(self.rollout_client, prompt_ids, self.sampling, seed=seed,
+                                 device=self.actor_model.device,
+                                 eos_token_id=self.rollout_engine.eos_token_id,
+                                 pad_token_id=self.rollout_engine.pad_token_id)
             out.pop("weight_version", None)
             out.pop("rollout_log_probs", None)  # old_log_probs are recomputed by the actor
             return RolloutBatch.from_dict(out)
-        prompts = [p for p in prompt_ids for _ in range(n)]
-        out = generate(self.actor_model, prompts, self.sampling)
+        out = self.rollout_engine.generate(prompt_ids, self.sampling)
         return RolloutBatch(sequences=out.sequences, attention_mask=out.attention_mask,
                             prompt_lengths=out.prompt_mask.sum(-1),
                             response_mask=out.response_mask,

@@ -99,9 +99,42 @@ def build_pipeline_chunks(cls, path: str, **kwargs) -> list[torch.nn.Module]:
     return [cls.from_pretrained(path, vpp_chunk=c if vpp > 1 else None, **kwargs) for c in range(vpp)]
 
 
+# ---- microbatch keys (README: "Pipeline microbatch keys") -------------------------------------
+# given to the model chunk where its forward takes them (and to the loss/output function)
+MODEL_INPUT_KEYS = ("input_ids", "cu_seqlens", "position_ids", "max_seqlen", "attention_mask",
+                    "full_vocab")
+# given only to the loss/output function: the per-sample tensors of a PPO batch
+# (parallel_models.rl.roles) that the package's losses and output functions read
+LOSS_DATA_KEYS = ("sequences", "prompt_lengths", "response_mask", "old_log_probs",
+                  "ref_log_probs", "advantages", "returns", "values")
+
+
+def check_microbatch_keys(microbatches, extra_keys=()) -> None:
+    """Every microbatch is a dict whose keys are all accepted: :data:`MODEL_INPUT_KEYS`,
+    :data:`LOSS_DATA_KEYS` or ``extra_keys`` (data a caller's own loss function reads). An
+    unknown key would otherwise be dropped without a word (a misspelled ``full_vocab`` at TP>1
+    returns this rank's vocab slice), so it raises a ``ValueError`` naming the accepted keys."""
+    import difflib
+
+    accepted = set(MODEL_INPUT_KEYS) | set(LOSS_DATA_KEYS) | set(extra_keys)
+    for i, mb in enumerate(microbatches):
+        if not isinstance(mb, dict):
+            raise TypeError(f"microbatch {i} is a {type(mb).__name__}; expected a dict of "
+                            "model inputs and loss data")
+        unknown = sorted(k for k in mb if k not in accepted)
+        if unknown:
+            hints = [f"{k!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(
+                str(k), sorted(accepted), n=1)) else repr(k) for k in unknown]
+            raise ValueError(
+                f"microbatch {i} has unknown key(s) {', '.join(hints)}. Accepted keys: model "
+                f"inputs {', '.join(MODEL_INPUT_KEYS)} (given to the model where its forward "
+                f"takes them); loss data {', '.join(LOSS_DATA_KEYS)}"
+                + (f", {', '.join(sorted(map(str, extra_keys)))}" if extra_keys else "")
+                + " (given to the loss/output function only); pass extra_keys=(...) to "
+                "forward_backward/forward_only for other data your function reads")
+
+
 # ---- running batches through the schedules ---------------------------------------------------
-_MODEL_INPUTS = ("input_ids", "cu_seqlens", "position_ids", "max_seqlen", "attention_mask",
-                 "full_vocab")
 
 
 class _ScheduleView(torch.nn.Module):
@@ -131,7 +164,7 @@ def _forward_step(data_iterator, model, *, fn, with_loss: bool):
     batch = next(data_iterator)
     inner = _unwrap(model)
     params = inspect.signature(inner.forward).parameters
-    inputs = {k: v for k, v in batch.items() if k in _MODEL_INPUTS and k in params}
+    inputs = {k: v for k, v in batch.items() if k in MODEL_INPUT_KEYS and k in params}
     output = model(**inputs)
     if not inner.post_process:
         return output, None
@@ -147,9 +180,10 @@ def _forward_step(data_iterator, model, *, fn, with_loss: bool):
     return output, loss_func
 
 
-def _run(chunks, microbatches, fn, forward_only: bool, with_loss: bool):
+def _run(chunks, microbatches, fn, forward_only: bool, with_loss: bool, extra_keys=()):
     if not microbatches:
         raise ValueError("no microbatches")
+    check_microbatch_keys(microbatches, extra_keys)
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     sched = _schedule_chunks(chunks)
     config = sched[0].config
@@ -218,24 +252,30 @@ def _finalize_plain(model, num_tokens=None, *args, **kwargs):
 
 
 def forward_backward(chunks, microbatches: list[dict], loss_fn: Callable, *,
-                     forward_only: bool = False) -> list[dict]:
+                     forward_only: bool = False, extra_keys=()) -> list[dict]:
     """Forward and backward of a batch split into microbatches, through all pipeline stages.
 
     ``loss_fn(output, microbatch) -> (loss_sum, num_tokens, metrics)`` runs on the last stage;
     gradients end up as those of ``sum(loss_sum) / sum(num_tokens)`` over the whole batch (and
     data-parallel replicas), i.e. a global token mean. Returns the per-microbatch ``metrics``,
-    broadcast to every pipeline stage.
+    broadcast to every pipeline stage. Microbatch keys: see :func:`check_microbatch_keys`
+    (``extra_keys``: more data keys ``loss_fn`` reads).
     """
-    results = _run(chunks, microbatches, loss_fn, forward_only, with_loss=True)
+    results = _run(chunks, microbatches, loss_fn, forward_only, with_loss=True,
+                   extra_keys=extra_keys)
     return broadcast_from_last_stage(results if mpu.is_pipeline_last_stage() else None)
 
 
-def forward_only(chunks, microbatches: list[dict], output_fn: Callable | None = None) -> list[Any]:
+def forward_only(chunks, microbatches: list[dict], output_fn: Callable | None = None, *,
+                 extra_keys=()) -> list[Any]:
     """Run microbatches forward through all stages; returns ``output_fn(output, microbatch)``
-    (default: the logits or values) per microbatch, on every rank of the pipeline group."""
+    (default: the logits or values) per microbatch, on every rank of the pipeline group.
+    Microbatch keys: see :func:`check_microbatch_keys` (``extra_keys``: more data keys
+    ``output_fn`` reads)."""
     fn = output_fn or (lambda out, mb: out.logits if hasattr(out, "logits") else out.values)
     with torch.no_grad():
-        results = _run(chunks, microbatches, fn, forward_only=True, with_loss=False)
+        results = _run(chunks, microbatches, fn, forward_only=True, with_loss=False,
+                       extra_keys=extra_keys)
     local = [r["output"] for r in results] if mpu.is_pipeline_last_stage() else None
     return broadcast_from_last_stage(local)
 

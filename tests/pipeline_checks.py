@@ -14,13 +14,13 @@ def _microbatches_packed(ids, mask, n_micro):
     for chunk_ids, chunk_mask in zip(ids.chunk(n_micro), mask.chunk(n_micro)):
         p = pack_padded_batch(chunk_ids, chunk_mask)
         out.append({"input_ids": p.input_ids, "cu_seqlens": p.cu_seqlens,
-                    "position_ids": p.position_ids, "max_seqlen": p.max_seqlen,
-                    "mask": chunk_mask})
+                    "position_ids": p.position_ids, "max_seqlen": p.max_seqlen})
     return out
 
 
 def check_pp_forward(folders: dict, tp: int, pp: int, vpp: int | None, sp: bool = False) -> dict:
-    """Max abs error vs transformers of the PP variants (RmPad and padded, CausalLM and Value)."""
+    """Max abs error vs transformers of the PP variants (RmPad and padded, CausalLM and Value),
+    and the error a misspelled ``full_vocab`` microbatch key gives (``typo_error``)."""
     import parallel_models as pm
 
     pm.init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp,
@@ -39,6 +39,13 @@ def check_pp_forward(folders: dict, tp: int, pp: int, vpp: int | None, sp: bool 
                 mbs = _microbatches_packed(ids, mask, n_micro)
                 fn = (lambda out, mb: out.logits) if head == "causal_lm" else (lambda out, mb: out.values)
                 kw = {"full_vocab": True} if head == "causal_lm" else {}
+                if kw and "typo_error" not in errors:
+                    typo = [{**mb, "full_vocabs": True} for mb in mbs]
+                    try:
+                        pm.forward_only(chunks, typo, fn)
+                        errors["typo_error"] = None
+                    except ValueError as err:
+                        errors["typo_error"] = str(err)
                 for mb in mbs:
                     mb.update(kw)
                 outs = pm.forward_only(chunks, mbs, fn)

@@ -5,7 +5,9 @@ Three tokenizers, all made locally:
 - ``rm_chat``: a BPE trained here on a few sentences (case-sensitive, merges, other ids), no BOS,
   a ChatML template with ``<|im_start|>``/``<|im_end|>``;
 - ``rm_plain``: a character tokenizer with another vocabulary order, a ``<bos>`` added on encode
-  and no chat template (plain concatenation).
+  and no chat template (plain concatenation);
+- ``rm_bpe``: a lowercasing BPE with a Metaspace pre-tokenizer, saved next to a Qwen2 config
+  (transformers 5's ``AutoTokenizer`` builds a ``Qwen2Tokenizer`` there and ignores it).
 """
 
 from __future__ import annotations
@@ -70,6 +72,22 @@ def build_rm_plain_tokenizer():
                                             special_tokens=[("<bos>", vocab["<bos>"])])
     tok.add_special_tokens(["<pad>", "<bos>", "<eos>", "<unk>"])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", unk_token="<unk>", model_max_length=4096)
+
+
+def build_rm_lowercase_bpe_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<unk>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=list(string.printable.lower()))
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                    pad_token="<pad>", unk_token="<unk>", model_max_length=4096)
 
 
@@ -286,8 +304,50 @@ def run_checks(paths: dict, batches: dict, settings: list[tuple[int, int, bool]]
                 res[f"bad_{key}_error"] = str(err)
         res["sequence_parallel"] = [c.sequence_parallel for c in rm.chunks]
         res["n_chunks_layers"] = [len(c.model.layers) for c in rm.chunks]
+        res.update(_check_sharp_edges(paths, batches, actor_tok, pp))
         results[(tp, pp, sp)] = res
     return results
+
+
+def _check_sharp_edges(paths: dict, batches: dict, actor_tok, pp: int) -> dict:
+    """Issue 21: the saved tokenizer is the one used, the fast path needs no tokenizer files, and
+    an uneven layer split over the pipeline stages."""
+    from parallel_models.config import ConfigError
+    from parallel_models.rl.reward_model import RewardModel
+
+    out = {}
+    # a Qwen2 RM with its own lowercasing BPE, both loaded by path
+    rm = RewardModel(paths["rm_bpe"], actor_tokenizer=actor_tok, dtype=torch.float32,
+                     offload=False)
+    out["bpe"] = {"ids": rm.encode_batch(batches["ppo"])[0], "scores": rm.score(batches["ppo"]),
+                  "same_tokenizer": rm.same_tokenizer}
+    # the fast path with an RM folder that holds no tokenizer files (rm_plain)
+    notok = {}
+    rm = RewardModel(paths["rm_plain"], actor_tokenizer=actor_tok, same_tokenizer=True,
+                     dtype=torch.float32, offload=False)
+    notok["with_actor"] = {k: rm.score(b) for k, b in batches.items()}
+    notok["tokenizer_is_actor"] = rm.tokenizer is actor_tok
+    rm = RewardModel(paths["rm_plain"], dtype=torch.float32, offload=False)
+    notok["ids_only"] = rm.score(batches["ppo"])
+    notok["ids_only_tokenizer"] = rm.tokenizer
+    try:
+        RewardModel(paths["rm_plain"], actor_tokenizer=actor_tok, offload=False)
+        notok["undecided_error"] = None
+    except ConfigError as err:
+        notok["undecided_error"] = str(err)
+    out["notok"] = notok
+    # 5 layers: [3, 2] over PP=2, all 5 at PP=1
+    split = [3, 2] if pp == 2 else None
+    rm = RewardModel(paths["rm_uneven"], dtype=torch.float32, offload=False,
+                     layers_per_stage=split)
+    out["uneven"] = {"scores": rm.score(batches["ppo"]),
+                     "layers": [[layer.layer_id for layer in c.model.layers] for c in rm.chunks]}
+    try:
+        RewardModel(paths["rm_uneven"], offload=False, layers_per_stage=[2, 2] if pp == 2 else [4])
+        out["uneven"]["bad_split_error"] = None
+    except ConfigError as err:
+        out["uneven"]["bad_split_error"] = str(err)
+    return out
 
 
 # ---- GPU (run by hand on a CUDA machine; the CPU tests cannot see device memory) -----------------

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from parallel_models.config import ConfigError
-from parallel_models.pipeline import format_pipeline_layout, pipeline_layout
+from parallel_models.pipeline import (LOSS_DATA_KEYS, MODEL_INPUT_KEYS, check_microbatch_keys,
+                                      format_pipeline_layout, forward_only, pipeline_layout)
 from parallel_models.testing import run_distributed, save_tiny_hf_model
 from tests import pipeline_checks
 
@@ -31,9 +32,35 @@ def forward_results(pp_models):
 @pytest.mark.parametrize("setting", list(FORWARD))
 def test_pp_variants_match_transformers(forward_results, setting):
     for rank, errors in enumerate(forward_results[setting]):
+        errors = {k: v for k, v in errors.items() if k != "typo_error"}
         assert len(errors) == 8
         for key, err in errors.items():
             assert err <= FWD_TOL, f"{setting} rank {rank} {key}: max abs error {err:.3e}"
+
+
+@pytest.mark.parametrize("setting", list(FORWARD))
+def test_misspelled_microbatch_key_raises_on_every_rank(forward_results, setting):
+    """At TP=2 a dropped ``full_vocab`` would return this rank's vocab slice without an error."""
+    for rank, errors in enumerate(forward_results[setting]):
+        msg = errors["typo_error"]
+        assert msg is not None, f"{setting} rank {rank}: 'full_vocabs' was accepted"
+        assert "'full_vocabs' (did you mean 'full_vocab'?)" in msg
+        for key in MODEL_INPUT_KEYS + LOSS_DATA_KEYS:
+            assert key in msg, f"accepted key {key!r} missing from: {msg}"
+
+
+def test_microbatch_key_check():
+    ok = {"input_ids": torch.zeros(3, dtype=torch.long), "cu_seqlens": torch.tensor([0, 3]),
+          "full_vocab": True, "response_mask": torch.ones(1, 2), "advantages": torch.zeros(1, 2)}
+    check_microbatch_keys([ok, dict(ok)])
+    with pytest.raises(ValueError, match=r"microbatch 1 has unknown key\(s\) 'label_mask'.*"
+                                         r"extra_keys"):
+        check_microbatch_keys([ok, {**ok, "label_mask": 1}])
+    check_microbatch_keys([{**ok, "label_mask": 1}], extra_keys=("label_mask",))
+    with pytest.raises(TypeError, match="microbatch 0 is a list"):
+        check_microbatch_keys([[1, 2]])
+    with pytest.raises(ValueError, match="'positions' \\(did you mean 'position_ids'\\?\\)"):
+        forward_only([], [{**ok, "positions": None}])  # raises before any model code runs
 
 
 def _assert_same_step(results, what):

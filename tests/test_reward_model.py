@@ -1,7 +1,10 @@
 """Reward model (issue 6): re-tokenization between different tokenizers, scores vs transformers'
 SequenceClassification at TP=1, TP=2 and PP=2 (fp32, <= 1e-4), the same-tokenizer fast path
 without decoding, token-level placement (PPO, left-, right-padded, packed), truncation policy and
-metric, empty responses, offload bookkeeping, and the trainer's entry point.
+metric, empty responses, offload bookkeeping, and the trainer's entry point. Issue 21: a reward
+model saved with its own tokenizer is scored with that tokenizer when loaded by path, the fast
+path works with an RM folder without tokenizer files, and ``layers_per_stage`` splits a 5-layer
+RM unevenly over PP=2.
 
 All multi-rank checks run in one spawn of 2 gloo ranks (TP=1 as 2 data-parallel replicas, then
 TP=2, TP=2 + sequence parallel, then PP=2); the references are computed here, from the original
@@ -11,7 +14,8 @@ texts, with transformers.
 import pytest
 import torch
 
-from parallel_models.rl.reward_model import place_scores, same_tokenizer, split_prompt_response
+from parallel_models.rl.reward_inputs import place_scores, split_prompt_response
+from parallel_models.rl.reward_tokenizer import same_tokenizer
 from parallel_models.testing import run_distributed, save_tiny_hf_model
 from tests import reward_model_checks as rc
 
@@ -61,16 +65,25 @@ def env(tmp_path_factory):
     chat_tok.save_pretrained(paths["rm_chat"])
     save_tiny_hf_model(paths["rm_plain"], "qwen2", head="value", seed=4)
     plain_tok.save_pretrained(paths["tok_plain"])
+    # issue 21: a Qwen2 RM saved with its own lowercasing BPE; a 5-layer RM for uneven PP splits
+    bpe_tok = rc.build_rm_lowercase_bpe_tokenizer()
+    paths["rm_bpe"], paths["rm_uneven"] = str(root / "rm_bpe"), str(root / "rm_uneven")
+    save_tiny_hf_model(paths["rm_bpe"], "qwen2", head="value", seed=6)
+    bpe_tok.save_pretrained(paths["rm_bpe"])
+    save_tiny_hf_model(paths["rm_uneven"], "llama", head="value", seed=7, num_hidden_layers=5)
 
     rows = rc.actor_ids(actor_tok)
     batches = rc.make_batches(rows)
     want_ids = {"chat": _expected_rm_ids(chat_tok, True),
-                "plain": _expected_rm_ids(plain_tok, False)}
+                "plain": _expected_rm_ids(plain_tok, False),
+                "bpe": _expected_rm_ids(bpe_tok, False)}
     lengths = sorted(len(x) for x in want_ids["chat"])
     trunc = [lengths[len(lengths) // 2]]  # some rows over, some not
     want = {name: _hf_scores(paths[f"rm_{name}"], ids) for name, ids in want_ids.items()}
     actor_full = [p + r for p, r, _ in rows]
     want["fast"] = _hf_scores(paths["rm_chat"], actor_full)
+    want["fast_plain"] = _hf_scores(paths["rm_plain"], actor_full)
+    want["uneven"] = _hf_scores(paths["rm_uneven"], actor_full)
     trunc_want = {}
     for m in trunc:
         for policy in ("left", "right"):
@@ -81,7 +94,8 @@ def env(tmp_path_factory):
                                        "count": sum(len(x) > m for x in want_ids["chat"])}
     results = run_distributed(rc.run_checks, 2, paths, batches, SETTINGS, trunc, timeout=300)
     return {"paths": paths, "rows": rows, "batches": batches, "want_ids": want_ids, "want": want,
-            "trunc": trunc_want, "results": results, "actor_tok": actor_tok, "chat_tok": chat_tok}
+            "trunc": trunc_want, "results": results, "actor_tok": actor_tok, "chat_tok": chat_tok,
+            "bpe_tok": bpe_tok}
 
 
 def _ranks(env, setting):
@@ -222,6 +236,94 @@ def test_from_config_and_parallel_size_must_match_actor(env, setting):
         bad_tp, bad_pp = res["bad_tp_error"], res["bad_pp_error"]
         assert bad_tp and f"reward.tensor_parallel_size={tp + 1}" in bad_tp and f"({tp})" in bad_tp
         assert bad_pp and f"reward.pipeline_parallel_size={pp + 1}" in bad_pp
+
+
+# ---- issue 21: sharp edges that gave silently wrong results ----------------------------------------
+def test_premise_auto_tokenizer_ignores_the_saved_bpe(env):
+    """transformers 5's AutoTokenizer builds a Qwen2Tokenizer for the Qwen2 folder and encodes
+    otherwise than the saved tokenizer: what RewardModel(path) used to score with."""
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(env["paths"]["rm_bpe"])
+    text = "Hello world"
+    assert auto(text)["input_ids"] != env["bpe_tok"](text)["input_ids"]
+    assert _expected_rm_ids(auto, False) != env["want_ids"]["bpe"]
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=SETTING_IDS)
+def test_rm_loaded_by_path_scores_with_its_saved_tokenizer(env, setting):
+    for rank, res in _ranks(env, setting):
+        got = res["bpe"]
+        assert got["same_tokenizer"] is False
+        assert got["ids"] == env["want_ids"]["bpe"], f"rank {rank}: not the saved tokenizer's ids"
+        err = (got["scores"] - env["want"]["bpe"]).abs().max().item()
+        assert err <= TOL, f"{setting} rank {rank}: max abs err {err:.3e}"
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=SETTING_IDS)
+def test_fast_path_with_rm_folder_without_tokenizer_files(env, setting):
+    import os
+
+    assert not any(name.startswith(("tokenizer", "vocab", "special_tokens"))
+                   for name in os.listdir(env["paths"]["rm_plain"]))
+    for rank, res in _ranks(env, setting):
+        notok = res["notok"]
+        assert notok["tokenizer_is_actor"] and notok["ids_only_tokenizer"] is None
+        for layout, got in notok["with_actor"].items():
+            err = (got - env["want"]["fast_plain"]).abs().max().item()
+            assert err <= TOL, f"{setting} rank {rank} {layout}: {err:.3e}"
+        assert (notok["ids_only"] - env["want"]["fast_plain"]).abs().max() <= TOL
+        msg = notok["undecided_error"]
+        assert msg and env["paths"]["rm_plain"] in msg and "same_tokenizer=True" in msg
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=SETTING_IDS)
+def test_layers_per_stage_uneven_split_scores_like_pp1(env, setting):
+    """A 5-layer RM: PP=2 with layers_per_stage=[3, 2] (rank 0 layers 0-2, rank 1 layers 3-4)
+    scores like the same ranks at PP=1 and like transformers."""
+    _, pp, _ = setting
+    for rank, res in _ranks(env, setting):
+        got = res["uneven"]
+        want_layers = [[0, 1, 2, 3, 4]] if pp == 1 else [[[0, 1, 2]], [[3, 4]]][rank]
+        assert got["layers"] == want_layers, f"rank {rank}: {got['layers']}"
+        err = (got["scores"] - env["want"]["uneven"]).abs().max().item()
+        assert err <= TOL, f"{setting} rank {rank}: vs transformers {err:.3e}"
+        pp1 = env["results"][rank][(1, 1, False)]["uneven"]["scores"]
+        err = (got["scores"] - pp1).abs().max().item()
+        assert err <= 1e-5, f"{setting} rank {rank}: vs PP=1 {err:.3e}"
+        assert "layers_per_stage" in got["bad_split_error"]
+
+
+def test_load_tokenizer_uses_the_saved_tokenizer_and_checks_it(tmp_path):
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import Qwen2Config
+
+    from parallel_models.config import ConfigError
+    from parallel_models.rl.tokenizer import PROBE_TEXT, load_tokenizer
+
+    folder = tmp_path / "bpe"
+    Qwen2Config(vocab_size=251).save_pretrained(folder)
+    rc.build_rm_lowercase_bpe_tokenizer().save_pretrained(folder)
+    saved = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok = load_tokenizer(str(folder))
+    for text in ("Hello world", PROBE_TEXT):
+        assert tok(text)["input_ids"] == saved.encode(text).ids
+    # a tokenizer_config naming a class that rebuilds another pipeline: a clear error, no quiet
+    # re-encoding
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "Qwen2Tokenizer"
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=rf"^{tmp_path}/bpe: .*Qwen2Tokenizer.*does not match"):
+        load_tokenizer(str(folder))
+    cfg["tokenizer_class"] = "NoSuchTokenizer"
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="NoSuchTokenizer"):
+        load_tokenizer(str(folder))
+    with pytest.raises(ConfigError, match="cannot load the tokenizer from"):
+        load_tokenizer(str(tmp_path / "missing"))
 
 
 # ---- single-process unit checks ------------------------------------------------------------------

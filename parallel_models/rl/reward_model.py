@@ -3,36 +3,18 @@
 calls.
 
 Input
-    The PPO batch of the actor (see ``parallel_models.rl.roles``): ``sequences [N, L]``,
-    ``attention_mask [N, L]``, ``prompt_lengths [N]`` and ``response_mask`` (``[N, R]`` over the
-    last ``R`` columns, or ``[N, L]`` over the whole row); the valid tokens of a row are the prompt
-    (its first ``prompt_lengths`` valid tokens) followed by the response, so left-padded,
-    right-padded and PPO (left-padded prompt + right-padded response) layouts all work. Or a packed
-    batch: ``input_ids [T]``, ``cu_seqlens [N+1]`` and ``prompt_lengths [N]`` (or a packed
-    ``response_mask [T]``). Optionally ``messages``: one structured chat prompt (list of
-    ``{"role", "content"}``) or ``None`` per row.
+    The PPO batch of the actor (see ``parallel_models.rl.roles``), padded in any layout or packed
+    (``parallel_models.rl.reward_inputs``); optionally ``messages``: one structured chat prompt
+    (list of ``{"role", "content"}``) or ``None`` per row.
 
-Re-tokenization (actor tokenizer != reward tokenizer)
-    1. Decode the prompt and the response with the actor tokenizer (``skip_special_tokens=True``:
-       BOS/EOS/pad of the actor are dropped).
-    2. Rebuild the conversation: the row's ``messages`` when given (the prompt came from a chat
-       template), else the decoded prompt as the user turn; the decoded response is the assistant
-       turn.
-    3. Reward tokenizer with a chat template: ``apply_chat_template(conversation)`` then encode
-       without adding special tokens (the template holds them). Without a chat template: plain
-       concatenation ``prompt_text + response_text`` encoded with the tokenizer's own special
-       tokens.
-    4. Over ``max_length`` tokens: ``truncation="left"`` drops tokens from the start (a leading
-       BOS is kept) so the end of the response, where the score is read, survives;
-       ``"right"`` keeps the first ``max_length`` tokens (the score is then read at the cut).
-       Truncated rows are counted in ``metrics["reward/truncated"]``.
-    No string is rewritten by hand: the only text transforms are the two tokenizers' own decode,
-    chat template and encode.
-
-    Same tokenizer (the same object, or the same class, serialized tokenizer, special tokens and
-    chat template; the name/path is not compared, since a reward model fine-tuned from the policy
-    keeps the policy's tokenizer under another name): no decode and no encode at all; the actor's
-    valid token ids are scored as they are (fast path). ``same_tokenizer=`` forces either path.
+Tokenizers (``parallel_models.rl.reward_tokenizer``)
+    The reward model has its own tokenizer (the one saved in its folder, loaded as saved, or
+    ``tokenizer=``). When it differs from the actor's, every row is decoded with the actor's
+    tokenizer and re-encoded with the reward model's (its chat template when it has one), then
+    truncated to ``max_length`` (``truncation="left"`` keeps the end, where the score is read);
+    truncated rows are counted in ``metrics["reward/truncated"]``. Same tokenizer (detected, or
+    ``same_tokenizer=True``): the actor's valid token ids are scored as they are, without decoding
+    (fast path); the reward-model folder then needs no tokenizer files.
 
 Scoring
     The RM-token sequences are packed (RmPad, no padding), cut into microbatches of at most
@@ -47,7 +29,9 @@ Parallelism
     The reward model is built in the *current* parallel state: in a PPO run it shares the actor's
     tensor-parallel group (and pipeline size). ``reward.tensor_parallel_size`` /
     ``reward.pipeline_parallel_size`` must therefore equal the actor's for now; a different value
-    is a ``ConfigError`` (a separate RM process group is future work).
+    is a ``ConfigError`` (a separate RM process group is future work). ``layers_per_stage`` splits
+    the layers unevenly over the pipeline stages (one count per virtual stage), for a layer count
+    that PP does not divide.
 
 Offload
     ``offload()`` moves every parameter and buffer to host memory (pinned, reused across calls,
@@ -69,179 +53,14 @@ from typing import Any, Sequence
 import torch
 
 from parallel_models.config import ConfigError
+from parallel_models.rl.reward_inputs import place_scores, valid_sequences
+from parallel_models.rl.reward_tokenizer import (TRUNCATION_POLICIES, conversations,
+                                                 resolve_reward_tokenizer, retokenize, truncate)
 from parallel_models.utils.offload import Offloader
 
 logger = logging.getLogger(__name__)
 
-TRUNCATION_POLICIES = ("left", "right")
-
-__all__ = ["RewardModel", "same_tokenizer", "split_prompt_response", "valid_sequences",
-           "place_scores", "TRUNCATION_POLICIES"]
-
-
-# ---- tokenizer identity -----------------------------------------------------------------------
-def _tokenizer_fingerprint(tok) -> tuple:
-    backend = getattr(tok, "backend_tokenizer", None)
-    if backend is not None:
-        body = backend.to_str()
-    else:
-        body = sorted(tok.get_vocab().items())
-    specials = tuple(getattr(tok, f"{k}_token_id", None) for k in ("bos", "eos", "pad", "unk"))
-    return (type(tok).__name__, body, specials, getattr(tok, "chat_template", None))
-
-
-def same_tokenizer(a, b) -> bool:
-    """True when ``a`` and ``b`` turn text into the same ids and render chats alike: the same
-    object, or the same class, serialized tokenizer (vocab, merges, normalizer, added tokens),
-    special-token ids and chat template."""
-    if a is b:
-        return True
-    if a is None or b is None:
-        return False
-    return _tokenizer_fingerprint(a) == _tokenizer_fingerprint(b)
-
-
-# ---- batch layouts ------------------------------------------------------------------------------
-def _is_packed(batch: dict) -> bool:
-    ids = batch.get("input_ids")
-    return "sequences" not in batch and ids is not None and ids.dim() == 1
-
-
-def _padded_ids(batch: dict) -> torch.Tensor:
-    seqs = batch.get("sequences", batch.get("input_ids"))
-    if seqs is None or seqs.dim() != 2:
-        raise ValueError("reward batch needs 'sequences' [N, L] (padded) or 'input_ids' [T] + "
-                         f"'cu_seqlens' [N+1] (packed); got keys {sorted(batch)}")
-    return seqs
-
-
-def valid_sequences(batch: dict) -> list[list[int]]:
-    """The valid token ids of every row (prompt + response, padding removed)."""
-    if _is_packed(batch):
-        ids = batch["input_ids"].tolist()
-        cu = _cu_seqlens(batch)
-        return [ids[cu[i]:cu[i + 1]] for i in range(len(cu) - 1)]
-    seqs = _padded_ids(batch)
-    mask = batch.get("attention_mask")
-    mask = torch.ones_like(seqs, dtype=torch.bool) if mask is None else mask.bool()
-    return [row[m].tolist() for row, m in zip(seqs.cpu(), mask.cpu())]
-
-
-def _cu_seqlens(batch: dict) -> list[int]:
-    if "cu_seqlens" not in batch:
-        raise ValueError("a packed reward batch (1-D 'input_ids') needs 'cu_seqlens' [N+1]")
-    cu = [int(x) for x in batch["cu_seqlens"].tolist()]
-    if cu[0] != 0 or cu[-1] != batch["input_ids"].numel() or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens {cu[:8]}... must rise from 0 to the token count "
-                         f"{batch['input_ids'].numel()}")
-    return cu
-
-
-def _prompt_lengths(batch: dict, lengths: list[int]) -> list[int]:
-    """Valid prompt tokens per row: ``prompt_lengths``, else derived from ``response_mask``."""
-    n = len(lengths)
-    pl = batch.get("prompt_lengths")
-    resp = batch.get("response_mask")
-    if pl is not None:
-        out = [int(x) for x in torch.as_tensor(pl).reshape(-1).tolist()]
-    elif resp is None:
-        raise ValueError("cannot tell prompt from response: the batch needs 'prompt_lengths' or "
-                         "'response_mask'")
-    elif _is_packed(batch):
-        cu = _cu_seqlens(batch)
-        r = resp.reshape(-1).bool().cpu()
-        out = [int((~r[cu[i]:cu[i + 1]]).sum()) for i in range(n)]
-    else:
-        seqs = _padded_ids(batch)
-        mask = batch.get("attention_mask")
-        mask = torch.ones_like(seqs, dtype=torch.bool) if mask is None else mask.bool()
-        L, R = seqs.shape[1], resp.shape[1]
-        if R == L:
-            out = (mask & ~resp.bool()).sum(-1).tolist()
-        else:
-            out = mask[:, :L - R].sum(-1).tolist()
-    if len(out) != n:
-        raise ValueError(f"prompt_lengths has {len(out)} entries for {n} sequences")
-    for i, (p, length) in enumerate(zip(out, lengths)):
-        if not 0 <= p <= length:
-            raise ValueError(f"row {i}: prompt_lengths={p} but the row has {length} valid tokens")
-    return out
-
-
-def _response_counts(batch: dict, n: int) -> list[int] | None:
-    resp = batch.get("response_mask")
-    if resp is None:
-        return None
-    if _is_packed(batch):
-        cu = _cu_seqlens(batch)
-        r = resp.reshape(-1).bool().cpu()
-        return [int(r[cu[i]:cu[i + 1]].sum()) for i in range(n)]
-    return [int(x) for x in resp.bool().sum(-1).tolist()]
-
-
-def split_prompt_response(batch: dict) -> tuple[list[list[int]], list[list[int]]]:
-    """(prompt ids, response ids) per row, in the actor's vocabulary, padding removed."""
-    seqs = valid_sequences(batch)
-    pls = _prompt_lengths(batch, [len(s) for s in seqs])
-    counts = _response_counts(batch, len(seqs))
-    prompts, responses = [], []
-    for i, (s, p) in enumerate(zip(seqs, pls)):
-        if counts is not None and len(s) - p != counts[i]:
-            raise ValueError(f"row {i}: {len(s)} valid tokens - {p} prompt tokens != "
-                             f"{counts[i]} response tokens in response_mask; the valid tokens of a "
-                             "row must be its prompt followed by its response")
-        prompts.append(s[:p])
-        responses.append(s[p:])
-    return prompts, responses
-
-
-def _last_true(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of a 2-D mask: (has any, index of the last True)."""
-    m = mask.bool()
-    width = m.shape[-1]
-    idx = torch.arange(width, device=m.device).expand_as(m)
-    last = torch.where(m, idx, torch.full_like(idx, -1)).max(-1).values
-    return last >= 0, last.clamp(min=0)
-
-
-def place_scores(scores: torch.Tensor, batch: dict) -> torch.Tensor:
-    """Token-level rewards: each sequence's score on its response's last valid token, zeros
-    elsewhere (float32). Padded batches: shaped like ``response_mask`` (``[N, R]`` or ``[N, L]``,
-    any padding side). Packed batches: ``[T]``, at the last ``response_mask`` token of each
-    sequence, or (without a mask) its last token when it has a response (``prompt_lengths``).
-    A row with an empty response gets no reward token (nothing to put it on)."""
-    scores = torch.as_tensor(scores, dtype=torch.float32).reshape(-1)
-    if _is_packed(batch):
-        cu = _cu_seqlens(batch)
-        n = len(cu) - 1
-        if scores.numel() != n:
-            raise ValueError(f"{scores.numel()} scores for {n} packed sequences")
-        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32,
-                          device=batch["input_ids"].device)
-        resp = batch.get("response_mask")
-        if resp is not None:
-            r = resp.reshape(-1).bool().cpu()
-            for i in range(n):
-                pos = torch.nonzero(r[cu[i]:cu[i + 1]]).flatten()
-                if pos.numel():
-                    out[cu[i] + int(pos[-1])] = scores[i]
-            return out
-        lengths = [cu[i + 1] - cu[i] for i in range(n)]
-        pls = _prompt_lengths(batch, lengths) if "prompt_lengths" in batch else [0] * n
-        for i in range(n):
-            if lengths[i] > pls[i]:
-                out[cu[i + 1] - 1] = scores[i]
-        return out
-    resp = batch.get("response_mask")
-    if resp is None:
-        raise ValueError("token-level rewards of a padded batch need its 'response_mask'")
-    if scores.numel() != resp.shape[0]:
-        raise ValueError(f"{scores.numel()} scores for {resp.shape[0]} rows")
-    out = torch.zeros(resp.shape, dtype=torch.float32, device=resp.device)
-    has, last = _last_true(resp)
-    rows = torch.arange(resp.shape[0], device=resp.device)[has]
-    out[rows, last[has]] = scores.to(resp.device)[has]
-    return out
+__all__ = ["RewardModel"]
 
 
 # ---- the role ------------------------------------------------------------------------------------
@@ -250,7 +69,9 @@ class RewardModel:
 
     Args:
         path: HF folder of a ``*ForSequenceClassification`` checkpoint (``num_labels=1``).
-        tokenizer: the reward model's tokenizer (object or path); ``None``: the one in ``path``.
+        tokenizer: the reward model's tokenizer (object or path); ``None``: the one saved in
+            ``path`` (loaded as saved, see ``parallel_models.rl.tokenizer.load_tokenizer``; on the
+            fast path ``path`` may hold no tokenizer files).
         actor_tokenizer: the tokenizer of the ids ``score`` receives; ``None``: they are already
             reward-model ids (fast path).
         dtype: parameter dtype (default: the checkpoint's).
@@ -262,13 +83,16 @@ class RewardModel:
         same_tokenizer: force (``True``) or forbid (``False``) the fast path; ``None``: detect.
         tensor_parallel_size, pipeline_parallel_size: when given, must equal the current parallel
             state's (the reward model shares the actor's groups).
+        layers_per_stage: layers per (virtual) pipeline stage, for an uneven split (see
+            ``parallel_models.pipeline.pipeline_layout``); ``None``: an even split.
     """
 
     def __init__(self, path: str, tokenizer=None, actor_tokenizer=None, dtype=None,
                  max_length: int | None = None, truncation: str = "left",
                  micro_batch_tokens: int = 4096, offload: bool | str = "auto",
                  same_tokenizer: bool | None = None, tensor_parallel_size: int | None = None,
-                 pipeline_parallel_size: int | None = None):
+                 pipeline_parallel_size: int | None = None,
+                 layers_per_stage: Sequence[int] | None = None):
         import parallel_models as pm
         from parallel_models.config import load_hf_config
         from parallel_models.distributed import get_parallel_settings
@@ -303,11 +127,16 @@ class RewardModel:
         if num_labels != 1:
             raise ConfigError(f"{path}: num_labels={num_labels}; a reward model has one output "
                               "(num_labels=1)")
-        self.tokenizer = self._load_tokenizer(tokenizer, path)  # before the weights: fail fast
+        # before the weights: fail fast
+        self.tokenizer, self.same_tokenizer = resolve_reward_tokenizer(
+            tokenizer, path, actor_tokenizer, same_tokenizer)
+        self.actor_tokenizer = actor_tokenizer
         self.pp = settings.pipeline_parallel_size
+        self.layers_per_stage = self._check_layers_per_stage(layers_per_stage, hf_config, settings)
         cls = pm.get_model_class(arch, "value", rmpad=True, pp=self.pp > 1)
         if self.pp > 1:
-            self.chunks = pm.build_pipeline_chunks(cls, path, dtype=dtype)
+            self.chunks = pm.build_pipeline_chunks(cls, path, dtype=dtype,
+                                                   layers_per_stage=self.layers_per_stage)
         else:
             self.chunks = [cls.from_pretrained(path, dtype=dtype)]
         for c in self.chunks:
@@ -315,16 +144,11 @@ class RewardModel:
             c.eval()
         self.config = self.chunks[0].config
 
-        self.actor_tokenizer = actor_tokenizer
-        if same_tokenizer is None:
-            same_tokenizer = actor_tokenizer is None or _same_tokenizer(actor_tokenizer,
-                                                                        self.tokenizer)
-        self.same_tokenizer = bool(same_tokenizer)
-        if not self.same_tokenizer and actor_tokenizer is None:
-            raise ValueError("same_tokenizer=False needs the actor_tokenizer to decode with")
         n_vocab = len(self.tokenizer) if self.tokenizer is not None else None
         if n_vocab is not None and n_vocab > self.config.vocab_size:
-            raise ConfigError(f"the reward tokenizer has {n_vocab} tokens but the reward model "
+            whose = "actor's (standing in on the fast path)" \
+                if self.tokenizer is actor_tokenizer else "reward"
+            raise ConfigError(f"the {whose} tokenizer has {n_vocab} tokens but the reward model "
                               f"{path} only {self.config.vocab_size} embeddings; wrong tokenizer?")
 
         if max_length is None:
@@ -352,7 +176,8 @@ class RewardModel:
         ``model_path``, ``tokenizer``, ``tensor_parallel_size``, ``pipeline_parallel_size``
         (``None`` = the actor's; anything else must equal it), ``offload`` (``true`` means
         automatic offload where CUDA is present, like ``trainer.offload``); optional ``dtype``,
-        ``max_length``, ``truncation``, ``micro_batch_tokens`` when the section has them.
+        ``max_length``, ``truncation``, ``micro_batch_tokens``, ``layers_per_stage``,
+        ``same_tokenizer`` when the section has them.
         ``overrides`` win."""
         path = getattr(reward_cfg, "model_path", None)
         if not path:
@@ -361,37 +186,42 @@ class RewardModel:
         offload = getattr(reward_cfg, "offload", "auto")
         kwargs: dict[str, Any] = dict(
             tokenizer=getattr(reward_cfg, "tokenizer", None), actor_tokenizer=actor_tokenizer,
+            same_tokenizer=getattr(reward_cfg, "same_tokenizer", None),
             # the section's bool acts on CUDA only (as trainer.offload): True -> "auto"
             offload="auto" if offload is True else offload,
             tensor_parallel_size=getattr(reward_cfg, "tensor_parallel_size", None),
             pipeline_parallel_size=getattr(reward_cfg, "pipeline_parallel_size", None))
-        for key in ("dtype", "max_length", "truncation", "micro_batch_tokens"):
+        for key in ("dtype", "max_length", "truncation", "micro_batch_tokens", "layers_per_stage"):
             value = getattr(reward_cfg, key, None)
             if value is not None:
                 kwargs[key] = value
         kwargs.update(overrides)
         return cls(path, **kwargs)
 
-    @staticmethod
-    def _load_tokenizer(tokenizer, path: str):
-        if tokenizer is not None and not isinstance(tokenizer, str):
-            return tokenizer
-        from transformers import AutoTokenizer
+    def _check_layers_per_stage(self, layers_per_stage, hf_config, settings) -> list[int] | None:
+        """``layers_per_stage`` as a list, checked against the layer count and the pipeline
+        layout (a ``ConfigError`` naming the counts before any weight is read)."""
+        from parallel_models.pipeline import pipeline_layout
 
-        where = tokenizer or path
-        try:
-            return AutoTokenizer.from_pretrained(where)
-        except Exception as err:
-            raise ConfigError(f"cannot load the reward tokenizer from {where!r} "
-                              f"({type(err).__name__}: {err}); set reward.tokenizer") from err
+        if layers_per_stage is None:
+            return None
+        if isinstance(layers_per_stage, (str, bytes)) or not all(
+                isinstance(n, int) and not isinstance(n, bool) for n in layers_per_stage):
+            raise ConfigError(f"reward layers_per_stage must be a list of ints, got "
+                              f"{layers_per_stage!r}")
+        counts = list(layers_per_stage)
+        pipeline_layout(hf_config.num_hidden_layers, settings.pipeline_parallel_size,
+                        settings.virtual_pipeline_parallel_size, counts)  # raises when it does not fit
+        return counts
 
-    # ---- re-tokenization ---------------------------------------------------------------------
+    # ---- re-tokenization (parallel_models.rl.reward_tokenizer) -------------------------------
     def encode_batch(self, batch: dict) -> tuple[list[list[int]], int]:
         """The reward model's token ids of every row (truncated) and how many were truncated."""
         if self.same_tokenizer:
             seqs = valid_sequences(batch)
         else:
-            seqs = self._retokenize(batch)
+            seqs = retokenize(batch, self.actor_tokenizer, self.tokenizer)
+        bos = getattr(self.tokenizer, "bos_token_id", None)
         out, n_trunc = [], 0
         for i, ids in enumerate(seqs):
             if not ids:
@@ -399,60 +229,15 @@ class RewardModel:
                                  "and response, and the reward tokenizer adds none); nothing to "
                                  "score")
             if len(ids) > self.max_length:
-                ids = self._truncate(ids)
+                ids = truncate(ids, self.max_length, self.truncation, bos)
                 n_trunc += 1
             out.append(ids)
         return out, n_trunc
 
-    def _truncate(self, ids: list[int]) -> list[int]:
-        m = self.max_length
-        if self.truncation == "right":
-            return ids[:m]
-        bos = getattr(self.tokenizer, "bos_token_id", None)
-        if bos is not None and ids[0] == bos and m > 1:
-            return [bos] + ids[len(ids) - (m - 1):]
-        return ids[len(ids) - m:]
-
     def conversations(self, batch: dict) -> list[Any]:
-        """What the reward tokenizer encodes per row: a chat (list of messages) when it has a
-        chat template, else the concatenated text. Decodes with the actor tokenizer."""
-        tok = self.actor_tokenizer
-        if tok is None:
-            raise ValueError("re-tokenization needs the actor_tokenizer")
-        prompts, responses = split_prompt_response(batch)
-        n = len(prompts)
-        messages = batch.get("messages")
-        if messages is not None and len(messages) != n:
-            raise ValueError(f"batch['messages'] has {len(messages)} entries for {n} rows")
-        messages = list(messages) if messages is not None else [None] * n
-        has_template = bool(getattr(self.tokenizer, "chat_template", None))
-        response_texts = tok.batch_decode(responses, skip_special_tokens=True)
-        need_prompt = [i for i in range(n) if not (has_template and messages[i])]
-        prompt_texts: list[str | None] = [None] * n
-        if need_prompt:
-            decoded = tok.batch_decode([prompts[i] for i in need_prompt], skip_special_tokens=True)
-            for i, text in zip(need_prompt, decoded):
-                prompt_texts[i] = text
-        out: list[Any] = []
-        for i in range(n):
-            if not has_template:
-                out.append(prompt_texts[i] + response_texts[i])
-                continue
-            if messages[i]:
-                conv = [{"role": m["role"], "content": m["content"]} for m in messages[i]]
-            else:
-                conv = [{"role": "user", "content": prompt_texts[i]}]
-            conv.append({"role": "assistant", "content": response_texts[i]})
-            out.append(conv)
-        return out
-
-    def _retokenize(self, batch: dict) -> list[list[int]]:
-        convs = self.conversations(batch)
-        tok = self.tokenizer
-        if convs and isinstance(convs[0], str):
-            return [list(x) for x in tok(convs, add_special_tokens=True)["input_ids"]]
-        texts = [tok.apply_chat_template(c, tokenize=False) for c in convs]
-        return [list(x) for x in tok(texts, add_special_tokens=False)["input_ids"]]
+        """What the reward tokenizer encodes per row (see
+        ``parallel_models.rl.reward_tokenizer.conversations``)."""
+        return conversations(batch, self.actor_tokenizer, self.tokenizer)
 
     # ---- scoring -----------------------------------------------------------------------------
     def score(self, batch: dict) -> torch.Tensor:
@@ -531,9 +316,6 @@ class RewardModel:
         they were before or the mode is automatic (no optimizer: ``with_optimizer`` is for the
         role protocol)."""
         return self._offloader.on_device(offload_after=True if self.auto_offload else None)
-
-
-_same_tokenizer = same_tokenizer
 
 
 def _last_token_scores(out, mb) -> torch.Tensor:

@@ -1,4 +1,18 @@
-"""A small character-level tokenizer made locally (no download) for the built-in default run.
+"""Tokenizers of the RL stack: loading a saved tokenizer faithfully (``load_tokenizer``, the one
+loader the trainer, the reward model and the rollout server use), and the small character-level
+tokenizer made locally (no download) for the built-in default run.
+
+Loading
+    ``AutoTokenizer`` in transformers 5.x may build the tokenizer class of the folder's *model
+    config* (e.g. ``Qwen2Tokenizer`` for a Qwen2 config) and rebuild its pipeline from the vocab,
+    ignoring the saved ``tokenizer.json`` (its normalizer, pre-tokenizer, decoder): a model saved
+    with its own tokenizer is then fed other ids, without an error. ``load_tokenizer`` loads what
+    was saved instead: the class that ``tokenizer_config.json`` names, else the saved
+    ``tokenizer.json`` as a ``PreTrainedTokenizerFast``, else ``AutoTokenizer``; and where a
+    ``tokenizer.json`` exists it checks that the loaded tokenizer encodes and decodes a probe text
+    exactly as that file does (a ``ConfigError`` naming the folder otherwise).
+
+Built-in tokenizer
 
 One token per character: lowercase letters, digits, space, newline and ASCII punctuation, plus
 the special tokens ``<pad>`` (0), ``<s>`` (1, BOS), ``</s>`` (2, EOS) and ``<unk>`` (3, for
@@ -9,12 +23,15 @@ decodes back exactly. Encoding adds BOS (like Llama tokenizers). The chat templa
     <s>user: {content}\n ... assistant: {content}</s>\n ... assistant:␣   (generation prompt)
 
 It is a ``transformers.PreTrainedTokenizerFast``: ``save_pretrained`` writes it, and
-``AutoTokenizer.from_pretrained(folder)`` loads it back.
+``load_tokenizer(folder)`` loads it back.
 """
 
 from __future__ import annotations
 
+import json
 import string
+
+from parallel_models.config import ConfigError
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)
@@ -58,5 +75,95 @@ def build_builtin_tokenizer(model_max_length: int = 512):
         clean_up_tokenization_spaces=False, padding_side="left")
 
 
-__all__ = ["build_builtin_tokenizer", "builtin_vocab", "CHARACTERS", "SPECIAL_TOKENS",
+# ---- loading a saved tokenizer ----------------------------------------------------------------
+# mixed case, digits, punctuation, runs of spaces, a tab and a newline, accents, CJK and an emoji:
+# the parts of the text that normalizers, pre-tokenizers and byte fallbacks treat differently
+PROBE_TEXT = ("Hello World! The QUICK brown fox, 12 + 345 = 357.\n\tcafé naïve Über  spaces   "
+              "end; 日本語 🙂 <tag> x=y_z")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "vocab.txt", "spiece.model")
+
+
+def _tokenizer_file(path: str, name: str) -> str | None:
+    """The local path of ``name`` in the folder (or hub repo) ``path``; None when absent."""
+    from transformers.utils import cached_file
+
+    try:
+        return cached_file(path, name, _raise_exceptions_for_missing_entries=False)
+    except Exception:  # noqa: BLE001 - not a folder / offline: AutoTokenizer reports it below
+        return None
+
+
+def has_tokenizer_files(path: str) -> bool:
+    """Whether the folder (or hub repo) ``path`` holds any tokenizer file."""
+    return any(_tokenizer_file(path, name) for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(path: str, what: str = "tokenizer"):
+    """The tokenizer saved in ``path`` (a folder or an HF hub id), as it was saved.
+
+    The class named in ``tokenizer_config.json`` (``tokenizer_class``); without one, the saved
+    ``tokenizer.json`` as a ``PreTrainedTokenizerFast``; with neither, ``AutoTokenizer``. When
+    a ``tokenizer.json`` exists the loaded tokenizer must encode :data:`PROBE_TEXT` to the same
+    ids and decode them to the same text as that file does; ``ConfigError`` (naming ``path``)
+    otherwise, and when nothing loads. ``what`` names the tokenizer in errors.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    config_file = _tokenizer_file(path, "tokenizer_config.json")
+    tokenizer_json = _tokenizer_file(path, "tokenizer.json")
+    named = None
+    if config_file:
+        try:
+            with open(config_file, encoding="utf-8") as f:
+                named = json.load(f).get("tokenizer_class")
+        except (OSError, ValueError, AttributeError) as err:
+            raise ConfigError(f"{config_file}: not a readable tokenizer config "
+                              f"({type(err).__name__}: {err})") from err
+    try:
+        cls = tokenizer_class_from_name(named) if named else None
+        if named and cls is None:
+            raise ConfigError(f"tokenizer_class {named!r} (in {config_file}) is not a tokenizer "
+                              "class of this transformers version")
+        if cls is None:
+            cls = PreTrainedTokenizerFast if tokenizer_json else AutoTokenizer
+        tok = cls.from_pretrained(path)
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(f"cannot load the {what} from {path!r} ({type(err).__name__}: "
+                          f"{err})") from err
+    if tokenizer_json:
+        check_matches_tokenizer_json(tok, tokenizer_json, path, what)
+    return tok
+
+
+def check_matches_tokenizer_json(tok, tokenizer_json: str, path: str,
+                                 what: str = "tokenizer") -> None:
+    """``ConfigError`` unless ``tok`` encodes :data:`PROBE_TEXT` (no special tokens added) to the
+    ids the saved ``tokenizer_json`` gives, and decodes those ids to the same text."""
+    from tokenizers import Tokenizer
+
+    saved = Tokenizer.from_file(tokenizer_json)
+    want = saved.encode(PROBE_TEXT, add_special_tokens=False).ids
+    got = list(tok(PROBE_TEXT, add_special_tokens=False)["input_ids"])
+    problem = None
+    if got != want:
+        problem = f"encodes the probe text to {got[:12]} where it gives {want[:12]} (first 12)"
+    else:
+        want_text = saved.decode(want, skip_special_tokens=False)
+        got_text = tok.decode(got, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if got_text != want_text:
+            problem = f"decodes the probe ids to {got_text!r} where it gives {want_text!r}"
+    if problem:
+        raise ConfigError(
+            f"{path}: the {what} transformers loads ({type(tok).__name__}) does not match the "
+            f"saved {tokenizer_json}: it {problem}. Set \"tokenizer_class\" in "
+            "tokenizer_config.json to the class that was saved (\"TokenizersBackend\" uses "
+            "tokenizer.json as it is), or pass the tokenizer object")
+
+
+__all__ = ["build_builtin_tokenizer", "builtin_vocab", "load_tokenizer", "has_tokenizer_files",
+           "check_matches_tokenizer_json", "PROBE_TEXT", "CHARACTERS", "SPECIAL_TOKENS",
            "CHAT_TEMPLATE"]

@@ -135,18 +135,22 @@ def test_unusable_checkpoints_fail_clearly(tmp_path):
     assert set(messages) == {"plain", "tmp", "cut", "shape", "tensor"}
 
 
-@pytest.mark.parametrize("save_at,load_at", [((2, 1), (1, 1)), ((1, 2), (2, 1))],
-                         ids=["tp2-to-tp1", "pp2-to-tp2"])
-def test_model_and_optimizer_reshard(tmp_path, hf_models, save_at, load_at):
-    """Weights and Adam states of Qwen2 (qkv bias, tied embeddings, vocab 251: uneven TP rows)
-    saved at one TP/PP layout load exactly at another."""
+@pytest.mark.parametrize("save_at,load_at,dtype", [
+    ((2, 1, 1), (1, 1, 1), "float32"),
+    ((1, 2, 1), (2, 1, 1), "float32"),
+    ((1, 1, 2), (2, 1, 1), "bfloat16"),
+], ids=["tp2-to-tp1", "pp2-to-tp2", "dp2-to-tp2-bf16"])
+def test_model_and_optimizer_reshard(tmp_path, hf_models, save_at, load_at, dtype):
+    """Weights and Adam states (and the fp32 main params of a bf16 model) of Qwen2 (qkv bias,
+    tied embeddings, vocab 251: uneven TP rows) saved at one (TP, PP, DP) layout load exactly
+    at another."""
     hf = hf_models[("qwen2", "causal_lm")]
     folder, out = str(tmp_path / "ckpt"), str(tmp_path / "gathered")
-    run_distributed(checks.roles_roundtrip, save_at[0] * save_at[1], hf, folder, *save_at, True,
-                    out, timeout=300)
-    run_distributed(checks.roles_roundtrip, load_at[0] * load_at[1], hf, folder, *load_at, False,
-                    out, timeout=300)
+    for (tp, pp, dp), save in ((save_at, True), (load_at, False)):
+        run_distributed(checks.roles_roundtrip, tp * pp * dp, hf, folder, tp, pp, dtype, save,
+                        out, timeout=300)
     want, got = _load_folder(hf), _load_folder(out)
     assert want.keys() == got.keys()
     for k in want:
-        assert torch.equal(want[k], got[k]), f"{k} differs after the reshard"
+        assert torch.equal(want[k].to(getattr(torch, dtype)), got[k]), \
+            f"{k} differs after the reshard"

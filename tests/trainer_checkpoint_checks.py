@@ -151,22 +151,41 @@ def bad_checkpoints(output_dir: str) -> dict:
     return messages
 
 
+def _optimizer_params(chunks, optimizer) -> list[tuple[str, torch.Tensor]]:
+    """(our parameter name, the tensor the optimizer updates: the parameter, or its fp32 main
+    copy for a bf16 model)."""
+    names = {p: n for c in chunks for n, p in c.named_parameters()}
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if hasattr(opt, "fp32_from_float16_groups"):
+            out += [(names[p], m) for g16, g32 in zip(opt.float16_groups,
+                                                      opt.fp32_from_float16_groups)
+                    for p, m in zip(g16, g32)]
+        else:
+            out += [(names[p], p) for g in opt.optimizer.param_groups for p in g["params"]]
+    return out
+
+
 def _fake_adam_states(chunks, optimizer) -> None:
     """Adam states that are functions of the weights (2 w + 1, w^2, step 5), so they can be
     checked at any layout."""
+    states = {}
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for group in opt.optimizer.param_groups:
-            for p in group["params"]:
-                opt.optimizer.state[p] = {"step": torch.tensor(5.0),
-                                          "exp_avg": 2 * p.detach() + 1,
-                                          "exp_avg_sq": p.detach() ** 2}
+        states.update({id(p): opt.optimizer.state for g in opt.optimizer.param_groups
+                       for p in g["params"]})
+    for _, p in _optimizer_params(chunks, optimizer):
+        states[id(p)][p] = {"step": torch.tensor(5.0), "exp_avg": 2 * p.detach() + 1,
+                            "exp_avg_sq": p.detach() ** 2}
 
 
-def roles_roundtrip(hf_path: str, folder: str, tp: int, pp: int, save: bool, out: str) -> bool:
-    """Save (``save``) or load the model + optimizer of a role at TP=tp, PP=pp. Loading starts
-    from zeroed weights and checks the gathered weights against ``hf_path`` and the Adam states
-    against the weights they were made from (real vocab rows; padding rows load as zeros)."""
+def roles_roundtrip(hf_path: str, folder: str, tp: int, pp: int, dtype: str, save: bool,
+                    out: str) -> bool:
+    """Save (``save``) or load the model + optimizer of a role at TP=tp, PP=pp (DP: the rest).
+    Loading starts from zeroed weights and checks the gathered weights against ``hf_path`` and
+    the Adam states against the weights they were made from (real vocab rows; padding rows load
+    as zeros)."""
     import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
 
     import parallel_models as pm
     from parallel_models.rl import sharded_state
@@ -175,8 +194,8 @@ def roles_roundtrip(hf_path: str, folder: str, tp: int, pp: int, save: bool, out
     pm.init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp)
     cls = pm.get_model_class(pm.registry.architecture_of(hf_path), "causal_lm", rmpad=True,
                              pp=pp > 1)
-    chunks = (pm.build_pipeline_chunks(cls, hf_path, dtype="float32") if pp > 1
-              else [cls.from_pretrained(hf_path, dtype="float32")])
+    chunks = (pm.build_pipeline_chunks(cls, hf_path, dtype=dtype) if pp > 1
+              else [cls.from_pretrained(hf_path, dtype=dtype)])
     state = build_optimizer(chunks, OptimConfig(lr=1e-3))
     roles = {"actor": (chunks, state.optimizer)}
     if save:
@@ -190,6 +209,8 @@ def roles_roundtrip(hf_path: str, folder: str, tp: int, pp: int, save: bool, out
         for c in chunks:
             for p in c.parameters():
                 p.zero_()
+        for _, m in _optimizer_params(chunks, state.optimizer):
+            m.zero_()
     loaded = sharded_state.load_roles(folder, sharded_state.roles_sharded_state_dict(
         roles, loading=True))
     assert all(float(p.abs().sum()) == 0 for c in chunks for p in c.parameters()), \
@@ -197,16 +218,17 @@ def roles_roundtrip(hf_path: str, folder: str, tp: int, pp: int, save: bool, out
     sharded_state.apply_loaded(roles, loaded)
     chunks[0].save_pretrained(out, overwrite=True)
     states = _adam_states(state.optimizer)
-    tp_rank = dist.get_rank() % tp
+    tp_rank = mpu.get_tensor_model_parallel_rank()
     vocab = chunks[0].config.vocab_size
-    for c in chunks:
-        for name, p in c.named_parameters():
-            s = states[p]
-            assert float(s["step"]) == 5.0, name
-            real = p.shape[0]
-            if name in ("model.embed_tokens.weight", "lm_head.proj.weight"):
-                real = max(0, min(p.shape[0], vocab - tp_rank * p.shape[0]))
-                assert float(s["exp_avg"][real:].abs().sum()) == 0, f"{name}: padding rows"
-            assert torch.equal(s["exp_avg"][:real], 2 * p.detach()[:real] + 1), name
-            assert torch.equal(s["exp_avg_sq"][:real], p.detach()[:real] ** 2), name
+    params = dict(n_p for c in chunks for n_p in c.named_parameters())
+    for name, p in _optimizer_params(chunks, state.optimizer):
+        s = states[p]
+        assert float(s["step"]) == 5.0, name
+        real = p.shape[0]
+        if name in ("model.embed_tokens.weight", "lm_head.proj.weight"):
+            real = max(0, min(p.shape[0], vocab - tp_rank * p.shape[0]))
+            assert float(s["exp_avg"][real:].abs().sum()) == 0, f"{name}: padding rows"
+        assert torch.equal(p.detach().to(params[name].dtype), params[name].detach()), name
+        assert torch.equal(s["exp_avg"][:real], 2 * p.detach()[:real] + 1), name
+        assert torch.equal(s["exp_avg_sq"][:real], p.detach()[:real] ** 2), name
     return True

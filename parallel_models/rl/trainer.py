@@ -100,9 +100,9 @@ class PPOTrainer:
         os.makedirs(tcfg.output_dir, exist_ok=True)
         self._seed_everything(tcfg.seed)
         model_path = self._model_path()
-        from transformers import AutoTokenizer
+        from parallel_models.rl.tokenizer import load_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer or model_path, what="actor tokenizer")
         dtype = cfg.model.dtype
         arch = pm.registry.architecture_of(model_path)
         actor_cls = pm.get_model_class(arch, "causal_lm", rmpad=True)

@@ -45,9 +45,9 @@ def _load_tokenizer(path: str | None):
     if not path:
         return None
     try:
-        from transformers import AutoTokenizer
+        from parallel_models.rl.tokenizer import load_tokenizer
 
-        return AutoTokenizer.from_pretrained(path)
+        return load_tokenizer(path)
     except Exception as exc:  # noqa: BLE001 - token-id prompts still work
         logging.getLogger(__name__).warning("no tokenizer at %s (%s): token-id prompts only",
                                             path, exc)

@@ -4,10 +4,10 @@
                                 [--requests 64] [--prompt-len 32] [--max-new-tokens 32]
                                 [--size tiny|small] [--out results.json]
 
-Starts ``python -m parallel_models.rl.rollout.server`` (torchrun for --tp > 1) on a free localhost port,
-warms it up, then for each concurrency C sends ``--requests`` single-prompt requests from C
-client threads (httpx, one shared pool), greedy with ``ignore_eos`` so every request generates
-exactly ``--max-new-tokens`` tokens. Without --model a random model is built with the built-in
+Starts ``python -m parallel_models.rl.rollout.server`` (torchrun for --tp > 1) on a free
+localhost port, warms it up, then for each concurrency C sends ``--requests`` single-prompt
+requests from C client threads (httpx, one shared pool), greedy with ``ignore_eos`` so every
+request generates exactly ``--max-new-tokens`` tokens. Without --model a random model is built with the built-in
 character tokenizer as vocabulary: ``tiny`` (hidden 64, 2 layers; CPU) or ``small``
 (Qwen2-0.5B-shaped, bf16; GPU).
 """
@@ -49,10 +49,14 @@ def build_model(folder: str, size: str) -> None:
 
 
 def run_level(client, prompts, concurrency: int, max_new: int) -> dict:
+    from parallel_models.rl.rollout.sampling import SamplingParams
+
+    # the /generate body: the sampling params (greedy, every request runs to max_new) + prompts
+    params = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=max_new).model_dump()
+
     def one(p):
         t = time.perf_counter()
-        r = client.post("/generate", json={"prompts": [p], "greedy": True, "ignore_eos": True,
-                                           "max_new_tokens": max_new, "return_text": False})
+        r = client.post("/generate", json={"prompts": [p], **params, "return_text": False})
         r.raise_for_status()
         return len(r.json()["results"][0]["samples"][0]["token_ids"]), time.perf_counter() - t
 

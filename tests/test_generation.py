@@ -22,7 +22,8 @@ def results(hf_models):
 def test_generation(results, family, tp, sp):
     ranks = results[(family, tp, sp)]
     for r in ranks:
-        assert r["greedy_mismatches"] == [], f"greedy differs from transformers for prompts {r['greedy_mismatches']}"
+        assert r["greedy_mismatches"] == [], \
+            f"greedy differs from transformers for prompts {r['greedy_mismatches']}"
         assert r["logp_err"] <= 1e-4, f"sampling log-probs vs fresh forward: {r['logp_err']:.2e}"
         assert r["stop_ok"]
         assert torch.equal(r["responses"], ranks[0]["responses"]), "TP ranks drew different tokens"

@@ -1,8 +1,9 @@
 """Rollout server: the parallel CausalLM as an HTTP generation service (FastAPI + uvicorn).
 
-Rank 0 speaks HTTP; the other TP ranks follow it over a gloo control group and run
-``generate`` in lockstep. Start with ``python -m parallel_models.rl.rollout.server --model PATH`` (or the
-``parallel-models-serve`` console script; ``torchrun --nproc_per_node N ... --tp N`` for TP > 1).
+Rank 0 speaks HTTP; the other TP ranks follow it over a gloo control group and run the rollout
+engine's commands in lockstep. Start with ``python -m parallel_models.rl.rollout.server --model
+PATH`` (or the ``parallel-models-serve`` console script; ``torchrun --nproc_per_node N ... --tp
+N`` for TP > 1).
 Talk to it with :class:`RolloutClient`.
 """
 

@@ -225,7 +225,8 @@ class _BodyLimit:
                 if int(length) > self.max_bytes:
                     return await too_big(scope, receive, send)
             except ValueError:
-                return await JSONResponse({"error": "bad Content-Length"}, 400)(scope, receive, send)
+                bad = JSONResponse({"error": "bad Content-Length"}, 400)
+                return await bad(scope, receive, send)
         if length is not None:
             return await self.app(scope, receive, send)
         # no Content-Length (chunked): read the body here, up to the limit, then replay it

@@ -8,8 +8,8 @@ Starts ``python -m parallel_models.rl.rollout.server`` (torchrun for --tp > 1) o
 localhost port, warms it up, then for each concurrency C sends ``--requests`` single-prompt
 requests from C client threads (httpx, one shared pool), greedy with ``ignore_eos`` so every
 request generates exactly ``--max-new-tokens`` tokens. Without --model a random model is built
-with the built-in character tokenizer as vocabulary: ``tiny`` (hidden 64, 2 layers; CPU) or ``small``
-(Qwen2-0.5B-shaped, bf16; GPU).
+with the built-in character tokenizer as vocabulary: ``tiny`` (hidden 64, 2 layers; CPU) or
+``small`` (Qwen2-0.5B-shaped, bf16; GPU).
 """
 
 from __future__ import annotations

@@ -238,7 +238,7 @@ def test_from_config_and_parallel_size_must_match_actor(env, setting):
         assert bad_pp and f"reward.pipeline_parallel_size={pp + 1}" in bad_pp
 
 
-# ---- issue 21: sharp edges that gave silently wrong results ----------------------------------------
+# ---- issue 21: sharp edges that gave silently wrong results ------------------------------
 def test_premise_auto_tokenizer_ignores_the_saved_bpe(env):
     """transformers 5's AutoTokenizer builds a Qwen2Tokenizer for the Qwen2 folder and encodes
     otherwise than the saved tokenizer: what RewardModel(path) used to score with."""

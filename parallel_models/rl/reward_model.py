@@ -205,13 +205,14 @@ class RewardModel:
 
         if layers_per_stage is None:
             return None
-        if isinstance(layers_per_stage, (str, bytes)) or not all(
+        if not isinstance(layers_per_stage, (list, tuple)) or not all(
                 isinstance(n, int) and not isinstance(n, bool) for n in layers_per_stage):
             raise ConfigError(f"reward layers_per_stage must be a list of ints, got "
                               f"{layers_per_stage!r}")
         counts = list(layers_per_stage)
+        # raises a ConfigError naming the counts when they do not fit
         pipeline_layout(hf_config.num_hidden_layers, settings.pipeline_parallel_size,
-                        settings.virtual_pipeline_parallel_size, counts)  # raises when it does not fit
+                        settings.virtual_pipeline_parallel_size, counts)
         return counts
 
     # ---- re-tokenization (parallel_models.rl.reward_tokenizer) -------------------------------

@@ -6,7 +6,9 @@
 
 With no config at all it runs the built-in default: a tiny Llama and a character tokenizer made
 on the spot, built-in prompts and a rule-based reward that PPO visibly raises in a few minutes on
-two CPU cores. Overrides are dotted keys (``actor.lr=1e-5``, ``trainer.total_steps=50``).
+two CPU cores. Overrides are dotted keys (``actor.lr=1e-5``, ``trainer.total_steps=50``); every
+key, its default and meaning: ``parallel_models/rl/configs/default.yaml`` (rendered from the
+config models). Problems are reported together, each naming the key, and the exit code is 2.
 """
 
 from __future__ import annotations

@@ -394,6 +394,7 @@ def gpu_offload_report(root: str) -> dict:
     out["param_mib"] = sum(t.numel() * t.element_size() for t in rm.tensors()) / 2**20
     out["resident_mib"] = mib() - base
     ref = rm.score(batch)
+    was_on_gpu = [t.is_cuda for t in rm.tensors()]
     t0 = time.perf_counter()
     moved = rm.offload()
     out["offload_s"] = time.perf_counter() - t0
@@ -401,7 +402,7 @@ def gpu_offload_report(root: str) -> dict:
     out["after_offload_mib"] = mib() - base
     out["freed_mib"] = out["resident_mib"] - out["after_offload_mib"]
     out["on_cuda_after_offload"] = sum(t.is_cuda for t in rm.tensors())
-    moved_ids = set(rm._moved)
+    moved_ids = {k for k, on_gpu in enumerate(was_on_gpu) if on_gpu}
     out["moved_tensors"] = len(moved_ids)
     out["unpinned_moved"] = [k for k in moved_ids if not rm.tensors()[k].is_pinned()]
     out["never_on_gpu"] = [tuple(rm.tensors()[k].shape) for k in range(len(rm.tensors()))

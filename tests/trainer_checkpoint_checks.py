@@ -81,6 +81,10 @@ def _snapshot(trainer) -> dict:
            for n, role in trainer._trainable().items()
            for k, v in role.model.named_parameters()}
     out["step"] = torch.tensor(trainer.step_index)
+    for n, role in trainer._trainable().items():
+        for i, (p, state) in enumerate(_adam_states(role.state.optimizer).items()):
+            for key, value in state.items():
+                out[f"{n}.adam.{i}.{key}"] = value.detach().clone()
     return out
 
 
@@ -97,6 +101,7 @@ def _expect_error(trainer, path: str, *needles: str) -> str:
     for needle in (path, *needles):
         assert needle in message, f"{needle!r} not in: {message}"
     after = _snapshot(trainer)
+    assert before.keys() == after.keys(), f"a failed resume of {path} changed optimizer states"
     for k, v in before.items():
         assert torch.equal(v, after[k]), f"{k} changed by a failed resume of {path}"
     return message

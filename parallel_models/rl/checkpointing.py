@@ -226,8 +226,9 @@ def read_checkpoint_state(path: str) -> dict:
         raise TrainerCheckpointError(f"{state_file}: unreadable ({err})") from err
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise TrainerCheckpointError(
-            f"{state_file}: not a {FORMAT} checkpoint (format {state.get('format') if isinstance(state, dict) else None!r}); "
-            "checkpoints of older versions (per-rank files) cannot be resumed")
+            f"{state_file}: not a {FORMAT} checkpoint (format "
+            f"{state.get('format') if isinstance(state, dict) else None!r}); checkpoints of "
+            "older versions (per-rank files) cannot be resumed")
     dist_dir = os.path.join(path, DIST_DIR)
     for needed in (os.path.join(dist_dir, MEGATRON_METADATA), os.path.join(dist_dir, ".metadata")):
         if not os.path.isfile(needed):
@@ -281,6 +282,12 @@ def _rng_for_this_rank(path: str, state: dict) -> dict | None:
     return None
 
 
+def _forget(empty: list) -> None:
+    """Drop the zero optimizer states a failed load declared (the optimizer is as before)."""
+    for opt, param in empty:
+        opt.state.pop(param, None)
+
+
 def resume_trainer(trainer, path: str | None = None) -> str | None:
     """Load ``path`` (default: the latest checkpoint) into ``trainer`` on every rank; returns the
     folder, or None when there is no checkpoint (a fresh start)."""
@@ -290,6 +297,7 @@ def resume_trainer(trainer, path: str | None = None) -> str | None:
         logger.warning("resume requested but no checkpoint in %s; starting fresh", root)
         return None
     error = None
+    empty = sharded_state.empty_optimizer_states(_roles(trainer))
     try:
         state = read_checkpoint_state(path)
         sharded = sharded_state.roles_sharded_state_dict(_roles(trainer), loading=True)
@@ -299,6 +307,7 @@ def resume_trainer(trainer, path: str | None = None) -> str | None:
         error = err if isinstance(err, TrainerCheckpointError) else TrainerCheckpointError(
             f"{path}: cannot resume ({type(err).__name__}: {err})")
     if not sharded_state.all_ranks_ok(error is None):
+        _forget(empty)
         raise error or TrainerCheckpointError(f"{path}: cannot resume (see rank 0's error)")
     try:
         loaded = sharded_state.load_roles(os.path.join(path, DIST_DIR), sharded)
@@ -306,6 +315,7 @@ def resume_trainer(trainer, path: str | None = None) -> str | None:
         error = TrainerCheckpointError(f"{path}: loading the model and optimizer states failed "
                                        f"({type(err).__name__}: {err})")
     if not sharded_state.all_ranks_ok(error is None):
+        _forget(empty)
         raise error or TrainerCheckpointError(f"{path}: loading failed on another rank")
     # everything is read: now replace the live state
     sharded_state.apply_loaded(_roles(trainer), loaded)

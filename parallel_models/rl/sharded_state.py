@@ -183,6 +183,18 @@ def save_roles(folder: str, roles: dict) -> None:
                                 validate_access_integrity=False)
 
 
+def empty_optimizer_states(roles: dict) -> list:
+    """(torch optimizer, param) pairs without state yet: declaring the optimizer state for loading
+    creates zero states there (megatron's ``init_state_fn``), which a failed load must undo."""
+    out = []
+    for _, optimizer in roles.values():
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            inner = opt.optimizer
+            out += [(inner, p) for g in inner.param_groups for p in g["params"]
+                    if not inner.state.get(p)]
+    return out
+
+
 def load_roles(folder: str, sharded: dict) -> dict:
     """Read ``sharded`` (``roles_sharded_state_dict(roles, loading=True)``) from ``folder`` into
     fresh tensors; the roles themselves are not touched (see ``apply_loaded``)."""

@@ -117,17 +117,19 @@ class RolloutEngine:
         of them, each restores its old shard. Returns ``{"weight_version", "path", "seconds"}``;
         raises :class:`WeightUpdateError` (the weights and version unchanged) on failure."""
         t0 = time.perf_counter()
-        snapshot = self._snapshot()  # before touching anything: an OOM here changes nothing
+        snapshot: list[torch.Tensor] | None = None
         error: BaseException | None = None
         try:
+            snapshot = self._snapshot()  # before touching anything: an OOM here changes nothing
             load_weights(self.model, path)
         except Exception as exc:  # noqa: BLE001 - restored below, reported to the caller
-            error = exc
+            error = exc  # (the other ranks still take part in the vote below: no hang)
         failed = torch.tensor([0 if error is None else 1], dtype=torch.int32)
         if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(failed, group=group)
         if int(failed):
-            self._restore(snapshot)
+            if snapshot is not None:
+                self._restore(snapshot)
             if error is None:
                 raise WeightUpdateError(f"loading {path!r} failed on another rank; the previous "
                                         f"weights (version {self.version}) were kept")

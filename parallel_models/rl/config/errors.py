@@ -10,7 +10,6 @@ import types
 import typing
 from typing import Any, Literal
 
-import annotated_types
 from pydantic import BaseModel, ValidationError
 
 from parallel_models.config import ConfigError
@@ -46,14 +45,14 @@ def type_name(tp: Any) -> str:
 def bounds_text(metadata: list) -> str | None:
     """``[Gt(0), Le(1)]`` -> "in (0, 1]"; ``[Ge(1)]`` -> ">= 1"."""
     lo = hi = None
-    for m in metadata:
-        if isinstance(m, annotated_types.Gt):
+    for m in metadata:  # annotated_types Gt / Ge / Lt / Le, as pydantic stores Field bounds
+        if getattr(m, "gt", None) is not None:
             lo = f"({m.gt:g}"
-        elif isinstance(m, annotated_types.Ge):
+        elif getattr(m, "ge", None) is not None:
             lo = f"[{m.ge:g}"
-        elif isinstance(m, annotated_types.Lt):
+        elif getattr(m, "lt", None) is not None:
             hi = f"{m.lt:g})"
-        elif isinstance(m, annotated_types.Le):
+        elif getattr(m, "le", None) is not None:
             hi = f"{m.le:g}]"
     if lo and hi:
         return f"in {lo}, {hi}"

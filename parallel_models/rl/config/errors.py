@@ -16,6 +16,7 @@ from parallel_models.config import ConfigError
 
 _BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true/false", str: "a string"}
+_PLURAL_NAMES = {int: "integers", float: "numbers", bool: "true/false values", str: "strings"}
 
 
 def unknown_key(full: str, name: str, valid: list[str], where: str, source: str) -> str:
@@ -36,7 +37,10 @@ def type_name(tp: Any) -> str:
         return " or ".join("null" if a is type(None) else type_name(a)
                            for a in typing.get_args(tp))
     if origin is list:
-        return f"a list of {type_name(typing.get_args(tp)[0])}"
+        inner = typing.get_args(tp)[0]
+        while typing.get_origin(inner) is typing.Annotated:
+            inner = typing.get_args(inner)[0]
+        return f"a list of {_PLURAL_NAMES.get(inner) or type_name(inner)}"
     if origin is tuple:
         return "a list of " + ", ".join(type_name(a) for a in typing.get_args(tp))
     return _TYPE_NAMES.get(tp, getattr(tp, "__name__", str(tp)))
@@ -71,62 +75,63 @@ def _field(model: type[BaseModel], section: str, key: str):
     return None, None
 
 
+def _section_message(e: dict, model: type[BaseModel], section: str, source: str) -> str:
+    if e["type"] == "extra_forbidden":
+        return unknown_key(section, section, list(model.model_fields), "the config (sections)",
+                           source)
+    if e["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        return (f"{source}: section {section!r} must be a mapping of key: value, got "
+                f"{e.get('input')!r}")
+    return f"{source}: {section}: {e.get('msg')}"
+
+
+def _key_message(e: dict, model: type[BaseModel], section: str, key: str, where: str,
+                 source: str) -> str:
+    kind, value = e["type"], e.get("input")
+    field, section_model = _field(model, section, key)
+    full = f"{section}.{key}"
+    if kind == "extra_forbidden":
+        valid = list(section_model.model_fields) if section_model else []
+        return unknown_key(full, key, valid, f"section {section!r}", source)
+    whole_field = field is not None and where == full  # not an item of a list
+    if kind in _BOUND_ERRORS and whole_field:
+        rng = bounds_text(field.metadata) or e.get("msg")
+        note = f" ({field.description})" if field.description else ""
+        return f"{source}: {full} must be {rng}{note}, got {value!r}"
+    if kind == "value_error":
+        text = str(e.get("msg", "")).removeprefix("Value error, ")
+        return f"{source}: {where}: {text}, got {value!r}"
+    is_type_error = kind == "literal_error" or kind.endswith(("_type", "_parsing")) or \
+        kind in ("int_from_float", "none_required")
+    if is_type_error and whole_field:
+        return (f"{source}: {where}: expected {type_name(field.annotation)}, got {value!r} "
+                f"({type(value).__name__})")
+    return f"{source}: {where}: {e.get('msg')}, got {value!r}"
+
+
 def messages(err: ValidationError, model: type[BaseModel], sources: dict[str, str],
              default_source: str = "config") -> list[str]:
-    """One line per problem of ``err`` (from validating ``model``), first one per key."""
+    """One line per problem of ``err`` (from validating ``model``, a model of sections), the
+    first one per value; ``sources`` maps ``section.key`` to where its value came from."""
     out: list[str] = []
     seen: set[str] = set()
     for e in err.errors():
         loc = tuple(e.get("loc", ()))
-        kind, value = e.get("type", ""), e.get("input")
-        if not loc:  # a model-level validator: its message lists the problems
+        if not loc:  # the model-level (cross-field) validator: its message lists the problems
             text = str(e.get("msg", "")).removeprefix("Value error, ")
             out += [line for line in text.split("\n") if line]
             continue
         section = str(loc[0])
         key = str(loc[1]) if len(loc) > 1 else None
         full = f"{section}.{key}" if key else section
-        source = sources.get(full, sources.get(section, default_source))
         # the value's path: section.key then list positions (union member names are dropped)
         where = full + "".join(f"[{p}]" for p in loc[2:] if isinstance(p, int))
         if where in seen:
             continue
         seen.add(where)
-        if kind == "extra_forbidden":
-            if key is None:
-                out.append(unknown_key(section, section, list(model.model_fields),
-                                       "the config (sections)", source))
-            else:
-                _, section_model = _field(model, section, "")
-                valid = list(section_model.model_fields) if section_model else []
-                out.append(unknown_key(full, key, valid, f"section {section!r}", source))
-            continue
-        if key is None:
-            if kind in ("model_type", "model_attributes_type", "dict_type"):
-                out.append(f"{source}: section {section!r} must be a mapping of key: value, "
-                           f"got {value!r}")
-            else:
-                out.append(f"{source}: {section}: {e.get('msg')}")
-            continue
-        field, _ = _field(model, section, key)
-        nested = len([p for p in loc[2:] if isinstance(p, int)]) > 0
-        if kind in _BOUND_ERRORS and field is not None and not nested:
-            rng = bounds_text(field.metadata)
-            note = f" ({field.description})" if field.description else ""
-            out.append(f"{source}: {full} must be {rng or e.get('msg')}{note}, got {value!r}")
-        elif kind == "value_error":
-            text = str(e.get("msg", "")).removeprefix("Value error, ")
-            out.append(f"{source}: {where}: {text}, got {value!r}")
-        elif kind in ("literal_error",) or kind.endswith("_type") or kind.endswith("_parsing") \
-                or kind in ("bool_parsing", "int_from_float", "none_required"):
-            expected = type_name(field.annotation) if field is not None and not nested else None
-            if nested or expected is None:
-                out.append(f"{source}: {where}: {e.get('msg')}, got {value!r}")
-            else:
-                out.append(f"{source}: {where}: expected {expected}, got {value!r} "
-                           f"({type(value).__name__})")
-        else:
-            out.append(f"{source}: {where}: {e.get('msg')}, got {value!r}")
+        source = sources.get(full, sources.get(section, default_source))
+        out.append(_section_message(e, model, section, source) if key is None
+                   else _key_message(e, model, section, key, where, source))
     return out
 
 

@@ -83,7 +83,7 @@ class PPOConfig(BaseModel):
                                                      "world_size": world_size})
         except ValidationError as err:
             errors.raise_problems(errors.messages(err, cls, sources or {}, source))
-            raise  # not reached
+            raise  # only when no message could be made of it
 
     @classmethod
     def from_dict(cls, data: dict | None, source: str = "config") -> "PPOConfig":

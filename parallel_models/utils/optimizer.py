@@ -7,6 +7,10 @@ distributed optimizer) and an ``OptimizerParamScheduler``. ``optimizer_step`` cl
 the gradients; ``parallel_models.pipeline.train_step`` runs a whole step (forward-backward over
 microbatches through the pipeline schedules, then this), so this utility needs no pipeline code.
 
+``OptimConfig`` is a pydantic model (bounds, ``extra="forbid"``); its knobs live in
+``OptimizerFields``, which the PPO config's ``actor`` and ``critic`` sections inherit (one
+definition; ``section.optim_config(total_steps)`` builds the OptimConfig).
+
 On the CPU, megatron-core's grad clipping asserts CUDA tensors, so there the global grad norm
 and clipping are computed here with the same rules (TP duplicates and the tied embedding copy
 counted once, reduced over the model-parallel group) before the optimizer step.

@@ -25,7 +25,7 @@ def _tiny(seed=0):
 def _train(model, opt, steps=1):
     for _ in range(steps):
         opt.zero_grad()
-        model(torch.ones(5, 4)).square().sum().backward()
+        model(torch.ones(5, 4, device=model[0].weight.device)).square().sum().backward()
         opt.step()
 
 
@@ -116,16 +116,17 @@ def _ddp_worker(path: str) -> dict:
         model = cls.from_pretrained(path, dtype=torch.float32)
         state = build_optimizer([model], OptimConfig(lr=1e-2, clip_grad=1.0))
         train_step(state, [dict(mb)], loss_fn)
-        off = Offloader(state.chunks, state.optimizer, device="cpu")
+        off = Offloader(state.chunks, state.optimizer)  # the compute device (CUDA or CPU)
         info = {}
         if use_offload:
             grad_bufs = off.grad_buffers()
             params = list(model.parameters())
             states = [t for t in (s.get() for s in off.optimizer_slots())]
             info["n_grad_buffers"] = len(grad_bufs)
-            info["want"] = _nbytes(params) + _nbytes(states) + sum(
-                g.untyped_storage().nbytes() for g in grad_bufs) + _nbytes(
-                [b for m in model.modules() for b in m._buffers.values() if b is not None])
+            device = off.device.type  # what lives elsewhere (a CPU-built buffer) stays
+            info["want"] = _nbytes([t for t in params + states + [
+                b for m in model.modules() for b in m._buffers.values() if b is not None]
+                if t.device.type == device]) + sum(g.untyped_storage().nbytes() for g in grad_bufs)
             info["moved"] = off.offload()
             info["grad_storage_after_offload"] = sum(g.untyped_storage().nbytes()
                                                      for g in grad_bufs)

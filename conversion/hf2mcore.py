@@ -12,8 +12,9 @@ up), plus ``mcore_config.json`` (the matching ``TransformerConfig`` / ``GPTModel
 Tensors that need no conversion of dtype are copied straight from the safetensors files into the
 output's write buffers (a fused QKV or fc1 is a sequence of row ranges of q/k/v or gate/up), and
 written with O_DIRECT while the next buffer is filled; others are read, fused and written one at a
-time. Memory stays at a few buffers (and the largest tensor). Everything goes to a temporary folder
-renamed at the end.
+time. Every chunk record carries its CRC32s, the data's computed on the write-behind thread. Memory
+stays at a few buffers (and the largest tensor). Everything goes to a temporary folder renamed at
+the end.
 """
 
 from __future__ import annotations

@@ -174,9 +174,11 @@ class AlgorithmSection(BaseModel):
     kl_coef: Number = Field(0.001, ge=0, description="in-reward KL coefficient (start value "
                                                      "when adaptive)")
     kl_ctrl: Literal["fixed", "adaptive"] = Field("fixed", description="fixed | adaptive")
-    kl_target: Number = Field(0.1, gt=0, description="adaptive controller: target KL")
+    kl_target: Number = Field(0.1, gt=0, description="adaptive: target KL per token (responses' "
+                                                     "token-mean KL, averaged; verl)")
     kl_horizon: Int = Field(10000, gt=0, description="adaptive controller: horizon")
-    whiten_advantages: StrictBool = Field(True, description="normalize advantages per batch")
+    whiten_advantages: StrictBool = Field(
+        True, description="whiten the final advantages over the global batch (any estimator)")
 
 
 class TrainerSection(BaseModel):

@@ -26,18 +26,8 @@ from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
 from parallel_models import cpu_shim
-from parallel_models.llama.checkpoint_utils import weight_map
-
-# our parameters split by vocab rows (TP-padded): saved up to the true vocab size
-_VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.proj.weight")
-
-
-def _pieces(mapping, tensor: torch.Tensor, config, tp: int, tp_rank: int) -> list:
-    """``mcore_pieces`` of the weight map for ``mapping`` (a rule object, or the older table)."""
-    rule = getattr(mapping, "rule", None)
-    if hasattr(rule, "mcore_pieces"):
-        return rule.mcore_pieces(tensor, config, tp, tp_rank)
-    return weight_map.mcore_pieces(mapping, tensor, config, tp, tp_rank)
+from parallel_models.llama.checkpoint_utils.weight_map import weight_rules
+from parallel_models.llama.checkpoint_utils.weight_rules import VocabSplit
 
 
 def _vocab_piece(key, tensor, config, tp_rank: int, replica_id):
@@ -62,7 +52,7 @@ def _source_indices(mapping, shape, config, tp: int, tp_rank: int) -> list[torch
     """For each piece the weight map cuts from a shard of ``shape``: the flat shard index of each
     of its elements (the pieces of an index tensor), which inverts the cut exactly."""
     index = torch.arange(int(torch.Size(shape).numel()), dtype=torch.int64).reshape(shape)
-    return [p.tensor.reshape(-1) for p in _pieces(mapping, index, config, tp, tp_rank)]
+    return [p.tensor.reshape(-1) for p in mapping.rule.mcore_pieces(index, config, tp, tp_rank)]
 
 
 def _factory(key: str, param: torch.Tensor, mapping, name: str, config, layer: int | None,
@@ -72,7 +62,7 @@ def _factory(key: str, param: torch.Tensor, mapping, name: str, config, layer: i
     dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
     L = config.num_layers
     shape = tuple(param.shape)
-    vocab = name in _VOCAB_PARAMS
+    vocab = isinstance(mapping.rule, VocabSplit)  # saved up to the true vocab size
     if "qkv" in name and config.num_key_value_heads < tp:
         raise ValueError(f"{name}: trainer checkpoints need num_key_value_heads "
                          f"({config.num_key_value_heads}) >= tensor_parallel_size ({tp})")
@@ -81,7 +71,7 @@ def _factory(key: str, param: torch.Tensor, mapping, name: str, config, layer: i
         # fresh copies when loading, so a failed load leaves the model and optimizer untouched
         src = data.detach().clone() if clone else data.detach()
         out = {}
-        for i, piece in enumerate(_pieces(mapping, src, config, tp, tp_rank)):
+        for i, piece in enumerate(mapping.rule.mcore_pieces(src, config, tp, tp_rank)):
             replica = (tied_copy, piece.replica, dp_rank)
             tensor = piece.tensor.contiguous()
             if vocab:
@@ -120,11 +110,11 @@ def model_sharded_state_dict(chunks, prefix: str, *, clone: bool = False) -> dic
     for c, chunk in enumerate(chunks):
         config = chunk.config
         params = dict(chunk.named_parameters())
-        mappings = weight_map.weight_rules(config, chunk.head_kind, pre_process=chunk.pre_process,
-                                           post_process=chunk.post_process)
+        mappings = weight_rules(config, chunk.head_kind, pre_process=chunk.pre_process,
+                                post_process=chunk.post_process)
         for m in mappings:
             # a tied last stage's copy of the embedding: a non-main replica of the embedding
-            tied = int(m.ours == "lm_head.proj.weight" and m.mcore.startswith("embedding."))
+            tied = int(m.tied_copy)
             key = f"{prefix}.{m.mcore}"
             names = ([(m.ours.format(i=li), layer.layer_id)
                       for li, layer in enumerate(chunk.model.layers)] if m.per_layer

@@ -157,6 +157,10 @@ class RewardSection(BaseModel):
     truncation: Literal["left", "right"] = Field("left", description="over max_length: left "
                                                  "drops the start, right the end")
     micro_batch_tokens: Int = Field(4096, ge=1, description="token budget of one forward")
+    layers_per_stage: Optional[list[Int]] = Field(
+        None, description="layers per pipeline stage, e.g. [3, 2] (null = an even split)")
+    same_tokenizer: Optional[StrictBool] = Field(
+        None, description="null = detect; true = score the actor's ids as they are")
 
 
 class AlgorithmSection(BaseModel):

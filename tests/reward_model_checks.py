@@ -313,6 +313,7 @@ def _check_sharp_edges(paths: dict, batches: dict, actor_tok, pp: int) -> dict:
     """Issue 21: the saved tokenizer is the one used, the fast path needs no tokenizer files, and
     an uneven layer split over the pipeline stages."""
     from parallel_models.config import ConfigError
+    from parallel_models.rl.config import RewardSection
     from parallel_models.rl.reward_model import RewardModel
 
     out = {}
@@ -342,6 +343,13 @@ def _check_sharp_edges(paths: dict, batches: dict, actor_tok, pp: int) -> dict:
                      layers_per_stage=split)
     out["uneven"] = {"scores": rm.score(batches["ppo"]),
                      "layers": [[layer.layer_id for layer in c.model.layers] for c in rm.chunks]}
+    # the same through the trainer's reward section (the RM folder has no tokenizer files)
+    section = RewardSection(type="model", model_path=paths["rm_uneven"], layers_per_stage=split,
+                            same_tokenizer=True)
+    rm = RewardModel.from_config(section, actor_tok, dtype=torch.float32)
+    out["uneven"]["from_config_scores"] = rm.score(batches["ppo"])
+    out["uneven"]["from_config_layers"] = [[layer.layer_id for layer in c.model.layers]
+                                           for c in rm.chunks]
     try:
         RewardModel(paths["rm_uneven"], offload=False, layers_per_stage=[2, 2] if pp == 2 else [4])
         out["uneven"]["bad_split_error"] = None

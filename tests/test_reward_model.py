@@ -291,6 +291,9 @@ def test_layers_per_stage_uneven_split_scores_like_pp1(env, setting):
         pp1 = env["results"][rank][(1, 1, False)]["uneven"]["scores"]
         err = (got["scores"] - pp1).abs().max().item()
         assert err <= 1e-5, f"{setting} rank {rank}: vs PP=1 {err:.3e}"
+        # reward.layers_per_stage and reward.same_tokenizer through RewardModel.from_config
+        assert got["from_config_layers"] == want_layers
+        assert torch.equal(got["from_config_scores"], got["scores"])
         assert "layers_per_stage" in got["bad_split_error"]
 
 

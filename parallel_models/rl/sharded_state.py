@@ -89,12 +89,12 @@ def _factory(key: str, param: torch.Tensor, mapping, name: str, config, layer: i
 
     def merge(loaded: dict) -> torch.Tensor:
         """The inverse of ``build``: put every loaded element back where it came from."""
-        first = next(iter(loaded.values()), None)
-        out = torch.zeros(shape, dtype=first.dtype if first is not None else param.dtype)
+        first = next(iter(loaded.values()), param)
+        out = torch.zeros(shape, dtype=first.dtype, device=first.device)
         flat = out.view(-1)
         sources = _source_indices(mapping, shape, config, tp, tp_rank)
         for i, values in loaded.items():
-            src = sources[i][: values.numel()]  # vocab: the real rows only
+            src = sources[i][: values.numel()].to(out.device)  # vocab: the real rows only
             flat[src] = values.reshape(-1).to(out.dtype)
         return out
 

@@ -83,6 +83,11 @@ def test_final_checkpoint_layout_and_finished_resume(tmp_path):
     with open(os.path.join(final, "trainer_state.json")) as f:
         state = json.load(f)
     assert state["step"] == 3 and set(state["models"]) == {"actor", "critic"}
+    from parallel_models.rl.config import load_config
+
+    saved = load_config(os.path.join(final, "config.yaml"))  # the resolved config reloads
+    assert saved.trainer.total_steps == 3 and saved.trainer.output_dir == out
+    assert saved.rollout.max_new_tokens == 8
     for dirpath, _, files in os.walk(final):
         for name in files:
             mode = os.stat(os.path.join(dirpath, name)).st_mode

@@ -88,6 +88,13 @@ def dp_advantages_and_update(model_path: str, loss_agg_modes: list[str]) -> dict
         out[estimator] = {"advantages": share.advantages, "returns": share.returns,
                           "current_kl": metrics["kl/current_kl"]}
         if estimator == "gae":
+            from parallel_models.rl import dp_stats
+
+            out["stats"] = {"max": dp_stats.data_parallel_max(share.scores),
+                            "min": -dp_stats.data_parallel_max(-share.scores),
+                            "mean": dp_stats.row_mean(share.scores),
+                            "adv_mean": dp_stats.masked_mean(share.advantages,
+                                                             share.response_mask)}
             for i, mode in enumerate(loss_agg_modes):
                 out["update"][mode] = (first if i == 0 else actor(mode)).update(share)
     return out

@@ -78,6 +78,10 @@ def test_data_parallel_2_equals_1_on_the_same_global_batch(hf_models):
                 torch.testing.assert_close(res[est][key], one[est][key][res["rows"]],
                                            rtol=1e-6, atol=1e-6, msg=f"{est} {key}")
             assert res[est]["current_kl"] == pytest.approx(one[est]["current_kl"], abs=1e-7)
+    for res in two:  # the metric reductions (max, min, row mean, token mean) are global too
+        for key, value in one["stats"].items():
+            assert res["stats"][key] == pytest.approx(value, abs=1e-6), key  # fp32 sums
+    assert one["stats"]["max"] > one["stats"]["mean"] > one["stats"]["min"]
     for mode in modes:
         want = one["update"][mode]
         assert want["actor/grad_norm"] > 0

@@ -38,6 +38,18 @@ def data_parallel_sum(values: torch.Tensor) -> torch.Tensor:
     return wire.to(device=values.device, dtype=values.dtype)
 
 
+def data_parallel_max(values: torch.Tensor) -> float:
+    """The largest element of ``values`` over every rank (``-data_parallel_max(-x)`` is the
+    smallest)."""
+    top = values.detach().max().to(torch.float64).reshape(1)
+    group = _dp_group()
+    if group is not None:
+        if torch.cuda.is_available():
+            top = top.cuda()
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    return float(top[0])
+
+
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """:func:`algorithms.masked_whiten` with the mean and (unbiased) variance of the valid
     positions of every data-parallel rank's ``x`` together (two passes, like the local one)."""

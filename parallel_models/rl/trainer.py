@@ -324,10 +324,10 @@ class PPOTrainer:
             kl = algos.kl_penalty(batch.old_log_probs, batch.ref_log_probs, "k1")
             metrics["kl/actor_ref"] = dp_stats.masked_mean(kl, mask)
         local = {k: sum(v) / len(v) for k, v in train.items()}  # already global per update
-        local.update({"reward/max": float(batch.scores.max()),
-                      "reward/min": float(batch.scores.min())})
         metrics.update(dp_stats.data_parallel_mean(local))
         metrics.update({
+            "reward/max": dp_stats.data_parallel_max(batch.scores),
+            "reward/min": -dp_stats.data_parallel_max(-batch.scores),
             "reward/mean": dp_stats.row_mean(batch.scores),
             "response_length/mean": dp_stats.row_mean(mask.sum(-1)),
             "advantages/mean": dp_stats.masked_mean(batch.advantages, mask),

@@ -42,8 +42,11 @@ def test_default_job_raises_reward(tmp_path):
     reward 0.04-0.07 at the start, above 0.3 by step 12 (the full 20-step default ends near 0.9)."""
     out = str(tmp_path / "run")
     _run([f"trainer.output_dir={out}", "trainer.total_steps=14", "trainer.save_every=0"])
-    rewards = [m["reward/mean"] for m in _metrics(out)]
+    rows = _metrics(out)
+    rewards = [m["reward/mean"] for m in rows]
     assert len(rewards) == 14
+    phases = ("gen", "score", "adv", "train_critic", "train_actor", "metrics")  # each one timed
+    assert all(f"timing/{p}_s" in m and m[f"timing/{p}_s"] >= 0 for m in rows for p in phases)
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.1, f"reward did not rise: {rewards}"
     assert os.path.isfile(os.path.join(out, "reward_curve.png"))

@@ -152,7 +152,10 @@ class RolloutBatch:
 
         ``mini_batch_size`` counts rows over all data-parallel ranks; each rank takes
         ``mini_batch_size // data_parallel_size`` of its own rows per minibatch (every rank uses
-        the same ``seed``, so all ranks make the same number of optimizer steps).
+        the same ``seed``, so all ranks make the same number of optimizer steps). A global
+        minibatch is thus stratified over the ranks: with one minibatch per epoch DP=N trains
+        exactly like DP=1 on the same rows; with several, the minibatches hold other (equally
+        random) row sets than DP=1's shuffle would.
         """
         if mini_batch_size < data_parallel_size or mini_batch_size % data_parallel_size:
             raise ValueError(f"actor.mini_batch_size ({mini_batch_size}) must be a positive "

@@ -92,6 +92,19 @@ def test_tensors_off_the_compute_device_stay():
     assert all(p.device.type == "cpu" for p in model.parameters())
 
 
+def test_distributed_optimizer_param_buffer_is_refused():
+    """megatron's distributed optimizer keeps parameters as views into DDP's param buffer: moving
+    them one by one would detach them from it, so the Offloader refuses with a clear error."""
+    from types import SimpleNamespace
+
+    model = _tiny()
+    model.buffers = [SimpleNamespace(grad_data=torch.zeros(4), param_data=torch.zeros(4))]
+    with pytest.raises(ValueError, match="use_distributed_optimizer"):
+        Offloader(model, device="cpu")
+    model.buffers = [SimpleNamespace(grad_data=torch.zeros(4), param_data=None)]
+    assert Offloader(model, device="cpu").grad_buffers()[0].numel() == 4
+
+
 def _ddp_worker(path: str) -> dict:
     """A megatron-core DDP model + optimizer (TP=1, one rank): offload between two train steps
     must not change the second step."""

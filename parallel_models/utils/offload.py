@@ -19,6 +19,12 @@ non-blocking copy. When the compute device is the CPU the host copy is a fresh s
 is freed, but the bookkeeping (what moved, how many bytes, bit-identical round trip) is the
 same and testable on a CPU-only machine. Every move returns the bytes taken off (or put back
 on) the compute device.
+
+megatron-core has pieces of this (``_ParamAndGradBuffer.offload_to_cpu``, DDP's
+``offload_grad_buffers``, ``MegatronOptimizer.offload_to_cpu``), but only for DDP-wrapped models,
+CUDA-only (they pin memory) and, for the optimizer, to pageable memory with no way back; the
+frozen reference and reward models need the same moves. Parameters that live in DDP's parameter
+buffer (the distributed optimizer) are refused with a clear error rather than moved one by one.
 """
 
 from __future__ import annotations
@@ -42,6 +48,19 @@ def _ddp_grad_buffers(module) -> list[torch.Tensor]:
             continue
         out += [b.grad_data for b in found if getattr(b, "grad_data", None) is not None]
     return out
+
+
+def _check_no_param_buffer(module) -> None:
+    """Parameters that are views into a DDP parameter buffer (megatron's distributed optimizer
+    gathers updated weights into that buffer) cannot be swapped one by one."""
+    for attr in ("buffers", "expert_parallel_buffers"):
+        found = getattr(module, attr, None)
+        if isinstance(found, (list, tuple)) and any(
+                getattr(b, "param_data", None) is not None for b in found):
+            raise ValueError("offload: the parameters are views into megatron DDP's parameter "
+                             "buffer (use_distributed_optimizer=true); moving them would cut the "
+                             "distributed optimizer off from the weights. Turn off "
+                             "trainer.offload or the distributed optimizer.")
 
 
 def _optimizer_holders(optimizer) -> Iterator[tuple[Any, Any]]:
@@ -101,6 +120,8 @@ class Offloader:
 
             device = compute_device()
         self.modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
+        for chunk in self.modules:
+            _check_no_param_buffer(chunk)
         self.optimizer = optimizer
         self.device = torch.device(device)
         self._host: dict[tuple[str, int], torch.Tensor] = {}  # pinned host copies, reused

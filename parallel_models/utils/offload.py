@@ -21,9 +21,10 @@ same and testable on a CPU-only machine. Every move returns the bytes taken off 
 on) the compute device.
 
 megatron-core has pieces of this (``_ParamAndGradBuffer.offload_to_cpu``, DDP's
-``offload_grad_buffers``, ``MegatronOptimizer.offload_to_cpu``), but only for DDP-wrapped models,
-CUDA-only (they pin memory) and, for the optimizer, to pageable memory with no way back; the
-frozen reference and reward models need the same moves. Parameters that live in DDP's parameter
+``offload_grad_buffers``, ``MegatronOptimizer.offload_to_cpu`` / ``restore_from_cpu``), but only
+for DDP-wrapped models and megatron optimizers, CUDA-only (``.cuda()``, pinned buffers) and, for
+the optimizer, through pageable memory (a synchronous, slower copy, new host tensors each time);
+the frozen reference and reward models need the same moves, and this one runs on a CPU machine. Parameters that live in DDP's parameter
 buffer (the distributed optimizer) are refused with a clear error rather than moved one by one.
 """
 

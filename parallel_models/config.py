@@ -9,9 +9,7 @@ from typing import Any
 
 import torch
 
-
-class ConfigError(ValueError):
-    """A model or parallel setting that cannot work; the message names the values."""
+from parallel_models.errors import ConfigError  # noqa: F401  (defined without torch, re-exported)
 
 
 _SUPPORTED_ROPE = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")

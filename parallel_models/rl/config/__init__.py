@@ -13,7 +13,7 @@
   parallel_models.rl.config.render`` rewrites it; a test checks the packaged file).
 """
 
-from parallel_models.config import ConfigError
+from parallel_models.errors import ConfigError
 from parallel_models.rl.config.ppo import (PPOConfig, default_config_path, load_config,
                                            parse_override)
 from parallel_models.rl.config.sections import (DATA_SUFFIXES, KL_KINDS, SECTION_DEFAULTS,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
-from parallel_models.config import ConfigError
+from parallel_models.errors import ConfigError
 from parallel_models.rl.config.sections import DATA_SUFFIXES
 
 logger = logging.getLogger(__name__)

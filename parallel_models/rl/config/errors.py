@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from parallel_models.config import ConfigError
+from parallel_models.errors import ConfigError
 
 _BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
 _TYPE_NAMES = {int: "an integer", float: "a number", bool: "true/false", str: "a string"}

@@ -22,7 +22,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
                       model_validator)
 
-from parallel_models.config import ConfigError
+from parallel_models.errors import ConfigError
 from parallel_models.rl.config import errors
 from parallel_models.rl.config.checks import cross_field_problems
 from parallel_models.rl.config.sections import (SECTION_DEFAULTS, SECTIONS, ActorSection,

@@ -20,7 +20,7 @@ from typing import Annotated, Literal, Optional
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 
 from parallel_models.rl.rollout.sampling import SamplingFields, SamplingParams
-from parallel_models.utils.optimizer import OptimizerFields
+from parallel_models.utils.optimizer_config import OptimizerFields
 
 
 def _not_bool(value):

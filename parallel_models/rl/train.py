@@ -16,22 +16,29 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+
+from parallel_models.cli_support import (add_version_argument, error_exit, log_optional_pieces,
+                                         quiet_third_party)
+
+PROG = "parallel-models-ppo"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="parallel-models-ppo", description=__doc__,
+    quiet_third_party()
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config file (default: the built-in default run)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in trainer.output_dir")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted config overrides, e.g. trainer.total_steps=20")
+    add_version_argument(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("megatron").setLevel(logging.WARNING)
 
-    from parallel_models.config import ConfigError
+    from parallel_models.errors import ConfigError
     from parallel_models.rl.config import load_config
 
     try:
@@ -39,13 +46,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:
             cfg.trainer.resume = True
         cfg.validate()
+        if os.environ.get("RANK", "0") == "0":
+            log_optional_pieces(logging.getLogger(PROG))
         from parallel_models.rl.trainer import PPOTrainer
 
         trainer = PPOTrainer(cfg)
         history = trainer.fit()
     except (ConfigError, FileNotFoundError) as err:
-        print(f"parallel-models-ppo: error: {err}", file=sys.stderr)
-        return 2
+        return error_exit(PROG, err)
     import torch.distributed as dist
 
     if history and (not dist.is_initialized() or dist.get_rank() == 0):

@@ -1,4 +1,8 @@
-"""One validated model configuration built from an HF config (Llama, Qwen2, ...)."""
+"""One validated model configuration built from an HF config.
+
+Llama, Qwen2, Qwen3 (per-head q/k RMSNorm, explicit head_dim), Qwen2-MoE, Qwen3-MoE and Mixtral
+are all read into the one ``ModelConfig``; the defaults of the newer fields mean "dense Llama".
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,10 @@ from parallel_models.errors import ConfigError  # noqa: F401  (defined without t
 _SUPPORTED_ROPE = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # rope types whose frequencies depend on the longest position of the batch
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+# HF model types whose attention applies a per-head RMSNorm to q and k before rotary
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe")
+# HF model types with a mixture-of-experts MLP (on the layers `moe_layer_ids` lists)
+_MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -51,6 +59,18 @@ class ModelConfig:
     tie_word_embeddings: bool
     initializer_range: float = 0.02
     torch_dtype: str | None = None
+    # Qwen3 / Qwen3-MoE: RMSNorm over head_dim on every q and k head, before rotary
+    qk_norm: bool = False
+    # Mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral); num_experts == 0 means a dense model.
+    num_experts: int = 0
+    moe_top_k: int = 0  # experts per token (HF num_experts_per_tok)
+    moe_intermediate_size: int = 0  # each routed expert's SwiGLU width
+    norm_topk_prob: bool = False  # renormalise the top-k probabilities to sum to one
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert; 0 = none
+    shared_expert_gate: bool = False  # Qwen2-MoE: shared expert scaled by sigmoid(x @ gate)
+    moe_layer_ids: tuple[int, ...] = ()  # global layer indices with an MoE MLP (others dense)
+    router_aux_loss_coef: float = 0.0  # the HF config's load-balancing weight (the trainer's
+    # switch decides whether it is used; the router always runs its softmax in fp32)
     hf_config: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
@@ -58,6 +78,14 @@ class ModelConfig:
         if not self.rope_scaling:
             return "default"
         return self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.moe_layer_ids)
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """True when global layer ``layer_id`` has the MoE MLP (else the dense SwiGLU MLP)."""
+        return layer_id in self.moe_layer_ids
 
     @property
     def rope_depends_on_length(self) -> bool:
@@ -95,8 +123,14 @@ class ModelConfig:
             if rtype == "default":
                 rope_scaling = None
         model_type = get("model_type", "llama")
+        _check_attention_window(hf_config, model_type)
         attention_bias = bool(get("attention_bias", False))
-        qkv_bias = attention_bias or model_type == "qwen2"
+        if model_type == "qwen2":
+            qkv_bias, o_bias = True, False
+        elif model_type == "qwen2_moe":  # its own switch; o_proj never has a bias
+            qkv_bias, o_bias = bool(get("qkv_bias", True)), False
+        else:
+            qkv_bias, o_bias = attention_bias, attention_bias
         dtype = get("dtype", None) or get("torch_dtype", None)
         cfg = cls(
             architecture=arch,
@@ -113,12 +147,14 @@ class ModelConfig:
             rope_theta=float(theta),
             rope_scaling=rope_scaling,
             qkv_bias=qkv_bias,
-            o_bias=attention_bias,
+            o_bias=o_bias,
             mlp_bias=bool(get("mlp_bias", False)),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             initializer_range=get("initializer_range", 0.02),
             torch_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
             hf_config=hf_config,
+            qk_norm=model_type in _QK_NORM_TYPES,
+            **_moe_fields(hf_config, model_type),
         )
         cfg.validate()
         return cfg
@@ -134,6 +170,23 @@ class ModelConfig:
                               f"by num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if not self.moe_layer_ids:
+            return
+        if self.num_experts < 1:
+            raise ConfigError(f"moe_layer_ids {list(self.moe_layer_ids)} given but num_experts is "
+                              f"{self.num_experts}")
+        if not 1 <= self.moe_top_k <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok ({self.moe_top_k}) must be between 1 and "
+                              f"num_experts ({self.num_experts})")
+        if self.moe_intermediate_size < 1:
+            raise ConfigError(f"moe_intermediate_size must be a positive integer, got "
+                              f"{self.moe_intermediate_size!r}")
+        if self.shared_expert_intermediate_size < 0:
+            raise ConfigError(f"shared_expert_intermediate_size must be >= 0, got "
+                              f"{self.shared_expert_intermediate_size!r}")
+        bad = [i for i in self.moe_layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(f"moe_layer_ids {bad} are outside the {self.num_layers} layers")
 
     def check_tensor_parallel(self, tp: int) -> None:
         """Raise a ConfigError naming the values if this model cannot be split over ``tp`` ranks."""
@@ -145,9 +198,28 @@ class ModelConfig:
             raise ConfigError(f"num_key_value_heads ({kv}) and tensor_parallel_size ({tp}): one "
                               "must divide the other (KV heads are split, or replicated when "
                               "there are fewer than TP ranks)")
-        if self.intermediate_size % tp:
+        if self.intermediate_size % tp and len(self.moe_layer_ids) < self.num_layers:
             raise ConfigError(f"intermediate_size ({self.intermediate_size}) is not divisible by "
                               f"tensor_parallel_size ({tp})")
+        if not self.moe_layer_ids:
+            return
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(self, name) % tp:
+                raise ConfigError(f"{name} ({getattr(self, name)}) is not divisible by "
+                                  f"tensor_parallel_size ({tp}) (experts are split over TP ranks)")
+
+    def check_expert_parallel(self, ep: int) -> None:
+        """Raise a ConfigError naming the values if the experts cannot be split over ``ep`` ranks."""
+        if ep < 1:
+            raise ConfigError(f"expert_model_parallel_size must be >= 1, got {ep}")
+        if ep == 1:
+            return
+        if not self.moe_layer_ids:
+            raise ConfigError(f"expert_model_parallel_size={ep} but {self.architecture} has no "
+                              "MoE layers (num_experts=0); use expert_model_parallel_size=1")
+        if self.num_experts % ep:
+            raise ConfigError(f"num_experts ({self.num_experts}) is not divisible by "
+                              f"expert_model_parallel_size ({ep})")
 
     def padded_vocab_size(self, tp: int) -> int:
         """Vocab rows padded up to a multiple of TP; the padding never shows in outputs."""
@@ -161,6 +233,54 @@ class ModelConfig:
         if self.num_key_value_heads >= tp:
             return tp_rank * self.num_key_value_heads // tp
         return tp_rank // (tp // self.num_key_value_heads)
+
+
+def _check_attention_window(hf_config, model_type: str) -> None:
+    """Sliding-window attention is not implemented: refuse configs whose layers use it."""
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    window = getattr(hf_config, "sliding_window", None)
+    sliding = "sliding_attention" in layer_types
+    if model_type in ("mixtral", "qwen3_moe") and window:  # these apply it to every layer
+        sliding = True
+    if sliding:
+        raise ConfigError(f"{model_type}: sliding-window attention (sliding_window={window}, "
+                          f"use_sliding_window={getattr(hf_config, 'use_sliding_window', None)}) is "
+                          "not supported; only full causal attention is")
+
+
+def _moe_fields(hf_config, model_type: str) -> dict:
+    """The MoE fields of ModelConfig from an HF Qwen2-MoE / Qwen3-MoE / Mixtral config, with the
+    MoE layers chosen exactly as transformers does (``decoder_sparse_step``, ``mlp_only_layers``)."""
+    if model_type not in _MOE_TYPES:
+        return {}
+    get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
+    layers = get("num_hidden_layers")
+    top_k = get("num_experts_per_tok")
+    if model_type == "mixtral":
+        jitter = get("router_jitter_noise", 0.0) or 0.0
+        if jitter:
+            raise ConfigError(f"mixtral: router_jitter_noise={jitter} is not supported (set it to "
+                              "0.0; the router here is deterministic)")
+        experts = get("num_local_experts")
+        return dict(num_experts=experts, moe_top_k=top_k,
+                    moe_intermediate_size=get("intermediate_size"), norm_topk_prob=True,
+                    moe_layer_ids=tuple(range(layers)) if experts else (),
+                    router_aux_loss_coef=float(get("router_aux_loss_coef", 0.0)))
+    experts = get("num_experts") or 0
+    step = get("decoder_sparse_step", 1)
+    if experts and (not isinstance(step, int) or step < 1):
+        raise ConfigError(f"{model_type}: decoder_sparse_step must be a positive integer, got "
+                          f"{step!r}")
+    mlp_only = set(get("mlp_only_layers") or ())
+    moe_layers = tuple(i for i in range(layers)
+                       if i not in mlp_only and experts > 0 and (i + 1) % step == 0)
+    shared = (get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
+    return dict(num_experts=experts, moe_top_k=top_k or 0,
+                moe_intermediate_size=get("moe_intermediate_size") or 0,
+                norm_topk_prob=bool(get("norm_topk_prob", False)),
+                shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0,
+                moe_layer_ids=moe_layers,
+                router_aux_loss_coef=float(get("router_aux_loss_coef", 0.0)))
 
 
 def load_hf_config(path: str | os.PathLike):

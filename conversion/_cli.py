@@ -1,13 +1,21 @@
-"""What both converters share: error handling, the final summary line."""
+"""The converters' command lines (``hf2mcore``, ``mcore2hf``: the console scripts point here) and
+what both share: argument parsing before any heavy import (``--help`` / ``--version`` / a bad
+argument answer in a fraction of a second), the output-folder check, error handling, the final
+summary line. The conversions themselves are ``conversion.hf2mcore`` / ``conversion.mcore2hf``,
+imported only once the arguments are good."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
 import sys
 import warnings
 from typing import Callable
+
+from parallel_models.cli_support import (DTYPE_HELP, add_version_argument, dtype_name,
+                                         quiet_third_party)
 
 EXPECTED_ERRORS = ("CheckpointError", "ConfigError", "FileNotFoundError", "NotADirectoryError",
                    "PermissionError", "IsADirectoryError")
@@ -68,3 +76,98 @@ def fsync_small_files(folder: str, streamed: tuple[str, ...] = (".distcp", ".saf
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def hf2mcore_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hf2mcore", description="Convert an HF Llama/Qwen2 checkpoint (safetensors) to a "
+        "megatron-core GPTModel dist checkpoint (torch_dist) loadable at any TP/PP.")
+    p.add_argument("--hf-path", required=True, help="HF model folder or hub id")
+    p.add_argument("--output", required=True,
+                   help="new (or empty) output folder; an existing one needs --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing non-empty --output folder (once the new one is "
+                   "complete)")
+    p.add_argument("--dtype", type=dtype_name, default=None, metavar="DTYPE",
+                   help=f"cast the weights: {DTYPE_HELP} (default: keep the checkpoint's dtype)")
+    p.add_argument("--layer-spec", choices=["te", "local"], default="te",
+                   help="norm key names: 'te' = transformer-engine names (linear_qkv."
+                   "layer_norm_weight, linear_fc1.layer_norm_weight), which megatron-core 0.16's "
+                   "GPTModel uses with either spec; 'local' = input_layernorm / pre_mlp_layernorm "
+                   "(a local spec without the key map). Default: te")
+    p.add_argument("--value", action="store_true",
+                   help="a value model (critic / reward): score.weight -> output_layer.weight "
+                   "[1, hidden]; *ForSequenceClassification inputs are value models anyway")
+    p.add_argument("--threads", type=int, default=1,
+                   help="files written in parallel, each by a thread with its own buffers "
+                   "(about 100 MB each; default 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_version_argument(p)
+    return p
+
+
+def mcore2hf_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mcore2hf", description="Convert a megatron-core GPTModel dist checkpoint (torch_dist, "
+        "any TP/PP) to an HF folder (safetensors shards + index + config.json).")
+    p.add_argument("--mcore-path", required=True,
+                   help="dist checkpoint folder (or a Megatron-LM run folder)")
+    p.add_argument("--output", required=True,
+                   help="new (or empty) output folder; an existing one needs --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing non-empty --output folder (once the new one is "
+                   "complete)")
+    p.add_argument("--hf-config", default=None,
+                   help="folder with the model's HF config.json (default: the one in --mcore-path)")
+    p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_version_argument(p)
+    return p
+
+
+def output_problem(output: str, overwrite: bool) -> str | None:
+    """Why ``output`` cannot receive a conversion (checked before the heavy imports), or None.
+    The conversion checks again (``check_output_dir``) for callers of the functions."""
+    if os.path.isdir(output) and os.listdir(output) and not overwrite:
+        return (f"{output}: output folder exists and is not empty (nothing was written; pass "
+                "--overwrite to replace it, or choose a new path)")
+    if os.path.exists(output) and not os.path.isdir(output):
+        return f"{output}: output path exists and is not a folder"
+    return None
+
+
+def _main(prog: str, parser: argparse.ArgumentParser, argv, convert) -> int:
+    quiet_third_party()
+    args = parser.parse_args(argv)
+    problem = output_problem(args.output, args.overwrite)
+    if problem:
+        print(f"{prog}: error: {problem}", file=sys.stderr)
+        return 1
+    return run(prog, lambda: convert(args))
+
+
+def hf2mcore_main(argv=None) -> int:
+    """The ``hf2mcore`` console script."""
+
+    def convert(args):
+        with quiet_megatron_import():
+            from conversion.hf2mcore import convert_hf_to_mcore
+        return convert_hf_to_mcore(args.hf_path, args.output, dtype=args.dtype,
+                                   layer_spec=args.layer_spec, value=args.value,
+                                   threads=args.threads, progress=not args.quiet,
+                                   overwrite=args.overwrite)
+
+    return _main("hf2mcore", hf2mcore_parser(), argv, convert)
+
+
+def mcore2hf_main(argv=None) -> int:
+    """The ``mcore2hf`` console script."""
+
+    def convert(args):
+        with quiet_megatron_import():
+            from conversion.mcore2hf import convert_mcore_to_hf
+        return convert_mcore_to_hf(args.mcore_path, args.output, hf_config=args.hf_config,
+                                   max_shard_size=args.max_shard_size, progress=not args.quiet,
+                                   overwrite=args.overwrite)
+
+    return _main("mcore2hf", mcore2hf_parser(), argv, convert)

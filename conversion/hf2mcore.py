@@ -1,7 +1,7 @@
 """hf2mcore: an HF Llama / Qwen2 folder (or hub id) -> a megatron-core ``GPTModel`` dist checkpoint.
 
-    hf2mcore --hf-path DIR_OR_HUB_ID --output DIR [--dtype bf16|fp16|fp32] [--layer-spec te|local]
-             [--value]
+    hf2mcore --hf-path DIR_OR_HUB_ID --output DIR [--overwrite] [--dtype bfloat16|float16|float32]
+             [--layer-spec te|local] [--value]
 
 The output folder is a ``torch_dist`` checkpoint that ``megatron.core.dist_checkpointing.load(
 model.sharded_state_dict(), DIR)`` loads at any TP/PP (keys, stacking and layouts as megatron-core
@@ -19,7 +19,6 @@ the end.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -233,36 +232,17 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
             "crc_seconds": io_stats["crc_seconds"], "crc_bytes": io_stats["crc_bytes"]}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG, description="Convert an HF Llama/Qwen2 checkpoint (safetensors) to a "
-        "megatron-core GPTModel dist checkpoint (torch_dist) loadable at any TP/PP.")
-    p.add_argument("--hf-path", required=True, help="HF model folder or hub id")
-    p.add_argument("--output", required=True, help="new (or empty) output folder")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="cast the weights (default: keep the checkpoint's dtype)")
-    p.add_argument("--layer-spec", choices=["te", "local"], default="te",
-                   help="norm key names: 'te' = transformer-engine names (linear_qkv."
-                   "layer_norm_weight, linear_fc1.layer_norm_weight), which megatron-core 0.16's "
-                   "GPTModel uses with either spec; 'local' = input_layernorm / pre_mlp_layernorm "
-                   "(a local spec without the key map). Default: te")
-    p.add_argument("--value", action="store_true",
-                   help="a value model (critic / reward): score.weight -> output_layer.weight "
-                   "[1, hidden]; *ForSequenceClassification inputs are value models anyway")
-    p.add_argument("--threads", type=int, default=1,
-                   help="files written in parallel, each by a thread with its own buffers "
-                   "(about 100 MB each; default 1)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p
+def build_parser():
+    """The command line (defined in ``conversion._cli``, which parses it before heavy imports)."""
+    from conversion._cli import hf2mcore_parser
+
+    return hf2mcore_parser()
 
 
 def main(argv=None) -> int:
-    from conversion._cli import run
+    from conversion._cli import hf2mcore_main
 
-    args = build_parser().parse_args(argv)
-    return run(PROG, lambda: convert_hf_to_mcore(
-        args.hf_path, args.output, dtype=args.dtype, layer_spec=args.layer_spec, value=args.value,
-        threads=args.threads, progress=not args.quiet))
+    return hf2mcore_main(argv)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ megatron-core, Megatron-LM, ``hf2mcore`` or ``save_mcore``) -> an HF folder that
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads (value models:
 ``AutoModelForSequenceClassification``).
 
-    mcore2hf --mcore-path DIR --output DIR [--hf-config DIR]
+    mcore2hf --mcore-path DIR --output DIR [--overwrite] [--hf-config DIR]
 
 ``--hf-config``: a folder with the model's HF ``config.json`` (needed when the checkpoint has none
 next to it, e.g. one Megatron-LM wrote; its tokenizer files are copied too). A Megatron-LM run
@@ -17,7 +17,6 @@ buffers (QKV / fc1 parts as row ranges), written with O_DIRECT while the next bu
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -150,27 +149,17 @@ def convert_mcore_to_hf(mcore_path: str, output: str, *, hf_config: str | None =
             "direct_read_bytes": reader.direct_bytes}  # input not in the page cache
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG, description="Convert a megatron-core GPTModel dist checkpoint (torch_dist, any "
-        "TP/PP) to an HF folder (safetensors shards + index + config.json).")
-    p.add_argument("--mcore-path", required=True,
-                   help="dist checkpoint folder (or a Megatron-LM run folder)")
-    p.add_argument("--output", required=True, help="new (or empty) output folder")
-    p.add_argument("--hf-config", default=None,
-                   help="folder with the model's HF config.json (default: the one in --mcore-path)")
-    p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    return p
+def build_parser():
+    """The command line (defined in ``conversion._cli``, which parses it before heavy imports)."""
+    from conversion._cli import mcore2hf_parser
+
+    return mcore2hf_parser()
 
 
 def main(argv=None) -> int:
-    from conversion._cli import run
+    from conversion._cli import mcore2hf_main
 
-    args = build_parser().parse_args(argv)
-    return run(PROG, lambda: convert_mcore_to_hf(
-        args.mcore_path, args.output, hf_config=args.hf_config,
-        max_shard_size=args.max_shard_size, progress=not args.quiet))
+    return mcore2hf_main(argv)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ def one_ppo_step_then_save(output_dir: str, tp: int) -> bool:
 
     cfg = load_config(None, [f"trainer.output_dir={output_dir}", "trainer.total_steps=1",
                              f"parallel.tensor_parallel_size={tp}",
-                             "trainer.save_every=0", "trainer.tensorboard=false",
+                             "trainer.save_every=0", "trainer.loggers=[jsonl]",
                              "actor.ppo_epochs=1", "data.batch_size=4", "rollout.n=2",
                              "actor.mini_batch_size=8", "rollout.max_new_tokens=8"])
     cfg.validate()

@@ -90,7 +90,7 @@ def test_critic_free_estimators_run(tmp_path, estimator, whiten):
     out = str(tmp_path / estimator)
     _run([f"trainer.output_dir={out}", "trainer.total_steps=3", "trainer.save_every=0",
           f"algorithm.adv_estimator={estimator}", "critic.enable=false",
-          "actor.use_kl_loss=true", "algorithm.kl_in_reward=false", "trainer.tensorboard=false",
+          "actor.use_kl_loss=true", "algorithm.kl_in_reward=false", "trainer.loggers=[jsonl]",
           f"algorithm.whiten_advantages={whiten}"])
     rows = _metrics(out)
     assert len(rows) == 3

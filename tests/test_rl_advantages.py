@@ -53,6 +53,17 @@ def test_whitening_off_with_group_estimators(estimator):
     assert not torch.allclose(on.advantages, off.advantages, atol=1e-3)
 
 
+@pytest.mark.parametrize("estimator,whitened", [("gae", True), ("grpo", False), ("rloo", False)])
+def test_unset_whitening_follows_the_estimator(estimator, whitened):
+    """whiten_advantages=null (the default): gae whitens, grpo / rloo do not (verl's defaults)."""
+    unset, explicit = _batch(), _batch()
+    if estimator != "gae":
+        unset.values = explicit.values = None
+    compute_advantages(unset, _alg(estimator, None), FixedKLController(0.0))
+    compute_advantages(explicit, _alg(estimator, whitened), FixedKLController(0.0))
+    torch.testing.assert_close(unset.advantages, explicit.advantages, rtol=0, atol=0)
+
+
 def test_kl_in_reward_current_kl_is_verls_convention():
     b = _batch()
     b.old_log_probs = b.ref_log_probs + 0.3

@@ -197,7 +197,7 @@ def test_config_sections_are_documented_in_module():
         "model": {"path", "dtype", "tokenizer"},
         "parallel": {"tensor_parallel_size", "pipeline_parallel_size", "sequence_parallel"},
         "data": {"path", "prompt_key", "messages_key", "max_prompt_length", "batch_size",
-                 "shuffle", "seed"},
+                 "shuffle", "seed", "task", "val_path", "val_batch_size"},
         "rollout": {"backend", "server_url", "n", "max_new_tokens", "temperature", "top_k",
                     "top_p", "greedy", "stop_token_ids"},
         "actor": {"lr", "weight_decay", "clip_grad", "warmup_steps", "ppo_epochs",
@@ -211,7 +211,9 @@ def test_config_sections_are_documented_in_module():
         "algorithm": {"adv_estimator", "gamma", "lam", "kl_penalty", "kl_in_reward", "kl_coef",
                       "kl_ctrl", "kl_target", "kl_horizon", "whiten_advantages"},
         "trainer": {"total_steps", "seed", "output_dir", "log_every", "save_every", "resume",
-                    "offload", "tensorboard", "save_hf_at_end"},
+                    "offload", "loggers", "save_hf_at_end", "max_checkpoints", "test_freq",
+                    "val_before_train", "val_greedy", "val_samples_logged", "project_name",
+                    "experiment_name"},
     }
     have = PPOConfig().to_dict()
     assert set(have) == set(want) == set(rlcfg.SECTIONS)

@@ -13,7 +13,8 @@ import pytest
 from parallel_models.config import ConfigError
 from parallel_models.rl.config import PPOConfig
 from parallel_models.rl.data import DataError, PromptDataset, PromptLoader, builtin_prompts
-from parallel_models.rl.metrics import MetricsLogger, Timer, plot_reward_curve, read_metrics
+from parallel_models.rl.metrics import MetricsLogger, Timer, read_metrics
+from parallel_models.rl.plots import plot_reward_curve
 from parallel_models.rl.rewards import (exact_match, length_reward, load_reward_function,
                                         vowel_reward)
 from parallel_models.rl.tokenizer import build_builtin_tokenizer
@@ -221,7 +222,12 @@ def test_loader_resume_continues_exactly(tok):
 
 # ================================ rewards ========================================================
 def test_reward_loading(tmp_path):
-    assert load_reward_function(PPOConfig().reward.function) is vowel_reward
+    from parallel_models.rl.config.sections import reward_function_path
+    from parallel_models.rl.tasks import task_reward
+
+    assert load_reward_function(reward_function_path(PPOConfig())) is vowel_reward
+    task_cfg = PPOConfig.from_dict({"data": {"task": "last_digit"}})
+    assert load_reward_function(reward_function_path(task_cfg)) is task_reward
     assert load_reward_function("parallel_models.rl.rewards:length_reward") is length_reward
     with pytest.raises(ConfigError, match="module 'no_such_pkg.mod' not found"):
         load_reward_function("no_such_pkg.mod.fn")

@@ -13,6 +13,9 @@ is on, and left as the estimator made them when it is off:
   flag adds batch whitening on top.
 * ``rloo``: the leave-one-out baseline is the estimator; the flag adds batch whitening.
 
+Unset (``null``, the default) it takes each estimator's usual setting, verl's: on for gae, off
+for grpo and rloo (their group baseline already centers the advantages).
+
 For grpo / rloo the returns equal the (unwhitened) advantages; they are logged, not trained on.
 Groups never straddle data-parallel ranks: the trainer deals prompts to ranks before it
 repeats each ``rollout.n`` times, so the group statistics are complete on every rank.
@@ -25,6 +28,13 @@ import torch
 from parallel_models.rl import algorithms as algos
 from parallel_models.rl import dp_stats
 from parallel_models.rl.batch import RolloutBatch
+
+
+def whitens(alg) -> bool:
+    """``algorithm.whiten_advantages``, or the estimator's default when it is unset."""
+    if alg.whiten_advantages is None:
+        return alg.adv_estimator == "gae"
+    return bool(alg.whiten_advantages)
 
 
 def compute_advantages(batch: RolloutBatch, alg, kl_ctrl) -> dict[str, float]:
@@ -61,7 +71,7 @@ def compute_advantages(batch: RolloutBatch, alg, kl_ctrl) -> dict[str, float]:
     else:
         raise ValueError(f"algorithm.adv_estimator={alg.adv_estimator!r}: expected gae, grpo "
                          "or rloo")
-    if alg.whiten_advantages:
+    if whitens(alg):
         adv = dp_stats.masked_whiten(adv, mask)
     batch.token_level_rewards = rewards
     batch.advantages = adv.to(torch.float32)

@@ -182,8 +182,22 @@ def save_trainer_checkpoint(trainer) -> str:
         _write_json(os.path.join(root, LATEST_FILE), {"latest": os.path.basename(final),
                                                       "step": trainer.step_index})
         os.chmod(os.path.join(root, LATEST_FILE), 0o644)
+        prune_checkpoints(root, trainer.cfg.trainer.max_checkpoints, keep=final)
     dist.barrier()
     return final
+
+
+def prune_checkpoints(root: str, max_checkpoints: int | None, keep: str) -> list[str]:
+    """Delete all but the newest ``max_checkpoints`` complete ``step_N`` folders (never ``keep``,
+    the one ``latest`` names); returns the deleted paths. None keeps everything."""
+    if not max_checkpoints:
+        return []
+    steps = sorted((int(m.group(1)), d) for d in glob.glob(os.path.join(root, "step_*"))
+                   if (m := _STEP_DIR.match(os.path.basename(d))))
+    doomed = [d for _, d in steps[:-max_checkpoints] if os.path.abspath(d) != os.path.abspath(keep)]
+    for d in doomed:
+        shutil.rmtree(d, ignore_errors=True)
+    return doomed
 
 
 def latest_checkpoint(root: str) -> str | None:

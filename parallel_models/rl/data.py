@@ -312,3 +312,27 @@ class PromptLoader:
 
 
 __all__ = ["PromptDataset", "PromptLoader", "DataError", "builtin_prompts", "read_records"]
+
+
+def prompt_datasets(data_cfg, tokenizer) -> tuple[PromptDataset, PromptDataset | None]:
+    """The training prompts and the validation prompts (None without a validation set) of the
+    ``data`` config section: its files, or a built-in task's splits (``data.task``)."""
+    from parallel_models.rl.tasks import task_records
+
+    d = data_cfg
+    common = dict(prompt_key=d.prompt_key, messages_key=d.messages_key,
+                  max_prompt_length=d.max_prompt_length, truncation=d.truncation,
+                  chat_template=d.chat_template)
+    if d.task:
+        train = PromptDataset(None, tokenizer, records=task_records(d.task, "train", seed=d.seed),
+                              **common)
+    else:
+        train = PromptDataset(d.path, tokenizer, **common)
+    if d.val_path:
+        val = PromptDataset(d.val_path, tokenizer, **common)
+    elif d.task:
+        val = PromptDataset(None, tokenizer, records=task_records(d.task, "val", seed=d.seed),
+                            **common)
+    else:
+        val = None
+    return train, val

@@ -89,3 +89,25 @@ def data_parallel_mean(metrics: dict) -> dict:
     keys = sorted(metrics)
     t = data_parallel_sum(torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64))
     return dict(zip(keys, (t / mpu.get_data_parallel_world_size()).tolist()))
+
+
+def grouped_means(values, keys, prefix: str = "reward", suffix: str = "mean") -> dict[str, float]:
+    """``{f"{prefix}/{key}/{suffix}": mean of the values with that key}`` over every rank's rows
+    (``key`` None is left out): e.g. the reward per ``data_source``."""
+    sums: dict[str, list[float]] = {}
+    for value, key in zip(values, keys):
+        if key is not None:
+            acc = sums.setdefault(str(key), [0.0, 0.0])
+            acc[0] += float(value)
+            acc[1] += 1.0
+    group = _dp_group()
+    if group is not None:
+        parts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, sums, group=group)
+        sums = {}
+        for part in parts:
+            for key, (total, count) in part.items():
+                acc = sums.setdefault(key, [0.0, 0.0])
+                acc[0] += total
+                acc[1] += count
+    return {f"{prefix}/{key}/{suffix}": total / count for key, (total, count) in sorted(sums.items())}

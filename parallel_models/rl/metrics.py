@@ -1,5 +1,5 @@
-"""PPO metrics: a JSONL + TensorBoard logger (global rank 0 only), the reward-curve PNG, and a
-phase timer that also records peak CUDA memory.
+"""PPO metrics: a JSONL + TensorBoard (+ trackers) logger (global rank 0 only) and a phase timer
+that also records peak CUDA memory. The PNG plots are in ``rl/plots.py``.
 
 ``metrics.jsonl`` holds one JSON object per step, ``{"step": N, "<name>": float, ...}``, flushed
 after every step. A run never leaves duplicate steps: the first step written by a logger drops
@@ -71,9 +71,12 @@ class MetricsLogger:
     """
 
     def __init__(self, output_dir: str | os.PathLike, tensorboard: bool = True,
-                 filename: str = "metrics.jsonl", resume_step: int | None = None):
+                 filename: str = "metrics.jsonl", resume_step: int | None = None,
+                 trackers: list | None = None):
         self.output_dir = os.fspath(output_dir)
         self.path = os.path.join(self.output_dir, filename)
+        self.samples_path = os.path.join(self.output_dir, "samples.jsonl")
+        self.trackers = list(trackers or [])  # rl/trackers.py (wandb, mlflow): rank 0 only
         self.tb_dir = os.path.join(self.output_dir, "tensorboard")
         self.tensorboard = tensorboard
         self.enabled = _global_rank() == 0
@@ -119,7 +122,27 @@ class MetricsLogger:
                 if math.isfinite(f):
                     writer.add_scalar(key, f, step)
             writer.flush()
+        for tracker in self.trackers:
+            tracker.log_scalars(step, values)
         return values
+
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        """Sample generations (e.g. of a validation): one JSON line per row in
+        ``samples.jsonl`` (with the step), a TensorBoard text table, and the trackers' tables."""
+        if not self.enabled or not rows:
+            return
+        with open(self.samples_path, "a", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps({"step": int(step), **row}) + "\n")
+        if self.tensorboard:
+            columns = list(rows[0])
+            lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            lines += ["| " + " | ".join(_md_cell(r.get(c)) for c in columns) + " |" for r in rows]
+            writer = self._tb_writer()
+            writer.add_text("val/generations", "\n".join(lines), int(step))
+            writer.flush()
+        for tracker in self.trackers:
+            tracker.log_samples(int(step), rows)
 
     def _tb_writer(self):
         if self._writer is None:
@@ -181,6 +204,9 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
 
     def __enter__(self) -> "MetricsLogger":
         return self
@@ -189,57 +215,8 @@ class MetricsLogger:
         self.close()
 
 
-def moving_average(values: list[float], window: int) -> list[float]:
-    """Trailing mean over the last ``window`` values (shorter at the start)."""
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
-    return out
-
-
-def plot_reward_curve(jsonl_path: str | os.PathLike, png_path: str | os.PathLike,
-                      key: str = "reward/mean", window: int | None = None,
-                      title: str | None = None) -> str:
-    """Draw ``key`` against step from a metrics.jsonl file, with a trailing moving average
-    (``window`` default: a fifth of the steps, 1 to 50); write a PNG and return its path."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    records = [r for r in read_metrics(jsonl_path) if key in r and "step" in r]
-    if not records:
-        present = sorted({k for r in read_metrics(jsonl_path) for k in r} - {"step"})
-        raise ValueError(f"{jsonl_path}: no {key!r} values to plot; keys present: "
-                         f"{', '.join(present) or '(none)'}")
-    records.sort(key=lambda r: r["step"])
-    steps = [r["step"] for r in records]
-    values = [float(r[key]) for r in records]
-    window = window or max(1, min(50, len(values) // 5))
-
-    fig = Figure(figsize=(7, 4), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    ax.plot(steps, values, marker="o", markersize=3, linewidth=1, alpha=0.5, label=key)
-    if window > 1:
-        ax.plot(steps, moving_average(values, window), linewidth=2,
-                label=f"moving average ({window} steps)")
-    from matplotlib.ticker import MaxNLocator
-
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("step")
-    ax.set_ylabel(key)
-    ax.set_title(title or f"{key} per PPO step")
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="best")
-    fig.tight_layout()
-    png_path = os.fspath(png_path)
-    os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
-    tmp = png_path + ".tmp"
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, png_path)
-    return png_path
+def _md_cell(value) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ") if value is not None else ""
 
 
 class Timer:
@@ -279,4 +256,4 @@ class Timer:
             self.memory[self.name] = max(self.memory.get(self.name, 0.0), self.peak_memory_gib)
 
 
-__all__ = ["MetricsLogger", "plot_reward_curve", "Timer", "read_metrics", "moving_average"]
+__all__ = ["MetricsLogger", "Timer", "read_metrics"]

@@ -233,12 +233,14 @@ class CriticRole(_ModelRole):
 
 
 class RuleReward:
-    """A rule-based reward ``fn(prompts, responses) -> scores`` on decoded text (no weights:
-    offloading moves nothing)."""
+    """A rule-based reward on decoded text. The function gets the prompts, the responses and the
+    dataset record of each response (its fields as keywords, or verl's ``compute_score``
+    convention; see ``rl/reward_calls.py``). No weights: offloading moves nothing."""
 
     def __init__(self, fn, tokenizer):
         self.fn = fn
         self.tokenizer = tokenizer
+        self.metrics: dict[str, float] = {}
 
     def offload(self) -> int:
         return 0
@@ -250,6 +252,8 @@ class RuleReward:
         return contextlib.nullcontext(self)
 
     def score(self, batch) -> torch.Tensor:
+        from parallel_models.rl.reward_calls import call_reward_function, per_source_means
+
         tok = self.tokenizer
         P = batch["sequences"].shape[1] - batch["response_mask"].shape[1]
         prompts = tok.batch_decode([row[m.bool()].tolist() for row, m in
@@ -258,8 +262,9 @@ class RuleReward:
         responses = tok.batch_decode([row[m.bool()].tolist() for row, m in
                                       zip(batch["sequences"][:, P:], batch["response_mask"])],
                                      skip_special_tokens=True)
-        scores = self.fn(prompts, responses)
-        if len(scores) != len(responses):
-            raise ValueError(f"reward function returned {len(scores)} scores for "
-                             f"{len(responses)} responses")
-        return torch.tensor([float(s) for s in scores], dtype=torch.float32)
+        records = batch.get("records") if hasattr(batch, "get") else None
+        scores, metrics = call_reward_function(self.fn, prompts, responses, records)
+        # per-data-source means are reduced over DP by the trainer from the records
+        local = per_source_means(scores, [r.get("data_source") for r in records or []])
+        self.metrics = {k: v for k, v in metrics.items() if k not in local}
+        return torch.tensor(scores, dtype=torch.float32)

@@ -3,9 +3,9 @@
 ``data.task: max_digit`` (or ``last_digit``, ``add_mod10``) replaces the prompt file: every
 record is ``{"prompt", "ground_truth", "data_source"}``, and the validation set holds prompts that
 never appear in training (other operand pairs), so the held-out accuracy measures what the policy
-learned rather than what it memorized. The matching reward is :func:`first_number_match` (the
-first integer of the response against the answer), which a character-level policy can satisfy
-without learning to stop.
+learned rather than what it memorized. The matching reward is :func:`task_reward` (the first
+integer of the response against the answer, a little credit for a wrong number), which a
+character-level policy can satisfy without learning to stop.
 
 =============  =====================  ===========================================
 task           prompt                 answer
@@ -67,9 +67,11 @@ def task_records(task: str, split: str = "train", seed: int = 0,
 
 
 def first_number_match(prompts: Sequence[str], responses: Sequence[str],
-                       ground_truth: Sequence[str] | None = None, **extras) -> list[float]:
-    """1.0 where the first integer in the response equals ``ground_truth`` (as integers), else 0
-    (also when the response has no number)."""
+                       ground_truth: Sequence[str] | None = None, format_score: float = 0.0,
+                       **extras) -> list[float]:
+    """1.0 where the first integer in the response equals ``ground_truth`` (as integers),
+    ``format_score`` where the response starts its answer with another number, 0 where it has
+    no number."""
     if ground_truth is None:
         raise ValueError("first_number_match needs ground_truth=[...] (records with a "
                          "'ground_truth' field, e.g. a built-in data.task)")
@@ -79,8 +81,19 @@ def first_number_match(prompts: Sequence[str], responses: Sequence[str],
     scores = []
     for response, answer in zip(responses, ground_truth):
         m = _FIRST_INT.search(response)
-        scores.append(float(m is not None and answer is not None and int(m.group()) == int(answer)))
+        if m is None or answer is None:
+            scores.append(0.0)
+        else:
+            scores.append(1.0 if int(m.group()) == int(answer) else float(format_score))
     return scores
 
 
-__all__ = ["TASKS", "task_records", "first_number_match"]
+def task_reward(prompts: Sequence[str], responses: Sequence[str],
+                ground_truth: Sequence[str] | None = None, **extras) -> list[float]:
+    """The built-in tasks' reward: :func:`first_number_match` with 0.1 for a wrong number, so a
+    policy that starts from random text is first drawn to answer with digits at all (the
+    validation accuracy counts only exact answers)."""
+    return first_number_match(prompts, responses, ground_truth, format_score=0.1)
+
+
+__all__ = ["TASKS", "task_records", "first_number_match", "task_reward"]

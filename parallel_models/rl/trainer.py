@@ -77,9 +77,16 @@ def build_builtin_model(folder: str, tokenizer, seed: int = 0) -> str:
     return folder
 
 
+def summary_line(metrics: dict) -> str:
+    """The few numbers of a step worth a log line (``trainer.log_every``)."""
+    keys = ("reward/mean", "val/accuracy", "kl/actor_ref", "response_length/mean",
+            "actor/pg_loss", "timing/step_s")
+    return ", ".join(f"{k} {metrics[k]:.4g}" for k in keys if k in metrics)
+
+
 class PPOTrainer:
     def __init__(self, cfg):
-        from parallel_models.rl.data import PromptDataset, PromptLoader
+        from parallel_models.rl.data import PromptLoader, prompt_datasets
         from parallel_models.rl.metrics import MetricsLogger
 
         self.cfg = cfg
@@ -137,13 +144,25 @@ class PPOTrainer:
         else:
             self.kl_ctrl = algos.FixedKLController(alg.kl_coef)
         d = cfg.data
-        self.dataset = PromptDataset(d.path, self.tokenizer, prompt_key=d.prompt_key,
-                                     messages_key=d.messages_key,
-                                     max_prompt_length=d.max_prompt_length,
-                                     truncation=d.truncation, chat_template=d.chat_template)
+        self.dataset, val_dataset = prompt_datasets(d, self.tokenizer)
         self.loader = PromptLoader(self.dataset, batch_size=d.batch_size, shuffle=d.shuffle,
                                    seed=d.seed)
-        self.metrics = MetricsLogger(tcfg.output_dir, tensorboard=tcfg.tensorboard)
+        self.validator = None
+        if val_dataset is not None:
+            from parallel_models.rl.evaluation import Validator
+
+            self.validator = Validator(val_dataset, self.tokenizer, d.val_batch_size or d.batch_size,
+                                       num_samples=tcfg.val_samples_logged, dp_rank=self.dp_rank,
+                                       dp_size=self.dp_size,
+                                       dp_group=mpu.get_data_parallel_group())
+        trackers = []
+        if _rank() == 0:
+            from parallel_models.rl.trackers import build_trackers
+
+            trackers = build_trackers(tcfg.loggers, tcfg.output_dir, tcfg.project_name,
+                                      tcfg.experiment_name, cfg.to_dict())
+        self.metrics = MetricsLogger(tcfg.output_dir, tensorboard="tensorboard" in tcfg.loggers,
+                                     trackers=trackers)
         self.step_index = 0
         r = cfg.rollout
         self.sampling = r.sampling_params()
@@ -186,9 +205,10 @@ class PPOTrainer:
     def _build_reward(self):
         r = self.cfg.reward
         if r.type == "rule":
+            from parallel_models.rl.config.sections import reward_function_path
             from parallel_models.rl.rewards import load_reward_function
 
-            return RuleReward(load_reward_function(r.function), self.tokenizer)
+            return RuleReward(load_reward_function(reward_function_path(self.cfg)), self.tokenizer)
         from parallel_models.rl.reward_model import RewardModel  # issue: reward model role
 
         return RewardModel.from_config(r, self.tokenizer)
@@ -240,6 +260,7 @@ class PPOTrainer:
         if self.rollout_client is not None:
             phase("sync", self._push_weights)
         metrics.update({f"timing/{k}_s": v for k, v in timings.items()})
+        metrics["timing/step_s"] = sum(timings.values())
         metrics.update({f"memory/{k}_peak_gib": v for k, v in memory.items()})
         return metrics
 
@@ -252,6 +273,8 @@ class PPOTrainer:
         with self._use(self.actor):
             batch = self._rollout([prompt_ids[i] for i in mine])
         if isinstance(records, dict) and "records" in records:
+            # each response carries its prompt's dataset record (reward functions read its fields)
+            batch["records"] = [records["records"][i] for i in mine for _ in range(self.cfg.rollout.n)]
             # structured chat prompts for a reward model with another chat template (one per
             # sample, None for plain prompts)
             key = self.cfg.data.messages_key
@@ -259,20 +282,21 @@ class PPOTrainer:
             batch["messages"] = [m for m in msgs for _ in range(self.cfg.rollout.n)]
         return batch
 
-    def _rollout(self, prompt_ids: list[list[int]]) -> RolloutBatch:
-        n = self.cfg.rollout.n
+    def _rollout(self, prompt_ids: list[list[int]], sampling=None) -> RolloutBatch:
+        sampling = sampling or self.sampling
+        n = sampling.n
         if self.rollout_client is not None:
             from parallel_models.rl.rollout.server.rollout import server_rollout
 
             seed = (self.cfg.trainer.seed * 1_000_003 + self.step_index) * 1009 + self.dp_rank
-            out = server_rollout(self.rollout_client, prompt_ids, self.sampling, seed=seed,
+            out = server_rollout(self.rollout_client, prompt_ids, sampling, seed=seed,
                                  device=self.actor_model.device,
                                  eos_token_id=self.rollout_engine.eos_token_id,
                                  pad_token_id=self.rollout_engine.pad_token_id)
             out.pop("weight_version", None)
             out.pop("rollout_log_probs", None)  # old_log_probs are recomputed by the actor
             return RolloutBatch.from_dict(out)
-        out = self.rollout_engine.generate(prompt_ids, self.sampling)
+        out = self.rollout_engine.generate(prompt_ids, sampling)
         return RolloutBatch(sequences=out.sequences, attention_mask=out.attention_mask,
                             prompt_lengths=out.prompt_mask.sum(-1),
                             response_mask=out.response_mask,
@@ -289,7 +313,29 @@ class PPOTrainer:
             with self._use(self.critic):
                 batch.values = self.critic.values(batch)
         batch.scores = self.reward.score(batch)  # a reward model brings itself to the device
-        return dict(getattr(self.reward, "metrics", None) or {})  # e.g. reward/truncated
+        metrics = dp_stats.data_parallel_mean(dict(getattr(self.reward, "metrics", None) or {}))
+        records = batch.get("records") or []
+        metrics.update(dp_stats.grouped_means(batch.scores.tolist(),
+                                              [r.get("data_source") for r in records]))
+        return metrics  # e.g. reward/truncated, reward/<data_source>/mean
+
+    def validate_phase(self) -> dict:
+        """Roll out the validation set (greedy unless trainer.val_greedy=false; one response per
+        prompt), score it with the training reward, log sample generations; ``val/...`` metrics."""
+        params = self.sampling.model_copy(update={"n": 1, "greedy": self.cfg.trainer.val_greedy})
+
+        def rollout(prompt_ids, records):
+            with self._use(self.actor):
+                batch = self._rollout(prompt_ids, params)
+            batch["records"] = list(records)
+            return batch
+
+        timings: dict[str, float] = {}
+        with Timer("val", timings):
+            metrics, rows = self.validator.run(rollout, lambda b: (self.reward.score(b), {}))
+        self.metrics.log_samples(self.step_index, rows)
+        metrics["timing/val_s"] = timings["val"]
+        return metrics
 
     def advantage_phase(self, batch: RolloutBatch) -> dict:
         return compute_advantages(batch, self.cfg.algorithm, self.kl_ctrl)
@@ -351,23 +397,32 @@ class PPOTrainer:
                 print(json.dumps(finished))
             return []
         history = []
+        if self.validator is not None and tcfg.val_before_train and self.step_index == 0:
+            self.metrics.log(0, self.validate_phase())
         bar = tqdm(range(self.step_index, tcfg.total_steps), desc="ppo", disable=_rank() != 0,
                    initial=self.step_index, total=tcfg.total_steps)
         for _ in bar:
             metrics = self.step()
+            last = self.step_index == tcfg.total_steps
+            if self.validator is not None and tcfg.test_freq and (
+                    self.step_index % tcfg.test_freq == 0 or last):
+                metrics.update(self.validate_phase())
             self.metrics.log(self.step_index, metrics)
             history.append(metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
                             kl=f"{metrics.get('kl/actor_ref', 0.0):.4f}")
+            if _rank() == 0 and (self.step_index % tcfg.log_every == 0 or last):
+                logger.info("step %d/%d: %s", self.step_index, tcfg.total_steps,
+                            summary_line(metrics))
             if tcfg.save_every and (self.step_index % tcfg.save_every == 0
                                     or self.step_index == tcfg.total_steps):
                 self.save_checkpoint()
         self.metrics.close()
         if _rank() == 0:
-            from parallel_models.rl.metrics import plot_reward_curve
+            from parallel_models.rl.plots import plot_training_curves
 
-            plot_reward_curve(os.path.join(tcfg.output_dir, "metrics.jsonl"),
-                              os.path.join(tcfg.output_dir, "reward_curve.png"))
+            plot_training_curves(os.path.join(tcfg.output_dir, "metrics.jsonl"),
+                                 os.path.join(tcfg.output_dir, "reward_curve.png"))
         if self._offload_enabled():
             for role in (self.actor, self.critic):
                 if role is not None:

@@ -43,12 +43,21 @@ def _model_problems(cfg) -> list[str]:
 def _data_and_batch_problems(cfg) -> list[str]:
     d, r, a = cfg.data, cfg.rollout, cfg.actor
     errors = []
-    if d.path is not None:
-        if not os.path.isfile(d.path):
-            errors.append(f"data.path: prompt file not found: {d.path!r}")
-        elif not d.path.endswith(DATA_SUFFIXES):
-            errors.append(f"data.path: {d.path!r} has an unsupported extension; use one of "
+    for key in ("path", "val_path"):
+        path = getattr(d, key)
+        if path is None:
+            continue
+        if not os.path.isfile(path):
+            errors.append(f"data.{key}: prompt file not found: {path!r}")
+        elif not path.endswith(DATA_SUFFIXES):
+            errors.append(f"data.{key}: {path!r} has an unsupported extension; use one of "
                           f"{', '.join(DATA_SUFFIXES)}")
+    if d.path is not None and d.task is not None:
+        errors.append(f"data.path ({d.path!r}) and data.task ({d.task!r}) both give the training "
+                      "prompts: set one")
+    if cfg.trainer.test_freq and d.val_path is None and d.task is None:
+        errors.append(f"trainer.test_freq={cfg.trainer.test_freq} needs a validation set: "
+                      "data.val_path or data.task")
     if r.backend == "server" and not r.server_url:
         errors.append("rollout.backend=server needs rollout.server_url")
     samples = d.batch_size * r.n
@@ -74,16 +83,13 @@ def _roles_problems(cfg) -> list[str]:
             not os.path.exists(os.path.expanduser(c.path)):
         errors.append(f"critic.path: {c.path!r} does not exist")
     if rw.type == "rule":
-        if not rw.function:
-            errors.append("reward.type=rule needs reward.function (a dotted path "
-                          "'package.module.function')")
-        else:
-            from parallel_models.rl.rewards import load_reward_function
+        from parallel_models.rl.config.sections import reward_function_path
+        from parallel_models.rl.rewards import load_reward_function
 
-            try:
-                load_reward_function(rw.function)
-            except ConfigError as err:
-                errors.append(f"reward.function: {err}")
+        try:
+            load_reward_function(reward_function_path(cfg))
+        except ConfigError as err:
+            errors.append(f"reward.function: {err}")
     elif not rw.model_path:
         errors.append("reward.type=model needs reward.model_path (an HF sequence-classification "
                       "folder)")

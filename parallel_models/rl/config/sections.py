@@ -82,6 +82,13 @@ class DataSection(BaseModel):
                                                  "together)")
     shuffle: StrictBool = Field(True, description="reshuffle the prompts every epoch")
     seed: Int = Field(0, description="seed of the shuffling")
+    task: Optional[Literal["max_digit", "last_digit", "add_mod10"]] = Field(
+        None, description="a built-in verifiable task instead of path (its held-out split is "
+                          "the validation set; reward: parallel_models.rl.tasks.task_reward)")
+    val_path: Optional[str] = Field(None, description="validation prompts (.jsonl / .json / "
+                                                      ".parquet); null = none, or data.task's")
+    val_batch_size: Optional[Int] = Field(None, ge=1, description="validation prompts per "
+                                                                 "rollout; null = batch_size")
 
 
 class RolloutSection(SamplingFields):
@@ -141,8 +148,10 @@ class RewardSection(BaseModel):
     model_config = SECTION_CONFIG
 
     type: Literal["rule", "model"] = Field("rule", description="rule | model")
-    function: str = Field("parallel_models.rl.rewards.vowel_reward",
-                          description="type=rule: fn(prompts, responses, **extras)")
+    function: Optional[str] = Field(
+        None, description="type=rule: fn(prompts, responses, **record_fields), or verl's "
+                          "compute_score(data_source, solution_str, ground_truth, extra_info); "
+                          "null = tasks.task_reward with data.task, else vowel_reward")
     model_path: Optional[str] = Field(None, description="type=model: HF sequence-"
                                                         "classification folder")
     tokenizer: Optional[str] = Field(None, description="null = the reward model's own")
@@ -181,8 +190,9 @@ class AlgorithmSection(BaseModel):
     kl_target: Number = Field(0.1, gt=0, description="adaptive: target KL per token (responses' "
                                                      "token-mean KL, averaged; verl)")
     kl_horizon: Int = Field(10000, gt=0, description="adaptive controller: horizon")
-    whiten_advantages: StrictBool = Field(
-        True, description="whiten the final advantages over the global batch (any estimator)")
+    whiten_advantages: Optional[StrictBool] = Field(
+        None, description="whiten the final advantages over the global batch; null = the "
+                          "estimator's default (gae: true, grpo / rloo: false, as verl)")
 
 
 class TrainerSection(BaseModel):
@@ -194,13 +204,43 @@ class TrainerSection(BaseModel):
     seed: Int = Field(0, description="seeds sampling, value-head init and data order")
     output_dir: str = Field("outputs/ppo", min_length=1, description="metrics, checkpoints, "
                                                                      "final models")
-    log_every: Int = Field(1, ge=1, description="log metrics every N steps")
-    save_every: Int = Field(10, ge=0, description="checkpoint every N steps; 0 = never")
+    log_every: Int = Field(1, ge=1, description="a metrics line in the log every N steps (the "
+                                                "loggers get every step)")
+    save_every: Int = Field(10, ge=0, description="checkpoint every N steps (and at the last "
+                                                  "step); 0 = never")
+    max_checkpoints: Optional[Int] = Field(None, ge=1, description="keep the newest K "
+                                                                  "checkpoints; null = all")
     resume: StrictBool = Field(False, description="continue from the latest checkpoint")
     offload: StrictBool = Field(False, description="CUDA only: idle models / optimizer states "
                                                    "to CPU")
-    tensorboard: StrictBool = Field(True, description="TensorBoard event files")
+    loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
+        ["jsonl", "tensorboard"], description="where metrics go: jsonl | tensorboard | wandb | "
+                                              "mlflow (the last two: pip install "
+                                              "'parallel-models[trackers]')")
+    project_name: str = Field("parallel-models", min_length=1, description="wandb project / "
+                                                                          "mlflow experiment")
+    experiment_name: Optional[str] = Field(None, description="run name in the trackers; null = "
+                                                            "theirs")
+    test_freq: Int = Field(0, ge=0, description="validate every N steps (and at the last "
+                                                "step); 0 = never")
+    val_before_train: StrictBool = Field(True, description="validate before the first step "
+                                                           "(when there is a validation set)")
+    val_greedy: StrictBool = Field(True, description="greedy validation rollouts (else "
+                                                     "rollout's sampling, one sample)")
+    val_samples_logged: Int = Field(4, ge=0, description="sample generations logged per "
+                                                         "validation")
     save_hf_at_end: StrictBool = Field(True, description="actor_hf/ and critic_hf/ at the end")
+
+
+DEFAULT_REWARD = "parallel_models.rl.rewards.vowel_reward"
+TASK_REWARD = "parallel_models.rl.tasks.task_reward"
+
+
+def reward_function_path(cfg) -> str:
+    """``reward.function``, or the default for the data (a built-in task's own scorer)."""
+    if cfg.reward.function:
+        return cfg.reward.function
+    return TASK_REWARD if cfg.data.task else DEFAULT_REWARD
 
 
 SECTIONS: dict[str, type[BaseModel]] = {

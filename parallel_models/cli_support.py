@@ -11,6 +11,7 @@
 - :func:`dtype_name` / :func:`dtype_or_auto`: the ``--dtype`` argument type. One spelling is
   documented everywhere, as in the YAML config: ``float32``, ``bfloat16``, ``float16``; the short
   forms ``fp32``, ``bf16``, ``fp16`` are accepted and mean the same;
+- :class:`DefaultsHelpFormatter`: every option's help ends with its default;
 - :func:`error_exit`: the one-line ``prog: error: ...`` message and exit code 2 of argparse, for
   problems found after parsing (missing model folder, busy port).
 """
@@ -37,6 +38,7 @@ OPTIONAL_PIECES = (("transformer_engine", "transformer-engine", "local layers"),
 _QUIET_MESSAGES = (
     r".*(Transformer Engine|Apex).*not installed",  # megatron-core: the optional GPU extras
     r".*apex.*",  # megatron-core / transformer-engine: apex fallbacks
+    r"full scope is deprecated",  # megatron-core 0.16 TransformerConfig: cuda_graph_scope
 )
 _THIRD_PARTY = r"(megatron|transformer_engine|apex|transformers|torch|torchvision|pydantic)(\.|$)"
 _installed = False
@@ -109,6 +111,16 @@ def dtype_or_auto(value: str) -> str:
         return dtype_name(value)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"unknown dtype {value!r}; use auto or {DTYPE_HELP}") from None
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's ``(default: ...)`` after each option's help, unless the help already says what
+    the default is (e.g. one read from the environment, which must not be printed)."""
+
+    def _get_help_string(self, action):
+        if "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def error_exit(prog: str, message, code: int = 2) -> int:

@@ -12,45 +12,123 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
+
+from parallel_models.cli_support import (DTYPE_HELP, DefaultsHelpFormatter, add_version_argument,
+                                         dtype_or_auto, error_exit, log_optional_pieces,
+                                         quiet_third_party)
+
+PROG = "parallel-models-serve"
+log = logging.getLogger(PROG)
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def _port(value: str) -> int:
+    n = int(value)
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535 (0: any free port), got {n}")
+    return n
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="parallel-models-serve",
-                                description="Serve a parallel CausalLM for rollouts over HTTP.")
+    p = argparse.ArgumentParser(prog=PROG,
+                                description="Serve a parallel CausalLM for rollouts over HTTP.",
+                                formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="HF folder (or megatron-core checkpoint with "
                    "an HF config) of a Llama/Qwen2 CausalLM")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= world size; use "
-                   "torchrun for > 1)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("PARALLEL_MODELS_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' (all endpoints but /health)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="auto: bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: --model; "
-                   "text prompts are refused when none loads)")
-    p.add_argument("--max-batch", type=int, default=64, help="rows (prompts x n) per batch")
-    p.add_argument("--batch-window-ms", type=float, default=5.0)
-    p.add_argument("--max-prompt-tokens", type=int, default=1024)
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--max-n", type=int, default=16)
-    p.add_argument("--max-body-bytes", type=int, default=4 << 20)
-    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size (= world size; "
+                   "use torchrun for > 1)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=_port, default=8000, help="TCP port (0: any free port)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (all endpoints but /health); "
+                   "default: $PARALLEL_MODELS_API_KEY when set, else no key")
+    p.add_argument("--dtype", type=dtype_or_auto, default="auto", metavar="DTYPE",
+                   help=f"auto (bfloat16 on GPU, float32 on CPU) | {DTYPE_HELP}")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id; one that does "
+                   "not load is an error (default: the --model folder, and when none loads "
+                   "there only token-id prompts are served)")
+    p.add_argument("--max-batch", type=_positive, default=64,
+                   help="rows (prompts x n) per batch, and prompts per request")
+    p.add_argument("--batch-window-ms", type=float, default=5.0,
+                   help="how long the batcher waits to fill a batch, in milliseconds")
+    p.add_argument("--max-prompt-tokens", type=_positive, default=1024,
+                   help="longest prompt accepted, in tokens")
+    p.add_argument("--max-new-tokens", type=_positive, default=512,
+                   help="largest max_new_tokens a request may ask for")
+    p.add_argument("--max-n", type=_positive, default=16,
+                   help="most samples per prompt (n) a request may ask for")
+    p.add_argument("--max-body-bytes", type=_positive, default=4 << 20,
+                   help="largest request body, in bytes")
+    p.add_argument("--request-timeout", type=float, default=300.0,
+                   help="seconds a request may wait for its results")
+    p.add_argument("--log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="log level of the server and uvicorn (the URL and start-up notes are "
+                   "always logged)")
+    add_version_argument(p)
     return p
 
 
-def _load_tokenizer(path: str | None):
+def _startup_problem(args) -> str | None:
+    """What makes a start impossible, found before the heavy imports (one line), or None."""
+    if not os.path.isdir(args.model):
+        return f"--model {args.model}: no such folder (give an HF model folder)"
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        return f"--model {args.model}: no config.json in the folder (give an HF model folder)"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != args.tp:
+        return (f"world size {world} != --tp {args.tp}: start with 'torchrun --nproc_per_node "
+                f"{args.tp}' (one TP group per server)")
+    return None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads (a busy port fails at once); uvicorn
+    starts listening on it once the model is ready (until then a client is refused, not kept
+    waiting)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except (OSError, UnicodeError) as err:
+        raise OSError(f"--host {host}: cannot serve there ({err})") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _load_tokenizer(path: str | None, required: bool = False):
+    """The tokenizer at ``path``; one that does not load is an error when it was asked for
+    (``--tokenizer``), else a warning (token-id prompts still work)."""
     if not path:
         return None
-    try:
-        from parallel_models.rl.tokenizer import load_tokenizer
+    from parallel_models.rl.tokenizer import load_tokenizer
 
+    try:
         return load_tokenizer(path)
-    except Exception as exc:  # noqa: BLE001 - token-id prompts still work
-        logging.getLogger(__name__).warning("no tokenizer at %s (%s): token-id prompts only",
-                                            path, exc)
+    except Exception as exc:  # noqa: BLE001
+        if required:
+            raise ValueError(f"--tokenizer {path}: {' '.join(str(exc).split())}") from None
+        log.warning("no tokenizer at %s (%s): token-id prompts only", path,
+                    " ".join(str(exc).split()))
         return None
 
 
@@ -64,6 +142,15 @@ def _server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
+        docs_path: str | None = None
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if self.started and sockets:
+                url = _url(sockets[0])
+                docs = f" (OpenAPI docs: {url}{self.docs_path})" if self.docs_path else ""
+                log.info("listening on %s%s", url, docs)
+
         @contextlib.contextmanager
         def capture_signals(self):
             if threading.current_thread() is not threading.main_thread():
@@ -81,29 +168,49 @@ def _server_class():
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_third_party()
     args = build_parser().parse_args(argv)
-    for name, v in (("--tp", args.tp), ("--max-batch", args.max_batch), ("--max-n", args.max_n),
-                    ("--max-new-tokens", args.max_new_tokens),
-                    ("--max-prompt-tokens", args.max_prompt_tokens)):
-        if v < 1:
-            raise SystemExit(f"{name} must be >= 1, got {v}")
+    if args.api_key is None:
+        args.api_key = os.environ.get("PARALLEL_MODELS_API_KEY") or None
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log.setLevel(min(logging.INFO, logging.getLevelName(args.log_level.upper())))
+    problem = _startup_problem(args)
+    if problem:
+        return error_exit(PROG, problem)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        log.warning("serving on %s without --api-key: anyone who can reach it can generate, "
+                    "load weights from server paths and shut it down", args.host)
+    rank = int(os.environ.get("RANK", "0"))
+    sock = None
+    if rank == 0:
+        try:
+            sock = _bind(args.host, args.port)
+        except OSError as err:
+            return error_exit(PROG, err)
+        log_optional_pieces(log)
+    try:
+        return _serve(args, sock)
+    except _StartupError as err:
+        return error_exit(PROG, err)
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+class _StartupError(Exception):
+    """A problem loading the model or tokenizer: one line, exit code 2."""
+
+
+def _serve(args, sock) -> int:
     import torch
 
     import parallel_models as pm
+    from parallel_models.errors import ConfigError
     from parallel_models.rl.rollout.engine import RolloutEngine
     from parallel_models.rl.rollout.server.app import ServerLimits, create_app
     from parallel_models.rl.rollout.server.engine import Engine, make_control_group, worker_loop
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != args.tp:
-        raise SystemExit(f"world size {world} != --tp {args.tp}: start with "
-                         f"'torchrun --nproc_per_node {args.tp}' (one TP group per server)")
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        logging.getLogger(__name__).warning(
-            "serving on %s without --api-key: anyone who can reach it can generate, load "
-            "weights from server paths and shut it down", args.host)
     pm.init_parallel(tensor_parallel_size=args.tp)
     import torch.distributed as dist
 
@@ -112,10 +219,21 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {"auto": torch.bfloat16 if torch.cuda.is_available() else torch.float32,
              "float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}[args.dtype]
-    model = pm.AutoModelForCausalLM.from_pretrained(args.model, rmpad=True, dtype=dtype)
-    model.eval()
-    # every rank loads the tokenizer: its EOS / pad ids are part of every generate call
-    tokenizer = _load_tokenizer(args.tokenizer or args.model)
+    try:
+        try:
+            model = pm.AutoModelForCausalLM.from_pretrained(args.model, rmpad=True, dtype=dtype)
+        except (pm.CheckpointError, ConfigError, OSError, ValueError) as err:
+            raise _StartupError(f"--model {args.model}: {err}") from None
+        model.eval()
+        # every rank loads the tokenizer: its EOS / pad ids are part of every generate call
+        try:
+            tokenizer = _load_tokenizer(args.tokenizer or args.model,
+                                        required=args.tokenizer is not None)
+        except ValueError as err:
+            raise _StartupError(str(err)) from None
+    except BaseException:
+        pm.destroy_parallel()
+        raise
     eos = None if tokenizer is None else tokenizer.eos_token_id
     pad = 0 if tokenizer is None or tokenizer.pad_token_id is None else tokenizer.pad_token_id
     rollout = RolloutEngine(model, eos_token_id=eos, pad_token_id=pad, weights_path=args.model)
@@ -135,14 +253,15 @@ def main(argv: list[str] | None = None) -> int:
                               max_new_tokens=args.max_new_tokens, max_n=args.max_n,
                               max_prompts=args.max_batch, max_body_bytes=args.max_body_bytes,
                               request_timeout_s=args.request_timeout)
-        asgi, _, state = create_app(engine, tokenizer, limits, api_key=args.api_key,
-                                    model_info={"model": args.model, "architecture": arch,
-                                                "dtype": str(dtype).replace("torch.", "")})
+        asgi, app, state = create_app(engine, tokenizer, limits, api_key=args.api_key,
+                                      model_info={"model": args.model, "architecture": arch,
+                                                  "dtype": str(dtype).replace("torch.", "")})
         config = uvicorn.Config(asgi, host=args.host, port=args.port,
                                 log_level=args.log_level, timeout_graceful_shutdown=30)
         server = _server_class()(config)
+        server.docs_path = getattr(app, "docs_url", None)
         state["server"] = server
-        server.run()  # SIGTERM / SIGINT / POST /shutdown -> graceful exit
+        server.run(sockets=[sock])  # SIGTERM / SIGINT / POST /shutdown -> graceful exit
         return 0
     finally:
         if rank == 0:

@@ -72,6 +72,7 @@ def build_megatron_config(config: ModelConfig, dtype: torch.dtype, sequence_para
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=False,  # weights are loaded or initialized by us
         gradient_accumulation_fusion=False,
+        qk_layernorm=config.qk_norm,  # finalize_model_grads sums q/k_layernorm grads over TP
     )
     # packed microbatches differ in token count: pipeline p2p must send shapes first (set after
     # construction: the MoE-only validation in __post_init__ rejects it for dense models)

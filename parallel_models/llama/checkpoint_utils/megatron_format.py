@@ -128,10 +128,49 @@ def check_megatron_compatible(config: ModelConfig) -> None:
             "qkv only; this combination has no GPTModel equivalent")
 
 
-def _rope_args(config: ModelConfig) -> tuple[dict, list[str]]:
+# YaRN settings megatron-core's GPTModel reads from its config with getattr (not TransformerConfig
+# fields in 0.16: build_gpt_model sets them on the config after construction)
+YARN_ATTRIBUTES = ("yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings",
+                   "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
+                   "yarn_correction_range_round_to_int")
+
+
+def _yarn_args(config: ModelConfig, rs: dict) -> tuple[dict, list[str]]:
+    """HF YaRN parameters -> megatron-core's ``yarn_*`` settings (HF's defaults where absent)."""
+    factor = rs.get("factor")
+    original = rs.get("original_max_position_embeddings") or config.max_position_embeddings
+    if factor is None:  # transformers infers it the same way
+        factor = config.max_position_embeddings / original
+    mscale, mscale_all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
+    args = {"yarn_rotary_scaling_factor": float(factor),
+            "yarn_original_max_position_embeddings": int(original),
+            "yarn_beta_fast": float(rs.get("beta_fast") or 32),
+            "yarn_beta_slow": float(rs.get("beta_slow") or 1),
+            # megatron's concentration factor get_mscale(s, mscale) / get_mscale(s, all_dim) is
+            # HF's attention_factor when both are set, and 0.1 ln(s) + 1 with (1, 0) otherwise
+            "yarn_mscale": float(mscale) if mscale and mscale_all_dim else 1.0,
+            "yarn_mscale_all_dim": float(mscale_all_dim) if mscale and mscale_all_dim else 0.0,
+            "yarn_correction_range_round_to_int": bool(rs.get("truncate", True))}
+    notes = ["rope yarn: megatron-core's GPTModel with standard (non-MLA) attention computes the "
+             "YaRN frequencies but drops its attention factor (cos/sin scaled by "
+             "0.1 ln(factor) + 1 in transformers); its attention scores will differ by that "
+             "factor squared"]
+    if rs.get("attention_factor") is not None:
+        notes.append(f"rope yarn attention_factor={rs['attention_factor']} has no megatron-core "
+                     "setting")
+    if rs.get("partial_rotary_factor", 1.0) != 1.0:
+        notes.append(f"rope yarn partial_rotary_factor={rs['partial_rotary_factor']}: not mapped")
+    return args, notes
+
+
+def _rope_args(config: ModelConfig) -> tuple[dict, dict, list[str]]:
+    """(GPTModel rope arguments, TransformerConfig yarn_* settings, notes). Settings that are
+    off are written as off: ``rope_scaling_factor`` 1.0 unless llama3 scaling is on."""
     notes = []
     args = {"rotary_base": config.rope_theta, "rotary_percent": 1.0, "rope_scaling": False,
-            "rope_scaling_factor": 8.0, "seq_len_interpolation_factor": None}
+            "rope_scaling_factor": 1.0, "seq_len_interpolation_factor": None,
+            "position_embedding_type": "rope"}
+    yarn: dict = {}
     rs = config.rope_scaling or {}
     kind = config.rope_type
     if kind == "llama3":
@@ -146,10 +185,14 @@ def _rope_args(config: ModelConfig) -> tuple[dict, list[str]]:
                          "embedding will differ from the HF model's")
     elif kind == "linear":
         args["seq_len_interpolation_factor"] = float(rs["factor"])
+    elif kind == "yarn":
+        args["position_embedding_type"] = "yarn"
+        yarn, yarn_notes = _yarn_args(config, rs)
+        notes += yarn_notes
     elif kind != "default":
         notes.append(f"rope scaling {kind!r} has no megatron-core GPTModel equivalent; plain RoPE "
                      "is configured")
-    return args, notes
+    return args, yarn, notes
 
 
 def mcore_config_dict(config: ModelConfig, *, head_kind: str, dtype: torch.dtype,
@@ -157,7 +200,7 @@ def mcore_config_dict(config: ModelConfig, *, head_kind: str, dtype: torch.dtype
     """The JSON written next to a dist checkpoint: megatron-core ``TransformerConfig`` and
     ``GPTModel`` arguments that reproduce the model (plus what is not expressible, in notes)."""
     check_megatron_compatible(config)
-    rope, notes = _rope_args(config)
+    rope, yarn, notes = _rope_args(config)
     dname = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     tc = {
         "num_layers": config.num_layers,
@@ -172,17 +215,18 @@ def mcore_config_dict(config: ModelConfig, *, head_kind: str, dtype: torch.dtype
         "activation_func": "silu",
         "add_bias_linear": bool(config.o_bias),
         "add_qkv_bias": bool(config.qkv_bias),
+        "qk_layernorm": bool(config.qk_norm),  # per-head RMSNorm of q and k (kv_channels wide)
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
         "init_method_std": config.initializer_range,
         "params_dtype": dname,
         "bf16": dtype == torch.bfloat16,
         "fp16": dtype == torch.float16,
+        **yarn,
     }
     gpt = {
         "vocab_size": config.vocab_size,
         "max_sequence_length": config.max_position_embeddings,
-        "position_embedding_type": "rope",
         "share_embeddings_and_output_weights": bool(config.tie_word_embeddings
                                                     and head_kind == "causal_lm"),
         **rope,
@@ -232,15 +276,19 @@ def build_gpt_model(mcore_json: dict | str, *, layer_spec="local",
               bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
               apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False)
     tc.update(overrides.pop("transformer_config", {}))
+    yarn = {k: tc.pop(k) for k in YARN_ATTRIBUTES if k in tc}
     config = TransformerConfig(**tc)
+    for key, value in yarn.items():  # read by GPTModel with getattr (position_embedding_type yarn)
+        setattr(config, key, value)
+    qk_layernorm = bool(tc.get("qk_layernorm", False))
     if layer_spec == "local":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     elif layer_spec == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        spec = get_gpt_layer_with_transformer_engine_spec()
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     elif isinstance(layer_spec, str):
         raise ValueError(f"layer_spec must be 'local', 'te' or a ModuleSpec, got {layer_spec!r}")
     else:

@@ -60,7 +60,7 @@ class WeightMapping:
 
 def llama_mappings(config: ModelConfig, head_kind: str, *, pre_process: bool = True,
                    post_process: bool = True) -> list[WeightMapping]:
-    """The Llama-style decoder (Llama, Qwen2): mappings of one (pipeline stage of a) model with a
+    """The Llama-style decoder (Llama, Qwen2, Qwen3): mappings of one (pipeline stage of a) model with a
     CausalLM or Value head."""
     L = "model.layers.{i}."
     M = MCORE_LAYER_PREFIX
@@ -84,6 +84,11 @@ def llama_mappings(config: ModelConfig, head_kind: str, *, pre_process: bool = T
           "mlp.linear_fc1.weight", FusedGateUp())
     layer("mlp.down_proj.weight", ("mlp.down_proj.weight",), "mlp.linear_fc2.weight",
           RowSplit("hidden", "ffn"))
+    if config.qk_norm:  # Qwen3: one RMSNorm weight over head_dim for all q (and all k) heads
+        layer("self_attn.q_layernorm.weight", ("self_attn.q_norm.weight",),
+              "self_attention.q_layernorm.weight", Replicated("head_dim"))
+        layer("self_attn.k_layernorm.weight", ("self_attn.k_norm.weight",),
+              "self_attention.k_layernorm.weight", Replicated("head_dim"))
     if config.qkv_bias:
         layer("self_attn.qkv_proj.bias", tuple(f"self_attn.{p}_proj.bias" for p in "qkv"),
               "self_attention.linear_qkv.bias", FusedQKV(bias=True))
@@ -145,7 +150,8 @@ class WeightMap:
 
 LLAMA = WeightMap("Llama", ("LlamaForCausalLM", "LlamaForSequenceClassification", "LlamaModel"))
 QWEN2 = WeightMap("Qwen2", ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "Qwen2Model"))
-WEIGHT_MAPS = (LLAMA, QWEN2)
+QWEN3 = WeightMap("Qwen3", ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "Qwen3Model"))
+WEIGHT_MAPS = (LLAMA, QWEN2, QWEN3)
 
 
 # ---- shorthands kept for callers of the Llama layout (tests, model checks) ------------------------------
@@ -167,5 +173,5 @@ def merge_to_hf(mapping: WeightMapping, shards: list[torch.Tensor], config: Mode
     return mapping.rule.merge(shards, config)
 
 
-__all__ = ["WeightMapping", "WeightMap", "LLAMA", "QWEN2", "WEIGHT_MAPS", "llama_mappings",
+__all__ = ["WeightMapping", "WeightMap", "LLAMA", "QWEN2", "QWEN3", "WEIGHT_MAPS", "llama_mappings",
            "weight_rules", "shard_from_hf", "merge_to_hf"]

@@ -37,7 +37,7 @@ def dim_size(config: ModelConfig, name: str) -> int:
     sizes = {"hidden": config.hidden_size, "ffn": config.intermediate_size,
              "q": config.num_attention_heads * config.head_dim,
              "kv": config.num_key_value_heads * config.head_dim,
-             "vocab": config.vocab_size, "one": 1}
+             "vocab": config.vocab_size, "one": 1, "head_dim": config.head_dim}
     if name not in sizes:
         raise ValueError(f"unknown dim name {name!r}; known: {', '.join(sizes)}")
     return sizes[name]

@@ -1,4 +1,5 @@
-"""GQA self-attention: fused QKV column-parallel, rotary, varlen causal kernel, row-parallel out."""
+"""GQA self-attention: fused QKV column-parallel, optional per-head q/k RMSNorm (Qwen3), rotary,
+varlen causal kernel, row-parallel out."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from megatron.core import ModelParallelConfig
 from parallel_models.config import ModelConfig
 from parallel_models.llama.layers.attention_kernels import varlen_causal_attention
 from parallel_models.llama.layers.linear import ParallelRowLinear, QKVParallelLinear
-from parallel_models.llama.layers.fused_ops import rotary
+from parallel_models.llama.layers.fused_ops import rms_norm, rotary
+from parallel_models.llama.layers.norm import RMSNorm
 
 
 class ParallelAttention(torch.nn.Module):
@@ -22,6 +24,17 @@ class ParallelAttention(torch.nn.Module):
             config.num_attention_heads * config.head_dim, config.hidden_size,
             bias=config.o_bias, config=mp_config, init_std=std)
         self.scale = config.head_dim ** -0.5
+        self.qk_norm = config.qk_norm
+        if config.qk_norm:
+            # One weight over head_dim shared by all heads (HF q_norm / k_norm). Each TP rank
+            # holds other heads, so its weight gradient is partial: marked like a
+            # sequence-parallel norm, and named as megatron-core names it, so our plain loop and
+            # megatron's finalize_model_grads (config.qk_layernorm) both sum it over TP.
+            partial = mp_config.tensor_model_parallel_size > 1
+            device = "cpu" if mp_config.use_cpu_initialization else torch.cuda.current_device()
+            kw = dict(sequence_parallel=partial, dtype=mp_config.params_dtype, device=device)
+            self.q_layernorm = RMSNorm(config.head_dim, config.rms_norm_eps, **kw)
+            self.k_layernorm = RMSNorm(config.head_dim, config.rms_norm_eps, **kw)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cu_seqlens: torch.Tensor, max_seqlen: int, kv_cache=None,
@@ -29,6 +42,9 @@ class ParallelAttention(torch.nn.Module):
         """hidden: [tokens(/tp under SP), 1, hidden] -> same shape."""
         qkv, _ = self.qkv_proj(hidden)  # gathers the sequence under SP: [tokens, 1, local]
         q, k, v = self.qkv_proj.split(qkv.squeeze(1))
+        if self.qk_norm:  # [tokens, heads, head_dim], normed over head_dim before rotary
+            q = rms_norm(q, self.q_layernorm.weight, self.q_layernorm.eps)
+            k = rms_norm(k, self.k_layernorm.weight, self.k_layernorm.eps)
         q, k = rotary(q, k, cos, sin)
         if kv_cache is not None:
             out = kv_cache.attend(layer_index, q, k, v, cu_seqlens, max_seqlen, self.scale)

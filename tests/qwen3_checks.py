@@ -1,0 +1,155 @@
+"""Worker functions of the Qwen3 tests (run on gloo ranks; importable by spawned processes).
+
+Each spawned run checks several things at once (the start of a run is the slow part): forward
+errors vs transformers for every head x input layout x padding side, gradients, save round trips
+and megatron-core's GPTModel loading hf2mcore output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.model_checks import _batch, _hf_reference
+from tests.pipeline_checks import _microbatches_packed
+
+
+def _import_transformers_models() -> None:
+    """Import transformers' model modules before ``init_parallel``: the CPU shim it applies
+    replaces ``torch.cuda.Stream`` with a function, and transformers' lazily imported modules
+    annotate with ``torch.cuda.Stream | None``, which then fails."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification  # noqa: F401
+    from transformers.models.qwen3 import modeling_qwen3  # noqa: F401
+
+
+def _model_class(path: str, head: str, rmpad: bool, pp: bool = False):
+    import parallel_models as pm
+    from parallel_models.registry import architecture_of
+
+    return pm.get_model_class(architecture_of(path), head, rmpad, pp)
+
+
+def forward_errors(folders: dict, sp_settings=(False,)) -> dict:
+    """``folders``: head -> HF folder. Max |ours - transformers| for each head x layout x side
+    (x sequence parallel), full vocab; also the class name used."""
+    from parallel_models.utils.padding import pack_padded_batch, position_ids_from_attention_mask
+
+    out = {}
+    for head, path in folders.items():
+        for rmpad in (False, True):
+            cls = _model_class(path, head, rmpad)
+            for sp in sp_settings:
+                model = cls.from_pretrained(path, dtype=torch.float32, sequence_parallel=sp)
+                out[f"class-{head}-{rmpad}"] = type(model).__name__
+                for side in ("left", "right"):
+                    ids, mask = _batch(model.config.vocab_size, side)
+                    ref = _hf_reference(path, head, ids, mask, position_ids_from_attention_mask(mask))
+                    valid = mask.bool()
+                    kw = dict(full_vocab=True) if head == "causal_lm" else {}
+                    with torch.no_grad():
+                        if rmpad:
+                            packed = pack_padded_batch(ids, mask)
+                            res = model(packed.input_ids, packed.cu_seqlens, **kw)
+                            got = res.logits if head == "causal_lm" else res.values
+                        else:
+                            res = model(ids, attention_mask=mask, **kw)
+                            got = (res.logits if head == "causal_lm" else res.values)[valid]
+                    key = f"{head}-{'rmpad' if rmpad else 'padded'}-{side}{'-sp' if sp else ''}"
+                    out[key] = (got - ref[valid]).abs().max().item()
+    return out
+
+
+def gradient_errors(path: str, tp: int, sp: bool) -> dict:
+    """Relative error of every parameter's gradient (this rank's shard) vs transformers' after
+    one cross-entropy backward; keys are our parameter names."""
+    from megatron.core import parallel_state as mpu
+    from transformers import AutoModelForCausalLM
+
+    from parallel_models.llama.checkpoint_utils.weight_map import shard_from_hf, weight_rules
+    from parallel_models.utils.grads import allreduce_sequence_parallel_grads
+    from parallel_models.utils.padding import position_ids_from_attention_mask
+
+    model = _model_class(path, "causal_lm", False).from_pretrained(
+        path, dtype=torch.float32, sequence_parallel=sp)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids, mask = _batch(model.config.vocab_size, "right", seed=3)
+    pos = position_ids_from_attention_mask(mask)
+    labels = ids[:, 1:].masked_fill(~mask[:, 1:].bool(), -100)
+
+    def loss_of(logits):
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+    loss_of(hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits).backward()
+    loss_of(model(ids, attention_mask=mask, full_vocab=True).logits).backward()
+    allreduce_sequence_parallel_grads(model)  # norms (and q/k norms: partial over TP heads)
+    grads = {n: p.grad for n, p in hf.named_parameters()}
+    if hf.config.tie_word_embeddings:
+        grads.setdefault("lm_head.weight", grads["model.embed_tokens.weight"])
+
+    class read:  # the slice-reader interface over HF's gradients
+        def __new__(cls, name, dim, start, end):
+            t = grads[name]
+            return t if dim is None else t.narrow(dim, start, end - start)
+
+        shape = staticmethod(lambda name: list(grads[name].shape))
+        dtype = staticmethod(lambda name: grads[name].dtype)
+
+    params = dict(model.named_parameters())
+    rank = mpu.get_tensor_model_parallel_rank()
+    out = {}
+    for rule in weight_rules(model.config, "causal_lm"):
+        for i in (range(model.config.num_layers) if rule.per_layer else [None]):
+            want = shard_from_hf(rule, rule.hf_names(i), read, model.config, tp, rank)
+            got = params[rule.ours.format(i=i)].grad
+            out[rule.ours.format(i=i)] = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    missing = set(params) - {r.ours.format(i=i) for r in weight_rules(model.config, "causal_lm")
+                             for i in (range(model.config.num_layers) if r.per_layer else [None])}
+    out["unchecked parameters"] = sorted(missing)
+    return out
+
+
+def tensor_parallel_run(folders: dict, tp: int, saves: list[dict], megatron_cases: list[dict]
+                        ) -> dict:
+    """At TP=``tp``: forward errors with and without SP, gradients with and without SP, the
+    ``saves`` (checkpoint_checks.save_roundtrips jobs) and megatron-core loading the
+    ``megatron_cases`` (checkpoint_checks.megatron_loads cases)."""
+    import parallel_models as pm
+    from tests import checkpoint_checks as cc
+
+    _import_transformers_models()
+    pm.init_parallel(tensor_parallel_size=tp)
+    sp_settings = (False, True) if tp > 1 else (False,)
+    out = {"forward": forward_errors(folders, sp_settings), "grads": {}}
+    for sp in sp_settings:
+        out["grads"][sp] = gradient_errors(folders["causal_lm"], tp, sp)
+    out["saves"] = cc.save_roundtrips(saves, tp) if saves else {}
+    out["megatron"] = cc.megatron_loads(megatron_cases, tp) if megatron_cases else {}
+    return out
+
+
+def pipeline_run(folders: dict, pp: int) -> dict:
+    """PP=``pp`` (TP=1): max |ours - transformers| of the PP variants through megatron-core's
+    schedule (``forward_only``), RmPad and padded, for each head."""
+    import parallel_models as pm
+
+    _import_transformers_models()
+    pm.init_parallel(pipeline_parallel_size=pp)
+    out = {}
+    for head, path in folders.items():
+        for rmpad in (True, False):
+            chunks = pm.build_pipeline_chunks(_model_class(path, head, rmpad, pp=True), path,
+                                              dtype=torch.float32)
+            ids, mask = _batch(chunks[0].config.vocab_size, "left", seed=5)
+            ids, mask = torch.cat([ids, ids.flip(0)]), torch.cat([mask, mask.flip(0)])
+            ref = _hf_reference(path, head, ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
+            kw = {"full_vocab": True} if head == "causal_lm" else {}
+            if rmpad:
+                mbs = [dict(mb, **kw) for mb in _microbatches_packed(ids, mask, 4)]
+                fn = (lambda o, mb: o.logits) if head == "causal_lm" else (lambda o, mb: o.values)
+                got = torch.cat(pm.forward_only(chunks, mbs, fn))
+            else:
+                mbs = [{"input_ids": i, "attention_mask": m, **kw}
+                       for i, m in zip(ids.chunk(4), mask.chunk(4))]
+                got = torch.cat(pm.forward_only(chunks, mbs))[mask.bool()]
+            out[f"{head}-{'rmpad' if rmpad else 'padded'}"] = (got - ref[mask.bool()]).abs().max().item()
+    return out

@@ -1,0 +1,152 @@
+"""Qwen3 (per-head q/k RMSNorm, explicit head_dim, no attention bias) against transformers.
+
+The tiny model has head_dim 24 while hidden / heads is 16, and a vocab of 253 (not divisible by
+TP). Checked, fp32: logits (CausalLM) and per-token values (Value) max abs <= 1e-4 padded (left
+and right) and RmPad at TP=1, TP=2, TP=2 + SP and PP=2; gradients after one backward rel <= 1e-4
+at TP=2 (with and without SP), q/k norms included; HF -> ours (TP=2) -> HF and HF -> hf2mcore ->
+mcore2hf bit-exact; megatron-core's GPTModel (local spec, qk_layernorm) loads hf2mcore output at
+TP=1 and TP=2 and matches transformers. Three spawned runs (TP=1, TP=2, PP=2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from parallel_models.testing import run_distributed, save_tiny_hf_model
+from tests import qwen3_checks
+from tests.test_checkpoint import assert_bit_exact, convert, to_hf
+
+TOL = 1e-4
+TIMEOUT = 300
+HEADS = ("causal_lm", "value")
+FORWARD_KEYS = [f"{head}-{layout}-{side}" for head in HEADS for layout in ("padded", "rmpad")
+                for side in ("left", "right")]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3")
+    hf = {head: save_tiny_hf_model(str(root / head), "qwen3", head=head, seed=7) for head in HEADS}
+    mcore = {head: str(root / f"{head}.mcore") for head in HEADS}
+    for head in HEADS:
+        convert(hf[head], mcore[head])
+    mcore["local"] = str(root / "causal_lm.local.mcore")
+    convert(hf["causal_lm"], mcore["local"], layer_spec="local")
+    return {"root": root, "hf": hf, "mcore": mcore}
+
+
+@pytest.fixture(scope="module")
+def tp1(env):
+    cases = [{"name": "te-names", "mcore": env["mcore"]["causal_lm"], "hf": env["hf"]["causal_lm"]}]
+    return run_distributed(qwen3_checks.tensor_parallel_run, 1, env["hf"], 1, [], cases,
+                           timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def tp2(env):
+    root = env["root"]
+    saves = [{"src": env["hf"][h], "head": h, "out": str(root / f"{h}.tp2.hf"), "kind": "hf"}
+             for h in HEADS]
+    saves.append({"src": env["hf"]["causal_lm"], "head": "causal_lm", "kind": "mcore",
+                  "out": str(root / "causal_lm.tp2.mcore")})
+    cases = [{"name": "te-names", "mcore": env["mcore"]["causal_lm"], "hf": env["hf"]["causal_lm"]}]
+    return run_distributed(qwen3_checks.tensor_parallel_run, 2, env["hf"], 2, saves, cases,
+                           timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def pp2(env):
+    return run_distributed(qwen3_checks.pipeline_run, 2, env["hf"], 2, timeout=TIMEOUT)
+
+
+def test_tiny_model_has_the_shapes_the_tests_rely_on(env):
+    cfg = json.loads(open(os.path.join(env["hf"]["causal_lm"], "config.json")).read())
+    assert cfg["head_dim"] * cfg["num_attention_heads"] != cfg["hidden_size"]
+    assert cfg["vocab_size"] % 2 == 1 and cfg["attention_bias"] is False
+
+
+@pytest.mark.parametrize("key", FORWARD_KEYS)
+def test_forward_tp1_matches_transformers(tp1, key):
+    err = tp1[0]["forward"][key]
+    assert err <= TOL, f"TP=1 {key}: max abs error {err:.3e}"
+
+
+@pytest.mark.parametrize("key", FORWARD_KEYS + [k + "-sp" for k in FORWARD_KEYS])
+def test_forward_tp2_matches_transformers(tp2, key):
+    for rank, res in enumerate(tp2):
+        err = res["forward"][key]
+        assert err <= TOL, f"TP=2 rank {rank} {key}: max abs error {err:.3e}"
+
+
+def test_registry_picks_the_qwen3_classes(tp1):
+    names = {v for k, v in tp1[0]["forward"].items() if k.startswith("class-")}
+    assert names == {"Qwen3ForCausalLM", "Qwen3ForCausalLMRmPad", "Qwen3ForValue",
+                     "Qwen3ForValueRmPad"}
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2_sp"])
+def test_gradients_tp2_match_transformers(tp2, sp):
+    for rank, res in enumerate(tp2):
+        grads = dict(res["grads"][sp])
+        assert grads.pop("unchecked parameters") == []
+        assert any("q_layernorm" in n for n in grads) and any("k_layernorm" in n for n in grads)
+        worst = max(grads, key=grads.get)
+        assert grads[worst] <= TOL, f"rank {rank} sp={sp}: {worst} grad rel error {grads[worst]:.3e}"
+
+
+@pytest.mark.parametrize("key", ["causal_lm-rmpad", "causal_lm-padded", "value-rmpad",
+                                 "value-padded"])
+def test_forward_pp2_matches_transformers(pp2, key):
+    for rank, res in enumerate(pp2):
+        assert res[key] <= TOL, f"PP=2 rank {rank} {key}: max abs error {res[key]:.3e}"
+
+
+@pytest.mark.parametrize("head", HEADS)
+def test_hf_to_ours_tp2_to_hf_is_bit_exact(env, tp2, head):
+    assert_bit_exact(env["hf"][head], str(env["root"] / f"{head}.tp2.hf"))
+
+
+@pytest.mark.parametrize("which", list(HEADS) + ["local"])
+def test_hf2mcore_mcore2hf_is_bit_exact(env, which):
+    out = str(env["root"] / f"{which}.back")
+    to_hf(env["mcore"][which], out)
+    assert_bit_exact(env["hf"]["causal_lm" if which == "local" else which], out)
+
+
+def test_save_mcore_at_tp2_then_mcore2hf_is_bit_exact(env, tp2):
+    out = str(env["root"] / "causal_lm.tp2.mcore.back")
+    to_hf(str(env["root"] / "causal_lm.tp2.mcore"), out)
+    assert_bit_exact(env["hf"]["causal_lm"], out)
+
+
+def test_hf2mcore_writes_megatron_core_qk_layernorm(env):
+    from parallel_models.llama.checkpoint_utils import McoreCheckpoint
+    from parallel_models.registry import weight_map_of
+    from safetensors import safe_open
+
+    ck = McoreCheckpoint(env["mcore"]["causal_lm"], weight_map_of("Qwen3ForCausalLM"))
+    with safe_open(os.path.join(env["hf"]["causal_lm"], "model.safetensors"), "pt") as f:
+        for kind in "qk":
+            key = f"decoder.layers.self_attention.{kind}_layernorm.weight"
+            assert tuple(ck.tensors[key].size) == (2, 24)  # [layers, head_dim]
+            for layer in range(2):
+                want = f.get_tensor(f"model.layers.{layer}.self_attn.{kind}_norm.weight")
+                assert torch.equal(ck.read_region(key, layer, 0, 24), want)
+    info = json.loads(open(os.path.join(env["mcore"]["causal_lm"], "mcore_config.json")).read())
+    tc = info["transformer_config"]
+    assert (tc["qk_layernorm"], tc["kv_channels"], tc["add_qkv_bias"], tc["add_bias_linear"]) == (
+        True, 24, False, False)
+    assert info["gpt_model"]["rope_scaling_factor"] == 1.0  # off means off
+    assert info["gpt_model"]["position_embedding_type"] == "rope" and not info["notes"]
+
+
+@pytest.mark.parametrize("setting", ["tp1", "tp2"])
+def test_megatron_gpt_model_loads_hf2mcore_output(tp1, tp2, setting):
+    runs = {"tp1": tp1, "tp2": tp2}[setting]
+    for rank, res in enumerate(runs):
+        for name, err in res["megatron"].items():
+            assert err <= TOL, f"{setting} rank {rank} {name}: max |logits - transformers| {err:.3e}"

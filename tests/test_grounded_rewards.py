@@ -78,9 +78,10 @@ def test_reward_function_must_return_one_score_per_response():
 
 
 def test_builtin_tasks_hold_out_prompts_and_score_exactly():
-    for task in ("max_digit", "last_digit", "add_mod10"):
+    for task, total in (("find_digit", 500), ("max_digit", 100), ("last_digit", 100),
+                        ("add_mod10", 100)):
         train, val = task_records(task, "train"), task_records(task, "val")
-        assert len(train) == 80 and len(val) == 20
+        assert (len(train), len(val)) == (total * 4 // 5, total // 5)
         assert not {r["prompt"] for r in train} & {r["prompt"] for r in val}
         assert task_records(task, "val") == val  # deterministic
     rec = task_records("max_digit", "val")[0]
@@ -88,5 +89,10 @@ def test_builtin_tasks_hold_out_prompts_and_score_exactly():
     assert rec["ground_truth"] == str(max(a, b)) and rec["data_source"] == "max_digit"
     assert first_number_match(["", "", ""], ["7abc", "x07", "no"], ground_truth=["7", "7", "7"]) == \
         [1.0, 1.0, 0.0]
+    assert first_number_match([""] * 2, ["3", "x"], ground_truth=["7", "7"], format_score=0.1) == \
+        [0.1, 0.0]
+    for rec in task_records("find_digit", "val"):
+        digits = [ch for ch in rec["prompt"] if ch.isdigit()]
+        assert digits == [rec["ground_truth"]]
     with pytest.raises(ValueError, match="not a built-in task"):
         task_records("sorting")

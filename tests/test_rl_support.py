@@ -223,11 +223,11 @@ def test_loader_resume_continues_exactly(tok):
 # ================================ rewards ========================================================
 def test_reward_loading(tmp_path):
     from parallel_models.rl.config.sections import reward_function_path
-    from parallel_models.rl.tasks import task_reward
+    from parallel_models.rl.tasks import first_number_match
 
     assert load_reward_function(reward_function_path(PPOConfig())) is vowel_reward
     task_cfg = PPOConfig.from_dict({"data": {"task": "last_digit"}})
-    assert load_reward_function(reward_function_path(task_cfg)) is task_reward
+    assert load_reward_function(reward_function_path(task_cfg)) is first_number_match
     assert load_reward_function("parallel_models.rl.rewards:length_reward") is length_reward
     with pytest.raises(ConfigError, match="module 'no_such_pkg.mod' not found"):
         load_reward_function("no_such_pkg.mod.fn")

@@ -279,7 +279,7 @@ def test_ppo_with_server_backend(tmp_path):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         run = subprocess.run(
             [sys.executable, "-m", "parallel_models.rl.train", f"trainer.output_dir={out}",
-             "trainer.total_steps=14", "trainer.save_every=0", "trainer.tensorboard=false",
+             "trainer.total_steps=14", "trainer.save_every=0", "trainer.loggers=[jsonl]",
              "trainer.save_hf_at_end=false", f"model.path={model}", "rollout.backend=server",
              f"rollout.server_url=http://127.0.0.1:{port}"],
             env=env, capture_output=True, text=True, timeout=300)

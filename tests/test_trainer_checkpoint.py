@@ -43,7 +43,7 @@ def _run(args, timeout=300, check=True):
 
 def test_resume_after_kill_continues_exactly(tmp_path):
     common = ["trainer.total_steps=6", "trainer.save_every=2", "trainer.save_hf_at_end=false",
-              "trainer.tensorboard=false"]
+              "trainer.loggers=[jsonl]"]
     ref = str(tmp_path / "ref")
     _run([f"trainer.output_dir={ref}", *common])
     killed = str(tmp_path / "killed")

@@ -8,7 +8,7 @@ import shutil
 
 import torch
 
-TINY = ["trainer.tensorboard=false", "trainer.save_hf_at_end=false", "actor.ppo_epochs=1",
+TINY = ["trainer.loggers=[jsonl]", "trainer.save_hf_at_end=false", "actor.ppo_epochs=1",
         "data.batch_size=4", "rollout.n=2", "actor.mini_batch_size=8",
         "rollout.max_new_tokens=8"]
 

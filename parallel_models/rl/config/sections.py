@@ -82,9 +82,9 @@ class DataSection(BaseModel):
                                                  "together)")
     shuffle: StrictBool = Field(True, description="reshuffle the prompts every epoch")
     seed: Int = Field(0, description="seed of the shuffling")
-    task: Optional[Literal["max_digit", "last_digit", "add_mod10"]] = Field(
+    task: Optional[Literal["find_digit", "last_digit", "max_digit", "add_mod10"]] = Field(
         None, description="a built-in verifiable task instead of path (its held-out split is "
-                          "the validation set; reward: parallel_models.rl.tasks.task_reward)")
+                          "the validation set; reward: parallel_models.rl.tasks.first_number_match)")
     val_path: Optional[str] = Field(None, description="validation prompts (.jsonl / .json / "
                                                       ".parquet); null = none, or data.task's")
     val_batch_size: Optional[Int] = Field(None, ge=1, description="validation prompts per "
@@ -151,7 +151,7 @@ class RewardSection(BaseModel):
     function: Optional[str] = Field(
         None, description="type=rule: fn(prompts, responses, **record_fields), or verl's "
                           "compute_score(data_source, solution_str, ground_truth, extra_info); "
-                          "null = tasks.task_reward with data.task, else vowel_reward")
+                          "null = tasks.first_number_match with data.task, else vowel_reward")
     model_path: Optional[str] = Field(None, description="type=model: HF sequence-"
                                                         "classification folder")
     tokenizer: Optional[str] = Field(None, description="null = the reward model's own")
@@ -233,7 +233,7 @@ class TrainerSection(BaseModel):
 
 
 DEFAULT_REWARD = "parallel_models.rl.rewards.vowel_reward"
-TASK_REWARD = "parallel_models.rl.tasks.task_reward"
+TASK_REWARD = "parallel_models.rl.tasks.first_number_match"
 
 
 def reward_function_path(cfg) -> str:

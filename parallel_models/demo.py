@@ -9,15 +9,20 @@ import argparse
 import os
 import tempfile
 
-import torch
-import torch.distributed as dist
+from parallel_models.cli_support import add_version_argument, quiet_third_party
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    quiet_third_party()
+    parser = argparse.ArgumentParser(prog="python -m parallel_models.demo", description=__doc__,
+                                     formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--family", choices=["llama", "qwen2"], default="llama")
     parser.add_argument("--sequence-parallel", action="store_true")
+    add_version_argument(parser)
     args = parser.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
 
     import parallel_models as pm
     from parallel_models.testing import save_tiny_hf_model

@@ -27,6 +27,9 @@ def needed() -> bool:
 class _DummyStream:
     """Stands in for a CUDA stream: waits and syncs are no-ops on the CPU."""
 
+    def __init__(self, *args, **kwargs):
+        pass
+
     def wait_stream(self, *args, **kwargs):
         return None
 
@@ -37,7 +40,10 @@ class _DummyStream:
         return None
 
     def record_event(self, *args, **kwargs):
-        return None
+        return self  # the "event": its synchronize() is a no-op too
+
+    def query(self):
+        return True
 
     def __enter__(self):
         return self
@@ -59,6 +65,9 @@ def apply() -> bool:
         torch.cuda.current_stream = lambda *a, **k: _DummyStream()  # type: ignore[assignment]
         torch.cuda.default_stream = lambda *a, **k: _DummyStream()  # type: ignore[assignment]
         torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+        # megatron's all-to-all MoE token dispatcher creates a side stream for its
+        # device-to-host copies of the token counts
+        torch.cuda.Stream = _DummyStream  # type: ignore[assignment,misc]  (a class: annotations use it)
         # megatron's CUDA RNG tracker forks CUDA generator states; on the CPU the CPU generator
         # plays that role (deterministic per rank once seeded).
         torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
@@ -69,8 +78,62 @@ def apply() -> bool:
 
         mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
         mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+        _patch_moe_token_counts()
+        _patch_uneven_first_dim_collectives()
         _applied = True
         return True
+
+
+def _patch_moe_token_counts() -> None:
+    """megatron's all-to-all MoE dispatcher turns its split sizes into numpy arrays while
+    moving them off the GPU (``maybe_move_tensor_to_cpu(as_numpy=True)``); tensors already on
+    the CPU stay tensors, which ``all_to_all_single`` rejects as split sizes. Convert those too."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def move(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move
+
+
+def _patch_uneven_first_dim_collectives() -> None:
+    """gloo's all_gather needs equal sizes and it has no list reduce_scatter, but megatron's MoE
+    dispatcher (TP > 1) gathers / reduce-scatters token blocks of uneven sizes over the expert
+    TP group (``_gather_along_first_dim(output_split_sizes=...)`` and
+    ``_reduce_scatter_along_first_dim(input_split_sizes=...)``). On the CPU these run as an
+    all-gather of blocks padded to the largest one, and as an all-reduce of the whole tensor
+    that keeps this rank's block (same sums)."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        longest = max(sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        blocks = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(blocks, padded.contiguous(), group=group)
+        return torch.cat([b[:n] for b, n in zip(blocks, sizes)], dim=0)
+
+    def reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        sizes = [int(n) for n in input_split_sizes]
+        start = sum(sizes[: group.rank()])
+        return total[start: start + sizes[group.rank()]].clone()
+
+    mappings._gather_along_first_dim = gather_uneven
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_uneven
 
 
 def _to_cpu_device(device):

@@ -26,6 +26,7 @@ class ParallelSettings:
     virtual_pipeline_parallel_size: int | None
     data_parallel_size: int
     sequence_parallel: bool
+    expert_parallel_size: int = 1
 
 
 _SETTINGS: ParallelSettings | None = None
@@ -62,14 +63,19 @@ def init_parallel(
     virtual_pipeline_parallel_size: int | None = None,
     sequence_parallel: bool = False,
     timeout_minutes: float = 30.0,
+    expert_model_parallel_size: int = 1,
 ) -> ParallelSettings:
     """Start torch.distributed (if needed) and megatron-core's model-parallel groups.
 
-    The data-parallel size is what is left: world_size / (TP * PP).
+    The data-parallel size is what is left: world_size / (TP * PP). Expert parallel (EP) splits
+    the experts of MoE layers over ``expert_model_parallel_size`` ranks; megatron-core lays the
+    expert groups over the same ranks as the dense layers' data-parallel (x TP) ranks, so the
+    world must be a multiple of TP * PP and of EP * PP (experts' TP equals the dense TP).
     """
     global _SETTINGS
     for name, value in (("tensor_parallel_size", tensor_parallel_size),
-                        ("pipeline_parallel_size", pipeline_parallel_size)):
+                        ("pipeline_parallel_size", pipeline_parallel_size),
+                        ("expert_model_parallel_size", expert_model_parallel_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if virtual_pipeline_parallel_size is not None:
@@ -88,6 +94,12 @@ def init_parallel(
         raise ValueError(
             f"world size {world} is not divisible by tensor_parallel_size ({tensor_parallel_size})"
             f" x pipeline_parallel_size ({pipeline_parallel_size})")
+    ep = expert_model_parallel_size
+    if (world // pipeline_parallel_size) % (tensor_parallel_size * ep):
+        raise ValueError(
+            f"world size {world} / pipeline_parallel_size ({pipeline_parallel_size}) is not "
+            f"divisible by tensor_parallel_size ({tensor_parallel_size}) x "
+            f"expert_model_parallel_size ({ep}) (the experts' TP x EP x expert-DP grid)")
 
     vpp = virtual_pipeline_parallel_size if (virtual_pipeline_parallel_size or 1) > 1 else None
     if mpu.model_parallel_is_initialized():
@@ -96,6 +108,7 @@ def init_parallel(
         tensor_model_parallel_size=tensor_parallel_size,
         pipeline_model_parallel_size=pipeline_parallel_size,
         virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
     )
     _SETTINGS = ParallelSettings(
         tensor_parallel_size=tensor_parallel_size,
@@ -103,6 +116,7 @@ def init_parallel(
         virtual_pipeline_parallel_size=vpp,
         data_parallel_size=world // (tensor_parallel_size * pipeline_parallel_size),
         sequence_parallel=sequence_parallel,
+        expert_parallel_size=ep,
     )
     return _SETTINGS
 

@@ -26,6 +26,7 @@ from parallel_models.distributed import get_parallel_settings
 from parallel_models.heads import ParallelLMHead, ValueHead
 from parallel_models.llama import checkpoint_utils as ckpt_io
 from parallel_models.llama.layers import ParallelDecoderLayer, RMSNorm, RotaryEmbedding
+from parallel_models.llama.layers.moe import moe_megatron_settings
 from parallel_models.utils.padding import (pack_padded_batch, position_ids_from_cu_seqlens,
                                            unpack_to_padded)
 
@@ -52,6 +53,10 @@ def build_megatron_config(config: ModelConfig, dtype: torch.dtype, sequence_para
     settings = get_parallel_settings()
     tp = settings.tensor_parallel_size
     config.check_tensor_parallel(tp)
+    config.check_expert_parallel(settings.expert_parallel_size)
+    if config.is_moe and tp > 1:
+        # megatron-core's MoE layer refuses to train with TP but without sequence parallel
+        sequence_parallel = True
     mp_config = TransformerConfig(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
@@ -72,6 +77,8 @@ def build_megatron_config(config: ModelConfig, dtype: torch.dtype, sequence_para
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=False,  # weights are loaded or initialized by us
         gradient_accumulation_fusion=False,
+        expert_model_parallel_size=settings.expert_parallel_size,
+        **moe_megatron_settings(config),
         qk_layernorm=config.qk_norm,  # finalize_model_grads sums q/k_layernorm grads over TP
     )
     # packed microbatches differ in token count: pipeline p2p must send shapes first (set after

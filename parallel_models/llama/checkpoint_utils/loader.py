@@ -1,4 +1,5 @@
-"""Load weights into a TP/PP-sharded model, each rank reading only its own slices.
+"""Load weights into a TP/PP/EP-sharded model, each rank reading only its own slices (and, for
+MoE layers, only its own experts).
 
 Every checkpoint format is read through one small interface, :class:`WeightReader`: HF tensors by
 name, sliced along a dim. :func:`open_checkpoint` picks the reader once, from the folder:
@@ -74,8 +75,15 @@ def load_weights(model, ckpt: WeightReader, weight_map: WeightMap, *, value_head
     for mapping in weight_map.mappings(config, model.head_kind, pre_process=model.pre_process,
                                        post_process=model.post_process):
         if mapping.per_layer:
-            jobs += [(mapping, mapping.ours.format(i=li), mapping.hf_names(gi))
-                     for li, gi in enumerate(local_layers)]
+            local_expert = None
+            if mapping.expert is not None:  # a routed expert: only this EP rank's experts
+                local_expert = mapping.local_expert(
+                    config, mpu.get_expert_model_parallel_world_size(),
+                    mpu.get_expert_model_parallel_rank())
+                if local_expert is None:
+                    continue
+            jobs += [(mapping, mapping.ours_name(li, local_expert), mapping.hf_names(gi))
+                     for li, gi in enumerate(local_layers) if mapping.applies_to(config, gi)]
         else:
             jobs.append((mapping, mapping.ours, mapping.hf))
     for mapping, ours, hf_names in jobs:
@@ -89,7 +97,12 @@ def load_weights(model, ckpt: WeightReader, weight_map: WeightMap, *, value_head
             else:
                 missing += absent
             continue
-        shard = mapping.rule.shard(ckpt, hf_names, config, tp, rank)
+        if mapping.expert is not None:  # experts are split over the expert-TP group
+            shard = mapping.rule.shard(ckpt, hf_names, config,
+                                       mpu.get_expert_tensor_parallel_world_size(),
+                                       mpu.get_expert_tensor_parallel_rank())
+        else:
+            shard = mapping.rule.shard(ckpt, hf_names, config, tp, rank)
         param = params[ours]
         if tuple(shard.shape) != tuple(param.shape):
             raise CheckpointError(
@@ -124,7 +137,8 @@ def _owned_elsewhere(model, weight_map: WeightMap) -> set[str]:
     names = set()
     for mapping in weight_map.mappings(config, model.head_kind):
         for layer in (range(config.num_layers) if mapping.per_layer else [None]):
-            names.update(mapping.hf_names(layer))
+            if mapping.applies_to(config, layer):
+                names.update(mapping.hf_names(layer))
     if model.head_kind == "value":
         names.add("lm_head.weight")  # a value model built from a causal LM drops its LM head
     return names

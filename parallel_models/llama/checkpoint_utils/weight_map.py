@@ -14,6 +14,7 @@ megatron-core's local spec also saves under (its ``sharded_state_dict_keys_map``
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from parallel_models.config import ModelConfig
 from parallel_models.llama.checkpoint_utils.megatron_format import (LOCAL_SPEC_NAMES,
                                                                    MCORE_LAYER_PREFIX)
+from parallel_models.llama.checkpoint_utils.moe_weight_map import add_moe_mappings
 from parallel_models.llama.checkpoint_utils.weight_rules import (FusedGateUp, FusedQKV, Replicated,
                                                                 RowSplit, SliceReader, VocabSplit,
                                                                 WeightRule)
@@ -33,7 +35,9 @@ class WeightMapping:
     ``{i}`` in ``ours`` is the local layer index, in ``hf`` the global one) or ``post`` (last
     stage). ``optional``: may be absent from an HF checkpoint (the value head: initialized
     fresh). ``tied_copy``: a copy of another mapping's tensor (a tied last stage's head), never
-    written by itself."""
+    written by itself. ``layers``: which layers a per-layer mapping applies to (``all``, or
+    ``moe`` / ``dense`` for models mixing MoE and dense MLPs). ``expert``: the global expert of
+    a routed-expert mapping (``{e}`` in ``ours`` is its index among this rank's experts)."""
 
     ours: str
     hf: tuple[str, ...]
@@ -42,10 +46,36 @@ class WeightMapping:
     place: str = "layer"
     optional: bool = False
     tied_copy: bool = False
+    layers: str = "all"
+    expert: int | None = None
 
     @property
     def per_layer(self) -> bool:
         return self.place == "layer"
+
+    def applies_to(self, config: ModelConfig, layer: int | None) -> bool:
+        """Whether this mapping has a tensor in global layer ``layer`` (None: non-layer)."""
+        if layer is None or self.layers == "all":
+            return True
+        return config.is_moe_layer(layer) == (self.layers == "moe")
+
+    def ours_name(self, local_layer: int | None, local_expert: int | None = None) -> str:
+        """Our parameter name in local layer ``local_layer`` (and local expert index)."""
+        if local_layer is None:
+            return self.ours
+        if self.expert is None:
+            return self.ours.format(i=local_layer)
+        return self.ours.format(i=local_layer, e=local_expert)
+
+    def local_expert(self, config: ModelConfig, ep: int, ep_rank: int) -> int | None:
+        """This mapping's expert index on EP rank ``ep_rank`` (None: another rank's expert)."""
+        per = config.num_experts // ep
+        e = self.expert - ep_rank * per
+        return e if 0 <= e < per else None
+
+    def expert_owner(self, config: ModelConfig, ep: int) -> int:
+        """The EP rank holding this mapping's expert."""
+        return self.expert // (config.num_experts // ep)
 
     def hf_names(self, layer: int | None) -> tuple[str, ...]:
         """The HF names for global layer ``layer`` (None for non-layer tensors)."""
@@ -59,7 +89,7 @@ class WeightMapping:
 
 
 def llama_mappings(config: ModelConfig, head_kind: str, *, pre_process: bool = True,
-                   post_process: bool = True) -> list[WeightMapping]:
+                   post_process: bool = True, moe_style: str = "qwen") -> list[WeightMapping]:
     """The Llama-style decoder (Llama, Qwen2, Qwen3): mappings of one (pipeline stage of a) model with a
     CausalLM or Value head."""
     L = "model.layers.{i}."
@@ -69,8 +99,12 @@ def llama_mappings(config: ModelConfig, head_kind: str, *, pre_process: bool = T
         out.append(WeightMapping("model.embed_tokens.weight", ("model.embed_tokens.weight",),
                                  "embedding.word_embeddings.weight", VocabSplit(), "pre"))
 
-    def layer(ours, hf, mcore, rule):
-        out.append(WeightMapping(L + ours, tuple(L + n for n in hf), M + mcore, rule))
+    # dense-MLP mappings skip the MoE layers of a model that has some
+    mlp_layers = "dense" if config.is_moe else "all"
+
+    def layer(ours, hf, mcore, rule, layers="all", expert=None):
+        out.append(WeightMapping(L + ours, tuple(L + n for n in hf), M + mcore, rule,
+                                 layers=layers, expert=expert))
 
     layer("input_layernorm.weight", ("input_layernorm.weight",),
           "self_attention.linear_qkv.layer_norm_weight", Replicated("hidden"))
@@ -81,9 +115,11 @@ def llama_mappings(config: ModelConfig, head_kind: str, *, pre_process: bool = T
     layer("post_attention_layernorm.weight", ("post_attention_layernorm.weight",),
           "mlp.linear_fc1.layer_norm_weight", Replicated("hidden"))
     layer("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-          "mlp.linear_fc1.weight", FusedGateUp())
+          "mlp.linear_fc1.weight", FusedGateUp(), layers=mlp_layers)
     layer("mlp.down_proj.weight", ("mlp.down_proj.weight",), "mlp.linear_fc2.weight",
-          RowSplit("hidden", "ffn"))
+          RowSplit("hidden", "ffn"), layers=mlp_layers)
+    if config.is_moe:
+        add_moe_mappings(config, moe_style, layer)
     if config.qk_norm:  # Qwen3: one RMSNorm weight over head_dim for all q (and all k) heads
         layer("self_attn.q_layernorm.weight", ("self_attn.q_norm.weight",),
               "self_attention.q_layernorm.weight", Replicated("head_dim"))
@@ -97,9 +133,9 @@ def llama_mappings(config: ModelConfig, head_kind: str, *, pre_process: bool = T
               "self_attention.linear_proj.bias", Replicated("hidden"))
     if config.mlp_bias:
         layer("mlp.gate_up_proj.bias", ("mlp.gate_proj.bias", "mlp.up_proj.bias"),
-              "mlp.linear_fc1.bias", FusedGateUp(bias=True))
+              "mlp.linear_fc1.bias", FusedGateUp(bias=True), layers=mlp_layers)
         layer("mlp.down_proj.bias", ("mlp.down_proj.bias",), "mlp.linear_fc2.bias",
-              Replicated("hidden"))
+              Replicated("hidden"), layers=mlp_layers)
     if post_process:
         out.append(WeightMapping("model.norm.weight", ("model.norm.weight",),
                                  "decoder.final_layernorm.weight", Replicated("hidden"), "post"))
@@ -144,14 +180,22 @@ class WeightMap:
         tensors, layer by layer, the last stage's. All ranks walk this same list."""
         maps = self.mappings(config, head_kind)
         return ([(m, None) for m in maps if m.place == "pre"]
-                + [(m, i) for i in range(config.num_layers) for m in maps if m.place == "layer"]
+                + [(m, i) for i in range(config.num_layers) for m in maps
+                   if m.place == "layer" and m.applies_to(config, i)]
                 + [(m, None) for m in maps if m.place == "post"])
 
 
 LLAMA = WeightMap("Llama", ("LlamaForCausalLM", "LlamaForSequenceClassification", "LlamaModel"))
 QWEN2 = WeightMap("Qwen2", ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "Qwen2Model"))
 QWEN3 = WeightMap("Qwen3", ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "Qwen3Model"))
-WEIGHT_MAPS = (LLAMA, QWEN2, QWEN3)
+QWEN2_MOE = WeightMap("Qwen2Moe", ("Qwen2MoeForCausalLM", "Qwen2MoeForSequenceClassification",
+                                   "Qwen2MoeModel"))
+QWEN3_MOE = WeightMap("Qwen3Moe", ("Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification",
+                                   "Qwen3MoeModel"))
+MIXTRAL = WeightMap("Mixtral", ("MixtralForCausalLM", "MixtralForSequenceClassification",
+                                "MixtralModel"),
+                    functools.partial(llama_mappings, moe_style="mixtral"))
+WEIGHT_MAPS = (LLAMA, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, MIXTRAL)
 
 
 # ---- shorthands kept for callers of the Llama layout (tests, model checks) ------------------------------
@@ -173,5 +217,6 @@ def merge_to_hf(mapping: WeightMapping, shards: list[torch.Tensor], config: Mode
     return mapping.rule.merge(shards, config)
 
 
-__all__ = ["WeightMapping", "WeightMap", "LLAMA", "QWEN2", "QWEN3", "WEIGHT_MAPS", "llama_mappings",
+__all__ = ["WeightMapping", "WeightMap", "LLAMA", "QWEN2", "QWEN3", "QWEN2_MOE", "QWEN3_MOE",
+           "MIXTRAL", "WEIGHT_MAPS", "llama_mappings",
            "weight_rules", "shard_from_hf", "merge_to_hf"]

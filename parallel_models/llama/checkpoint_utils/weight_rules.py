@@ -37,7 +37,10 @@ def dim_size(config: ModelConfig, name: str) -> int:
     sizes = {"hidden": config.hidden_size, "ffn": config.intermediate_size,
              "q": config.num_attention_heads * config.head_dim,
              "kv": config.num_key_value_heads * config.head_dim,
-             "vocab": config.vocab_size, "one": 1, "head_dim": config.head_dim}
+             "vocab": config.vocab_size, "one": 1, "head_dim": config.head_dim,
+             # MoE: the router's rows, a routed expert's and the shared expert's SwiGLU width
+             "experts": config.num_experts, "moe_ffn": config.moe_intermediate_size,
+             "shared_ffn": config.shared_expert_intermediate_size}
     if name not in sizes:
         raise ValueError(f"unknown dim name {name!r}; known: {', '.join(sizes)}")
     return sizes[name]
@@ -181,20 +184,22 @@ class VocabSplit(WeightRule):
 
 class FusedGateUp(WeightRule):
     """gate and up fused: each rank holds its gate rows then its up rows; megatron-core's
-    ``linear_fc1`` is ``[gate; up]``, declared as blocks ``rank`` and ``tp + rank`` of ``2 tp``."""
+    ``linear_fc1`` is ``[gate; up]``, declared as blocks ``rank`` and ``tp + rank`` of ``2 tp``.
+    ``ffn``: the dim name of the width (``ffn``; ``moe_ffn`` / ``shared_ffn`` for MoE experts)."""
 
-    def __init__(self, bias: bool = False):
-        super().__init__(*(("ffn",) if bias else ("ffn", "hidden")))
+    def __init__(self, bias: bool = False, ffn: str = "ffn"):
+        super().__init__(*((ffn,) if bias else (ffn, "hidden")))
+        self.ffn = ffn
 
     def hf_shapes(self, config):
         return super().hf_shapes(config) * 2
 
     def shard(self, read, names, config, tp, rank):
-        start, end = _even(config.intermediate_size, tp, rank)
+        start, end = _even(dim_size(config, self.ffn), tp, rank)
         return torch.cat([read(names[0], 0, start, end), read(names[1], 0, start, end)], dim=0)
 
     def merge(self, shards, config):
-        per = config.intermediate_size // len(shards)
+        per = dim_size(config, self.ffn) // len(shards)
         gates, ups = zip(*(s.split([per, per], dim=0) for s in shards))
         return [torch.cat(gates, dim=0), torch.cat(ups, dim=0)]
 
@@ -202,10 +207,10 @@ class FusedGateUp(WeightRule):
         return torch.cat(tensors, dim=0)
 
     def from_mcore(self, tensor, config):
-        return list(tensor.split(config.intermediate_size, dim=0))
+        return list(tensor.split(dim_size(config, self.ffn), dim=0))
 
     def mcore_rows(self, component, start, end, config):
-        off = component * config.intermediate_size
+        off = component * dim_size(config, self.ffn)
         return [(start + off, end + off)]
 
     def mcore_pieces(self, shard, config, tp, rank):

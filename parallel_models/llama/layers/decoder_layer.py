@@ -1,4 +1,5 @@
-"""Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+"""Pre-norm decoder layer: x + attn(norm(x)), then x + mlp(norm(x)); the MLP is the dense SwiGLU
+one, or megatron-core's MoE layer on the layers ``config.moe_layer_ids`` lists."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from parallel_models.config import ModelConfig
 from parallel_models.llama.layers.attention import ParallelAttention
 from parallel_models.llama.layers.fused_ops import add_rms_norm
 from parallel_models.llama.layers.mlp import ParallelMLP
+from parallel_models.llama.layers.moe import ParallelMoE
 from parallel_models.llama.layers.norm import RMSNorm
 
 
@@ -21,7 +23,8 @@ class ParallelDecoderLayer(torch.nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.self_attn = ParallelAttention(config, mp_config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
-        self.mlp = ParallelMLP(config, mp_config)
+        self.mlp = (ParallelMoE(config, mp_config, layer_id) if config.is_moe_layer(layer_id)
+                    else ParallelMLP(config, mp_config))
 
     def forward(self, hidden, cos, sin, cu_seqlens, max_seqlen, kv_cache=None, layer_index=0):
         attn = self.self_attn(self.input_layernorm(hidden), cos, sin, cu_seqlens, max_seqlen,

@@ -53,6 +53,11 @@ def test_answers_reach_math_and_exact_match_rewards_with_validation(tmp_path):
         assert [s["step"] for s in samples] == [0] * 3 + [2] * 3
         assert samples[0]["prompt"] == "what is 0+0?" and samples[0]["ground_truth"] == "#### 0"
         assert os.path.isfile(os.path.join(out, "reward_curve.png"))
+        from parallel_models.rl.config import load_config
+
+        saved = load_config(os.path.join(out, "config.yaml"))
+        assert saved.reward.function == f"parallel_models.rl.rewards.{fn}"
+        assert saved.data.val_path == data
 
 
 def test_extra_columns_reach_a_custom_reward_and_last_k_checkpoints_are_kept(tmp_path):

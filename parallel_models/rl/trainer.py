@@ -105,6 +105,8 @@ class PPOTrainer:
         self.dp_size = mpu.get_data_parallel_world_size()
         tcfg = cfg.trainer
         os.makedirs(tcfg.output_dir, exist_ok=True)
+        if _rank() == 0:  # the resolved config of the run, beside its outputs
+            cfg.save(os.path.join(tcfg.output_dir, "config.yaml"))
         self._seed_everything(tcfg.seed)
         model_path = self._model_path()
         from parallel_models.rl.tokenizer import load_tokenizer

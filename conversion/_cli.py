@@ -1,8 +1,7 @@
-"""The converters' command lines (``hf2mcore``, ``mcore2hf``: the console scripts point here) and
-what both share: argument parsing before any heavy import (``--help`` / ``--version`` / a bad
-argument answer in a fraction of a second), the output-folder check, error handling, the final
-summary line. The conversions themselves are ``conversion.hf2mcore`` / ``conversion.mcore2hf``,
-imported only once the arguments are good."""
+"""What both converters share: their command lines (parsed before any heavy import, so
+``--help`` / ``--version`` / a bad argument answer in a fraction of a second), the output-folder
+check, error handling, the final summary line. Imports no conversion module (they import this);
+the console scripts are ``conversion.scripts``."""
 
 from __future__ import annotations
 
@@ -136,7 +135,10 @@ def output_problem(output: str, overwrite: bool) -> str | None:
     return None
 
 
-def _main(prog: str, parser: argparse.ArgumentParser, argv, convert) -> int:
+def convert_main(prog: str, parser: argparse.ArgumentParser, argv,
+                 convert: Callable[[argparse.Namespace], dict]) -> int:
+    """A converter's ``main``: parse (nothing heavy imported yet), refuse an output folder in
+    use, then :func:`run` ``convert(args)``."""
     quiet_third_party()
     args = parser.parse_args(argv)
     problem = output_problem(args.output, args.overwrite)
@@ -144,30 +146,3 @@ def _main(prog: str, parser: argparse.ArgumentParser, argv, convert) -> int:
         print(f"{prog}: error: {problem}", file=sys.stderr)
         return 1
     return run(prog, lambda: convert(args))
-
-
-def hf2mcore_main(argv=None) -> int:
-    """The ``hf2mcore`` console script."""
-
-    def convert(args):
-        with quiet_megatron_import():
-            from conversion.hf2mcore import convert_hf_to_mcore
-        return convert_hf_to_mcore(args.hf_path, args.output, dtype=args.dtype,
-                                   layer_spec=args.layer_spec, value=args.value,
-                                   threads=args.threads, progress=not args.quiet,
-                                   overwrite=args.overwrite)
-
-    return _main("hf2mcore", hf2mcore_parser(), argv, convert)
-
-
-def mcore2hf_main(argv=None) -> int:
-    """The ``mcore2hf`` console script."""
-
-    def convert(args):
-        with quiet_megatron_import():
-            from conversion.mcore2hf import convert_mcore_to_hf
-        return convert_mcore_to_hf(args.mcore_path, args.output, hf_config=args.hf_config,
-                                   max_shard_size=args.max_shard_size, progress=not args.quiet,
-                                   overwrite=args.overwrite)
-
-    return _main("mcore2hf", mcore2hf_parser(), argv, convert)

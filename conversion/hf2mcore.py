@@ -233,16 +233,24 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
 
 
 def build_parser():
-    """The command line (defined in ``conversion._cli``, which parses it before heavy imports)."""
+    """The command line (``conversion._cli``: the console script parses it before the heavy
+    imports of this module)."""
     from conversion._cli import hf2mcore_parser
 
     return hf2mcore_parser()
 
 
-def main(argv=None) -> int:
-    from conversion._cli import hf2mcore_main
+def convert_args(args) -> dict:
+    """The conversion the parsed command line asks for."""
+    return convert_hf_to_mcore(args.hf_path, args.output, dtype=args.dtype,
+                               layer_spec=args.layer_spec, value=args.value, threads=args.threads,
+                               progress=not args.quiet, overwrite=args.overwrite)
 
-    return hf2mcore_main(argv)
+
+def main(argv=None) -> int:
+    from conversion._cli import convert_main
+
+    return convert_main(PROG, build_parser(), argv, convert_args)
 
 
 if __name__ == "__main__":

@@ -150,16 +150,24 @@ def convert_mcore_to_hf(mcore_path: str, output: str, *, hf_config: str | None =
 
 
 def build_parser():
-    """The command line (defined in ``conversion._cli``, which parses it before heavy imports)."""
+    """The command line (``conversion._cli``: the console script parses it before the heavy
+    imports of this module)."""
     from conversion._cli import mcore2hf_parser
 
     return mcore2hf_parser()
 
 
-def main(argv=None) -> int:
-    from conversion._cli import mcore2hf_main
+def convert_args(args) -> dict:
+    """The conversion the parsed command line asks for."""
+    return convert_mcore_to_hf(args.mcore_path, args.output, hf_config=args.hf_config,
+                               max_shard_size=args.max_shard_size, progress=not args.quiet,
+                               overwrite=args.overwrite)
 
-    return mcore2hf_main(argv)
+
+def main(argv=None) -> int:
+    from conversion._cli import convert_main
+
+    return convert_main(PROG, build_parser(), argv, convert_args)
 
 
 if __name__ == "__main__":

@@ -191,7 +191,7 @@ def test_converters_refuse_existing_output(tmp_path, name, source_flag):
 
 
 def test_hf2mcore_overwrite_replaces_the_folder(tmp_path, capsys):
-    from conversion._cli import hf2mcore_main
+    from conversion.scripts import hf2mcore as hf2mcore_main
     from parallel_models.testing import save_tiny_hf_model
 
     src = save_tiny_hf_model(str(tmp_path / "hf"), "llama", seed=0)

@@ -23,6 +23,8 @@ from tests.test_checkpoint import assert_bit_exact, convert, to_hf
 TOL = 1e-4
 TIMEOUT = 300
 HEADS = ("causal_lm", "value")
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 16.0}
 FORWARD_KEYS = [f"{head}-{layout}-{side}" for head in HEADS for layout in ("padded", "rmpad")
                 for side in ("left", "right")]
 
@@ -36,13 +38,22 @@ def env(tmp_path_factory):
         convert(hf[head], mcore[head])
     mcore["local"] = str(root / "causal_lm.local.mcore")
     convert(hf["causal_lm"], mcore["local"], layer_spec="local")
+    hf["yarn"] = save_tiny_hf_model(str(root / "yarn"), "qwen3", seed=8, rope_scaling=YARN,
+                                    max_position_embeddings=64)
+    mcore["yarn"] = str(root / "yarn.mcore")
+    convert(hf["yarn"], mcore["yarn"])
     return {"root": root, "hf": hf, "mcore": mcore}
+
+
+def _models(env):
+    return {head: env["hf"][head] for head in HEADS}
 
 
 @pytest.fixture(scope="module")
 def tp1(env):
-    cases = [{"name": "te-names", "mcore": env["mcore"]["causal_lm"], "hf": env["hf"]["causal_lm"]}]
-    return run_distributed(qwen3_checks.tensor_parallel_run, 1, env["hf"], 1, [], cases,
+    cases = [{"name": "te-names", "mcore": env["mcore"]["causal_lm"], "hf": env["hf"]["causal_lm"]},
+             {"name": "yarn", "mcore": env["mcore"]["yarn"], "hf": env["hf"]["yarn"]}]
+    return run_distributed(qwen3_checks.tensor_parallel_run, 1, _models(env), 1, [], cases,
                            timeout=TIMEOUT)
 
 
@@ -54,13 +65,13 @@ def tp2(env):
     saves.append({"src": env["hf"]["causal_lm"], "head": "causal_lm", "kind": "mcore",
                   "out": str(root / "causal_lm.tp2.mcore")})
     cases = [{"name": "te-names", "mcore": env["mcore"]["causal_lm"], "hf": env["hf"]["causal_lm"]}]
-    return run_distributed(qwen3_checks.tensor_parallel_run, 2, env["hf"], 2, saves, cases,
+    return run_distributed(qwen3_checks.tensor_parallel_run, 2, _models(env), 2, saves, cases,
                            timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
 def pp2(env):
-    return run_distributed(qwen3_checks.pipeline_run, 2, env["hf"], 2, timeout=TIMEOUT)
+    return run_distributed(qwen3_checks.pipeline_run, 2, _models(env), 2, timeout=TIMEOUT)
 
 
 def test_tiny_model_has_the_shapes_the_tests_rely_on(env):
@@ -144,9 +155,24 @@ def test_hf2mcore_writes_megatron_core_qk_layernorm(env):
     assert info["gpt_model"]["position_embedding_type"] == "rope" and not info["notes"]
 
 
-@pytest.mark.parametrize("setting", ["tp1", "tp2"])
-def test_megatron_gpt_model_loads_hf2mcore_output(tp1, tp2, setting):
+def test_yarn_is_written_as_megatron_core_yarn(env):
+    info = json.loads(open(os.path.join(env["mcore"]["yarn"], "mcore_config.json")).read())
+    tc, gpt = info["transformer_config"], info["gpt_model"]
+    assert gpt["position_embedding_type"] == "yarn" and not info["notes"]
+    assert (gpt["rope_scaling"], gpt["rope_scaling_factor"]) == (False, 1.0)
+    assert (tc["yarn_rotary_scaling_factor"], tc["yarn_original_max_position_embeddings"]) == (4.0, 16)
+    assert (tc["yarn_beta_fast"], tc["yarn_beta_slow"]) == (16.0, 1.0)
+    assert (tc["yarn_mscale"], tc["yarn_mscale_all_dim"]) == (1.0, 0.0)
+    assert tc["yarn_correction_range_round_to_int"] is True
+
+
+@pytest.mark.parametrize("setting,name", [("tp1", "te-names"), ("tp1", "yarn"),
+                                          ("tp2", "te-names")])
+def test_megatron_gpt_model_loads_hf2mcore_output(tp1, tp2, setting, name):
+    """megatron-core's GPTModel (local spec with qk_layernorm, built from the written
+    mcore_config.json) loads the hf2mcore output; its logits match transformers' (YaRN
+    included: its frequencies and attention factor)."""
     runs = {"tp1": tp1, "tp2": tp2}[setting]
     for rank, res in enumerate(runs):
-        for name, err in res["megatron"].items():
-            assert err <= TOL, f"{setting} rank {rank} {name}: max |logits - transformers| {err:.3e}"
+        err = res["megatron"][name]
+        assert err <= TOL, f"{setting} rank {rank} {name}: max |logits - transformers| {err:.3e}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 
 import torch
@@ -135,6 +136,10 @@ YARN_ATTRIBUTES = ("yarn_rotary_scaling_factor", "yarn_original_max_position_emb
                    "yarn_correction_range_round_to_int")
 
 
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 def _yarn_args(config: ModelConfig, rs: dict) -> tuple[dict, list[str]]:
     """HF YaRN parameters -> megatron-core's ``yarn_*`` settings (HF's defaults where absent)."""
     factor = rs.get("factor")
@@ -151,13 +156,15 @@ def _yarn_args(config: ModelConfig, rs: dict) -> tuple[dict, list[str]]:
             "yarn_mscale": float(mscale) if mscale and mscale_all_dim else 1.0,
             "yarn_mscale_all_dim": float(mscale_all_dim) if mscale and mscale_all_dim else 0.0,
             "yarn_correction_range_round_to_int": bool(rs.get("truncate", True))}
-    notes = ["rope yarn: megatron-core's GPTModel with standard (non-MLA) attention computes the "
-             "YaRN frequencies but drops its attention factor (cos/sin scaled by "
-             "0.1 ln(factor) + 1 in transformers); its attention scores will differ by that "
-             "factor squared"]
-    if rs.get("attention_factor") is not None:
-        notes.append(f"rope yarn attention_factor={rs['attention_factor']} has no megatron-core "
-                     "setting")
+    # megatron-core's attention scales cos/sin by that factor (config.yarn_* read by getattr),
+    # as transformers does with its attention_scaling
+    notes = []
+    inferred = _yarn_mscale(factor, args["yarn_mscale"]) / _yarn_mscale(factor,
+                                                                      args["yarn_mscale_all_dim"])
+    given = rs.get("attention_factor")
+    if given is not None and abs(float(given) - inferred) > 1e-9:
+        notes.append(f"rope yarn attention_factor={given} (not the {inferred:.6g} its other "
+                     "settings give) has no megatron-core setting; its attention will differ")
     if rs.get("partial_rotary_factor", 1.0) != 1.0:
         notes.append(f"rope yarn partial_rotary_factor={rs['partial_rotary_factor']}: not mapped")
     return args, notes

@@ -1,8 +1,10 @@
 """HF ``architectures`` string -> model family -> variant classes.
 
 Every family is the one Llama-style decoder (``parallel_models.llama.modeling``) under another
-name: the differences (qkv bias, tied embeddings, rope scaling) come from the HF config.
-Class names follow ``{Family}For{CausalLM|Value}[RmPad]``.
+name: the differences (qkv bias, tied embeddings, rope scaling, Qwen3's per-head q/k norm and
+explicit head_dim, mixture-of-experts MLPs) come from the HF config (``ModelConfig.from_hf``).
+The families are those of ``checkpoint_utils.WEIGHT_MAPS`` (Llama, Qwen2, Qwen3, ...); class
+names follow ``{Family}For{CausalLM|Value}[RmPad][PP]``, e.g. ``Qwen3ForValueRmPadPP``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""RMSNorm computed exactly as transformers does (fp32 statistics, cast, then scale)."""
+"""RMSNorm computed exactly as transformers does (fp32 statistics, cast, then scale).
+
+Over the last dim of any shape: the decoder's norms over ``hidden`` and Qwen3's per-head q/k
+norms over ``head_dim`` (``[tokens, heads, head_dim]``, one weight shared by the heads)."""
 
 from __future__ import annotations
 

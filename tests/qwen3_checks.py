@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from tests import generation_checks
 from tests.model_checks import _batch, _hf_reference
 from tests.pipeline_checks import _microbatches_packed
 
@@ -111,8 +112,9 @@ def gradient_errors(path: str, tp: int, sp: bool) -> dict:
 def tensor_parallel_run(folders: dict, tp: int, saves: list[dict], megatron_cases: list[dict]
                         ) -> dict:
     """At TP=``tp``: forward errors with and without SP, gradients with and without SP, the
-    ``saves`` (checkpoint_checks.save_roundtrips jobs) and megatron-core loading the
-    ``megatron_cases`` (checkpoint_checks.megatron_loads cases)."""
+    ``saves`` (checkpoint_checks.save_roundtrips jobs), megatron-core loading the
+    ``megatron_cases`` (checkpoint_checks.megatron_loads cases) and rollout generation
+    (generation_checks.check_generation)."""
     import parallel_models as pm
     from tests import checkpoint_checks as cc
 
@@ -124,6 +126,8 @@ def tensor_parallel_run(folders: dict, tp: int, saves: list[dict], megatron_case
         out["grads"][sp] = gradient_errors(folders["causal_lm"], tp, sp)
     out["saves"] = cc.save_roundtrips(saves, tp) if saves else {}
     out["megatron"] = cc.megatron_loads(megatron_cases, tp) if megatron_cases else {}
+    # rollout: greedy decoding with the KV cache == transformers.generate (q/k norm on cached k)
+    out["generation"] = generation_checks.check_generation(folders["causal_lm"], tp, False)
     return out
 
 

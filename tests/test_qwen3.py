@@ -5,7 +5,9 @@ TP). Checked, fp32: logits (CausalLM) and per-token values (Value) max abs <= 1e
 and right) and RmPad at TP=1, TP=2, TP=2 + SP and PP=2; gradients after one backward rel <= 1e-4
 at TP=2 (with and without SP), q/k norms included; HF -> ours (TP=2) -> HF and HF -> hf2mcore ->
 mcore2hf bit-exact; megatron-core's GPTModel (local spec, qk_layernorm) loads hf2mcore output at
-TP=1 and TP=2 and matches transformers. Three spawned runs (TP=1, TP=2, PP=2).
+TP=1 and TP=2 and matches transformers (a YaRN Qwen3 too: megatron-core's position_embedding_type
+'yarn'); rollout greedy decoding (KV cache) equals transformers.generate; one Adam step at TP=2
+through megatron DDP equals transformers + AdamW. Four spawned runs (TP=1, TP=2, PP=2, train).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def tp2(env):
              for h in HEADS]
     saves.append({"src": env["hf"]["causal_lm"], "head": "causal_lm", "kind": "mcore",
                   "out": str(root / "causal_lm.tp2.mcore")})
+    saves.append({"src": env["mcore"]["causal_lm"], "head": "causal_lm", "kind": "hf",
+                  "out": str(root / "causal_lm.mcore.tp2.hf")})
     cases = [{"name": "te-names", "mcore": env["mcore"]["causal_lm"], "hf": env["hf"]["causal_lm"]}]
     return run_distributed(qwen3_checks.tensor_parallel_run, 2, _models(env), 2, saves, cases,
                            timeout=TIMEOUT)
@@ -119,6 +123,20 @@ def test_forward_pp2_matches_transformers(pp2, key):
 @pytest.mark.parametrize("head", HEADS)
 def test_hf_to_ours_tp2_to_hf_is_bit_exact(env, tp2, head):
     assert_bit_exact(env["hf"][head], str(env["root"] / f"{head}.tp2.hf"))
+
+
+def test_from_pretrained_of_hf2mcore_output_at_tp2_is_bit_exact(env, tp2):
+    assert_bit_exact(env["hf"]["causal_lm"], str(env["root"] / "causal_lm.mcore.tp2.hf"))
+
+
+@pytest.mark.parametrize("setting", ["tp1", "tp2"])
+def test_rollout_generation_matches_transformers(tp1, tp2, setting):
+    ranks = {"tp1": tp1, "tp2": tp2}[setting]
+    for r in ranks:
+        gen = r["generation"]
+        assert gen["greedy_mismatches"] == [], f"greedy differs for prompts {gen['greedy_mismatches']}"
+        assert gen["logp_err"] <= TOL, f"sampling log-probs vs fresh forward: {gen['logp_err']:.2e}"
+        assert torch.equal(gen["responses"], ranks[0]["generation"]["responses"])
 
 
 @pytest.mark.parametrize("which", list(HEADS) + ["local"])

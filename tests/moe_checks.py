@@ -96,3 +96,141 @@ def check_moe_forward(folders: dict, tp: int, ep: int, sp: bool) -> dict:
                 if not rmpad:
                     margins[key] = _router_margin(path, head, ids, mask)
     return {"errors": errors, "margins": margins}
+
+
+def check_moe_gradients(folders: dict, tp: int, ep: int) -> dict:
+    """Worst relative gradient error vs transformers after one cross-entropy backward, every
+    parameter (router and experts included), at TP x EP. Each data-parallel rank takes its share
+    of the sequences; dense gradients are summed over the data-parallel group and expert
+    gradients over the expert-data-parallel group, as megatron-core's DDP does."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+    from transformers import AutoModelForCausalLM
+
+    import parallel_models as pm
+    from parallel_models.utils.grads import allreduce_sequence_parallel_grads
+    from parallel_models.utils.padding import position_ids_from_attention_mask
+
+    pm.init_parallel(tensor_parallel_size=tp, expert_model_parallel_size=ep)
+    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    out = {}
+    for (family, head), path in folders.items():
+        if head != "causal_lm":
+            continue
+        model = pm.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        ids, mask = _batch(model.config.vocab_size, "right", seed=3)
+        labels = ids[:, 1:].masked_fill(~mask[:, 1:].bool(), -100)
+        count = int((labels != -100).sum())
+
+        def loss_sum(logits, labels):
+            return torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                ignore_index=-100, reduction="sum")
+
+        pos = position_ids_from_attention_mask(mask)
+        (loss_sum(hf(input_ids=ids, attention_mask=mask, position_ids=pos).logits, labels)
+         / count).backward()
+        mine = slice(dp_rank, None, dp)  # this data-parallel rank's sequences
+        logits = model(ids[mine], attention_mask=mask[mine], full_vocab=True).logits
+        (loss_sum(logits, labels[mine]) / count).backward()
+        allreduce_sequence_parallel_grads(model)
+        for p in model.parameters():
+            expert = getattr(p, "allreduce", True) is False
+            group = (mpu.get_expert_data_parallel_group() if expert
+                     else mpu.get_data_parallel_group())
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(p.grad, group=group)
+        out[family] = _worst_grad_error(model, hf, tp)
+    return out
+
+
+def _worst_grad_error(model, hf, tp: int) -> dict:
+    """Per-parameter relative error of our gradients vs HF's, read through the weight map."""
+    from megatron.core import parallel_state as mpu
+
+    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    # transformers 5 keeps the experts fused in memory ([E, 2I, H] gate_up, [E, H, I] down);
+    # the weight map names them per expert as they are saved
+    for name in list(hf_grads):
+        for fused, parts in (("experts.gate_up_proj", ("gate_proj", "up_proj")),
+                             ("experts.down_proj", ("down_proj",))):
+            if not name.endswith(fused):
+                continue
+            grad = hf_grads.pop(name)
+            prefix = name[: -len(fused)] + "experts."
+            names = parts
+            if ".block_sparse_moe." in prefix or "mixtral" in type(hf).__name__.lower():
+                names = ("w1", "w3") if len(parts) == 2 else ("w2",)
+            for e in range(grad.shape[0]):
+                pieces = grad[e].chunk(len(parts), dim=0)
+                for n, piece in zip(names, pieces):
+                    hf_grads[f"{prefix}{e}.{n}.weight"] = piece
+    mixtral = "mixtral" in type(hf).__name__.lower()
+    if mixtral:  # in memory under mlp., on disk under block_sparse_moe.
+        hf_grads = {n.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+                    .replace(".mlp.experts.", ".block_sparse_moe.experts."): g
+                    for n, g in hf_grads.items()}
+
+    class GradReader:
+        def __call__(self, name, dim, start, end):
+            t = hf_grads[name]
+            return t if dim is None else t.narrow(dim, start, end - start)
+
+        def shape(self, name):
+            return list(hf_grads[name].shape)
+
+        def dtype(self, name):
+            return hf_grads[name].dtype
+
+    config = model.config
+    params = dict(model.named_parameters())
+    ep, ep_rank = mpu.get_expert_model_parallel_world_size(), mpu.get_expert_model_parallel_rank()
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    worst, worst_name, checked = 0.0, None, 0
+    for m in model.weight_map.mappings(config, "causal_lm"):
+        local_expert = m.local_expert(config, ep, ep_rank) if m.expert is not None else None
+        if m.expert is not None and local_expert is None:
+            continue
+        for i in (range(config.num_layers) if m.per_layer else [None]):
+            if not m.applies_to(config, i):
+                continue
+            want = m.rule.shard(GradReader(), m.hf_names(i), config, tp, tp_rank)
+            got = params[m.ours_name(i, local_expert)].grad
+            rel = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+            checked += 1
+            if rel > worst:
+                worst, worst_name = rel, m.ours_name(i, local_expert)
+    return {"worst_rel": worst, "worst": worst_name, "checked": checked}
+
+
+def check_moe_pp_forward(folders: dict, tp: int, pp: int, ep: int) -> dict:
+    """Max abs error vs transformers of the PP variants (RmPad and padded microbatches) of every
+    MoE family, through megatron-core's pipeline schedule."""
+    import parallel_models as pm
+    from tests.pipeline_checks import _microbatches_packed
+
+    pm.init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                     expert_model_parallel_size=ep)
+    errors = {}
+    for (family, head), path in folders.items():
+        for rmpad in (True, False):
+            cls = pm.get_model_class(ARCH[family], head, rmpad, pp=True)
+            layers = pm.ModelConfig.from_hf(path).num_layers
+            split = [layers - layers // 2, layers // 2] if pp == 2 and layers % 2 else None
+            chunks = pm.build_pipeline_chunks(cls, path, dtype=torch.float32,
+                                              layers_per_stage=split)
+            ids, mask = _batch(chunks[0].config.vocab_size, "left", seed=5)
+            ref = _hf_reference(path, head, ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
+            kw = {"full_vocab": True} if head == "causal_lm" else {}
+            if rmpad:
+                mbs = [{**mb, **kw} for mb in _microbatches_packed(ids, mask, 2)]
+                got = torch.cat(pm.forward_only(chunks, mbs))
+            else:
+                mbs = [{"input_ids": i, "attention_mask": m, **kw}
+                       for i, m in zip(ids.chunk(2), mask.chunk(2))]
+                got = torch.cat(pm.forward_only(chunks, mbs))[mask.bool()]
+            key = f"{family}-{head}-{'rmpad' if rmpad else 'padded'}"
+            errors[key] = (got - ref[mask.bool()]).abs().max().item()
+            errors[key + "-layers"] = [layer.layer_id for c in chunks for layer in c.model.layers]
+    return errors

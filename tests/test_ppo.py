@@ -1,41 +1,15 @@
 """PPO end to end: the default job raises its reward, TP=2 == TP=1, bad configs fail clearly
 (checkpoint and resume tests: tests/test_trainer_checkpoint.py)."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from parallel_models.testing import run_distributed
+from tests.ppo_runs import load_folder as _load_folder, run_metrics as _metrics
+from tests.ppo_runs import run_ppo as _run
 from tests import ppo_checks
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-PPO = [sys.executable, "-m", "parallel_models.rl.train"]
-
-
-def _metrics(output_dir):
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _load_folder(folder):
-    out = {}
-    for f in sorted(os.listdir(folder)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(folder, f)))
-    return out
-
-
-def _run(args, timeout=300, check=True):
-    proc = subprocess.run(PPO + args, env=ENV, capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
-    return proc
-
 
 def test_default_job_raises_reward(tmp_path):
     """The README's main job, shortened: 14 seeded steps of the built-in default. Measured:

@@ -7,26 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-PPO = [sys.executable, "-m", "parallel_models.rl.train"]
+from tests.ppo_runs import read_jsonl as _jsonl
+from tests.ppo_runs import run_ppo as _run
 SMALL = ["algorithm.adv_estimator=grpo", "critic.enable=false", "data.batch_size=4",
          "rollout.n=2", "actor.mini_batch_size=8", "rollout.max_new_tokens=6",
          "actor.ppo_epochs=1", "trainer.save_hf_at_end=false", "trainer.loggers=[jsonl]"]
-
-
-def _run(args, timeout=300):
-    proc = subprocess.run(PPO + args, env=ENV, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def _jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def _write_jsonl(path, rows):

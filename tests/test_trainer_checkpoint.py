@@ -7,39 +7,15 @@ import os
 import signal
 import stat
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from parallel_models.testing import run_distributed
+from tests.ppo_runs import ENV, PPO
+from tests.ppo_runs import load_folder as _load_folder, run_metrics as _metrics, run_ppo as _run
 from tests import trainer_checkpoint_checks as checks
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-PPO = [sys.executable, "-m", "parallel_models.rl.train"]
-
-
-def _metrics(output_dir):
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def _load_folder(folder):
-    out = {}
-    for f in sorted(os.listdir(folder)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(folder, f)))
-    return out
-
-
-def _run(args, timeout=300, check=True):
-    proc = subprocess.run(PPO + args, env=ENV, capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
-    return proc
-
 
 def test_resume_after_kill_continues_exactly(tmp_path):
     common = ["trainer.total_steps=6", "trainer.save_every=2", "trainer.save_hf_at_end=false",

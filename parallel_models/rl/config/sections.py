@@ -15,22 +15,12 @@ strings accept numbers; ``null`` only where a field says so.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional
+from typing import Literal, Optional
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from parallel_models.rl.rollout.sampling import SamplingFields, SamplingParams
-from parallel_models.utils.optimizer_config import OptimizerFields
-
-
-def _not_bool(value):
-    if isinstance(value, bool):
-        raise ValueError("expected a number, not true/false")
-    return value
-
-
-Int = Annotated[int, BeforeValidator(_not_bool)]
-Number = Annotated[float, BeforeValidator(_not_bool)]
+from parallel_models.utils.optimizer_config import Int, Number, OptimizerFields
 
 KL_KINDS = ("k1", "abs", "k2", "mse", "k3", "low_var_kl")
 KLKind = Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"]

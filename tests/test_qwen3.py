@@ -208,3 +208,15 @@ def test_train_step_tp2_matches_hf_adamw(env):
         assert r["worst_rel"] <= TOL, f"weights differ from HF after one step: {r['worst_rel']:.2e}"
         for ours, ref in zip(r["norms"], r["hf_norms"]):
             assert abs(ours - ref) <= 1e-5 * ref, f"grad norm {ours} vs HF {ref}"
+
+
+def test_mcore_config_disagreeing_with_the_hf_config_is_named(env, tmp_path):
+    """mcore2hf reads mcore_config.json too: a YaRN checkpoint read with a plain-RoPE HF config
+    (same tensor shapes, so nothing else would notice) is refused naming the setting."""
+    from parallel_models import CheckpointError
+
+    out = str(tmp_path / "hf")
+    with pytest.raises(CheckpointError, match=r"mcore_config.json: gpt_model.position_embedding_"
+                                              r"type is 'yarn' but the HF config .* gives 'rope'"):
+        to_hf(env["mcore"]["yarn"], out, hf_config=env["hf"]["causal_lm"])
+    assert not os.path.exists(out)

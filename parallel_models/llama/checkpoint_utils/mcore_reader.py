@@ -22,6 +22,7 @@ from parallel_models.llama.checkpoint_utils.dcp import read_dcp_metadata
 from parallel_models.llama.checkpoint_utils.direct_io import RangeReader
 from parallel_models.llama.checkpoint_utils.errors import CheckpointError
 from parallel_models.llama.checkpoint_utils.megatron_format import (LOCAL_SPEC_NAMES,
+                                                                   check_mcore_json,
                                                                    read_mcore_json,
                                                                    resolve_mcore_dir)
 from parallel_models.llama.checkpoint_utils.torch_record import (decode_torch_record,
@@ -59,6 +60,7 @@ class McoreCheckpoint:
                     f"{self.folder}: no config.json next to the dist checkpoint; pass the HF "
                     "config of the model (mcore2hf --hf-config DIR)")
             config = ModelConfig.from_hf(self.folder)
+        check_mcore_json(self.info, config, self.folder)
         self.config = config
         if head_kind is None:
             if "value_head" in self.info:

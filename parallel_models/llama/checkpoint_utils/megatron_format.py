@@ -255,6 +255,44 @@ def mcore_config_dict(config: ModelConfig, *, head_kind: str, dtype: torch.dtype
     }
 
 
+# settings of mcore_config.json that must agree with the HF config a checkpoint is read with
+_CHECKED = {"transformer_config": ("num_layers", "hidden_size", "ffn_hidden_size",
+                                   "num_attention_heads", "num_query_groups", "kv_channels",
+                                   "qk_layernorm", "add_qkv_bias", "add_bias_linear",
+                                   *YARN_ATTRIBUTES),
+            "gpt_model": ("vocab_size", "position_embedding_type", "rotary_base", "rope_scaling",
+                          "seq_len_interpolation_factor")}
+
+
+def check_mcore_json(info: dict, config: ModelConfig, folder: str) -> None:
+    """Raise a CheckpointError naming the setting when the ``mcore_config.json`` of ``folder``
+    (``info``; may be empty: megatron's own saves have none) disagrees with ``config``, the HF
+    config the checkpoint is read with (e.g. qk_layernorm, kv_channels, YaRN settings). Settings
+    absent from either side are not compared (older files lack some)."""
+    if not info:
+        return
+    try:
+        want = mcore_config_dict(config, head_kind="causal_lm", dtype=torch.float32,
+                                 layer_spec="te")
+    except ConfigError:
+        return  # not expressible in megatron-core: nothing to compare against
+    for section, keys in _CHECKED.items():
+        got_section = info.get(section) or {}
+        for key in keys:
+            if key in got_section and key in want[section] and got_section[key] != want[section][key]:
+                raise CheckpointError(
+                    f"{os.path.join(folder, MCORE_CONFIG_FILE)}: {section}.{key} is "
+                    f"{got_section[key]!r} but the HF config ({config.architecture}) gives "
+                    f"{want[section][key]!r}; pass the HF config of this checkpoint")
+    got_rope = info.get("gpt_model") or {}
+    if got_rope.get("rope_scaling") and want["gpt_model"]["rope_scaling"]:
+        got, exp = got_rope.get("rope_scaling_factor"), want["gpt_model"]["rope_scaling_factor"]
+        if got != exp:
+            raise CheckpointError(f"{os.path.join(folder, MCORE_CONFIG_FILE)}: "
+                                  f"gpt_model.rope_scaling_factor is {got!r} but the HF config "
+                                  f"gives {exp!r}")
+
+
 def build_gpt_model(mcore_json: dict | str, *, layer_spec="local",
                     vocab_multiple: int = 128, pre_process: bool = True,
                     post_process: bool = True, **overrides):

@@ -234,3 +234,45 @@ def check_moe_pp_forward(folders: dict, tp: int, pp: int, ep: int) -> dict:
             errors[key] = (got - ref[mask.bool()]).abs().max().item()
             errors[key + "-layers"] = [layer.layer_id for c in chunks for layer in c.model.layers]
     return errors
+
+
+def _safetensors_state(folder: str) -> dict:
+    import glob
+    import os
+
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        with safe_open(f, "pt") as st:
+            out.update({k: st.get_tensor(k) for k in st.keys()})
+    return out
+
+
+def check_moe_save_round_trip(folders: dict, out_root: str, tp: int, ep: int, pp: int = 1
+                              ) -> dict:
+    """HF -> ours (TP x EP x PP) -> save_pretrained -> HF: which tensors differ (bit-exact is
+    the goal), which are missing or extra, on rank 0."""
+    import torch.distributed as dist
+
+    import parallel_models as pm
+
+    pm.init_parallel(tensor_parallel_size=tp, expert_model_parallel_size=ep,
+                     pipeline_parallel_size=pp)
+    out = {}
+    for (family, head), path in folders.items():
+        cls = pm.get_model_class(ARCH[family], head, pp=pp > 1)
+        layers = pm.ModelConfig.from_hf(path).num_layers
+        kw = {}
+        if pp == 2 and layers % 2:
+            kw["layers_per_stage"] = [layers - layers // 2, layers // 2]
+        model = cls.from_pretrained(path, dtype=torch.float32, **kw)
+        target = f"{out_root}/{family}_{head}_tp{tp}_ep{ep}_pp{pp}"
+        model.save_pretrained(target)
+        if dist.get_rank() == 0:
+            want, got = _safetensors_state(path), _safetensors_state(target)
+            out[family] = {"differ": sorted(k for k in want.keys() & got.keys()
+                                            if not torch.equal(want[k], got[k])),
+                           "missing": sorted(want.keys() - got.keys()),
+                           "extra": sorted(got.keys() - want.keys()), "count": len(got)}
+    return out

@@ -73,3 +73,13 @@ def test_moe_pipeline_forward_matches_transformers(moe_models):
             assert err <= FWD_TOL, f"PP=2 rank {rank} {key}: max abs error {err:.3e}"
     # tiny Qwen3-MoE: layers 0 and 2 MoE, layer 1 dense, split [2, 1] over the stages
     assert stage_layers == [{0, 1}, {2}]
+
+
+@pytest.mark.parametrize("tp,ep,pp", [(2, 2, 1), (1, 2, 2)])
+def test_moe_save_pretrained_round_trip_is_bit_exact(moe_models, tmp_path, tp, ep, pp):
+    folders = {k: v for k, v in moe_models.items() if k[1] == "causal_lm"}
+    results = run_distributed(moe_checks.check_moe_save_round_trip, tp * ep * pp, folders,
+                              str(tmp_path), tp, ep, pp, timeout=300)
+    for family, r in results[0].items():
+        assert r["count"] > 0
+        assert r["differ"] == [] and r["missing"] == [] and r["extra"] == [], (family, r)

@@ -3,7 +3,9 @@
 ``save_pretrained(model, out_dir)`` is called on every rank. Tensor by tensor, the TP ranks of the
 pipeline stage that owns it gather their shards to their first rank, which merges them back to the
 HF tensors (its weight rule's ``merge``: q/k/v and gate/up split, replicated KV heads taken
-once, vocab padding dropped) and, on a later stage, sends them to global rank 0. Rank 0 streams
+once, vocab padding dropped) and, on a later stage, sends them to global rank 0. A routed expert
+of an MoE layer is gathered over the expert-TP ranks of the EP rank that holds it (its first
+expert-data-parallel replica) and sent from there. Rank 0 streams
 them into size-limited safetensors shards planned up front, so its memory stays at about one
 tensor. It writes into a hidden temporary folder next to ``out_dir`` and renames it at the end: an
 interrupted save leaves no half folder. Data-parallel replicas other than the first only wait.
@@ -60,16 +62,28 @@ class _Placement:
         self.owner = own.tolist()
         self.pp_ranks = (dist.get_process_group_ranks(mpu.get_pipeline_model_parallel_group())
                          if self.pp > 1 else [0])
+        self.ep = mpu.get_expert_model_parallel_world_size()
+        self.ep_rank = mpu.get_expert_model_parallel_rank()
+        self.expert_src = None  # [stage][EP rank] -> the global rank that sends its experts
+        if config.is_moe:
+            table = torch.full((self.pp, self.ep), -1, dtype=torch.int64, device=device)
+            if (mpu.get_expert_tensor_parallel_rank() == 0
+                    and mpu.get_expert_data_parallel_rank() == 0):
+                table[self.pp_rank, self.ep_rank] = dist.get_rank()
+            dist.all_reduce(table, op=dist.ReduceOp.MAX)
+            self.expert_src = table.cpu().tolist()
 
     def stage_of(self, mapping: WeightMapping, layer: int | None) -> int:
         if layer is not None:
             return self.owner[layer]
         return self.owner[self.L] if mapping.place == "pre" else self.owner[self.L + 1]
 
-    def param(self, mapping: WeightMapping, layer: int | None) -> torch.Tensor:
+    def param(self, mapping: WeightMapping, layer: int | None, config=None) -> torch.Tensor:
         if layer is not None:
             chunk, li = self.local[layer]
-            name = mapping.ours.format(i=li)
+            local_expert = (mapping.local_expert(config, self.ep, self.ep_rank)
+                            if mapping.expert is not None else None)
+            name = mapping.ours_name(li, local_expert)
         else:
             chunk, _ = self.local[mapping.place]
             name = mapping.ours
@@ -123,9 +137,12 @@ def save_pretrained(model, out_dir: str, *, max_shard_size: int | str = "5GB", d
     jobs = weight_map.global_jobs(config, head_kind)
     tp = mpu.get_tensor_model_parallel_world_size()
     tp_rank = mpu.get_tensor_model_parallel_rank()
-    tp_src = mpu.get_tensor_model_parallel_src_rank()
     tp_group = mpu.get_tensor_model_parallel_group()
     active = mpu.get_data_parallel_rank() == 0  # other DP replicas hold the same weights
+    expert_active = mpu.get_expert_data_parallel_rank() == 0
+    etp = mpu.get_expert_tensor_parallel_world_size()
+    etp_rank = mpu.get_expert_tensor_parallel_rank()
+    etp_group = mpu.get_expert_tensor_parallel_group(check_initialized=False)
 
     writer = None
     tmp = None
@@ -149,23 +166,32 @@ def save_pretrained(model, out_dir: str, *, max_shard_size: int | str = "5GB", d
             names = mapping.hf_names(layer)
             stage = placement.stage_of(mapping, layer)
             tensors = None
-            if active and placement.pp_rank == stage:
-                shard = placement.param(mapping, layer).detach().contiguous()
-                if not rule.split_over_tp or tp == 1:
-                    if tp_rank == 0:
+            if mapping.expert is None:
+                holds = active and placement.pp_rank == stage
+                src = placement.pp_ranks[stage]
+                n, gathers, group = tp, tp_rank == 0, tp_group
+            else:  # a routed expert: on one EP rank, split over the expert-TP group
+                owner = mapping.expert_owner(config, placement.ep)
+                holds = expert_active and placement.pp_rank == stage and placement.ep_rank == owner
+                src = placement.expert_src[stage][owner]
+                n, gathers, group = etp, etp_rank == 0, etp_group
+            if holds:
+                shard = placement.param(mapping, layer, config).detach().contiguous()
+                if not rule.split_over_tp or n == 1:
+                    if gathers:
                         tensors = rule.merge([shard], config)
                 else:
-                    bufs = [torch.empty_like(shard) for _ in range(tp)] if tp_rank == 0 else None
-                    dist.gather(shard, gather_list=bufs, dst=tp_src, group=tp_group)
-                    if tp_rank == 0:
+                    bufs = [torch.empty_like(shard) for _ in range(n)] if gathers else None
+                    dist.gather(shard, gather_list=bufs,
+                                dst=dist.get_global_rank(group, 0), group=group)
+                    if gathers:
                         tensors = rule.merge(bufs, config)
                         del bufs
-                if tensors is not None and stage != 0:  # a later stage: send to global rank 0
+                if tensors is not None and src != 0:  # not on global rank 0: send it there
                     for t in tensors:
                         dist.send(t.contiguous(), dst=0)
             if rank == 0:
-                if stage != 0:
-                    src = placement.pp_ranks[stage]
+                if src != 0:
                     tensors = []
                     for shape in rule.hf_shapes(config):
                         buf = torch.empty(shape, dtype=first.dtype, device=device)

@@ -14,14 +14,6 @@ from tests.model_checks import _batch, _hf_reference
 from tests.pipeline_checks import _microbatches_packed
 
 
-def _import_transformers_models() -> None:
-    """Import transformers' model modules before ``init_parallel``: the CPU shim it applies
-    replaces ``torch.cuda.Stream`` with a function, and transformers' lazily imported modules
-    annotate with ``torch.cuda.Stream | None``, which then fails."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification  # noqa: F401
-    from transformers.models.qwen3 import modeling_qwen3  # noqa: F401
-
-
 def _model_class(path: str, head: str, rmpad: bool, pp: bool = False):
     import parallel_models as pm
     from parallel_models.registry import architecture_of
@@ -118,7 +110,6 @@ def tensor_parallel_run(folders: dict, tp: int, saves: list[dict], megatron_case
     import parallel_models as pm
     from tests import checkpoint_checks as cc
 
-    _import_transformers_models()
     pm.init_parallel(tensor_parallel_size=tp)
     sp_settings = (False, True) if tp > 1 else (False,)
     out = {"forward": forward_errors(folders, sp_settings), "grads": {}}
@@ -136,7 +127,6 @@ def pipeline_run(folders: dict, pp: int) -> dict:
     schedule (``forward_only``), RmPad and padded, for each head."""
     import parallel_models as pm
 
-    _import_transformers_models()
     pm.init_parallel(pipeline_parallel_size=pp)
     out = {}
     for head, path in folders.items():

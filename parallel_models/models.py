@@ -1,23 +1,9 @@
-"""The public variant classes, one per family x head x input layout x pipeline (made by the
-registry)."""
+"""The public variant classes, one per family x head x input layout x pipeline stage, e.g.
+``LlamaForCausalLM``, ``Qwen3ForValueRmPad``, ``Qwen3MoeForCausalLMRmPadPP`` (made by the
+registry from the families' weight maps, so a new family needs no edit here)."""
 
-from parallel_models.registry import model_class
+from parallel_models.registry import all_classes
 
-LlamaForCausalLM = model_class("LlamaForCausalLM")
-LlamaForCausalLMPP = model_class("LlamaForCausalLMPP")
-LlamaForCausalLMRmPad = model_class("LlamaForCausalLMRmPad")
-LlamaForCausalLMRmPadPP = model_class("LlamaForCausalLMRmPadPP")
-LlamaForValue = model_class("LlamaForValue")
-LlamaForValuePP = model_class("LlamaForValuePP")
-LlamaForValueRmPad = model_class("LlamaForValueRmPad")
-LlamaForValueRmPadPP = model_class("LlamaForValueRmPadPP")
-Qwen2ForCausalLM = model_class("Qwen2ForCausalLM")
-Qwen2ForCausalLMPP = model_class("Qwen2ForCausalLMPP")
-Qwen2ForCausalLMRmPad = model_class("Qwen2ForCausalLMRmPad")
-Qwen2ForCausalLMRmPadPP = model_class("Qwen2ForCausalLMRmPadPP")
-Qwen2ForValue = model_class("Qwen2ForValue")
-Qwen2ForValuePP = model_class("Qwen2ForValuePP")
-Qwen2ForValueRmPad = model_class("Qwen2ForValueRmPad")
-Qwen2ForValueRmPadPP = model_class("Qwen2ForValueRmPadPP")
+globals().update(all_classes())
 
-__all__ = [name for name in dir() if "For" in name]
+__all__ = sorted(all_classes())

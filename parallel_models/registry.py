@@ -78,6 +78,11 @@ def get_model_class(architecture: str, head: str = "causal_lm", rmpad: bool = Fa
     return _CLASSES[_class_name(family, head, rmpad, pp)]
 
 
+def all_classes() -> dict[str, type[ParallelModel]]:
+    """Every variant class by its public name (the names ``parallel_models.models`` exports)."""
+    return dict(_CLASSES)
+
+
 def model_class(name: str) -> type[ParallelModel]:
     """A variant class by its public name, e.g. 'LlamaForCausalLMRmPad'."""
     if name not in _CLASSES:

@@ -276,3 +276,44 @@ def check_moe_save_round_trip(folders: dict, out_root: str, tp: int, ep: int, pp
                            "missing": sorted(want.keys() - got.keys()),
                            "extra": sorted(got.keys() - want.keys()), "count": len(got)}
     return out
+
+
+def check_moe_aux_loss(folders: dict, tp: int, ep: int) -> dict:
+    """Our load-balancing loss vs transformers' ``aux_loss`` (same batch on every rank; padded
+    input) and, per family, the relative error of the router-weight gradients of that loss."""
+    from megatron.core import parallel_state as mpu
+    from transformers import AutoModelForCausalLM
+
+    import parallel_models as pm
+    from parallel_models.utils.grads import allreduce_sequence_parallel_grads
+    from parallel_models.utils.padding import position_ids_from_attention_mask
+
+    pm.init_parallel(tensor_parallel_size=tp, expert_model_parallel_size=ep)
+    out = {}
+    for (family, head), path in folders.items():
+        if head != "causal_lm":
+            continue
+        model = pm.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        ids, mask = _batch(model.config.vocab_size, "left", seed=7)
+        pos = position_ids_from_attention_mask(mask)
+        want = hf(input_ids=ids, attention_mask=mask, position_ids=pos,
+                  output_router_logits=True).aux_loss
+        want.backward()
+        model.record_router_logits(True)
+        model(ids, attention_mask=mask)
+        got = model.router_aux_loss()
+        got.backward()
+        allreduce_sequence_parallel_grads(model)
+        config = model.config
+        worst = 0.0
+        for layer in model.model.layers:
+            if not config.is_moe_layer(layer.layer_id):
+                continue
+            mine = layer.mlp.router.weight.grad
+            ref = dict(hf.named_parameters())[f"model.layers.{layer.layer_id}.mlp.gate.weight"].grad
+            worst = max(worst, ((mine - ref).norm() / ref.norm()).item())
+        model.record_router_logits(False)
+        out[family] = {"ours": got.item(), "hf": want.item(), "grad_rel": worst,
+                       "tp_rank": mpu.get_tensor_model_parallel_rank()}
+    return out

@@ -83,3 +83,14 @@ def test_moe_save_pretrained_round_trip_is_bit_exact(moe_models, tmp_path, tp, e
     for family, r in results[0].items():
         assert r["count"] > 0
         assert r["differ"] == [] and r["missing"] == [] and r["extra"] == [], (family, r)
+
+
+def test_moe_load_balancing_loss_matches_transformers(moe_models):
+    """At TP=2 (+SP: each rank routes half the tokens): value and router-weight gradients of
+    the load-balancing loss vs transformers' aux_loss (output_router_logits=True)."""
+    folders = {k: v for k, v in moe_models.items() if k[1] == "causal_lm"}
+    results = run_distributed(moe_checks.check_moe_aux_loss, 2, folders, 2, 1, timeout=300)
+    for rank, res in enumerate(results):
+        for family, r in res.items():
+            assert abs(r["ours"] - r["hf"]) <= 1e-5 * abs(r["hf"]), (rank, family, r)
+            assert r["grad_rel"] <= GRAD_TOL, (rank, family, r)

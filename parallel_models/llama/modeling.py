@@ -26,6 +26,7 @@ from parallel_models.distributed import get_parallel_settings
 from parallel_models.heads import ParallelLMHead, ValueHead
 from parallel_models.llama import checkpoint_utils as ckpt_io
 from parallel_models.llama.layers import ParallelDecoderLayer, RMSNorm, RotaryEmbedding
+from parallel_models.llama.layers import moe_aux_loss
 from parallel_models.llama.layers.moe import moe_megatron_settings
 from parallel_models.utils.padding import (pack_padded_batch, position_ids_from_cu_seqlens,
                                            unpack_to_padded)
@@ -265,6 +266,7 @@ class ParallelModel(torch.nn.Module):
             position_ids = position_ids_from_cu_seqlens(cu_seqlens)
         if max_seqlen is None:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
+        self.last_token_count = input_ids.shape[0]  # before padding (MoE aux loss reads it)
         input_ids, position_ids, cu_seqlens, pad = self._pad_for_sequence_parallel(
             input_ids, position_ids, cu_seqlens)
         max_seqlen = max(max_seqlen, pad)
@@ -309,6 +311,16 @@ class ParallelModel(torch.nn.Module):
         if self.head_kind == "causal_lm":
             return CausalLMOutput(unpack_to_padded(out.logits, packed))
         return ValueOutput(unpack_to_padded(out.values, packed))
+
+    # ---- MoE load-balancing loss (off by default) ------------------------------------------------
+    def record_router_logits(self, enabled: bool = True) -> None:
+        """Keep the router logits of the next forwards (for :meth:`router_aux_loss`)."""
+        moe_aux_loss.record_router_logits(self, enabled)
+
+    def router_aux_loss(self) -> torch.Tensor:
+        """transformers' load-balancing loss of the last forward (see ``layers/moe_aux_loss``);
+        the trainer scales it by ``config.router_aux_loss_coef``."""
+        return moe_aux_loss.load_balancing_loss(self)
 
     # ---- loading -----------------------------------------------------------------------------------
     @classmethod

@@ -6,7 +6,8 @@ rollout server (``server/engine.py``) wraps it and mirrors its commands to the o
   prompt-major; the tokenizer's EOS unless the params name their own or ``ignore_eos``; a
   ``seed`` gets its own generator, so seeded draws are reproducible).
 - :meth:`RolloutEngine.generate_samples` -> per-row ``{"token_ids", "log_probs",
-  "finish_reason"}`` lists (the server's answer format).
+  "finish_reason"}`` lists (the server's answer format); with ``top_logprobs=k`` also
+  ``"top_logprobs"``: per generated token the k most likely ``[token_id, log_prob]`` pairs.
 - :meth:`RolloutEngine.update_weights` loads an HF folder (or megatron-core checkpoint) into the
   model **atomically**: a copy of the current weights is taken first and written back if
   anything fails while loading (read error, out of memory, shape mismatch) on any rank of
@@ -64,21 +65,26 @@ class RolloutEngine:
         return params.stop_ids(self.eos_token_id)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None) -> GenerationOutput:
+                 generator: torch.Generator | None = None, top_logprobs: int = 0
+                 ) -> GenerationOutput:
         """``params.n`` samples of each prompt (rows prompt-major). A ``params.seed`` seeds a
-        generator of its own unless ``generator`` is given."""
+        generator of its own unless ``generator`` is given. ``top_logprobs=k`` also returns the
+        k most likely tokens per step (``generation.generate``)."""
         rows = [list(p) for p in prompts for _ in range(params.n)]
         one_each = params.model_copy(update={"n": 1})  # (a seed makes generate's generator)
         out = generate(self.model, rows, one_each, generator=generator,
-                       stop_token_ids=self.stop_ids(params), pad_token_id=self.pad_token_id)
+                       stop_token_ids=self.stop_ids(params), pad_token_id=self.pad_token_id,
+                       top_logprobs=top_logprobs)
         self.generated_tokens += int(out.response_mask.sum())
         return out
 
-    def generate_samples(self, prompts: Sequence[Sequence[int]], params: SamplingParams
-                         ) -> list[dict]:
+    def generate_samples(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                         top_logprobs: int = 0) -> list[dict]:
         """Like :meth:`generate`, as one ``{"token_ids", "log_probs", "finish_reason"}`` dict per
-        row (``"stop"`` when the last token is a stop id, else ``"length"``)."""
-        out = self.generate(prompts, params)
+        row (``"stop"`` when the last token is a stop id, else ``"length"``); ``top_logprobs=k``
+        adds ``"top_logprobs"``: per token a list of k ``[token_id, log_prob]``, most likely
+        first."""
+        out = self.generate(prompts, params, top_logprobs=top_logprobs)
         stops = set(self.stop_ids(params))
         mask, toks = out.response_mask.cpu(), out.responses.cpu()
         logps = out.log_probs.float().cpu()
@@ -88,6 +94,12 @@ class RolloutEngine:
             ids = toks[b, :k].tolist()
             samples.append({"token_ids": ids, "log_probs": logps[b, :k].tolist(),
                             "finish_reason": "stop" if ids and ids[-1] in stops else "length"})
+        if out.top_token_ids is not None:
+            top_ids, top_logps = out.top_token_ids.cpu(), out.top_log_probs.float().cpu()
+            for b, sample in enumerate(samples):
+                k = len(sample["token_ids"])
+                sample["top_logprobs"] = [[list(pair) for pair in zip(i, v)] for i, v in
+                                          zip(top_ids[b, :k].tolist(), top_logps[b, :k].tolist())]
         return samples
 
     # ---- weights -----------------------------------------------------------------------------

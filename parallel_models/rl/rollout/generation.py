@@ -14,7 +14,9 @@ cut. ``PARALLEL_MODELS_CUDA_GRAPHS=0`` turns graphs off.
 
 Returned ``log_probs`` are ``log_softmax(logits / temperature)`` of the chosen tokens (top-k /
 top-p only restrict what can be drawn), which is what a fresh forward pass of the same tokens
-gives and what PPO's importance ratio needs.
+gives and what PPO's importance ratio needs. With ``top_logprobs=k`` (only then; the OpenAI-style
+``logprobs`` of the server) each step also returns the k most likely tokens of that same
+distribution and their log-probs (``top_token_ids`` / ``top_log_probs``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class GenerationOutput:
     responses: torch.Tensor        # [B, R] right-padded response ids (stop token included)
     response_mask: torch.Tensor    # [B, R]
     log_probs: torch.Tensor        # [B, R] float32, 0 where masked
+    top_token_ids: torch.Tensor | None = None   # [B, R, k] with top_logprobs=k, else None
+    top_log_probs: torch.Tensor | None = None   # [B, R, k] float32, their log-probs
 
     @property
     def sequences(self) -> torch.Tensor:
@@ -84,7 +88,8 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
     return logits
 
 
-def _next_tokens(logits: torch.Tensor, params: SamplingParams, generator=None):
+def _next_tokens(logits: torch.Tensor, params: SamplingParams, generator=None, top_logprobs=0):
+    """Draw the next tokens; -> (tokens, their log-probs, (top ids, top log-probs) or None)."""
     logits = logits.float()
     if params.greedy:
         tokens = logits.argmax(-1)
@@ -93,8 +98,13 @@ def _next_tokens(logits: torch.Tensor, params: SamplingParams, generator=None):
         scaled = logits / params.temperature
         filtered = _filter_logits(scaled, params.top_k, params.top_p)
         tokens = torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator).squeeze(-1)
-    log_probs = torch.log_softmax(scaled, -1).gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, log_probs
+    all_log_probs = torch.log_softmax(scaled, -1)
+    log_probs = all_log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+    top = None
+    if top_logprobs:
+        values, ids = torch.topk(all_log_probs, min(top_logprobs, all_log_probs.shape[-1]), -1)
+        top = (ids, values)
+    return tokens, log_probs, top
 
 
 def _broadcast_in_tp_group(*tensors):
@@ -165,14 +175,15 @@ class _DecodeStep:
 def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
              generator: torch.Generator | None = None, *,
              stop_token_ids: Sequence[int] | None = None,
-             pad_token_id: int = 0) -> GenerationOutput:
+             pad_token_id: int = 0, top_logprobs: int = 0) -> GenerationOutput:
     """Sample one continuation of each of ``prompts`` (token-id lists) with ``model`` (a
     parallel CausalLM); ``params.n`` must be 1 here (``RolloutEngine.generate`` repeats rows).
 
     Every rank of a TP group must pass the same prompts. ``generator`` (else a generator seeded
     with ``params.seed``, else the global one) drives sampling; TP rank 0's draws are used by the
     whole group. ``stop_token_ids`` (default ``params.stop_ids()``: EOS then the extra stop ids)
-    end a sample; ``pad_token_id`` fills the prompt and response padding.
+    end a sample; ``pad_token_id`` fills the prompt and response padding. ``top_logprobs=k > 0``
+    also returns, per generated token, the k most likely tokens and their log-probs.
     """
     params.validate()
     if params.n != 1:
@@ -200,7 +211,9 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
     if generator is None and params.seed is not None and not params.greedy:
         generator = torch.Generator(device=device).manual_seed(int(params.seed))
 
-    tokens_out, logp_out, alive_out = [], [], []
+    if top_logprobs < 0:
+        raise ValueError(f"top_logprobs must be >= 0, got {top_logprobs}")
+    tokens_out, logp_out, alive_out, top_out = [], [], [], []
     alive = torch.ones(batch, dtype=torch.bool, device=device)
     # on CUDA "any sequence still running?" is copied without blocking and read a step later
     lagged = device.type == "cuda"
@@ -213,8 +226,10 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
         logits = _last_token_logits(model, hidden, (cu[1:] - 1).long())
         decode_step = _DecodeStep(model, cache, batch, device)
         for step in range(params.max_new_tokens):
-            tokens, logp = _next_tokens(logits, params, generator)
+            tokens, logp, top = _next_tokens(logits, params, generator, top_logprobs)
             tokens, logp = _broadcast_in_tp_group(tokens, logp)
+            if top is not None:
+                top_out.append(_broadcast_in_tp_group(*top))
             tokens = torch.where(alive, tokens, torch.full_like(tokens, pad_token_id))
             tokens_out.append(tokens)
             logp_out.append(torch.where(alive, logp, torch.zeros_like(logp)))
@@ -239,6 +254,8 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
     # a step made after every sequence had stopped (the flag is read one step late) is cut
     while len(alive_out) > 1 and not bool(alive_out[-1].any()):
         tokens_out.pop(), logp_out.pop(), alive_out.pop()
+        if top_out:
+            top_out.pop()
 
     p_max = int(lengths.max())
     prompt_ids = torch.full((batch, p_max), pad_token_id, dtype=torch.long, device=device)
@@ -246,10 +263,15 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
     for b, p in enumerate(prompts):
         prompt_ids[b, p_max - len(p):] = torch.as_tensor(list(p), device=device)
         prompt_mask[b, p_max - len(p):] = 1
+    top_ids = top_logps = None
+    if top_out:
+        top_ids = torch.stack([ids for ids, _ in top_out], 1)
+        top_logps = torch.stack([vals for _, vals in top_out], 1)
     return GenerationOutput(prompts=prompt_ids, prompt_mask=prompt_mask,
                             responses=torch.stack(tokens_out, 1),
                             response_mask=torch.stack(alive_out, 1).long(),
-                            log_probs=torch.stack(logp_out, 1))
+                            log_probs=torch.stack(logp_out, 1),
+                            top_token_ids=top_ids, top_log_probs=top_logps)
 
 
 __all__ = ["GenerationOutput", "SamplingParams", "generate", "sequence_parallel_off"]

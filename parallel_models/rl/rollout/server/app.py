@@ -20,8 +20,12 @@ Endpoints (JSON; with ``--api-key`` every endpoint but ``/health`` needs
   (read error, out of memory, mismatch), the old weights stay bit-identical, the version does
   not move and the answer is 400 with the cause.
 - ``POST /shutdown`` -> graceful exit (in-flight requests finish); SIGTERM/SIGINT do the same.
+- The OpenAI-compatible API: ``GET /v1/models``, ``POST /v1/completions``,
+  ``POST /v1/chat/completions`` (``openai_api``), batched with the requests above; its errors
+  (everything under ``/v1/``, the 401 / 404 / 413 ones included) have the OpenAI body
+  ``{"error": {"message", "type", "param", "code"}}`` and 400 where the native API says 422.
 
-Errors are ``{"error": message}`` with: 400 malformed JSON / bad path / text prompt without a
+Errors of the native endpoints are ``{"error": message}`` with: 400 malformed JSON / bad path / text prompt without a
 tokenizer, 401 missing or wrong API key, 404/405 unknown route/method, 413 body too large, 422
 wrong types or out-of-range values (prompt too long, n / max_new_tokens / batch rows over the
 limits, token ids outside the vocab), 503 shutting down, 504 request timeout, 500 internal.
@@ -49,6 +53,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from parallel_models.rl.rollout.sampling import SamplingParams
 from parallel_models.rl.rollout.server.engine import Engine, GenCall
+from parallel_models.rl.rollout.server.openai_protocol import OpenAIError, error_body
 
 log = logging.getLogger(__name__)
 
@@ -180,21 +185,37 @@ class Batcher:
         where: list[list[tuple[int, int, int]]] = []  # per job: (call, start, count) pieces
         by_key: dict = {}
         for job in batch:
-            rows, params = job.payload  # params: one sample per row (n=1)
+            rows, params, top_k = job.payload  # params: one sample per row (n=1)
             if params.seed is None:
-                key = params.sampling_key()
+                key = (params.sampling_key(), top_k)
                 if key not in by_key:
                     by_key[key] = len(calls)
-                    calls.append(GenCall([], params))
+                    calls.append(GenCall([], params, top_k))
                 ci = by_key[key]
             else:
                 ci = len(calls)
-                calls.append(GenCall([], params))
+                calls.append(GenCall([], params, top_k))
             where.append((ci, len(calls[ci].rows), len(rows)))
             calls[ci].rows.extend(rows)
         outs = self.engine.run_generate(calls)
         version = self.engine.version  # same thread as updates: the weights these rows used
         return [(outs[ci][start:start + count], version) for ci, start, count in where]
+
+
+def _is_openai(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
+
+
+def _error_response(path: str, status: int, message: str, param: str | None = None,
+                    code: str | None = None, headers: dict | None = None):
+    """The error answer in the shape of the API ``path`` belongs to (OpenAI's under /v1/, where
+    a validation error is a 400, not a 422)."""
+    from starlette.responses import JSONResponse
+
+    if _is_openai(path):
+        status = 400 if status == 422 else status
+        return JSONResponse(error_body(status, message, param, code), status, headers=headers)
+    return JSONResponse({"error": message}, status, headers=headers)
 
 
 def _auth_ok(header: str | None, api_key: str | None) -> bool:
@@ -215,17 +236,16 @@ class _BodyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        from starlette.responses import JSONResponse
-
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
-        too_big = JSONResponse({"error": f"request body over {self.max_bytes} bytes"}, 413)
+        path = scope.get("path", "")
+        too_big = _error_response(path, 413, f"request body over {self.max_bytes} bytes")
         if length is not None:
             try:
                 if int(length) > self.max_bytes:
                     return await too_big(scope, receive, send)
             except ValueError:
-                bad = JSONResponse({"error": "bad Content-Length"}, 400)
+                bad = _error_response(path, 400, "bad Content-Length")
                 return await bad(scope, receive, send)
         if length is not None:
             return await self.app(scope, receive, send)
@@ -259,6 +279,8 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
     from contextlib import asynccontextmanager
 
     from fastapi.exceptions import RequestValidationError
+
+    from parallel_models.rl.rollout.server.openai_api import OpenAIServing, openai_router
     from starlette.exceptions import HTTPException as StarletteHTTPException
     from starlette.responses import JSONResponse
 
@@ -283,32 +305,41 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
-        return JSONResponse({"error": exc.message}, exc.status)
+        return _error_response(request.url.path, exc.status, exc.message)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request, exc: OpenAIError):
+        return _error_response(request.url.path, exc.status, exc.message, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc: RequestValidationError):
         errs = exc.errors()
         if any(e.get("type") == "json_invalid" for e in errs):
-            return JSONResponse({"error": "malformed JSON body"}, 400)
+            return _error_response(request.url.path, 400, "malformed JSON body")
         msgs = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: "
                 f"{e.get('msg')}" for e in errs[:10]]
-        return JSONResponse({"error": "invalid request: " + "; ".join(msgs)}, 422)
+        return _error_response(request.url.path, 422, "invalid request: " + "; ".join(msgs))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc):
-        return JSONResponse({"error": str(exc.detail)}, exc.status_code)
+        message = str(exc.detail)
+        if _is_openai(request.url.path):
+            message = f"{message}: {request.method} {request.url.path}"
+        return _error_response(request.url.path, exc.status_code, message)
 
     @app.exception_handler(Exception)
     async def _internal(request, exc):
         log.exception("internal error")
-        return JSONResponse({"error": f"internal error: {type(exc).__name__}: {exc}"}, 500)
+        return _error_response(request.url.path, 500,
+                               f"internal error: {type(exc).__name__}: {exc}")
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if request.url.path != "/health" and not _auth_ok(request.headers.get("authorization"),
-                                                          api_key):
-            return JSONResponse({"error": "missing or wrong API key (Authorization: Bearer KEY)"},
-                                401, headers={"WWW-Authenticate": "Bearer"})
+        path = request.url.path
+        if path != "/health" and not _auth_ok(request.headers.get("authorization"), api_key):
+            return _error_response(path, 401, "missing or wrong API key (Authorization: Bearer "
+                                   "KEY)", code="invalid_api_key",
+                                   headers={"WWW-Authenticate": "Bearer"})
         return await call_next(request)
 
     async def _wait(fut):
@@ -403,7 +434,7 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
         # the app repeats the rows n times itself, so requests with different n share a call
         params = req.sampling().model_copy(update={"n": 1})
         rows = [ids for ids in encoded for _ in range(req.n)]
-        samples, version = await _wait(batcher.submit("generate", (rows, params), len(rows)))
+        samples, version = await _wait(batcher.submit("generate", (rows, params, 0), len(rows)))
         results = []
         for i, ids in enumerate(encoded):
             group = samples[i * req.n:(i + 1) * req.n]
@@ -428,6 +459,15 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
         except Exception as exc:  # noqa: BLE001
             raise ApiError(400, f"could not load weights from {req.path!r}: "
                                 f"{type(exc).__name__}: {exc}") from None
+
+    async def _openai_generate(rows, params, top_logprobs):
+        state["requests"] += 1
+        return await _wait(batcher.submit("generate", (rows, params, top_logprobs), len(rows)))
+
+    name = (model_info or {}).get("model") or engine.model_path or "model"
+    app.include_router(openai_router(OpenAIServing(
+        tokenizer=tokenizer, limits=limits, vocab_size=vocab_size, max_positions=max_pos,
+        model_name=str(name), generate=_openai_generate)))
 
     @app.post("/shutdown")
     async def shutdown():

@@ -27,10 +27,12 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass
 class GenCall:
     """One generate call: token-id rows (one sample each) sharing sampling params; a seeded
-    call's params carry its seed."""
+    call's params carry its seed. ``top_logprobs=k`` asks for the k most likely tokens per
+    step (the OpenAI API's ``logprobs``)."""
 
     rows: list[list[int]]
     params: SamplingParams
+    top_logprobs: int = 0
 
 
 class Engine:
@@ -78,7 +80,8 @@ class Engine:
     # ---- every rank --------------------------------------------------------------------------
     def _do_generate(self, calls: list[GenCall]) -> list[list[dict]]:
         self.model.eval()
-        outs = [self.rollout.generate_samples(call.rows, call.params) for call in calls]
+        outs = [self.rollout.generate_samples(call.rows, call.params, call.top_logprobs)
+                for call in calls]
         self.batches += 1
         return outs
 

@@ -338,3 +338,39 @@ def test_error_body_shape(served, method, path, body, status):
     native = httpx.post(served["base"] + "/generate", content=b'{"prompts": [', timeout=30,
                         headers={"Authorization": f"Bearer {KEY}"})
     assert native.status_code == 400 and isinstance(native.json()["error"], str)
+
+
+def _byte_level_bpe():
+    """A small byte-level BPE (GPT-2 / Qwen style) trained here: multi-byte characters are
+    split over tokens, so single tokens decode to incomplete characters."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["naïve café ☕ 日本語のテキスト 🙂🙃 stop here. STOP!"] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>")
+
+
+def test_token_pieces_and_stop_cut_byte_level():
+    from parallel_models.rl.rollout.server.openai_text import finish_text, token_pieces
+
+    tok = _byte_level_bpe()
+    text = "naïve café ☕ 日本語 🙂🙃 stop here"
+    ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert any("\ufffd" in tok.decode([i]) for i in ids)  # the case the pieces must handle
+    pieces = token_pieces(tok, ids)
+    assert len(pieces) == len(ids) and "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces) and pieces[-1] == ""  # EOS adds no text
+    fin = finish_text(tok, ids, "stop", ["zzz", "🙃 s", "here"])
+    assert fin.text == "naïve café ☕ 日本語 🙂" and fin.finish_reason == "stop"
+    assert "".join(fin.pieces) == fin.text and len(fin.pieces) == fin.n_tokens
+    # the kept tokens are exactly those needed to complete the stop string
+    assert "🙃 s" in tok.decode(ids[:fin.n_tokens])
+    assert "🙃 s" not in tok.decode(ids[:fin.n_tokens - 1])
+    untouched = finish_text(tok, ids, "length", ["not in it"])
+    assert untouched.text == text and untouched.n_tokens == len(ids)
+    assert untouched.finish_reason == "length"

@@ -153,17 +153,18 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
     for mapping, layer in jobs:
         rule = mapping.rule
         names = mapping.hf_names(layer)
-        key = mapping.mcore_key(layer_spec)
+        # the leading axis: the layer (dense models) or the expert (MoE models, saved per layer)
+        key, lead_index, lead_size = mapping.mcore_location(config, layer, layer_spec)
         mshape = rule.mcore_shape(config)
         fresh = value_init and mapping.optional  # the value head, initialized here
         dt = out_dtype or ckpt.dtype("model.embed_tokens.weight" if fresh else names[0])
-        lead = (layer,) if layer is not None else ()
-        gshape = ((L,) if layer is not None else ()) + tuple(mshape)
+        lead = (lead_index,) if lead_index is not None else ()
+        gshape = ((lead_size,) if lead_index is not None else ()) + tuple(mshape)
         zeros = (0,) * len(mshape)
-        sizes = ((1,) if layer is not None else ())
+        sizes = ((1,) if lead_index is not None else ())
 
-        def shaped(t, layer=layer):
-            return t.unsqueeze(0) if layer is not None else t
+        def shaped(t, stacked=lead_index is not None):
+            return t.unsqueeze(0) if stacked else t
 
         if fresh:
             items.append(ChunkItem(key, lead + zeros, sizes + tuple(mshape), gshape, dt,
@@ -203,7 +204,7 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
     written_dtype = out_dtype or ckpt.dtype("model.embed_tokens.weight")
     try:
         with AtomicOutputDir(output, overwrite) as tmp:
-            io_stats = write_dist_checkpoint(tmp, items, extra_state_items(L), threads=threads,
+            io_stats = write_dist_checkpoint(tmp, items, extra_state_items(L, config), threads=threads,
                                              on_item=on_item)
             write_megatron_files(tmp)
             write_hf_config(tmp, config.hf_config, architecture=weight_map.architecture(head_kind),

@@ -34,8 +34,9 @@ from parallel_models.llama.checkpoint_utils.weight_map import WeightMap, WeightM
 class _Source:
     mapping: WeightMapping
     key: str
-    layer: int | None
+    layer: int | None  # the index along the leading axis (a layer, or an MoE layer's expert)
     component: int
+    lead_size: int = 0  # the size of that axis
 
 
 class McoreCheckpoint:
@@ -71,15 +72,19 @@ class McoreCheckpoint:
                              and config.vocab_size != 1 else "causal_lm")
         self.head_kind = head_kind
         te = "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
-        self.layer_spec = "local" if (te not in self.tensors
-                                      and LOCAL_SPEC_NAMES[te] in self.tensors) else "te"
+        local = LOCAL_SPEC_NAMES[te]
+        if config.is_moe:  # saved per layer: look at layer 0
+            te, local = (k.replace("decoder.layers.", "decoder.layers.0.", 1) for k in (te, local))
+        self.layer_spec = "local" if (te not in self.tensors and local in self.tensors) else "te"
         self.sources: dict[str, _Source] = {}
         self.weight_map = weight_map
         for mapping in weight_map.mappings(config, head_kind):
-            key = mapping.mcore_key(self.layer_spec)
             for layer in (range(config.num_layers) if mapping.per_layer else [None]):
+                if not mapping.applies_to(config, layer):
+                    continue
+                key, lead, lead_size = mapping.mcore_location(config, layer, self.layer_spec)
                 for comp, hf in enumerate(mapping.hf_names(layer)):
-                    self.sources[hf] = _Source(mapping, key, layer, comp)
+                    self.sources[hf] = _Source(mapping, key, lead, comp, lead_size)
         self._files: dict[str, Any] = {}
         self._cache: dict[tuple, torch.Tensor] = {}
         self._cache_scope: tuple | None = None
@@ -124,7 +129,6 @@ class McoreCheckpoint:
         """Raise a CheckpointError naming what is missing or inconsistent, before any reading:
         keys, global shapes against the config, the chunk files and their sizes."""
         names = list(self.sources) if names is None else list(names)
-        L = self.config.num_layers
         missing, bad = [], []
         keys: dict[str, _Source] = {}
         for name in names:
@@ -140,9 +144,9 @@ class McoreCheckpoint:
         for key, src in keys.items():
             md = self.tensors[key]
             inner = src.mapping.rule.mcore_shape(self.config)
-            want = (L, *inner) if src.layer is not None else inner
+            want = (src.lead_size, *inner) if src.layer is not None else inner
             got = tuple(md.size)
-            lead_ok = src.layer is None or got[:1] == (L,)
+            lead_ok = src.layer is None or got[:1] == (src.lead_size,)
             if not (lead_ok and src.mapping.rule.mcore_shape_ok(got[len(want) - len(inner):],
                                                                  inner)):
                 bad.append(f"{key}: shape {got}, the config gives {want}")

@@ -21,7 +21,7 @@ from parallel_models.llama.checkpoint_utils.collective_save import (all_ok, chec
 from parallel_models.llama.checkpoint_utils.errors import CheckpointError
 from parallel_models.llama.checkpoint_utils.hf_format import copy_extra_files, write_hf_config
 from parallel_models.llama.checkpoint_utils.megatron_format import (MCORE_CONFIG_FILE,
-                                                                   MCORE_EXTRA_STATE_KEYS,
+                                                                   extra_state_objects,
                                                                    mcore_config_dict)
 from parallel_models.llama.checkpoint_utils.output_dir import check_output_dir, temp_dir_for
 from parallel_models.llama.checkpoint_utils.weight_map import WeightMap
@@ -62,25 +62,31 @@ def model_sharded_state_dict(model, weight_map: WeightMap, layer_spec: str = "te
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     config = chunks[0].config
     head_kind = chunks[0].head_kind
-    L = config.num_layers
     tp = mpu.get_tensor_model_parallel_world_size()
     tp_rank = mpu.get_tensor_model_parallel_rank()
     dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
+    ep = mpu.get_expert_model_parallel_world_size()
+    ep_rank = mpu.get_expert_model_parallel_rank()
     out: dict = {}
 
     def add(mapping, tensor, layer):
-        key = mapping.mcore_key(layer_spec)
-        for k, piece in enumerate(mapping.rule.mcore_pieces(tensor, config, tp, tp_rank)):
+        key, lead, lead_size = mapping.mcore_location(config, layer, layer_spec)
+        n, rank, dp = tp, tp_rank, dp_rank
+        if mapping.expert is not None:  # routed experts: expert TP, replicas over expert DP
+            n = mpu.get_expert_tensor_parallel_world_size()
+            rank = mpu.get_expert_tensor_parallel_rank()
+            dp = mpu.get_expert_data_parallel_rank()
+        for k, piece in enumerate(mapping.rule.mcore_pieces(tensor, config, n, rank)):
             offsets = []
-            if layer is not None:
-                offsets.append((0, layer, L))
+            if lead is not None:
+                offsets.append((0, lead, lead_size))
             if piece.axis is not None:
-                offsets.append((piece.axis + (1 if layer is not None else 0), piece.index,
+                offsets.append((piece.axis + (1 if lead is not None else 0), piece.index,
                                 piece.count))
             # dict keys must be unique on this rank: VPP chunks reuse local layer names
-            out[f"{key}#{layer}#{k}"] = ShardedTensor.from_rank_offsets(
-                key, piece.tensor, *offsets, replica_id=(0, piece.replica, dp_rank),
-                prepend_axis_num=1 if layer is not None else 0)
+            out[f"{key}#{layer}#{lead}#{k}"] = ShardedTensor.from_rank_offsets(
+                key, piece.tensor, *offsets, replica_id=(0, piece.replica, dp),
+                prepend_axis_num=1 if lead is not None else 0)
 
     for chunk in chunks:
         params = dict(chunk.named_parameters())
@@ -89,14 +95,28 @@ def model_sharded_state_dict(model, weight_map: WeightMap, layer_spec: str = "te
             if mapping.tied_copy:
                 continue  # a tied last stage's copy of the embedding: saved by the first stage
             if mapping.per_layer:
+                local_expert = None
+                if mapping.expert is not None:
+                    local_expert = mapping.local_expert(config, ep, ep_rank)
+                    if local_expert is None:
+                        continue  # another EP rank's expert
                 for li, layer in enumerate(chunk.model.layers):
-                    add(mapping, params[mapping.ours.format(i=li)].detach(), layer.layer_id)
+                    if mapping.applies_to(config, layer.layer_id):
+                        add(mapping, params[mapping.ours_name(li, local_expert)].detach(),
+                            layer.layer_id)
             else:
                 add(mapping, params[mapping.ours].detach(), None)
+        per = config.num_experts // ep if config.is_moe else 0
         for li, layer in enumerate(chunk.model.layers):
-            for key in MCORE_EXTRA_STATE_KEYS:
-                out[f"{key}#{layer.layer_id}"] = ShardedObject(
-                    key, None, (L,), (layer.layer_id,), replica_id=(0, tp_rank, dp_rank))
+            for key, index, count in extra_state_objects(config, layer.layer_id):
+                expert = ".experts.experts." in key
+                if expert and not ep_rank * per <= index < (ep_rank + 1) * per:
+                    continue
+                replica = ((0, mpu.get_expert_tensor_parallel_rank(),
+                            mpu.get_expert_data_parallel_rank()) if expert
+                           else (0, tp_rank, dp_rank))
+                out[f"{key}#{index}"] = ShardedObject(key, None, (count,), (index,),
+                                                      replica_id=replica)
     return out
 
 

@@ -96,12 +96,36 @@ def read_mcore_json(folder: str) -> dict | None:
         raise CheckpointError(f"{path}: not valid JSON ({err})") from err
 
 
-def extra_state_items(num_layers: int) -> list[tuple[str, bytes]]:
-    """The ``_extra_state`` objects megatron-core saves for each linear of each layer. Local-spec
-    linears have none (``None``); transformer-engine's accept ``None`` (no FP8 state) on load."""
+def extra_state_objects(config: ModelConfig, layer: int) -> list[tuple[str, int, int]]:
+    """The ``_extra_state`` objects of global layer ``layer`` as (key, index, count): one per
+    linear, stacked over the layers for a dense model; for an MoE model (saved per layer) one per
+    linear of the layer, the routed experts' stacked over the experts."""
+    if not config.is_moe:
+        return [(key, layer, config.num_layers) for key in MCORE_EXTRA_STATE_KEYS]
+    prefix = f"{MCORE_LAYER_PREFIX}{layer}."
+    out = [(prefix + f"self_attention.{m}._extra_state", 0, 1)
+           for m in ("linear_qkv", "linear_proj")]
+    if not config.is_moe_layer(layer):
+        return out + [(prefix + f"mlp.{m}._extra_state", 0, 1) for m in ("linear_fc1", "linear_fc2")]
+    out += [(prefix + f"mlp.experts.experts.{m}._extra_state", e, config.num_experts)
+            for m in ("linear_fc1", "linear_fc2") for e in range(config.num_experts)]
+    if config.shared_expert_intermediate_size:
+        out += [(prefix + f"mlp.shared_experts.{m}._extra_state", 0, 1)
+                for m in ("linear_fc1", "linear_fc2")]
+    return out
+
+
+def extra_state_items(num_layers: int, config: ModelConfig | None = None
+                      ) -> list[tuple[str, bytes]]:
+    """The ``_extra_state`` objects megatron-core saves for each linear of each layer (an MoE
+    ``config``: its per-layer layout, :func:`extra_state_objects`). Local-spec linears have none
+    (``None``); transformer-engine's accept ``None`` (no FP8 state) on load."""
     buf = io.BytesIO()
     torch.save([None], buf)  # what megatron-core writes for a ShardedObject holding None
     raw = buf.getvalue()
+    if config is not None and config.is_moe:
+        return [(f"{key}/shard_{i}_{n}", raw) for layer in range(config.num_layers)
+                for key, i, n in extra_state_objects(config, layer)]
     return [(f"{key}/shard_{i}_{num_layers}", raw) for key in MCORE_EXTRA_STATE_KEYS
             for i in range(num_layers)]
 
@@ -202,6 +226,23 @@ def _rope_args(config: ModelConfig) -> tuple[dict, dict, list[str]]:
     return args, yarn, notes
 
 
+def _moe_args(config: ModelConfig) -> dict:
+    """The TransformerConfig MoE settings of an MoE model (``moe_layer_freq`` as a list: which
+    layers are MoE; megatron-core then saves the layers one by one, as we do)."""
+    if not config.is_moe:
+        return {}
+    return {"num_moe_experts": config.num_experts, "moe_router_topk": config.moe_top_k,
+            "moe_ffn_hidden_size": config.moe_intermediate_size,
+            "moe_layer_freq": [1 if config.is_moe_layer(i) else 0
+                               for i in range(config.num_layers)],
+            "moe_router_pre_softmax": not config.norm_topk_prob,
+            "moe_router_score_function": "softmax", "moe_router_dtype": "fp32",
+            "moe_router_load_balancing_type": "none", "moe_aux_loss_coeff": 0.0,
+            "moe_token_dispatcher_type": "alltoall",
+            "moe_shared_expert_intermediate_size": config.shared_expert_intermediate_size or None,
+            "moe_shared_expert_gate": bool(config.shared_expert_gate)}
+
+
 def mcore_config_dict(config: ModelConfig, *, head_kind: str, dtype: torch.dtype,
                       layer_spec: str) -> dict:
     """The JSON written next to a dist checkpoint: megatron-core ``TransformerConfig`` and
@@ -230,6 +271,7 @@ def mcore_config_dict(config: ModelConfig, *, head_kind: str, dtype: torch.dtype
         "bf16": dtype == torch.bfloat16,
         "fp16": dtype == torch.float16,
         **yarn,
+        **_moe_args(config),
     }
     gpt = {
         "vocab_size": config.vocab_size,
@@ -257,6 +299,8 @@ def mcore_config_dict(config: ModelConfig, *, head_kind: str, dtype: torch.dtype
 
 # settings of mcore_config.json that must agree with the HF config a checkpoint is read with
 _CHECKED = {"transformer_config": ("num_layers", "hidden_size", "ffn_hidden_size",
+                                   "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                                   "moe_layer_freq", "moe_shared_expert_intermediate_size",
                                    "num_attention_heads", "num_query_groups", "kv_channels",
                                    "qk_layernorm", "add_qkv_bias", "add_bias_linear",
                                    *YARN_ATTRIBUTES),
@@ -326,7 +370,17 @@ def build_gpt_model(mcore_json: dict | str, *, layer_spec="local",
     for key, value in yarn.items():  # read by GPTModel with getattr (position_embedding_type yarn)
         setattr(config, key, value)
     qk_layernorm = bool(tc.get("qk_layernorm", False))
-    if layer_spec == "local":
+    if tc.get("num_moe_experts") and layer_spec in ("local", "te"):
+        # MoE: a block spec (dense and MoE layers as moe_layer_freq says)
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        from parallel_models import megatron_fixes
+
+        megatron_fixes.apply()
+
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=layer_spec == "te",
+                                          normalization="RMSNorm")  # qk_layernorm: from config
+    elif layer_spec == "local":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)

@@ -11,9 +11,11 @@ HF names (as ``save_pretrained`` of transformers 5 writes them, one tensor per e
   Qwen2-MoE also ``mlp.shared_expert.{gate,up,down}_proj.weight`` and ``mlp.shared_expert_gate``;
 - Mixtral: ``block_sparse_moe.gate.weight``, ``block_sparse_moe.experts.{e}.w1`` (gate),
   ``w3`` (up), ``w2`` (down).
-megatron-core keys are those of its MoE layer (local spec): ``mlp.router.weight``,
-``mlp.experts.local_experts.{e}.linear_fc1.weight`` ([gate; up]) / ``linear_fc2.weight``,
-``mlp.shared_experts.linear_fc1`` / ``linear_fc2`` / ``gate_weight``.
+megatron-core keys are those its MoE layer's ``sharded_state_dict`` writes (local spec,
+``SequentialMLP``): ``mlp.router.weight``, ``mlp.experts.experts.linear_fc1.weight`` ([gate; up])
+/ ``linear_fc2.weight`` with a leading expert axis (our ``local_experts.{e}`` is one slice of it),
+``mlp.shared_experts.linear_fc1`` / ``linear_fc2`` / ``gate_weight``; per layer
+(``WeightMapping.mcore_location``).
 """
 
 from __future__ import annotations
@@ -42,10 +44,10 @@ def add_moe_mappings(config: ModelConfig, style: str, layer: Callable) -> None:
         hf = f"{block}.experts.{e}."
         ours = "mlp.experts.local_experts.{e}."
         layer(ours + "linear_fc1.weight", (hf + f"{gate}.weight", hf + f"{up}.weight"),
-              f"mlp.experts.local_experts.{e}.linear_fc1.weight", FusedGateUp(ffn="moe_ffn"),
+              "mlp.experts.experts.linear_fc1.weight", FusedGateUp(ffn="moe_ffn"),
               layers="moe", expert=e)
         layer(ours + "linear_fc2.weight", (hf + f"{down}.weight",),
-              f"mlp.experts.local_experts.{e}.linear_fc2.weight", RowSplit("hidden", "moe_ffn"),
+              "mlp.experts.experts.linear_fc2.weight", RowSplit("hidden", "moe_ffn"),
               layers="moe", expert=e)
     if config.shared_expert_intermediate_size:
         hf = f"{block}.shared_expert."

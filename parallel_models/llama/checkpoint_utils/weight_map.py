@@ -67,6 +67,23 @@ class WeightMapping:
             return self.ours.format(i=local_layer)
         return self.ours.format(i=local_layer, e=local_expert)
 
+    def mcore_location(self, config: ModelConfig, layer: int | None, layer_spec: str = "te"
+                       ) -> tuple[str, int | None, int]:
+        """(key, leading index, leading size) of this mapping's megatron-core tensor in global
+        layer ``layer``. Dense models stack the layers under one key (a leading layer axis); MoE
+        models are saved per layer (``decoder.layers.{i}.``: megatron-core's non-homogeneous
+        layout, which its GPTModel uses when ``moe_layer_freq`` is a list, as we write it) with a
+        leading expert axis for the routed experts. Leading index None: no leading axis."""
+        key = self.mcore_key(layer_spec)
+        if layer is None:
+            return key, None, 0
+        if not config.is_moe:
+            return key, layer, config.num_layers
+        key = key.replace(MCORE_LAYER_PREFIX, f"{MCORE_LAYER_PREFIX}{layer}.", 1)
+        if self.expert is not None:
+            return key, self.expert, config.num_experts
+        return key, None, 0
+
     def local_expert(self, config: ModelConfig, ep: int, ep_rank: int) -> int | None:
         """This mapping's expert index on EP rank ``ep_rank`` (None: another rank's expert)."""
         per = config.num_experts // ep

@@ -23,17 +23,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import TopKRouter
 
+from parallel_models import megatron_fixes
 from parallel_models.config import ConfigError, ModelConfig
 
-# megatron-core 0.16 without transformer-engine never defines `te_general_gemm`, which its router
-# gating reads (NameError); None selects its plain-torch path.
-if not hasattr(moe_utils, "te_general_gemm"):
-    moe_utils.te_general_gemm = None
+megatron_fixes.apply()  # te_general_gemm undefined without transformer-engine
 
 
 def moe_megatron_settings(config: ModelConfig) -> dict:

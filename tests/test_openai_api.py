@@ -374,3 +374,19 @@ def test_token_pieces_and_stop_cut_byte_level():
     untouched = finish_text(tok, ids, "length", ["not in it"])
     assert untouched.text == text and untouched.n_tokens == len(ids)
     assert untouched.finish_reason == "length"
+
+
+def test_stream_holds_back_possible_stop_strings():
+    from parallel_models.rl.rollout.server.openai_stream import ChoiceText
+    from parallel_models.rl.tokenizer import build_builtin_tokenizer
+
+    tok = build_builtin_tokenizer()
+    choice = ChoiceText(tok, ["cd!", "xy"])
+    sent = []
+    for ch in "abcdeacd!zz":
+        sent.append(choice.add(tok.convert_tokens_to_ids(ch))[0])
+        if choice.done:
+            break
+    # 'c', 'cd' may start "cd!": held until 'e' shows they do not; "acd!" ends the choice
+    assert sent == ["a", "b", "", "", "cde", "a", "", "", ""] and choice.done
+    assert "".join(sent) == "abcdea"

@@ -65,26 +65,27 @@ class RolloutEngine:
         return params.stop_ids(self.eos_token_id)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                 generator: torch.Generator | None = None, top_logprobs: int = 0
-                 ) -> GenerationOutput:
+                 generator: torch.Generator | None = None, top_logprobs: int = 0,
+                 on_step=None) -> GenerationOutput:
         """``params.n`` samples of each prompt (rows prompt-major). A ``params.seed`` seeds a
         generator of its own unless ``generator`` is given. ``top_logprobs=k`` also returns the
-        k most likely tokens per step (``generation.generate``)."""
+        k most likely tokens per step; ``on_step`` sees each step's tokens as they are drawn
+        (``generation.generate``)."""
         rows = [list(p) for p in prompts for _ in range(params.n)]
         one_each = params.model_copy(update={"n": 1})  # (a seed makes generate's generator)
         out = generate(self.model, rows, one_each, generator=generator,
                        stop_token_ids=self.stop_ids(params), pad_token_id=self.pad_token_id,
-                       top_logprobs=top_logprobs)
+                       top_logprobs=top_logprobs, on_step=on_step)
         self.generated_tokens += int(out.response_mask.sum())
         return out
 
     def generate_samples(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                         top_logprobs: int = 0) -> list[dict]:
+                         top_logprobs: int = 0, on_step=None) -> list[dict]:
         """Like :meth:`generate`, as one ``{"token_ids", "log_probs", "finish_reason"}`` dict per
         row (``"stop"`` when the last token is a stop id, else ``"length"``); ``top_logprobs=k``
         adds ``"top_logprobs"``: per token a list of k ``[token_id, log_prob]``, most likely
         first."""
-        out = self.generate(prompts, params, top_logprobs=top_logprobs)
+        out = self.generate(prompts, params, top_logprobs=top_logprobs, on_step=on_step)
         stops = set(self.stop_ids(params))
         mask, toks = out.response_mask.cpu(), out.responses.cpu()
         logps = out.log_probs.float().cpu()

@@ -16,7 +16,9 @@ Returned ``log_probs`` are ``log_softmax(logits / temperature)`` of the chosen t
 top-p only restrict what can be drawn), which is what a fresh forward pass of the same tokens
 gives and what PPO's importance ratio needs. With ``top_logprobs=k`` (only then; the OpenAI-style
 ``logprobs`` of the server) each step also returns the k most likely tokens of that same
-distribution and their log-probs (``top_token_ids`` / ``top_log_probs``).
+distribution and their log-probs (``top_token_ids`` / ``top_log_probs``). ``on_step`` (the
+server's streaming) is called with each step's tokens as they are drawn; it reads them on the
+host, so on CUDA a step with it waits for its tokens.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import contextlib
 import dataclasses
 import os
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -175,7 +177,8 @@ class _DecodeStep:
 def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
              generator: torch.Generator | None = None, *,
              stop_token_ids: Sequence[int] | None = None,
-             pad_token_id: int = 0, top_logprobs: int = 0) -> GenerationOutput:
+             pad_token_id: int = 0, top_logprobs: int = 0,
+             on_step: Callable | None = None) -> GenerationOutput:
     """Sample one continuation of each of ``prompts`` (token-id lists) with ``model`` (a
     parallel CausalLM); ``params.n`` must be 1 here (``RolloutEngine.generate`` repeats rows).
 
@@ -184,6 +187,9 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
     whole group. ``stop_token_ids`` (default ``params.stop_ids()``: EOS then the extra stop ids)
     end a sample; ``pad_token_id`` fills the prompt and response padding. ``top_logprobs=k > 0``
     also returns, per generated token, the k most likely tokens and their log-probs.
+    ``on_step(tokens, log_probs, produced, top)`` is called after each step (``[B]`` tensors;
+    ``produced``: the rows that made a token this step; ``top``: (ids, log-probs) ``[B, k]`` or
+    None); pass it on one rank only.
     """
     params.validate()
     if params.n != 1:
@@ -234,6 +240,8 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
             tokens_out.append(tokens)
             logp_out.append(torch.where(alive, logp, torch.zeros_like(logp)))
             alive_out.append(alive.clone())
+            if on_step is not None:
+                on_step(tokens, logp, alive_out[-1], top)
             alive = alive & ~torch.isin(tokens, stop)
             if step == params.max_new_tokens - 1:
                 break

@@ -184,8 +184,9 @@ class Batcher:
         calls: list[GenCall] = []
         where: list[list[tuple[int, int, int]]] = []  # per job: (call, start, count) pieces
         by_key: dict = {}
+        sinks: dict[int, list] = {}  # call -> [(start, count, sink)] of streamed jobs
         for job in batch:
-            rows, params, top_k = job.payload  # params: one sample per row (n=1)
+            rows, params, top_k, sink = job.payload  # params: one sample per row (n=1)
             if params.seed is None:
                 key = (params.sampling_key(), top_k)
                 if key not in by_key:
@@ -196,10 +197,30 @@ class Batcher:
                 ci = len(calls)
                 calls.append(GenCall([], params, top_k))
             where.append((ci, len(calls[ci].rows), len(rows)))
+            if sink is not None:
+                sinks.setdefault(ci, []).append((len(calls[ci].rows), len(rows), sink))
             calls[ci].rows.extend(rows)
-        outs = self.engine.run_generate(calls)
+        hooks = [_stream_hook(sinks[ci]) if ci in sinks else None for ci in range(len(calls))]
+        outs = self.engine.run_generate(calls, hooks)
         version = self.engine.version  # same thread as updates: the weights these rows used
         return [(outs[ci][start:start + count], version) for ci, start, count in where]
+
+
+def _stream_hook(sinks: list):
+    """A generate ``on_step`` handing each streamed job its rows' new tokens: a list with, per
+    row, ``(token_id, log_prob, [[id, log_prob], ...] | None)`` or None (row already done)."""
+
+    def hook(tokens, log_probs, produced, top):
+        ids, logps, made = tokens.tolist(), log_probs.float().tolist(), produced.tolist()
+        tops = None
+        if top is not None:
+            tops = [[list(p) for p in zip(i, v)]
+                    for i, v in zip(top[0].tolist(), top[1].float().tolist())]
+        for start, count, sink in sinks:
+            sink([(ids[r], logps[r], tops[r] if tops else None) if made[r] else None
+                  for r in range(start, start + count)])
+
+    return hook
 
 
 def _is_openai(path: str) -> bool:
@@ -434,7 +455,8 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
         # the app repeats the rows n times itself, so requests with different n share a call
         params = req.sampling().model_copy(update={"n": 1})
         rows = [ids for ids in encoded for _ in range(req.n)]
-        samples, version = await _wait(batcher.submit("generate", (rows, params, 0), len(rows)))
+        samples, version = await _wait(batcher.submit("generate", (rows, params, 0, None),
+                                                      len(rows)))
         results = []
         for i, ids in enumerate(encoded):
             group = samples[i * req.n:(i + 1) * req.n]
@@ -460,9 +482,10 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
             raise ApiError(400, f"could not load weights from {req.path!r}: "
                                 f"{type(exc).__name__}: {exc}") from None
 
-    async def _openai_generate(rows, params, top_logprobs):
+    async def _openai_generate(rows, params, top_logprobs, sink=None):
         state["requests"] += 1
-        return await _wait(batcher.submit("generate", (rows, params, top_logprobs), len(rows)))
+        return await _wait(batcher.submit("generate", (rows, params, top_logprobs, sink),
+                                          len(rows)))
 
     name = (model_info or {}).get("model") or engine.model_path or "model"
     app.include_router(openai_router(OpenAIServing(

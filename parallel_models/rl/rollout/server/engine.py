@@ -66,9 +66,12 @@ class Engine:
             dist.broadcast_object_list(obj, src=0, group=self.group)
         return cmd
 
-    def run_generate(self, calls: list[GenCall]) -> list[list[dict]]:
+    def run_generate(self, calls: list[GenCall], on_step: list | None = None
+                     ) -> list[list[dict]]:
+        """Run ``calls`` on every rank; ``on_step[i]`` (rank 0 only, may be None) sees call i's
+        tokens step by step (``generation.generate``)."""
         self._broadcast(("generate", calls))
-        return self._do_generate(calls)
+        return self._do_generate(calls, on_step)
 
     def update_weights(self, path: str) -> dict:
         self._broadcast(("update", path))
@@ -78,10 +81,12 @@ class Engine:
         self._broadcast(("stop",))
 
     # ---- every rank --------------------------------------------------------------------------
-    def _do_generate(self, calls: list[GenCall]) -> list[list[dict]]:
+    def _do_generate(self, calls: list[GenCall], on_step: list | None = None
+                     ) -> list[list[dict]]:
         self.model.eval()
-        outs = [self.rollout.generate_samples(call.rows, call.params, call.top_logprobs)
-                for call in calls]
+        on_step = on_step or [None] * len(calls)
+        outs = [self.rollout.generate_samples(call.rows, call.params, call.top_logprobs, hook)
+                for call, hook in zip(calls, on_step)]
         self.batches += 1
         return outs
 

@@ -20,11 +20,7 @@ string, else ``"length"``. Log-probs are those of the distribution the sampler d
 (``log_softmax(logits / temperature)``; raw logits when greedy), like ``/generate``'s.
 ``system_fingerprint`` is ``weights-v{weight_version}``.
 
-``stream: true`` answers server-sent events (``data: {chunk}\\n\\n`` ... ``data: [DONE]\\n\\n``):
-per choice one chunk per token (chat: a first chunk with the role), then one with its
-``finish_reason``; with ``stream_options.include_usage`` a last chunk with ``choices: []`` and
-the usage. The chunks are sent when the request's generation is done (the batcher generates a
-request's samples in one call); their concatenated text equals the non-streamed text.
+``stream: true`` answers server-sent events as tokens are drawn (``openai_stream``).
 
 Requests go through the server's batcher with the native requests. Errors use the OpenAI error
 body (``openai_protocol``); the limits of ``/generate`` apply (over a limit: 400 naming the
@@ -73,11 +69,6 @@ async def _parse(request: Request, model_cls):
                           param=str(first[0]) if first else None) from None
     req.check()
     return req
-
-
-def _sse(chunk) -> str:
-    return "data: " + (chunk if isinstance(chunk, str) else
-                       json.dumps(chunk, separators=(",", ":"))) + "\n\n"
 
 
 class OpenAIServing:
@@ -175,19 +166,28 @@ class OpenAIServing:
         return max_tokens
 
     # ---- generation --------------------------------------------------------------------------
-    async def sample(self, prompts: list[list[int]], req, max_tokens: int, top_k: int):
-        """-> per prompt a list of ``n`` finished samples (dicts), and the weight version."""
-        stops = req.stop_strings()
+    def sampling_params(self, req, max_tokens: int) -> SamplingParams:
         temperature = 1.0 if req.temperature is None else float(req.temperature)
-        params = SamplingParams(
+        return SamplingParams(
             n=1, max_new_tokens=max_tokens, greedy=temperature == 0,
             temperature=temperature if temperature > 0 else 1.0,
             top_p=1.0 if req.top_p is None else float(req.top_p), seed=req.seed,
-            stop_token_ids=single_token_stops(self.tokenizer, stops, self.vocab_size))
+            stop_token_ids=single_token_stops(self.tokenizer, req.stop_strings(),
+                                              self.vocab_size))
+
+    async def sample(self, prompts: list[list[int]], req, max_tokens: int, top_k: int):
+        """-> per prompt a list of ``n`` finished samples (dicts), and the weight version."""
         rows = [ids for ids in prompts for _ in range(req.n)]
-        samples, version = await self.generate(rows, params, top_k)
+        samples, version = await self.generate(rows, self.sampling_params(req, max_tokens),
+                                               top_k)
+        return self.finish(samples, len(prompts), req), version
+
+    def finish(self, samples: list[dict], n_prompts: int, req) -> list[list[dict]]:
+        """The engine's samples (prompt-major rows) as the API returns them: text cut at the
+        stop strings, per prompt a list of ``req.n``."""
+        stops = req.stop_strings()
         out = []
-        for i in range(len(prompts)):
+        for i in range(n_prompts):
             group = []
             for s in samples[i * req.n:(i + 1) * req.n]:
                 fin = finish_text(self.tokenizer, s["token_ids"], s["finish_reason"], stops)
@@ -197,7 +197,7 @@ class OpenAIServing:
                               "log_probs": s["log_probs"][:k],
                               "top": (s.get("top_logprobs") or [None] * k)[:k]})
             out.append(group)
-        return out, version
+        return out
 
     def usage(self, prompts, groups) -> dict:
         prompt_tokens = sum(len(p) for p in prompts)
@@ -237,7 +237,7 @@ class OpenAIServing:
 
 def openai_router(serving: OpenAIServing) -> APIRouter:
     """The ``/v1`` routes over ``serving``."""
-    from starlette.responses import StreamingResponse
+    from parallel_models.rl.rollout.server.openai_stream import stream_response
 
     router = APIRouter()
 
@@ -254,19 +254,6 @@ def openai_router(serving: OpenAIServing) -> APIRouter:
         serving.check_model(model)
         return model_card()
 
-    def stream(chunks, include_usage: bool, usage: dict, head: dict):
-        async def events():
-            for chunk in chunks:
-                if include_usage:
-                    chunk["usage"] = None
-                yield _sse(chunk)
-            if include_usage:
-                yield _sse({**head, "choices": [], "usage": usage})
-            yield _sse("[DONE]")
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-
     @router.post("/v1/completions")
     async def completions(request: Request):
         req = await _parse(request, CompletionRequest)
@@ -275,31 +262,18 @@ def openai_router(serving: OpenAIServing) -> APIRouter:
         prompts = [serving.encode(p, i) for i, p in enumerate(req.prompts())]
         max_tokens = serving.check_sizes(prompts, req.n, req.max_tokens or 16, "max_tokens",
                                          "prompt")
-        groups, version = await serving.sample(prompts, req, max_tokens, req.logprobs or 0)
-        samples = [s for g in groups for s in g]
         want_lp = req.logprobs is not None
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                "created": int(time.time()), "model": serving.model_name,
-                "system_fingerprint": f"weights-v{version}"}
-        usage = serving.usage(prompts, groups)
-        if not req.stream:
-            choices = [{"index": c, "text": s["text"], "finish_reason": s["finish_reason"],
-                        "logprobs": serving.completion_logprobs(s, 0, len(s["token_ids"]), 0)
-                        if want_lp else None} for c, s in enumerate(samples)]
-            return {**head, "choices": choices, "usage": usage}
-        chunks = []
-        for c, s in enumerate(samples):
-            at = 0
-            for i, piece in enumerate(s["pieces"]):
-                if piece or want_lp:
-                    lp = serving.completion_logprobs(s, i, i + 1, at) if want_lp else None
-                    chunks.append({**head, "choices": [{"index": c, "text": piece,
-                                                        "logprobs": lp, "finish_reason": None}]})
-                at += len(piece)
-            chunks.append({**head, "choices": [{"index": c, "text": "", "logprobs": None,
-                                                "finish_reason": s["finish_reason"]}]})
-        include = bool(req.stream_options and req.stream_options.include_usage)
-        return stream(chunks, include, usage, head)
+                "created": int(time.time()), "model": serving.model_name}
+        if req.stream:
+            return await stream_response(serving, prompts, req, max_tokens, req.logprobs or 0,
+                                         head, chat=False, logprobs=want_lp)
+        groups, version = await serving.sample(prompts, req, max_tokens, req.logprobs or 0)
+        choices = [{"index": c, "text": s["text"], "finish_reason": s["finish_reason"],
+                    "logprobs": serving.completion_logprobs(s, 0, len(s["token_ids"]), 0)
+                    if want_lp else None} for c, s in enumerate(s for g in groups for s in g)]
+        return {**head, "system_fingerprint": f"weights-v{version}", "choices": choices,
+                "usage": serving.usage(prompts, groups)}
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -312,33 +286,20 @@ def openai_router(serving: OpenAIServing) -> APIRouter:
         max_tokens = serving.check_sizes([prompt], req.n, req.max_new_tokens(), field,
                                          "messages")
         top_k = (req.top_logprobs or 0) if req.logprobs else 0
-        groups, version = await serving.sample([prompt], req, max_tokens, top_k)
-        samples = groups[0]
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
-                "model": serving.model_name, "system_fingerprint": f"weights-v{version}"}
-        usage = serving.usage([prompt], groups)
-        if not req.stream:
-            choices = [{"index": c, "message": {"role": "assistant", "content": s["text"],
-                                                "refusal": None},
-                        "logprobs": serving.chat_logprobs(s, 0, len(s["token_ids"]))
-                        if req.logprobs else None,
-                        "finish_reason": s["finish_reason"]} for c, s in enumerate(samples)]
-            return {**head, "object": "chat.completion", "choices": choices, "usage": usage}
-        head = {**head, "object": "chat.completion.chunk"}
-        chunks = []
-        for c, s in enumerate(samples):
-            chunks.append({**head, "choices": [{"index": c, "delta": {"role": "assistant",
-                                                                      "content": ""},
-                                                "logprobs": None, "finish_reason": None}]})
-            for i, piece in enumerate(s["pieces"]):
-                if piece or req.logprobs:
-                    lp = serving.chat_logprobs(s, i, i + 1) if req.logprobs else None
-                    chunks.append({**head, "choices": [{"index": c, "delta": {"content": piece},
-                                                        "logprobs": lp, "finish_reason": None}]})
-            chunks.append({**head, "choices": [{"index": c, "delta": {}, "logprobs": None,
-                                                "finish_reason": s["finish_reason"]}]})
-        include = bool(req.stream_options and req.stream_options.include_usage)
-        return stream(chunks, include, usage, head)
+                "model": serving.model_name}
+        if req.stream:
+            return await stream_response(serving, [prompt], req, max_tokens, top_k,
+                                         {**head, "object": "chat.completion.chunk"},
+                                         chat=True, logprobs=bool(req.logprobs))
+        groups, version = await serving.sample([prompt], req, max_tokens, top_k)
+        choices = [{"index": c, "message": {"role": "assistant", "content": s["text"],
+                                            "refusal": None},
+                    "logprobs": serving.chat_logprobs(s, 0, len(s["token_ids"]))
+                    if req.logprobs else None,
+                    "finish_reason": s["finish_reason"]} for c, s in enumerate(groups[0])]
+        return {**head, "system_fingerprint": f"weights-v{version}", "object": "chat.completion",
+                "choices": choices, "usage": serving.usage([prompt], groups)}
 
     return router
 

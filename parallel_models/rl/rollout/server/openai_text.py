@@ -1,6 +1,6 @@
 """Generated token ids -> the text the OpenAI-compatible API returns: the text each token adds
-(for streaming deltas and ``text_offset``), the cut at the first stop string, token strings of
-the log-prob answers.
+(for streaming deltas and ``text_offset``), the cut at the first stop string (the one completed
+first, as if generation had stopped there), token strings of the log-prob answers.
 
 Token pieces are decoded incrementally over a short window (the method of text-generation-
 inference): a piece is the text that decoding one more token adds to the decoding of the tokens
@@ -14,24 +14,33 @@ from __future__ import annotations
 import dataclasses
 
 
+class IncrementalDetokenizer:
+    """Token ids in, the text each one adds out (empty while a character is incomplete)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = self.read_offset = 0
+
+    def _decode(self, part) -> str:
+        return self.tokenizer.decode(part, skip_special_tokens=True)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        before = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        now = self._decode(self.ids[self.prefix_offset:])
+        if len(now) > len(before) and not now.endswith("\ufffd") and now.startswith(before):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return now[len(before):]
+        return ""
+
+
 def token_pieces(tokenizer, ids: list[int]) -> list[str]:
     """The text each of ``ids`` adds; ``"".join`` of them is ``tokenizer.decode(ids,
     skip_special_tokens=True)`` (the tail is fixed up to it where a tokenizer disagrees)."""
-
-    def decode(part):
-        return tokenizer.decode(part, skip_special_tokens=True)
-
-    pieces: list[str] = []
-    prefix_offset = read_offset = 0
-    for k in range(1, len(ids) + 1):
-        before = decode(ids[prefix_offset:read_offset])
-        now = decode(ids[prefix_offset:k])
-        if len(now) > len(before) and not now.endswith("\ufffd") and now.startswith(before):
-            pieces.append(now[len(before):])
-            prefix_offset, read_offset = read_offset, k
-        else:
-            pieces.append("")
-    full = decode(ids)
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = [detok.add(t) for t in ids]
+    full = tokenizer.decode(ids, skip_special_tokens=True)
     joined = "".join(pieces)
     if full != joined and pieces:
         if full.startswith(joined):
@@ -58,11 +67,7 @@ def finish_text(tokenizer, token_ids: list[int], finish_reason: str,
     ``"stop"`` and the tokens after the one that completed it are dropped)."""
     pieces = token_pieces(tokenizer, token_ids)
     text = "".join(pieces)
-    cut = None
-    for s in stop_strings:
-        at = text.find(s)
-        if at >= 0 and (cut is None or at < cut[0]):
-            cut = (at, at + len(s))
+    cut = first_stop(text, stop_strings)
     if cut is None:
         return FinishedText(text, pieces, len(token_ids), finish_reason)
     start, end = cut
@@ -81,6 +86,29 @@ def finish_text(tokenizer, token_ids: list[int], finish_reason: str,
     return FinishedText(text[:start], out, len(kept), "stop")
 
 
+def first_stop(text: str, stop_strings: list[str]) -> tuple[int, int] | None:
+    """(start, end) of the stop string occurrence in ``text`` that is completed first (ties:
+    the one starting first), or None."""
+    best = None
+    for s in stop_strings:
+        at = text.find(s)
+        if at >= 0 and (best is None or (at + len(s), at) < (best[1], best[0])):
+            best = (at, at + len(s))
+    return best
+
+
+def held_back(text: str, stop_strings: list[str]) -> int:
+    """How many characters at the end of ``text`` may still become the start of a stop string
+    (a stream must not send them yet)."""
+    longest = 0
+    for s in stop_strings:
+        for k in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:k]):
+                longest = k
+                break
+    return longest
+
+
 def single_token_stops(tokenizer, stop_strings: list[str], vocab_size: int) -> list[int]:
     """Token ids that are exactly one of ``stop_strings``: generation can end at them (the text
     cut happens in :func:`finish_text` either way; longer stop strings are found there)."""
@@ -97,4 +125,5 @@ def token_string(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-__all__ = ["FinishedText", "finish_text", "single_token_stops", "token_pieces", "token_string"]
+__all__ = ["FinishedText", "IncrementalDetokenizer", "finish_text", "first_stop", "held_back",
+           "single_token_stops", "token_pieces", "token_string"]

@@ -400,3 +400,24 @@ def check_save_mcore_round_trip(folders: dict, out_root: str, tp: int, ep: int) 
                            "missing": sorted(want.keys() - got.keys()),
                            "extra": sorted(got.keys() - want.keys()), "count": len(got)}
     return out
+
+
+def check_bad_moe_settings(paths: dict, tp: int, ep: int) -> dict:
+    """The errors bad MoE settings give, by case (message, or 'no error')."""
+    import parallel_models as pm
+
+    out = {}
+    try:
+        pm.init_parallel(tensor_parallel_size=tp, expert_model_parallel_size=ep)
+    except ValueError as err:
+        return {"init": str(err)}
+    for name, path in paths.items():
+        try:
+            model = pm.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            if name == "aux_without_recording":
+                model(torch.tensor([[1, 2, 3]]))
+                model.router_aux_loss()
+            out[name] = "no error"
+        except (pm.ConfigError, RuntimeError) as err:
+            out[name] = f"{type(err).__name__}: {err}"
+    return out

@@ -119,3 +119,21 @@ def test_moe_save_mcore_round_trip_is_bit_exact(moe_models, tmp_path):
     for family, r in results[0].items():
         assert r["count"] > 0
         assert r["differ"] == [] and r["missing"] == [] and r["extra"] == [], (family, r)
+
+
+def test_bad_moe_settings_are_named(moe_models, tmp_path):
+    from parallel_models.testing import save_tiny_hf_model
+
+    dense = save_tiny_hf_model(str(tmp_path / "dense"), "qwen2")
+    three = moe_checks.save_moe_model(str(tmp_path / "three"), "qwen3_moe", num_experts=3)
+    top1 = moe_checks.save_moe_model(str(tmp_path / "top1"), "mixtral", num_experts_per_tok=1)
+    res = run_distributed(moe_checks.check_bad_moe_settings, 2, {
+        "dense_with_ep": dense, "experts_not_divisible": three, "top1_normalized": top1,
+        "aux_without_recording": moe_models[("qwen3_moe", "causal_lm")]}, 1, 2)[0]
+    assert "expert_model_parallel_size=2" in res["dense_with_ep"] and "no MoE" in res["dense_with_ep"]
+    assert "num_experts (3) is not divisible by expert_model_parallel_size (2)" in \
+        res["experts_not_divisible"]
+    assert "num_experts_per_tok=1 with norm_topk_prob" in res["top1_normalized"]
+    assert "record_router_logits" in res["aux_without_recording"]
+    init = run_distributed(moe_checks.check_bad_moe_settings, 2, {}, 2, 2)[0]
+    assert "expert_model_parallel_size (2)" in init["init"] and "world size 2" in init["init"]

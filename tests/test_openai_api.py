@@ -32,7 +32,7 @@ def served(tmp_path_factory):
     port = free_port()
     proc = start_server(path, port, api_key=KEY, log_path=str(root / "server.log"),
                         extra=("--max-new-tokens", "32", "--max-n", "4",
-                               "--batch-window-ms", "5"))
+                               "--batch-window-ms", "5", "--max-body-bytes", "100000"))
     base = f"http://127.0.0.1:{port}"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=60)
     native = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
@@ -323,6 +323,7 @@ def test_model_not_found_and_wrong_key(served):
     ("POST", "/v1/completions", b'{"model": "m", "prompt": "hi", "bogus": 1}', 400),
     ("GET", "/v1/completions", None, 405),
     ("GET", "/v1/nope", None, 404),
+    ("POST", "/v1/chat/completions", b'{"model": "m", "pad": "%s"}' % (b"x" * 200000), 413),
 ])
 def test_error_body_shape(served, method, path, body, status):
     r = httpx.request(method, served["base"] + path, content=body, timeout=30,
@@ -390,3 +391,17 @@ def test_stream_holds_back_possible_stop_strings():
     # 'c', 'cd' may start "cd!": held until 'e' shows they do not; "acd!" ends the choice
     assert sent == ["a", "b", "", "", "cde", "a", "", "", ""] and choice.done
     assert "".join(sent) == "abcdea"
+
+
+def test_generate_top_logprobs_tp2_sampled(served):
+    """generate(top_logprobs=k) at TP=2, sampled at temperature 0.7: the top-k ids and
+    log-probs equal log_softmax(transformers logits / 0.7) (1e-4), every rank returns the same,
+    and asking for them does not change the draws."""
+    from parallel_models.testing import run_distributed
+    from tests import openai_checks
+
+    ranks = run_distributed(openai_checks.top_logprobs_vs_transformers, 2, served["path"], 4, 0.7)
+    for r in ranks:
+        assert r["same_draws"] and r["ranks_agree"], r
+        assert r["shape"][0] == 3 and r["shape"][2] == 4
+        assert r["ids_mismatch"] == 0 and r["max_err"] < 1e-4 and r["chosen_err"] < 1e-4, r

@@ -25,8 +25,8 @@ Endpoints (JSON; with ``--api-key`` every endpoint but ``/health`` needs
   (everything under ``/v1/``, the 401 / 404 / 413 ones included) have the OpenAI body
   ``{"error": {"message", "type", "param", "code"}}`` and 400 where the native API says 422.
 
-Errors of the native endpoints are ``{"error": message}`` with: 400 malformed JSON / bad path / text prompt without a
-tokenizer, 401 missing or wrong API key, 404/405 unknown route/method, 413 body too large, 422
+Errors of the native endpoints are ``{"error": message}`` with: 400 malformed JSON / bad path /
+text prompt without a tokenizer, 401 missing or wrong API key, 404/405 unknown route/method, 413 body too large, 422
 wrong types or out-of-range values (prompt too long, n / max_new_tokens / batch rows over the
 limits, token ids outside the vocab), 503 shutting down, 504 request timeout, 500 internal.
 
@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import hmac
 import logging
 import queue
 import threading
@@ -53,7 +52,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from parallel_models.rl.rollout.sampling import SamplingParams
 from parallel_models.rl.rollout.server.engine import Engine, GenCall
-from parallel_models.rl.rollout.server.openai_protocol import OpenAIError, error_body
+from parallel_models.rl.rollout.server.http_guards import (BodyLimit, auth_ok, error_response,
+                                                           is_openai)
+from parallel_models.rl.rollout.server.openai_protocol import OpenAIError
 
 log = logging.getLogger(__name__)
 
@@ -223,77 +224,6 @@ def _stream_hook(sinks: list):
     return hook
 
 
-def _is_openai(path: str) -> bool:
-    return path == "/v1" or path.startswith("/v1/")
-
-
-def _error_response(path: str, status: int, message: str, param: str | None = None,
-                    code: str | None = None, headers: dict | None = None):
-    """The error answer in the shape of the API ``path`` belongs to (OpenAI's under /v1/, where
-    a validation error is a 400, not a 422)."""
-    from starlette.responses import JSONResponse
-
-    if _is_openai(path):
-        status = 400 if status == 422 else status
-        return JSONResponse(error_body(status, message, param, code), status, headers=headers)
-    return JSONResponse({"error": message}, status, headers=headers)
-
-
-def _auth_ok(header: str | None, api_key: str | None) -> bool:
-    if not api_key:
-        return True
-    if not header or not header.startswith("Bearer "):
-        return False
-    return hmac.compare_digest(header[7:].strip().encode(), api_key.encode())
-
-
-class _BodyLimit:
-    """ASGI middleware: 413 for bodies over the limit (Content-Length or streamed)."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        length = headers.get(b"content-length")
-        path = scope.get("path", "")
-        too_big = _error_response(path, 413, f"request body over {self.max_bytes} bytes")
-        if length is not None:
-            try:
-                if int(length) > self.max_bytes:
-                    return await too_big(scope, receive, send)
-            except ValueError:
-                bad = _error_response(path, 400, "bad Content-Length")
-                return await bad(scope, receive, send)
-        if length is not None:
-            return await self.app(scope, receive, send)
-        # no Content-Length (chunked): read the body here, up to the limit, then replay it
-        chunks, seen, more = [], 0, True
-        while more:
-            msg = await receive()
-            if msg["type"] != "http.request":
-                return  # client went away
-            chunks.append(msg.get("body", b""))
-            seen += len(chunks[-1])
-            more = msg.get("more_body", False)
-            if seen > self.max_bytes:
-                return await too_big(scope, receive, send)
-        body = b"".join(chunks)
-        sent = False
-
-        async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        return await self.app(scope, replay, send)
-
-
 def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | None = None,
                model_info: dict | None = None):
     """The FastAPI app over ``engine`` (rank 0). Start its batcher in the lifespan."""
@@ -326,41 +256,41 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
-        return _error_response(request.url.path, exc.status, exc.message)
+        return error_response(request.url.path, exc.status, exc.message)
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request, exc: OpenAIError):
-        return _error_response(request.url.path, exc.status, exc.message, exc.param, exc.code)
+        return error_response(request.url.path, exc.status, exc.message, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc: RequestValidationError):
         errs = exc.errors()
         if any(e.get("type") == "json_invalid" for e in errs):
-            return _error_response(request.url.path, 400, "malformed JSON body")
+            return error_response(request.url.path, 400, "malformed JSON body")
         msgs = [f"{'.'.join(str(x) for x in e.get('loc', ()) if x != 'body') or 'body'}: "
                 f"{e.get('msg')}" for e in errs[:10]]
-        return _error_response(request.url.path, 422, "invalid request: " + "; ".join(msgs))
+        return error_response(request.url.path, 422, "invalid request: " + "; ".join(msgs))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc):
         message = str(exc.detail)
-        if _is_openai(request.url.path):
+        if is_openai(request.url.path):
             message = f"{message}: {request.method} {request.url.path}"
-        return _error_response(request.url.path, exc.status_code, message)
+        return error_response(request.url.path, exc.status_code, message)
 
     @app.exception_handler(Exception)
     async def _internal(request, exc):
         log.exception("internal error")
-        return _error_response(request.url.path, 500,
-                               f"internal error: {type(exc).__name__}: {exc}")
+        return error_response(request.url.path, 500,
+                              f"internal error: {type(exc).__name__}: {exc}")
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
         path = request.url.path
-        if path != "/health" and not _auth_ok(request.headers.get("authorization"), api_key):
-            return _error_response(path, 401, "missing or wrong API key (Authorization: Bearer "
-                                   "KEY)", code="invalid_api_key",
-                                   headers={"WWW-Authenticate": "Bearer"})
+        if path != "/health" and not auth_ok(request.headers.get("authorization"), api_key):
+            return error_response(path, 401, "missing or wrong API key (Authorization: Bearer "
+                                  "KEY)", code="invalid_api_key",
+                                  headers={"WWW-Authenticate": "Bearer"})
         return await call_next(request)
 
     async def _wait(fut):
@@ -500,4 +430,4 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
         server.should_exit = True
         return {"status": "shutting down"}
 
-    return _BodyLimit(app, limits.max_body_bytes), app, state
+    return BodyLimit(app, limits.max_body_bytes), app, state

@@ -218,8 +218,11 @@ def _stream_hook(sinks: list):
             tops = [[list(p) for p in zip(i, v)]
                     for i, v in zip(top[0].tolist(), top[1].float().tolist())]
         for start, count, sink in sinks:
-            sink([(ids[r], logps[r], tops[r] if tops else None) if made[r] else None
-                  for r in range(start, start + count)])
+            try:  # a listener gone (client or event loop closed) must not fail the batch
+                sink([(ids[r], logps[r], tops[r] if tops else None) if made[r] else None
+                      for r in range(start, start + count)])
+            except Exception:  # noqa: BLE001
+                log.debug("a stream listener failed", exc_info=True)
 
     return hook
 

@@ -13,12 +13,12 @@
   ``top_logprobs``, and the fields above.
 
 Choices are prompt-major (``index = prompt * n + sample``). Text is decoded without special
-tokens; a ``stop`` string cuts it before its first occurrence (``finish_reason: "stop"``; the
-tokens up to the one that completed it count in ``usage``), and a stop string that is exactly
-one token also ends generation at that token. ``finish_reason`` is ``"stop"`` for EOS / a stop
+tokens; it ends before the ``stop`` string that is completed first, as if generation had stopped
+there (``finish_reason: "stop"``; the tokens up to the one that completed it count in
+``usage``), and a stop string that is exactly one token also ends generation at that token. ``finish_reason`` is ``"stop"`` for EOS / a stop
 string, else ``"length"``. Log-probs are those of the distribution the sampler drew from
 (``log_softmax(logits / temperature)``; raw logits when greedy), like ``/generate``'s.
-``system_fingerprint`` is ``weights-v{weight_version}``.
+``system_fingerprint`` is ``weights-v{weight_version}`` (null in streams).
 
 ``stream: true`` answers server-sent events as tokens are drawn (``openai_stream``).
 
@@ -45,8 +45,8 @@ from parallel_models.rl.rollout.server.openai_protocol import (ChatCompletionReq
 from parallel_models.rl.rollout.server.openai_text import (finish_text, single_token_stops,
                                                            token_string)
 
-# rows, params, top_logprobs -> (samples, weight_version)
-GenerateFn = Callable[[list, SamplingParams, int], Awaitable[tuple]]
+# (rows, params, top_logprobs[, sink of streamed steps]) -> (samples, weight_version)
+GenerateFn = Callable[..., Awaitable[tuple]]
 
 
 async def _parse(request: Request, model_cls):

@@ -67,6 +67,9 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
+        # finish() can return before wandb's service process has written the run file (seen
+        # offline under load); teardown waits for the service to flush and exit
+        self._wandb.teardown()
 
 
 class MlflowTracker:

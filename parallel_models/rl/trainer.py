@@ -105,8 +105,6 @@ class PPOTrainer:
         self.dp_size = mpu.get_data_parallel_world_size()
         tcfg = cfg.trainer
         os.makedirs(tcfg.output_dir, exist_ok=True)
-        if _rank() == 0:  # the resolved config of the run, beside its outputs
-            cfg.save(os.path.join(tcfg.output_dir, "config.yaml"))
         self._seed_everything(tcfg.seed)
         model_path = self._model_path()
         from parallel_models.rl.tokenizer import load_tokenizer
@@ -399,6 +397,8 @@ class PPOTrainer:
                 print(json.dumps(finished))
             return []
         history = []
+        if _rank() == 0:  # the resolved config of the run, beside its outputs
+            self.cfg.save(os.path.join(tcfg.output_dir, "config.yaml"))
         if self.validator is not None and tcfg.val_before_train and self.step_index == 0:
             self.metrics.log(0, self.validate_phase())
         bar = tqdm(range(self.step_index, tcfg.total_steps), desc="ppo", disable=_rank() != 0,

@@ -35,7 +35,7 @@ def save_moe_model(path: str, family: str, head: str = "causal_lm", seed: int = 
         model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("bias"):  # HF leaves them at one / zero
                 p.add_(torch.randn_like(p) * 0.1)
             if name.endswith("mlp.gate.weight"):  # the router (not shared_expert_gate)
                 p.normal_(0.0, 0.02).mul_(ROUTER_SCALE)
@@ -421,3 +421,71 @@ def check_bad_moe_settings(paths: dict, tp: int, ep: int) -> dict:
         except (pm.ConfigError, RuntimeError) as err:
             out[name] = f"{type(err).__name__}: {err}"
     return out
+
+
+def check_moe_train_steps(path: str, ep: int, steps: int = 2) -> dict:
+    """``steps`` Adam steps (clip 1.0) through megatron DDP + optimizer at EP (DP = EP ranks,
+    each with its share of the sequences) vs transformers + torch AdamW: grad norms and the
+    worst relative weight difference afterwards (experts and router included)."""
+    from megatron.core import parallel_state as mpu
+
+    import parallel_models as pm
+    from parallel_models.pipeline import train_step
+    from parallel_models.utils.optimizer import OptimConfig, build_optimizer
+    from tests.pipeline_checks import _ce_loss_fn, _hf_train, _microbatches_packed
+
+    pm.init_parallel(expert_model_parallel_size=ep)
+    lr, wd, clip = 1e-3, 0.01, 1.0
+    chunks = pm.build_pipeline_chunks(pm.get_model_class(
+        pm.registry.architecture_of(path), "causal_lm", rmpad=True, pp=True), path,
+        dtype=torch.float32)
+    state = build_optimizer(chunks, OptimConfig(lr=lr, weight_decay=wd, clip_grad=clip))
+    ids, mask = _batch(chunks[0].config.vocab_size, "right", seed=7)
+    dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    local_ids, local_mask = ids.chunk(dp)[dp_rank], mask.chunk(dp)[dp_rank]
+    norms = []
+    for _ in range(steps):
+        mbs = _microbatches_packed(local_ids, local_mask, 2)
+        for mb in mbs:
+            mb["full_vocab"] = True
+        norms.append(train_step(state, mbs, _ce_loss_fn)["grad_norm"])
+    hf, hf_norms = _hf_train(path, ids, mask, steps, lr, wd, clip)
+    model = chunks[0]
+    model = getattr(model, "module", model)
+    hf_params = {n: p.detach() for n, p in hf.named_parameters()}
+    for name in list(hf_params):  # fused in memory, per expert on disk (the weight map's names)
+        for fused, parts in (("experts.gate_up_proj", 2), ("experts.down_proj", 1)):
+            if name.endswith(fused):
+                t = hf_params.pop(name)
+                names = ("gate_proj", "up_proj") if parts == 2 else ("down_proj",)
+                for e in range(t.shape[0]):
+                    for n, piece in zip(names, t[e].chunk(parts, dim=0)):
+                        hf_params[f"{name[:-len(fused)]}experts.{e}.{n}.weight"] = piece
+
+    class Reader:
+        def __call__(self, name, dim, start, end):
+            t = hf_params[name]
+            return t if dim is None else t.narrow(dim, start, end - start)
+
+        def shape(self, name):
+            return list(hf_params[name].shape)
+
+        def dtype(self, name):
+            return hf_params[name].dtype
+
+    config = model.config
+    params = dict(model.named_parameters())
+    worst, worst_name = 0.0, None
+    for m in model.weight_map.mappings(config, "causal_lm"):
+        local = m.local_expert(config, ep, mpu.get_expert_model_parallel_rank()) \
+            if m.expert is not None else None
+        if m.expert is not None and local is None:
+            continue
+        for i in (range(config.num_layers) if m.per_layer else [None]):
+            if m.applies_to(config, i):
+                want = m.rule.shard(Reader(), m.hf_names(i), config, 1, 0)
+                got = params[m.ours_name(i, local)].detach()
+                rel = ((got - want).norm() / want.norm()).item()
+                if rel > worst:
+                    worst, worst_name = rel, m.ours_name(i, local)
+    return {"norms": norms, "hf_norms": hf_norms, "worst_rel": worst, "worst": worst_name}

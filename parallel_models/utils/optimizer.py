@@ -13,7 +13,8 @@ definition; ``section.optim_config(total_steps)`` builds the OptimConfig).
 
 On the CPU, megatron-core's grad clipping asserts CUDA tensors, so there the global grad norm
 and clipping are computed here with the same rules (TP duplicates and the tied embedding copy
-counted once, reduced over the model-parallel group) before the optimizer step.
+counted once, reduced over the model-parallel group; MoE expert parameters, which megatron gives
+their own optimizer, over the expert-parallel group) before the optimizer step.
 """
 
 from __future__ import annotations
@@ -100,12 +101,14 @@ def _step_with_own_clipping(optimizer, max_norm: float):
     if optimizer.prepare_grads():
         return False, None
     opts = getattr(optimizer, "chained_optimizers", [optimizer])
-    grads = [g for o in opts for g in o.get_main_grads_for_grad_norm()]
-    sq = torch.zeros(1, dtype=torch.float64)
-    for g in grads:
-        sq += g.detach().double().pow(2).sum().cpu()
-    dist.all_reduce(sq, group=optimizer.get_grad_stats_parallel_group())
-    norm = math.sqrt(float(sq))
+    total = 0.0
+    for o in opts:  # MoE: the expert parameters' optimizer reduces over its own (EP) group
+        sq = torch.zeros(1, dtype=torch.float64)
+        for g in o.get_main_grads_for_grad_norm():
+            sq += g.detach().double().pow(2).sum().cpu()
+        dist.all_reduce(sq, group=o.get_grad_stats_parallel_group())
+        total += float(sq)
+    norm = math.sqrt(total)
     if max_norm > 0:
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:

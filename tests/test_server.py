@@ -78,6 +78,11 @@ def test_health_and_info(server):
     assert info["tp"] == 1 and info["weight_version"] == 0
     assert info["architecture"] == "LlamaForCausalLM" and info["has_tokenizer"]
     assert info["limits"]["max_n"] == 4
+    # the interactive docs and the schema are open without the key; the schema lists the API
+    base = f"http://127.0.0.1:{server['port']}"
+    assert httpx.get(f"{base}/docs").status_code == 200
+    paths = httpx.get(f"{base}/openapi.json").json()["paths"]
+    assert {"/generate", "/update_weights", "/v1/completions", "/v1/chat/completions"} <= set(paths)
 
 
 def test_concurrent_greedy_matches_inprocess(server, models):

@@ -227,6 +227,9 @@ def _stream_hook(sinks: list):
     return hook
 
 
+_OPEN_PATHS = ("/health", "/docs", "/openapi.json")
+
+
 def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | None = None,
                model_info: dict | None = None):
     """The FastAPI app over ``engine`` (rank 0). Start its batcher in the lifespan."""
@@ -251,8 +254,10 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
         yield
         batcher.close()
 
+    # interactive docs at /docs (the schema at /openapi.json); open without the API key, like
+    # /health: they describe the API, they do not use it
     app = FastAPI(title="parallel_models rollout server", lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+                  docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.batcher = batcher
     app.state.engine = engine
     app.state.ctl = state
@@ -290,7 +295,7 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
     @app.middleware("http")
     async def _auth(request: Request, call_next):
         path = request.url.path
-        if path != "/health" and not auth_ok(request.headers.get("authorization"), api_key):
+        if path not in _OPEN_PATHS and not auth_ok(request.headers.get("authorization"), api_key):
             return error_response(path, 401, "missing or wrong API key (Authorization: Bearer "
                                   "KEY)", code="invalid_api_key",
                                   headers={"WWW-Authenticate": "Bearer"})

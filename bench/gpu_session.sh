@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One GPU-host session of checks (run from the repository root with the wheels in .whl/):
+#   bash bench/gpu_session.sh gpu      # tests/gpu (marker gpu) and bench/moe_bench.py
+#   bash bench/gpu_session.sh mcore    # CPU tests of the newest layers on the host's Python 3.12
+#                                      # with megatron-core 0.19 (GPU hidden: gloo on the CPU)
+# Logs and JSON go to $OUT (default /tmp/pm_gpu_out).
+set -uo pipefail
+OUT=${OUT:-/tmp/pm_gpu_out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+python3 -c "import torch, megatron.core, transformers; print('torch', torch.__version__, \
+'megatron-core', megatron.core.__version__, 'transformers', transformers.__version__)" | tee "$OUT/versions.txt"
+case "${1:-gpu}" in
+  gpu)
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+    timeout 240 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+    timeout 300 python3 bench/moe_bench.py --out "$OUT/moe.json" 2>&1 | tail -40
+    ;;
+  mcore)
+    CUDA_VISIBLE_DEVICES= timeout 540 python3 -m pytest -q -p no:cacheprovider -n 8 \
+        tests/test_moe.py tests/test_qwen3.py tests/test_trainer_checkpoint.py tests/test_house.py \
+        2>&1 | tee "$OUT/mcore019_tests.log" | tail -25
+    ;;
+esac

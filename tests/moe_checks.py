@@ -64,10 +64,16 @@ def _router_margin(path: str, head: str, ids, mask) -> float:
     return float(torch.stack(gaps).min())
 
 
-def check_moe_forward(folders: dict, tp: int, ep: int, sp: bool) -> dict:
+def check_moe_forward(folders: dict, tp: int, ep: int, sp: bool, grouped: bool = False) -> dict:
     """Max abs error vs transformers for every MoE family x head x padding x layout, at TP x EP
-    (world = TP x EP: the dense layers run data parallel over the EP ranks)."""
+    (world = TP x EP: the dense layers run data parallel over the EP ranks). ``grouped``: the
+    experts as grouped GEMMs (``torch._grouped_mm``, forced on the CPU)."""
+    import os
+
     import parallel_models as pm
+    from parallel_models.llama.layers.grouped_experts import ENV
+
+    os.environ[ENV] = "1" if grouped else "0"
     from parallel_models.utils.padding import pack_padded_batch, position_ids_from_attention_mask
 
     pm.init_parallel(tensor_parallel_size=tp, sequence_parallel=sp, expert_model_parallel_size=ep)
@@ -98,7 +104,7 @@ def check_moe_forward(folders: dict, tp: int, ep: int, sp: bool) -> dict:
     return {"errors": errors, "margins": margins}
 
 
-def check_moe_gradients(folders: dict, tp: int, ep: int) -> dict:
+def check_moe_gradients(folders: dict, tp: int, ep: int, grouped: bool = False) -> dict:
     """Worst relative gradient error vs transformers after one cross-entropy backward, every
     parameter (router and experts included), at TP x EP. Each data-parallel rank takes its share
     of the sequences; dense gradients are summed over the data-parallel group and expert
@@ -111,6 +117,11 @@ def check_moe_gradients(folders: dict, tp: int, ep: int) -> dict:
     from parallel_models.utils.grads import allreduce_sequence_parallel_grads
     from parallel_models.utils.padding import position_ids_from_attention_mask
 
+    import os
+
+    from parallel_models.llama.layers.grouped_experts import ENV
+
+    os.environ[ENV] = "1" if grouped else "0"
     pm.init_parallel(tensor_parallel_size=tp, expert_model_parallel_size=ep)
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
     out = {}

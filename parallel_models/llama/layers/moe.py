@@ -1,6 +1,7 @@
 """The MoE MLP of Qwen3-MoE, Qwen2-MoE and Mixtral: megatron-core's ``MoELayer`` (``TopKRouter``,
 dropless all-to-all token dispatch over the expert-parallel group, ``SequentialMLP`` experts of
-the local spec, ``SharedExpertMLP`` with its sigmoid gate).
+the local spec, run as grouped GEMMs on Hopper by ``grouped_experts.GroupedGemmExperts``,
+``SharedExpertMLP`` with its sigmoid gate).
 
 Routing matches transformers per family with megatron-core's own router options, no subclass of
 its routing rule:
@@ -29,6 +30,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from parallel_models import megatron_fixes
 from parallel_models.config import ConfigError, ModelConfig
+from parallel_models.llama.layers.grouped_experts import GroupedGemmExperts
 
 megatron_fixes.apply()  # te_general_gemm undefined without transformer-engine
 
@@ -84,6 +86,7 @@ class ParallelMoE(MoELayer):
                                    moe_grouped_gemm=False)
         submodules = spec.submodules
         submodules.router = RecordingTopKRouter
+        submodules.experts.module = GroupedGemmExperts  # SequentialMLP + a grouped-GEMM path
         super().__init__(mp_config, submodules, layer_number=layer_id + 1)
         _mark_expert_parallel(self)
 

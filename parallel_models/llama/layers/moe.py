@@ -79,7 +79,10 @@ class ParallelMoE(MoELayer):
     """megatron-core's MoE layer on ``[tokens, 1, hidden]``; returns the output only."""
 
     def __init__(self, config: ModelConfig, mp_config: TransformerConfig, layer_id: int):
-        if not mp_config.num_moe_experts or not config.is_moe_layer(layer_id):
+        if not config.is_moe_layer(layer_id):
+            raise ValueError(f"layer {layer_id} is not an MoE layer of {config.architecture} "
+                             f"(moe_layer_ids: {list(config.moe_layer_ids)})")
+        if not mp_config.num_moe_experts:
             raise ValueError("ParallelMoE needs a TransformerConfig built with the MoE fields "
                              "(moe_megatron_settings)")
         spec = get_moe_module_spec(use_te=False, num_experts=config.num_experts,

@@ -21,6 +21,8 @@ The router can record its logits (``recording``) for the load-balancing loss
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
@@ -87,9 +89,16 @@ class ParallelMoE(MoELayer):
                              "(moe_megatron_settings)")
         spec = get_moe_module_spec(use_te=False, num_experts=config.num_experts,
                                    moe_grouped_gemm=False)
-        submodules = spec.submodules
+        # megatron-core 0.16 returns a ModuleSpec of ModuleSpecs, 0.19 partials (builders)
+        submodules = (spec.submodules if hasattr(spec, "submodules")
+                      else spec.keywords["submodules"])
         submodules.router = RecordingTopKRouter
-        submodules.experts.module = GroupedGemmExperts  # SequentialMLP + a grouped-GEMM path
+        experts = submodules.experts  # SequentialMLP -> it plus a grouped-GEMM path
+        if isinstance(experts, functools.partial):
+            submodules.experts = functools.partial(GroupedGemmExperts, *experts.args,
+                                                   **experts.keywords)
+        else:
+            experts.module = GroupedGemmExperts
         super().__init__(mp_config, submodules, layer_number=layer_id + 1)
         _mark_expert_parallel(self)
 

@@ -104,7 +104,9 @@ def _step_with_own_clipping(optimizer, max_norm: float):
     total = 0.0
     for o in opts:  # MoE: the expert parameters' optimizer reduces over its own (EP) group
         sq = torch.zeros(1, dtype=torch.float64)
-        for g in o.get_main_grads_for_grad_norm():
+        # megatron-core 0.16 names it get_main_grads_for_grad_norm, 0.19 get_grads_for_grad_norm
+        grads = getattr(o, "get_main_grads_for_grad_norm", None) or o.get_grads_for_grad_norm
+        for g in grads():
             sq += g.detach().double().pow(2).sum().cpu()
         dist.all_reduce(sq, group=o.get_grad_stats_parallel_group())
         total += float(sq)

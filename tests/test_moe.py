@@ -7,7 +7,7 @@ router and experts included). Routing is made tie-free by wide router margins, c
 import pytest
 
 from parallel_models.testing import run_distributed
-from tests import moe_checks
+from tests import moe_checkpoint_checks, moe_checks
 
 FWD_TOL = 1e-4
 GRAD_TOL = 1e-4
@@ -79,7 +79,7 @@ def test_moe_pipeline_forward_matches_transformers(moe_models):
 def test_moe_save_pretrained_round_trip_is_bit_exact(moe_models, tmp_path, tp, ep, pp):
     folders = {k: v for k, v in moe_models.items() if k[1] == "causal_lm"
                and (pp == 1 or k[0] == "qwen3_moe")}  # PP: the family with a dense layer
-    results = run_distributed(moe_checks.check_moe_save_round_trip, tp * ep * pp, folders,
+    results = run_distributed(moe_checkpoint_checks.check_moe_save_round_trip, tp * ep * pp, folders,
                               str(tmp_path), tp, ep, pp, timeout=300)
     for family, r in results[0].items():
         assert r["count"] > 0
@@ -101,12 +101,12 @@ def test_moe_hf2mcore_mcore2hf_round_trip_and_megatron_loads(moe_models, tmp_pat
     """HF -> hf2mcore -> mcore2hf bit-exact; megatron-core's own GPTModel (MoE block spec, local)
     at TP=2 x EP=2 loads the hf2mcore output and matches transformers, and so does ours."""
     folders = {k: v for k, v in moe_models.items() if k[1] == "causal_lm"}
-    trips = moe_checks.convert_round_trip(folders, str(tmp_path))
+    trips = moe_checkpoint_checks.convert_round_trip(folders, str(tmp_path))
     for family, r in trips.items():
         assert r["count"] > 0
         assert r["differ"] == [] and r["missing"] == [] and r["extra"] == [], (family, r)
     cases = {family: (folders[(family, "causal_lm")], r["mcore"]) for family, r in trips.items()}
-    results = run_distributed(moe_checks.check_mcore_loads, 4, cases, 2, 2, timeout=300)
+    results = run_distributed(moe_checkpoint_checks.check_mcore_loads, 4, cases, 2, 2, timeout=300)
     for rank, res in enumerate(results):
         for family, r in res.items():
             assert r["megatron"] <= FWD_TOL, (rank, family, r)
@@ -115,7 +115,7 @@ def test_moe_hf2mcore_mcore2hf_round_trip_and_megatron_loads(moe_models, tmp_pat
 
 def test_moe_save_mcore_round_trip_is_bit_exact(moe_models, tmp_path):
     folders = {k: v for k, v in moe_models.items() if k[1] == "causal_lm"}
-    results = run_distributed(moe_checks.check_save_mcore_round_trip, 4, folders, str(tmp_path),
+    results = run_distributed(moe_checkpoint_checks.check_save_mcore_round_trip, 4, folders, str(tmp_path),
                               2, 2, timeout=300)
     for family, r in results[0].items():
         assert r["count"] > 0

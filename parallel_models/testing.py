@@ -157,3 +157,31 @@ def save_tiny_hf_model(path: str, family: str = "llama", *, head: str = "causal_
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     return path
+
+
+class TensorDictReader:
+    """The checkpoint reader interface (``checkpoint_utils.loader.WeightReader``) over a dict of
+    full HF-named tensors in memory, e.g. a transformers model's parameters or gradients: the
+    weight rules then cut the slice a rank owns, as they do from a file."""
+
+    folder = "<tensors in memory>"
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+
+    def keys(self):
+        return self.tensors.keys()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.tensors[name].shape)
+
+    def dtype(self, name: str):
+        return self.tensors[name].dtype
+
+    def __call__(self, name: str, dim, start, end):
+        t = self.tensors[name].detach()
+        return t if dim is None else t.narrow(dim, start, end - start)
+

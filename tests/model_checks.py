@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from parallel_models.testing import TensorDictReader
+
 
 def _batch(vocab: int, side: str, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
@@ -109,17 +111,6 @@ def check_gradients(folders: dict, tp: int, sp: bool) -> dict:
         if hf.config.tie_word_embeddings:
             hf_grads.setdefault("lm_head.weight", hf_grads["model.embed_tokens.weight"])
 
-        class GradReader:
-            def __call__(self, name, dim, start, end):
-                t = hf_grads[name]
-                return t if dim is None else t.narrow(dim, start, end - start)
-
-            def shape(self, name):
-                return list(hf_grads[name].shape)
-
-            def dtype(self, name):
-                return hf_grads[name].dtype
-
         params = dict(model.named_parameters())
         worst = 0.0
         tp_rank = mpu.get_tensor_model_parallel_rank()
@@ -128,7 +119,8 @@ def check_gradients(folders: dict, tp: int, sp: bool) -> dict:
             for i in layer_ids:
                 ours = rule.ours.format(i=i)
                 names = tuple(n.format(i=i) for n in rule.hf)
-                want = shard_from_hf(rule, names, GradReader(), model.config, tp, tp_rank)
+                want = shard_from_hf(rule, names, TensorDictReader(hf_grads), model.config, tp,
+                                     tp_rank)
                 got = params[ours].grad
                 rel = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
                 worst = max(worst, rel)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from parallel_models.testing import TensorDictReader
 from tests.model_checks import _batch, _hf_reference
 
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
@@ -183,17 +184,6 @@ def _worst_grad_error(model, hf, tp: int) -> dict:
                     .replace(".mlp.experts.", ".block_sparse_moe.experts."): g
                     for n, g in hf_grads.items()}
 
-    class GradReader:
-        def __call__(self, name, dim, start, end):
-            t = hf_grads[name]
-            return t if dim is None else t.narrow(dim, start, end - start)
-
-        def shape(self, name):
-            return list(hf_grads[name].shape)
-
-        def dtype(self, name):
-            return hf_grads[name].dtype
-
     config = model.config
     params = dict(model.named_parameters())
     ep, ep_rank = mpu.get_expert_model_parallel_world_size(), mpu.get_expert_model_parallel_rank()
@@ -206,7 +196,7 @@ def _worst_grad_error(model, hf, tp: int) -> dict:
         for i in (range(config.num_layers) if m.per_layer else [None]):
             if not m.applies_to(config, i):
                 continue
-            want = m.rule.shard(GradReader(), m.hf_names(i), config, tp, tp_rank)
+            want = m.rule.shard(TensorDictReader(hf_grads), m.hf_names(i), config, tp, tp_rank)
             got = params[m.ours_name(i, local_expert)].grad
             rel = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
             checked += 1
@@ -348,17 +338,6 @@ def check_moe_train_steps(path: str, ep: int, steps: int = 2) -> dict:
                     for n, piece in zip(names, t[e].chunk(parts, dim=0)):
                         hf_params[f"{name[:-len(fused)]}experts.{e}.{n}.weight"] = piece
 
-    class Reader:
-        def __call__(self, name, dim, start, end):
-            t = hf_params[name]
-            return t if dim is None else t.narrow(dim, start, end - start)
-
-        def shape(self, name):
-            return list(hf_params[name].shape)
-
-        def dtype(self, name):
-            return hf_params[name].dtype
-
     config = model.config
     params = dict(model.named_parameters())
     worst, worst_name = 0.0, None
@@ -369,7 +348,7 @@ def check_moe_train_steps(path: str, ep: int, steps: int = 2) -> dict:
             continue
         for i in (range(config.num_layers) if m.per_layer else [None]):
             if m.applies_to(config, i):
-                want = m.rule.shard(Reader(), m.hf_names(i), config, 1, 0)
+                want = m.rule.shard(TensorDictReader(hf_params), m.hf_names(i), config, 1, 0)
                 got = params[m.ours_name(i, local)].detach()
                 rel = ((got - want).norm() / want.norm()).item()
                 if rel > worst:

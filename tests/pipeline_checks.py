@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from parallel_models.testing import TensorDictReader
 from tests.model_checks import _batch, _hf_reference
 
 
@@ -134,17 +135,6 @@ def check_train_steps(path: str, tp: int, pp: int, vpp: int | None, steps: int,
     if hf.config.tie_word_embeddings:
         hf_params["lm_head.weight"] = hf_params["model.embed_tokens.weight"]
 
-    class Reader:
-        def __call__(self, name, dim, start, end):
-            t = hf_params[name].detach()
-            return t if dim is None else t.narrow(dim, start, end - start)
-
-        def shape(self, name):
-            return list(hf_params[name].shape)
-
-        def dtype(self, name):
-            return hf_params[name].dtype
-
     worst, tp_rank = 0.0, mpu.get_tensor_model_parallel_rank()
     tied = {}
     for c in chunks:
@@ -154,7 +144,8 @@ def check_train_steps(path: str, tp: int, pp: int, vpp: int | None, steps: int,
             pairs = ([(li, layer.layer_id) for li, layer in enumerate(c.model.layers)]
                      if rule.per_layer else [(None, None)])
             for li, gi in pairs:
-                want = shard_from_hf(rule, tuple(n.format(i=gi) for n in rule.hf), Reader(),
+                want = shard_from_hf(rule, tuple(n.format(i=gi) for n in rule.hf),
+                                     TensorDictReader(hf_params),
                                      c.config, tp, tp_rank)
                 got = params[rule.ours.format(i=li)].detach()
                 worst = max(worst, ((got - want).norm() / want.norm()).item())

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from parallel_models.testing import TensorDictReader
 from tests import generation_checks
 from tests.model_checks import _batch, _hf_reference
 from tests.pipeline_checks import _microbatches_packed
@@ -79,20 +80,12 @@ def gradient_errors(path: str, tp: int, sp: bool) -> dict:
     if hf.config.tie_word_embeddings:
         grads.setdefault("lm_head.weight", grads["model.embed_tokens.weight"])
 
-    class read:  # the slice-reader interface over HF's gradients
-        def __new__(cls, name, dim, start, end):
-            t = grads[name]
-            return t if dim is None else t.narrow(dim, start, end - start)
-
-        shape = staticmethod(lambda name: list(grads[name].shape))
-        dtype = staticmethod(lambda name: grads[name].dtype)
-
     params = dict(model.named_parameters())
     rank = mpu.get_tensor_model_parallel_rank()
     out = {}
     for rule in weight_rules(model.config, "causal_lm"):
         for i in (range(model.config.num_layers) if rule.per_layer else [None]):
-            want = shard_from_hf(rule, rule.hf_names(i), read, model.config, tp, rank)
+            want = shard_from_hf(rule, rule.hf_names(i), TensorDictReader(grads), model.config, tp, rank)
             got = params[rule.ours.format(i=i)].grad
             out[rule.ours.format(i=i)] = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
     missing = set(params) - {r.ours.format(i=i) for r in weight_rules(model.config, "causal_lm")

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from parallel_models.testing import run_distributed, save_tiny_hf_model
+from parallel_models.testing import TensorDictReader, run_distributed, save_tiny_hf_model
 from tests import checkpoint_checks as cc
 
 RUN_TIMEOUT = 240
@@ -96,21 +96,7 @@ def env(tmp_path_factory):
 
 
 # ---- weight rules: pure transforms, one CPU ----------------------------------------------------------------
-class _DictReader:
-    """The slice-reader interface over a dict of full HF tensors."""
 
-    def __init__(self, tensors):
-        self.tensors = tensors
-
-    def shape(self, name):
-        return list(self.tensors[name].shape)
-
-    def dtype(self, name):
-        return self.tensors[name].dtype
-
-    def __call__(self, name, dim, start, end):
-        t = self.tensors[name]
-        return t if dim is None else t.narrow(dim, start, end - start)
 
 
 @pytest.mark.parametrize("family,overrides", [
@@ -137,7 +123,7 @@ def test_weight_rules_are_inverse_pairs(family, overrides, head):
             rows = m.rule.mcore_rows(comp, 0, t.shape[0], config)
             assert torch.equal(torch.cat([fused[a:b] for a, b in rows]), t), (m.ours, comp)
         for tp in (1, 2, 4):
-            shards = [m.rule.shard(_DictReader(hf), m.hf, config, tp, r) for r in range(tp)]
+            shards = [m.rule.shard(TensorDictReader(hf), m.hf, config, tp, r) for r in range(tp)]
             back = m.rule.merge(shards, config)
             assert all(torch.equal(a, b) for a, b in zip(back, parts)), (m.ours, tp)
             tiled = None  # the megatron tensor the pieces describe (vocab: padded rows)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from parallel_models.rl.algorithms import scores_at_last_token
+
 __all__ = ["valid_sequences", "split_prompt_response", "place_scores"]
 
 
@@ -113,15 +115,6 @@ def split_prompt_response(batch: dict) -> tuple[list[list[int]], list[list[int]]
     return prompts, responses
 
 
-def _last_true(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of a 2-D mask: (has any, index of the last True)."""
-    m = mask.bool()
-    width = m.shape[-1]
-    idx = torch.arange(width, device=m.device).expand_as(m)
-    last = torch.where(m, idx, torch.full_like(idx, -1)).max(-1).values
-    return last >= 0, last.clamp(min=0)
-
-
 def place_scores(scores: torch.Tensor, batch: dict) -> torch.Tensor:
     """Token-level rewards: each sequence's score on its response's last valid token, zeros
     elsewhere (float32). Padded batches: shaped like ``response_mask`` (``[N, R]`` or ``[N, L]``,
@@ -155,8 +148,4 @@ def place_scores(scores: torch.Tensor, batch: dict) -> torch.Tensor:
         raise ValueError("token-level rewards of a padded batch need its 'response_mask'")
     if scores.numel() != resp.shape[0]:
         raise ValueError(f"{scores.numel()} scores for {resp.shape[0]} rows")
-    out = torch.zeros(resp.shape, dtype=torch.float32, device=resp.device)
-    has, last = _last_true(resp)
-    rows = torch.arange(resp.shape[0], device=resp.device)[has]
-    out[rows, last[has]] = scores.to(resp.device)[has]
-    return out
+    return scores_at_last_token(scores, resp)

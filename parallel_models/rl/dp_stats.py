@@ -100,14 +100,27 @@ def grouped_means(values, keys, prefix: str = "reward", suffix: str = "mean") ->
             acc = sums.setdefault(str(key), [0.0, 0.0])
             acc[0] += float(value)
             acc[1] += 1.0
-    group = _dp_group()
-    if group is not None:
-        parts: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, sums, group=group)
-        sums = {}
-        for part in parts:
-            for key, (total, count) in part.items():
-                acc = sums.setdefault(key, [0.0, 0.0])
-                acc[0] += total
-                acc[1] += count
+    sums = keyed_sums_over_ranks(sums)
     return {f"{prefix}/{key}/{suffix}": total / count for key, (total, count) in sorted(sums.items())}
+
+
+def keyed_sums_over_ranks(sums: dict[str, list[float]], group=None, size: int | None = None
+                          ) -> dict[str, list[float]]:
+    """Element-wise sums of per-key lists of numbers over ranks whose keys may differ (a key a
+    rank lacks counts as zeros there). ``size=None``: the data-parallel group; else ``group``
+    (None: the default group) of ``size`` ranks."""
+    if size is None:
+        group = _dp_group()
+        size = 1 if group is None else dist.get_world_size(group)
+    if size > 1 and dist.is_initialized():
+        parts: list = [None] * size
+        dist.all_gather_object(parts, sums, group=group)
+    else:
+        parts = [sums]
+    out: dict[str, list[float]] = {}
+    for part in parts:
+        for key, values in part.items():
+            acc = out.setdefault(key, [0.0] * len(values))
+            for i, v in enumerate(values):
+                acc[i] += v
+    return out

@@ -19,7 +19,8 @@ from collections import defaultdict
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
+
+from parallel_models.rl.dp_stats import keyed_sums_over_ranks
 
 
 class Validator:
@@ -87,15 +88,7 @@ class Validator:
     def _reduce(self, sums: dict[str, list[float]], length_sum: float) -> dict[str, float]:
         local = {k: list(v) for k, v in sums.items()}
         local["__length__"] = [length_sum, 0.0, 0.0]
-        if self.dp_size > 1 and dist.is_initialized():
-            gathered: list[dict] = [None] * self.dp_size  # type: ignore[list-item]
-            dist.all_gather_object(gathered, local, group=self.dp_group)
-        else:
-            gathered = [local]
-        merged: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
-        for part in gathered:
-            for k, v in part.items():
-                merged[k] = [a + b for a, b in zip(merged[k], v)]
+        merged = keyed_sums_over_ranks(local, self.dp_group, self.dp_size)
         total = merged.pop("__length__")[0]
         out: dict[str, float] = {}
         for key, (reward, correct, n) in sorted(merged.items()):

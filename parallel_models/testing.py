@@ -132,9 +132,11 @@ def tiny_hf_config(family: str = "llama", **overrides):
 
 def save_tiny_hf_model(path: str, family: str = "llama", *, head: str = "causal_lm",
                        seed: int = 0, dtype=None, max_shard_size: str | None = None,
-                       **overrides) -> str:
+                       router_scale: float | None = None, **overrides) -> str:
     """Build a random tiny HF model (CausalLM or SequenceClassification, num_labels=1) and
-    ``save_pretrained`` it (safetensors) to ``path``."""
+    ``save_pretrained`` it (safetensors) to ``path``. ``router_scale`` (MoE families): router
+    weights drawn from N(0, 0.02) times it, so the top-k choice has wide margins and float
+    rounding cannot flip a routing decision; a shared-expert gate from N(0, 0.2)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -152,6 +154,10 @@ def save_tiny_hf_model(path: str, family: str = "llama", *, head: str = "causal_
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
+            if router_scale is not None and name.endswith("mlp.gate.weight"):  # not the shared
+                p.normal_(0.0, 0.02).mul_(router_scale)                         # expert's gate
+            if router_scale is not None and name.endswith("shared_expert_gate.weight"):
+                p.normal_(0.0, 0.2)
     if dtype is not None:
         model = model.to(dtype)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}

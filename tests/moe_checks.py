@@ -20,30 +20,10 @@ def save_moe_model(path: str, family: str, head: str = "causal_lm", seed: int = 
                    ) -> str:
     """A tiny random HF MoE model with wide router margins and randomized norms (so every tensor
     matters), saved with ``save_pretrained``."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from parallel_models.testing import save_tiny_hf_model
 
-    from parallel_models.testing import tiny_hf_config
-
-    config = tiny_hf_config(family, **overrides)
-    torch.manual_seed(seed)
-    if head == "value":
-        config.num_labels = 1
-        config.architectures = [config.architectures[0].replace("CausalLM",
-                                                                "SequenceClassification")]
-        config.pad_token_id = 0
-        model = AutoModelForSequenceClassification.from_config(config)
-    else:
-        model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):  # HF leaves them at one / zero
-                p.add_(torch.randn_like(p) * 0.1)
-            if name.endswith("mlp.gate.weight"):  # the router (not shared_expert_gate)
-                p.normal_(0.0, 0.02).mul_(ROUTER_SCALE)
-            if name.endswith("shared_expert_gate.weight"):
-                p.normal_(0.0, 0.2)
-    model.save_pretrained(path)
-    return path
+    return save_tiny_hf_model(path, family, head=head, seed=seed, router_scale=ROUTER_SCALE,
+                              **overrides)
 
 
 def _router_margin(path: str, head: str, ids, mask) -> float:

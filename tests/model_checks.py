@@ -36,10 +36,27 @@ def _hf_reference(path: str, head: str, ids, mask, pos):
         return hf.score(hidden).squeeze(-1)  # per-token scores
 
 
+def ours_and_reference(model, path: str, head: str, rmpad: bool, ids, mask):
+    """(ours on the valid tokens, transformers' output on the whole padded batch) for a padded
+    batch; ours runs it padded, or packed with ``rmpad``. Logits gathered over the vocab."""
+    from parallel_models.utils.padding import pack_padded_batch, position_ids_from_attention_mask
+
+    ref = _hf_reference(path, head, ids, mask, position_ids_from_attention_mask(mask))
+    kw = dict(full_vocab=True) if head == "causal_lm" else {}
+    with torch.no_grad():
+        if rmpad:
+            packed = pack_padded_batch(ids, mask)
+            out = model(packed.input_ids, packed.cu_seqlens, **kw)
+            got = out.logits if head == "causal_lm" else out.values
+        else:
+            out = model(ids, attention_mask=mask, **kw)
+            got = (out.logits if head == "causal_lm" else out.values)[mask.bool()]
+    return got, ref
+
+
 def check_forward(folders: dict, tp: int, sp: bool) -> dict:
     """Max abs error vs transformers for every family x head x padding x layout."""
     import parallel_models as pm
-    from parallel_models.utils.padding import pack_padded_batch, position_ids_from_attention_mask
 
     pm.init_parallel(tensor_parallel_size=tp, sequence_parallel=sp)
     results, values = {}, {}
@@ -50,23 +67,10 @@ def check_forward(folders: dict, tp: int, sp: bool) -> dict:
             model = cls.from_pretrained(path, dtype=torch.float32)
             for side in ("left", "right"):
                 ids, mask = _batch(model.config.vocab_size, side)
-                pos = position_ids_from_attention_mask(mask)
-                ref = _hf_reference(path, head, ids, mask, pos)
+                got, ref = ours_and_reference(model, path, head, rmpad, ids, mask)
                 valid = mask.bool()
-                with torch.no_grad():
-                    if rmpad:
-                        packed = pack_padded_batch(ids, mask)
-                        kw = dict(full_vocab=True) if head == "causal_lm" else {}
-                        out = model(packed.input_ids, packed.cu_seqlens, **kw)
-                        got = out.logits if head == "causal_lm" else out.values
-                        want = ref[valid]
-                    else:
-                        kw = dict(full_vocab=True) if head == "causal_lm" else {}
-                        out = model(ids, attention_mask=mask, **kw)
-                        got = (out.logits if head == "causal_lm" else out.values)[valid]
-                        want = ref[valid]
                 key = f"{family}-{head}-{'rmpad' if rmpad else 'padded'}-{side}"
-                results[key] = (got - want).abs().max().item()
+                results[key] = (got - ref[valid]).abs().max().item()
                 if head == "value":
                     values[key] = got.clone()
                 if head == "causal_lm" and not rmpad and side == "right":

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from parallel_models.testing import TensorDictReader
-from tests.model_checks import _batch, _hf_reference
+from tests.model_checks import _batch, _hf_reference, ours_and_reference
 
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 ARCH = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
@@ -55,7 +55,6 @@ def check_moe_forward(folders: dict, tp: int, ep: int, sp: bool, grouped: bool =
     from parallel_models.llama.layers.grouped_experts import ENV
 
     os.environ[ENV] = "1" if grouped else "0"
-    from parallel_models.utils.padding import pack_padded_batch, position_ids_from_attention_mask
 
     pm.init_parallel(tensor_parallel_size=tp, sequence_parallel=sp, expert_model_parallel_size=ep)
     errors, margins = {}, {}
@@ -66,18 +65,8 @@ def check_moe_forward(folders: dict, tp: int, ep: int, sp: bool, grouped: bool =
             model.eval()
             for side in ("left", "right"):
                 ids, mask = _batch(model.config.vocab_size, side)
-                pos = position_ids_from_attention_mask(mask)
-                ref = _hf_reference(path, head, ids, mask, pos)
+                got, ref = ours_and_reference(model, path, head, rmpad, ids, mask)
                 valid = mask.bool()
-                kw = dict(full_vocab=True) if head == "causal_lm" else {}
-                with torch.no_grad():
-                    if rmpad:
-                        packed = pack_padded_batch(ids, mask)
-                        out = model(packed.input_ids, packed.cu_seqlens, **kw)
-                        got = out.logits if head == "causal_lm" else out.values
-                    else:
-                        out = model(ids, attention_mask=mask, **kw)
-                        got = (out.logits if head == "causal_lm" else out.values)[valid]
                 key = f"{family}-{head}-{'rmpad' if rmpad else 'padded'}-{side}"
                 errors[key] = (got - ref[valid]).abs().max().item()
                 if not rmpad:

@@ -11,7 +11,7 @@ import torch
 
 from parallel_models.testing import TensorDictReader
 from tests import generation_checks
-from tests.model_checks import _batch, _hf_reference
+from tests.model_checks import _batch, _hf_reference, ours_and_reference
 from tests.pipeline_checks import _microbatches_packed
 
 
@@ -25,7 +25,6 @@ def _model_class(path: str, head: str, rmpad: bool, pp: bool = False):
 def forward_errors(folders: dict, sp_settings=(False,)) -> dict:
     """``folders``: head -> HF folder. Max |ours - transformers| for each head x layout x side
     (x sequence parallel), full vocab; also the class name used."""
-    from parallel_models.utils.padding import pack_padded_batch, position_ids_from_attention_mask
 
     out = {}
     for head, path in folders.items():
@@ -36,17 +35,8 @@ def forward_errors(folders: dict, sp_settings=(False,)) -> dict:
                 out[f"class-{head}-{rmpad}"] = type(model).__name__
                 for side in ("left", "right"):
                     ids, mask = _batch(model.config.vocab_size, side)
-                    ref = _hf_reference(path, head, ids, mask, position_ids_from_attention_mask(mask))
+                    got, ref = ours_and_reference(model, path, head, rmpad, ids, mask)
                     valid = mask.bool()
-                    kw = dict(full_vocab=True) if head == "causal_lm" else {}
-                    with torch.no_grad():
-                        if rmpad:
-                            packed = pack_padded_batch(ids, mask)
-                            res = model(packed.input_ids, packed.cu_seqlens, **kw)
-                            got = res.logits if head == "causal_lm" else res.values
-                        else:
-                            res = model(ids, attention_mask=mask, **kw)
-                            got = (res.logits if head == "causal_lm" else res.values)[valid]
                     key = f"{head}-{'rmpad' if rmpad else 'padded'}-{side}{'-sp' if sp else ''}"
                     out[key] = (got - ref[valid]).abs().max().item()
     return out

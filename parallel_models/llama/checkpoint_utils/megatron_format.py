@@ -130,11 +130,12 @@ def extra_state_items(num_layers: int, config: ModelConfig | None = None
             for i in range(num_layers)]
 
 
-def write_megatron_files(folder: str) -> None:
-    """What megatron-core's ``dist_checkpointing.save`` adds to the DCP files (the common state
-    of a GPTModel is an empty dict; torch.save is the format megatron-core reads it with)."""
+def write_megatron_files(folder: str, common: dict | None = None) -> None:
+    """What megatron-core's ``dist_checkpointing.save`` adds to the DCP files: ``common.pt`` (the
+    common state: an empty dict for a bare GPTModel, Megatron-LM's args and iteration in its
+    layouts; torch.save is the format megatron-core reads it with) and ``metadata.json``."""
     with open(os.path.join(folder, COMMON_FILE), "wb") as f:
-        torch.save({}, f)
+        torch.save(common or {}, f)
         f.flush()
         os.fsync(f.fileno())
     with open(os.path.join(folder, MEGATRON_METADATA), "w") as f:
@@ -349,7 +350,8 @@ def build_gpt_model(mcore_json: dict | str, *, layer_spec="local",
     from megatron.core.transformer import TransformerConfig
 
     if isinstance(mcore_json, str):
-        path = os.path.join(mcore_json, MCORE_CONFIG_FILE) if os.path.isdir(mcore_json) else mcore_json
+        path = (os.path.join(resolve_mcore_dir(mcore_json), MCORE_CONFIG_FILE)
+                if os.path.isdir(mcore_json) else mcore_json)
         with open(path) as f:
             mcore_json = json.load(f)
     tc = dict(mcore_json["transformer_config"])

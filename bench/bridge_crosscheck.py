@@ -7,8 +7,12 @@ bf16:
 1. HF -> mcore: our ``hf2mcore`` (default layout) vs Bridge's ``to_megatron_model`` +
    ``save_megatron_model``; every tensor of the two dist checkpoints read with torch DCP
    (``dcp_to_torch_save``, not our reader) and compared bit by bit.
-2. Bridge opens ours: ``AutoBridge.load_megatron_model(our folder)`` (it reads our
-   ``run_config.yaml``); its weights equal those of Bridge's own import, tensor by tensor.
+2. Bridge opens ours: ``AutoBridge.load_megatron_model``'s steps on our folder (its latest
+   ``iter_*``; ``load_model_config`` reads our ``run_config.yaml``, ``build_and_load_model`` loads
+   the weights); its weights equal those of Bridge's own import, tensor by tensor, and the
+   architecture settings it reads equal those of its own provider for the HF model.
+Without transformer-engine (the GPU host has none) Bridge's providers are switched to Bridge's own
+local layer spec and unfused kernels (``without_te``); the weights' layout is the same.
 3. mcore -> HF: our ``mcore2hf`` on Bridge's checkpoint, and Bridge's ``export_hf_weights`` of
    the model it loaded from ours, both bit-exact against the source safetensors.
 
@@ -21,11 +25,15 @@ if any check fails.
 from __future__ import annotations
 
 import argparse
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import json
 import os
 import sys
 import tempfile
 import traceback
+import types
 
 import torch
 
@@ -33,6 +41,125 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
           "original_max_position_embeddings": 8192}
 MODELS = {"llama": {"rope_scaling": LLAMA3, "max_position_embeddings": 16384},
           "qwen2": {}}
+
+
+# Bridge modules that import transformer-engine at the top only for their TE-fused variants (the
+# LoRA layers, which model_bridge imports): without transformer-engine they are loaded with ``te``
+# bound to a stand-in whose classes nothing is an instance of, so their TE paths are never taken.
+_TE_AT_IMPORT = {"megatron.bridge.peft.lora_layers": "import transformer_engine.pytorch as te\n"}
+
+
+# Packages Bridge imports at the top of modules on the way to its checkpoint code but uses only
+# for other features: megatron-energon (multimodal data loading; its training config names the
+# energon dataset config). Without them they are absent modules whose names are empty classes.
+_ABSENT_PACKAGES = ("megatron.energon",)
+
+
+class _AbsentTE(type):
+    """``te.X.Y``: a fresh empty class (isinstance checks against it are False); used as a
+    decorator it returns what it decorates; subscripted (``Generic[T]``) itself."""
+
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _AbsentTE(name, (), {})
+
+    def __getitem__(cls, item):
+        return cls
+
+    def __call__(cls, *args, **kwargs):
+        if len(args) == 1 and callable(args[0]) and not kwargs:
+            return args[0]
+        return type.__call__(cls)
+
+
+class _AbsentModule(types.ModuleType):
+    __path__: list = []
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _AbsentTE(name, (), {})
+
+
+class _WithoutTE(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        if any(name == p or name.startswith(p + ".") for p in _ABSENT_PACKAGES):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        if name not in _TE_AT_IMPORT:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None:
+            return None
+        self.origin = spec.origin
+        return importlib.util.spec_from_file_location(name, spec.origin, loader=self)
+
+    def create_module(self, spec):
+        if spec.name not in _TE_AT_IMPORT:
+            module = _AbsentModule(spec.name)
+            module.__path__ = []
+            return module
+        return None
+
+    def exec_module(self, module):
+        if isinstance(module, _AbsentModule):
+            return
+        with open(module.__spec__.origin) as f:
+            source = f.read()
+        line = _TE_AT_IMPORT[module.__name__]
+        if line not in source:
+            raise ImportError(f"{module.__spec__.origin}: expected {line.strip()!r} (another "
+                              "Bridge version?)")
+        module.__dict__["_AbsentTE"] = _AbsentTE
+        source = source.replace(line, "te = _AbsentTE('transformer_engine.pytorch', (), {})\n")
+        exec(compile(source, module.__spec__.origin, "exec"), module.__dict__)
+
+
+def _installed(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def import_bridge():
+    """``megatron.bridge`` (its ``__init__`` imports every model bridge), with the TE-only
+    imports and the packages above made absent when they are not installed (reported)."""
+    global _ABSENT_PACKAGES
+    _ABSENT_PACKAGES = tuple(p for p in _ABSENT_PACKAGES if not _installed(p))
+    if importlib.util.find_spec("transformer_engine") is not None:
+        _TE_AT_IMPORT.clear()
+    if _ABSENT_PACKAGES or _TE_AT_IMPORT:
+        sys.meta_path.insert(0, _WithoutTE())
+    import megatron.bridge
+
+    return megatron.bridge
+
+
+# architecture settings of Bridge's provider that must agree (TransformerConfig / GPTModelProvider)
+SETTINGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+            "num_query_groups", "kv_channels", "layernorm_epsilon", "normalization",
+            "gated_linear_unit", "activation_func", "add_bias_linear", "add_qkv_bias",
+            "qk_layernorm", "vocab_size", "seq_length", "share_embeddings_and_output_weights",
+            "position_embedding_type", "rotary_base", "rotary_percent", "rope_scaling",
+            "rope_scaling_factor", "seq_len_interpolation_factor", "params_dtype", "bf16", "fp16")
+FUSIONS = ("apply_rope_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+           "masked_softmax_fusion", "persist_layer_norm", "gradient_accumulation_fusion",
+           "cross_entropy_loss_fusion")
+
+
+def without_te(provider):
+    """A Bridge provider set up for a host without transformer-engine: Bridge's own local layer
+    spec (its default asks for TE's) and the fused kernels off. Weights and their layout are
+    not touched by either setting."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        from megatron.bridge.models.gpt_provider import local_layer_spec
+
+        provider.transformer_layer_spec = local_layer_spec
+        for name in FUSIONS:
+            if hasattr(provider, name):
+                setattr(provider, name, False)
+    return provider
 
 
 def init_dist() -> None:
@@ -127,20 +254,50 @@ def run_case(name: str, family: str, dtype, root: str, results: dict) -> None:
     theirs = os.path.join(root, f"{name}.bridge")
     state: dict = {}
 
-    def bridge_import():
-        model = bridge.to_megatron_model(wrap_with_ddp=False, use_cpu_initialization=True)
+    def bridge_import():  # what AutoBridge.to_megatron_model does, TE settings aside
+        provider = without_te(bridge.to_megatron_provider(load_weights=True))
+        state["provider"] = provider
+        provider.finalize()
+        model = provider.provide_distributed_model(wrap_with_ddp=False,
+                                                   use_cpu_initialization=True)
         state["imported"] = model_weights(model)
-        bridge.save_megatron_model(model, theirs, hf_tokenizer_path=src)
+        bridge.save_megatron_model(model, theirs)  # (the tiny models have no tokenizer)
         return compare(dcp_tensors(iteration_dir(ours)), dcp_tensors(iteration_dir(theirs)))
 
     check("hf2mcore_vs_bridge_import", bridge_import)
 
     def bridge_opens_ours():
-        model = bridge.load_megatron_model(ours, wrap_with_ddp=False)
+        # AutoBridge.load_megatron_model(ours): the latest iter_* folder, then
+        # model_load_save.load_megatron_model = load_model_config (our run_config.yaml ->
+        # Bridge's provider) + build_and_load_model; called in those two steps so the
+        # provider can be set up for a host without transformer-engine in between
+        from megatron.bridge.training.model_load_save import (build_and_load_model,
+                                                              load_model_config)
+
+        folder = iteration_dir(ours)
+        config, mlm_args = load_model_config(folder)
+        assert mlm_args is None, "Bridge took our folder for a Megatron-LM one"
+        model = build_and_load_model(folder, without_te(config), use_cpu_init=True,
+                                     skip_temp_dist_context=True)
+        model = model if isinstance(model, list) else [model]
         state["from_ours"] = model
         return compare(model_weights(model), state["imported"])
 
     check("bridge_load_megatron_model_of_ours", bridge_opens_ours)
+
+    def bridge_reads_our_settings():
+        # the model settings Bridge reads from our run_config.yaml equal those of its own
+        # provider for the HF model (weights alone would not show, e.g., a RoPE setting)
+        from megatron.bridge.training.model_load_save import load_model_config
+
+        ours_cfg, _ = load_model_config(iteration_dir(ours))
+        theirs_cfg = state["provider"]
+        diff = {f: (getattr(ours_cfg, f, None), getattr(theirs_cfg, f, None)) for f in SETTINGS
+                if getattr(ours_cfg, f, None) != getattr(theirs_cfg, f, None)}
+        return {"differ": [f"{k}: ours {a!r}, Bridge's {b!r}" for k, (a, b) in diff.items()],
+                "compared": len(SETTINGS)}
+
+    check("bridge_run_config_settings_of_ours", bridge_reads_our_settings)
 
     def ours_reads_bridge():
         back = os.path.join(root, f"{name}.bridge.hf")
@@ -173,13 +330,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or tempfile.mkdtemp())
     args = p.parse_args(argv)
-    import megatron.bridge
+    bridge = import_bridge()
     import megatron.core
     import transformers
 
     info = {"python": sys.version.split()[0], "torch": torch.__version__,
             "transformers": transformers.__version__, "megatron_core": megatron.core.__version__,
-            "megatron_bridge": getattr(megatron.bridge, "__version__", "?")}
+            "megatron_bridge": getattr(bridge, "__version__", "?"),
+            "absent": list(_ABSENT_PACKAGES) + (["transformer_engine"] if _TE_AT_IMPORT else [])}
     print("versions:", json.dumps(info), flush=True)
     init_dist()
     from parallel_models import cpu_shim

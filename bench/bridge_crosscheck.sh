@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Megatron-Bridge cross-check (bench/bridge_crosscheck.py) on a host with Python 3.12, torch and
 # transformers but no Megatron: installs the carried wheels (.whl/bridge: megatron-bridge 0.6.2,
-# megatron-core 0.19.2, nvidia-modelopt, omegaconf, pydantic and its parts) with --no-deps into
+# megatron-core 0.19.2, nvidia-modelopt + pulp, omegaconf, pydantic and its parts, datasets +
+# dill + multiprocess) with --no-deps into
 # /tmp/site and runs the check on the CPU (tiny models, gloo; the GPU is hidden).
 #   bash bench/bridge_crosscheck.sh            (from the repo root; $OUT receives the JSON)
 set -euo pipefail

@@ -220,16 +220,17 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
                                      layer_spec=layer_spec)
             info["source"] = {"hf_path": hf_path, "value_head_initialized": value_init}
             tokenizer = tokenizer_source(hf_path)
-            tmp = weights_dir(root, format)
+            tmp = weights_dir(root, format)  # the dist checkpoint (root, or its iter_0000000)
             os.makedirs(tmp, exist_ok=True)
             io_stats = write_dist_checkpoint(tmp, items, extra_state_items(L, config), threads=threads,
                                              on_item=on_item)
             write_megatron_files(tmp, common_state(info, format, tokenizer))
-            write_hf_config(tmp, config.hf_config, architecture=weight_map.architecture(head_kind),
+            # ours (HF config, megatron arguments, tokenizer) in the output folder itself
+            write_hf_config(root, config.hf_config, architecture=weight_map.architecture(head_kind),
                             head_kind=head_kind, dtype=written_dtype)
-            with open(os.path.join(tmp, MCORE_CONFIG_FILE), "w") as f:
+            with open(os.path.join(root, MCORE_CONFIG_FILE), "w") as f:
                 json.dump(info, f, indent=2)
-            copy_extra_files(path, tmp)
+            copy_extra_files(path, root)
             write_layout_files(root, format, info, tokenizer)
             fsync_small_files(tmp)
             if tmp != root:

@@ -39,7 +39,8 @@ with quiet_megatron_import():  # megatron-core warns about optional GPU extras o
                                                                  write_hf_config)
     from parallel_models.llama.checkpoint_utils.mcore_reader import (McoreCheckpoint,
                                                                     config_of_mcore_dir)
-    from parallel_models.llama.checkpoint_utils.megatron_format import resolve_mcore_dir
+    from parallel_models.llama.checkpoint_utils.megatron_format import (layout_root,
+                                                                       resolve_mcore_dir)
     from parallel_models.llama.checkpoint_utils.output_dir import AtomicOutputDir, check_output_dir
     from parallel_models.registry import weight_map_of
 
@@ -135,7 +136,7 @@ def convert_mcore_to_hf(mcore_path: str, output: str, *, hf_config: str | None =
             write_hf_config(tmp, config.hf_config,
                             architecture=weight_map.architecture(ckpt.head_kind),
                             head_kind=ckpt.head_kind, dtype=ckpt.dtype("model.embed_tokens.weight"))
-            copy_extra_files(folder, tmp)
+            copy_extra_files(layout_root(folder) or folder, tmp)  # beside the tracker, if any
             if hf_config is not None:
                 copy_extra_files(hf_config, tmp)
             fsync_small_files(tmp)

@@ -60,9 +60,14 @@ def test_layout_files_read_as_megatron_reads_them(env, name):
     family, _, fmt = CASES[name]
     it = iteration_dir(env["out"][name])
     assert it.endswith("iter_0000000")
-    assert sorted(os.listdir(env["out"][name])) == ["iter_0000000",
-                                                    "latest_checkpointed_iteration.txt"]
-    assert {"metadata.json", ".metadata", "common.pt", "config.json"} <= set(os.listdir(it))
+    # ours (HF config, megatron arguments) beside the tracker; the iteration as Megatron writes it
+    assert {"iter_0000000", "latest_checkpointed_iteration.txt", "config.json",
+            "mcore_config.json"} <= set(os.listdir(env["out"][name]))
+    assert {"metadata.json", ".metadata", "common.pt"} <= set(os.listdir(it))
+    assert not {"config.json", "mcore_config.json"} & set(os.listdir(it))
+    pm = __import__("parallel_models")
+    assert pm.registry.architecture_of(env["out"][name]) == pm.ModelConfig.from_hf(
+        env["out"][name]).architecture  # still an HF-style folder for configs and tokenizers
     common = dist_checkpointing.load_common_state_dict(it)  # torch.load, weights_only
     assert common["checkpoint_version"] == 3.0 and common["iteration"] == 0
     args = common["args"]
@@ -130,7 +135,7 @@ def test_mcore2hf_rebuilds_the_hf_config_from_run_config_or_args(env, tmp_path, 
     folder = str(tmp_path / "foreign")
     shutil.copytree(env["out"][name], folder)
     for extra in ("config.json", "mcore_config.json", "generation_config.json"):
-        path = os.path.join(iteration_dir(folder), extra)
+        path = os.path.join(folder, extra)
         if os.path.exists(path):
             os.remove(path)
     back = str(tmp_path / "back")
@@ -170,7 +175,7 @@ def test_broken_layouts_give_clear_errors(env, tmp_path):
     def broken(tag):
         folder = str(tmp_path / tag)
         shutil.copytree(env["out"][name], folder)
-        os.remove(os.path.join(folder, "iter_0000000", "config.json"))
+        os.remove(os.path.join(folder, "config.json"))
         return folder, os.path.join(folder, "iter_0000000")
 
     folder, it = broken("tracker")  # the tracker names an iteration that is not there

@@ -25,7 +25,7 @@ from parallel_models.llama.checkpoint_utils.megatron_hf_config import hf_config_
 from parallel_models.llama.checkpoint_utils.megatron_format import (LOCAL_SPEC_NAMES,
                                                                    check_mcore_json,
                                                                    read_mcore_json,
-                                                                   resolve_mcore_dir)
+                                                                   resolve_mcore_dir, side_file)
 from parallel_models.llama.checkpoint_utils.torch_record import (decode_torch_record,
                                                                 record_data_start)
 from parallel_models.llama.checkpoint_utils.weight_map import WeightMap, WeightMapping
@@ -35,8 +35,9 @@ def config_of_mcore_dir(folder: str, metadata=None) -> ModelConfig:
     """The model config of the dist checkpoint in ``folder``: its ``config.json``, else the one
     Megatron-Bridge's ``run_config.yaml`` or the Megatron-LM args of its common state describe
     (the vocab: the embedding's stored rows)."""
-    if os.path.isfile(os.path.join(folder, "config.json")):
-        return ModelConfig.from_hf(folder)
+    path = side_file(folder, "config.json")  # ours: here, or beside an iteration layout's tracker
+    if path is not None:
+        return ModelConfig.from_hf(os.path.dirname(path))
     if metadata is None:
         metadata = read_dcp_metadata(folder)
     emb = metadata.state_dict_metadata.get("embedding.word_embeddings.weight")

@@ -192,14 +192,14 @@ def save_mcore(model, out_dir: str, *, layer_spec: str = "te", overwrite: bool =
     except BaseException as err:  # noqa: BLE001
         failure = err
     if rank == 0 and failure is None:
-        try:
-            write_hf_config(tmp, config.hf_config,
+        try:  # ours (HF config, megatron arguments, tokenizer) in the output folder itself
+            write_hf_config(root, config.hf_config,
                             architecture=weight_map.architecture(first.head_kind),
                             head_kind=first.head_kind, dtype=first.dtype)
-            with open(os.path.join(tmp, MCORE_CONFIG_FILE), "w") as f:
+            with open(os.path.join(root, MCORE_CONFIG_FILE), "w") as f:
                 json.dump(info, f, indent=2)
             copy_extra_files(source_dir if source_dir is not None
-                             else getattr(first, "name_or_path", None), tmp)
+                             else getattr(first, "name_or_path", None), root)
             write_layout_files(root, format, info, tokenizer)
         except BaseException as err:  # noqa: BLE001
             failure = err

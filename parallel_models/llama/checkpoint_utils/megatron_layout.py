@@ -12,8 +12,10 @@
   Bridge's ``save_megatron_model`` writes it; Bridge's ``load_megatron_model`` reads the model from
   it, Megatron-LM the args. The default: both tools open it as it is.
 
-Our own files (``config.json``, ``mcore_config.json``, tokenizer files) sit next to the dist
-checkpoint, in ``iter_0000000/`` for the iteration layouts. Reading: ``common.pt`` is a pickle, read
+Our own files (``config.json``, ``mcore_config.json``, tokenizer files) sit in the output folder:
+next to the dist checkpoint (flat), or beside the tracker (iteration layouts), so the folder is
+still an HF-style model folder for tokenizers and configs while ``iter_0000000/`` holds exactly
+what Megatron-LM / Bridge write. Reading: ``common.pt`` is a pickle, read
 with ``torch.load(weights_only=True)`` allowing ``argparse.Namespace`` only; the YAML with
 ``yaml.safe_load``.
 """
@@ -28,11 +30,11 @@ import torch
 
 from parallel_models.config import ConfigError
 from parallel_models.llama.checkpoint_utils.errors import CheckpointError
-from parallel_models.llama.checkpoint_utils.megatron_format import COMMON_FILE, YARN_ATTRIBUTES
+from parallel_models.llama.checkpoint_utils.megatron_format import (COMMON_FILE, TRACKER_FILE,
+                                                                   YARN_ATTRIBUTES)
 
 FORMATS = ("flat", "megatron-lm", "bridge")
 DEFAULT_FORMAT = "bridge"  # Megatron-LM reads its args, Bridge its run_config.yaml
-TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's tracker (Bridge writes it too)
 RUN_CONFIG_FILE = "run_config.yaml"  # Megatron-Bridge's ConfigContainer
 CHECKPOINT_VERSION = 3.0  # what Megatron-LM and Bridge write into the common state
 GPT_PROVIDER = "megatron.bridge.models.gpt_provider.GPTModelProvider"

@@ -1,8 +1,9 @@
 """The PPO loop: one step is a list of timed phases (rollout -> score -> advantages -> critic
 update -> actor update -> metrics), with checkpoints and exact resume.
 
-All roles live on the same ranks (TP inside a model, data parallel across replicas; PP needs the
-rollout server) and follow one protocol (``rl/roles.py``); with ``trainer.offload`` on CUDA only
+All roles live on the same ranks (TP x PP inside a model, data parallel across replicas; with PP
+or ``rollout.tensor_parallel_size`` other than TP the actor rolls out through the hybrid engine,
+``rollout/hybrid.py``) and follow one protocol (``rl/roles.py``); with ``trainer.offload`` on CUDA only
 the role a phase uses sits on the GPU. The batch travels between phases as a
 :class:`~parallel_models.rl.batch.RolloutBatch`. Each data-parallel rank takes its share of every
 prompt batch (prompts are dealt before they are repeated ``rollout.n`` times, so a grpo / rloo
@@ -91,15 +92,14 @@ class PPOTrainer:
 
         self.cfg = cfg
         par = cfg.parallel
-        if par.pipeline_parallel_size > 1:
-            raise ConfigError("parallel.pipeline_parallel_size > 1: in-process rollout generation "
-                              "needs PP=1 (use TP/DP, or rollout.backend=server)")
-        if cfg.model.path:  # fail before starting processes when the model cannot be split
-            pm.ModelConfig.from_hf(cfg.model.path).check_tensor_parallel(par.tensor_parallel_size)
-        else:
-            pm.ModelConfig.from_hf(builtin_model_config(len(builtin_vocab()))).check_tensor_parallel(
-                par.tensor_parallel_size)
+        rollout_tp = cfg.rollout.tensor_parallel_size or par.tensor_parallel_size
+        # fail before starting processes when the model cannot be split
+        model_config = pm.ModelConfig.from_hf(cfg.model.path or builtin_model_config(
+            len(builtin_vocab())))
+        model_config.check_tensor_parallel(par.tensor_parallel_size)
+        model_config.check_tensor_parallel(rollout_tp)
         pm.init_parallel(tensor_parallel_size=par.tensor_parallel_size,
+                         pipeline_parallel_size=par.pipeline_parallel_size,
                          sequence_parallel=par.sequence_parallel)
         self.dp_rank = mpu.get_data_parallel_rank()
         self.dp_size = mpu.get_data_parallel_world_size()
@@ -112,7 +112,8 @@ class PPOTrainer:
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or model_path, what="actor tokenizer")
         dtype = cfg.model.dtype
         arch = pm.registry.architecture_of(model_path)
-        actor_cls = pm.get_model_class(arch, "causal_lm", rmpad=True)
+        pp = par.pipeline_parallel_size > 1  # PP variants: this rank's pipeline stage
+        actor_cls = pm.get_model_class(arch, "causal_lm", rmpad=True, pp=pp)
         self.actor_model = actor_cls.from_pretrained(model_path, dtype=dtype)
         a = cfg.actor
         budget = a.micro_batch_tokens
@@ -132,7 +133,7 @@ class PPOTrainer:
             c = cfg.critic
             critic_path = c.path or model_path
             critic_cls = pm.get_model_class(pm.registry.architecture_of(critic_path), "value",
-                                            rmpad=True)
+                                            rmpad=True, pp=pp)
             critic_model = critic_cls.from_pretrained(critic_path, dtype=dtype,
                                                       value_head_seed=tcfg.seed)
             critic_state = build_optimizer([critic_model], c.optim_config(tcfg.total_steps))
@@ -170,6 +171,13 @@ class PPOTrainer:
         self.rollout_engine = RolloutEngine(self.actor_model,
                                             eos_token_id=self.tokenizer.eos_token_id,
                                             pad_token_id=pad if pad is not None else 0)
+        self.hybrid = None  # the actor rolls out in another layout (TP' or PP > 1)
+        if r.backend == "inprocess" and (pp or rollout_tp != par.tensor_parallel_size):
+            from parallel_models.rl.rollout.hybrid import HybridRollout
+
+            self.hybrid = HybridRollout(self.actor_model, rollout_tp,
+                                        eos_token_id=self.tokenizer.eos_token_id,
+                                        pad_token_id=pad if pad is not None else 0)
         self.rollout_client = None
         if r.backend == "server":
             from parallel_models.rl.rollout.server import RolloutClient
@@ -295,6 +303,11 @@ class PPOTrainer:
                                  pad_token_id=self.rollout_engine.pad_token_id)
             out.pop("weight_version", None)
             out.pop("rollout_log_probs", None)  # old_log_probs are recomputed by the actor
+            return RolloutBatch.from_dict(out)
+        if self.hybrid is not None:  # weights resharded into the rollout layout when stale
+            out = self.hybrid.rollout(prompt_ids, sampling, version=self.step_index)
+            out.pop("weight_version", None)
+            out.pop("rollout_log_probs", None)
             return RolloutBatch.from_dict(out)
         out = self.rollout_engine.generate(prompt_ids, sampling)
         return RolloutBatch(sequences=out.sequences, attention_mask=out.attention_mask,

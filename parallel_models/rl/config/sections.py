@@ -49,7 +49,8 @@ class ParallelSection(BaseModel):
     model_config = SECTION_CONFIG
 
     tensor_parallel_size: Int = Field(1, ge=1, description="divides the attention heads")
-    pipeline_parallel_size: Int = Field(1, ge=1, description="> 1 needs rollout.backend=server")
+    pipeline_parallel_size: Int = Field(1, ge=1, description="pipeline stages of the actor, "
+                                         "reference and critic")
     sequence_parallel: StrictBool = Field(False, description="sequence parallel on top of TP")
 
 
@@ -90,6 +91,9 @@ class RolloutSection(SamplingFields):
         "inprocess", description="inprocess | server (parallel-models-serve at server_url)")
     server_url: Optional[str] = Field(None, description="rollout.backend=server: the server's "
                                                         "base URL")
+    tensor_parallel_size: Optional[Int] = Field(
+        None, ge=1, description="in-process rollout engine's TP (null = the actor's); differs "
+                                "from it or PP > 1: weights resharded before each rollout")
 
     def sampling_params(self, seed: int | None = None) -> SamplingParams:
         """The :class:`SamplingParams` of this section (with ``seed``)."""

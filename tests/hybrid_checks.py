@@ -1,5 +1,6 @@
 """Workers for the hybrid-engine tests (run on gloo ranks): weight sync from a TP x PP training
-layout into a TP' rollout model, compared with a fresh load of the actor's saved folder."""
+layout into TP' rollout models, compared with a fresh load of the actor's saved folder; PPO
+steps at a layout, returning their metrics."""
 
 from __future__ import annotations
 
@@ -82,8 +83,10 @@ def _peak_allocated_bytes(fn) -> tuple[int, object]:
     return counter.peak, out
 
 
-def sync_matches_fresh_load(model_path: str, out_dir: str, tp: int, pp: int, rollout_tp: int,
-                            bucket_bytes: int) -> dict:
+def sync_matches_fresh_load(model_path: str, out_dir: str, tp: int, pp: int,
+                            rollout_tps: list[int], bucket_bytes: int) -> dict:
+    """Per rollout TP': two syncs (weights moved before each), each compared with a fresh load
+    of the actor's save; the peak bytes torch allocated during each sync."""
     import os
 
     import torch
@@ -96,30 +99,45 @@ def sync_matches_fresh_load(model_path: str, out_dir: str, tp: int, pp: int, rol
     arch = pm.registry.architecture_of(model_path)
     actor = pm.get_model_class(arch, "causal_lm", rmpad=True, pp=pp > 1).from_pretrained(
         model_path, dtype=torch.float32)
-    hybrid = HybridRollout(actor, rollout_tp, bucket_bytes=bucket_bytes)
-    sync = hybrid.weight_sync
-    out = {"mismatch": [], "peaks": [], "buckets": len(sync.buckets)}
-    target = hybrid.engine.model
-    for step in range(2):  # the second sync reuses the first one's buffers
-        _perturb([actor], 0.01 * (step + 1))
-        buffers_before = sync._bucket_buf.data_ptr() if sync._bucket_buf is not None else None
-        peak, _ = _peak_allocated_bytes(lambda: hybrid.sync(version=step))
-        out["peaks"].append(peak)
-        if buffers_before is not None:
-            out["buffers_reused"] = buffers_before == sync._bucket_buf.data_ptr()
-        folder = os.path.join(out_dir, f"actor{step}")
-        actor.save_pretrained(folder, overwrite=True)
-        with hybrid.layout.active():
-            fresh = pm.get_model_class(arch, "causal_lm", rmpad=True).from_pretrained(
-                folder, dtype=torch.float32)
-        mine = dict(target.named_parameters())
-        for name, p in fresh.named_parameters():
-            if not torch.equal(p, mine[name]):
-                out["mismatch"].append((step, name, (p - mine[name]).abs().max().item()))
-        dist.barrier()
-    out["buffer_bytes"] = sync.buffer_bytes
-    out["largest_tensor_bytes"] = max(
-        4 * int(torch.Size(s).numel()) for b in sync.buckets for j in b.jobs
-        for s in j.mapping.rule.hf_shapes(sync.config))
-    out["model_bytes"] = sum(4 * b.numel for b in sync.buckets)
-    return out
+    results = {}
+    for rollout_tp in rollout_tps:
+        hybrid = HybridRollout(actor, rollout_tp, bucket_bytes=bucket_bytes)
+        sync = hybrid.weight_sync
+        out = {"mismatch": [], "peaks": [], "buckets": len(sync.buckets)}
+        target = hybrid.engine.model
+        for step in range(2):  # the second sync reuses the first one's buffers
+            _perturb([actor], 0.01 * (step + 1))
+            kept = sync._bucket_buf.data_ptr() if sync._bucket_buf is not None else None
+            peak, _ = _peak_allocated_bytes(lambda: hybrid.sync(version=step))
+            out["peaks"].append(peak)
+            if kept is not None:
+                out["buffers_reused"] = kept == sync._bucket_buf.data_ptr()
+            folder = os.path.join(out_dir, f"actor_tp{rollout_tp}_{step}")
+            actor.save_pretrained(folder, overwrite=True)
+            with hybrid.layout.active():
+                fresh = pm.get_model_class(arch, "causal_lm", rmpad=True).from_pretrained(
+                    folder, dtype=torch.float32)
+            mine = dict(target.named_parameters())
+            for name, p in fresh.named_parameters():
+                if not torch.equal(p, mine[name]):
+                    out["mismatch"].append((step, name, (p - mine[name]).abs().max().item()))
+            dist.barrier()
+        out["buffer_bytes"] = sync.buffer_bytes
+        out["largest_tensor_bytes"] = max(
+            4 * int(torch.Size(s).numel()) for b in sync.buckets for j in b.jobs
+            for s in j.mapping.rule.hf_shapes(sync.config))
+        out["model_bytes"] = sum(4 * b.numel for b in sync.buckets)
+        results[rollout_tp] = out
+    return results
+
+
+def ppo_metrics(output_dir: str, overrides: list[str]) -> list[dict]:
+    """``trainer.fit()`` of a short seeded PPO run with ``overrides``; its metrics per step."""
+    from parallel_models.rl.config import load_config
+    from parallel_models.rl.trainer import PPOTrainer
+
+    cfg = load_config(None, [f"trainer.output_dir={output_dir}", "trainer.save_every=0",
+                             "trainer.loggers=[jsonl]", "trainer.save_hf_at_end=false",
+                             *overrides])
+    cfg.validate()
+    return PPOTrainer(cfg).fit()

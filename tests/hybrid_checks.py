@@ -141,3 +141,28 @@ def ppo_metrics(output_dir: str, overrides: list[str]) -> list[dict]:
                              *overrides])
     cfg.validate()
     return PPOTrainer(cfg).fit()
+
+
+def push_from_layout(model_path: str, url: str, tp: int, pp: int, fallback_folder: str | None
+                     ) -> dict:
+    """Load ``model_path`` at TP x PP and push it to the server at ``url`` as a stream (with
+    ``fallback_folder``: through ``push_actor_weights``, the folder as fallback). -> the new
+    version, or the error every rank raised."""
+    import torch
+
+    import parallel_models as pm
+    from parallel_models.rl.rollout.server.client import RolloutClient
+    from parallel_models.rl.rollout.server.rollout import push_actor_weights
+    from parallel_models.rl.rollout.server.weight_stream import push_weight_stream
+
+    pm.init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    arch = pm.registry.architecture_of(model_path)
+    actor = pm.get_model_class(arch, "causal_lm", rmpad=True, pp=pp > 1).from_pretrained(
+        model_path, dtype=torch.float32)
+    client = RolloutClient(url, timeout=60)
+    try:
+        if fallback_folder is None:
+            return {"version": push_weight_stream(actor, client, bucket_bytes=16 * 1024)}
+        return {"version": push_actor_weights(actor, client, fallback_folder)}
+    except Exception as err:  # noqa: BLE001 - the test reads it
+        return {"error": f"{type(err).__name__}: {err}"}

@@ -241,12 +241,14 @@ class PPOTrainer:
         return sum(role.offload() for role in self._roles())
 
     def _push_weights(self) -> None:
-        """rollout.backend=server: save the actor (HF folder) and have the server load it."""
-        from parallel_models.rl.rollout.server.rollout import push_weights
+        """rollout.backend=server: stream the actor to the server (rollout.weight_push), the
+        HF folder as fallback."""
+        from parallel_models.rl.rollout.server.rollout import push_actor_weights
 
         folder = os.path.join(self.cfg.trainer.output_dir, "rollout_weights")
         with self._use(self.actor):
-            push_weights(self.actor_model, self.rollout_client, folder)
+            push_actor_weights(self.actor_model, self.rollout_client, folder,
+                               self.cfg.rollout.weight_push)
 
     # ---- one PPO step: the phases --------------------------------------------------------------
     def step(self) -> dict:

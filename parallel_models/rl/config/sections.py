@@ -91,6 +91,9 @@ class RolloutSection(SamplingFields):
         "inprocess", description="inprocess | server (parallel-models-serve at server_url)")
     server_url: Optional[str] = Field(None, description="rollout.backend=server: the server's "
                                                         "base URL")
+    weight_push: Literal["stream", "folder"] = Field(
+        "stream", description="backend=server: stream | folder (an HF folder the server loads; "
+                              "also the fallback when a stream fails)")
     tensor_parallel_size: Optional[Int] = Field(
         None, ge=1, description="in-process rollout engine's TP (null = the actor's); differs "
                                 "from it or PP > 1: weights resharded before each rollout")
@@ -149,6 +152,9 @@ class RewardSection(BaseModel):
     model_path: Optional[str] = Field(None, description="type=model: HF sequence-"
                                                         "classification folder")
     tokenizer: Optional[str] = Field(None, description="null = the reward model's own")
+    weight_push: Literal["stream", "folder"] = Field(
+        "stream", description="backend=server: stream | folder (an HF folder the server loads; "
+                              "also the fallback when a stream fails)")
     tensor_parallel_size: Optional[Int] = Field(
         None, ge=1, description="null = the actor's (the reward model shares its groups for "
                                 "now)")

@@ -38,17 +38,24 @@ def build_rollout_model(actor, layout: RolloutLayout):
 
 
 class HybridRollout:
-    """``HybridRollout(actor_chunks, tensor_parallel_size, eos_token_id=, pad_token_id=)``."""
+    """``HybridRollout(actor_chunks, tensor_parallel_size, eos_token_id=, pad_token_id=,
+    bucket_bytes=, share_weights=)``; build it on every rank at once (it makes process groups)."""
 
     def __init__(self, actor_chunks, tensor_parallel_size: int | None = None, *,
                  eos_token_id=None, pad_token_id: int = 0,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, share_weights: bool | None = None):
         chunks = list(actor_chunks) if isinstance(actor_chunks, (list, tuple)) else [actor_chunks]
         actor = chunks[0]
         tp = tensor_parallel_size or mpu.get_tensor_model_parallel_world_size()
         self.layout = RolloutLayout(tp)
         self.training_dp_rank = mpu.get_data_parallel_rank()
-        self.zero_copy = self.layout.same_as_training() and len(chunks) == 1
+        # share_weights=None: share the actor's weights when the layouts are equal; False: a
+        # copy anyway (benches, tests of the copy path on one GPU)
+        can_share = self.layout.same_as_training() and len(chunks) == 1
+        if share_weights and not can_share:
+            raise ValueError("share_weights=True needs the rollout layout equal to the training "
+                             "one (TP' = TP, PP = 1)")
+        self.zero_copy = can_share if share_weights is None else share_weights
         if self.zero_copy:
             model, self.weight_sync = actor, None
         else:

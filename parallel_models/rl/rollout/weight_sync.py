@@ -35,12 +35,20 @@ from parallel_models.llama.checkpoint_utils.weight_map import WeightMapping
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 
 
-class BucketReader:
-    """The slice reader the weight rules read (``read(name, dim, start, end)``, ``.shape``,
-    ``.dtype``) over HF tensors held in memory (views of the bucket buffer)."""
+class TensorReader:
+    """The loader's ``WeightReader`` (what the weight rules read: ``read(name, dim, start,
+    end)``, ``.shape``, ``.dtype``, ``keys()``) over HF tensors held in memory (views of a
+    bucket buffer, or tensors streamed to the rollout server)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor]):
+    def __init__(self, tensors: dict[str, torch.Tensor], folder: str = "<memory>"):
         self.tensors = tensors
+        self.folder = folder
+
+    def keys(self):
+        return self.tensors.keys()
+
+    def __contains__(self, name):
+        return name in self.tensors
 
     def __call__(self, name, dim, start, end):
         t = self.tensors[name]
@@ -67,37 +75,34 @@ class _Bucket:
     numel: int
 
 
-class WeightSync:
-    """``WeightSync(actor_chunks, rollout_model, layout, bucket_bytes)``; :meth:`sync` (every
-    rank together, in the training layout) copies the actor's current weights into
-    ``rollout_model`` (built under ``layout.active()``)."""
+class BucketGatherer:
+    """The actor's weights as HF tensors, bucket by bucket, on every rank of each training
+    model-parallel group (steps 1 and 2 above). ``for bucket, tensors in gatherer.buckets_iter()``
+    on every rank together; ``tensors``: HF name -> view of the reused bucket buffer, valid
+    until the next bucket. Build it in the training layout."""
 
-    def __init__(self, chunks, rollout_model, layout, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    def __init__(self, chunks, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
         first = chunks[0]
         self.config = first.config
-        if self.config.is_moe:
-            raise ConfigError("rollout.tensor_parallel_size other than the actor's TP (or PP > 1) "
-                              "is not supported for MoE models yet; keep the rollout layout equal "
-                              "to the training one")
-        if first.head_kind != "causal_lm":
-            raise TypeError("WeightSync moves a CausalLM's weights")
+        if self.config.is_moe and (mpu.get_expert_model_parallel_world_size() > 1
+                                   or mpu.get_tensor_model_parallel_world_size() > 1
+                                   or mpu.get_pipeline_model_parallel_world_size() > 1):
+            raise ConfigError("gathering an MoE model's weights from TP / PP / EP > 1 is not "
+                              "supported yet (its experts live in the expert groups)")
         self.chunks = chunks
-        self.target = rollout_model
-        self.layout = layout
+        self.head_kind = first.head_kind
         self.bucket_bytes = int(bucket_bytes)
         self.dtype = first.dtype
         self.device = device_of(chunks)
-        weight_map = weight_map_of(chunks)
+        self.weight_map = weight_map_of(chunks)
         self.placement = StagePlacement(chunks, self.config, self.device)
         self.tp = mpu.get_tensor_model_parallel_world_size()
         self.tp_group = mpu.get_tensor_model_parallel_group()
         self.pp_group = mpu.get_pipeline_model_parallel_group()
-        self.buckets = self._plan(weight_map.global_jobs(self.config, "causal_lm"))
-        self.target_params = dict(rollout_model.named_parameters())
+        self.buckets = self._plan(self.weight_map.global_jobs(self.config, self.head_kind))
         self._bucket_buf: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
-        self.last_seconds = 0.0
 
     # ---- planning -----------------------------------------------------------------------------
     def _plan(self, jobs) -> list[_Bucket]:
@@ -151,9 +156,8 @@ class WeightSync:
         return rule.merge(list(gathered.chunk(self.tp, dim=0)), self.config)
 
     @torch.no_grad()
-    def sync(self) -> float:
-        """Copy the actor's weights into the rollout model; returns the seconds it took."""
-        start = time.perf_counter()
+    def buckets_iter(self):
+        """Yield ``(bucket, {HF name: tensor})`` for every bucket, in the weight map's order."""
         buf, scratch = self._buffers()
         my_stage = self.placement.pp_rank
         for bucket in self.buckets:
@@ -165,16 +169,57 @@ class WeightSync:
             if self.placement.pp > 1:
                 dist.broadcast(flat, src=self.placement.pp_ranks[bucket.stage],
                                group=self.pp_group)
-            self._scatter(bucket, flat)
+            yield bucket, {name: flat[off: off + int(torch.Size(shape).numel())].view(shape)
+                           for job in bucket.jobs for name, off, shape in job.slots}
+
+
+class WeightSync:
+    """``WeightSync(actor_chunks, rollout_model, layout, bucket_bytes)``; :meth:`sync` (every
+    rank together, in the training layout) copies the actor's current weights into
+    ``rollout_model`` (built under ``layout.active()``)."""
+
+    def __init__(self, chunks, rollout_model, layout, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        first = chunks[0] if isinstance(chunks, (list, tuple)) else chunks
+        if first.config.is_moe:
+            raise ConfigError("rollout.tensor_parallel_size other than the actor's TP (or PP > 1) "
+                              "is not supported for MoE models yet; keep the rollout layout "
+                              "equal to the training one")
+        self.gatherer = BucketGatherer(chunks, bucket_bytes)
+        if self.gatherer.head_kind != "causal_lm":
+            raise TypeError("WeightSync moves a CausalLM's weights")
+        self.config = self.gatherer.config
+        self.target = rollout_model
+        self.layout = layout
+        self.target_params = dict(rollout_model.named_parameters())
+        self.last_seconds = 0.0
+
+    @property
+    def buckets(self):
+        return self.gatherer.buckets
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.gatherer.buffer_bytes
+
+    @property
+    def _bucket_buf(self):
+        return self.gatherer._bucket_buf
+
+    @torch.no_grad()
+    def sync(self) -> float:
+        """Copy the actor's weights into the rollout model; returns the seconds it took."""
+        start = time.perf_counter()
+        for bucket, tensors in self.gatherer.buckets_iter():
+            self._scatter(bucket, tensors)
+        if self.target.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
         self.last_seconds = time.perf_counter() - start
         return self.last_seconds
 
-    def _scatter(self, bucket: _Bucket, flat: torch.Tensor) -> None:
+    def _scatter(self, bucket: _Bucket, tensors: dict) -> None:
         """This rank's TP' shard of each tensor of the bucket into the rollout model."""
         layout = self.layout
-        views = {name: flat[off: off + int(torch.Size(shape).numel())].view(shape)
-                 for job in bucket.jobs for name, off, shape in job.slots}
-        reader = BucketReader(views)
+        reader = TensorReader(tensors)
         for job in bucket.jobs:
             names = tuple(name for name, _, _ in job.slots)
             piece = job.mapping.rule.shard(reader, names, self.config,
@@ -182,4 +227,4 @@ class WeightSync:
             self.target_params[job.mapping.ours_name(job.layer)].copy_(piece)
 
 
-__all__ = ["BucketReader", "WeightSync", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["BucketGatherer", "TensorReader", "WeightSync", "DEFAULT_BUCKET_BYTES"]

@@ -28,6 +28,14 @@ def _model_problems(cfg) -> list[str]:
         errors.append(f"parallel.pipeline_parallel_size={par.pipeline_parallel_size}: "
                       "in-process rollout generation needs pipeline_parallel_size=1 "
                       "(use tensor/data parallelism, or rollout.backend=server)")
+    if par.backend == "fsdp":
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(par, key) != 1:
+                errors.append(f"parallel.{key}={getattr(par, key)}: parallel.backend=fsdp "
+                              "shards over data-parallel ranks only; set it to 1")
+        if r.backend != "inprocess":
+            errors.append("rollout.backend=server: parallel.backend=fsdp generates in-process "
+                          "(set rollout.backend=inprocess)")
     if m.path is not None and par.tensor_parallel_size > 1 and \
             os.path.isfile(os.path.join(os.path.expanduser(m.path), "config.json")):
         from parallel_models.config import ModelConfig

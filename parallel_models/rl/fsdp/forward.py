@@ -1,0 +1,59 @@
+"""Forwards of the fsdp backend's HF models on our microbatches, with outputs in packed order.
+
+A microbatch of ``rl.roles.make_microbatches`` holds both layouts of the same samples: the
+padded ``sequences`` / ``attention_mask`` rows and the packed ``input_ids`` / ``position_ids`` /
+``cu_seqlens`` stream. Either way the result is ``[tokens, ...]`` in the packed order, so the
+megatron roles' log-prob / value gathering applies unchanged:
+
+- packed (RmPad, ``parallel.fsdp_packed``): one row ``[1, T]`` with the per-sequence position
+  ids and no attention mask. transformers reads the sequence boundaries from the position ids
+  (flash-attention varlen, or a block-diagonal mask for SDPA / eager:
+  ``masking_utils.find_packed_sequence_indices``, which needs ``use_cache=False``).
+- padded: the ``[B, S]`` rows with their attention mask and position ids (0, 1, ... over the
+  valid tokens of each row), then the valid positions picked out.
+
+Ranks of a sharded model must run the same number of forwards (and backwards): every one
+all-gathers. :func:`synced_count` gives the number all ranks agree on.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel_models.utils.padding import position_ids_from_attention_mask
+
+
+def _tensor(out) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+def forward_packed_order(model, mb: dict, packed: bool = True) -> torch.Tensor:
+    """``model`` (a causal LM -> logits, or ``models.ValueModel`` -> values) on ``mb``;
+    ``[T, ...]`` in the order of ``mb["input_ids"]``."""
+    if packed:
+        out = model(input_ids=mb["input_ids"][None],
+                    position_ids=mb["position_ids"][None].long(), use_cache=False)
+        return _tensor(out)[0]
+    mask = mb["attention_mask"]
+    out = _tensor(model(input_ids=mb["sequences"], attention_mask=mask,
+                        position_ids=position_ids_from_attention_mask(mask), use_cache=False))
+    keep = torch.nonzero(mask.flatten().bool(), as_tuple=False).flatten().to(out.device)
+    return out.flatten(0, 1).index_select(0, keep)
+
+
+def synced_count(n: int, device) -> int:
+    """The largest ``n`` over all ranks (a collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return n
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def global_sum(value: float, device) -> float:
+    """``value`` summed over all ranks, in float64 (a collective)."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return float(t.item())

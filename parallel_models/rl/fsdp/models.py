@@ -87,7 +87,7 @@ class ValueModel(torch.nn.Module):
         body = getattr(self.model, self.model.base_model_prefix)
         hidden = body(input_ids=input_ids, position_ids=position_ids,
                       attention_mask=attention_mask, **kwargs).last_hidden_state
-        return self.model.score(hidden).squeeze(-1)
+        return self.model.score(hidden).squeeze(-1).clone()  # not a view (FSDP2 output hooks)
 
 
 def _safetensors_keys(path: str) -> set[str]:
@@ -146,7 +146,8 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     """The decoder layers: modules of the classes the HF model names in ``_no_split_modules``."""
     hf = model.model if isinstance(model, ValueModel) else model
     names = set(getattr(hf, "_no_split_modules", None) or [])
-    layers = [m for m in hf.modules() if type(m).__name__ in names]
+    # (fully_shard swaps a module's class for an FSDP subclass: look along the MRO)
+    layers = [m for m in hf.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     if not layers:
         raise ConfigError(f"{type(hf).__name__}: cannot find its decoder layers "
                           f"(_no_split_modules={sorted(names)})")

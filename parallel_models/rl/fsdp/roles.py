@@ -39,6 +39,7 @@ class _FSDPRole:
         self.state = train_state
         self.max_tokens = max_tokens
         self.packed = packed
+        self.version = 0  # optimizer steps taken (the rollout engine refills when it moves)
         self.offloader = FSDPOffloader(model, train_state.optimizer if train_state else None)
 
     @property
@@ -89,6 +90,7 @@ class _FSDPRole:
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
         out = fsdp_optimizer_step(self.state)
+        self.version += 1
         out.update(sums)
         return _global_update_metrics(out, weights, 1, prefix)
 

@@ -65,7 +65,11 @@ def fsdp_vs_megatron_step(model_path: str, out_dir: str, clip_grad: float) -> di
     fsdp_critic = FSDPCriticRole(fv, build_fsdp_optimizer(fv, opt), max_tokens=24, cfg=cfg)
 
     full, share = _share(model_path, meg_actor.log_probs)
+    padded = FSDPPolicyRole(f, None, max_tokens=24, packed=False)  # the same sharded weights
+    padded_critic = FSDPCriticRole(fv, None, max_tokens=24, packed=False)
     out = {"log_probs": (meg_actor.log_probs(share), fsdp_actor.log_probs(share)),
+           "padded": (fsdp_actor.log_probs(share), padded.log_probs(share),
+                      fsdp_critic.values(share), padded_critic.values(share)),
            "values": (meg_critic.values(share), fsdp_critic.values(share)),
            "actor": (meg_actor.update(share), fsdp_actor.update(share)),
            "critic": (meg_critic.update(share), fsdp_critic.update(share))}
@@ -74,3 +78,19 @@ def fsdp_vs_megatron_step(model_path: str, out_dir: str, clip_grad: float) -> di
     export_hf(f, os.path.join(out_dir, "fsdp_actor"))
     export_hf(fv, os.path.join(out_dir, "fsdp_critic"))
     return out
+
+
+def fsdp_ppo_run(output_dir: str, model_path: str, steps: int) -> list[dict]:
+    """``steps`` PPO steps of the trainer with parallel.backend=fsdp on ``model_path``."""
+    from parallel_models.rl.config import load_config
+    from parallel_models.rl.trainer import PPOTrainer
+
+    cfg = load_config(None, [f"trainer.output_dir={output_dir}", f"trainer.total_steps={steps}",
+                             f"model.path={model_path}", "parallel.backend=fsdp",
+                             "trainer.save_every=0", "trainer.loggers=[jsonl]",
+                             "data.batch_size=4", "rollout.n=2", "actor.mini_batch_size=8",
+                             "rollout.max_new_tokens=8", "actor.lr=1e-2", "critic.lr=1e-2"])
+    cfg.validate()
+    trainer = PPOTrainer(cfg)
+    kind = type(trainer.rollout_engine).__name__
+    return [{**m, "engine": kind} for m in trainer.fit()]

@@ -13,6 +13,7 @@ import logging
 
 from parallel_models.rl.fsdp import models as fm
 from parallel_models.rl.fsdp.checkpoint import export_hf
+from parallel_models.rl.fsdp.forward import packed_sequences_supported
 from parallel_models.rl.fsdp.optim import build_fsdp_optimizer
 from parallel_models.rl.fsdp.roles import FSDPCriticRole, FSDPPolicyRole
 
@@ -69,9 +70,14 @@ def build_fsdp_roles(trainer, model_path: str) -> None:
         return fm.shard_model(model, mesh, dtype=dtype, trainable=trainable,
                               activation_checkpointing=par.activation_checkpointing)
 
-    common = dict(max_tokens=a.micro_batch_tokens, packed=par.fsdp_packed)
     temperature = cfg.rollout.temperature if not cfg.rollout.greedy else 1.0
     actor = shard(fm.load_causal_lm(model_path))
+    packed = par.fsdp_packed and packed_sequences_supported(actor)
+    if par.fsdp_packed and not packed:
+        logger.warning("fsdp backend: %s's attention (%s) does not honour packed position ids "
+                       "in this transformers version; using padded microbatches", model_path,
+                       actor.config._attn_implementation)
+    common = dict(max_tokens=a.micro_batch_tokens, packed=packed)
     trainer.actor = FSDPPolicyRole(actor, build_fsdp_optimizer(actor,
                                                                a.optim_config(tcfg.total_steps)),
                                    temperature=temperature, cfg=a, **common)

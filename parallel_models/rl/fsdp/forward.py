@@ -24,6 +24,20 @@ import torch.distributed as dist
 from parallel_models.utils.padding import position_ids_from_attention_mask
 
 
+def packed_sequences_supported(model) -> bool:
+    """Whether transformers honours packed position ids for ``model``'s attention: flash
+    attention (varlen from the position ids), or SDPA / eager with the packed-sequence masks of
+    ``masking_utils`` (transformers >= 4.56)."""
+    impl = getattr(model.config, "_attn_implementation", None) or ""
+    if "flash" in impl:
+        return True
+    try:
+        from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+    except ImportError:
+        return False
+    return impl in ("sdpa", "eager")
+
+
 def _tensor(out) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 

@@ -41,9 +41,9 @@ class HFRolloutEngine:
             ids[i, P - len(r):] = torch.tensor(r)
             mask[i, P - len(r):] = 1
         stop = params.stop_ids(self.eos_token_id)
-        sample = {} if params.greedy else dict(do_sample=True, temperature=params.temperature,
-                                                top_k=params.top_k or None,
-                                                top_p=params.top_p)
+        # top_k=0 turns transformers' default top-k (50) off, as ours means "off"
+        sample = {} if params.greedy else dict(temperature=params.temperature,
+                                                top_k=params.top_k, top_p=params.top_p)
         was_training = self.model.training
         self.model.eval()
         cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []

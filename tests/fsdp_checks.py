@@ -37,7 +37,8 @@ ACTOR_CFG = dict(loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high
 
 def fsdp_vs_megatron_step(model_path: str, out_dir: str, clip_grad: float) -> dict:
     """One actor and one critic update with each backend from the same weights on the same
-    rank share (several microbatches per rank); exports both backends' updated models."""
+    rank share (several microbatches per rank); exports both backends' updated models. The
+    fsdp critic runs HSDP (2 replicas of 1 shard) with activation checkpointing."""
     import torch
 
     import parallel_models as pm
@@ -61,7 +62,9 @@ def fsdp_vs_megatron_step(model_path: str, out_dir: str, clip_grad: float) -> di
     mesh = fm.device_mesh()
     f = fm.shard_model(fm.load_causal_lm(model_path), mesh)
     fsdp_actor = FSDPPolicyRole(f, build_fsdp_optimizer(f, opt), max_tokens=24, cfg=cfg)
-    fv = fm.shard_model(fm.load_value_model(model_path, seed=3), mesh)
+    # the critic on a 2-D (replicate x shard) HSDP mesh, recomputing its layers in the backward
+    fv = fm.shard_model(fm.load_value_model(model_path, seed=3), fm.device_mesh(replicate=2),
+                        activation_checkpointing=True)
     fsdp_critic = FSDPCriticRole(fv, build_fsdp_optimizer(fv, opt), max_tokens=24, cfg=cfg)
 
     full, share = _share(model_path, meg_actor.log_probs)

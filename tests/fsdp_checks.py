@@ -97,3 +97,26 @@ def fsdp_ppo_run(output_dir: str, model_path: str, steps: int) -> list[dict]:
     trainer = PPOTrainer(cfg)
     kind = type(trainer.rollout_engine).__name__
     return [{**m, "engine": kind} for m in trainer.fit()]
+
+
+def fsdp_reward_scores(path: str) -> tuple:
+    """Scores of the fsdp reward model for this rank's sequences (ranks hold different numbers
+    of sequences and of microbatches) and transformers' own scores of the same sequences."""
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForSequenceClassification
+
+    import parallel_models as pm
+    from parallel_models.rl.fsdp.reward import FSDPRewardModel
+
+    pm.init_parallel(tensor_parallel_size=1)
+    rank = dist.get_rank()
+    rm = FSDPRewardModel(path, dtype="float32", micro_batch_tokens=16)
+    g = torch.Generator().manual_seed(5 + rank)
+    lengths = torch.randint(3, 12, (5 if rank == 0 else 2,), generator=g).tolist()
+    ids = [torch.randint(1, rm.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    got = rm.score_ids(ids)
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.stack([hf(input_ids=torch.tensor([s])).logits[0, 0] for s in ids])
+    return got, want

@@ -73,10 +73,10 @@ def test_fsdp_resume_after_kill_continues_exactly(tmp_path):
                 assert a[key] == b[key], f"step {a['step']} {key}: {a[key]} vs {b[key]}"
 
 
-def _tiny_phi3(folder: str) -> str:
+def _tiny_phi3(folder: str, head: str = "causal_lm") -> str:
     """A tiny random transformers Phi-3 (fused qkv / gate_up: not a family of our registry)
-    with the built-in tokenizer."""
-    from transformers import Phi3Config, Phi3ForCausalLM
+    with the built-in tokenizer; ``head="value"``: a Phi3ForSequenceClassification."""
+    from transformers import Phi3Config, Phi3ForCausalLM, Phi3ForSequenceClassification
 
     from parallel_models.rl.tokenizer import build_builtin_tokenizer
 
@@ -85,9 +85,10 @@ def _tiny_phi3(folder: str) -> str:
                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                         max_position_embeddings=512, bos_token_id=tok.bos_token_id,
                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                        architectures=["Phi3ForCausalLM"])
+                        num_labels=1)
     torch.manual_seed(0)
-    Phi3ForCausalLM(config).save_pretrained(folder)
+    cls = Phi3ForSequenceClassification if head == "value" else Phi3ForCausalLM
+    cls(config).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
 
@@ -106,3 +107,11 @@ def test_unlisted_family_trains_with_fsdp_and_megatron_refuses(tmp_path):
     assert proc.returncode != 0
     assert "Phi3ForCausalLM" in proc.stderr and "parallel.backend=fsdp" in proc.stderr, \
         proc.stderr[-2000:]
+
+
+def test_fsdp_reward_model_scores_like_transformers(tmp_path):
+    """A reward model of a family our registry lacks, sharded over 2 ranks that hold different
+    numbers of sequences and microbatches: each score equals transformers' (fp32)."""
+    path = _tiny_phi3(str(tmp_path / "phi3_rm"), head="value")
+    for got, want in run_distributed(fsdp_checks.fsdp_reward_scores, 2, path, timeout=300):
+        assert got.shape == want.shape and (got - want).abs().max() <= 1e-5, (got, want)

@@ -236,6 +236,11 @@ class PPOTrainer:
             return RuleReward(load_reward_function(reward_function_path(self.cfg)), self.tokenizer)
         from parallel_models.rl.reward_model import RewardModel  # issue: reward model role
 
+        if self.cfg.parallel.backend == "fsdp":  # any *ForSequenceClassification, sharded
+            from parallel_models.rl.fsdp.reward import FSDPRewardModel
+
+            return FSDPRewardModel.from_config(r, self.tokenizer, dtype=self.cfg.model.dtype,
+                                               replicate=self.cfg.parallel.fsdp_replicate_size)
         return RewardModel.from_config(r, self.tokenizer)
 
     # ---- offload (CUDA): only the role a phase uses stays on the GPU ---------------------------------

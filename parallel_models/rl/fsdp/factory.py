@@ -58,6 +58,15 @@ class SyncedRolloutEngine:
 
 def build_fsdp_roles(trainer, model_path: str) -> None:
     """Set ``trainer.actor`` / ``ref`` / ``critic`` / ``actor_model`` / ``rollout_engine``."""
+    import torch
+
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    # the draws of transformers' weight init (score heads, ...) must not move the run's RNG
+    with torch.random.fork_rng(devices=cuda):
+        _build(trainer, model_path)
+
+
+def _build(trainer, model_path: str) -> None:
     import parallel_models as pm
     from parallel_models.rl.rollout.engine import RolloutEngine
 

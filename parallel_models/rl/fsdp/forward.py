@@ -1,16 +1,16 @@
 """Forwards of the fsdp backend's HF models on our microbatches, with outputs in packed order.
 
-A microbatch of ``rl.roles.make_microbatches`` holds both layouts of the same samples: the
-padded ``sequences`` / ``attention_mask`` rows and the packed ``input_ids`` / ``position_ids`` /
-``cu_seqlens`` stream. Either way the result is ``[tokens, ...]`` in the packed order, so the
-megatron roles' log-prob / value gathering applies unchanged:
+A microbatch (``rl.roles.make_microbatches``, or the reward model's) is a packed stream:
+``input_ids`` / ``position_ids`` / ``cu_seqlens``. Either way below the result is
+``[tokens, ...]`` in the packed order, so the megatron roles' log-prob / value gathering
+applies unchanged:
 
 - packed (RmPad, ``parallel.fsdp_packed``): one row ``[1, T]`` with the per-sequence position
   ids and no attention mask. transformers reads the sequence boundaries from the position ids
   (flash-attention varlen, or a block-diagonal mask for SDPA / eager:
   ``masking_utils.find_packed_sequence_indices``, which needs ``use_cache=False``).
-- padded: the ``[B, S]`` rows with their attention mask and position ids (0, 1, ... over the
-  valid tokens of each row), then the valid positions picked out.
+- padded: the sequences as right-padded ``[B, S]`` rows with their attention mask and position
+  ids, then the valid positions picked out.
 
 Ranks of a sharded model must run the same number of forwards (and backwards): every one
 all-gathers. :func:`synced_count` gives the number all ranks agree on.
@@ -43,17 +43,21 @@ def _tensor(out) -> torch.Tensor:
 
 
 def forward_packed_order(model, mb: dict, packed: bool = True) -> torch.Tensor:
-    """``model`` (a causal LM -> logits, or ``models.ValueModel`` -> values) on ``mb``;
-    ``[T, ...]`` in the order of ``mb["input_ids"]``."""
+    """``model`` (a causal LM -> logits, or ``models.ValueModel`` -> values) on the packed
+    stream of ``mb`` (``input_ids``, ``position_ids``, ``cu_seqlens``); ``[T, ...]`` in its
+    order, from one packed row or from right-padded rows."""
     if packed:
         out = model(input_ids=mb["input_ids"][None],
                     position_ids=mb["position_ids"][None].long(), use_cache=False)
         return _tensor(out)[0]
-    mask = mb["attention_mask"]
-    out = _tensor(model(input_ids=mb["sequences"], attention_mask=mask,
+    cu = mb["cu_seqlens"].long()
+    lengths = cu[1:] - cu[:-1]
+    mask = torch.arange(int(lengths.max()), device=cu.device)[None] < lengths[:, None]
+    ids = torch.zeros(mask.shape, dtype=mb["input_ids"].dtype, device=cu.device)
+    ids[mask] = mb["input_ids"]  # row-major: the packed order
+    out = _tensor(model(input_ids=ids, attention_mask=mask.long(),
                         position_ids=position_ids_from_attention_mask(mask), use_cache=False))
-    keep = torch.nonzero(mask.flatten().bool(), as_tuple=False).flatten().to(out.device)
-    return out.flatten(0, 1).index_select(0, keep)
+    return out[mask]
 
 
 def synced_count(n: int, device) -> int:

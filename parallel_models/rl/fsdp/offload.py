@@ -76,17 +76,21 @@ class FSDPOffloader:
         return nbytes
 
     @contextlib.contextmanager
-    def on_device(self, with_optimizer: bool = False):
-        """The model (and the optimizer states when asked) on the device for the block; what this
-        call brought over goes back afterwards."""
+    def on_device(self, with_optimizer: bool = False, offload_after: bool | None = None):
+        """The model (and the optimizer states when asked) on the device for the block. Then
+        what this call brought over goes back; ``offload_after=True``: everything goes back,
+        ``False``: everything stays (as ``utils.offload.Offloader``)."""
         was = dict(self.offloaded)
         self.onload(with_optimizer=with_optimizer)
         try:
             yield self
         finally:
-            back = self._move("model", torch.device("cpu"), True) if was["model"] else 0
-            if with_optimizer and was["optimizer"]:
-                back += self._move("optimizer", torch.device("cpu"), True)
-            if back and self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-                torch.cuda.empty_cache()
+            if offload_after:
+                self.offload()
+            elif offload_after is None:
+                back = self._move("model", torch.device("cpu"), True) if was["model"] else 0
+                if with_optimizer and was["optimizer"]:
+                    back += self._move("optimizer", torch.device("cpu"), True)
+                if back and self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                    torch.cuda.empty_cache()

@@ -37,6 +37,30 @@ def _model_problems(cfg) -> list[str]:
                 par.tensor_parallel_size)
         except ConfigError as err:
             errors.append(f"parallel.tensor_parallel_size: {m.path}: {err}")
+    errors += _router_replay_problems(cfg)
+    return errors
+
+
+def _router_replay_problems(cfg) -> list[str]:
+    """R2 / R3 need an MoE actor: refused for a dense one (there is nothing to replay, and a
+    silent no-op would hide a wrong model path)."""
+    a, m = cfg.actor, cfg.model
+    errors = []
+    if a.router_replay_reference and a.router_replay == "off":
+        errors.append("actor.router_replay_reference=true needs actor.router_replay R2 or R3")
+    if a.router_replay == "off":
+        return errors
+    if m.path is None:
+        return errors + [f"actor.router_replay={a.router_replay}: the built-in model "
+                         "(model.path=null) is a dense Llama; use model.path=builtin-moe or an "
+                         "MoE model, or router_replay=off"]
+    config_file = os.path.join(os.path.expanduser(m.path), "config.json")
+    if m.path != "builtin-moe" and os.path.isfile(config_file):
+        from parallel_models.config import ModelConfig
+
+        if not ModelConfig.from_hf(os.path.expanduser(m.path)).is_moe:
+            errors.append(f"actor.router_replay={a.router_replay}: {m.path} is a dense model "
+                          "(no MoE layer to replay); use router_replay=off")
     return errors
 
 

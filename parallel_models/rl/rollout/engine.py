@@ -66,16 +66,17 @@ class RolloutEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  generator: torch.Generator | None = None, top_logprobs: int = 0,
-                 on_step=None) -> GenerationOutput:
+                 on_step=None, record_routes: bool = False) -> GenerationOutput:
         """``params.n`` samples of each prompt (rows prompt-major). A ``params.seed`` seeds a
         generator of its own unless ``generator`` is given. ``top_logprobs=k`` also returns the
         k most likely tokens per step; ``on_step`` sees each step's tokens as they are drawn
-        (``generation.generate``)."""
+        (``generation.generate``); ``record_routes`` (MoE) also returns the experts every token
+        was routed to (``GenerationOutput.routes``)."""
         rows = [list(p) for p in prompts for _ in range(params.n)]
         one_each = params.model_copy(update={"n": 1})  # (a seed makes generate's generator)
         out = generate(self.model, rows, one_each, generator=generator,
                        stop_token_ids=self.stop_ids(params), pad_token_id=self.pad_token_id,
-                       top_logprobs=top_logprobs, on_step=on_step)
+                       top_logprobs=top_logprobs, on_step=on_step, record_routes=record_routes)
         self.generated_tokens += int(out.response_mask.sum())
         return out
 

@@ -52,4 +52,4 @@ def recorded_routes(session, microbatches: list[dict], indices, num_experts: int
         out = torch.full((*mask.shape, *packed.shape[1:]), route_utils.MISSING, dtype=torch.long)
         out[mask] = packed
         rows.append(route_utils.compact(out, num_experts))
-    return restore_order(rows, indices)
+    return restore_order(rows, indices).to(microbatches[0]["attention_mask"].device)

@@ -54,10 +54,11 @@ def _max_diff(logp, batch) -> float:
                  .abs().max())
 
 
-def replay_against_rollout(paths: dict, tp: int, ep: int) -> dict:
+def replay_against_rollout(paths: dict, tp: int, ep: int, save_dir: str | None = None) -> dict:
     """Per model: log-prob max abs difference rollout vs old-log-prob forward and the route
     mismatch, with replay off and with R3 (rollout routes replayed), in two microbatch
-    budgets; the routes R3 used vs the rollout's; ``plain`` also :func:`replay_identity`."""
+    budgets; the routes R3 used vs the rollout's; ``plain`` also :func:`replay_identity`.
+    ``save_dir``: rank 0 saves its rollout batches there (for :func:`replay_through_pipeline`)."""
     import parallel_models as pm
     from parallel_models.rl.roles import PolicyRole
     from parallel_models.utils import routes as route_utils
@@ -70,6 +71,8 @@ def replay_against_rollout(paths: dict, tp: int, ep: int) -> dict:
         cls = pm.get_model_class(pm.registry.architecture_of(path), "causal_lm", rmpad=True)
         model = cls.from_pretrained(path, dtype=torch.float32)
         batch = _rollout(model, seed=11 + mpu.get_data_parallel_rank())
+        if save_dir is not None and torch.distributed.get_rank() == 0:
+            torch.save(dict(batch.tensor_items()), f"{save_dir}/{name}.pt")
         res = {"routes_dtype": str(batch.routes.dtype), "routes_shape": tuple(batch.routes.shape)}
         for budget in (40, 4096):
             role = PolicyRole(model, None, max_tokens=budget)
@@ -113,3 +116,32 @@ def replay_identity(model) -> dict:
     return {"logits": float((logits0 - logits1).abs().max()), "grads": grad_diff,
             "same_grad_keys": grads0.keys() == grads1.keys(), "router_grads": router_grads,
             "compared": second.compared, "differing": second.differing}
+
+
+def replay_through_pipeline(paths: dict, save_dir: str) -> dict:
+    """PP=2 (layers [0, 1] | [2]: an MoE layer on each stage): the old-log-prob forward of the
+    saved rollout batches through megatron-core's schedule, off and R3 (each stage replays its
+    own layers' routes; mismatch counts summed over the stages)."""
+    import parallel_models as pm
+    from parallel_models.rl.batch import RolloutBatch
+    from parallel_models.rl.roles import PolicyRole
+    from parallel_models.utils import routes as route_utils
+
+    pm.init_parallel(pipeline_parallel_size=2)
+    out = {}
+    for name, path in paths.items():
+        batch = RolloutBatch(**torch.load(f"{save_dir}/{name}.pt"))
+        cls = pm.get_model_class(pm.registry.architecture_of(path), "causal_lm", rmpad=True,
+                                 pp=True)
+        chunk = pm.build_pipeline_chunks(cls, path, dtype=torch.float32,
+                                         layers_per_stage=[2, 1])[0]
+        role = PolicyRole(chunk, None, max_tokens=40)
+        res = {"off_diff": _max_diff(role.log_probs(batch), batch),
+               "off_mismatch": role.route_session.mismatch}
+        res["r3_diff"] = _max_diff(role.log_probs(batch, replay=True, record=True), batch)
+        used, given = route_utils.expand(role.recorded_routes), route_utils.expand(batch.routes)
+        res["r3_routes"] = route_utils.share_differing(used, given)
+        res["stage_layers"] = sorted({int(layer) for layer in
+                                      (used[..., 0] >= 0).nonzero()[:, 2].tolist()})
+        out[name] = res
+    return out

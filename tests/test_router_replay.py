@@ -7,6 +7,7 @@ record, fp32 on gloo, at TP=1, EP=2 and TP=2 (sequence parallel, which MoE at TP
   some tokens differently from the rollout (which groups the same tokens otherwise: a packed
   prefill, then one token per row and step) and its log-probs are off by ~1e-2; R3 removes
   both;
+- PP=2: each stage replays its own MoE layers' routes (the same rollout batches);
 - replaying routes that agree changes nothing: logits and gradients equal (<= 1e-6), and the
   router still gets gradients.
 """
@@ -27,12 +28,24 @@ def models(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def results(models):
+def results(models, tmp_path_factory):
     out = {}
+    saved = str(tmp_path_factory.mktemp("rollouts"))
     for name, (tp, ep) in SETTINGS.items():
         out[name] = run_distributed(checks.replay_against_rollout, tp * ep, models, tp, ep,
-                                    timeout=300)
+                                    saved if name == "tp1" else None, timeout=300)
+    out["pp2"] = run_distributed(checks.replay_through_pipeline, 2, models, saved, timeout=300)
     return out
+
+
+def test_r3_through_the_pipeline_stages(results):
+    for rank, res in enumerate(results["pp2"]):
+        for model, r in res.items():
+            assert r["r3_diff"] <= LOGP_TOL, (rank, model, r)
+            differing, compared = r["r3_routes"]
+            assert compared > 100 and differing == 0, (rank, model, r)
+            assert r["stage_layers"] == [rank], r  # each stage records its own MoE layer only
+        assert res["near_tie"]["off_mismatch"] > 0.01 and res["near_tie"]["off_diff"] > 1e-3
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))

@@ -145,3 +145,18 @@ def replay_through_pipeline(paths: dict, save_dir: str) -> dict:
                                       (used[..., 0] >= 0).nonzero()[:, 2].tolist()})
         out[name] = res
     return out
+
+
+def inprocess_greedy_routes(path: str, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """The in-process engine's greedy rollout of ``prompts`` with routes (server reference)."""
+    import parallel_models as pm
+    from parallel_models.rl.rollout.engine import RolloutEngine
+    from parallel_models.rl.rollout.sampling import SamplingParams
+
+    pm.init_parallel()
+    cls = pm.get_model_class(pm.registry.architecture_of(path), "causal_lm", rmpad=True)
+    model = cls.from_pretrained(path, dtype=torch.float32)
+    out = RolloutEngine(model).generate(
+        prompts, SamplingParams(max_new_tokens=max_new_tokens, greedy=True, ignore_eos=True),
+        record_routes=True)
+    return {"sequences": out.sequences, "routes": out.routes}

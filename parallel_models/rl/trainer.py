@@ -311,7 +311,9 @@ class PPOTrainer:
             out = server_rollout(self.rollout_client, prompt_ids, sampling, seed=seed,
                                  device=self.actor_model.device,
                                  eos_token_id=self.rollout_engine.eos_token_id,
-                                 pad_token_id=self.rollout_engine.pad_token_id)
+                                 pad_token_id=self.rollout_engine.pad_token_id,
+                                 num_experts=self.actor_model.config.num_experts
+                                 if self._moe else None)
             out.pop("weight_version", None)  # rollout_log_probs stay: mismatch metrics, TIS
             return RolloutBatch.from_dict(out)
         out = self.rollout_engine.generate(prompt_ids, sampling, record_routes=self._moe)

@@ -81,12 +81,15 @@ class RolloutEngine:
         return out
 
     def generate_samples(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                         top_logprobs: int = 0, on_step=None) -> list[dict]:
+                         top_logprobs: int = 0, on_step=None, record_routes: bool = False
+                         ) -> list[dict]:
         """Like :meth:`generate`, as one ``{"token_ids", "log_probs", "finish_reason"}`` dict per
         row (``"stop"`` when the last token is a stop id, else ``"length"``); ``top_logprobs=k``
         adds ``"top_logprobs"``: per token a list of k ``[token_id, log_prob]``, most likely
-        first."""
-        out = self.generate(prompts, params, top_logprobs=top_logprobs, on_step=on_step)
+        first; ``record_routes`` (MoE) adds ``"routes"``: per prompt and generated token, per MoE
+        layer, the k experts used (-1 where none: the last generated token)."""
+        out = self.generate(prompts, params, top_logprobs=top_logprobs, on_step=on_step,
+                            record_routes=record_routes)
         stops = set(self.stop_ids(params))
         mask, toks = out.response_mask.cpu(), out.responses.cpu()
         logps = out.log_probs.float().cpu()
@@ -96,6 +99,13 @@ class RolloutEngine:
             ids = toks[b, :k].tolist()
             samples.append({"token_ids": ids, "log_probs": logps[b, :k].tolist(),
                             "finish_reason": "stop" if ids and ids[-1] in stops else "length"})
+        if out.routes is not None:
+            from parallel_models.utils.routes import expand
+
+            real = out.attention_mask.bool().cpu()
+            routes = expand(out.routes.cpu())
+            for b, sample in enumerate(samples):
+                sample["routes"] = routes[b][real[b]].tolist()
         if out.top_token_ids is not None:
             top_ids, top_logps = out.top_token_ids.cpu(), out.top_log_probs.float().cpu()
             for b, sample in enumerate(samples):

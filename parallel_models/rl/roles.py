@@ -173,7 +173,7 @@ class PolicyRole(_ModelRole):
             logp, ent = _response_log_probs(out.logits, mb, self.temperature, True)
             mask = mb["response_mask"]
             tis = None
-            if cfg.tis_cap is not None:
+            if getattr(cfg, "tis_cap", None) is not None:
                 if "rollout_log_probs" not in mb:
                     raise ValueError("actor.tis_cap is set but the batch has no rollout log-probs")
                 tis = losses.truncated_is_weights(mb["old_log_probs"], mb["rollout_log_probs"],
@@ -198,7 +198,8 @@ class PolicyRole(_ModelRole):
             return loss * denom, denom, metrics
 
         mbs, _ = make_microbatches(batch, self.max_tokens)
-        with routing.routed_forwards(self.chunks, mbs, replay=cfg.router_replay != "off"):
+        replay = getattr(cfg, "router_replay", "off") != "off"
+        with routing.routed_forwards(self.chunks, mbs, replay=replay):
             out = train_step(self.state, mbs, loss_fn)
         weighted = {"pg_loss": "_denom", "entropy": "_denom", "pg_clipfrac": "_tokens",
                     "ppo_kl": "_tokens", "pg_clipfrac_lower": "_tokens"}

@@ -325,17 +325,17 @@ class PPOTrainer:
 
     def score_phase(self, batch: RolloutBatch) -> dict:
         """Old log-probs (actor), reference log-probs, values (critic) and scores (reward)."""
-        replay = self.cfg.actor.router_replay
+        replay = self.cfg.actor.router_replay  # MoE only (config check)
+        routing = dict(replay=replay == "R3", record=replay == "R2") if self._moe else {}
         with self._use(self.actor):  # R3 replays the rollout's routes, R2 records its own
-            batch.old_log_probs = self.actor.log_probs(batch, replay=replay == "R3",
-                                                       record=replay == "R2")
-        mismatch = rollout_mismatch_metrics(batch, self.actor.route_session)
+            batch.old_log_probs = self.actor.log_probs(batch, **routing)
+        mismatch = rollout_mismatch_metrics(batch, getattr(self.actor, "route_session", None))
         if replay == "R2":
             batch.routes = self.actor.recorded_routes
         if self.ref is not None:
+            ref_routing = {"replay": True} if self.cfg.actor.router_replay_reference else {}
             with self._use(self.ref):
-                batch.ref_log_probs = self.ref.log_probs(
-                    batch, replay=self.cfg.actor.router_replay_reference)
+                batch.ref_log_probs = self.ref.log_probs(batch, **ref_routing)
         if self.critic is not None:
             with self._use(self.critic):
                 batch.values = self.critic.values(batch)

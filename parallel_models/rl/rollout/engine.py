@@ -33,11 +33,18 @@ class WeightUpdateError(RuntimeError):
     """Loading new weights failed (here or on another rank); the old weights were restored."""
 
 
-def load_weights(model, path: str) -> None:
-    """Fill ``model`` (this rank's shard) from ``path``; a seam tests can replace."""
-    from parallel_models.llama.checkpoint_utils.loader import load_hf_weights
+def load_weights(model, path) -> None:
+    """Fill ``model`` (this rank's shard) from ``path`` (a folder, or a loader ``WeightReader``
+    over tensors in memory: a streamed push); a seam tests can replace."""
+    from parallel_models.llama.checkpoint_utils import loader
 
-    load_hf_weights(model, path)
+    if isinstance(path, str):
+        loader.load_hf_weights(model, path)
+    else:
+        loader.load_weights(model, path, model.weight_map)
+    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise ValueError(f"non-finite weights after loading: {', '.join(bad[:5])}")
 
 
 class RolloutEngine:
@@ -135,7 +142,11 @@ class RolloutEngine:
         for (_, t), saved in zip(self._tensors(), snapshot):
             t.copy_(saved)
 
-    def update_weights(self, path: str, group=None) -> dict:
+    @staticmethod
+    def _label(path) -> str:
+        return repr(path) if isinstance(path, str) else getattr(path, "folder", "<memory>")
+
+    def update_weights(self, path, group=None) -> dict:
         """Load ``path`` into the model, all or nothing. With ``group`` (a process group of every
         rank holding a shard; all call this together) the ranks agree: if loading fails on any
         of them, each restores its old shard. Returns ``{"weight_version", "path", "seconds"}``;
@@ -155,14 +166,14 @@ class RolloutEngine:
             if snapshot is not None:
                 self._restore(snapshot)
             if error is None:
-                raise WeightUpdateError(f"loading {path!r} failed on another rank; the previous "
+                raise WeightUpdateError(f"loading {self._label(path)} failed on another rank; the previous "
                                         f"weights (version {self.version}) were kept")
             raise WeightUpdateError(f"{type(error).__name__}: {error} (the previous weights, "
                                     f"version {self.version}, were kept)") from error
         del snapshot
         self.version += 1
-        self.weights_path = path
-        return {"weight_version": self.version, "path": path,
+        self.weights_path = path if isinstance(path, str) else getattr(path, "folder", None)
+        return {"weight_version": self.version, "path": self.weights_path,
                 "seconds": round(time.perf_counter() - t0, 3)}
 
 

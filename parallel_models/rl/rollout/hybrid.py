@@ -82,9 +82,11 @@ class HybridRollout:
         self.engine.version += 1
         return seconds
 
-    def rollout(self, prompt_ids: list[list[int]], sampling, version=None) -> dict:
+    def rollout(self, prompt_ids: list[list[int]], sampling, version=None,
+                num_experts: int | None = None) -> dict:
         """This rank's training-DP share of prompts -> its rows (``sampling.n`` per prompt), as
-        the trainer's rollout dict. Every rank calls this together."""
+        the trainer's rollout dict. Every rank calls this together. ``num_experts`` (an MoE
+        actor): the rows carry their routes too."""
         self.sync(version)
         prompt_ids = [list(map(int, p)) for p in prompt_ids]
         layout = self.layout
@@ -97,7 +99,8 @@ class HybridRollout:
         samples: list[dict] = []
         if mine:
             with layout.active():
-                samples = self.engine.generate_samples([p for _, _, p in mine], sampling)
+                samples = self.engine.generate_samples([p for _, _, p in mine], sampling,
+                                                       record_routes=num_experts is not None)
         n = sampling.n
         answers = {}
         if layout.tensor_parallel_rank == 0:
@@ -110,7 +113,7 @@ class HybridRollout:
         resp = {"results": [{"prompt_token_ids": p, "samples": answers[(d, i)]}
                             for i, p in enumerate(prompt_ids)],
                 "weight_version": self.engine.version}
-        batch = batch_from_response(resp, n, self.pad_token_id)
+        batch = batch_from_response(resp, n, self.pad_token_id, num_experts)
         device = self.engine.device
         return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 

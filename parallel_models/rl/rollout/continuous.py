@@ -4,7 +4,8 @@
 waiting requests that fit (``scheduler.Scheduler``: a KV budget in tokens, FIFO; a request that
 can never fit raises :class:`~parallel_models.rl.rollout.scheduler.KVBudgetError` at
 :meth:`submit`), prefills their prompts packed, **once per request** (the prompt KV is copied into
-its n samples' regions, ``pool_cache.PoolKVCache.copy``; with ``prefix_cache_tokens`` an
+its n samples' regions, ``pool_cache.PoolKVCache.copy``, and into those of any other request
+with the same prompt admitted in the same step; with ``prefix_cache_tokens`` an
 identical prompt seen before skips the prefill, ``prefix_cache.PrefixCache``), then runs one
 decode step of every running row. A finished row leaves at once and frees its region and row.
 
@@ -213,8 +214,13 @@ class ContinuousEngine:
     def _prefill(self, admitted) -> None:
         device, cache = self.device, self.cache
         logits_of: dict[int, torch.Tensor] = {}
-        misses = []
+        misses, first_of, copy_of = [], {}, {}
         for i, (req, starts) in enumerate(admitted):
+            key = tuple(req.prompt)
+            if key in first_of:  # the same prompt admitted twice now: one prefill serves both
+                copy_of[i] = first_of[key]
+                continue
+            first_of[key] = i
             hit = self.prefixes.get(req.prompt) if self.prefixes is not None else None
             if hit is None:
                 misses.append(i)
@@ -239,7 +245,12 @@ class ContinuousEngine:
         rows, row_logits = [], []
         for i, (req, starts) in enumerate(admitted):
             p = len(req.prompt)
-            cache.copy(starts[0], starts[1:], p)  # the n samples share one prefill
+            if i in copy_of:
+                source = copy_of[i]
+                cache.copy(admitted[source][1][0], starts, p)
+                logits_of[i] = logits_of[source]
+            else:
+                cache.copy(starts[0], starts[1:], p)  # the n samples share one prefill
             if self.prefixes is not None and i in misses:
                 k, v = cache.read(starts[0], p)
                 self.prefixes.put(req.prompt, k, v, logits_of[i].clone())

@@ -5,7 +5,8 @@ transformers.generate (static cache), same weights, one process; and a GRPO-shap
                                   [--grpo-prompts 64 --grpo-n 8 --grpo-cap 2048] [--out r.json]
 
 Model: the 0.89B Llama shape of bench/train_bench.py (hidden 2048, 16 layers, 16 heads, 8 KV
-heads, intermediate 5632, vocab 32000), random weights, bf16.
+heads, intermediate 5632, vocab 32000; ``--hidden ...`` change it, e.g. for a CPU smoke run),
+random weights, bf16.
 
 - ``decode``: per batch size B, B random 128-token prompts, greedy with ``ignore_eos``:
   ``static`` = ``generation.generate`` (one CUDA graph per call); ``continuous`` =
@@ -17,8 +18,8 @@ heads, intermediate 5632, vocab 32000), random weights, bf16.
   flip near-ties, so informational).
 - ``grpo``: ``--grpo-prompts`` prompts x ``--grpo-n`` samples, response lengths lognormal
   (median 256, sigma 1) capped at ``--grpo-cap``, forced with ``ignore_eos`` + per-sample
-  ``max_new_tokens``: ``static`` = today's path, one ``generate`` of all rows running until the
-  longest finishes; ``continuous`` = each sample its own request (its own max_new_tokens), rows
+  ``max_new_tokens``: ``static`` = today's path, ``generate`` over ``--static-batch`` rows at a
+  time (16 prompts x 8), each call running until its longest row finishes; ``continuous`` = each sample its own request (its own max_new_tokens), rows
   leave when done, the prompt prefilled once per group (identical prompts admitted together
   share one prefill). Reports seconds, useful tokens/s and the speedup.
 """
@@ -40,8 +41,9 @@ def build(args, dev):
 
     import parallel_models as pm
 
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                      num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                      intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                      num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
                       max_position_embeddings=8192, architectures=["LlamaForCausalLM"])
     torch.manual_seed(0)
     folder = os.path.join(tempfile.mkdtemp(), "model")
@@ -52,12 +54,22 @@ def build(args, dev):
     return cfg, hf, ours
 
 
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def sync_time(fn) -> float:
-    torch.cuda.synchronize()
+    """Wall seconds of ``fn()`` (the host loop is part of what is measured), GPU synchronized."""
+    _sync()
     t = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    _sync()
     return time.perf_counter() - t
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def continuous_decode(ours, prompts, new, budget):
@@ -70,11 +82,7 @@ def continuous_decode(ours, prompts, new, budget):
     for warm in range(2):  # the first pass captures the bucket's graph
         reqs = [eng.submit(p, params) for p in prompts]
         eng.step()  # prefill + first decode step
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        eng.run()
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - t
+        seconds = sync_time(eng.run)
     return 1e3 * seconds / (new - 2), [r.samples[0].token_ids for r in reqs]
 
 
@@ -104,15 +112,19 @@ def decode_case(args, cfg, hf, ours, dev, batch):
                                min_new_tokens=n, do_sample=False, pad_token_id=0,
                                cache_implementation="static")
 
-        hf_gen(2)
-        t1 = sync_time(lambda: hf_gen(1))
-        tn = sync_time(lambda: hf_gen(args.hf_new))
-        out["hf_static_cache_ms_per_step"] = 1e3 * (tn - t1) / (args.hf_new - 1)
+        try:
+            hf_gen(2)
+            t1 = sync_time(lambda: hf_gen(1))
+            tn = sync_time(lambda: hf_gen(args.hf_new))
+            out["hf_static_cache_ms_per_step"] = 1e3 * (tn - t1) / (args.hf_new - 1)
+        except Exception as exc:  # noqa: BLE001 - keep our figures if transformers fails
+            out["hf_error"] = f"{type(exc).__name__}: {exc}"
+            out["hf_static_cache_ms_per_step"] = float("nan")
     n_params = sum(p.numel() for p in hf.parameters())
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     kv_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2
                 * batch * (P + new / 2))
-    bw = 3.35e12 if "H100" in torch.cuda.get_device_name() else 4.8e12
+    bw = 3.35e12 if "H100" in device_name() else 4.8e12
     out["hbm_floor_ms_per_step"] = 1e3 * (n_params * 2 + kv_bytes) / bw
     for k in ("static", "continuous"):
         out[f"{k}_over_floor"] = out[f"{k}_ms_per_step"] / out["hbm_floor_ms_per_step"]
@@ -136,8 +148,16 @@ def grpo_case(args, cfg, ours):
            "useful_tokens": useful, "max_length": max(lengths),
            "mean_length": useful / len(lengths)}
     with torch.no_grad():
-        static = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=max(lengths))
-        res["static_s"] = sync_time(lambda: generate(ours, rows, static))
+        chunk = args.static_batch
+
+        def run_static():  # rows in chunks; each chunk decodes until its longest row is done
+            for i in range(0, len(rows), chunk):
+                longest = max(lengths[i:i + chunk])
+                generate(ours, rows[i:i + chunk],
+                         SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=longest))
+
+        res["static_batch"] = chunk
+        res["static_s"] = sync_time(run_static)
         budget = sum(args.prompt + n for n in lengths)
         eng = ContinuousEngine(ours, budget, max_rows=len(rows),
                                max_row_tokens=args.prompt + args.grpo_cap)
@@ -154,10 +174,10 @@ def grpo_case(args, cfg, ours):
         for b in eng.buckets:
             if eng._steps[b].use_graph and eng._steps[b].graph is None:
                 _warm_bucket(eng, b)
-        before = eng.prefilled_prompts
+        before, steps = eng.prefilled_prompts, eng.steps
         res["continuous_s"] = sync_time(run_continuous)
         res["continuous_prefills"] = eng.prefilled_prompts - before
-        res["continuous_steps"] = eng.steps
+        res["continuous_steps"] = eng.steps - steps
     res["static_useful_tok_s"] = useful / res["static_s"]
     res["continuous_useful_tok_s"] = useful / res["continuous_s"]
     res["speedup"] = res["static_s"] / res["continuous_s"]
@@ -175,6 +195,12 @@ def _warm_bucket(eng, size):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--intermediate", type=int, default=5632)
+    ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
@@ -182,6 +208,9 @@ def main() -> None:
     ap.add_argument("--grpo-prompts", type=int, default=64)
     ap.add_argument("--grpo-n", type=int, default=8)
     ap.add_argument("--grpo-cap", type=int, default=2048)
+    ap.add_argument("--static-batch", type=int, default=128,
+                    help="rows per static generate call in the GRPO case (all 512 rows with "
+                         "2048-token rows need ~73 GB of KV: more than an H100 holds)")
     ap.add_argument("--cases", default="decode,grpo")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -191,15 +220,25 @@ def main() -> None:
     pm.init_parallel()
     dev = pm.compute_device()
     cfg, hf, ours = build(args, dev)
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+    res = {"device": device_name(), "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "args": vars(args)}
     t0 = time.perf_counter()
     if "decode" in args.cases:
-        res["decode"] = [decode_case(args, cfg, hf, ours, dev, b) for b in args.batches]
+        res["decode"] = []
+        for b in args.batches:
+            try:
+                res["decode"].append(decode_case(args, cfg, hf, ours, dev, b))
+            except Exception as exc:  # noqa: BLE001 - report and go on to the next case
+                res[f"decode_{b}_error"] = f"{type(exc).__name__}: {exc}"
+                print(res[f"decode_{b}_error"])
     if "grpo" in args.cases:
         del hf
-        torch.cuda.empty_cache()
-        res["grpo"] = grpo_case(args, cfg, ours)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        try:
+            res["grpo"] = grpo_case(args, cfg, ours)
+        except Exception as exc:  # noqa: BLE001
+            res["grpo_error"] = f"{type(exc).__name__}: {exc}"
     res["bench_seconds"] = time.perf_counter() - t0
     report(res, args.out)
     print("| batch | static ms/step | continuous ms/step | HF static cache ms/step | HBM floor "

@@ -164,6 +164,8 @@ class ContinuousEngine:
         self.running: list[_Row] = []
         self.steps = 0
         self.prefilled_prompts = 0  # prompts run through the model (prefix hits excluded)
+        self.generated_tokens = 0
+        self.on_tokens: Callable[[int], None] | None = None  # (tokens drawn), before callbacks
 
     # ---- requests -------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: SamplingParams, *, stop_ids=(),
@@ -178,8 +180,9 @@ class ContinuousEngine:
         if top_logprobs < 0:
             raise ValueError(f"top_logprobs must be >= 0, got {top_logprobs}")
         seed = params.seed
-        if seed is None:
-            seed = int(torch.randint(0, 1 << 62, (1,), generator=generator))
+        if seed is None:  # (greedy draws no noise: the global generator is left alone)
+            seed = 0 if params.greedy else int(torch.randint(0, 1 << 62, (1,),
+                                                             generator=generator))
         req = Request(prompt, params, frozenset(stop_ids), top_logprobs, int(seed), on_token,
                       on_done)
         self.scheduler.add(req)  # KVBudgetError before anything is queued
@@ -301,6 +304,9 @@ class ContinuousEngine:
             top = (top[0].tolist(), top[1].tolist())
         if newly_admitted:
             self.running.extend(rows)
+        self.generated_tokens += len(rows)
+        if self.on_tokens is not None:
+            self.on_tokens(len(rows))
         finished = []
         for i, r in enumerate(rows):
             req, sample = r.request, r.request.samples[r.index]
@@ -330,6 +336,12 @@ class ContinuousEngine:
                 r.request.rows_left -= 1
                 if r.request.rows_left == 0 and r.request.on_done is not None:
                     r.request.on_done(r.request)
+
+
+def request_seed(seed: int | None, index: int) -> int | None:
+    """The seed of prompt ``index`` of a call seeded with ``seed`` (None stays None): distinct
+    prompts of one call get distinct noise."""
+    return None if seed is None else (int(seed) * 1_000_003 + index) & ((1 << 62) - 1)
 
 
 def generation_output(requests: Sequence[Request], pad_token_id: int = 0):
@@ -365,4 +377,5 @@ def generation_output(requests: Sequence[Request], pad_token_id: int = 0):
                             top_token_ids=top_ids, top_log_probs=top_vals)
 
 
-__all__ = ["ContinuousEngine", "KVBudgetError", "Request", "Sample", "generation_output"]
+__all__ = ["ContinuousEngine", "KVBudgetError", "Request", "Sample", "generation_output",
+           "request_seed"]

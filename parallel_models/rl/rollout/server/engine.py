@@ -7,7 +7,9 @@ and run the same commands, so the TP collectives inside ``generate`` match. All 
 rank 0 happens on one thread (the batcher), so a weight update runs between batches: requests
 already in a batch finish on the old weights, later ones see the new ones. Weight updates are
 atomic across the ranks (the engine's ``update_weights`` with the control group): if any rank
-fails to load, every rank keeps its old shard and the version does not move.
+fails to load, every rank keeps its old shard and the version does not move. In continuous mode
+(the rollout engine has a KV budget) the command is ``cstep``: new requests + one engine step
+(``server/continuous_batcher.py``).
 """
 
 from __future__ import annotations
@@ -73,6 +75,17 @@ class Engine:
         self._broadcast(("generate", calls))
         return self._do_generate(calls, on_step)
 
+    def run_cstep(self, submissions: list, hooks: list | None = None) -> None:
+        """Continuous mode: submit ``submissions`` (``(prompt, params, top_logprobs)``; rank 0's
+        ``hooks[i]`` = ``(on_token, on_done)``) and run one engine step, on every rank."""
+        self._broadcast(("cstep", submissions))
+        self._do_cstep(submissions, hooks)
+
+    def reset_continuous(self) -> None:
+        """Drop every running request (after a failed step), on every rank."""
+        self._broadcast(("creset",))
+        self.rollout._continuous = None
+
     def update_weights(self, path: str) -> dict:
         self._broadcast(("update", path))
         return self._do_update(path)
@@ -90,6 +103,17 @@ class Engine:
         self.batches += 1
         return outs
 
+    def _do_cstep(self, submissions: list, hooks: list | None = None) -> None:
+        engine = self.rollout.continuous_engine()
+        self.model.eval()
+        for (prompt, params, top_k), (on_token, on_done) in zip(
+                submissions, hooks or [(None, None)] * len(submissions)):
+            engine.submit(prompt, params, stop_ids=self.rollout.stop_ids(params),
+                          top_logprobs=top_k, on_token=on_token, on_done=on_done)
+        if engine.has_work:
+            engine.step()
+            self.batches = engine.steps
+
     def _do_update(self, path: str) -> dict:
         group = self.group if self.world > 1 else None
         return self.rollout.update_weights(path, group=group)
@@ -100,6 +124,11 @@ class Engine:
             return self._do_generate(cmd[1])
         if kind == "update":
             return self._do_update(cmd[1])
+        if kind == "cstep":
+            return self._do_cstep(cmd[1])
+        if kind == "creset":
+            self.rollout._continuous = None
+            return None
         raise ValueError(f"unknown command {kind!r}")
 
 

@@ -330,7 +330,8 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
                 "eos_token_id": eos, "limits": dataclasses.asdict(limits),
                 "stats": {"requests": state["requests"], "batches": engine.batches,
                           "generated_tokens": engine.generated_tokens,
-                          "uptime_s": round(time.time() - state["started"], 1)}}
+                          "uptime_s": round(time.time() - state["started"], 1),
+                          **engine.continuous_stats()}}
 
     def _encode(prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -61,6 +61,18 @@ class Engine:
     def generated_tokens(self) -> int:
         return self.rollout.generated_tokens
 
+    def continuous_stats(self) -> dict:
+        """Continuous mode: the engine's state for ``/info`` (empty otherwise)."""
+        c = self.rollout._continuous
+        if c is None:
+            return {}
+        return {"engine_steps": c.steps, "running_rows": len(c.running),
+                "waiting_requests": len(c.scheduler.waiting),
+                "kv_used_tokens": c.scheduler.pool.used,
+                "kv_budget_tokens": c.scheduler.pool.capacity,
+                "prompts_prefilled": c.prefilled_prompts,
+                "prefix_cache_hits": c.prefixes.hits if c.prefixes is not None else 0}
+
     # ---- rank 0 side ---------------------------------------------------------------------
     def _broadcast(self, cmd):
         if self.world > 1:

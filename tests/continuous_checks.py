@@ -134,5 +134,20 @@ def check_continuous(path: str, tp: int) -> dict:
     before = lru.prefilled_prompts
     lru.run()
     res["lru_prefilled_after_clear"] = lru.prefilled_prompts - before
+
+    # -- RolloutEngine (the trainer's entry point) in continuous mode == static, greedy --
+    from parallel_models.rl.rollout.engine import RolloutEngine
+
+    params = SamplingParams(greedy=True, n=2, max_new_tokens=MAX_NEW)
+    static = RolloutEngine(model, eos_token_id=7).generate(prompts[:5], params)
+    cont = RolloutEngine(model, eos_token_id=7, kv_budget_tokens=100, max_rows=4)
+    got = cont.generate(prompts[:5], params)
+    res["engine_equal"] = all(torch.equal(getattr(static, f), getattr(got, f)) for f in
+                              ("prompts", "prompt_mask", "responses", "response_mask"))
+    res["engine_logp_err"] = (static.log_probs - got.log_probs).abs().max().item()
+    res["engine_tokens_counted"] = cont.generated_tokens == int(got.response_mask.sum())
+    sampled = SamplingParams(n=2, max_new_tokens=MAX_NEW, temperature=0.9, seed=11)
+    one, two = cont.generate(prompts[:5], sampled), cont.generate(prompts[:5], sampled)
+    res["engine_seeded_same"] = torch.equal(one.responses, two.responses)
     pm.destroy_parallel()
     return res

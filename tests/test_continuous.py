@@ -75,3 +75,12 @@ def test_token_pool_first_fit_and_merge():
     pool.free(0, 6)
     pool.free(c, 3)
     assert pool.used == 0 and pool.allocate(10) == 0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_rollout_engine_continuous_equals_static(results, tp):
+    """RolloutEngine.generate (the trainer's call) with a KV budget: the same GenerationOutput
+    as static batches (greedy), seeded calls reproducible."""
+    r = results[tp][0]
+    assert r["engine_equal"] and r["engine_logp_err"] <= 1e-5
+    assert r["engine_tokens_counted"] and r["engine_seeded_same"]

@@ -169,7 +169,9 @@ class PPOTrainer:
         pad = self.tokenizer.pad_token_id
         self.rollout_engine = RolloutEngine(self.actor_model,
                                             eos_token_id=self.tokenizer.eos_token_id,
-                                            pad_token_id=pad if pad is not None else 0)
+                                            pad_token_id=pad if pad is not None else 0,
+                                            kv_budget_tokens=r.kv_budget_tokens or None,
+                                            max_rows=r.max_batch_rows)
         self.rollout_client = None
         if r.backend == "server":
             from parallel_models.rl.rollout.server import RolloutClient

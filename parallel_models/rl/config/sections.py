@@ -90,6 +90,11 @@ class RolloutSection(SamplingFields):
         "inprocess", description="inprocess | server (parallel-models-serve at server_url)")
     server_url: Optional[str] = Field(None, description="rollout.backend=server: the server's "
                                                         "base URL")
+    kv_budget_tokens: Int = Field(0, ge=0, description="inprocess: continuous batching with this "
+                                  "many KV positions for all running samples (rows leave when "
+                                  "done, the n samples share one prefill); 0 = static batches")
+    max_batch_rows: Int = Field(256, ge=1, description="continuous batching: samples decoding "
+                                                       "at once at most")
 
     def sampling_params(self, seed: int | None = None) -> SamplingParams:
         """The :class:`SamplingParams` of this section (with ``seed``)."""

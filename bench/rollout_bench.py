@@ -16,6 +16,8 @@ random weights, bf16.
   context, P + new/2) / bandwidth (3.35 TB/s H100, 4.8 TB/s H200). ``tokens_equal_static``: the
   fraction of rows whose continuous greedy tokens equal the static ones (bf16: batch shape can
   flip near-ties, so informational).
+- ``prefix``: the ``--grpo-n`` samples of one prompt of each ``--prefix-lengths``: one prefill +
+  copies of its KV (what the engine does) vs n prefills; and the copies alone.
 - ``grpo``: ``--grpo-prompts`` prompts x ``--grpo-n`` samples, response lengths lognormal
   (median 256, sigma 1) capped at ``--grpo-cap``, forced with ``ignore_eos`` + per-sample
   ``max_new_tokens``: ``static`` = today's path, ``generate`` over ``--static-batch`` rows at a
@@ -184,6 +186,40 @@ def grpo_case(args, cfg, ours):
     return res
 
 
+def prefix_case(args, cfg, ours) -> list:
+    """The n samples of one prompt: one prefill + copies of its KV into the other n-1 regions
+    (what the engine does) vs n prefills (n distinct prompts of the same length, one packed
+    forward); and the copies alone. One engine step each (prefill, 1 token)."""
+    from parallel_models.rl.rollout.continuous import ContinuousEngine
+    from parallel_models.rl.rollout.sampling import SamplingParams
+
+    n, out = args.grpo_n, []
+    one = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=1)
+    for P in args.prefix_lengths:
+        eng = ContinuousEngine(ours, n * (P + 1), max_rows=n)
+        g = torch.Generator().manual_seed(P)
+        prompts = torch.randint(0, cfg.vocab_size, (n, P), generator=g).tolist()
+
+        def shared():
+            eng.submit(prompts[0], one.model_copy(update={"n": n}))
+            eng.run()
+
+        def separate():
+            for p in prompts:
+                eng.submit(p, one)
+            eng.run()
+
+        times = {}
+        for name, fn in (("shared", shared), ("separate", separate)):
+            fn()  # warm
+            times[name] = min(sync_time(fn) for _ in range(3))
+        copy = min(sync_time(lambda: eng.cache.copy(0, [(P + 1) * i for i in range(1, n)], P))
+                   for _ in range(3))
+        out.append({"prompt": P, "n": n, "one_prefill_plus_copies_ms": 1e3 * times["shared"],
+                    "n_prefills_ms": 1e3 * times["separate"], "copies_only_ms": 1e3 * copy})
+    return out
+
+
 def _warm_bucket(eng, size):
     """Run ``size`` one-token prompts for 3 tokens so the bucket's graph is captured."""
     from parallel_models.rl.rollout.sampling import SamplingParams
@@ -211,7 +247,8 @@ def main() -> None:
     ap.add_argument("--static-batch", type=int, default=128,
                     help="rows per static generate call in the GRPO case (all 512 rows with "
                          "2048-token rows need ~73 GB of KV: more than an H100 holds)")
-    ap.add_argument("--cases", default="decode,grpo")
+    ap.add_argument("--prefix-lengths", type=int, nargs="+", default=[128, 1024])
+    ap.add_argument("--cases", default="decode,grpo,prefix")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -231,6 +268,8 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 - report and go on to the next case
                 res[f"decode_{b}_error"] = f"{type(exc).__name__}: {exc}"
                 print(res[f"decode_{b}_error"])
+    if "prefix" in args.cases:
+        res["prefix"] = prefix_case(args, cfg, ours)
     if "grpo" in args.cases:
         del hf
         if torch.cuda.is_available():

@@ -12,7 +12,7 @@ random weights, bf16.
   ``static`` = ``generation.generate`` (one CUDA graph per call); ``continuous`` =
   ``ContinuousEngine`` (bucketed CUDA graphs, one host sync per step), decode steps timed after
   the prefill step; ``hf`` = ``transformers.generate(cache_implementation="static")``, ms per new
-  token over ``--hf-new`` tokens. HBM floor per step = (weight bytes + KV bytes read at the mean
+  token over ``--hf-new`` tokens (eager; ``--hf-compile`` lets transformers compile it). HBM floor per step = (weight bytes + KV bytes read at the mean
   context, P + new/2) / bandwidth (3.35 TB/s H100, 4.8 TB/s H200). ``tokens_equal_static``: the
   fraction of rows whose continuous greedy tokens equal the static ones (bf16: batch shape can
   flip near-ties, so informational).
@@ -112,7 +112,8 @@ def decode_case(args, cfg, hf, ours, dev, batch):
         def hf_gen(n):
             return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                                min_new_tokens=n, do_sample=False, pad_token_id=0,
-                               cache_implementation="static")
+                               cache_implementation="static",
+                               disable_compile=not args.hf_compile)
 
         try:
             hf_gen(2)
@@ -241,6 +242,9 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--hf-new", type=int, default=32)
+    ap.add_argument("--hf-compile", action="store_true",
+                    help="let transformers torch.compile its static-cache decode (minutes of "
+                         "compilation per batch size; off by default to stay under 5 min)")
     ap.add_argument("--grpo-prompts", type=int, default=64)
     ap.add_argument("--grpo-n", type=int, default=8)
     ap.add_argument("--grpo-cap", type=int, default=2048)

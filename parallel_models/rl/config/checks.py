@@ -24,19 +24,26 @@ def _model_problems(cfg) -> list[str]:
     errors = []
     if m.path is not None and _is_local(m.path) and not os.path.isdir(os.path.expanduser(m.path)):
         errors.append(f"model.path: {m.path!r} is not a directory (an HF model folder)")
-    if par.pipeline_parallel_size > 1 and r.backend == "inprocess":
-        errors.append(f"parallel.pipeline_parallel_size={par.pipeline_parallel_size}: "
-                      "in-process rollout generation needs pipeline_parallel_size=1 "
-                      "(use tensor/data parallelism, or rollout.backend=server)")
-    if m.path is not None and par.tensor_parallel_size > 1 and \
-            os.path.isfile(os.path.join(os.path.expanduser(m.path), "config.json")):
+    if par.backend == "fsdp":
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(par, key) != 1:
+                errors.append(f"parallel.{key}={getattr(par, key)}: parallel.backend=fsdp "
+                              "shards over data-parallel ranks only; set it to 1")
+        if r.backend != "inprocess":
+            errors.append("rollout.backend=server: parallel.backend=fsdp generates in-process "
+                          "(set rollout.backend=inprocess)")
+    if m.path is not None and os.path.isfile(os.path.join(os.path.expanduser(m.path),
+                                                          "config.json")):
         from parallel_models.config import ModelConfig
 
-        try:
-            ModelConfig.from_hf(os.path.expanduser(m.path)).check_tensor_parallel(
-                par.tensor_parallel_size)
-        except ConfigError as err:
-            errors.append(f"parallel.tensor_parallel_size: {m.path}: {err}")
+        for key, tp in (("parallel.tensor_parallel_size", par.tensor_parallel_size),
+                        ("rollout.tensor_parallel_size", r.tensor_parallel_size or 1)):
+            if tp == 1:
+                continue
+            try:
+                ModelConfig.from_hf(os.path.expanduser(m.path)).check_tensor_parallel(tp)
+            except ConfigError as err:
+                errors.append(f"{key}: {m.path}: {err}")
     return errors
 
 
@@ -116,6 +123,10 @@ def _layout_problems(cfg, world_size: int) -> list[str]:
                 f"pipeline_parallel_size = {model_par}"]
     dp = world_size // model_par
     errors = []
+    rollout_tp = cfg.rollout.tensor_parallel_size
+    if rollout_tp is not None and world_size % rollout_tp:
+        errors.append(f"rollout.tensor_parallel_size ({rollout_tp}) does not divide the world "
+                      f"size ({world_size}): the rollout engine's TP groups cover every rank")
     if d.batch_size % dp:
         errors.append(f"data.batch_size ({d.batch_size}) is not divisible by the data-parallel "
                       f"size ({dp} = world size {world_size} / {model_par})")

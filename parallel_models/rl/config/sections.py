@@ -49,8 +49,19 @@ class ParallelSection(BaseModel):
     model_config = SECTION_CONFIG
 
     tensor_parallel_size: Int = Field(1, ge=1, description="divides the attention heads")
-    pipeline_parallel_size: Int = Field(1, ge=1, description="> 1 needs rollout.backend=server")
+    pipeline_parallel_size: Int = Field(1, ge=1, description="pipeline stages of the actor, "
+                                         "reference and critic")
     sequence_parallel: StrictBool = Field(False, description="sequence parallel on top of TP")
+    backend: Literal["megatron", "fsdp"] = Field(
+        "megatron", description="megatron (our parallel models; TP/PP/EP) | fsdp (any HF "
+                                "causal LM, torch FSDP2 over data-parallel ranks; TP=PP=1)")
+    fsdp_replicate_size: Int = Field(1, ge=1, description="fsdp: HSDP replicas (2-D mesh "
+                                     "replicate x shard); 1 = shard over all ranks")
+    activation_checkpointing: StrictBool = Field(False, description="fsdp: recompute each "
+                                                 "decoder layer in the backward")
+    fsdp_packed: StrictBool = Field(True, description="fsdp: packed sequences through "
+                                    "position_ids (transformers' packed masks / flash varlen); "
+                                    "false = padded batches")
 
 
 class DataSection(BaseModel):
@@ -90,6 +101,12 @@ class RolloutSection(SamplingFields):
         "inprocess", description="inprocess | server (parallel-models-serve at server_url)")
     server_url: Optional[str] = Field(None, description="rollout.backend=server: the server's "
                                                         "base URL")
+    weight_push: Literal["stream", "folder"] = Field(
+        "stream", description="backend=server: stream | folder (an HF folder the server loads; "
+                              "also the fallback when a stream fails)")
+    tensor_parallel_size: Optional[Int] = Field(
+        None, ge=1, description="in-process rollout engine's TP (null = the actor's); differs "
+                                "from it or PP > 1: weights resharded before each rollout")
     kv_budget_tokens: Int = Field(0, ge=0, description="inprocess: continuous batching with this "
                                   "many KV positions for all running samples (rows leave when "
                                   "done, the n samples share one prefill); 0 = static batches")
@@ -150,6 +167,9 @@ class RewardSection(BaseModel):
     model_path: Optional[str] = Field(None, description="type=model: HF sequence-"
                                                         "classification folder")
     tokenizer: Optional[str] = Field(None, description="null = the reward model's own")
+    weight_push: Literal["stream", "folder"] = Field(
+        "stream", description="backend=server: stream | folder (an HF folder the server loads; "
+                              "also the fallback when a stream fails)")
     tensor_parallel_size: Optional[Int] = Field(
         None, ge=1, description="null = the actor's (the reward model shares its groups for "
                                 "now)")

@@ -40,11 +40,18 @@ class WeightUpdateError(RuntimeError):
     """Loading new weights failed (here or on another rank); the old weights were restored."""
 
 
-def load_weights(model, path: str) -> None:
-    """Fill ``model`` (this rank's shard) from ``path``; a seam tests can replace."""
-    from parallel_models.llama.checkpoint_utils.loader import load_hf_weights
+def load_weights(model, path) -> None:
+    """Fill ``model`` (this rank's shard) from ``path`` (a folder, or a loader ``WeightReader``
+    over tensors in memory: a streamed push); a seam tests can replace."""
+    from parallel_models.llama.checkpoint_utils import loader
 
-    load_hf_weights(model, path)
+    if isinstance(path, str):
+        loader.load_hf_weights(model, path)
+    else:
+        loader.load_weights(model, path, model.weight_map)
+    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise ValueError(f"non-finite weights after loading: {', '.join(bad[:5])}")
 
 
 class RolloutEngine:
@@ -182,7 +189,11 @@ class RolloutEngine:
         for (_, t), saved in zip(self._tensors(), snapshot):
             t.copy_(saved)
 
-    def update_weights(self, path: str, group=None) -> dict:
+    @staticmethod
+    def _label(path) -> str:
+        return repr(path) if isinstance(path, str) else getattr(path, "folder", "<memory>")
+
+    def update_weights(self, path, group=None) -> dict:
         """Load ``path`` into the model, all or nothing. With ``group`` (a process group of every
         rank holding a shard; all call this together) the ranks agree: if loading fails on any
         of them, each restores its old shard. Returns ``{"weight_version", "path", "seconds"}``;
@@ -202,7 +213,7 @@ class RolloutEngine:
             if snapshot is not None:
                 self._restore(snapshot)
             if error is None:
-                raise WeightUpdateError(f"loading {path!r} failed on another rank; the previous "
+                raise WeightUpdateError(f"loading {self._label(path)} failed on another rank; the previous "
                                         f"weights (version {self.version}) were kept")
             raise WeightUpdateError(f"{type(error).__name__}: {error} (the previous weights, "
                                     f"version {self.version}, were kept)") from error
@@ -210,8 +221,8 @@ class RolloutEngine:
         if self._continuous is not None:
             self._continuous.clear_prefixes()  # KV of the old weights
         self.version += 1
-        self.weights_path = path
-        return {"weight_version": self.version, "path": path,
+        self.weights_path = path if isinstance(path, str) else getattr(path, "folder", None)
+        return {"weight_version": self.version, "path": self.weights_path,
                 "seconds": round(time.perf_counter() - t0, 3)}
 
 

@@ -19,6 +19,9 @@ Endpoints (JSON; with ``--api-key`` every endpoint but ``/health`` needs
   the old weights and the version moves by exactly one. Atomic: if loading fails on any rank
   (read error, out of memory, mismatch), the old weights stay bit-identical, the version does
   not move and the answer is 400 with the cause.
+- ``POST /update_weights_stream`` body: the weights as a stream of frames
+  (``weight_stream.py``; no size limit) -> the same answer as ``/update_weights``; a stream cut
+  short or a tensor that does not fit the model: 400, the old weights and version kept.
 - ``POST /shutdown`` -> graceful exit (in-flight requests finish); SIGTERM/SIGINT do the same.
 - The OpenAI-compatible API: ``GET /v1/models``, ``POST /v1/completions``,
   ``POST /v1/chat/completions`` (``openai_api``), batched with the requests above; its errors
@@ -425,6 +428,23 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
             raise ApiError(400, f"could not load weights from {req.path!r}: "
                                 f"{type(exc).__name__}: {exc}") from None
 
+    @app.post("/update_weights_stream")
+    async def update_weights_stream(request: Request):
+        from parallel_models.rl.rollout.server.weight_stream import (WeightStreamError,
+                                                                     receive_weight_stream)
+
+        try:
+            reader = await receive_weight_stream(request, engine)
+        except WeightStreamError as exc:
+            raise ApiError(400, str(exc)) from None
+        try:
+            return await _wait(batcher.submit("update", reader))
+        except ApiError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise ApiError(400, f"could not load the pushed weights: {type(exc).__name__}: "
+                                f"{exc}") from None
+
     async def _openai_generate(rows, params, top_logprobs, sink=None):
         state["requests"] += 1
         return await _wait(batcher.submit("generate", (rows, params, top_logprobs, sink),
@@ -443,4 +463,4 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
         server.should_exit = True
         return {"status": "shutting down"}
 
-    return BodyLimit(app, limits.max_body_bytes), app, state
+    return BodyLimit(app, limits.max_body_bytes, ("/update_weights_stream",)), app, state

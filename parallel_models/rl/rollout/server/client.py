@@ -65,6 +65,19 @@ class RolloutClient:
         ``weight_version``."""
         return self._call("POST", "/update_weights", {"path": str(path)})
 
+    def push_weight_stream(self, body) -> dict:
+        """POST /update_weights_stream with ``body`` (an iterator of bytes-like frames,
+        ``server/weight_stream.py``); returns the new ``weight_version``."""
+        resp = self._http.post("/update_weights_stream", content=body,
+                               headers={"content-type": "application/octet-stream"})
+        try:
+            answer = resp.json()
+        except ValueError:
+            answer = {"error": resp.text}
+        if resp.status_code >= 400:
+            raise ServerError(resp.status_code, answer.get("error", str(answer)))
+        return answer
+
     def shutdown(self) -> dict:
         return self._call("POST", "/shutdown")
 

@@ -5,6 +5,9 @@ format, and weight pushes after each update.
 prompts + right-padded responses, ``attention_mask``, ``prompt_lengths``, ``response_mask``,
 ``group_index``) plus the server's ``rollout_log_probs`` and ``weight_version``. In a TP group
 only TP rank 0 talks to the server; the batch is broadcast to the other TP ranks.
+
+``push_actor_weights`` streams the actor to the server (``weight_stream.py``, no folder on disk)
+or, as the fallback or on request, saves an HF folder the server loads (``push_weights``).
 """
 
 from __future__ import annotations
@@ -97,3 +100,30 @@ def push_weights(model, client, folder: str) -> int | None:
     if dist.is_initialized():
         dist.barrier()
     return version
+
+
+def push_actor_weights(model, client, folder: str, mode: str = "stream") -> int | None:
+    """Every rank calls. ``mode="stream"``: stream the weights to the server; if that fails
+    (server gone, push rejected), warn and fall back to the folder; ``"folder"``: the folder
+    only. Either failing leaves the server on its old weights; if both fail, every rank raises
+    ``RuntimeError`` naming the server and both causes. Returns the new version."""
+    import logging
+
+    from parallel_models.rl.rollout.server.weight_stream import (WeightStreamError,
+                                                                 push_weight_stream)
+
+    if mode == "stream":
+        try:
+            return push_weight_stream(model, client)
+        except WeightStreamError as err:
+            logging.getLogger(__name__).warning("%s; falling back to the folder %s", err, folder)
+            stream_error = err
+    else:
+        stream_error = None
+    try:
+        return push_weights(model, client, folder)
+    except Exception as err:  # noqa: BLE001 - one clear error naming both attempts
+        first = f" (the stream push failed first: {stream_error})" if stream_error else ""
+        raise RuntimeError(f"could not push the actor's weights to the rollout server at "
+                           f"{client.url}: {type(err).__name__}: {err}{first}; the server "
+                           "keeps its previous weights") from err

@@ -39,12 +39,33 @@ def _frame(header: dict) -> bytes:
     return struct.pack("<Q", len(head)) + head
 
 
-def bucket_frame(tensors: dict[str, torch.Tensor]) -> tuple[bytes, memoryview]:
-    """One bucket as (header bytes, payload): the tensors copied back to back into a fresh host
-    buffer (the caller's tensors may be views of a buffer that the next bucket overwrites)."""
+class HostBuffers:
+    """A ring of ``count`` host buffers (pinned when the weights are on CUDA) reused bucket after
+    bucket: a buffer comes round again only after ``count - 1`` newer buckets, by then sent
+    (the sender's queue holds at most two buckets, one more is on the wire)."""
+
+    def __init__(self, count: int = 4):
+        self.count = count
+        self.buffers: list[torch.Tensor | None] = [None] * count
+        self.turn = 0
+
+    def take(self, numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        i, self.turn = self.turn, (self.turn + 1) % self.count
+        buf = self.buffers[i]
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self.buffers[i] = torch.empty(numel, dtype=dtype, pin_memory=pinned)
+        return buf[:numel]
+
+
+def bucket_frame(tensors: dict[str, torch.Tensor], buffers: HostBuffers | None = None
+                 ) -> tuple[bytes, memoryview]:
+    """One bucket as (header bytes, payload): the tensors copied back to back into a host buffer
+    (fresh, or the next of ``buffers``; the caller's tensors may be views of a buffer that the
+    next bucket overwrites)."""
     first = next(iter(tensors.values()))
     total = sum(t.numel() for t in tensors.values())
-    host = torch.empty(total, dtype=first.dtype, pin_memory=first.is_cuda)
+    host = (buffers.take(total, first.dtype, first.is_cuda) if buffers is not None else
+            torch.empty(total, dtype=first.dtype, pin_memory=first.is_cuda))
     entries, off = [], 0
     for name, t in tensors.items():
         host[off: off + t.numel()].copy_(t.reshape(-1), non_blocking=True)
@@ -189,12 +210,13 @@ def push_weight_stream(chunks, client, bucket_bytes: int | None = None) -> int |
     gatherer = BucketGatherer(chunks, bucket_bytes or DEFAULT_BUCKET_BYTES)
     rank = dist.get_rank() if dist.is_initialized() else 0
     sender = _Sender(client) if rank == 0 else None
+    host = HostBuffers(4)
     count = 0
     try:
         for _, tensors in gatherer.buckets_iter():
             count += len(tensors)
             if sender is not None:
-                sender.put_all(bucket_frame(tensors))
+                sender.put_all(bucket_frame(tensors, host))
         if sender is not None:
             sender.put_all([end_frame(count)])
     finally:
@@ -261,5 +283,5 @@ class _Sender:
         return version, self.error
 
 
-__all__ = ["StreamParser", "WeightStreamError", "bucket_frame", "check_against_model",
+__all__ = ["HostBuffers", "StreamParser", "WeightStreamError", "bucket_frame", "check_against_model",
            "end_frame", "push_weight_stream", "receive_weight_stream"]

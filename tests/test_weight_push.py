@@ -106,3 +106,19 @@ def test_dead_server_fails_clearly(served, tmp_path):
                           str(tmp_path / "fallback"))[0]
     assert "error" in out and url in out["error"], out
     assert "stream push failed first" in out["error"] and "previous weights" in out["error"]
+
+
+def test_ppo_pp2_with_server_backend_equals_inprocess_pp1(served, tmp_path):
+    """3 greedy PPO steps at PP=2 with rollout.backend=server (weights streamed at the start and
+    after every step) give the metrics of the in-process PP=1 run. Runs last: it leaves the
+    server on the trained weights."""
+    from tests.hybrid_ppo_runs import assert_same_metrics, metrics_at
+
+    version = _serves(served, 0)
+    common = [f"model.path={served['paths'][0]}", "data.max_prompt_length=16"]
+    want = metrics_at(tmp_path, 1, common, "inprocess")
+    got = metrics_at(tmp_path, 2, common + [
+        "parallel.pipeline_parallel_size=2", "rollout.backend=server",
+        f"rollout.server_url=http://127.0.0.1:{served['port']}"], "server")
+    assert_same_metrics(got, want, "PP=2 with the server backend")
+    assert served["client"].health()["weight_version"] == version + 4  # start + 3 steps

@@ -91,6 +91,7 @@ class StreamParser:
         self._buf = bytearray()
         self._header: dict | None = None
         self._payload: bytearray | None = None
+        self._filled = 0
         self._max_header = max_header
 
     def feed(self, chunk: bytes) -> None:
@@ -122,12 +123,13 @@ class StreamParser:
                 self.ended = True
                 self._header = None
                 return bool(buf)
-            self._payload = bytearray()
-        need = int(self._header["nbytes"]) - len(self._payload)
-        take = min(need, len(buf))
-        self._payload += buf[:take]
+            self._payload = bytearray(int(self._header["nbytes"]))  # filled in place
+            self._filled = 0
+        take = min(len(self._payload) - self._filled, len(buf))
+        self._payload[self._filled:self._filled + take] = memoryview(buf)[:take]
+        self._filled += take
         del buf[:take]
-        if len(self._payload) < int(self._header["nbytes"]):
+        if self._filled < len(self._payload):
             return False
         if any(not isinstance(e, list) or len(e) != 3 for e in self._header.get("tensors", [None])):
             raise WeightStreamError("malformed bucket header")

@@ -43,7 +43,8 @@ class HybridRollout:
 
     def __init__(self, actor_chunks, tensor_parallel_size: int | None = None, *,
                  eos_token_id=None, pad_token_id: int = 0,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, share_weights: bool | None = None):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, share_weights: bool | None = None,
+                 offload: bool = False):
         chunks = list(actor_chunks) if isinstance(actor_chunks, (list, tuple)) else [actor_chunks]
         actor = chunks[0]
         tp = tensor_parallel_size or mpu.get_tensor_model_parallel_world_size()
@@ -63,6 +64,20 @@ class HybridRollout:
             self.weight_sync = WeightSync(chunks, model, self.layout, bucket_bytes)
         self.engine = RolloutEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
         self._synced_version: object = None
+        # offload (trainer.offload on CUDA): the rollout copy sits in host memory between
+        # rollouts and comes to the device for the sync and the generation only
+        self.offloader = None
+        if offload and not self.zero_copy:
+            from parallel_models.utils.offload import Offloader
+
+            self.offloader = Offloader([model])
+            self.offloader.offload()
+
+    def _on_device(self):
+        import contextlib
+
+        return self.offloader.on_device() if self.offloader is not None else \
+            contextlib.nullcontext()
 
     @property
     def eos_token_id(self):
@@ -85,6 +100,10 @@ class HybridRollout:
     def rollout(self, prompt_ids: list[list[int]], sampling, version=None) -> dict:
         """This rank's training-DP share of prompts -> its rows (``sampling.n`` per prompt), as
         the trainer's rollout dict. Every rank calls this together."""
+        with self._on_device():
+            return self._rollout(prompt_ids, sampling, version)
+
+    def _rollout(self, prompt_ids, sampling, version) -> dict:
         self.sync(version)
         prompt_ids = [list(map(int, p)) for p in prompt_ids]
         layout = self.layout

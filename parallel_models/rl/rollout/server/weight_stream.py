@@ -94,48 +94,64 @@ class StreamParser:
         self._filled = 0
         self._max_header = max_header
 
-    def feed(self, chunk: bytes) -> None:
-        if self.ended and chunk:
+    def feed(self, chunk) -> None:
+        """Take the next chunk of the body: payload bytes go straight into their bucket's
+        buffer; only frame headers are collected on the side."""
+        if self.ended and len(chunk):
             raise WeightStreamError("data after the end frame")
-        self._buf += chunk
-        while self._step():
-            pass
+        view, pos = memoryview(chunk), 0
+        while pos < len(view):
+            if self._payload is not None:
+                take = min(len(self._payload) - self._filled, len(view) - pos)
+                self._payload[self._filled:self._filled + take] = view[pos:pos + take]
+                self._filled += take
+                pos += take
+                if self._filled == len(self._payload):
+                    self._unpack(self._header["tensors"], self._payload)
+                    self._header, self._payload = None, None
+                continue
+            if self.ended:
+                raise WeightStreamError("data after the end frame")
+            need = self._header_bytes_needed()
+            take = min(need, len(view) - pos)
+            self._buf += view[pos:pos + take]
+            pos += take
+            if take == need:
+                self._read_header()
 
-    def _step(self) -> bool:
-        buf = self._buf
-        if self._header is None:
-            if len(buf) < 8:
-                return False
-            (n,) = struct.unpack("<Q", bytes(buf[:8]))
-            if n > self._max_header:
-                raise WeightStreamError(f"frame header of {n} bytes: not a weight stream")
-            if len(buf) < 8 + n:
-                return False
-            try:
-                self._header = json.loads(bytes(buf[8:8 + n]))
-            except ValueError:
-                raise WeightStreamError("malformed frame header") from None
-            del buf[:8 + n]
-            if self._header.get("end"):
-                if self._header.get("tensors") != len(self.tensors):
-                    raise WeightStreamError(f"end frame says {self._header.get('tensors')} "
-                                            f"tensors, {len(self.tensors)} arrived")
-                self.ended = True
-                self._header = None
-                return bool(buf)
-            self._payload = bytearray(int(self._header["nbytes"]))  # filled in place
-            self._filled = 0
-        take = min(len(self._payload) - self._filled, len(buf))
-        self._payload[self._filled:self._filled + take] = memoryview(buf)[:take]
-        self._filled += take
-        del buf[:take]
-        if self._filled < len(self._payload):
-            return False
-        if any(not isinstance(e, list) or len(e) != 3 for e in self._header.get("tensors", [None])):
+    def _header_bytes_needed(self) -> int:
+        if len(self._buf) < 8:
+            return 8 - len(self._buf)
+        (n,) = struct.unpack("<Q", bytes(self._buf[:8]))
+        if n > self._max_header:
+            raise WeightStreamError(f"frame header of {n} bytes: not a weight stream")
+        return 8 + n - len(self._buf)
+
+    def _read_header(self) -> None:
+        if len(self._buf) == 8:  # the length only: the header's bytes come next
+            if self._header_bytes_needed():
+                return
+        try:
+            header = json.loads(bytes(self._buf[8:]))
+        except ValueError:
+            raise WeightStreamError("malformed frame header") from None
+        self._buf = bytearray()
+        if header.get("end"):
+            if header.get("tensors") != len(self.tensors):
+                raise WeightStreamError(f"end frame says {header.get('tensors')} tensors, "
+                                        f"{len(self.tensors)} arrived")
+            self.ended = True
+            return
+        entries = header.get("tensors")
+        if not isinstance(entries, list) or any(not isinstance(e, list) or len(e) != 3
+                                                for e in entries):
             raise WeightStreamError("malformed bucket header")
-        self._unpack(self._header["tensors"], self._payload)
-        self._header, self._payload = None, None
-        return bool(buf)
+        self._header = header
+        self._payload = bytearray(int(header["nbytes"]))  # filled in place
+        self._filled = 0
+        if not self._payload:
+            self._unpack(entries, self._payload)
+            self._header, self._payload = None, None
 
     def _unpack(self, entries, payload: bytearray) -> None:
         off = 0
@@ -154,7 +170,7 @@ class StreamParser:
             off += n
 
     def finish(self) -> dict[str, torch.Tensor]:
-        if not self.ended or self._header is not None or self._buf:
+        if not self.ended or self._payload is not None or self._buf:
             raise WeightStreamError(f"the weight stream was cut short ({len(self.tensors)} "
                                     "tensors arrived, no end frame)")
         return self.tensors

@@ -73,7 +73,15 @@ def _position() -> dict:
             "dp_rank": mpu.get_data_parallel_rank()}
 
 
+def _backend(trainer) -> str:
+    return getattr(trainer.cfg.parallel, "backend", "megatron")
+
+
 def _model_shape(model) -> dict:
+    if not hasattr(model, "head_kind"):  # a transformers model (fsdp backend)
+        from parallel_models.rl.fsdp.checkpoint import model_shape
+
+        return model_shape(model)
     c = model.config
     return {"head_kind": model.head_kind, "num_layers": c.num_layers,
             "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
@@ -155,13 +163,18 @@ def save_trainer_checkpoint(trainer) -> str:
     dist.barrier()
     failure = None
     try:
-        sharded_state.save_roles(os.path.join(tmp, DIST_DIR), _roles(trainer))
+        if _backend(trainer) == "fsdp":
+            from parallel_models.rl.fsdp import checkpoint as fsdp_checkpoint
+
+            fsdp_checkpoint.save_roles(os.path.join(tmp, DIST_DIR), trainer._trainable())
+        else:
+            sharded_state.save_roles(os.path.join(tmp, DIST_DIR), _roles(trainer))
         _write_json(os.path.join(tmp, RNG_DIR, f"rank_{rank:05d}.json"),
                     {**_position(), "rng": rng_state()})
         if rank == 0:
             roles = trainer._trainable()
             _write_json(os.path.join(tmp, STATE_FILE), {
-                "format": FORMAT, "step": trainer.step_index,
+                "format": FORMAT, "backend": _backend(trainer), "step": trainer.step_index,
                 "total_steps": trainer.cfg.trainer.total_steps,
                 "kl_coef": float(trainer.kl_ctrl.value),
                 "loader": trainer.loader.state_dict(),
@@ -244,7 +257,9 @@ def read_checkpoint_state(path: str) -> dict:
             f"{state.get('format') if isinstance(state, dict) else None!r}); checkpoints of "
             "older versions (per-rank files) cannot be resumed")
     dist_dir = os.path.join(path, DIST_DIR)
-    for needed in (os.path.join(dist_dir, MEGATRON_METADATA), os.path.join(dist_dir, ".metadata")):
+    needs = [".metadata"] + ([MEGATRON_METADATA] if state.get("backend", "megatron") == "megatron"
+                             else [])
+    for needed in (os.path.join(dist_dir, name) for name in needs):
         if not os.path.isfile(needed):
             raise TrainerCheckpointError(f"{path}: incomplete checkpoint, {needed} is missing")
     try:
@@ -256,7 +271,12 @@ def read_checkpoint_state(path: str) -> dict:
     return state
 
 
-def _check_compatible(path: str, state: dict, trainer, sharded: dict) -> None:
+def _check_compatible(path: str, state: dict, trainer, sharded: dict | None) -> None:
+    saved_backend = state.get("backend", "megatron")
+    if saved_backend != _backend(trainer):
+        raise TrainerCheckpointError(
+            f"{path}: saved by the {saved_backend} backend, this run uses parallel.backend="
+            f"{_backend(trainer)} (their model and optimizer states are stored differently)")
     roles = trainer._trainable()
     saved_roles = set(state.get("models", {}))
     if saved_roles != set(roles):
@@ -271,6 +291,8 @@ def _check_compatible(path: str, state: dict, trainer, sharded: dict) -> None:
                 f"{path}: the {name} was saved with another model shape: "
                 + ", ".join(f"{k} {a} in the checkpoint vs {b} here" for k, (a, b) in diff.items()))
     stored = state["_tensors"]
+    if sharded is None:  # fsdp: torch.distributed.checkpoint checks the shapes as it loads
+        return
     for key, shape in sharded_state.global_shapes(sharded).items():
         if key not in stored:
             raise TrainerCheckpointError(f"{path}: the checkpoint has no tensor {key!r}")
@@ -302,6 +324,51 @@ def _forget(empty: list) -> None:
         opt.state.pop(param, None)
 
 
+class _MegatronStates:
+    """Resume I/O of the megatron backend: megatron-core sharded state dicts."""
+
+    def __init__(self, trainer):
+        self.roles = _roles(trainer)
+
+    def empty(self):
+        return sharded_state.empty_optimizer_states(self.roles)
+
+    def declare(self):
+        return sharded_state.roles_sharded_state_dict(self.roles, loading=True)
+
+    forget = staticmethod(_forget)
+
+    def load(self, folder, sharded):
+        return sharded_state.load_roles(folder, sharded)
+
+    def apply(self, loaded):
+        sharded_state.apply_loaded(self.roles, loaded)
+
+
+class _FSDPStates:
+    """Resume I/O of the fsdp backend: torch.distributed.checkpoint state dicts."""
+
+    def __init__(self, trainer):
+        from parallel_models.rl.fsdp import checkpoint as fsdp_checkpoint
+
+        self.io, self.roles = fsdp_checkpoint, trainer._trainable()
+
+    def empty(self):
+        return self.io.empty_optimizers(self.roles)
+
+    def declare(self):
+        return None  # declared (and its zero optimizer states made) at load time
+
+    def forget(self, empty):
+        self.io.forget(empty)
+
+    def load(self, folder, _):
+        return self.io.load_roles(folder, self.io.state_for_loading(self.roles))
+
+    def apply(self, loaded):
+        self.io.apply_loaded(self.roles, loaded)
+
+
 def resume_trainer(trainer, path: str | None = None) -> str | None:
     """Load ``path`` (default: the latest checkpoint) into ``trainer`` on every rank; returns the
     folder, or None when there is no checkpoint (a fresh start)."""
@@ -311,28 +378,29 @@ def resume_trainer(trainer, path: str | None = None) -> str | None:
         logger.warning("resume requested but no checkpoint in %s; starting fresh", root)
         return None
     error = None
-    empty = sharded_state.empty_optimizer_states(_roles(trainer))
+    io = _FSDPStates(trainer) if _backend(trainer) == "fsdp" else _MegatronStates(trainer)
+    empty = io.empty()
     try:
         state = read_checkpoint_state(path)
-        sharded = sharded_state.roles_sharded_state_dict(_roles(trainer), loading=True)
+        sharded = io.declare()
         _check_compatible(path, state, trainer, sharded)
         rng = _rng_for_this_rank(path, state)
     except (TrainerCheckpointError, OSError, ValueError, KeyError) as err:
         error = err if isinstance(err, TrainerCheckpointError) else TrainerCheckpointError(
             f"{path}: cannot resume ({type(err).__name__}: {err})")
     if not sharded_state.all_ranks_ok(error is None):
-        _forget(empty)
+        io.forget(empty)
         raise error or TrainerCheckpointError(f"{path}: cannot resume (see rank 0's error)")
     try:
-        loaded = sharded_state.load_roles(os.path.join(path, DIST_DIR), sharded)
+        loaded = io.load(os.path.join(path, DIST_DIR), sharded)
     except Exception as err:  # noqa: BLE001
         error = TrainerCheckpointError(f"{path}: loading the model and optimizer states failed "
                                        f"({type(err).__name__}: {err})")
     if not sharded_state.all_ranks_ok(error is None):
-        _forget(empty)
+        io.forget(empty)
         raise error or TrainerCheckpointError(f"{path}: loading failed on another rank")
     # everything is read: now replace the live state
-    sharded_state.apply_loaded(_roles(trainer), loaded)
+    io.apply(loaded)
     for name, role in trainer._trainable().items():
         role.state.scheduler.load_state_dict(state["schedulers"][name])
     if rng is not None:

@@ -133,16 +133,7 @@ class RewardModel:
         self.actor_tokenizer = actor_tokenizer
         self.pp = settings.pipeline_parallel_size
         self.layers_per_stage = self._check_layers_per_stage(layers_per_stage, hf_config, settings)
-        cls = pm.get_model_class(arch, "value", rmpad=True, pp=self.pp > 1)
-        if self.pp > 1:
-            self.chunks = pm.build_pipeline_chunks(cls, path, dtype=dtype,
-                                                   layers_per_stage=self.layers_per_stage)
-        else:
-            self.chunks = [cls.from_pretrained(path, dtype=dtype)]
-        for c in self.chunks:
-            c.requires_grad_(False)
-            c.eval()
-        self.config = self.chunks[0].config
+        self.chunks, self.config = self._build_model(path, arch, dtype)
 
         n_vocab = len(self.tokenizer) if self.tokenizer is not None else None
         if n_vocab is not None and n_vocab > self.config.vocab_size:
@@ -163,13 +154,38 @@ class RewardModel:
         self.micro_batch_tokens = micro_batch_tokens
         self.offload_mode = offload
         self.auto_offload = offload is True or (offload == "auto" and torch.cuda.is_available())
-        self._offloader = Offloader(self.chunks)  # parallel_models.utils.offload
+        self._offloader = self._make_offloader()
         self.metrics: dict[str, float] = {}
         self.num_truncated = 0  # over all calls
         if self.auto_offload:
             self.offload()
 
     # ---- construction helpers ----------------------------------------------------------------
+    def _build_model(self, path: str, arch: str, dtype) -> tuple[list, Any]:
+        """This rank's frozen model chunks and their config (vocab_size,
+        max_position_embeddings); the fsdp backend's reward model overrides it."""
+        import parallel_models as pm
+
+        cls = pm.get_model_class(arch, "value", rmpad=True, pp=self.pp > 1)
+        if self.pp > 1:
+            chunks = pm.build_pipeline_chunks(cls, path, dtype=dtype,
+                                              layers_per_stage=self.layers_per_stage)
+        else:
+            chunks = [cls.from_pretrained(path, dtype=dtype)]
+        for c in chunks:
+            c.requires_grad_(False)
+            c.eval()
+        return chunks, chunks[0].config
+
+    def _make_offloader(self):
+        return Offloader(self.chunks)  # parallel_models.utils.offload
+
+    def _forward_scores(self, mbs: list[dict]) -> list[torch.Tensor]:
+        """The score of every packed sequence of each microbatch (its last token's value)."""
+        from parallel_models import pipeline
+
+        return pipeline.forward_only(self.chunks, mbs, _last_token_scores)
+
     @classmethod
     def from_config(cls, reward_cfg, actor_tokenizer, **overrides) -> "RewardModel":
         """From the trainer's ``reward`` section (``parallel_models.rl.config.RewardSection``):
@@ -255,7 +271,6 @@ class RewardModel:
 
     def score_ids(self, ids: Sequence[Sequence[int]]) -> torch.Tensor:
         """Scores of reward-model token sequences (no truncation here)."""
-        from parallel_models import pipeline
         from parallel_models.distributed import compute_device
         from parallel_models.utils.microbatch import plan_token_budget_partitions, restore_order
         from parallel_models.utils.padding import (cu_seqlens_from_lengths,
@@ -282,7 +297,7 @@ class RewardModel:
                         "cu_seqlens": cu, "position_ids": position_ids_from_cu_seqlens(cu),
                         "max_seqlen": int(lens.max())})
         with self.on_device():
-            outs = pipeline.forward_only(self.chunks, mbs, _last_token_scores)
+            outs = self._forward_scores(mbs)
         return restore_order([o.float().cpu() for o in outs], groups)
 
     def token_level_rewards(self, batch: dict, scores: torch.Tensor | None = None) -> torch.Tensor:

@@ -90,6 +90,66 @@ def _response_log_probs(logits, mb, temperature: float, with_entropy: bool):
     return gather_response(out, mb["cu_seqlens"], mb["prompt_lengths"], R), None
 
 
+def policy_loss(logits, mb, cfg, temperature: float):
+    """The actor's loss on one packed microbatch (``logits [T, V]``): the clipped policy loss,
+    minus the entropy bonus, plus the KL loss; returned as ``(loss * denom, denom, metrics)``
+    with the loss-like metrics weighted (see :func:`_global_update_metrics`). Both training
+    backends use it."""
+    mode = cfg.loss_agg_mode
+    logp, ent = _response_log_probs(logits, mb, temperature, True)
+    mask = mb["response_mask"]
+    pg_loss, m = losses.compute_policy_loss(
+        mb["old_log_probs"], logp, mb["advantages"], mask,
+        clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+        clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=mode)
+    entropy = losses.compute_entropy_loss(ent, mask, mode)
+    loss = pg_loss - cfg.entropy_coef * entropy
+    denom = losses.agg_denominator(mask, mode)
+    tokens = (mask > 0).sum()
+    metrics = {"pg_loss": pg_loss.detach() * denom, "entropy": entropy.detach() * denom,
+               "pg_clipfrac": m["pg_clipfrac"] * tokens, "ppo_kl": m["ppo_kl"] * tokens,
+               "pg_clipfrac_lower": m["pg_clipfrac_lower"] * tokens,
+               "_denom": denom.detach().float(), "_tokens": tokens.float()}
+    if cfg.use_kl_loss:
+        kl = losses.agg_loss(algos.kl_penalty(logp, mb["ref_log_probs"], cfg.kl_loss_type),
+                             mask, mode)
+        loss = loss + cfg.kl_loss_coef * kl
+        metrics["kl_loss"] = kl.detach() * denom
+    return loss * denom, denom, metrics
+
+
+def policy_metric_weights(cfg) -> dict[str, str]:
+    """Which weight each weighted actor metric of :func:`policy_loss` carries."""
+    weighted = {"pg_loss": "_denom", "entropy": "_denom", "pg_clipfrac": "_tokens",
+                "ppo_kl": "_tokens", "pg_clipfrac_lower": "_tokens"}
+    if cfg.use_kl_loss:
+        weighted["kl_loss"] = "_denom"
+    return weighted
+
+
+VALUE_METRIC_WEIGHTS = {"vf_loss": "_denom", "vf_clipfrac": "_tokens"}
+
+
+def gather_values(values, mb):
+    """Packed per-token values -> ``[B, R]``: the value of the state before each response token."""
+    R = mb["response_mask"].shape[1]
+    return gather_response(values.float(), mb["cu_seqlens"], mb["prompt_lengths"], R)
+
+
+def value_loss(values, mb, cliprange_value: float, mode: str):
+    """The critic's clipped value loss on one packed microbatch (``values [T]``), returned like
+    :func:`policy_loss`."""
+    vpreds = gather_values(values, mb)
+    mask = mb["response_mask"]
+    loss, m = losses.compute_value_loss(vpreds, mb["values"], mb["returns"], mask,
+                                        cliprange_value=cliprange_value, loss_agg_mode=mode)
+    denom = losses.agg_denominator(mask, mode)
+    tokens = (mask > 0).sum()
+    return loss * denom, denom, {"vf_loss": loss.detach() * denom,
+                                 "vf_clipfrac": m["vf_clipfrac"] * tokens,
+                                 "_denom": denom.detach().float(), "_tokens": tokens.float()}
+
+
 class _ModelRole:
     """Offload plumbing shared by the model-backed roles."""
 
@@ -152,37 +212,13 @@ class PolicyRole(_ModelRole):
         from parallel_models.pipeline import train_step
 
         cfg = self.cfg
-        mode = cfg.loss_agg_mode
 
         def loss_fn(out, mb):
-            logp, ent = _response_log_probs(out.logits, mb, self.temperature, True)
-            mask = mb["response_mask"]
-            pg_loss, m = losses.compute_policy_loss(
-                mb["old_log_probs"], logp, mb["advantages"], mask,
-                clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-                clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=mode)
-            entropy = losses.compute_entropy_loss(ent, mask, mode)
-            loss = pg_loss - cfg.entropy_coef * entropy
-            denom = losses.agg_denominator(mask, mode)
-            tokens = (mask > 0).sum()
-            metrics = {"pg_loss": pg_loss.detach() * denom, "entropy": entropy.detach() * denom,
-                       "pg_clipfrac": m["pg_clipfrac"] * tokens, "ppo_kl": m["ppo_kl"] * tokens,
-                       "pg_clipfrac_lower": m["pg_clipfrac_lower"] * tokens,
-                       "_denom": denom.detach().float(), "_tokens": tokens.float()}
-            if cfg.use_kl_loss:
-                kl = losses.agg_loss(algos.kl_penalty(logp, mb["ref_log_probs"], cfg.kl_loss_type),
-                                     mask, mode)
-                loss = loss + cfg.kl_loss_coef * kl
-                metrics["kl_loss"] = kl.detach() * denom
-            return loss * denom, denom, metrics
+            return policy_loss(out.logits, mb, cfg, self.temperature)
 
         mbs, _ = make_microbatches(batch, self.max_tokens)
         out = train_step(self.state, mbs, loss_fn)
-        weighted = {"pg_loss": "_denom", "entropy": "_denom", "pg_clipfrac": "_tokens",
-                    "ppo_kl": "_tokens", "pg_clipfrac_lower": "_tokens"}
-        if cfg.use_kl_loss:
-            weighted["kl_loss"] = "_denom"
-        return _global_update_metrics(out, weighted, len(mbs), "actor/")
+        return _global_update_metrics(out, policy_metric_weights(cfg), len(mbs), "actor/")
 
 
 class CriticRole(_ModelRole):
@@ -203,33 +239,17 @@ class CriticRole(_ModelRole):
         fn = lambda out, mb: self._gather(out.values, mb)  # noqa: E731
         return restore_order(pipeline.forward_only(self.state.chunks, mbs, fn), indices)
 
-    @staticmethod
-    def _gather(values, mb):
-        R = mb["response_mask"].shape[1]
-        return gather_response(values.float(), mb["cu_seqlens"], mb["prompt_lengths"], R)
+    _gather = staticmethod(gather_values)
 
     def update(self, batch) -> dict[str, float]:
         from parallel_models.pipeline import train_step
 
-        mode = self.loss_agg_mode
-
         def loss_fn(out, mb):
-            vpreds = self._gather(out.values, mb)
-            mask = mb["response_mask"]
-            loss, m = losses.compute_value_loss(vpreds, mb["values"], mb["returns"], mask,
-                                                cliprange_value=self.cfg.cliprange_value,
-                                                loss_agg_mode=mode)
-            denom = losses.agg_denominator(mask, mode)
-            tokens = (mask > 0).sum()
-            return loss * denom, denom, {"vf_loss": loss.detach() * denom,
-                                         "vf_clipfrac": m["vf_clipfrac"] * tokens,
-                                         "_denom": denom.detach().float(),
-                                         "_tokens": tokens.float()}
+            return value_loss(out.values, mb, self.cfg.cliprange_value, self.loss_agg_mode)
 
         mbs, _ = make_microbatches(batch, self.max_tokens)
         out = train_step(self.state, mbs, loss_fn)
-        return _global_update_metrics(out, {"vf_loss": "_denom", "vf_clipfrac": "_tokens"},
-                                      len(mbs), "critic/")
+        return _global_update_metrics(out, VALUE_METRIC_WEIGHTS, len(mbs), "critic/")
 
 
 class RuleReward:

@@ -78,6 +78,16 @@ def build_builtin_model(folder: str, tokenizer, seed: int = 0) -> str:
     return folder
 
 
+def _check_megatron_family(path: str) -> None:
+    """The megatron backend needs a family of our registry; others train with fsdp."""
+    arch = pm.registry.architecture_of(path)
+    if arch not in pm.registry.supported_architectures():
+        raise ConfigError(f"{path}: architecture {arch!r} is not supported by the megatron "
+                          f"backend (supported: {', '.join(pm.registry.supported_architectures())})"
+                          "; train it with parallel.backend=fsdp (any transformers "
+                          "AutoModelForCausalLM)")
+
+
 def summary_line(metrics: dict) -> str:
     """The few numbers of a step worth a log line (``trainer.log_every``)."""
     keys = ("reward/mean", "val/accuracy", "kl/actor_ref", "response_length/mean",
@@ -93,11 +103,13 @@ class PPOTrainer:
         self.cfg = cfg
         par = cfg.parallel
         rollout_tp = cfg.rollout.tensor_parallel_size or par.tensor_parallel_size
-        # fail before starting processes when the model cannot be split
-        model_config = pm.ModelConfig.from_hf(cfg.model.path or builtin_model_config(
-            len(builtin_vocab())))
-        model_config.check_tensor_parallel(par.tensor_parallel_size)
-        model_config.check_tensor_parallel(rollout_tp)
+        if cfg.model.path and par.backend == "megatron":
+            _check_megatron_family(cfg.model.path)
+        if par.backend == "megatron":  # fail before starting processes when the model cannot be split
+            model_config = pm.ModelConfig.from_hf(cfg.model.path or builtin_model_config(
+                len(builtin_vocab())))
+            model_config.check_tensor_parallel(par.tensor_parallel_size)
+            model_config.check_tensor_parallel(rollout_tp)
         pm.init_parallel(tensor_parallel_size=par.tensor_parallel_size,
                          pipeline_parallel_size=par.pipeline_parallel_size,
                          sequence_parallel=par.sequence_parallel)
@@ -110,36 +122,14 @@ class PPOTrainer:
         from parallel_models.rl.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or model_path, what="actor tokenizer")
-        dtype = cfg.model.dtype
-        arch = pm.registry.architecture_of(model_path)
-        pp = par.pipeline_parallel_size > 1  # PP variants: this rank's pipeline stage
-        actor_cls = pm.get_model_class(arch, "causal_lm", rmpad=True, pp=pp)
-        self.actor_model = actor_cls.from_pretrained(model_path, dtype=dtype)
-        a = cfg.actor
-        budget = a.micro_batch_tokens
-        self.actor = PolicyRole(self.actor_model, build_optimizer([self.actor_model],
-                                                                 a.optim_config(tcfg.total_steps)),
-            temperature=cfg.rollout.temperature if not cfg.rollout.greedy else 1.0,
-            max_tokens=budget, cfg=a)
-        alg = cfg.algorithm
-        self.ref = None
-        if alg.kl_in_reward or a.use_kl_loss:
-            ref_model = actor_cls.from_pretrained(model_path, dtype=dtype)
-            ref_model.requires_grad_(False)
-            self.ref = PolicyRole(ref_model, None, temperature=self.actor.temperature,
-                                  max_tokens=budget)
-        self.critic = None
-        if alg.adv_estimator == "gae":
-            c = cfg.critic
-            critic_path = c.path or model_path
-            critic_cls = pm.get_model_class(pm.registry.architecture_of(critic_path), "value",
-                                            rmpad=True, pp=pp)
-            critic_model = critic_cls.from_pretrained(critic_path, dtype=dtype,
-                                                      value_head_seed=tcfg.seed)
-            critic_state = build_optimizer([critic_model], c.optim_config(tcfg.total_steps))
-            self.critic = CriticRole(critic_model, critic_state, max_tokens=budget, cfg=c,
-                                     loss_agg_mode=a.loss_agg_mode)
+        if par.backend == "fsdp":
+            from parallel_models.rl.fsdp.factory import build_fsdp_roles
+
+            build_fsdp_roles(self, model_path)  # actor, ref, critic, actor_model, rollout_engine
+        else:
+            self._build_megatron_roles(model_path)
         self.reward = self._build_reward()
+        alg = cfg.algorithm
         if alg.kl_ctrl == "adaptive":
             self.kl_ctrl = algos.AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon)
         else:
@@ -168,17 +158,19 @@ class PPOTrainer:
         r = cfg.rollout
         self.sampling = r.sampling_params()
         pad = self.tokenizer.pad_token_id
-        self.rollout_engine = RolloutEngine(self.actor_model,
-                                            eos_token_id=self.tokenizer.eos_token_id,
-                                            pad_token_id=pad if pad is not None else 0)
         self.hybrid = None  # the actor rolls out in another layout (TP' or PP > 1)
-        if r.backend == "inprocess" and (pp or rollout_tp != par.tensor_parallel_size):
-            from parallel_models.rl.rollout.hybrid import HybridRollout
+        if par.backend == "megatron":
+            self.rollout_engine = RolloutEngine(self.actor_model,
+                                                eos_token_id=self.tokenizer.eos_token_id,
+                                                pad_token_id=pad if pad is not None else 0)
+            pp = par.pipeline_parallel_size > 1
+            if r.backend == "inprocess" and (pp or rollout_tp != par.tensor_parallel_size):
+                from parallel_models.rl.rollout.hybrid import HybridRollout
 
-            self.hybrid = HybridRollout(self.actor_model, rollout_tp,
-                                        eos_token_id=self.tokenizer.eos_token_id,
-                                        pad_token_id=pad if pad is not None else 0,
-                                        offload=self._offload_enabled())
+                self.hybrid = HybridRollout(self.actor_model, rollout_tp,
+                                            eos_token_id=self.tokenizer.eos_token_id,
+                                            pad_token_id=pad if pad is not None else 0,
+                                            offload=self._offload_enabled())
         self.rollout_client = None
         if r.backend == "server":
             from parallel_models.rl.rollout.server import RolloutClient
@@ -191,6 +183,38 @@ class PPOTrainer:
         if self.rollout_client is not None:
             self._push_weights()  # the server starts from the trainer's (possibly resumed) actor
         self._offload_all()  # each phase brings what it needs to the GPU
+
+    def _build_megatron_roles(self, model_path: str) -> None:
+        """The actor, reference and critic roles over our parallel models (megatron backend)."""
+        cfg, tcfg, a = self.cfg, self.cfg.trainer, self.cfg.actor
+        dtype = cfg.model.dtype
+        arch = pm.registry.architecture_of(model_path)
+        pp = cfg.parallel.pipeline_parallel_size > 1  # PP variants: this rank's pipeline stage
+        actor_cls = pm.get_model_class(arch, "causal_lm", rmpad=True, pp=pp)
+        self.actor_model = actor_cls.from_pretrained(model_path, dtype=dtype)
+        budget = a.micro_batch_tokens
+        self.actor = PolicyRole(self.actor_model, build_optimizer([self.actor_model],
+                                                                 a.optim_config(tcfg.total_steps)),
+            temperature=cfg.rollout.temperature if not cfg.rollout.greedy else 1.0,
+            max_tokens=budget, cfg=a)
+        alg = cfg.algorithm
+        self.ref = None
+        if alg.kl_in_reward or a.use_kl_loss:
+            ref_model = actor_cls.from_pretrained(model_path, dtype=dtype)
+            ref_model.requires_grad_(False)
+            self.ref = PolicyRole(ref_model, None, temperature=self.actor.temperature,
+                                  max_tokens=budget)
+        self.critic = None
+        if alg.adv_estimator == "gae":
+            c = cfg.critic
+            critic_path = c.path or model_path
+            critic_cls = pm.get_model_class(pm.registry.architecture_of(critic_path), "value",
+                                            rmpad=True, pp=pp)
+            critic_model = critic_cls.from_pretrained(critic_path, dtype=dtype,
+                                                      value_head_seed=tcfg.seed)
+            critic_state = build_optimizer([critic_model], c.optim_config(tcfg.total_steps))
+            self.critic = CriticRole(critic_model, critic_state, max_tokens=budget, cfg=c,
+                                     loss_agg_mode=a.loss_agg_mode)
 
     # ---- set-up helpers -------------------------------------------------------------------------
     def _seed_everything(self, seed: int) -> None:
@@ -220,6 +244,11 @@ class PPOTrainer:
             return RuleReward(load_reward_function(reward_function_path(self.cfg)), self.tokenizer)
         from parallel_models.rl.reward_model import RewardModel  # issue: reward model role
 
+        if self.cfg.parallel.backend == "fsdp":  # any *ForSequenceClassification, sharded
+            from parallel_models.rl.fsdp.reward import FSDPRewardModel
+
+            return FSDPRewardModel.from_config(r, self.tokenizer, dtype=self.cfg.model.dtype,
+                                               replicate=self.cfg.parallel.fsdp_replicate_size)
         return RewardModel.from_config(r, self.tokenizer)
 
     # ---- offload (CUDA): only the role a phase uses stays on the GPU ---------------------------------
@@ -445,7 +474,11 @@ class PPOTrainer:
             for role in (self.actor, self.critic):
                 if role is not None:
                     role.onload()
-        if tcfg.save_hf_at_end:
+        if tcfg.save_hf_at_end and self.cfg.parallel.backend == "fsdp":
+            from parallel_models.rl.fsdp.factory import export_roles_hf
+
+            export_roles_hf(self, tcfg.output_dir)
+        elif tcfg.save_hf_at_end:
             # the final weights replace those of an earlier (resumed or repeated) run
             self.actor_model.save_pretrained(os.path.join(tcfg.output_dir, "actor_hf"),
                                              overwrite=True)

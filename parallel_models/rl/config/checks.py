@@ -24,6 +24,14 @@ def _model_problems(cfg) -> list[str]:
     errors = []
     if m.path is not None and _is_local(m.path) and not os.path.isdir(os.path.expanduser(m.path)):
         errors.append(f"model.path: {m.path!r} is not a directory (an HF model folder)")
+    if par.backend == "fsdp":
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(par, key) != 1:
+                errors.append(f"parallel.{key}={getattr(par, key)}: parallel.backend=fsdp "
+                              "shards over data-parallel ranks only; set it to 1")
+        if r.backend != "inprocess":
+            errors.append("rollout.backend=server: parallel.backend=fsdp generates in-process "
+                          "(set rollout.backend=inprocess)")
     if m.path is not None and os.path.isfile(os.path.join(os.path.expanduser(m.path),
                                                           "config.json")):
         from parallel_models.config import ModelConfig

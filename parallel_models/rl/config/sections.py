@@ -52,6 +52,16 @@ class ParallelSection(BaseModel):
     pipeline_parallel_size: Int = Field(1, ge=1, description="pipeline stages of the actor, "
                                          "reference and critic")
     sequence_parallel: StrictBool = Field(False, description="sequence parallel on top of TP")
+    backend: Literal["megatron", "fsdp"] = Field(
+        "megatron", description="megatron (our parallel models; TP/PP/EP) | fsdp (any HF "
+                                "causal LM, torch FSDP2 over data-parallel ranks; TP=PP=1)")
+    fsdp_replicate_size: Int = Field(1, ge=1, description="fsdp: HSDP replicas (2-D mesh "
+                                     "replicate x shard); 1 = shard over all ranks")
+    activation_checkpointing: StrictBool = Field(False, description="fsdp: recompute each "
+                                                 "decoder layer in the backward")
+    fsdp_packed: StrictBool = Field(True, description="fsdp: packed sequences through "
+                                    "position_ids (transformers' packed masks / flash varlen); "
+                                    "false = padded batches")
 
 
 class DataSection(BaseModel):

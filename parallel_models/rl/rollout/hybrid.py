@@ -39,7 +39,8 @@ def build_rollout_model(actor, layout: RolloutLayout):
 
 class HybridRollout:
     """``HybridRollout(actor_chunks, tensor_parallel_size, eos_token_id=, pad_token_id=,
-    bucket_bytes=, share_weights=)``; build it on every rank at once (it makes process groups)."""
+    bucket_bytes=, share_weights=, offload=)``; build it on every rank at once (it makes process
+    groups). ``offload``: keep the rollout copy in host memory between rollouts."""
 
     def __init__(self, actor_chunks, tensor_parallel_size: int | None = None, *,
                  eos_token_id=None, pad_token_id: int = 0,

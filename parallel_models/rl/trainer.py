@@ -189,7 +189,8 @@ class PPOTrainer:
 
                 self.hybrid = HybridRollout(self.actor_model, rollout_tp,
                                             eos_token_id=self.tokenizer.eos_token_id,
-                                            pad_token_id=pad if pad is not None else 0)
+                                            pad_token_id=pad if pad is not None else 0,
+                                            offload=self._offload_enabled())
         self.rollout_client = None
         if r.backend == "server":
             from parallel_models.rl.rollout.server import RolloutClient

@@ -79,6 +79,13 @@ def fsdp_vs_megatron_step(model_path: str, out_dir: str, clip_grad: float) -> di
     meg.save_pretrained(os.path.join(out_dir, "megatron_actor"), overwrite=True)
     megv.save_pretrained(os.path.join(out_dir, "megatron_critic"), overwrite=True)
     export_hf(f, os.path.join(out_dir, "fsdp_actor"))
+    # the rollout engine's model (ours, TP=1) refilled from the updated FSDP actor
+    from parallel_models.rl.fsdp.rollout_sync import sync_rollout_model
+
+    rollout = pm.get_model_class(arch, "causal_lm", rmpad=True).from_pretrained(
+        model_path, dtype=torch.float32)
+    sync_rollout_model(f, rollout)
+    rollout.save_pretrained(os.path.join(out_dir, "rollout_actor"), overwrite=True)
     export_hf(fv, os.path.join(out_dir, "fsdp_critic"))
     return out
 

@@ -22,7 +22,8 @@ def _close(a: float, b: float, rel: float = 1e-5) -> bool:
 
 def test_fsdp_update_equals_megatron_dp2(tmp_path):
     """Same weights, batch and seed; several microbatches per rank, clipping active: log-probs,
-    values, losses, grad norms and the updated weights of actor and critic agree (fp32)."""
+    values, losses, grad norms and the updated weights of actor and critic agree (fp32); the
+    rollout model refilled from the FSDP actor equals it bit for bit."""
     path = save_tiny_hf_model(str(tmp_path / "llama"), "llama", seed=1)
     results = run_distributed(fsdp_checks.fsdp_vs_megatron_step, 2, path, str(tmp_path), 0.5,
                               timeout=300)
@@ -48,6 +49,10 @@ def test_fsdp_update_equals_megatron_dp2(tmp_path):
             assert rel <= 1e-5, f"{role} {k}: rel {rel:.2e}"
         moved = sum(not torch.equal(meg[k], base[k]) for k in meg if k in base)
         assert moved > len(meg) // 2, f"the {role} update did not move the weights"
+    # the rollout model refilled layer by layer holds exactly the FSDP actor's weights
+    fsdp, rollout = load_folder(str(tmp_path / "fsdp_actor")), load_folder(
+        str(tmp_path / "rollout_actor"))
+    assert fsdp.keys() == rollout.keys() and all(torch.equal(fsdp[k], rollout[k]) for k in fsdp)
 
 
 def test_fsdp_resume_after_kill_continues_exactly(tmp_path):

@@ -1,6 +1,7 @@
-"""Whole PPO runs with parallel.backend=fsdp: exact resume after a kill, and a family our registry
-lacks (transformers' Phi-3) trains with it while the megatron backend refuses it (the roles'
-numbers against the megatron backend: tests/test_fsdp.py)."""
+"""Whole PPO runs with parallel.backend=fsdp: the default job's first steps match the megatron
+backend's, exact resume after a kill, and a family our registry lacks (transformers' Phi-3)
+trains with it while the megatron backend refuses it (the roles' numbers against the megatron
+backend at DP=2: tests/test_fsdp.py)."""
 
 import os
 import signal
@@ -14,6 +15,24 @@ from parallel_models.testing import run_distributed
 from tests import fsdp_checks
 from tests.ppo_runs import ENV, PPO
 from tests.ppo_runs import load_folder, run_metrics, run_ppo
+
+
+def test_default_job_steps_match_megatron(tmp_path):
+    """Two steps of the built-in job, one optimizer step per role and step: the same rollouts
+    and rewards (the rollout model is refilled from the FSDP actor), losses and grad norms as the
+    megatron backend (fp32)."""
+    common = ["trainer.total_steps=2", "actor.ppo_epochs=1", "actor.mini_batch_size=32",
+              "trainer.save_every=0", "trainer.save_hf_at_end=false", "trainer.loggers=[jsonl]"]
+    runs = {}
+    for backend in ("megatron", "fsdp"):
+        out = str(tmp_path / backend)
+        run_ppo([f"trainer.output_dir={out}", f"parallel.backend={backend}", *common])
+        runs[backend] = run_metrics(out)
+    for meg, fsdp in zip(runs["megatron"], runs["fsdp"]):
+        for key in ("reward/mean", "response_length/mean", "actor/entropy", "actor/grad_norm",
+                    "critic/vf_loss", "critic/grad_norm", "kl/actor_ref", "returns/mean"):
+            a, b = meg[key], fsdp[key]
+            assert abs(a - b) <= 1e-5 * max(abs(a), 1e-2), f"step {meg['step']} {key}: {a} vs {b}"
 
 
 def test_fsdp_resume_after_kill_continues_exactly(tmp_path):

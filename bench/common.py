@@ -1,4 +1,6 @@
-"""What the GPU benches share: CUDA-event timing, a kernel profile table, printing/saving results.
+"""What the GPU benches share: CUDA-event timing, side-by-side contenders alternated over rounds
+(median and spread, with the GPU's clocks and temperature beside them), a kernel profile table,
+printing/saving results.
 
 Benches run as scripts (``python bench/x.py``), so their folder is on ``sys.path`` and they
 ``from common import ...``.
@@ -7,6 +9,7 @@ Benches run as scripts (``python bench/x.py``), so their folder is on ``sys.path
 from __future__ import annotations
 
 import json
+import subprocess
 
 import torch
 
@@ -25,6 +28,41 @@ def timed(fn, warmup: int = 2, iters: int = 5) -> float:
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
     return sorted(times)[len(times) // 2]
+
+
+def gpu_state() -> dict:
+    """The GPU's SM / memory clocks (MHz), temperature (C) and power (W) now, from nvidia-smi
+    (empty where it is missing): a slow round next to a low clock or a hot GPU is the GPU's."""
+    fields = ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw")
+    try:
+        line = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(fields)}",
+                               "--format=csv,noheader,nounits", "-i", "0"], capture_output=True,
+                              text=True, timeout=10).stdout.strip().splitlines()[0]
+        return {k: float(v) for k, v in zip(fields, line.split(", "))}
+    except (OSError, IndexError, ValueError, subprocess.SubprocessError):
+        return {}
+
+
+def alternate(contenders: dict, rounds: int = 3, warmup: int = 2, iters: int = 5) -> dict:
+    """Time each ``name -> fn`` side by side, order-robust: ``rounds`` rounds, each timing every
+    contender once (median of ``iters`` after ``warmup``), the order rotated every round so no
+    contender always runs first (after a cooler GPU) or last. Returns per contender the median over
+    rounds, the spread ``(max - min) / median``, the rounds' times, and the GPU state after each
+    round."""
+    names = list(contenders)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    states = []
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            times[name].append(timed(contenders[name], warmup=warmup, iters=iters))
+        states.append(gpu_state())
+    out = {}
+    for name, ts in times.items():
+        med = sorted(ts)[len(ts) // 2]
+        out[name] = {"median_s": med, "spread": (max(ts) - min(ts)) / med, "rounds_s": ts}
+    out["gpu_state_per_round"] = states
+    return out
 
 
 def peak_gib(fn) -> float:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-host session of checks (run from the repository root with the wheels in .whl/):
 #   bash bench/gpu_session.sh gpu      # tests/gpu (marker gpu) and bench/moe_bench.py
+#   bash bench/gpu_session.sh liger    # bench/liger_bench.py: ours vs transformers vs + Liger
 #   bash bench/gpu_session.sh mcore    # CPU tests of the newest layers on the host's Python 3.12
 #                                      # with megatron-core 0.19 (GPU hidden: gloo on the CPU)
 # Logs and JSON go to $OUT (default /tmp/pm_gpu_out).
@@ -17,6 +18,9 @@ case "${1:-gpu}" in
     nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
     timeout 240 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
     timeout 300 python3 bench/moe_bench.py --out "$OUT/moe.json" 2>&1 | tail -40
+    ;;
+  liger)
+    timeout 420 python3 bench/liger_bench.py --out "$OUT/liger.json" 2>&1 | tail -80
     ;;
   mcore)
     CUDA_VISIBLE_DEVICES= timeout 540 python3 -m pytest -q -p no:cacheprovider -n 8 \

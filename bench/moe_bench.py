@@ -20,7 +20,7 @@ import os
 import tempfile
 
 import torch
-from common import peak_gib, report, timed
+from common import alternate, peak_gib, report
 
 
 def build_folder(args) -> str:
@@ -109,15 +109,14 @@ def main():
         logits = ours(flat, cu_b).logits
         (-log_probs_from_packed_logits(logits, flat, cu_b).sum() / tokens).backward()
 
-    times = {"hf": [], "ours": []}
-    for _ in range(args.rounds):
-        for name, fn in (("hf", step_hf), ("ours", step_ours)):
-            times[name].append(timed(fn, warmup=2, iters=5))
+    timing = alternate({"hf": step_hf, "ours": step_ours}, rounds=args.rounds)
+    results["gpu_state_per_round"] = timing.pop("gpu_state_per_round")
     flops = 6 * active_params(args) * tokens
-    for name in times:
-        med = sorted(times[name])[len(times[name]) // 2]
+    for name, t in timing.items():
+        med = t["median_s"]
         results[f"{name}_step_s_median"] = med
-        results[f"{name}_step_s_rounds"] = times[name]
+        results[f"{name}_step_s_rounds"] = t["rounds_s"]
+        results[f"{name}_step_s_spread"] = t["spread"]
         results[f"{name}_tokens_per_s"] = tokens / med
         results[f"{name}_active_tflops"] = flops / med / 1e12
     results["ours_over_hf"] = results["hf_step_s_median"] / results["ours_step_s_median"]

@@ -134,7 +134,7 @@ def test_types_rechecked_by_validate():
     (["reward.function=no_such_module.fn"], ["reward.function", "no_such_module", "not found"]),
     (["reward.type=model"], ["reward.model_path"]),
     (["rollout.backend=server"], ["rollout.server_url"]),
-    (["parallel.pipeline_parallel_size=2"], ["pipeline_parallel_size", "rollout.backend=server"]),
+    (["rollout.tensor_parallel_size=2"], ["rollout.tensor_parallel_size (2)", "world size (1)"]),
     (["algorithm.kl_ctrl=adaptive", "algorithm.kl_in_reward=false"], ["kl_in_reward"]),
 ])
 def test_validation_messages(overrides, words):

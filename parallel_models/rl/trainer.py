@@ -1,8 +1,9 @@
 """The PPO loop: one step is a list of timed phases (rollout -> score -> advantages -> critic
 update -> actor update -> metrics), with checkpoints and exact resume.
 
-All roles live on the same ranks (TP inside a model, data parallel across replicas; PP needs the
-rollout server) and follow one protocol (``rl/roles.py``); with ``trainer.offload`` on CUDA only
+All roles live on the same ranks (TP x PP inside a model, data parallel across replicas; with PP
+or ``rollout.tensor_parallel_size`` other than TP the actor rolls out through the hybrid engine,
+``rollout/hybrid.py``) and follow one protocol (``rl/roles.py``); with ``trainer.offload`` on CUDA only
 the role a phase uses sits on the GPU. The batch travels between phases as a
 :class:`~parallel_models.rl.batch.RolloutBatch`. Each data-parallel rank takes its share of every
 prompt batch (prompts are dealt before they are repeated ``rollout.n`` times, so a grpo / rloo
@@ -33,6 +34,7 @@ from parallel_models.rl import dp_stats
 from parallel_models.rl.advantages import compute_advantages
 from parallel_models.rl.batch import RolloutBatch
 from parallel_models.rl.metrics import Timer
+from parallel_models.rl.mismatch import rollout_mismatch_metrics
 from parallel_models.rl.roles import CriticRole, PolicyRole, RuleReward
 from parallel_models.utils.optimizer import build_optimizer
 
@@ -48,26 +50,39 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def builtin_model_config(vocab_size: int, tokenizer=None):
-    """The default job's tiny Llama: 2 layers, hidden 64, 4 heads (2 KV heads)."""
-    from transformers import LlamaConfig
+BUILTIN_MOE = "builtin-moe"  # model.path of the built-in tiny Qwen3-MoE
+
+
+def builtin_model_config(vocab_size: int, tokenizer=None, moe: bool = False):
+    """The default job's tiny Llama: 2 layers, hidden 64, 4 heads (2 KV heads); ``moe``: the
+    same shape as a Qwen3-MoE with 4 experts (top-2, intermediate 64) in every layer."""
+    from transformers import LlamaConfig, Qwen3MoeConfig
 
     special = {} if tokenizer is None else dict(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)
+    if moe:
+        return Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=16, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=64, norm_topk_prob=True,
+                              decoder_sparse_step=1, mlp_only_layers=[],
+                              max_position_embeddings=512, tie_word_embeddings=False,
+                              architectures=["Qwen3MoeForCausalLM"], **special)
     return LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=512, tie_word_embeddings=False,
                        architectures=["LlamaForCausalLM"], **special)
 
 
-def build_builtin_model(folder: str, tokenizer, seed: int = 0) -> str:
-    """The default job's tiny Llama (random weights) and its tokenizer, saved as an HF folder."""
-    from transformers import LlamaForCausalLM
+def build_builtin_model(folder: str, tokenizer, seed: int = 0, moe: bool = False) -> str:
+    """The default job's tiny Llama (or Qwen3-MoE; random weights) and its tokenizer, saved as
+    an HF folder."""
+    from transformers import AutoModelForCausalLM
 
-    config = builtin_model_config(len(tokenizer), tokenizer)
+    config = builtin_model_config(len(tokenizer), tokenizer, moe=moe)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     tmp = folder + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -101,19 +116,18 @@ class PPOTrainer:
 
         self.cfg = cfg
         par = cfg.parallel
-        if par.pipeline_parallel_size > 1:
-            raise ConfigError("parallel.pipeline_parallel_size > 1: in-process rollout generation "
-                              "needs PP=1 (use TP/DP, or rollout.backend=server)")
-        if cfg.model.path and par.backend == "megatron":
+        rollout_tp = cfg.rollout.tensor_parallel_size or par.tensor_parallel_size
+        builtin = cfg.model.path in (None, BUILTIN_MOE)
+        if not builtin and par.backend == "megatron":
             _check_megatron_family(cfg.model.path)
-        if cfg.model.path:  # fail before starting processes when the model cannot be split
-            if par.backend == "megatron":
-                pm.ModelConfig.from_hf(cfg.model.path).check_tensor_parallel(
-                    par.tensor_parallel_size)
-        else:
-            pm.ModelConfig.from_hf(builtin_model_config(len(builtin_vocab()))).check_tensor_parallel(
-                par.tensor_parallel_size)
+        if par.backend == "megatron":  # fail before starting processes when the model cannot be split
+            model_config = pm.ModelConfig.from_hf(builtin_model_config(
+                len(builtin_vocab()), moe=cfg.model.path == BUILTIN_MOE) if builtin
+                else cfg.model.path)
+            model_config.check_tensor_parallel(par.tensor_parallel_size)
+            model_config.check_tensor_parallel(rollout_tp)
         pm.init_parallel(tensor_parallel_size=par.tensor_parallel_size,
+                         pipeline_parallel_size=par.pipeline_parallel_size,
                          sequence_parallel=par.sequence_parallel)
         self.dp_rank = mpu.get_data_parallel_rank()
         self.dp_size = mpu.get_data_parallel_world_size()
@@ -160,10 +174,22 @@ class PPOTrainer:
         r = cfg.rollout
         self.sampling = r.sampling_params()
         pad = self.tokenizer.pad_token_id
+        # an MoE actor (megatron backend): the rollout records routes (router replay, metrics)
+        self._moe = par.backend == "megatron" and self.actor_model.config.is_moe
+        self.hybrid = None  # the actor rolls out in another layout (TP' or PP > 1)
         if par.backend == "megatron":
             self.rollout_engine = RolloutEngine(self.actor_model,
                                                 eos_token_id=self.tokenizer.eos_token_id,
-                                                pad_token_id=pad if pad is not None else 0)
+                                                pad_token_id=pad if pad is not None else 0,
+                                                kv_budget_tokens=r.kv_budget_tokens or None,
+                                                max_rows=r.max_batch_rows)
+            pp = par.pipeline_parallel_size > 1
+            if r.backend == "inprocess" and (pp or rollout_tp != par.tensor_parallel_size):
+                from parallel_models.rl.rollout.hybrid import HybridRollout
+
+                self.hybrid = HybridRollout(self.actor_model, rollout_tp,
+                                            eos_token_id=self.tokenizer.eos_token_id,
+                                            pad_token_id=pad if pad is not None else 0)
         self.rollout_client = None
         if r.backend == "server":
             from parallel_models.rl.rollout.server import RolloutClient
@@ -182,7 +208,8 @@ class PPOTrainer:
         cfg, tcfg, a = self.cfg, self.cfg.trainer, self.cfg.actor
         dtype = cfg.model.dtype
         arch = pm.registry.architecture_of(model_path)
-        actor_cls = pm.get_model_class(arch, "causal_lm", rmpad=True)
+        pp = cfg.parallel.pipeline_parallel_size > 1  # PP variants: this rank's pipeline stage
+        actor_cls = pm.get_model_class(arch, "causal_lm", rmpad=True, pp=pp)
         self.actor_model = actor_cls.from_pretrained(model_path, dtype=dtype)
         budget = a.micro_batch_tokens
         self.actor = PolicyRole(self.actor_model, build_optimizer([self.actor_model],
@@ -201,7 +228,7 @@ class PPOTrainer:
             c = cfg.critic
             critic_path = c.path or model_path
             critic_cls = pm.get_model_class(pm.registry.architecture_of(critic_path), "value",
-                                            rmpad=True)
+                                            rmpad=True, pp=pp)
             critic_model = critic_cls.from_pretrained(critic_path, dtype=dtype,
                                                       value_head_seed=tcfg.seed)
             critic_state = build_optimizer([critic_model], c.optim_config(tcfg.total_steps))
@@ -217,13 +244,15 @@ class PPOTrainer:
         torch.manual_seed(s)
 
     def _model_path(self) -> str:
-        if self.cfg.model.path:
+        moe = self.cfg.model.path == BUILTIN_MOE
+        if self.cfg.model.path and not moe:
             return self.cfg.model.path
         from parallel_models.rl.tokenizer import build_builtin_tokenizer
 
-        folder = os.path.join(self.cfg.trainer.output_dir, "builtin_model")
+        folder = os.path.join(self.cfg.trainer.output_dir, "builtin_moe" if moe else "builtin_model")
         if _rank() == 0 and not os.path.isfile(os.path.join(folder, "config.json")):
-            build_builtin_model(folder, build_builtin_tokenizer(), seed=self.cfg.trainer.seed)
+            build_builtin_model(folder, build_builtin_tokenizer(), seed=self.cfg.trainer.seed,
+                                moe=moe)
         _barrier()
         return folder
 
@@ -263,12 +292,14 @@ class PPOTrainer:
         return sum(role.offload() for role in self._roles())
 
     def _push_weights(self) -> None:
-        """rollout.backend=server: save the actor (HF folder) and have the server load it."""
-        from parallel_models.rl.rollout.server.rollout import push_weights
+        """rollout.backend=server: stream the actor to the server (rollout.weight_push), the
+        HF folder as fallback."""
+        from parallel_models.rl.rollout.server.rollout import push_actor_weights
 
         folder = os.path.join(self.cfg.trainer.output_dir, "rollout_weights")
         with self._use(self.actor):
-            push_weights(self.actor_model, self.rollout_client, folder)
+            push_actor_weights(self.actor_model, self.rollout_client, folder,
+                               self.cfg.rollout.weight_push)
 
     # ---- one PPO step: the phases --------------------------------------------------------------
     def step(self) -> dict:
@@ -322,28 +353,46 @@ class PPOTrainer:
             out = server_rollout(self.rollout_client, prompt_ids, sampling, seed=seed,
                                  device=self.actor_model.device,
                                  eos_token_id=self.rollout_engine.eos_token_id,
-                                 pad_token_id=self.rollout_engine.pad_token_id)
-            out.pop("weight_version", None)
-            out.pop("rollout_log_probs", None)  # old_log_probs are recomputed by the actor
+                                 pad_token_id=self.rollout_engine.pad_token_id,
+                                 num_experts=self._num_experts())
+            out.pop("weight_version", None)  # rollout_log_probs stay: mismatch metrics, TIS
             return RolloutBatch.from_dict(out)
-        out = self.rollout_engine.generate(prompt_ids, sampling)
+        if self.hybrid is not None:  # weights resharded into the rollout layout when stale
+            out = self.hybrid.rollout(prompt_ids, sampling, version=self.step_index,
+                                      num_experts=self._num_experts())
+            out.pop("weight_version", None)  # rollout_log_probs stay: mismatch metrics, TIS
+            return RolloutBatch.from_dict(out)
+        routes = {"record_routes": True} if self._moe else {}  # (the fsdp engine has none)
+        out = self.rollout_engine.generate(prompt_ids, sampling, **routes)
         return RolloutBatch(sequences=out.sequences, attention_mask=out.attention_mask,
                             prompt_lengths=out.prompt_mask.sum(-1),
                             response_mask=out.response_mask,
-                            group_index=torch.arange(len(prompt_ids)).repeat_interleave(n))
+                            group_index=torch.arange(len(prompt_ids)).repeat_interleave(n),
+                            rollout_log_probs=out.log_probs, routes=out.routes)
+
+    def _num_experts(self) -> int | None:
+        """An MoE actor's expert count (its rollouts return routes), else None."""
+        return self.actor_model.config.num_experts if self._moe else None
 
     def score_phase(self, batch: RolloutBatch) -> dict:
         """Old log-probs (actor), reference log-probs, values (critic) and scores (reward)."""
-        with self._use(self.actor):
-            batch.old_log_probs = self.actor.log_probs(batch)
+        replay = self.cfg.actor.router_replay  # MoE only (config check)
+        routing = dict(replay=replay == "R3", record=replay == "R2") if self._moe else {}
+        with self._use(self.actor):  # R3 replays the rollout's routes, R2 records its own
+            batch.old_log_probs = self.actor.log_probs(batch, **routing)
+        mismatch = rollout_mismatch_metrics(batch, getattr(self.actor, "route_session", None))
+        if replay == "R2":
+            batch.routes = self.actor.recorded_routes
         if self.ref is not None:
+            ref_routing = {"replay": True} if self.cfg.actor.router_replay_reference else {}
             with self._use(self.ref):
-                batch.ref_log_probs = self.ref.log_probs(batch)
+                batch.ref_log_probs = self.ref.log_probs(batch, **ref_routing)
         if self.critic is not None:
             with self._use(self.critic):
                 batch.values = self.critic.values(batch)
         batch.scores = self.reward.score(batch)  # a reward model brings itself to the device
         metrics = dp_stats.data_parallel_mean(dict(getattr(self.reward, "metrics", None) or {}))
+        metrics.update(mismatch)
         records = batch.get("records") or []
         metrics.update(dp_stats.grouped_means(batch.scores.tolist(),
                                               [r.get("data_source") for r in records]))

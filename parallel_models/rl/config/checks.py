@@ -24,10 +24,6 @@ def _model_problems(cfg) -> list[str]:
     errors = []
     if m.path is not None and _is_local(m.path) and not os.path.isdir(os.path.expanduser(m.path)):
         errors.append(f"model.path: {m.path!r} is not a directory (an HF model folder)")
-    if par.pipeline_parallel_size > 1 and r.backend == "inprocess":
-        errors.append(f"parallel.pipeline_parallel_size={par.pipeline_parallel_size}: "
-                      "in-process rollout generation needs pipeline_parallel_size=1 "
-                      "(use tensor/data parallelism, or rollout.backend=server)")
     if par.backend == "fsdp":
         for key in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(par, key) != 1:
@@ -36,15 +32,49 @@ def _model_problems(cfg) -> list[str]:
         if r.backend != "inprocess":
             errors.append("rollout.backend=server: parallel.backend=fsdp generates in-process "
                           "(set rollout.backend=inprocess)")
-    if m.path is not None and par.tensor_parallel_size > 1 and \
-            os.path.isfile(os.path.join(os.path.expanduser(m.path), "config.json")):
+    if m.path is not None and os.path.isfile(os.path.join(os.path.expanduser(m.path),
+                                                          "config.json")):
+        from parallel_models.config import ModelConfig
+
+        for key, tp in (("parallel.tensor_parallel_size", par.tensor_parallel_size),
+                        ("rollout.tensor_parallel_size", r.tensor_parallel_size or 1)):
+            if tp == 1:
+                continue
+            try:
+                ModelConfig.from_hf(os.path.expanduser(m.path)).check_tensor_parallel(tp)
+            except ConfigError as err:
+                errors.append(f"{key}: {m.path}: {err}")
+    errors += _router_replay_problems(cfg)
+    return errors
+
+
+def _router_replay_problems(cfg) -> list[str]:
+    """R2 / R3 need an MoE actor: refused for a dense one (there is nothing to replay, and a
+    silent no-op would hide a wrong model path)."""
+    a, m = cfg.actor, cfg.model
+    errors = []
+    if a.router_replay_reference and a.router_replay == "off":
+        errors.append("actor.router_replay_reference=true needs actor.router_replay R2 or R3")
+    if a.router_replay == "off":
+        return errors
+    if cfg.parallel.backend != "megatron":
+        return errors + [f"actor.router_replay={a.router_replay}: router replay runs in the "
+                         "megatron backend (MoE layers); set parallel.backend=megatron"]
+    if m.path is None:
+        return errors + [f"actor.router_replay={a.router_replay}: the built-in model "
+                         "(model.path=null) is a dense Llama; use model.path=builtin-moe or an "
+                         "MoE model, or router_replay=off"]
+    config_file = os.path.join(os.path.expanduser(m.path), "config.json")
+    if m.path != "builtin-moe" and os.path.isfile(config_file):
         from parallel_models.config import ModelConfig
 
         try:
-            ModelConfig.from_hf(os.path.expanduser(m.path)).check_tensor_parallel(
-                par.tensor_parallel_size)
-        except ConfigError as err:
-            errors.append(f"parallel.tensor_parallel_size: {m.path}: {err}")
+            dense = not ModelConfig.from_hf(os.path.expanduser(m.path)).is_moe
+        except ConfigError:  # an unsupported config: reported by the model checks
+            dense = False
+        if dense:
+            errors.append(f"actor.router_replay={a.router_replay}: {m.path} is a dense model "
+                          "(no MoE layer to replay); use router_replay=off")
     return errors
 
 
@@ -124,6 +154,10 @@ def _layout_problems(cfg, world_size: int) -> list[str]:
                 f"pipeline_parallel_size = {model_par}"]
     dp = world_size // model_par
     errors = []
+    rollout_tp = cfg.rollout.tensor_parallel_size
+    if rollout_tp is not None and world_size % rollout_tp:
+        errors.append(f"rollout.tensor_parallel_size ({rollout_tp}) does not divide the world "
+                      f"size ({world_size}): the rollout engine's TP groups cover every rank")
     if d.batch_size % dp:
         errors.append(f"data.batch_size ({d.batch_size}) is not divisible by the data-parallel "
                       f"size ({dp} = world size {world_size} / {model_par})")

@@ -36,7 +36,8 @@ class ModelSection(BaseModel):
     model_config = SECTION_CONFIG
 
     path: Optional[str] = Field(None, description="HF folder of the actor; null = build the "
-                                                  "built-in tiny Llama")
+                                                  "built-in tiny Llama, builtin-moe = a tiny "
+                                                  "Qwen3-MoE")
     dtype: Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] = Field(
         "float32", description="float32 | bfloat16 | float16")
     tokenizer: Optional[str] = Field(None, description="null = the tokenizer of model.path (or "
@@ -49,7 +50,8 @@ class ParallelSection(BaseModel):
     model_config = SECTION_CONFIG
 
     tensor_parallel_size: Int = Field(1, ge=1, description="divides the attention heads")
-    pipeline_parallel_size: Int = Field(1, ge=1, description="> 1 needs rollout.backend=server")
+    pipeline_parallel_size: Int = Field(1, ge=1, description="pipeline stages of the actor, "
+                                         "reference and critic")
     sequence_parallel: StrictBool = Field(False, description="sequence parallel on top of TP")
     backend: Literal["megatron", "fsdp"] = Field(
         "megatron", description="megatron (our parallel models; TP/PP/EP) | fsdp (any HF "
@@ -100,6 +102,17 @@ class RolloutSection(SamplingFields):
         "inprocess", description="inprocess | server (parallel-models-serve at server_url)")
     server_url: Optional[str] = Field(None, description="rollout.backend=server: the server's "
                                                         "base URL")
+    weight_push: Literal["stream", "folder"] = Field(
+        "stream", description="backend=server: stream | folder (an HF folder the server loads; "
+                              "also the fallback when a stream fails)")
+    tensor_parallel_size: Optional[Int] = Field(
+        None, ge=1, description="in-process rollout engine's TP (null = the actor's); differs "
+                                "from it or PP > 1: weights resharded before each rollout")
+    kv_budget_tokens: Int = Field(0, ge=0, description="inprocess: continuous batching with this "
+                                  "many KV positions for all running samples (rows leave when "
+                                  "done, the n samples share one prefill); 0 = static batches")
+    max_batch_rows: Int = Field(256, ge=1, description="continuous batching: samples decoding "
+                                                       "at once at most")
 
     def sampling_params(self, seed: int | None = None) -> SamplingParams:
         """The :class:`SamplingParams` of this section (with ``seed``)."""
@@ -128,6 +141,14 @@ class ActorSection(OptimizerFields):
     kl_loss_coef: Number = Field(0.001, ge=0, description="weight of the KL loss")
     kl_loss_type: KLKind = Field("low_var_kl", description="k1 | abs | k2 | mse | k3 | "
                                                            "low_var_kl")
+    router_replay: Literal["off", "R2", "R3"] = Field(
+        "off", description="MoE only: off | R2 (updates replay the old-log-prob forward's "
+                           "expert choice) | R3 (old-log-prob and updates replay the rollout's)")
+    router_replay_reference: StrictBool = Field(False, description="the reference forward "
+                                                "replays the same routes (needs router_replay)")
+    tis_cap: Optional[Number] = Field(None, gt=0, description="truncated importance sampling: "
+                                      "policy loss x min(exp(old - rollout log-prob), cap); "
+                                      "null = off")
 
 
 class CriticSection(OptimizerFields):
@@ -155,6 +176,9 @@ class RewardSection(BaseModel):
     model_path: Optional[str] = Field(None, description="type=model: HF sequence-"
                                                         "classification folder")
     tokenizer: Optional[str] = Field(None, description="null = the reward model's own")
+    weight_push: Literal["stream", "folder"] = Field(
+        "stream", description="backend=server: stream | folder (an HF folder the server loads; "
+                              "also the fallback when a stream fails)")
     tensor_parallel_size: Optional[Int] = Field(
         None, ge=1, description="null = the actor's (the reward model shares its groups for "
                                 "now)")

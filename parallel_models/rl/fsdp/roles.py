@@ -68,7 +68,8 @@ class _FSDPRole:
             out = read(forward_packed_order(self.model, mb, self.packed), mb)
             if i < len(mbs):
                 outs.append(out.cpu())
-        return restore_order(outs, indices)
+        # on the batch's device, as the megatron roles return them (the trainer mixes both)
+        return restore_order(outs, indices).to(batch["response_mask"].device)
 
     def _train(self, batch, loss_fn, mode: str, weights: dict, prefix: str) -> dict[str, float]:
         """One optimizer step on ``batch``; ``loss_fn(output, mb) -> (loss * denom, denom,

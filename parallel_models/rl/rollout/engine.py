@@ -8,6 +8,13 @@ rollout server (``server/engine.py``) wraps it and mirrors its commands to the o
 - :meth:`RolloutEngine.generate_samples` -> per-row ``{"token_ids", "log_probs",
   "finish_reason"}`` lists (the server's answer format); with ``top_logprobs=k`` also
   ``"top_logprobs"``: per generated token the k most likely ``[token_id, log_prob]`` pairs.
+- With ``kv_budget_tokens`` the engine batches continuously (``continuous.ContinuousEngine``:
+  rows leave when done, waiting prompts take their place, the n samples of a prompt share one
+  prefill; at most ``kv_budget_tokens`` KV positions and ``max_rows`` rows at once). Each prompt
+  i gets its own draw seed (``params.seed`` mixed with i, else one from ``generator`` / the global
+  generator), so a seeded call is reproducible whatever else runs. ``keep_kv=True`` (the
+  server) keeps the KV pool and the captured decode graphs between calls; otherwise they are
+  freed after each call (the trainer trains between rollouts).
 - :meth:`RolloutEngine.update_weights` loads an HF folder (or megatron-core checkpoint) into the
   model **atomically**: a copy of the current weights is taken first and written back if
   anything fails while loading (read error, out of memory, shape mismatch) on any rank of
@@ -33,18 +40,28 @@ class WeightUpdateError(RuntimeError):
     """Loading new weights failed (here or on another rank); the old weights were restored."""
 
 
-def load_weights(model, path: str) -> None:
-    """Fill ``model`` (this rank's shard) from ``path``; a seam tests can replace."""
-    from parallel_models.llama.checkpoint_utils.loader import load_hf_weights
+def load_weights(model, path) -> None:
+    """Fill ``model`` (this rank's shard) from ``path`` (a folder, or a loader ``WeightReader``
+    over tensors in memory: a streamed push); a seam tests can replace."""
+    from parallel_models.llama.checkpoint_utils import loader
 
-    load_hf_weights(model, path)
+    if isinstance(path, str):
+        loader.load_hf_weights(model, path)
+    else:
+        loader.load_weights(model, path, model.weight_map)
+    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise ValueError(f"non-finite weights after loading: {', '.join(bad[:5])}")
 
 
 class RolloutEngine:
-    """``RolloutEngine(model, eos_token_id=None, pad_token_id=0, weights_path=None)``."""
+    """``RolloutEngine(model, eos_token_id=None, pad_token_id=0, weights_path=None,
+    kv_budget_tokens=None, max_rows=64, prefix_cache_tokens=0, keep_kv=False)``."""
 
     def __init__(self, model, *, eos_token_id: int | list[int] | None = None,
-                 pad_token_id: int = 0, weights_path: str | None = None):
+                 pad_token_id: int = 0, weights_path: str | None = None,
+                 kv_budget_tokens: int | None = None, max_rows: int = 64,
+                 prefix_cache_tokens: int = 0, keep_kv: bool = False):
         if model.head_kind != "causal_lm":
             raise TypeError(f"{type(model).__name__} has no LM head; a rollout engine needs a "
                             "CausalLM")
@@ -55,6 +72,30 @@ class RolloutEngine:
         self.version = 0
         self.generated_tokens = 0
         self.batches = 0
+        self.kv_budget_tokens = kv_budget_tokens
+        self.max_rows = max_rows
+        self.prefix_cache_tokens = prefix_cache_tokens
+        self.keep_kv = keep_kv
+        self._continuous = None
+
+    @property
+    def continuous(self) -> bool:
+        return bool(self.kv_budget_tokens)
+
+    def continuous_engine(self):
+        """The :class:`~parallel_models.rl.rollout.continuous.ContinuousEngine` (made on first
+        use; continuous mode only)."""
+        if self._continuous is None:
+            from parallel_models.rl.rollout.continuous import ContinuousEngine
+
+            self._continuous = ContinuousEngine(
+                self.model, int(self.kv_budget_tokens), max_rows=self.max_rows,
+                prefix_cache_tokens=self.prefix_cache_tokens)
+            self._continuous.on_tokens = self._count_tokens
+        return self._continuous
+
+    def _count_tokens(self, count: int) -> None:
+        self.generated_tokens += count
 
     @property
     def device(self) -> torch.device:
@@ -66,26 +107,54 @@ class RolloutEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  generator: torch.Generator | None = None, top_logprobs: int = 0,
-                 on_step=None) -> GenerationOutput:
+                 on_step=None, record_routes: bool = False) -> GenerationOutput:
         """``params.n`` samples of each prompt (rows prompt-major). A ``params.seed`` seeds a
         generator of its own unless ``generator`` is given. ``top_logprobs=k`` also returns the
         k most likely tokens per step; ``on_step`` sees each step's tokens as they are drawn
-        (``generation.generate``)."""
+        (``generation.generate``); ``record_routes`` (MoE) also returns the experts every token
+        was routed to (``GenerationOutput.routes``; recorded by the static batcher)."""
+        if self.continuous and on_step is None and not record_routes:
+            return self._generate_continuous(prompts, params, generator, top_logprobs)
         rows = [list(p) for p in prompts for _ in range(params.n)]
         one_each = params.model_copy(update={"n": 1})  # (a seed makes generate's generator)
         out = generate(self.model, rows, one_each, generator=generator,
                        stop_token_ids=self.stop_ids(params), pad_token_id=self.pad_token_id,
-                       top_logprobs=top_logprobs, on_step=on_step)
+                       top_logprobs=top_logprobs, on_step=on_step, record_routes=record_routes)
         self.generated_tokens += int(out.response_mask.sum())
         return out
 
+    def _generate_continuous(self, prompts, params, generator, top_logprobs):
+        from parallel_models.rl.rollout.continuous import generation_output, request_seed
+
+        engine = self.continuous_engine()
+        stop = self.stop_ids(params)
+        try:
+            requests = []
+            for i, p in enumerate(prompts):
+                seed = params.seed
+                if seed is None and not params.greedy:
+                    seed = int(torch.randint(0, 1 << 62, (1,), generator=generator))
+                one = params.model_copy(update={"seed": request_seed(seed, i)})
+                requests.append(engine.submit(p, one, stop_ids=stop, top_logprobs=top_logprobs))
+            engine.run()
+        finally:
+            if not self.keep_kv:
+                self._continuous = None
+        out = generation_output(requests, self.pad_token_id)
+        device = self.device
+        return type(out)(**{f: (v.to(device) if torch.is_tensor(v) else v)
+                             for f, v in vars(out).items()})
+
     def generate_samples(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                         top_logprobs: int = 0, on_step=None) -> list[dict]:
+                         top_logprobs: int = 0, on_step=None, record_routes: bool = False
+                         ) -> list[dict]:
         """Like :meth:`generate`, as one ``{"token_ids", "log_probs", "finish_reason"}`` dict per
         row (``"stop"`` when the last token is a stop id, else ``"length"``); ``top_logprobs=k``
         adds ``"top_logprobs"``: per token a list of k ``[token_id, log_prob]``, most likely
-        first."""
-        out = self.generate(prompts, params, top_logprobs=top_logprobs, on_step=on_step)
+        first; ``record_routes`` (MoE) adds ``"routes"``: per prompt and generated token, per MoE
+        layer, the k experts used (-1 where none: the last generated token)."""
+        out = self.generate(prompts, params, top_logprobs=top_logprobs, on_step=on_step,
+                            record_routes=record_routes)
         stops = set(self.stop_ids(params))
         mask, toks = out.response_mask.cpu(), out.responses.cpu()
         logps = out.log_probs.float().cpu()
@@ -95,6 +164,13 @@ class RolloutEngine:
             ids = toks[b, :k].tolist()
             samples.append({"token_ids": ids, "log_probs": logps[b, :k].tolist(),
                             "finish_reason": "stop" if ids and ids[-1] in stops else "length"})
+        if out.routes is not None:
+            from parallel_models.utils.routes import expand
+
+            real = out.attention_mask.bool().cpu()
+            routes = expand(out.routes.cpu())
+            for b, sample in enumerate(samples):
+                sample["routes"] = routes[b][real[b]].tolist()
         if out.top_token_ids is not None:
             top_ids, top_logps = out.top_token_ids.cpu(), out.top_log_probs.float().cpu()
             for b, sample in enumerate(samples):
@@ -124,7 +200,11 @@ class RolloutEngine:
         for (_, t), saved in zip(self._tensors(), snapshot):
             t.copy_(saved)
 
-    def update_weights(self, path: str, group=None) -> dict:
+    @staticmethod
+    def _label(path) -> str:
+        return repr(path) if isinstance(path, str) else getattr(path, "folder", "<memory>")
+
+    def update_weights(self, path, group=None) -> dict:
         """Load ``path`` into the model, all or nothing. With ``group`` (a process group of every
         rank holding a shard; all call this together) the ranks agree: if loading fails on any
         of them, each restores its old shard. Returns ``{"weight_version", "path", "seconds"}``;
@@ -144,14 +224,16 @@ class RolloutEngine:
             if snapshot is not None:
                 self._restore(snapshot)
             if error is None:
-                raise WeightUpdateError(f"loading {path!r} failed on another rank; the previous "
+                raise WeightUpdateError(f"loading {self._label(path)} failed on another rank; the previous "
                                         f"weights (version {self.version}) were kept")
             raise WeightUpdateError(f"{type(error).__name__}: {error} (the previous weights, "
                                     f"version {self.version}, were kept)") from error
         del snapshot
+        if self._continuous is not None:
+            self._continuous.clear_prefixes()  # KV of the old weights
         self.version += 1
-        self.weights_path = path
-        return {"weight_version": self.version, "path": path,
+        self.weights_path = path if isinstance(path, str) else getattr(path, "folder", None)
+        return {"weight_version": self.version, "path": self.weights_path,
                 "seconds": round(time.perf_counter() - t0, 3)}
 
 

@@ -11,7 +11,9 @@ Endpoints (JSON; with ``--api-key`` every endpoint but ``/health`` needs
   "seed": null, "stop_token_ids": [], "eos_token_id": null, "ignore_eos": false``; EOS defaults
   to the server tokenizer's) -> ``{"weight_version": v,
   "results": [{"prompt_token_ids": [...], "samples": [{"token_ids", "log_probs",
-  "finish_reason": "stop"|"length", "text"?}] * n}]}``. Text prompts need a tokenizer in the
+  "finish_reason": "stop"|"length", "text"?, "routes"?}] * n}]}``; ``"return_routes": true``
+  (MoE models) adds per sample ``routes``: for every prompt and generated token, per MoE layer,
+  the top-k experts it was routed to (-1: never routed, the last generated token). Text prompts need a tokenizer in the
   model folder (encoded with its special tokens, e.g. BOS). Log-probs are
   ``log_softmax(logits / temperature)`` of the drawn tokens (see ``rl.rollout.generation``).
 - ``POST /update_weights`` body ``{"path": folder}`` (HF safetensors or megatron-core checkpoint)
@@ -19,6 +21,9 @@ Endpoints (JSON; with ``--api-key`` every endpoint but ``/health`` needs
   the old weights and the version moves by exactly one. Atomic: if loading fails on any rank
   (read error, out of memory, mismatch), the old weights stay bit-identical, the version does
   not move and the answer is 400 with the cause.
+- ``POST /update_weights_stream`` body: the weights as a stream of frames
+  (``weight_stream.py``; no size limit) -> the same answer as ``/update_weights``; a stream cut
+  short or a tensor that does not fit the model: 400, the old weights and version kept.
 - ``POST /shutdown`` -> graceful exit (in-flight requests finish); SIGTERM/SIGINT do the same.
 - The OpenAI-compatible API: ``GET /v1/models``, ``POST /v1/completions``,
   ``POST /v1/chat/completions`` (``openai_api``), batched with the requests above; its errors
@@ -30,7 +35,10 @@ text prompt without a tokenizer, 401 missing or wrong API key, 404/405 unknown r
 wrong types or out-of-range values (prompt too long, n / max_new_tokens / batch rows over the
 limits, token ids outside the vocab), 503 shutting down, 504 request timeout, 500 internal.
 
-Batching: requests arriving within ``batch_window_ms`` of the first queued one are generated
+Continuous batching (the server's default, ``continuous_batcher``): requests join the running batch at
+the next decode step and leave it when done (``continuous_batcher``); one that can never fit the
+KV budget gets 422 (OpenAI routes: 400) at once. With ``--static-batching``: requests arriving
+within ``batch_window_ms`` of the first queued one are generated
 together, up to ``max_batch`` rows (prompts x n). Rows with the same sampling params share one
 ``generate`` call; a request with a ``seed`` gets its own call (and generator), so its samples
 are reproducible. ``generate`` is row-independent, so greedy results do not depend on the batch.
@@ -78,9 +86,11 @@ class GenerateRequest(SamplingParams):
 
     prompts: list[Union[StrictStr, list[StrictInt]]] = Field(min_length=1)
     return_text: StrictBool = True
+    return_routes: StrictBool = False  # MoE: per token and MoE layer the top-k experts used
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams.model_validate(self.model_dump(exclude={"prompts", "return_text"}))
+        return SamplingParams.model_validate(self.model_dump(
+            exclude={"prompts", "return_text", "return_routes"}))
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -187,16 +197,17 @@ class Batcher:
         by_key: dict = {}
         sinks: dict[int, list] = {}  # call -> [(start, count, sink)] of streamed jobs
         for job in batch:
-            rows, params, top_k, sink = job.payload  # params: one sample per row (n=1)
+            rows, params, top_k, sink, *routes = job.payload  # params: one sample per row (n=1)
+            routes = bool(routes and routes[0])  # /generate's return_routes
             if params.seed is None:
-                key = (params.sampling_key(), top_k)
+                key = (params.sampling_key(), top_k, routes)
                 if key not in by_key:
                     by_key[key] = len(calls)
-                    calls.append(GenCall([], params, top_k))
+                    calls.append(GenCall([], params, top_k, routes))
                 ci = by_key[key]
             else:
                 ci = len(calls)
-                calls.append(GenCall([], params, top_k))
+                calls.append(GenCall([], params, top_k, routes))
             where.append((ci, len(calls[ci].rows), len(rows)))
             if sink is not None:
                 sinks.setdefault(ci, []).append((len(calls[ci].rows), len(rows), sink))
@@ -231,8 +242,9 @@ _OPEN_PATHS = ("/health", "/docs", "/openapi.json")
 
 
 def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | None = None,
-               model_info: dict | None = None):
-    """The FastAPI app over ``engine`` (rank 0). Start its batcher in the lifespan."""
+               model_info: dict | None = None, batcher_cls=None):
+    """The FastAPI app over ``engine`` (rank 0). Start its batcher in the lifespan.
+    ``batcher_cls``: :class:`Batcher` (default) or ``continuous_batcher.ContinuousBatcher``."""
     from contextlib import asynccontextmanager
 
     from fastapi.exceptions import RequestValidationError
@@ -241,7 +253,7 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
     from starlette.exceptions import HTTPException as StarletteHTTPException
     from starlette.responses import JSONResponse
 
-    batcher = Batcher(engine, limits)
+    batcher = (batcher_cls or Batcher)(engine, limits)
     config = engine.model.config
     vocab_size = int(config.vocab_size)
     max_pos = int(getattr(config, "max_position_embeddings", 1 << 30))
@@ -326,7 +338,8 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
                 "eos_token_id": eos, "limits": dataclasses.asdict(limits),
                 "stats": {"requests": state["requests"], "batches": engine.batches,
                           "generated_tokens": engine.generated_tokens,
-                          "uptime_s": round(time.time() - state["started"], 1)}}
+                          "uptime_s": round(time.time() - state["started"], 1),
+                          **engine.continuous_stats()}}
 
     def _encode(prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -369,6 +382,8 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
         rows_total = len(req.prompts) * req.n
         if rows_total > limits.max_batch:
             raise ApiError(422, f"prompts x n = {rows_total} is over max_batch {limits.max_batch}")
+        if req.return_routes and not engine.model.config.is_moe:
+            raise ApiError(422, "return_routes: the model has no MoE layer (no routes to return)")
         bad_stop = [t for t in req.stop_token_ids if not 0 <= t < vocab_size]
         if bad_stop:
             raise ApiError(422, f"stop_token_ids outside the vocab [0, {vocab_size}): {bad_stop}")
@@ -393,8 +408,8 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
         # the app repeats the rows n times itself, so requests with different n share a call
         params = req.sampling().model_copy(update={"n": 1})
         rows = [ids for ids in encoded for _ in range(req.n)]
-        samples, version = await _wait(batcher.submit("generate", (rows, params, 0, None),
-                                                      len(rows)))
+        samples, version = await _wait(batcher.submit(
+            "generate", (rows, params, 0, None, req.return_routes), len(rows)))
         results = []
         for i, ids in enumerate(encoded):
             group = samples[i * req.n:(i + 1) * req.n]
@@ -420,6 +435,23 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
             raise ApiError(400, f"could not load weights from {req.path!r}: "
                                 f"{type(exc).__name__}: {exc}") from None
 
+    @app.post("/update_weights_stream")
+    async def update_weights_stream(request: Request):
+        from parallel_models.rl.rollout.server.weight_stream import (WeightStreamError,
+                                                                     receive_weight_stream)
+
+        try:
+            reader = await receive_weight_stream(request, engine)
+        except WeightStreamError as exc:
+            raise ApiError(400, str(exc)) from None
+        try:
+            return await _wait(batcher.submit("update", reader))
+        except ApiError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise ApiError(400, f"could not load the pushed weights: {type(exc).__name__}: "
+                                f"{exc}") from None
+
     async def _openai_generate(rows, params, top_logprobs, sink=None):
         state["requests"] += 1
         return await _wait(batcher.submit("generate", (rows, params, top_logprobs, sink),
@@ -438,4 +470,4 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
         server.should_exit = True
         return {"status": "shutting down"}
 
-    return BodyLimit(app, limits.max_body_bytes), app, state
+    return BodyLimit(app, limits.max_body_bytes, ("/update_weights_stream",)), app, state

@@ -39,12 +39,13 @@ def auth_ok(header: str | None, api_key: str | None) -> bool:
 class BodyLimit:
     """ASGI middleware: 413 for bodies over the limit (Content-Length or streamed)."""
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, unlimited_paths: tuple[str, ...] = ()):
         self.app = app
         self.max_bytes = max_bytes
+        self.unlimited_paths = unlimited_paths  # streamed as they come (weight pushes)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope.get("path") in self.unlimited_paths:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")

@@ -1,0 +1,166 @@
+"""Training throughput against transformers AND transformers + Liger kernels, in ONE process on
+the same weights, contenders alternated over rounds (``common.alternate``).
+
+    python bench/liger_bench.py [--layers 16 --hidden 2048 ...] [--rounds 3] [--out r.json]
+
+Contenders (bf16, one GPU, fwd+bwd, loss = mean token cross-entropy):
+- ``hf``: transformers (SDPA), its own ``labels`` loss;
+- ``hf_liger``: a second transformers model with Liger's kernels swapped in per instance (RMSNorm,
+  SwiGLU MLP, RoPE, fused linear cross-entropy on the final hidden states) - what
+  ``apply_liger_kernel_to_llama`` patches, without patching the plain contender (Liger's own
+  helper patches module globals, which would turn the ``hf`` contender into Liger too);
+- ``ours``: ``LlamaForCausalLMRmPad`` (packed, fused vocab-parallel log-probs).
+Cases: ``uniform`` (micro-batch x seq, no padding) and ``ragged`` (an RL-like batch, lengths
+uniform in [256, seq], the HF contenders padded, ours packed; effective tokens/s counts real
+tokens). Losses of the three are checked against each other first (bf16 tolerance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import tempfile
+
+import torch
+from common import alternate, gpu_state, report
+
+
+def liger_model(folder, dev):
+    """A transformers Llama with Liger's modules in place of its own (same weights)."""
+    from liger_kernel.transformers import LigerRMSNorm, LigerSwiGLUMLP
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa").to(dev)
+    cfg = model.config
+
+    def norm(old):
+        new = LigerRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps).to(dev, torch.bfloat16)
+        new.weight.data.copy_(old.weight.data)
+        return new
+
+    for layer in model.model.layers:
+        layer.input_layernorm = norm(layer.input_layernorm)
+        layer.post_attention_layernorm = norm(layer.post_attention_layernorm)
+        mlp = LigerSwiGLUMLP(cfg).to(dev, torch.bfloat16)
+        mlp.load_state_dict(layer.mlp.state_dict())
+        layer.mlp = mlp
+    model.model.norm = norm(model.model.norm)
+    return model
+
+
+@contextlib.contextmanager
+def liger_rope():
+    """Liger's RoPE kernel in transformers' Llama attention, only while the Liger contender runs."""
+    from liger_kernel.transformers import liger_rotary_pos_emb
+    from transformers.models.llama import modeling_llama
+
+    saved = modeling_llama.apply_rotary_pos_emb
+    modeling_llama.apply_rotary_pos_emb = liger_rotary_pos_emb
+    try:
+        yield
+    finally:
+        modeling_llama.apply_rotary_pos_emb = saved
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--intermediate", type=int, default=5632)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cases", default="uniform,ragged")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+
+    import parallel_models as pm
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    pm.init_parallel()
+    dev = pm.compute_device()
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                      intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                      num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                      max_position_embeddings=max(8192, args.seq), architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    folder = os.path.join(tempfile.mkdtemp(), "model")
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(folder)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
+                                              attn_implementation="sdpa").to(dev)
+    hfl = liger_model(folder, dev)
+    ours = pm.LlamaForCausalLMRmPad.from_pretrained(folder, dtype=torch.bfloat16)
+    lce = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "args": vars(args), "gpu_state_start": gpu_state()}
+
+    def hf_loss(ids, mask):
+        labels = ids.masked_fill(mask == 0, -100)
+        return hf(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    def liger_loss(ids, mask):
+        with liger_rope():
+            hidden = hfl.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        labels = ids.masked_fill(mask == 0, -100)[:, 1:]
+        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+        return lce(hfl.lm_head.weight, h, labels.reshape(-1))
+
+    def ours_loss(ids, cu):
+        logits = ours(ids, cu).logits
+        n = int(cu[-1]) - (len(cu) - 1)  # predicted tokens: every token but each sequence's first
+        return -log_probs_from_packed_logits(logits, ids, cu).sum() / n
+
+    def contenders(ids, mask, packed):
+        return {"hf": lambda: hf_loss(ids, mask).backward(),
+                "hf_liger": lambda: liger_loss(ids, mask).backward(),
+                "ours": lambda: ours_loss(packed.input_ids, packed.cu_seqlens).backward()}
+
+    def run_case(name, ids, mask, real_tokens):
+        packed = pm.pack_padded_batch(ids, mask)
+        with torch.no_grad():
+            losses = {"hf": float(hf_loss(ids, mask)), "hf_liger": float(liger_loss(ids, mask)),
+                      "ours": float(ours_loss(packed.input_ids, packed.cu_seqlens))}
+        spread = max(losses.values()) - min(losses.values())
+        assert spread < 2e-2 * abs(losses["hf"]), f"{name}: losses disagree {losses}"
+        timing = alternate(contenders(ids, mask, packed), rounds=args.rounds, warmup=2, iters=5)
+        r = {"real_tokens": real_tokens, "padded_tokens": ids.numel(), "losses": losses,
+             "gpu_state_per_round": timing.pop("gpu_state_per_round")}
+        for c, t in timing.items():
+            r[c] = {"tok_s_median": real_tokens / t["median_s"], "spread": t["spread"],
+                    "step_s_rounds": t["rounds_s"]}
+        r["ours_over_hf"] = timing["hf"]["median_s"] / timing["ours"]["median_s"]
+        r["ours_over_hf_liger"] = timing["hf_liger"]["median_s"] / timing["ours"]["median_s"]
+        for m in (hf, hfl, ours):
+            m.zero_grad(set_to_none=True)
+        res[name] = r
+
+    B, S = args.micro_batch, args.seq
+    if "uniform" in args.cases:
+        ids = torch.randint(0, args.vocab, (B, S), device=dev)
+        run_case("uniform", ids, torch.ones_like(ids), B * S)
+    if "ragged" in args.cases:  # as many real tokens as 2 uniform batches, lengths in [256, S]
+        g = torch.Generator().manual_seed(0)
+        lengths, total = [], 0
+        while total < B * S * 2:
+            n = int(torch.randint(256, S + 1, (1,), generator=g))
+            lengths.append(n)
+            total += n
+        ids = torch.randint(0, args.vocab, (len(lengths), max(lengths)), device=dev)
+        mask = torch.zeros_like(ids)
+        for i, n in enumerate(lengths):
+            mask[i, :n] = 1
+        run_case("ragged", ids, mask, sum(lengths))
+    res["gpu_state_end"] = gpu_state()
+    report(res, args.out)
+    pm.destroy_parallel()
+
+
+if __name__ == "__main__":
+    main()

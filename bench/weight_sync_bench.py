@@ -1,0 +1,170 @@
+"""Weight sync of the hybrid engine on one GPU: in-process reshard into the rollout model and a
+streamed push to the rollout server, time and extra memory, for the 0.5B and 8B shapes.
+
+    python bench/weight_sync_bench.py [--shapes 0.5b 8b] [--bucket-mb 512] [--skip-push]
+                                      [--out results.json]
+
+Random bf16 weights of the Qwen2-0.5B shape (hidden 896, 24 layers, 14/2 heads, vocab 151936,
+tied) and the Llama-3-8B shape (hidden 4096, 32 layers, 32/8 heads, ffn 14336, vocab 128256).
+
+- ``inprocess``: actor TP=1 -> rollout TP'=1 copy (``HybridRollout(share_weights=False)``: with
+  equal layouts the trainer itself shares the actor's weights and copies nothing; this times the
+  path PP > 1 or TP' != TP takes). ``first_extra_gib``: peak GPU memory above the start during
+  the first sync (its kept bucket buffer + temporaries); ``later_extra_gib``: during a later
+  sync. The rollout model itself (one more copy of the weights) is ``rollout_model_gib``.
+- ``push``: the actor saved once as an HF folder, a server started on it (same GPU), then the
+  actor streamed to ``POST /update_weights_stream`` (median of 3). ``trainer_extra_gib``: peak
+  GPU memory above the start on the trainer side; the server stages the pushed weights in host
+  memory (one model's bytes) before its atomic swap (which keeps a host snapshot too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import gpu_state, timed  # noqa: E402
+
+GIB = 2**30
+SHAPES = {
+    "0.5b": ("Qwen2Config", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                 num_attention_heads=14, num_key_value_heads=2,
+                                 vocab_size=151936, tie_word_embeddings=True,
+                                 architectures=["Qwen2ForCausalLM"])),
+    "8b": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                               num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                               tie_word_embeddings=False, rope_theta=500000.0,
+                               architectures=["LlamaForCausalLM"])),
+}
+
+
+def build_actor(shape: str):
+    import transformers
+
+    import parallel_models as pm
+
+    cls_name, kw = SHAPES[shape]
+    hf = getattr(transformers, cls_name)(max_position_embeddings=4096, torch_dtype="bfloat16",
+                                         **kw)
+    config = pm.ModelConfig.from_hf(hf)
+    cls = pm.get_model_class(kw["architectures"][0], "causal_lm", rmpad=True)
+    model = cls(config, dtype=torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=g)
+    return model
+
+
+def model_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def bench_inprocess(actor, bucket_bytes: int) -> dict:
+    from parallel_models.rl.rollout.hybrid import HybridRollout
+
+    hybrid = HybridRollout(actor, 1, share_weights=False, bucket_bytes=bucket_bytes)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    first = hybrid.sync(version=0)
+    first_extra = torch.cuda.max_memory_allocated() - base
+    version = iter(range(1, 1000))
+    seconds = timed(lambda: hybrid.sync(version=next(version)), warmup=1, iters=5)
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    hybrid.sync(version=-1)
+    later_extra = torch.cuda.max_memory_allocated() - base
+    equal = all(torch.equal(a, b) for a, b in zip(actor.parameters(),
+                                                  hybrid.engine.model.parameters()))
+    out = {"seconds": round(seconds, 4), "first_sync_seconds": round(first, 4),
+           "first_extra_gib": round(first_extra / GIB, 3),
+           "later_extra_gib": round(later_extra / GIB, 3),
+           "kept_buffers_gib": round(hybrid.weight_sync.buffer_bytes / GIB, 3),
+           "rollout_model_gib": round(model_bytes(hybrid.engine.model) / GIB, 3),
+           "buckets": len(hybrid.weight_sync.buckets), "bit_identical": equal}
+    del hybrid
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def bench_push(actor, bucket_bytes: int, workdir: str) -> dict:
+    from parallel_models.distributed import free_port
+    from parallel_models.rl.rollout.server.client import RolloutClient
+    from parallel_models.rl.rollout.server.launch import start_server, stop_server
+    from parallel_models.rl.rollout.server.weight_stream import push_weight_stream
+
+    folder = os.path.join(workdir, "actor")
+    t0 = time.perf_counter()
+    actor.save_pretrained(folder, overwrite=True)
+    save_s = time.perf_counter() - t0
+    port = free_port()
+    proc = start_server(folder, port, log_path=os.path.join(workdir, "server.log"),
+                        extra=("--dtype", "bfloat16"), timeout=900)
+    client = RolloutClient(f"http://127.0.0.1:{port}", timeout=900)
+    try:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        times, versions = [], []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            versions.append(push_weight_stream(actor, client, bucket_bytes=bucket_bytes))
+            times.append(time.perf_counter() - t0)
+        extra = torch.cuda.max_memory_allocated() - base
+        t0 = time.perf_counter()
+        client.update_weights(folder)  # the folder path, for comparison (already saved)
+        folder_load_s = time.perf_counter() - t0
+    finally:
+        client.close()
+        stop_server(proc)
+    return {"seconds": round(sorted(times)[1], 3), "rounds": [round(t, 3) for t in times],
+            "versions": versions, "trainer_extra_gib": round(extra / GIB, 3),
+            "folder_save_s": round(save_s, 2), "folder_load_s": round(folder_load_s, 2)}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=["0.5b", "8b"], choices=sorted(SHAPES))
+    ap.add_argument("--bucket-mb", type=int, default=512)
+    ap.add_argument("--skip-push", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("weight_sync_bench needs a GPU")
+    import parallel_models as pm
+
+    pm.init_parallel(tensor_parallel_size=1)
+    results = {"device": torch.cuda.get_device_name(), "gpu": gpu_state(),
+               "bucket_mb": args.bucket_mb, "date": time.strftime("%Y-%m-%d")}
+    for shape in args.shapes:
+        actor = build_actor(shape)
+        row = {"model_gib": round(model_bytes(actor) / GIB, 3)}
+        row["inprocess"] = bench_inprocess(actor, args.bucket_mb << 20)
+        print(shape, "inprocess", json.dumps(row["inprocess"]), flush=True)
+        if not args.skip_push:
+            with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+                row["push"] = bench_push(actor, args.bucket_mb << 20, tmp)
+            print(shape, "push", json.dumps(row["push"]), flush=True)
+        results[shape] = row
+        del actor
+        gc.collect()
+        torch.cuda.empty_cache()
+    print(json.dumps(results, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""The hybrid engine: the actor trains in its layout (TP x PP x DP) and rolls out in the rollout
+engine's TP' layout, in the same processes.
+
+:class:`HybridRollout` owns the rollout layout (:mod:`rollout_layout`), the rollout model (TP'
+only, built once) and the :class:`~weight_sync.WeightSync` that refreshes it from the actor
+before a rollout when the actor changed. When the layouts are equal (PP = 1, TP' = TP) the
+rollout engine runs on the actor's own weights: nothing is copied.
+
+:meth:`HybridRollout.rollout` is called by every rank with its training data-parallel share of
+the prompts. The prompts of all training DP ranks are pooled, dealt round robin over the rollout
+DP ranks (each TP' group generates its share), and the samples go back to the training layout:
+every rank gets the rows of its own training DP share, in order, as the trainer's rollout dict
+(the server backend's format, ``server/rollout.batch_from_response``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from parallel_models.rl.rollout.engine import RolloutEngine
+from parallel_models.rl.rollout.rollout_layout import RolloutLayout, share_of
+from parallel_models.rl.rollout.server.rollout import batch_from_response
+from parallel_models.rl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightSync
+
+
+def build_rollout_model(actor, layout: RolloutLayout):
+    """An empty (unfilled) CausalLM like ``actor`` in the rollout layout: TP', PP = 1, no SP."""
+    from parallel_models import registry
+
+    cls = registry.get_model_class(actor.architecture, "causal_lm", rmpad=True)
+    with layout.active():
+        model = cls(actor.config, dtype=actor.dtype, sequence_parallel=False)
+    model.requires_grad_(False)
+    model.name_or_path = getattr(actor, "name_or_path", None)
+    return model
+
+
+class HybridRollout:
+    """``HybridRollout(actor_chunks, tensor_parallel_size, eos_token_id=, pad_token_id=,
+    bucket_bytes=, share_weights=)``; build it on every rank at once (it makes process groups)."""
+
+    def __init__(self, actor_chunks, tensor_parallel_size: int | None = None, *,
+                 eos_token_id=None, pad_token_id: int = 0,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, share_weights: bool | None = None):
+        chunks = list(actor_chunks) if isinstance(actor_chunks, (list, tuple)) else [actor_chunks]
+        actor = chunks[0]
+        tp = tensor_parallel_size or mpu.get_tensor_model_parallel_world_size()
+        self.layout = RolloutLayout(tp)
+        self.training_dp_rank = mpu.get_data_parallel_rank()
+        # share_weights=None: share the actor's weights when the layouts are equal; False: a
+        # copy anyway (benches, tests of the copy path on one GPU)
+        can_share = self.layout.same_as_training() and len(chunks) == 1
+        if share_weights and not can_share:
+            raise ValueError("share_weights=True needs the rollout layout equal to the training "
+                             "one (TP' = TP, PP = 1)")
+        self.zero_copy = can_share if share_weights is None else share_weights
+        if self.zero_copy:
+            model, self.weight_sync = actor, None
+        else:
+            model = build_rollout_model(actor, self.layout)
+            self.weight_sync = WeightSync(chunks, model, self.layout, bucket_bytes)
+        self.engine = RolloutEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        self._synced_version: object = None
+
+    @property
+    def eos_token_id(self):
+        return self.engine.eos_token_id
+
+    @property
+    def pad_token_id(self):
+        return self.engine.pad_token_id
+
+    def sync(self, version=None) -> float:
+        """Refresh the rollout model from the actor unless it already holds ``version`` (any
+        value naming the actor's weights, e.g. the step index); seconds spent."""
+        if self.weight_sync is None or (version is not None and version == self._synced_version):
+            return 0.0
+        seconds = self.weight_sync.sync()
+        self._synced_version = version
+        self.engine.version += 1
+        return seconds
+
+    def rollout(self, prompt_ids: list[list[int]], sampling, version=None,
+                num_experts: int | None = None) -> dict:
+        """This rank's training-DP share of prompts -> its rows (``sampling.n`` per prompt), as
+        the trainer's rollout dict. Every rank calls this together. ``num_experts`` (an MoE
+        actor): the rows carry their routes too."""
+        self.sync(version)
+        prompt_ids = [list(map(int, p)) for p in prompt_ids]
+        layout = self.layout
+        pooled: list = [None] * dist.get_world_size()
+        dist.all_gather_object(pooled, (self.training_dp_rank, prompt_ids))
+        by_dp = dict(pooled)
+        items = [(d, i, p) for d in sorted(by_dp) for i, p in enumerate(by_dp[d])]
+        mine = [items[j] for j in share_of(items, layout.data_parallel_rank,
+                                           layout.data_parallel_size)]
+        samples: list[dict] = []
+        if mine:
+            with layout.active():
+                samples = self.engine.generate_samples([p for _, _, p in mine], sampling,
+                                                       record_routes=num_experts is not None)
+        n = sampling.n
+        answers = {}
+        if layout.tensor_parallel_rank == 0:
+            answers = {(d, i): samples[k * n:(k + 1) * n] for k, (d, i, _) in enumerate(mine)}
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, answers)
+        for part in gathered:
+            answers.update(part)
+        d = self.training_dp_rank
+        resp = {"results": [{"prompt_token_ids": p, "samples": answers[(d, i)]}
+                            for i, p in enumerate(prompt_ids)],
+                "weight_version": self.engine.version}
+        batch = batch_from_response(resp, n, self.pad_token_id, num_experts)
+        device = self.engine.device
+        return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+__all__ = ["HybridRollout", "build_rollout_model"]

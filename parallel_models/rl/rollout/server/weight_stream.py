@@ -1,0 +1,265 @@
+"""Weights pushed to the rollout server as one streamed HTTP body, without a folder on disk.
+
+The trainer's ranks gather the actor bucket by bucket (``weight_sync.BucketGatherer``: HF
+tensors, TP shards merged, PP stages broadcast); global rank 0 streams each bucket as a frame of
+``POST /update_weights_stream``. The server stages the whole model in host memory, checks it
+against its own model (every HF tensor of its weight map present, shapes right, nothing extra)
+and only then swaps it in through the engine's atomic update (which also refuses non-finite
+weights). A push cut midway (trainer gone, connection closed, a frame short) or a bad tensor
+leaves the server on the old version with the old weights.
+
+Wire format, frame after frame: 8 bytes little-endian header length, a JSON header, the payload.
+A bucket's header is ``{"tensors": [[name, dtype, shape], ...], "nbytes": n}`` and its payload
+the tensors' bytes back to back; the last frame is ``{"end": true, "tensors": total}`` with no
+payload.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import struct
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {str(d).removeprefix("torch."): d for d in
+           (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+
+
+class WeightStreamError(RuntimeError):
+    """A weight stream was cut short or malformed, or a tensor does not fit the model."""
+
+
+def _frame(header: dict) -> bytes:
+    head = json.dumps(header).encode()
+    return struct.pack("<Q", len(head)) + head
+
+
+def bucket_frame(tensors: dict[str, torch.Tensor]) -> tuple[bytes, memoryview]:
+    """One bucket as (header bytes, payload): the tensors copied back to back into a fresh host
+    buffer (the caller's tensors may be views of a buffer that the next bucket overwrites)."""
+    first = next(iter(tensors.values()))
+    total = sum(t.numel() for t in tensors.values())
+    host = torch.empty(total, dtype=first.dtype, pin_memory=first.is_cuda)
+    entries, off = [], 0
+    for name, t in tensors.items():
+        host[off: off + t.numel()].copy_(t.reshape(-1), non_blocking=True)
+        entries.append([name, str(t.dtype).removeprefix("torch."), list(t.shape)])
+        off += t.numel()
+    if first.is_cuda:
+        torch.cuda.current_stream().synchronize()
+    raw = host.view(torch.uint8).numpy()  # shares host's memory and keeps it alive
+    return _frame({"tensors": entries, "nbytes": raw.nbytes}), memoryview(raw)
+
+
+def end_frame(count: int) -> bytes:
+    return _frame({"end": True, "tensors": count})
+
+
+class StreamParser:
+    """Server side: feed the body's chunks (:meth:`feed`), then :meth:`finish` -> the staged HF
+    tensors. Raises :class:`WeightStreamError` on a malformed or cut stream."""
+
+    def __init__(self, max_header: int = 16 << 20):
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.ended = False
+        self._buf = bytearray()
+        self._header: dict | None = None
+        self._payload: bytearray | None = None
+        self._max_header = max_header
+
+    def feed(self, chunk: bytes) -> None:
+        if self.ended and chunk:
+            raise WeightStreamError("data after the end frame")
+        self._buf += chunk
+        while self._step():
+            pass
+
+    def _step(self) -> bool:
+        buf = self._buf
+        if self._header is None:
+            if len(buf) < 8:
+                return False
+            (n,) = struct.unpack("<Q", bytes(buf[:8]))
+            if n > self._max_header:
+                raise WeightStreamError(f"frame header of {n} bytes: not a weight stream")
+            if len(buf) < 8 + n:
+                return False
+            try:
+                self._header = json.loads(bytes(buf[8:8 + n]))
+            except ValueError:
+                raise WeightStreamError("malformed frame header") from None
+            del buf[:8 + n]
+            if self._header.get("end"):
+                if self._header.get("tensors") != len(self.tensors):
+                    raise WeightStreamError(f"end frame says {self._header.get('tensors')} "
+                                            f"tensors, {len(self.tensors)} arrived")
+                self.ended = True
+                self._header = None
+                return bool(buf)
+            self._payload = bytearray()
+        need = int(self._header["nbytes"]) - len(self._payload)
+        take = min(need, len(buf))
+        self._payload += buf[:take]
+        del buf[:take]
+        if len(self._payload) < int(self._header["nbytes"]):
+            return False
+        if any(not isinstance(e, list) or len(e) != 3 for e in self._header.get("tensors", [None])):
+            raise WeightStreamError("malformed bucket header")
+        self._unpack(self._header["tensors"], self._payload)
+        self._header, self._payload = None, None
+        return bool(buf)
+
+    def _unpack(self, entries, payload: bytearray) -> None:
+        off = 0
+        for name, dtype, shape in entries:
+            if dtype not in _DTYPES:
+                raise WeightStreamError(f"{name}: unsupported dtype {dtype!r}")
+            if name in self.tensors:
+                raise WeightStreamError(f"{name}: sent twice")
+            dt = _DTYPES[dtype]
+            n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
+            if off + n > len(payload):
+                raise WeightStreamError(f"{name}: payload shorter than its shape {shape}")
+            flat = torch.frombuffer(payload, dtype=torch.uint8, offset=off, count=n) if n else \
+                torch.empty(0, dtype=torch.uint8)
+            self.tensors[name] = flat.view(dt).view(shape)
+            off += n
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        if not self.ended or self._header is not None or self._buf:
+            raise WeightStreamError(f"the weight stream was cut short ({len(self.tensors)} "
+                                    "tensors arrived, no end frame)")
+        return self.tensors
+
+
+def check_against_model(tensors: dict[str, torch.Tensor], model) -> None:
+    """Every HF tensor of ``model``'s weight map present with its shape, nothing else (a
+    ``WeightStreamError`` naming the first problems otherwise)."""
+    config = model.config
+    want = {}
+    for mapping, layer in model.weight_map.global_jobs(config, model.head_kind):
+        for name, shape in zip(mapping.hf_names(layer), mapping.rule.hf_shapes(config)):
+            want[name] = tuple(shape)
+    problems = [f"{n}: missing" for n in want if n not in tensors]
+    problems += [f"{n}: shape {tuple(t.shape)}, the model's is {want[n]}"
+                 for n, t in tensors.items() if n in want and tuple(t.shape) != want[n]]
+    problems += [f"{n}: not a tensor of this model" for n in tensors if n not in want]
+    if problems:
+        more = f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""
+        raise WeightStreamError("pushed weights do not fit the model: " + "; ".join(problems[:5])
+                                + more)
+
+
+async def receive_weight_stream(request, engine):
+    """Server side of ``POST /update_weights_stream``: the body parsed and checked against the
+    engine's model -> a loader reader over the staged tensors (:class:`WeightStreamError`
+    otherwise, saying that the old version is kept)."""
+    from starlette.requests import ClientDisconnect
+
+    from parallel_models.rl.rollout.weight_sync import TensorReader
+
+    parser = StreamParser()
+    try:
+        async for chunk in request.stream():
+            parser.feed(chunk)
+        tensors = parser.finish()
+        check_against_model(tensors, engine.model)
+    except (WeightStreamError, ClientDisconnect) as exc:
+        what = "the pusher disconnected" if isinstance(exc, ClientDisconnect) else str(exc)
+        log.warning("weight push rejected (version %d kept): %s", engine.version, what)
+        raise WeightStreamError(f"weight push rejected, version {engine.version} kept: "
+                                f"{what}") from None
+    return TensorReader(tensors, folder="<pushed>")
+
+
+def push_weight_stream(chunks, client, bucket_bytes: int | None = None) -> int | None:
+    """Trainer side (every rank calls): gather the actor bucket by bucket and stream it from
+    global rank 0 to the server. Returns the new weight version on every rank; raises
+    :class:`WeightStreamError` on every rank if the push failed (the server keeps its old
+    weights). The collectives run to the end even when the HTTP side fails, so no rank hangs."""
+    import torch.distributed as dist
+
+    from parallel_models.rl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, BucketGatherer
+
+    gatherer = BucketGatherer(chunks, bucket_bytes or DEFAULT_BUCKET_BYTES)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    sender = _Sender(client) if rank == 0 else None
+    count = 0
+    try:
+        for _, tensors in gatherer.buckets_iter():
+            count += len(tensors)
+            if sender is not None:
+                sender.put_all(bucket_frame(tensors))
+        if sender is not None:
+            sender.put_all([end_frame(count)])
+    finally:
+        outcome = sender.close() if sender is not None else None
+    box = [outcome]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    version, error = box[0]
+    if error is not None:
+        raise WeightStreamError(f"weight push to {client.url} failed: {error}")
+    return version
+
+
+class _Sender:
+    """The HTTP request on a thread, fed frames through a small queue (backpressure: at most a
+    few buckets wait). If the request fails, later frames are dropped, not blocked on."""
+
+    def __init__(self, client, depth: int = 4):  # two buckets (header + payload each)
+        self.client = client
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.failed = threading.Event()
+        self.result: dict | None = None
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._run, name="weight-push", daemon=True)
+        self.thread.start()
+
+    def _body(self):
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            yield item
+
+    def _run(self):
+        try:
+            self.result = self.client.push_weight_stream(self._body())
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.failed.set()  # the request is over: nobody reads the queue any more
+            while True:  # unblock a put waiting on a full queue
+                try:
+                    self.q.get_nowait()
+                except queue.Empty:
+                    break
+
+    def put_all(self, parts) -> None:
+        for part in parts:
+            while not self.failed.is_set():
+                try:
+                    self.q.put(part, timeout=0.5)
+                    break
+                except queue.Full:
+                    continue
+
+    def close(self) -> tuple[int | None, str | None]:
+        """End the body (a cut body if the caller raised first), wait, -> (version, error)."""
+        if not self.failed.is_set():
+            self.put_all([None])
+        self.thread.join()
+        if self.error is None and self.result is None:
+            self.error = "no answer from the server"
+        version = None if self.result is None else self.result.get("weight_version")
+        return version, self.error
+
+
+__all__ = ["StreamParser", "WeightStreamError", "bucket_frame", "check_against_model",
+           "end_frame", "push_weight_stream", "receive_weight_stream"]

@@ -1,0 +1,108 @@
+"""Weights streamed to ``parallel-models-serve`` (``POST /update_weights_stream``, no folder):
+a push from a PP=2 trainer serves exactly the pushed weights; a push cut short, a tensor of the
+wrong shape, a missing or non-finite tensor each leave the old version serving the old weights;
+a dead server makes the trainer fail with an error naming it."""
+
+import os
+import random
+
+import httpx
+import pytest
+import torch
+
+from parallel_models.distributed import free_port
+from parallel_models.rl.rollout.server.client import RolloutClient, ServerError
+from parallel_models.rl.rollout.server.launch import start_server, stop_server
+from parallel_models.rl.rollout.server.weight_stream import bucket_frame, end_frame
+from parallel_models.testing import run_distributed
+from tests import hybrid_checks, server_checks
+from tests.ppo_runs import load_folder
+
+MAX_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from parallel_models.rl.tokenizer import build_builtin_tokenizer
+    from parallel_models.testing import save_tiny_hf_model
+
+    root = tmp_path_factory.mktemp("push")
+    paths = []
+    for seed in (1, 2):
+        p = str(root / f"m{seed}")
+        save_tiny_hf_model(p, "llama", seed=seed, vocab_size=74)
+        build_builtin_tokenizer().save_pretrained(p)
+        paths.append(p)
+    rng = random.Random(0)
+    prompts = [[1] + [rng.randrange(4, 74) for _ in range(rng.randrange(1, 10))]
+               for _ in range(6)]
+    ref = run_distributed(server_checks.reference_greedy, 1, paths, prompts, MAX_NEW)[0]
+    port = free_port()
+    proc = start_server(paths[0], port, log_path=str(root / "server.log"))
+    client = RolloutClient(f"http://127.0.0.1:{port}", timeout=60)
+    yield {"paths": paths, "prompts": prompts, "ref": ref, "client": client, "port": port,
+           "root": root}
+    client.close()
+    stop_server(proc)
+
+
+def _greedy(s):
+    out = s["client"].generate(s["prompts"], greedy=True, max_new_tokens=MAX_NEW,
+                               eos_token_id=2, return_text=False)
+    return ([(r["samples"][0]["token_ids"], r["samples"][0]["log_probs"]) for r in
+             out["results"]], out["weight_version"])
+
+
+def _serves(s, which: int) -> int:
+    got, version = _greedy(s)
+    for (ids, logps), (want_ids, want_logps) in zip(got, s["ref"][which]):
+        assert ids == want_ids
+        assert max((abs(a - b) for a, b in zip(logps, want_logps)), default=0) < 1e-4
+    return version
+
+
+def _frames(tensors, end=True):
+    names = list(tensors)
+    for half in (names[: len(names) // 2], names[len(names) // 2:]):
+        yield from bucket_frame({n: tensors[n] for n in half})
+    if end:
+        yield end_frame(len(tensors))
+
+
+def test_push_from_pp2_serves_the_pushed_weights(served):
+    before = _serves(served, 0)
+    url = f"http://127.0.0.1:{served['port']}"
+    out = run_distributed(hybrid_checks.push_from_layout, 2, served["paths"][1], url, 1, 2, None)
+    assert [o.get("version") for o in out] == [before + 1] * 2, out
+    assert _serves(served, 1) == before + 1
+    # and back, through the raw client (every later test starts from model 0)
+    served["client"].push_weight_stream(_frames(load_folder(served["paths"][0])))
+    _serves(served, 0)
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("cut", "cut short"), ("shape", "shape"), ("missing", "missing"), ("nan", "non-finite")])
+def test_bad_push_keeps_old_weights(served, damage, message):
+    version = _serves(served, 0)
+    tensors = load_folder(served["paths"][1])
+    name = "model.layers.1.self_attn.q_proj.weight"
+    if damage == "shape":
+        tensors[name] = tensors[name][:-1]
+    elif damage == "missing":
+        del tensors[name]
+    elif damage == "nan":
+        tensors[name] = tensors[name].clone()
+        tensors[name][3, 5] = float("nan")
+    with pytest.raises(ServerError) as err:
+        served["client"].push_weight_stream(_frames(tensors, end=damage != "cut"))
+    assert err.value.status == 400 and message in err.value.message, err.value.message
+    assert damage == "cut" or damage == "nan" or name in err.value.message
+    assert _serves(served, 0) == version  # old version, old weights
+
+
+def test_dead_server_fails_clearly(served, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there: a killed server
+    out = run_distributed(hybrid_checks.push_from_layout, 1, served["paths"][1], url, 1, 1,
+                          str(tmp_path / "fallback"))[0]
+    assert "error" in out and url in out["error"], out
+    assert "stream push failed first" in out["error"] and "previous weights" in out["error"]

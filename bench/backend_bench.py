@@ -1,7 +1,7 @@
 """The two training backends on one GPU: PPO steps of the 0.5B shape with parallel.backend=megatron
 and =fsdp, time and peak memory per phase (the trainer's own timers and CUDA peak counters).
 
-    python bench/backend_bench.py [--steps 2] [--out results.json] [--no-offload-run]
+    python bench/backend_bench.py [--steps 2] [--out results.json] [--no-offload-run] [--skip-megatron]
 
 Same workload and model as bench/ppo_bench.py (Qwen2-0.5B-shaped, random weights, bf16, the
 built-in character vocabulary; 32 prompts x 4 samples, up to 128 new tokens, 2 PPO epochs,
@@ -58,6 +58,7 @@ def main():
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", default=None)
     parser.add_argument("--no-offload-run", action="store_true")
+    parser.add_argument("--skip-megatron", action="store_true", help="fsdp runs only")
     args = parser.parse_args()
     import torch
 
@@ -65,8 +66,8 @@ def main():
     root = tempfile.mkdtemp()
     folder = os.path.join(root, "qwen2_05b")
     build_model(folder)
-    settings = [("megatron", False), ("fsdp", False)] + ([] if args.no_offload_run
-                                                         else [("fsdp", True)])
+    settings = ([] if args.skip_megatron else [("megatron", False)]) + [("fsdp", False)] + (
+        [] if args.no_offload_run else [("fsdp", True)])
     for backend, offload in settings:
         name = f"{backend}" + (" offload" if offload else "")
         results[name] = run(folder, os.path.join(root, name.replace(" ", "_")), args.steps,

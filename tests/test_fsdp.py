@@ -3,6 +3,7 @@ backend's at DP=2 (packed equals padded, HSDP, activation checkpointing, the rol
 refilled layer by layer), and the reward model of a family our registry lacks scores like
 transformers. Whole runs: tests/test_fsdp_runs.py."""
 
+import pytest
 import torch
 
 from parallel_models.testing import run_distributed, save_tiny_hf_model
@@ -58,3 +59,19 @@ def test_fsdp_reward_model_scores_like_transformers(tmp_path):
     path = fsdp_checks.save_tiny_phi3(str(tmp_path / "phi3_rm"), head="value")
     for got, want in run_distributed(fsdp_checks.fsdp_reward_scores, 2, path, timeout=300):
         assert got.shape == want.shape and (got - want).abs().max() <= 1e-5, (got, want)
+
+
+@pytest.mark.parametrize("override,words", [
+    ("parallel.tensor_parallel_size=2", ["parallel.tensor_parallel_size=2", "fsdp"]),
+    ("parallel.pipeline_parallel_size=2", ["parallel.pipeline_parallel_size=2", "fsdp"]),
+    ("rollout.tensor_parallel_size=2", ["rollout.tensor_parallel_size=2", "fsdp"]),
+    ("parallel.backend=deepspeed", ["parallel.backend", "megatron", "fsdp"]),
+])
+def test_fsdp_settings_that_cannot_work_name_the_key(override, words):
+    from parallel_models.errors import ConfigError
+    from parallel_models.rl.config import load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["parallel.backend=fsdp", override])
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))

@@ -87,6 +87,18 @@ class _Row:
     generated: int = 0
 
 
+@dataclasses.dataclass(eq=False)
+class _Layout:
+    """The running rows of a decode bucket, in batch order, and their draw settings."""
+
+    rows: list
+    size: int
+    spec: list
+    k_max: int
+    seeds: torch.Tensor | None
+    steps: torch.Tensor | None
+
+
 def _buckets(max_rows: int) -> list[int]:
     out, b = [], 1
     while b < max_rows:
@@ -162,6 +174,8 @@ class ContinuousEngine:
         self._steps = {b: _BucketStep(model, self.cache, DecodeRows(b, self.device, self.cache.end),
                                       use_graph) for b in self.buckets}
         self.running: list[_Row] = []
+        self._layout: _Layout | None = None  # None: rebuild the decode buffers next step
+        self._last_tokens: torch.Tensor | None = None
         self.steps = 0
         self.prefilled_prompts = 0  # prompts run through the model (prefix hits excluded)
         self.generated_tokens = 0
@@ -266,23 +280,35 @@ class ContinuousEngine:
         self._draw_and_accept(rows, torch.stack(row_logits), newly_admitted=True)
 
     def _decode(self) -> None:
-        rows = sorted(self.running, key=lambda r: r.offset)  # ascending region starts (cu_k)
-        size = next(b for b in self.buckets if b >= len(rows))
-        pad = size - len(rows)
-        host = torch.tensor(
-            [[r.token for r in rows] + [0] * pad,
-             [r.offset for r in rows] + [self.cache.scratch(i) for i in range(pad)],
-             [r.length for r in rows] + [0] * pad], dtype=torch.long)
-        step = self._steps[size]
-        step.rows.load(host.to(self.device, non_blocking=True),
-                       span=max(r.length for r in rows) + 1)
-        logits = step()
-        for r in rows:
+        """One decode step of every running row. While no row joins or leaves, the bucket's
+        buffers are advanced on the device (last tokens in, lengths + 1): no host rebuild."""
+        lay = self._layout
+        if lay is None:
+            rows = sorted(self.running, key=lambda r: r.offset)  # ascending region starts
+            size = next(b for b in self.buckets if b >= len(rows))
+            pad = size - len(rows)
+            host = torch.tensor(
+                [[r.token for r in rows] + [0] * pad,
+                 [r.offset for r in rows] + [self.cache.scratch(i) for i in range(pad)],
+                 [r.length for r in rows] + [0] * pad], dtype=torch.long)
+            self._steps[size].rows.load(host.to(self.device, non_blocking=True),
+                                        span=max(r.length for r in rows) + 1)
+            lay = self._layout = _Layout(rows, size, *self._sampling_of(rows))
+        else:
+            buffers, n = self._steps[lay.size].rows, len(lay.rows)
+            buffers.tokens[:n].copy_(self._last_tokens)
+            buffers.lengths[:n] += 1
+            buffers.span += 1
+            if lay.steps is not None:
+                lay.steps += 1
+        logits = self._steps[lay.size]()
+        for r in lay.rows:
             r.length += 1
-        self._draw_and_accept(rows, logits[:len(rows)] if pad else logits)
+        self._draw_and_accept(lay.rows, logits[:len(lay.rows)], lay)
 
-    def _draw_and_accept(self, rows: list[_Row], logits: torch.Tensor,
-                         newly_admitted: bool = False) -> None:
+    def _sampling_of(self, rows: list[_Row]):
+        """(draw groups, top-k width, seeds, steps) of ``rows``: one group when they share their
+        sampling knobs; seeds / steps only when some row samples (greedy draws no noise)."""
         groups: dict = {}
         for i, r in enumerate(rows):
             p = r.request.params
@@ -292,18 +318,29 @@ class ContinuousEngine:
             spec = [(None, next(iter(groups.values()))[0])]
         else:
             spec = [(torch.tensor(idx, device=self.device), p) for p, idx in groups.values()]
-        meta = torch.tensor([[r.seed for r in rows], [r.generated for r in rows]],
-                            dtype=torch.long).to(self.device, non_blocking=True)
-        k_max = max(r.request.top_logprobs for r in rows)
-        tokens, logp, top = draw(logits, meta[0], meta[1], spec, k_max)
+        seeds = steps = None
+        if any(not p.greedy for _, p in spec):
+            meta = torch.tensor([[r.seed for r in rows], [r.generated for r in rows]],
+                                dtype=torch.long).to(self.device)
+            seeds, steps = meta[0], meta[1].clone()
+        return spec, max(r.request.top_logprobs for r in rows), seeds, steps
+
+    def _draw_and_accept(self, rows: list[_Row], logits: torch.Tensor, lay=None,
+                         newly_admitted: bool = False) -> None:
+        if lay is None:
+            lay = _Layout(rows, 0, *self._sampling_of(rows))
+        tokens, logp, top = draw(logits, lay.seeds, lay.steps, lay.spec, lay.k_max)
         tokens, logp = _broadcast_in_tp_group(tokens, logp)
         if top is not None:
             top = _broadcast_in_tp_group(*top)
-        tokens, logp = tokens.tolist(), logp.tolist()
+        self._last_tokens = tokens
+        host = torch.stack([tokens.double(), logp.double()]).cpu()  # the step's one sync
+        tokens, logp = host[0].long().tolist(), host[1].tolist()
         if top is not None:
             top = (top[0].tolist(), top[1].tolist())
         if newly_admitted:
             self.running.extend(rows)
+            self._layout = None
         self.generated_tokens += len(rows)
         if self.on_tokens is not None:
             self.on_tokens(len(rows))
@@ -329,6 +366,7 @@ class ContinuousEngine:
                 continue
             finished.append(r)
         if finished:
+            self._layout = None
             gone = set(map(id, finished))
             self.running = [r for r in self.running if id(r) not in gone]
             for r in finished:

@@ -146,12 +146,15 @@ class _BucketStep:
 
 class ContinuousEngine:
     """``ContinuousEngine(model, kv_budget_tokens, max_rows=64, max_row_tokens=None,
-    prefix_cache_tokens=0)``: KV pool of ``kv_budget_tokens`` positions (this rank's heads),
-    at most ``max_rows`` samples decoding at once, at most ``max_row_tokens`` positions (prompt +
-    new tokens) per sample (default: the budget, capped by the model's positions)."""
+    prefix_cache_tokens=0, max_prefill_tokens=16384)``: KV pool of ``kv_budget_tokens``
+    positions (this rank's heads), at most ``max_rows`` samples decoding at once, at most
+    ``max_row_tokens`` positions (prompt + new tokens) per sample (default: the budget, capped by
+    the model's positions); prompts starting together are prefilled in packs of at most
+    ``max_prefill_tokens`` tokens."""
 
     def __init__(self, model, kv_budget_tokens: int, *, max_rows: int = 64,
-                 max_row_tokens: int | None = None, prefix_cache_tokens: int = 0):
+                 max_row_tokens: int | None = None, prefix_cache_tokens: int = 0,
+                 max_prefill_tokens: int = 16384):
         if model.head_kind != "causal_lm":
             raise TypeError(f"{type(model).__name__} has no LM head; generation needs a CausalLM")
         if mpu.get_pipeline_model_parallel_world_size() > 1:
@@ -159,6 +162,7 @@ class ContinuousEngine:
                                       "supported; build the rollout model with PP=1 (TP only)")
         self.model = model
         self.device = model.device
+        self.max_prefill_tokens = max_prefill_tokens
         positions = int(getattr(model.config, "max_position_embeddings", 0) or kv_budget_tokens)
         self.max_row_tokens = int(max_row_tokens or min(kv_budget_tokens, positions))
         self.scheduler = Scheduler(kv_budget_tokens, max_rows, self.max_row_tokens)
@@ -244,21 +248,21 @@ class ContinuousEngine:
             else:
                 cache.write(starts[0], hit[0], hit[1])
                 logits_of[i] = hit[2]
-        if misses:
-            prompts = [admitted[i][0].prompt for i in misses]
+        for chunk in self._prefill_chunks(misses, admitted):
+            prompts = [admitted[i][0].prompt for i in chunk]
             lengths = torch.tensor([len(p) for p in prompts], device=device)
             cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
             ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
             positions = torch.cat([torch.arange(len(p), device=device) for p in prompts])
-            offsets = torch.tensor([admitted[i][1][0] for i in misses], device=device)
+            offsets = torch.tensor([admitted[i][1][0] for i in chunk], device=device)
             cache.begin_prefill(offsets, cu)
             hidden, _ = self.model.forward_hidden(ids, cu, positions, max(map(len, prompts)),
                                                   kv_cache=cache)
             cache.end_step()
             last = self.model._head(hidden[(cu[1:] - 1).long()], 0, full_vocab=True)
-            for j, i in enumerate(misses):
+            for j, i in enumerate(chunk):
                 logits_of[i] = last[j]
-            self.prefilled_prompts += len(misses)
+            self.prefilled_prompts += len(chunk)
         rows, row_logits = [], []
         for i, (req, starts) in enumerate(admitted):
             p = len(req.prompt)
@@ -278,6 +282,19 @@ class ContinuousEngine:
                 rows.append(_Row(req, j, start, p, row_seed(req.seed, j)))
                 row_logits.append(logits_of[i])
         self._draw_and_accept(rows, torch.stack(row_logits), newly_admitted=True)
+
+    def _prefill_chunks(self, misses: list[int], admitted) -> list[list[int]]:
+        """``misses`` in packs of at most ``max_prefill_tokens`` prompt tokens (one prompt over
+        it runs alone): the prefill's activations stay bounded however many prompts start."""
+        chunks, tokens = [], 0
+        for i in misses:
+            n = len(admitted[i][0].prompt)
+            if not chunks or tokens + n > self.max_prefill_tokens:
+                chunks.append([])
+                tokens = 0
+            chunks[-1].append(i)
+            tokens += n
+        return chunks
 
     def _decode(self) -> None:
         """One decode step of every running row. While no row joins or leaves, the bucket's

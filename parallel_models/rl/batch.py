@@ -20,16 +20,22 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
+from parallel_models.utils import routes as route_utils
+
 #: fields with one value per response token, ``[N, R]``
 TOKEN_FIELDS = ("response_mask", "old_log_probs", "ref_log_probs", "values",
-                "token_level_rewards", "advantages", "returns")
+                "token_level_rewards", "advantages", "returns", "rollout_log_probs")
 #: fields with one value per row, ``[N]``
 ROW_FIELDS = ("prompt_lengths", "group_index", "scores")
 #: fields over the whole sequence (prompt + response), ``[N, P+R]``
 SEQUENCE_FIELDS = ("sequences", "attention_mask")
+#: MoE routes ``[N, P+R, moe_layers, k]`` (compact dtype, ``parallel_models.utils.routes``)
+ROUTE_FIELDS = ("routes",)
 
 # who fills a field that a phase asks for before it exists (for the error message)
-_PRODUCER = {"old_log_probs": "the actor (score phase)", "ref_log_probs": "the reference policy",
+_PRODUCER = {"old_log_probs": "the actor (score phase)",
+             "routes": "the rollout of an MoE actor (or R2's old-log-prob forward)",
+             "rollout_log_probs": "the rollout", "ref_log_probs": "the reference policy",
              "values": "the critic (only with algorithm.adv_estimator=gae)",
              "scores": "the reward (score phase)", "advantages": "the advantage phase",
              "returns": "the advantage phase", "token_level_rewards": "the advantage phase"}
@@ -49,6 +55,8 @@ class RolloutBatch:
     token_level_rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    rollout_log_probs: torch.Tensor | None = None  # the sampler's log-probs (in-process engine)
+    routes: torch.Tensor | None = None  # MoE: experts each token was routed to
     columns: dict[str, list] = dataclasses.field(default_factory=dict)  # e.g. "messages"
 
     def __post_init__(self) -> None:
@@ -63,6 +71,9 @@ class RolloutBatch:
             if name in SEQUENCE_FIELDS and tuple(value.shape) != (n, width):
                 raise ValueError(f"RolloutBatch.{name} has shape {tuple(value.shape)}, expected "
                                  f"{(n, width)}")
+            if name in ROUTE_FIELDS and (value.dim() != 4 or tuple(value.shape[:2]) != (n, width)):
+                raise ValueError(f"RolloutBatch.{name} has shape {tuple(value.shape)}, expected "
+                                 f"{(n, width)} + (moe_layers, k)")
             if name in ROW_FIELDS and value.dim() != 1:
                 raise ValueError(f"RolloutBatch.{name} must be 1-D [rows], got "
                                  f"{tuple(value.shape)}")
@@ -198,6 +209,8 @@ class RolloutBatch:
             for k, v in b.tensor_items():
                 if k in SEQUENCE_FIELDS:
                     v = F.pad(v, (dp, dr))
+                elif k in ROUTE_FIELDS:
+                    v = route_utils.pad_sequence_axis(v, dp, dr)
                 elif k in TOKEN_FIELDS:
                     v = F.pad(v, (0, dr))
                 elif k == "group_index":

@@ -18,6 +18,7 @@ __all__ = [
     "agg_loss",
     "agg_denominator",
     "compute_policy_loss",
+    "truncated_is_weights",
     "compute_value_loss",
     "entropy_from_logits",
     "compute_entropy_loss",
@@ -73,6 +74,7 @@ def compute_policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float | None = 3.0,
     loss_agg_mode: str = "token-mean",
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO surrogate loss with dual clip.
 
@@ -92,6 +94,9 @@ def compute_policy_loss(
     clip is active), ``pg_clipfrac_lower`` (fraction where the dual clip is
     active), ``ppo_kl`` (mean of ``old_logprob - logprob``, a k1 estimate of
     KL(pi_old || pi)).
+
+    ``token_weights`` (no gradient, e.g. :func:`truncated_is_weights`) multiply the per-token
+    loss before aggregation.
     """
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for dual clip, got {clip_ratio_c}")
@@ -120,6 +125,8 @@ def compute_policy_loss(
         pg_losses = clipped
         pg_clipfrac_lower = torch.zeros((), dtype=logprob.dtype, device=logprob.device)
 
+    if token_weights is not None:
+        pg_losses = pg_losses * torch.where(m, token_weights.detach().to(pg_losses.dtype), zero)
     loss = agg_loss(pg_losses, m, loss_agg_mode)
     metrics = {
         "pg_clipfrac": pg_clipfrac.detach(),
@@ -191,3 +198,14 @@ def compute_entropy_loss(entropy: torch.Tensor, response_mask: torch.Tensor, mod
     ``pg_loss - entropy_coeff * compute_entropy_loss(...)``.
     """
     return agg_loss(entropy, response_mask, mode)
+
+
+def truncated_is_weights(old_logprob: torch.Tensor, rollout_logprob: torch.Tensor, cap: float
+                         ) -> torch.Tensor:
+    """Truncated importance sampling (verl's ``tis_imp_ratio_cap``, Yao et al. 2025, "Your
+    efficient RL framework secretly brings you off-policy RL training"): per token
+    ``min(exp(old_logprob - rollout_logprob), cap)``, no gradient. ``old_logprob`` is the
+    training engine's log-prob of the sampled token, ``rollout_logprob`` the sampler's, both at
+    the rollout temperature."""
+    log_ratio = torch.clamp(old_logprob.detach() - rollout_logprob.detach(), min=-20.0, max=20.0)
+    return torch.clamp(torch.exp(log_ratio), max=cap)

@@ -21,7 +21,7 @@ import torch
 
 from parallel_models import pipeline
 from parallel_models.rl import algorithms as algos
-from parallel_models.rl import dp_stats, losses
+from parallel_models.rl import dp_stats, losses, routing
 from parallel_models.utils.microbatch import restore_order, split_by_token_budget
 from parallel_models.utils.offload import Offloader
 from parallel_models.utils.padding import pack_padded_batch
@@ -61,12 +61,14 @@ class TrainableRole(Role, Protocol):
 
 
 PER_SAMPLE_KEYS = ("sequences", "attention_mask", "prompt_lengths", "response_mask",
-                   "old_log_probs", "ref_log_probs", "advantages", "returns", "values")
+                   "old_log_probs", "ref_log_probs", "advantages", "returns", "values",
+                   "rollout_log_probs", "routes")
 
 
 def make_microbatches(batch: dict, max_tokens: int) -> tuple[list[dict], list[list[int]]]:
-    """Token-budget microbatches of a PPO batch, each packed for the RmPad models."""
-    sub = {k: v for k, v in batch.items() if k in PER_SAMPLE_KEYS}
+    """Token-budget microbatches of a PPO batch, each packed for the RmPad models (MoE routes
+    packed like the tokens: ``rl/routing.py``)."""
+    sub = {k: v for k, v in batch.items() if k in PER_SAMPLE_KEYS and v is not None}
     lengths = batch["attention_mask"].sum(-1)
     budget = max(max_tokens, int(lengths.max()))  # one sample always fits
     mbs, indices = split_by_token_budget(sub, budget, seq_lens=lengths)
@@ -74,6 +76,8 @@ def make_microbatches(batch: dict, max_tokens: int) -> tuple[list[dict], list[li
         packed = pack_padded_batch(mb["sequences"], mb["attention_mask"])
         mb.update(input_ids=packed.input_ids, cu_seqlens=packed.cu_seqlens,
                   position_ids=packed.position_ids, max_seqlen=packed.max_seqlen)
+        if "routes" in mb:
+            mb["routes"] = routing.pack_routes(mb["routes"], mb["attention_mask"])
     return mbs, indices
 
 
@@ -98,10 +102,16 @@ def policy_loss(logits, mb, cfg, temperature: float):
     mode = cfg.loss_agg_mode
     logp, ent = _response_log_probs(logits, mb, temperature, True)
     mask = mb["response_mask"]
+    tis = None
+    if getattr(cfg, "tis_cap", None) is not None:  # truncated importance sampling
+        if "rollout_log_probs" not in mb:
+            raise ValueError("actor.tis_cap is set but the batch has no rollout log-probs")
+        tis = losses.truncated_is_weights(mb["old_log_probs"], mb["rollout_log_probs"],
+                                          cfg.tis_cap)
     pg_loss, m = losses.compute_policy_loss(
         mb["old_log_probs"], logp, mb["advantages"], mask,
         clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-        clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=mode)
+        clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=mode, token_weights=tis)
     entropy = losses.compute_entropy_loss(ent, mask, mode)
     loss = pg_loss - cfg.entropy_coef * entropy
     denom = losses.agg_denominator(mask, mode)
@@ -184,7 +194,10 @@ def _global_update_metrics(out: dict, weighted: dict[str, str], n_microbatches: 
 
 class PolicyRole(_ModelRole):
     """Actor (with a TrainState and its ``actor`` config section) or reference (frozen) over a
-    RmPad CausalLM."""
+    RmPad CausalLM. MoE: ``log_probs(batch, replay=, record=)`` replays / records the batch's
+    routes and leaves its :class:`RouteSession` in ``route_session`` (``recorded_routes``: the
+    routes it used, batch layout); with ``actor.router_replay`` R2 / R3 the updates replay
+    ``batch.routes``."""
 
     def __init__(self, model, train_state=None, temperature: float = 1.0, max_tokens: int = 4096,
                  cfg=None):
@@ -199,11 +212,19 @@ class PolicyRole(_ModelRole):
     def chunks(self):
         return self.state.chunks if self.state is not None else [self.model]
 
+    route_session = None
+    recorded_routes = None
+
     @torch.no_grad()
-    def log_probs(self, batch) -> torch.Tensor:
+    def log_probs(self, batch, replay: bool = False, record: bool = False) -> torch.Tensor:
         mbs, indices = make_microbatches(batch, self.max_tokens)
         fn = lambda out, mb: _response_log_probs(out.logits, mb, self.temperature, False)[0]  # noqa: E731
-        outs = pipeline.forward_only(self.chunks, mbs, fn)
+        with routing.routed_forwards(self.chunks, mbs, replay=replay, record=record) as session:
+            outs = pipeline.forward_only(self.chunks, mbs, fn)
+        self.route_session = session
+        self.recorded_routes = (routing.recorded_routes(session, mbs, indices,
+                                                        self.model.config.num_experts)
+                                if session.recorded is not None else None)
         return restore_order(outs, indices)
 
     def update(self, batch) -> dict[str, float]:
@@ -217,7 +238,9 @@ class PolicyRole(_ModelRole):
             return policy_loss(out.logits, mb, cfg, self.temperature)
 
         mbs, _ = make_microbatches(batch, self.max_tokens)
-        out = train_step(self.state, mbs, loss_fn)
+        replay = getattr(cfg, "router_replay", "off") != "off"
+        with routing.routed_forwards(self.chunks, mbs, replay=replay):
+            out = train_step(self.state, mbs, loss_fn)
         return _global_update_metrics(out, policy_metric_weights(cfg), len(mbs), "actor/")
 
 

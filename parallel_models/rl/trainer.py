@@ -34,6 +34,7 @@ from parallel_models.rl import dp_stats
 from parallel_models.rl.advantages import compute_advantages
 from parallel_models.rl.batch import RolloutBatch
 from parallel_models.rl.metrics import Timer
+from parallel_models.rl.mismatch import rollout_mismatch_metrics
 from parallel_models.rl.roles import CriticRole, PolicyRole, RuleReward
 from parallel_models.utils.optimizer import build_optimizer
 
@@ -49,26 +50,39 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def builtin_model_config(vocab_size: int, tokenizer=None):
-    """The default job's tiny Llama: 2 layers, hidden 64, 4 heads (2 KV heads)."""
-    from transformers import LlamaConfig
+BUILTIN_MOE = "builtin-moe"  # model.path of the built-in tiny Qwen3-MoE
+
+
+def builtin_model_config(vocab_size: int, tokenizer=None, moe: bool = False):
+    """The default job's tiny Llama: 2 layers, hidden 64, 4 heads (2 KV heads); ``moe``: the
+    same shape as a Qwen3-MoE with 4 experts (top-2, intermediate 64) in every layer."""
+    from transformers import LlamaConfig, Qwen3MoeConfig
 
     special = {} if tokenizer is None else dict(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)
+    if moe:
+        return Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=16, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=64, norm_topk_prob=True,
+                              decoder_sparse_step=1, mlp_only_layers=[],
+                              max_position_embeddings=512, tie_word_embeddings=False,
+                              architectures=["Qwen3MoeForCausalLM"], **special)
     return LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=512, tie_word_embeddings=False,
                        architectures=["LlamaForCausalLM"], **special)
 
 
-def build_builtin_model(folder: str, tokenizer, seed: int = 0) -> str:
-    """The default job's tiny Llama (random weights) and its tokenizer, saved as an HF folder."""
-    from transformers import LlamaForCausalLM
+def build_builtin_model(folder: str, tokenizer, seed: int = 0, moe: bool = False) -> str:
+    """The default job's tiny Llama (or Qwen3-MoE; random weights) and its tokenizer, saved as
+    an HF folder."""
+    from transformers import AutoModelForCausalLM
 
-    config = builtin_model_config(len(tokenizer), tokenizer)
+    config = builtin_model_config(len(tokenizer), tokenizer, moe=moe)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     tmp = folder + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -103,11 +117,13 @@ class PPOTrainer:
         self.cfg = cfg
         par = cfg.parallel
         rollout_tp = cfg.rollout.tensor_parallel_size or par.tensor_parallel_size
-        if cfg.model.path and par.backend == "megatron":
+        builtin = cfg.model.path in (None, BUILTIN_MOE)
+        if not builtin and par.backend == "megatron":
             _check_megatron_family(cfg.model.path)
         if par.backend == "megatron":  # fail before starting processes when the model cannot be split
-            model_config = pm.ModelConfig.from_hf(cfg.model.path or builtin_model_config(
-                len(builtin_vocab())))
+            model_config = pm.ModelConfig.from_hf(builtin_model_config(
+                len(builtin_vocab()), moe=cfg.model.path == BUILTIN_MOE) if builtin
+                else cfg.model.path)
             model_config.check_tensor_parallel(par.tensor_parallel_size)
             model_config.check_tensor_parallel(rollout_tp)
         pm.init_parallel(tensor_parallel_size=par.tensor_parallel_size,
@@ -158,6 +174,8 @@ class PPOTrainer:
         r = cfg.rollout
         self.sampling = r.sampling_params()
         pad = self.tokenizer.pad_token_id
+        # an MoE actor (megatron backend): the rollout records routes (router replay, metrics)
+        self._moe = par.backend == "megatron" and self.actor_model.config.is_moe
         self.hybrid = None  # the actor rolls out in another layout (TP' or PP > 1)
         if par.backend == "megatron":
             self.rollout_engine = RolloutEngine(self.actor_model,
@@ -171,7 +189,8 @@ class PPOTrainer:
 
                 self.hybrid = HybridRollout(self.actor_model, rollout_tp,
                                             eos_token_id=self.tokenizer.eos_token_id,
-                                            pad_token_id=pad if pad is not None else 0)
+                                            pad_token_id=pad if pad is not None else 0,
+                                            offload=self._offload_enabled())
         self.rollout_client = None
         if r.backend == "server":
             from parallel_models.rl.rollout.server import RolloutClient
@@ -226,13 +245,15 @@ class PPOTrainer:
         torch.manual_seed(s)
 
     def _model_path(self) -> str:
-        if self.cfg.model.path:
+        moe = self.cfg.model.path == BUILTIN_MOE
+        if self.cfg.model.path and not moe:
             return self.cfg.model.path
         from parallel_models.rl.tokenizer import build_builtin_tokenizer
 
-        folder = os.path.join(self.cfg.trainer.output_dir, "builtin_model")
+        folder = os.path.join(self.cfg.trainer.output_dir, "builtin_moe" if moe else "builtin_model")
         if _rank() == 0 and not os.path.isfile(os.path.join(folder, "config.json")):
-            build_builtin_model(folder, build_builtin_tokenizer(), seed=self.cfg.trainer.seed)
+            build_builtin_model(folder, build_builtin_tokenizer(), seed=self.cfg.trainer.seed,
+                                moe=moe)
         _barrier()
         return folder
 
@@ -333,33 +354,46 @@ class PPOTrainer:
             out = server_rollout(self.rollout_client, prompt_ids, sampling, seed=seed,
                                  device=self.actor_model.device,
                                  eos_token_id=self.rollout_engine.eos_token_id,
-                                 pad_token_id=self.rollout_engine.pad_token_id)
-            out.pop("weight_version", None)
-            out.pop("rollout_log_probs", None)  # old_log_probs are recomputed by the actor
+                                 pad_token_id=self.rollout_engine.pad_token_id,
+                                 num_experts=self._num_experts())
+            out.pop("weight_version", None)  # rollout_log_probs stay: mismatch metrics, TIS
             return RolloutBatch.from_dict(out)
         if self.hybrid is not None:  # weights resharded into the rollout layout when stale
-            out = self.hybrid.rollout(prompt_ids, sampling, version=self.step_index)
-            out.pop("weight_version", None)
-            out.pop("rollout_log_probs", None)
+            out = self.hybrid.rollout(prompt_ids, sampling, version=self.step_index,
+                                      num_experts=self._num_experts())
+            out.pop("weight_version", None)  # rollout_log_probs stay: mismatch metrics, TIS
             return RolloutBatch.from_dict(out)
-        out = self.rollout_engine.generate(prompt_ids, sampling)
+        routes = {"record_routes": True} if self._moe else {}  # (the fsdp engine has none)
+        out = self.rollout_engine.generate(prompt_ids, sampling, **routes)
         return RolloutBatch(sequences=out.sequences, attention_mask=out.attention_mask,
                             prompt_lengths=out.prompt_mask.sum(-1),
                             response_mask=out.response_mask,
-                            group_index=torch.arange(len(prompt_ids)).repeat_interleave(n))
+                            group_index=torch.arange(len(prompt_ids)).repeat_interleave(n),
+                            rollout_log_probs=out.log_probs, routes=out.routes)
+
+    def _num_experts(self) -> int | None:
+        """An MoE actor's expert count (its rollouts return routes), else None."""
+        return self.actor_model.config.num_experts if self._moe else None
 
     def score_phase(self, batch: RolloutBatch) -> dict:
         """Old log-probs (actor), reference log-probs, values (critic) and scores (reward)."""
-        with self._use(self.actor):
-            batch.old_log_probs = self.actor.log_probs(batch)
+        replay = self.cfg.actor.router_replay  # MoE only (config check)
+        routing = dict(replay=replay == "R3", record=replay == "R2") if self._moe else {}
+        with self._use(self.actor):  # R3 replays the rollout's routes, R2 records its own
+            batch.old_log_probs = self.actor.log_probs(batch, **routing)
+        mismatch = rollout_mismatch_metrics(batch, getattr(self.actor, "route_session", None))
+        if replay == "R2":
+            batch.routes = self.actor.recorded_routes
         if self.ref is not None:
+            ref_routing = {"replay": True} if self.cfg.actor.router_replay_reference else {}
             with self._use(self.ref):
-                batch.ref_log_probs = self.ref.log_probs(batch)
+                batch.ref_log_probs = self.ref.log_probs(batch, **ref_routing)
         if self.critic is not None:
             with self._use(self.critic):
                 batch.values = self.critic.values(batch)
         batch.scores = self.reward.score(batch)  # a reward model brings itself to the device
         metrics = dp_stats.data_parallel_mean(dict(getattr(self.reward, "metrics", None) or {}))
+        metrics.update(mismatch)
         records = batch.get("records") or []
         metrics.update(dp_stats.grouped_means(batch.scores.tolist(),
                                               [r.get("data_source") for r in records]))

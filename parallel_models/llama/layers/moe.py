@@ -16,7 +16,8 @@ Parameter names are megatron-core's: ``router.weight``, ``experts.local_experts.
 ``gate_weight``. Expert ``e`` here is global expert ``ep_rank * num_local_experts + e``.
 
 The router can record its logits (``recording``) for the load-balancing loss
-(``parallel_models.llama.layers.moe_aux_loss``).
+(``parallel_models.llama.layers.moe_aux_loss``), and carries a route hook for router replay
+(``parallel_models.llama.layers.router_replay``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from parallel_models import megatron_fixes
 from parallel_models.config import ConfigError, ModelConfig
+from parallel_models.llama.layers import router_replay
 from parallel_models.llama.layers.grouped_experts import GroupedGemmExperts
 
 megatron_fixes.apply()  # te_general_gemm undefined without transformer-engine
@@ -100,6 +102,8 @@ class ParallelMoE(MoELayer):
         else:
             experts.module = GroupedGemmExperts
         super().__init__(mp_config, submodules, layer_number=layer_id + 1)
+        router_replay.attach(self.router, list(config.moe_layer_ids).index(layer_id),
+                             mp_config.sequence_parallel)
         _mark_expert_parallel(self)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]

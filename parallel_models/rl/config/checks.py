@@ -44,6 +44,37 @@ def _model_problems(cfg) -> list[str]:
                 ModelConfig.from_hf(os.path.expanduser(m.path)).check_tensor_parallel(tp)
             except ConfigError as err:
                 errors.append(f"{key}: {m.path}: {err}")
+    errors += _router_replay_problems(cfg)
+    return errors
+
+
+def _router_replay_problems(cfg) -> list[str]:
+    """R2 / R3 need an MoE actor: refused for a dense one (there is nothing to replay, and a
+    silent no-op would hide a wrong model path)."""
+    a, m = cfg.actor, cfg.model
+    errors = []
+    if a.router_replay_reference and a.router_replay == "off":
+        errors.append("actor.router_replay_reference=true needs actor.router_replay R2 or R3")
+    if a.router_replay == "off":
+        return errors
+    if cfg.parallel.backend != "megatron":
+        return errors + [f"actor.router_replay={a.router_replay}: router replay runs in the "
+                         "megatron backend (MoE layers); set parallel.backend=megatron"]
+    if m.path is None:
+        return errors + [f"actor.router_replay={a.router_replay}: the built-in model "
+                         "(model.path=null) is a dense Llama; use model.path=builtin-moe or an "
+                         "MoE model, or router_replay=off"]
+    config_file = os.path.join(os.path.expanduser(m.path), "config.json")
+    if m.path != "builtin-moe" and os.path.isfile(config_file):
+        from parallel_models.config import ModelConfig
+
+        try:
+            dense = not ModelConfig.from_hf(os.path.expanduser(m.path)).is_moe
+        except ConfigError:  # an unsupported config: reported by the model checks
+            dense = False
+        if dense:
+            errors.append(f"actor.router_replay={a.router_replay}: {m.path} is a dense model "
+                          "(no MoE layer to replay); use router_replay=off")
     return errors
 
 

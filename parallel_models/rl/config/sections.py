@@ -36,7 +36,8 @@ class ModelSection(BaseModel):
     model_config = SECTION_CONFIG
 
     path: Optional[str] = Field(None, description="HF folder of the actor; null = build the "
-                                                  "built-in tiny Llama")
+                                                  "built-in tiny Llama, builtin-moe = a tiny "
+                                                  "Qwen3-MoE")
     dtype: Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] = Field(
         "float32", description="float32 | bfloat16 | float16")
     tokenizer: Optional[str] = Field(None, description="null = the tokenizer of model.path (or "
@@ -140,6 +141,14 @@ class ActorSection(OptimizerFields):
     kl_loss_coef: Number = Field(0.001, ge=0, description="weight of the KL loss")
     kl_loss_type: KLKind = Field("low_var_kl", description="k1 | abs | k2 | mse | k3 | "
                                                            "low_var_kl")
+    router_replay: Literal["off", "R2", "R3"] = Field(
+        "off", description="MoE only: off | R2 (updates replay the old-log-prob forward's "
+                           "expert choice) | R3 (old-log-prob and updates replay the rollout's)")
+    router_replay_reference: StrictBool = Field(False, description="the reference forward "
+                                                "replays the same routes (needs router_replay)")
+    tis_cap: Optional[Number] = Field(None, gt=0, description="truncated importance sampling: "
+                                      "policy loss x min(exp(old - rollout log-prob), cap); "
+                                      "null = off")
 
 
 class CriticSection(OptimizerFields):

@@ -107,18 +107,19 @@ class RolloutEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  generator: torch.Generator | None = None, top_logprobs: int = 0,
-                 on_step=None) -> GenerationOutput:
+                 on_step=None, record_routes: bool = False) -> GenerationOutput:
         """``params.n`` samples of each prompt (rows prompt-major). A ``params.seed`` seeds a
         generator of its own unless ``generator`` is given. ``top_logprobs=k`` also returns the
         k most likely tokens per step; ``on_step`` sees each step's tokens as they are drawn
-        (``generation.generate``)."""
-        if self.continuous and on_step is None:
+        (``generation.generate``); ``record_routes`` (MoE) also returns the experts every token
+        was routed to (``GenerationOutput.routes``; recorded by the static batcher)."""
+        if self.continuous and on_step is None and not record_routes:
             return self._generate_continuous(prompts, params, generator, top_logprobs)
         rows = [list(p) for p in prompts for _ in range(params.n)]
         one_each = params.model_copy(update={"n": 1})  # (a seed makes generate's generator)
         out = generate(self.model, rows, one_each, generator=generator,
                        stop_token_ids=self.stop_ids(params), pad_token_id=self.pad_token_id,
-                       top_logprobs=top_logprobs, on_step=on_step)
+                       top_logprobs=top_logprobs, on_step=on_step, record_routes=record_routes)
         self.generated_tokens += int(out.response_mask.sum())
         return out
 
@@ -145,12 +146,15 @@ class RolloutEngine:
                              for f, v in vars(out).items()})
 
     def generate_samples(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                         top_logprobs: int = 0, on_step=None) -> list[dict]:
+                         top_logprobs: int = 0, on_step=None, record_routes: bool = False
+                         ) -> list[dict]:
         """Like :meth:`generate`, as one ``{"token_ids", "log_probs", "finish_reason"}`` dict per
         row (``"stop"`` when the last token is a stop id, else ``"length"``); ``top_logprobs=k``
         adds ``"top_logprobs"``: per token a list of k ``[token_id, log_prob]``, most likely
-        first."""
-        out = self.generate(prompts, params, top_logprobs=top_logprobs, on_step=on_step)
+        first; ``record_routes`` (MoE) adds ``"routes"``: per prompt and generated token, per MoE
+        layer, the k experts used (-1 where none: the last generated token)."""
+        out = self.generate(prompts, params, top_logprobs=top_logprobs, on_step=on_step,
+                            record_routes=record_routes)
         stops = set(self.stop_ids(params))
         mask, toks = out.response_mask.cpu(), out.responses.cpu()
         logps = out.log_probs.float().cpu()
@@ -160,6 +164,13 @@ class RolloutEngine:
             ids = toks[b, :k].tolist()
             samples.append({"token_ids": ids, "log_probs": logps[b, :k].tolist(),
                             "finish_reason": "stop" if ids and ids[-1] in stops else "length"})
+        if out.routes is not None:
+            from parallel_models.utils.routes import expand
+
+            real = out.attention_mask.bool().cpu()
+            routes = expand(out.routes.cpu())
+            for b, sample in enumerate(samples):
+                sample["routes"] = routes[b][real[b]].tolist()
         if out.top_token_ids is not None:
             top_ids, top_logps = out.top_token_ids.cpu(), out.top_log_probs.float().cpu()
             for b, sample in enumerate(samples):

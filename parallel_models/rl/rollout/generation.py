@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from parallel_models.rl.rollout.kv_cache import KVCache
+from parallel_models.rl.rollout.route_collector import RouteCollector
 from parallel_models.rl.rollout.sampling import SamplingParams
 
 
@@ -46,6 +47,7 @@ class GenerationOutput:
     log_probs: torch.Tensor        # [B, R] float32, 0 where masked
     top_token_ids: torch.Tensor | None = None   # [B, R, k] with top_logprobs=k, else None
     top_log_probs: torch.Tensor | None = None   # [B, R, k] float32, their log-probs
+    routes: torch.Tensor | None = None  # [B, P+R, moe_layers, k] experts used (record_routes)
 
     @property
     def sequences(self) -> torch.Tensor:
@@ -178,7 +180,7 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
              generator: torch.Generator | None = None, *,
              stop_token_ids: Sequence[int] | None = None,
              pad_token_id: int = 0, top_logprobs: int = 0,
-             on_step: Callable | None = None) -> GenerationOutput:
+             on_step: Callable | None = None, record_routes: bool = False) -> GenerationOutput:
     """Sample one continuation of each of ``prompts`` (token-id lists) with ``model`` (a
     parallel CausalLM); ``params.n`` must be 1 here (``RolloutEngine.generate`` repeats rows).
 
@@ -189,7 +191,8 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
     also returns, per generated token, the k most likely tokens and their log-probs.
     ``on_step(tokens, log_probs, produced, top)`` is called after each step (``[B]`` tensors;
     ``produced``: the rows that made a token this step; ``top``: (ids, log-probs) ``[B, k]`` or
-    None); pass it on one rank only.
+    None); pass it on one rank only. ``record_routes`` (MoE models) also returns the top-k
+    experts of every prompt and generated token per MoE layer (``rollout/route_collector.py``).
     """
     params.validate()
     if params.n != 1:
@@ -225,10 +228,13 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
     lagged = device.type == "cuda"
     any_alive = torch.ones((), dtype=torch.bool, pin_memory=lagged)
     any_alive_ready = None
+    routes = RouteCollector(model) if record_routes else None
     with sequence_parallel_off(model):
         cache.begin_prefill(cu)
         hidden, _ = model.forward_hidden(ids, cu, positions, int(lengths.max()), kv_cache=cache)
         cache.end_step()
+        if routes is not None:
+            routes.prefill()
         logits = _last_token_logits(model, hidden, (cu[1:] - 1).long())
         decode_step = _DecodeStep(model, cache, batch, device)
         for step in range(params.max_new_tokens):
@@ -258,6 +264,8 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
                 any_alive_ready.record()
             logits = decode_step(tokens)
             cache.end_step()
+            if routes is not None:
+                routes.step()
         del decode_step  # frees the graph's memory pool
     # a step made after every sequence had stopped (the flag is read one step late) is cut
     while len(alive_out) > 1 and not bool(alive_out[-1].any()):
@@ -275,11 +283,13 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
     if top_out:
         top_ids = torch.stack([ids for ids, _ in top_out], 1)
         top_logps = torch.stack([vals for _, vals in top_out], 1)
+    response_mask = torch.stack(alive_out, 1).long()
     return GenerationOutput(prompts=prompt_ids, prompt_mask=prompt_mask,
-                            responses=torch.stack(tokens_out, 1),
-                            response_mask=torch.stack(alive_out, 1).long(),
+                            responses=torch.stack(tokens_out, 1), response_mask=response_mask,
                             log_probs=torch.stack(logp_out, 1),
-                            top_token_ids=top_ids, top_log_probs=top_logps)
+                            top_token_ids=top_ids, top_log_probs=top_logps,
+                            routes=None if routes is None else
+                            routes.assemble(lengths.tolist(), response_mask))
 
 
 __all__ = ["GenerationOutput", "SamplingParams", "generate", "sequence_parallel_off"]

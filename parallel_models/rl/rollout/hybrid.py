@@ -39,11 +39,13 @@ def build_rollout_model(actor, layout: RolloutLayout):
 
 class HybridRollout:
     """``HybridRollout(actor_chunks, tensor_parallel_size, eos_token_id=, pad_token_id=,
-    bucket_bytes=, share_weights=)``; build it on every rank at once (it makes process groups)."""
+    bucket_bytes=, share_weights=, offload=)``; build it on every rank at once (it makes process
+    groups). ``offload``: keep the rollout copy in host memory between rollouts."""
 
     def __init__(self, actor_chunks, tensor_parallel_size: int | None = None, *,
                  eos_token_id=None, pad_token_id: int = 0,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, share_weights: bool | None = None):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, share_weights: bool | None = None,
+                 offload: bool = False):
         chunks = list(actor_chunks) if isinstance(actor_chunks, (list, tuple)) else [actor_chunks]
         actor = chunks[0]
         tp = tensor_parallel_size or mpu.get_tensor_model_parallel_world_size()
@@ -63,6 +65,20 @@ class HybridRollout:
             self.weight_sync = WeightSync(chunks, model, self.layout, bucket_bytes)
         self.engine = RolloutEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
         self._synced_version: object = None
+        # offload (trainer.offload on CUDA): the rollout copy sits in host memory between
+        # rollouts and comes to the device for the sync and the generation only
+        self.offloader = None
+        if offload and not self.zero_copy:
+            from parallel_models.utils.offload import Offloader
+
+            self.offloader = Offloader([model])
+            self.offloader.offload()
+
+    def _on_device(self):
+        import contextlib
+
+        return self.offloader.on_device() if self.offloader is not None else \
+            contextlib.nullcontext()
 
     @property
     def eos_token_id(self):
@@ -82,9 +98,15 @@ class HybridRollout:
         self.engine.version += 1
         return seconds
 
-    def rollout(self, prompt_ids: list[list[int]], sampling, version=None) -> dict:
+    def rollout(self, prompt_ids: list[list[int]], sampling, version=None,
+                num_experts: int | None = None) -> dict:
         """This rank's training-DP share of prompts -> its rows (``sampling.n`` per prompt), as
-        the trainer's rollout dict. Every rank calls this together."""
+        the trainer's rollout dict. Every rank calls this together. ``num_experts`` (an MoE
+        actor): the rows carry their routes too."""
+        with self._on_device():
+            return self._rollout(prompt_ids, sampling, version, num_experts)
+
+    def _rollout(self, prompt_ids, sampling, version, num_experts) -> dict:
         self.sync(version)
         prompt_ids = [list(map(int, p)) for p in prompt_ids]
         layout = self.layout
@@ -97,7 +119,8 @@ class HybridRollout:
         samples: list[dict] = []
         if mine:
             with layout.active():
-                samples = self.engine.generate_samples([p for _, _, p in mine], sampling)
+                samples = self.engine.generate_samples([p for _, _, p in mine], sampling,
+                                                       record_routes=num_experts is not None)
         n = sampling.n
         answers = {}
         if layout.tensor_parallel_rank == 0:
@@ -110,7 +133,7 @@ class HybridRollout:
         resp = {"results": [{"prompt_token_ids": p, "samples": answers[(d, i)]}
                             for i, p in enumerate(prompt_ids)],
                 "weight_version": self.engine.version}
-        batch = batch_from_response(resp, n, self.pad_token_id)
+        batch = batch_from_response(resp, n, self.pad_token_id, num_experts)
         device = self.engine.device
         return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 

@@ -11,7 +11,9 @@ Endpoints (JSON; with ``--api-key`` every endpoint but ``/health`` needs
   "seed": null, "stop_token_ids": [], "eos_token_id": null, "ignore_eos": false``; EOS defaults
   to the server tokenizer's) -> ``{"weight_version": v,
   "results": [{"prompt_token_ids": [...], "samples": [{"token_ids", "log_probs",
-  "finish_reason": "stop"|"length", "text"?}] * n}]}``. Text prompts need a tokenizer in the
+  "finish_reason": "stop"|"length", "text"?, "routes"?}] * n}]}``; ``"return_routes": true``
+  (MoE models) adds per sample ``routes``: for every prompt and generated token, per MoE layer,
+  the top-k experts it was routed to (-1: never routed, the last generated token). Text prompts need a tokenizer in the
   model folder (encoded with its special tokens, e.g. BOS). Log-probs are
   ``log_softmax(logits / temperature)`` of the drawn tokens (see ``rl.rollout.generation``).
 - ``POST /update_weights`` body ``{"path": folder}`` (HF safetensors or megatron-core checkpoint)
@@ -84,9 +86,11 @@ class GenerateRequest(SamplingParams):
 
     prompts: list[Union[StrictStr, list[StrictInt]]] = Field(min_length=1)
     return_text: StrictBool = True
+    return_routes: StrictBool = False  # MoE: per token and MoE layer the top-k experts used
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams.model_validate(self.model_dump(exclude={"prompts", "return_text"}))
+        return SamplingParams.model_validate(self.model_dump(
+            exclude={"prompts", "return_text", "return_routes"}))
 
 
 class UpdateWeightsRequest(BaseModel):
@@ -193,16 +197,17 @@ class Batcher:
         by_key: dict = {}
         sinks: dict[int, list] = {}  # call -> [(start, count, sink)] of streamed jobs
         for job in batch:
-            rows, params, top_k, sink = job.payload  # params: one sample per row (n=1)
+            rows, params, top_k, sink, *routes = job.payload  # params: one sample per row (n=1)
+            routes = bool(routes and routes[0])  # /generate's return_routes
             if params.seed is None:
-                key = (params.sampling_key(), top_k)
+                key = (params.sampling_key(), top_k, routes)
                 if key not in by_key:
                     by_key[key] = len(calls)
-                    calls.append(GenCall([], params, top_k))
+                    calls.append(GenCall([], params, top_k, routes))
                 ci = by_key[key]
             else:
                 ci = len(calls)
-                calls.append(GenCall([], params, top_k))
+                calls.append(GenCall([], params, top_k, routes))
             where.append((ci, len(calls[ci].rows), len(rows)))
             if sink is not None:
                 sinks.setdefault(ci, []).append((len(calls[ci].rows), len(rows), sink))
@@ -377,6 +382,8 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
         rows_total = len(req.prompts) * req.n
         if rows_total > limits.max_batch:
             raise ApiError(422, f"prompts x n = {rows_total} is over max_batch {limits.max_batch}")
+        if req.return_routes and not engine.model.config.is_moe:
+            raise ApiError(422, "return_routes: the model has no MoE layer (no routes to return)")
         bad_stop = [t for t in req.stop_token_ids if not 0 <= t < vocab_size]
         if bad_stop:
             raise ApiError(422, f"stop_token_ids outside the vocab [0, {vocab_size}): {bad_stop}")
@@ -401,8 +408,8 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
         # the app repeats the rows n times itself, so requests with different n share a call
         params = req.sampling().model_copy(update={"n": 1})
         rows = [ids for ids in encoded for _ in range(req.n)]
-        samples, version = await _wait(batcher.submit("generate", (rows, params, 0, None),
-                                                      len(rows)))
+        samples, version = await _wait(batcher.submit(
+            "generate", (rows, params, 0, None, req.return_routes), len(rows)))
         results = []
         for i, ids in enumerate(encoded):
             group = samples[i * req.n:(i + 1) * req.n]

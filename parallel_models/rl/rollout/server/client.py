@@ -46,7 +46,7 @@ class RolloutClient:
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | None = None, *, return_text: bool = True,
-                 **sampling: Any) -> dict:
+                 return_routes: bool = False, **sampling: Any) -> dict:
         """POST /generate with ``params`` (or the :class:`SamplingParams` fields as keywords:
         ``n=4, max_new_tokens=32, temperature=0.7, seed=1, ...``; checked here first); returns
         ``{"weight_version", "results": [{"prompt_token_ids", "samples": [{"token_ids",
@@ -58,6 +58,8 @@ class RolloutClient:
         params.validate()
         body = {"prompts": [p if isinstance(p, str) else [int(t) for t in p] for p in prompts],
                 **params.model_dump(), "return_text": return_text}
+        if return_routes:  # MoE: each sample's "routes" (per token, per MoE layer, k experts)
+            body["return_routes"] = True
         return self._call("POST", "/generate", body)
 
     def update_weights(self, path: str) -> dict:

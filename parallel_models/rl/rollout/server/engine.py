@@ -30,11 +30,12 @@ log = logging.getLogger(__name__)
 class GenCall:
     """One generate call: token-id rows (one sample each) sharing sampling params; a seeded
     call's params carry its seed. ``top_logprobs=k`` asks for the k most likely tokens per
-    step (the OpenAI API's ``logprobs``)."""
+    step (the OpenAI API's ``logprobs``); ``record_routes`` adds each sample's MoE routes."""
 
     rows: list[list[int]]
     params: SamplingParams
     top_logprobs: int = 0
+    record_routes: bool = False
 
 
 class Engine:
@@ -110,7 +111,8 @@ class Engine:
                      ) -> list[list[dict]]:
         self.model.eval()
         on_step = on_step or [None] * len(calls)
-        outs = [self.rollout.generate_samples(call.rows, call.params, call.top_logprobs, hook)
+        outs = [self.rollout.generate_samples(call.rows, call.params, call.top_logprobs, hook,
+                                              record_routes=call.record_routes)
                 for call, hook in zip(calls, on_step)]
         self.batches += 1
         return outs

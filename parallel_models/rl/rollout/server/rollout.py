@@ -3,7 +3,8 @@ format, and weight pushes after each update.
 
 ``server_rollout`` returns the same dict as ``PPOTrainer._rollout`` (``sequences`` = left-padded
 prompts + right-padded responses, ``attention_mask``, ``prompt_lengths``, ``response_mask``,
-``group_index``) plus the server's ``rollout_log_probs`` and ``weight_version``. In a TP group
+``group_index``) plus the server's ``rollout_log_probs``, ``weight_version`` and, when asked
+(MoE), ``routes``. In a TP group
 only TP rank 0 talks to the server; the batch is broadcast to the other TP ranks.
 
 ``push_actor_weights`` streams the actor to the server (``weight_stream.py``, no folder on disk)
@@ -30,15 +31,32 @@ def _tp_info():
     return 1, 0, 0, None
 
 
-def _request(client, prompt_ids, params, seed: int | None, eos_token_id) -> dict:
+def _request(client, prompt_ids, params, seed: int | None, eos_token_id, routes: bool) -> dict:
     # the trainer's EOS travels as stop ids (the server's tokenizer may differ)
     wire = params.model_copy(update=dict(
         stop_token_ids=params.stop_ids(eos_token_id), eos_token_id=None, ignore_eos=True,
         seed=None if params.greedy else seed))
-    return client.generate([list(map(int, p)) for p in prompt_ids], wire, return_text=False)
+    return client.generate([list(map(int, p)) for p in prompt_ids], wire, return_text=False,
+                           return_routes=routes)
 
 
-def batch_from_response(resp: dict, n: int, pad_token_id: int = 0) -> dict:
+def _routes_tensor(prompts, samples, p_max: int, r_max: int, num_experts: int | None):
+    """The samples' ``routes`` lists as ``[rows, P + R, layers, k]`` (compact), aligned with
+    the batch's left-padded prompts and right-padded responses."""
+    from parallel_models.utils import routes as route_utils
+
+    first = torch.tensor(samples[0]["routes"])
+    full = torch.full((len(samples), p_max + r_max, *first.shape[1:]), route_utils.MISSING,
+                      dtype=torch.long)
+    for b, (p, s) in enumerate(zip(prompts, samples)):
+        r = torch.tensor(s["routes"], dtype=torch.long)
+        full[b, p_max - len(p):p_max - len(p) + r.shape[0]] = r
+    experts = num_experts if num_experts is not None else int(full.max()) + 1
+    return route_utils.compact(full, experts)
+
+
+def batch_from_response(resp: dict, n: int, pad_token_id: int = 0,
+                        num_experts: int | None = None) -> dict:
     """The trainer's rollout dict from a /generate answer (rows: prompt-major, n per prompt)."""
     prompts, samples = [], []
     for r in resp["results"]:
@@ -59,24 +77,29 @@ def batch_from_response(resp: dict, n: int, pad_token_id: int = 0) -> dict:
             seq[b, p_max:p_max + k] = torch.tensor(s["token_ids"])
             mask[b, p_max:p_max + k] = 1
             logp[b, :k] = torch.tensor(s["log_probs"])
-    return {"sequences": seq, "attention_mask": mask,
-            "prompt_lengths": mask[:, :p_max].sum(-1), "response_mask": mask[:, p_max:].clone(),
-            "group_index": torch.arange(len(resp["results"])).repeat_interleave(n),
-            "rollout_log_probs": logp, "weight_version": resp["weight_version"]}
+    out = {"sequences": seq, "attention_mask": mask,
+           "prompt_lengths": mask[:, :p_max].sum(-1), "response_mask": mask[:, p_max:].clone(),
+           "group_index": torch.arange(len(resp["results"])).repeat_interleave(n),
+           "rollout_log_probs": logp, "weight_version": resp["weight_version"]}
+    if samples and "routes" in samples[0]:
+        out["routes"] = _routes_tensor(prompts, samples, p_max, r_max, num_experts)
+    return out
 
 
 def server_rollout(client, prompt_ids, params, seed: int | None = None, device=None, *,
-                   eos_token_id: int | list[int] | None = None, pad_token_id: int = 0) -> dict:
+                   eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
+                   num_experts: int | None = None) -> dict:
     """Generate ``params.n`` samples of each prompt on the server with ``params`` (a
     SamplingParams; its EOS, else ``eos_token_id``, and its stop ids are sent as
-    ``stop_token_ids``); ``pad_token_id`` pads the batch."""
+    ``stop_token_ids``); ``pad_token_id`` pads the batch. ``num_experts`` (an MoE actor): the
+    server also returns the routes (``routes``, compact for that many experts)."""
     import torch.distributed as dist
 
     tp, tp_rank, src, group = _tp_info()
     batch = None
     if tp_rank == 0:
-        batch = batch_from_response(_request(client, prompt_ids, params, seed, eos_token_id),
-                                    params.n, pad_token_id)
+        resp = _request(client, prompt_ids, params, seed, eos_token_id, num_experts is not None)
+        batch = batch_from_response(resp, params.n, pad_token_id, num_experts)
     if tp > 1:
         obj = [batch]
         dist.broadcast_object_list(obj, src=src, group=group)

@@ -202,3 +202,22 @@ def test_broken_layouts_give_clear_errors(env, tmp_path):
     _expect(lambda: to_hf(folder, folder + ".hf"), "run_config.yaml", "--hf-config")
     for tag in ("tracker", "yaml", "args", "pickle", "nothing"):
         assert not os.path.exists(str(tmp_path / tag) + ".hf")
+
+
+def test_reading_args_leaves_the_process_safe_globals_as_they_were(env):
+    """Our reader allows argparse.Namespace only while it reads; Namespace registered before
+    (megatron-core registers it at import, Megatron-LM's loads rely on it) stays registered."""
+    import argparse
+
+    from parallel_models.llama.checkpoint_utils.megatron_layout import read_common_state
+
+    it = iteration_dir(env["out"]["llama-mlm"])
+    torch.serialization.add_safe_globals([argparse.Namespace])
+    assert read_common_state(it)["args"].num_layers > 0
+    assert argparse.Namespace in torch.serialization.get_safe_globals()
+    torch.serialization._weights_only_unpickler._remove_safe_globals([argparse.Namespace])
+    try:
+        assert read_common_state(it)["args"].num_layers > 0
+        assert argparse.Namespace not in torch.serialization.get_safe_globals()
+    finally:
+        torch.serialization.add_safe_globals([argparse.Namespace])  # as megatron-core left it

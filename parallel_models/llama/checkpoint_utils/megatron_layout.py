@@ -23,6 +23,7 @@ with ``torch.load(weights_only=True)`` allowing ``argparse.Namespace`` only; the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pickle
 
@@ -181,8 +182,13 @@ def read_common_state(folder: str) -> dict:
     path = os.path.join(folder, COMMON_FILE)
     if not os.path.isfile(path):
         return {}
+    # torch's safe_globals context REMOVES its classes on exit, even ones registered before it
+    # (megatron-core registers Namespace at import): only add Namespace when it is not there yet
+    registered = argparse.Namespace in torch.serialization.get_safe_globals()
+    allow = contextlib.nullcontext() if registered else torch.serialization.safe_globals(
+        [argparse.Namespace])
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
+        with allow:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise CheckpointError(f"{path}: refused to unpickle it (it holds objects other than "

@@ -2,7 +2,8 @@
 
     python bench/serve_bench.py [--model PATH] [--tp 1] [--concurrency 1 4 16 64]
                                 [--requests 64] [--prompt-len 32] [--max-new-tokens 32]
-                                [--size tiny|small] [--out results.json]
+                                [--size tiny|small] [--server-arg=--static-batching]
+                                [--out results.json]
 
 Starts ``python -m parallel_models.rl.rollout.server`` (torchrun for --tp > 1) on a free
 localhost port, warms it up, then for each concurrency C sends ``--requests`` single-prompt
@@ -81,6 +82,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="one more server option, e.g. --server-arg=--static-batching")
     ap.add_argument("--out")
     args = ap.parse_args()
     import httpx
@@ -93,7 +96,8 @@ def main() -> None:
     port = free_port()
     proc = start_server(model, port, tp=args.tp, log_path=os.path.join(tmp, "server.log"),
                         extra=("--max-batch", "64", "--max-new-tokens",
-                               str(max(args.max_new_tokens, 32))), timeout=600)
+                               str(max(args.max_new_tokens, 32)), *args.server_arg),
+                        timeout=600)
     rows = []
     try:
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600,
@@ -113,7 +117,7 @@ def main() -> None:
         proc.wait(60)
     finally:
         stop_server(proc)
-    result = {"model": model, "size": args.size if args.model is None else None, "tp": args.tp,
+    result = {"server_args": args.server_arg, "model": model, "size": args.size if args.model is None else None, "tp": args.tp,
               "dtype": info.get("dtype"), "prompt_len": args.prompt_len,
               "max_new_tokens": args.max_new_tokens, "levels": rows, "server_stats": stats}
     print("\n| concurrency | req/s | tokens/s | p50 s | p95 s |\n|---|---|---|---|---|")

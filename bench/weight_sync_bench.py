@@ -31,7 +31,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import gpu_state, timed  # noqa: E402
+from common import gpu_state, timed  # noqa: E402  (bench/common.py: the one timing method)
 
 GIB = 2**30
 SHAPES = {

@@ -97,6 +97,12 @@ def hf2mcore_parser() -> argparse.ArgumentParser:
     p.add_argument("--value", action="store_true",
                    help="a value model (critic / reward): score.weight -> output_layer.weight "
                    "[1, hidden]; *ForSequenceClassification inputs are value models anyway")
+    p.add_argument("--format", choices=["bridge", "megatron-lm", "flat"], default="bridge",
+                   help="folder layout: 'bridge' = Megatron-LM's iteration layout "
+                   "(latest_checkpointed_iteration.txt, iter_0000000/ with Megatron-LM's args in "
+                   "the common state) plus Megatron-Bridge's run_config.yaml: both load it as it "
+                   "is; 'megatron-lm' = the same without run_config.yaml; 'flat' = the dist "
+                   "checkpoint files in --output itself. Default: bridge")
     p.add_argument("--threads", type=int, default=1,
                    help="files written in parallel, each by a thread with its own buffers "
                    "(about 100 MB each; default 1)")
@@ -117,7 +123,9 @@ def mcore2hf_parser() -> argparse.ArgumentParser:
                    help="replace an existing non-empty --output folder (once the new one is "
                    "complete)")
     p.add_argument("--hf-config", default=None,
-                   help="folder with the model's HF config.json (default: the one in --mcore-path)")
+                   help="folder with the model's HF config.json (default: the one in "
+                   "--mcore-path, else rebuilt from Megatron-Bridge's run_config.yaml or the "
+                   "Megatron-LM args in the checkpoint's common state)")
     p.add_argument("--max-shard-size", default="5GB", help="safetensors shard size (default 5GB)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_version_argument(p)

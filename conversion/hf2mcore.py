@@ -1,9 +1,13 @@
 """hf2mcore: an HF Llama / Qwen2 folder (or hub id) -> a megatron-core ``GPTModel`` dist checkpoint.
 
     hf2mcore --hf-path DIR_OR_HUB_ID --output DIR [--overwrite] [--dtype bfloat16|float16|float32]
-             [--layer-spec te|local] [--value]
+             [--layer-spec te|local] [--value] [--format bridge|megatron-lm|flat]
 
-The output folder is a ``torch_dist`` checkpoint that ``megatron.core.dist_checkpointing.load(
+``--format`` (``checkpoint_utils.megatron_layout``): ``bridge`` (default) writes Megatron-LM's
+iteration layout (``latest_checkpointed_iteration.txt``, ``iter_0000000/`` with Megatron-LM's args,
+``checkpoint_version`` and ``iteration`` in the common state) plus Megatron-Bridge's
+``run_config.yaml``, so both open it as it is; ``megatron-lm`` the same without the YAML; ``flat``
+the dist checkpoint in the folder itself. The dist checkpoint is a ``torch_dist`` checkpoint that ``megatron.core.dist_checkpointing.load(
 model.sharded_state_dict(), DIR)`` loads at any TP/PP (keys, stacking and layouts as megatron-core
 0.16's ``GPTModel.sharded_state_dict()``; fused QKV grouped per KV head, ``linear_fc1`` = gate then
 up), plus ``mcore_config.json`` (the matching ``TransformerConfig`` / ``GPTModel`` arguments),
@@ -44,6 +48,11 @@ with quiet_megatron_import():  # megatron-core warns about optional GPU extras o
     from parallel_models.llama.checkpoint_utils.megatron_format import (
         MCORE_CONFIG_FILE, check_megatron_compatible, extra_state_items, mcore_config_dict,
         write_megatron_files)
+    from parallel_models.llama.checkpoint_utils.megatron_layout import (DEFAULT_FORMAT,
+                                                                        check_format, common_state,
+                                                                        tokenizer_source,
+                                                                        weights_dir,
+                                                                        write_layout_files)
     from parallel_models.llama.checkpoint_utils.output_dir import AtomicOutputDir, check_output_dir
     from parallel_models.registry import weight_map_of
 
@@ -103,12 +112,15 @@ def _row_segments(rule, comps, config, locate):
 
 def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: str = "te",
                         value: bool = False, threads: int = 1, progress: bool = True,
-                        overwrite: bool = False, value_head_seed: int = 0) -> dict:
+                        overwrite: bool = False, value_head_seed: int = 0,
+                        format: str = DEFAULT_FORMAT) -> dict:
     """Convert; returns ``{"path", "tensors", "bytes", "seconds"}``. Raises CheckpointError /
-    ConfigError on bad input before anything is written."""
+    ConfigError on bad input before anything is written. ``format``: the folder layout
+    (``megatron_layout.FORMATS``)."""
     start = time.perf_counter()
     if layer_spec not in ("te", "local"):
         raise ConfigError(f"--layer-spec must be 'te' or 'local', got {layer_spec!r}")
+    check_format(format)
     check_output_dir(output, overwrite)
     path = resolve_model_path(hf_path)
     config = ModelConfig.from_hf(path)
@@ -203,19 +215,26 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
 
     written_dtype = out_dtype or ckpt.dtype("model.embed_tokens.weight")
     try:
-        with AtomicOutputDir(output, overwrite) as tmp:
-            io_stats = write_dist_checkpoint(tmp, items, extra_state_items(L, config), threads=threads,
-                                             on_item=on_item)
-            write_megatron_files(tmp)
-            write_hf_config(tmp, config.hf_config, architecture=weight_map.architecture(head_kind),
-                            head_kind=head_kind, dtype=written_dtype)
+        with AtomicOutputDir(output, overwrite) as root:
             info = mcore_config_dict(config, head_kind=head_kind, dtype=written_dtype,
                                      layer_spec=layer_spec)
             info["source"] = {"hf_path": hf_path, "value_head_initialized": value_init}
-            with open(os.path.join(tmp, MCORE_CONFIG_FILE), "w") as f:
+            tokenizer = tokenizer_source(hf_path)
+            tmp = weights_dir(root, format)  # the dist checkpoint (root, or its iter_0000000)
+            os.makedirs(tmp, exist_ok=True)
+            io_stats = write_dist_checkpoint(tmp, items, extra_state_items(L, config), threads=threads,
+                                             on_item=on_item)
+            write_megatron_files(tmp, common_state(info, format, tokenizer))
+            # ours (HF config, megatron arguments, tokenizer) in the output folder itself
+            write_hf_config(root, config.hf_config, architecture=weight_map.architecture(head_kind),
+                            head_kind=head_kind, dtype=written_dtype)
+            with open(os.path.join(root, MCORE_CONFIG_FILE), "w") as f:
                 json.dump(info, f, indent=2)
-            copy_extra_files(path, tmp)
+            copy_extra_files(path, root)
+            write_layout_files(root, format, info, tokenizer)
             fsync_small_files(tmp)
+            if tmp != root:
+                fsync_small_files(root)
     finally:
         reader.close()
         if bar is not None:
@@ -245,7 +264,8 @@ def convert_args(args) -> dict:
     """The conversion the parsed command line asks for."""
     return convert_hf_to_mcore(args.hf_path, args.output, dtype=args.dtype,
                                layer_spec=args.layer_spec, value=args.value, threads=args.threads,
-                               progress=not args.quiet, overwrite=args.overwrite)
+                               progress=not args.quiet, overwrite=args.overwrite,
+                               format=args.format)
 
 
 def main(argv=None) -> int:

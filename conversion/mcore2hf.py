@@ -5,9 +5,11 @@ megatron-core, Megatron-LM, ``hf2mcore`` or ``save_mcore``) -> an HF folder that
 
     mcore2hf --mcore-path DIR --output DIR [--overwrite] [--hf-config DIR]
 
-``--hf-config``: a folder with the model's HF ``config.json`` (needed when the checkpoint has none
-next to it, e.g. one Megatron-LM wrote; its tokenizer files are copied too). A Megatron-LM run
-folder (with ``latest_checkpointed_iteration.txt``) resolves to its latest iteration. Either norm
+``--hf-config``: a folder with the model's HF ``config.json`` (its tokenizer files are copied
+too). Without it: the ``config.json`` next to the dist checkpoint, else the HF config rebuilt from
+Megatron-Bridge's ``run_config.yaml`` or the Megatron-LM ``args`` in the common state
+(``megatron_hf_config``). A Megatron-LM / Bridge run folder (with
+``latest_checkpointed_iteration.txt``) resolves to its latest iteration. Either norm
 naming (transformer-engine or local spec) is read. Each HF tensor is assembled from the chunks
 that hold it and streamed into size-limited safetensors shards; everything goes to a temporary
 folder renamed at the end. Tensors whose rows lie whole in contiguously stored chunks (hf2mcore's
@@ -35,8 +37,10 @@ with quiet_megatron_import():  # megatron-core warns about optional GPU extras o
     from parallel_models.llama.checkpoint_utils.hf_format import (ShardedSafetensorsWriter,
                                                                  _nbytes, copy_extra_files,
                                                                  write_hf_config)
-    from parallel_models.llama.checkpoint_utils.mcore_reader import McoreCheckpoint
-    from parallel_models.llama.checkpoint_utils.megatron_format import resolve_mcore_dir
+    from parallel_models.llama.checkpoint_utils.mcore_reader import (McoreCheckpoint,
+                                                                    config_of_mcore_dir)
+    from parallel_models.llama.checkpoint_utils.megatron_format import (layout_root,
+                                                                       resolve_mcore_dir)
     from parallel_models.llama.checkpoint_utils.output_dir import AtomicOutputDir, check_output_dir
     from parallel_models.registry import weight_map_of
 
@@ -96,11 +100,8 @@ def convert_mcore_to_hf(mcore_path: str, output: str, *, hf_config: str | None =
             raise CheckpointError(f"--hf-config {hf_config}: not a folder (give the folder that "
                                   "holds config.json)")
         config = ModelConfig.from_hf(hf_config)
-    elif os.path.isfile(os.path.join(folder, "config.json")):
-        config = ModelConfig.from_hf(folder)
-    else:
-        raise CheckpointError(f"{folder}: no config.json next to the dist checkpoint; pass "
-                              "--hf-config DIR (a folder with the model's HF config.json)")
+    else:  # config.json, else rebuilt from a Bridge run_config.yaml or Megatron-LM args
+        config = config_of_mcore_dir(folder)
     weight_map = weight_map_of(config.architecture)
     ckpt = McoreCheckpoint(folder, weight_map, config)
     jobs = weight_map.global_jobs(config, ckpt.head_kind)
@@ -135,7 +136,7 @@ def convert_mcore_to_hf(mcore_path: str, output: str, *, hf_config: str | None =
             write_hf_config(tmp, config.hf_config,
                             architecture=weight_map.architecture(ckpt.head_kind),
                             head_kind=ckpt.head_kind, dtype=ckpt.dtype("model.embed_tokens.weight"))
-            copy_extra_files(folder, tmp)
+            copy_extra_files(layout_root(folder) or folder, tmp)  # beside the tracker, if any
             if hf_config is not None:
                 copy_extra_files(hf_config, tmp)
             fsync_small_files(tmp)

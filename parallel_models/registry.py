@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 
 from parallel_models.config import ConfigError, load_hf_config
-from parallel_models.llama.checkpoint_utils import WEIGHT_MAPS, WeightMap, resolve_model_path
+from parallel_models.llama.checkpoint_utils import (WEIGHT_MAPS, WeightMap, is_mcore_checkpoint,
+                                                   model_config_of, resolve_model_path)
 from parallel_models.llama.modeling import CausalLM, CausalLMRmPad, ParallelModel, Value, ValueRmPad
 
 # family name -> its weight map (which also lists the HF architecture strings it serves)
@@ -93,7 +94,9 @@ def model_class(name: str) -> type[ParallelModel]:
 def architecture_of(path: str) -> str:
     """The first ``architectures`` entry of an HF folder's config (clear error when absent)."""
     path = resolve_model_path(path)
-    archs = getattr(load_hf_config(path), "architectures", None) or []
+    hf_config = (model_config_of(path).hf_config if is_mcore_checkpoint(path)
+                 else load_hf_config(path))  # a Megatron-LM / Bridge folder: from its settings
+    archs = getattr(hf_config, "architectures", None) or []
     if not archs:
         raise ConfigError(f"{os.path.join(path, 'config.json')}: no 'architectures' entry; "
                           f"supported: {', '.join(supported_architectures())}")

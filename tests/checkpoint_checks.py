@@ -39,7 +39,8 @@ def save_roundtrips(jobs: list[dict], tp: int, busy: str | None = None) -> dict:
         if job["kind"] == "hf":
             stats = model.save_pretrained(job["out"], max_shard_size=job.get("shard", "5GB"))
         else:
-            stats = save_mcore(model, job["out"], layer_spec=job.get("layer_spec", "te"))
+            stats = save_mcore(model, job["out"], layer_spec=job.get("layer_spec", "te"),
+                               format=job.get("format", "flat"))  # flat: checks read the folder
         out[job["out"]] = {"seconds": stats["seconds"], "report": model.load_report}
     if busy is not None:
         from parallel_models.llama.checkpoint_utils import save_pretrained
@@ -98,8 +99,9 @@ def megatron_loads(cases: list[dict], tp: int) -> dict:
     for case in cases:
         with cpu_shim.cuda_to_cpu():
             model = _build_megatron(case["mcore"], keys_map=case.get("keys_map", True))
-            loaded = dist_checkpointing.load(model.sharded_state_dict(), case["mcore"])
-            model.load_state_dict(loaded)
+            # as Megatron-LM loads it: the model under "model", the common state beside it
+            loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, case["mcore"])
+            model.load_state_dict(loaded["model"])
             cfg = pm.ModelConfig.from_hf(case["hf"])
             ids = token_batch(cfg.vocab_size)
             got = _megatron_logits(model, ids, cfg.vocab_size)

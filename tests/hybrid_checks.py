@@ -84,21 +84,26 @@ def _peak_allocated_bytes(fn) -> tuple[int, object]:
 
 
 def sync_matches_fresh_load(model_path: str, out_dir: str, tp: int, pp: int,
-                            rollout_tps: list[int], bucket_bytes: int) -> dict:
+                            rollout_tps: list[int], bucket_bytes: int, vpp: int = 1) -> dict:
     """Per rollout TP': two syncs (weights moved before each), each compared with a fresh load
-    of the actor's save; the peak bytes torch allocated during each sync."""
+    of the actor's save; the peak bytes torch allocated during each sync. ``vpp`` > 1: the
+    actor is this rank's virtual-pipeline chunks."""
     import os
 
     import torch
     import torch.distributed as dist
 
     import parallel_models as pm
+    from parallel_models import pipeline
+    from parallel_models.llama.checkpoint_utils import save_pretrained
     from parallel_models.rl.rollout.hybrid import HybridRollout
 
-    pm.init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    pm.init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                     virtual_pipeline_parallel_size=vpp if vpp > 1 else None)
     arch = pm.registry.architecture_of(model_path)
-    actor = pm.get_model_class(arch, "causal_lm", rmpad=True, pp=pp > 1).from_pretrained(
-        model_path, dtype=torch.float32)
+    cls = pm.get_model_class(arch, "causal_lm", rmpad=True, pp=pp > 1)
+    actor = (pipeline.build_pipeline_chunks(cls, model_path, dtype=torch.float32) if vpp > 1
+             else [cls.from_pretrained(model_path, dtype=torch.float32)])
     results = {}
     for rollout_tp in rollout_tps:
         hybrid = HybridRollout(actor, rollout_tp, bucket_bytes=bucket_bytes)
@@ -106,14 +111,14 @@ def sync_matches_fresh_load(model_path: str, out_dir: str, tp: int, pp: int,
         out = {"mismatch": [], "peaks": [], "buckets": len(sync.buckets)}
         target = hybrid.engine.model
         for step in range(2):  # the second sync reuses the first one's buffers
-            _perturb([actor], 0.01 * (step + 1))
+            _perturb(actor, 0.01 * (step + 1))
             kept = sync._bucket_buf.data_ptr() if sync._bucket_buf is not None else None
             peak, _ = _peak_allocated_bytes(lambda: hybrid.sync(version=step))
             out["peaks"].append(peak)
             if kept is not None:
                 out["buffers_reused"] = kept == sync._bucket_buf.data_ptr()
             folder = os.path.join(out_dir, f"actor_tp{rollout_tp}_{step}")
-            actor.save_pretrained(folder, overwrite=True)
+            save_pretrained(actor, folder, overwrite=True)
             with hybrid.layout.active():
                 fresh = pm.get_model_class(arch, "causal_lm", rmpad=True).from_pretrained(
                     folder, dtype=torch.float32)

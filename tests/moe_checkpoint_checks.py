@@ -60,7 +60,7 @@ def convert_round_trip(folders: dict, out_root: str) -> dict:
     for (family, head), path in folders.items():
         mcore = f"{out_root}/{family}_{head}_mcore"
         back = f"{out_root}/{family}_{head}_back"
-        convert_hf_to_mcore(path, mcore, progress=False)
+        convert_hf_to_mcore(path, mcore, progress=False, format="flat")  # read as a folder below
         convert_mcore_to_hf(mcore, back, progress=False)
         want, got = _safetensors_state(path), _safetensors_state(back)
         out[family] = {"differ": sorted(k for k in want.keys() & got.keys()
@@ -122,7 +122,7 @@ def check_save_mcore_round_trip(folders: dict, out_root: str, tp: int, ep: int) 
     for (family, head), path in folders.items():
         model = pm.get_model_class(ARCH[family], head).from_pretrained(path, dtype=torch.float32)
         mcore = f"{out_root}/{family}_{head}_saved_mcore_tp{tp}_ep{ep}"
-        model.save_mcore(mcore)
+        model.save_mcore(mcore, format="flat")
         if dist.get_rank() == 0:
             back = mcore + "_hf"
             convert_mcore_to_hf(mcore, back, progress=False)

@@ -63,6 +63,7 @@ def no_leftovers(path: str) -> bool:
 def convert(src, out, **kw):
     from conversion.hf2mcore import convert_hf_to_mcore
 
+    kw.setdefault("format", "flat")  # these tests read the dist checkpoint files in `out` itself
     return convert_hf_to_mcore(src, out, progress=False, **kw)
 
 

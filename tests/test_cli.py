@@ -199,7 +199,7 @@ def test_hf2mcore_overwrite_replaces_the_folder(tmp_path, capsys):
     out.mkdir()
     (out / "old.txt").write_text("old")
     assert hf2mcore_main(["--hf-path", src, "--output", str(out), "--quiet", "--overwrite",
-                          "--dtype", "fp32"]) == 0
+                          "--dtype", "fp32", "--format", "flat"]) == 0
     assert not (out / "old.txt").exists() and (out / "mcore_config.json").is_file()
     assert json.loads((out / "mcore_config.json").read_text())
     assert "hf2mcore:" in capsys.readouterr().out

@@ -100,9 +100,45 @@ def test_bad_push_keeps_old_weights(served, damage, message):
     assert _serves(served, 0) == version  # old version, old weights
 
 
+def test_tp2_server_stream_equals_folder_load(served):
+    """At server TP=2 the pushed tensors reach both ranks: the same samples and log-probs as
+    loading the same weights from their folder."""
+    port = free_port()
+    proc = start_server(served["paths"][0], port, tp=2, log_path=str(served["root"] / "tp2.log"))
+    client = RolloutClient(f"http://127.0.0.1:{port}", timeout=60)
+    try:
+        s = dict(served, client=client)
+        _serves(s, 0)
+        assert client.push_weight_stream(_frames(load_folder(served["paths"][1])))[
+            "weight_version"] == 1
+        streamed = _greedy(s)[0]
+        client.update_weights(served["paths"][1])
+        assert _greedy(s)[0] == streamed
+        _serves(s, 1)
+    finally:
+        client.close()
+        stop_server(proc)
+
+
 def test_dead_server_fails_clearly(served, tmp_path):
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there: a killed server
     out = run_distributed(hybrid_checks.push_from_layout, 1, served["paths"][1], url, 1, 1,
                           str(tmp_path / "fallback"))[0]
     assert "error" in out and url in out["error"], out
     assert "stream push failed first" in out["error"] and "previous weights" in out["error"]
+
+
+def test_ppo_pp2_with_server_backend_equals_inprocess_pp1(served, tmp_path):
+    """3 greedy PPO steps at PP=2 with rollout.backend=server (weights streamed at the start and
+    after every step) give the metrics of the in-process PP=1 run. Runs last: it leaves the
+    server on the trained weights."""
+    from tests.hybrid_ppo_runs import assert_same_metrics, metrics_at
+
+    version = _serves(served, 0)
+    common = [f"model.path={served['paths'][0]}", "data.max_prompt_length=16"]
+    want = metrics_at(tmp_path, 1, common, "inprocess")
+    got = metrics_at(tmp_path, 2, common + [
+        "parallel.pipeline_parallel_size=2", "rollout.backend=server",
+        f"rollout.server_url=http://127.0.0.1:{served['port']}"], "server")
+    assert_same_metrics(got, want, "PP=2 with the server backend")
+    assert served["client"].health()["weight_version"] == version + 4  # start + 3 steps

@@ -340,7 +340,7 @@ class ParallelModel(torch.nn.Module):
             raise ConfigError(f"{cls.__name__} has no weight map: load through a named class "
                               "(e.g. LlamaForCausalLM) or AutoModelForCausalLM")
         path = ckpt_io.resolve_model_path(path)
-        config = ModelConfig.from_hf(path)
+        config = ckpt_io.model_config_of(path)  # any format (Megatron-LM / Bridge layouts too)
         reader = ckpt_io.open_checkpoint(path, cls.weight_map, config)
         model = cls(config, dtype=dtype, sequence_parallel=sequence_parallel,
                     pre_process=pre_process, post_process=post_process, layer_ids=layer_ids,

@@ -182,14 +182,17 @@ class PPOTrainer:
         if par.backend == "megatron":
             self.rollout_engine = RolloutEngine(self.actor_model,
                                                 eos_token_id=self.tokenizer.eos_token_id,
-                                                pad_token_id=pad if pad is not None else 0)
+                                                pad_token_id=pad if pad is not None else 0,
+                                                kv_budget_tokens=r.kv_budget_tokens or None,
+                                                max_rows=r.max_batch_rows)
             pp = par.pipeline_parallel_size > 1
             if r.backend == "inprocess" and (pp or rollout_tp != par.tensor_parallel_size):
                 from parallel_models.rl.rollout.hybrid import HybridRollout
 
                 self.hybrid = HybridRollout(self.actor_model, rollout_tp,
                                             eos_token_id=self.tokenizer.eos_token_id,
-                                            pad_token_id=pad if pad is not None else 0)
+                                            pad_token_id=pad if pad is not None else 0,
+                                            offload=self._offload_enabled())
         self.rollout_client = None
         if r.backend == "server":
             from parallel_models.rl.rollout.server import RolloutClient

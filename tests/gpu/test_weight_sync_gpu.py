@@ -50,3 +50,21 @@ def test_generation_after_sync_equals_fresh_engine(gpu_models, single_rank, tmp_
     want = torch.where(torch.cat([out.prompt_mask, out.response_mask], 1).bool(), want, 0)
     assert not torch.equal(before, after), "the new weights did not change the greedy samples"
     assert torch.equal(after.cpu(), want.cpu())
+
+
+def test_offloaded_rollout_copy_comes_and_goes(gpu_models, single_rank):
+    """trainer.offload: the rollout copy sits on the host between rollouts, comes to the GPU for
+    the sync and the generation, and generates what the on-device copy does."""
+    path = gpu_models["qwen2"]
+    cls = pm.get_model_class(pm.registry.architecture_of(path), "causal_lm", rmpad=True)
+    actor = cls.from_pretrained(path, dtype=torch.float32)
+    params = SamplingParams(max_new_tokens=12, greedy=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    resident = HybridRollout(actor, 1, share_weights=False)
+    want = resident.rollout(prompts, params, version=0)["sequences"]
+    del resident
+    hybrid = HybridRollout(actor, 1, share_weights=False, offload=True)
+    assert all(p.device.type == "cpu" for p in hybrid.engine.model.parameters())
+    got = hybrid.rollout(prompts, params, version=0)["sequences"]
+    assert all(p.device.type == "cpu" for p in hybrid.engine.model.parameters())
+    assert torch.equal(got.cpu(), want.cpu())

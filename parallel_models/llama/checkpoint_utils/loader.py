@@ -19,14 +19,16 @@ from megatron.core import parallel_state as mpu
 from parallel_models.llama.checkpoint_utils.errors import CheckpointError
 from parallel_models.llama.checkpoint_utils.hf_format import (SafetensorsCheckpoint,
                                                              resolve_model_path)
-from parallel_models.llama.checkpoint_utils.mcore_reader import McoreCheckpoint
-from parallel_models.llama.checkpoint_utils.megatron_format import is_mcore_checkpoint
+from parallel_models.config import ModelConfig
+from parallel_models.llama.checkpoint_utils.mcore_reader import McoreCheckpoint, config_of_mcore_dir
+from parallel_models.llama.checkpoint_utils.megatron_format import (is_mcore_checkpoint,
+                                                                   resolve_mcore_dir)
 from parallel_models.llama.checkpoint_utils.weight_map import WeightMap
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["WeightReader", "open_checkpoint", "load_weights", "load_hf_weights",
-           "resolve_model_path", "CheckpointError"]
+           "resolve_model_path", "model_config_of", "CheckpointError"]
 
 
 class WeightReader(Protocol):
@@ -44,6 +46,15 @@ class WeightReader(Protocol):
 
     def __call__(self, name: str, dim: int | None, start: int | None, end: int | None
                  ) -> torch.Tensor: ...
+
+
+def model_config_of(folder: str) -> ModelConfig:
+    """The model config of a checkpoint folder of any format: an HF folder's config.json; for a
+    megatron-core dist checkpoint (any layout) its config.json, else the one its Megatron-Bridge
+    run config or Megatron-LM args describe."""
+    if is_mcore_checkpoint(folder):
+        return config_of_mcore_dir(resolve_mcore_dir(folder))
+    return ModelConfig.from_hf(folder)
 
 
 def open_checkpoint(folder: str, weight_map: WeightMap, config=None) -> WeightReader:

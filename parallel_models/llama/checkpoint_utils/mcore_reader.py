@@ -21,13 +21,28 @@ from parallel_models.config import ModelConfig
 from parallel_models.llama.checkpoint_utils.dcp import read_dcp_metadata
 from parallel_models.llama.checkpoint_utils.direct_io import RangeReader
 from parallel_models.llama.checkpoint_utils.errors import CheckpointError
+from parallel_models.llama.checkpoint_utils.megatron_hf_config import hf_config_from_megatron
 from parallel_models.llama.checkpoint_utils.megatron_format import (LOCAL_SPEC_NAMES,
                                                                    check_mcore_json,
                                                                    read_mcore_json,
-                                                                   resolve_mcore_dir)
+                                                                   resolve_mcore_dir, side_file)
 from parallel_models.llama.checkpoint_utils.torch_record import (decode_torch_record,
                                                                 record_data_start)
 from parallel_models.llama.checkpoint_utils.weight_map import WeightMap, WeightMapping
+
+
+def config_of_mcore_dir(folder: str, metadata=None) -> ModelConfig:
+    """The model config of the dist checkpoint in ``folder``: its ``config.json``, else the one
+    Megatron-Bridge's ``run_config.yaml`` or the Megatron-LM args of its common state describe
+    (the vocab: the embedding's stored rows)."""
+    path = side_file(folder, "config.json")  # ours: here, or beside an iteration layout's tracker
+    if path is not None:
+        return ModelConfig.from_hf(os.path.dirname(path))
+    if metadata is None:
+        metadata = read_dcp_metadata(folder)
+    emb = metadata.state_dict_metadata.get("embedding.word_embeddings.weight")
+    rows = int(emb.size[0]) if emb is not None and hasattr(emb, "size") else None
+    return ModelConfig.from_hf(hf_config_from_megatron(folder, rows))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +71,7 @@ class McoreCheckpoint:
                         if hasattr(v, "chunks")}
         self.info = read_mcore_json(self.folder) or {}
         if config is None:
-            if not os.path.isfile(os.path.join(self.folder, "config.json")):
-                raise CheckpointError(
-                    f"{self.folder}: no config.json next to the dist checkpoint; pass the HF "
-                    "config of the model (mcore2hf --hf-config DIR)")
-            config = ModelConfig.from_hf(self.folder)
+            config = config_of_mcore_dir(self.folder, self.metadata)
         check_mcore_json(self.info, config, self.folder)
         self.config = config
         if head_kind is None:

@@ -23,6 +23,10 @@ from parallel_models.llama.checkpoint_utils.hf_format import copy_extra_files, w
 from parallel_models.llama.checkpoint_utils.megatron_format import (MCORE_CONFIG_FILE,
                                                                    extra_state_objects,
                                                                    mcore_config_dict)
+from parallel_models.llama.checkpoint_utils.megatron_layout import (DEFAULT_FORMAT, check_format,
+                                                                    common_state,
+                                                                    tokenizer_source, weights_dir,
+                                                                    write_layout_files)
 from parallel_models.llama.checkpoint_utils.output_dir import check_output_dir, temp_dir_for
 from parallel_models.llama.checkpoint_utils.weight_map import WeightMap
 
@@ -121,11 +125,14 @@ def model_sharded_state_dict(model, weight_map: WeightMap, layer_spec: str = "te
 
 
 def save_mcore(model, out_dir: str, *, layer_spec: str = "te", overwrite: bool = False,
-               source_dir: str | None = None, weight_map: WeightMap | None = None) -> dict:
+               source_dir: str | None = None, weight_map: WeightMap | None = None,
+               format: str = DEFAULT_FORMAT) -> dict:
     """Save a TP/PP-sharded model of ours as a megatron-core ``GPTModel`` dist checkpoint that
     megatron-core (and ``from_pretrained``) loads at any TP/PP, plus ``config.json``,
     ``mcore_config.json`` and the tokenizer files. Call on every rank; written into a temporary
-    folder and renamed at the end (all or nothing). ``weight_map``: default the model's."""
+    folder and renamed at the end (all or nothing). ``weight_map``: default the model's.
+    ``format``: the folder layout, as ``hf2mcore --format`` (``megatron_layout``; default one
+    Megatron-LM and Megatron-Bridge both load)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -140,13 +147,16 @@ def save_mcore(model, out_dir: str, *, layer_spec: str = "te", overwrite: bool =
     start = time.perf_counter()
     error = None
     info = None
-    if rank == 0:
-        try:
+    tokenizer = tokenizer_source(source_dir if source_dir is not None
+                                 else getattr(first, "name_or_path", None))
+    try:  # every rank: the common state of the iteration layouts is part of what each saves
+        check_format(format)
+        info = mcore_config_dict(config, head_kind=first.head_kind, dtype=first.dtype,
+                                 layer_spec=layer_spec)
+        if rank == 0:
             check_output_dir(out_dir, overwrite)
-            info = mcore_config_dict(config, head_kind=first.head_kind, dtype=first.dtype,
-                                     layer_spec=layer_spec)
-        except (CheckpointError, ConfigError) as err:
-            error = err
+    except (CheckpointError, ConfigError) as err:
+        error = err
     if not all_ok(error is None, device):
         raise error if error is not None else CheckpointError(
             f"save_mcore: rank 0 cannot write {out_dir} (see rank 0's error)")
@@ -154,7 +164,8 @@ def save_mcore(model, out_dir: str, *, layer_spec: str = "te", overwrite: bool =
     # one temporary folder name for all ranks
     tag = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
     dist.broadcast(tag, src=0)
-    tmp = temp_dir_for(out_dir, f"{int(tag.item()):x}")
+    root = temp_dir_for(out_dir, f"{int(tag.item()):x}")
+    tmp = weights_dir(root, format)
     if rank == 0:
         os.makedirs(tmp)
     dist.barrier()
@@ -167,11 +178,12 @@ def save_mcore(model, out_dir: str, *, layer_spec: str = "te", overwrite: bool =
                                                                  validate_sharding_integrity)
 
         validate_sharding_integrity(determine_global_metadata(sharded)[1])
+        sharded.update(common_state(info, format, tokenizer))  # -> common.pt (rank 0 writes it)
     except BaseException as err:  # noqa: BLE001
         failure = err
     if not all_ok(failure is None, device):
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(root, ignore_errors=True)
         raise failure or CheckpointError("save_mcore: invalid sharding (see rank 0's error)")
     try:
         with cpu_shim.cuda_to_cpu():
@@ -180,15 +192,16 @@ def save_mcore(model, out_dir: str, *, layer_spec: str = "te", overwrite: bool =
     except BaseException as err:  # noqa: BLE001
         failure = err
     if rank == 0 and failure is None:
-        try:
-            write_hf_config(tmp, config.hf_config,
+        try:  # ours (HF config, megatron arguments, tokenizer) in the output folder itself
+            write_hf_config(root, config.hf_config,
                             architecture=weight_map.architecture(first.head_kind),
                             head_kind=first.head_kind, dtype=first.dtype)
-            with open(os.path.join(tmp, MCORE_CONFIG_FILE), "w") as f:
+            with open(os.path.join(root, MCORE_CONFIG_FILE), "w") as f:
                 json.dump(info, f, indent=2)
             copy_extra_files(source_dir if source_dir is not None
-                             else getattr(first, "name_or_path", None), tmp)
+                             else getattr(first, "name_or_path", None), root)
+            write_layout_files(root, format, info, tokenizer)
         except BaseException as err:  # noqa: BLE001
             failure = err
-    publish_or_raise(tmp, out_dir, overwrite, failure, device, rank, "save_mcore")
+    publish_or_raise(root, out_dir, overwrite, failure, device, rank, "save_mcore")
     return {"path": out_dir, "seconds": time.perf_counter() - start}

@@ -25,6 +25,7 @@ from parallel_models.llama.checkpoint_utils.dcp import DCP_METADATA
 from parallel_models.llama.checkpoint_utils.errors import CheckpointError
 
 MCORE_CONFIG_FILE = "mcore_config.json"  # our JSON of TransformerConfig / GPTModel arguments
+TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's tracker (Bridge writes it too)
 MEGATRON_METADATA = "metadata.json"      # megatron-core's: backend and version
 COMMON_FILE = "common.pt"
 FORMAT = "parallel_models.mcore/1"
@@ -56,14 +57,14 @@ def is_mcore_checkpoint(path: str) -> bool:
                 return "sharded_backend" in json.load(f)
         except (OSError, json.JSONDecodeError):
             return False
-    return os.path.isfile(os.path.join(path, "latest_checkpointed_iteration.txt"))
+    return os.path.isfile(os.path.join(path, TRACKER_FILE))
 
 
 def resolve_mcore_dir(path: str) -> str:
     """``path`` itself, or for a Megatron-LM run folder the iteration it names as latest."""
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such folder")
-    tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
+    tracker = os.path.join(path, TRACKER_FILE)
     if not os.path.isfile(os.path.join(path, MEGATRON_METADATA)) and os.path.isfile(tracker):
         with open(tracker) as f:
             it = f.read().strip()
@@ -85,9 +86,31 @@ def resolve_mcore_dir(path: str) -> str:
     return path
 
 
+def layout_root(weights_dir: str) -> str | None:
+    """The run folder of a Megatron-LM iteration folder (its parent, whose tracker names it), or
+    None: our HF-side files (config.json, mcore_config.json, tokenizer) sit there."""
+    parent = os.path.dirname(os.path.abspath(weights_dir))
+    if not os.path.isfile(os.path.join(parent, TRACKER_FILE)):
+        return None
+    try:
+        named = resolve_mcore_dir(parent)
+    except (CheckpointError, OSError, ValueError):
+        return None
+    return parent if os.path.abspath(named) == os.path.abspath(weights_dir) else None
+
+
+def side_file(weights_dir: str, name: str) -> str | None:
+    """The file ``name`` next to a dist checkpoint: in its folder, else in the run folder of an
+    iteration layout (:func:`layout_root`); None when neither has it."""
+    for folder in (weights_dir, layout_root(weights_dir)):
+        if folder is not None and os.path.isfile(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    return None
+
+
 def read_mcore_json(folder: str) -> dict | None:
-    path = os.path.join(folder, MCORE_CONFIG_FILE)
-    if not os.path.isfile(path):
+    path = side_file(folder, MCORE_CONFIG_FILE)
+    if path is None:
         return None
     try:
         with open(path) as f:
@@ -130,11 +153,12 @@ def extra_state_items(num_layers: int, config: ModelConfig | None = None
             for i in range(num_layers)]
 
 
-def write_megatron_files(folder: str) -> None:
-    """What megatron-core's ``dist_checkpointing.save`` adds to the DCP files (the common state
-    of a GPTModel is an empty dict; torch.save is the format megatron-core reads it with)."""
+def write_megatron_files(folder: str, common: dict | None = None) -> None:
+    """What megatron-core's ``dist_checkpointing.save`` adds to the DCP files: ``common.pt`` (the
+    common state: an empty dict for a bare GPTModel, Megatron-LM's args and iteration in its
+    layouts; torch.save is the format megatron-core reads it with) and ``metadata.json``."""
     with open(os.path.join(folder, COMMON_FILE), "wb") as f:
-        torch.save({}, f)
+        torch.save(common or {}, f)
         f.flush()
         os.fsync(f.fileno())
     with open(os.path.join(folder, MEGATRON_METADATA), "w") as f:
@@ -325,14 +349,14 @@ def check_mcore_json(info: dict, config: ModelConfig, folder: str) -> None:
         for key in keys:
             if key in got_section and key in want[section] and got_section[key] != want[section][key]:
                 raise CheckpointError(
-                    f"{os.path.join(folder, MCORE_CONFIG_FILE)}: {section}.{key} is "
+                    f"{side_file(folder, MCORE_CONFIG_FILE)}: {section}.{key} is "
                     f"{got_section[key]!r} but the HF config ({config.architecture}) gives "
                     f"{want[section][key]!r}; pass the HF config of this checkpoint")
     got_rope = info.get("gpt_model") or {}
     if got_rope.get("rope_scaling") and want["gpt_model"]["rope_scaling"]:
         got, exp = got_rope.get("rope_scaling_factor"), want["gpt_model"]["rope_scaling_factor"]
         if got != exp:
-            raise CheckpointError(f"{os.path.join(folder, MCORE_CONFIG_FILE)}: "
+            raise CheckpointError(f"{side_file(folder, MCORE_CONFIG_FILE)}: "
                                   f"gpt_model.rope_scaling_factor is {got!r} but the HF config "
                                   f"gives {exp!r}")
 
@@ -349,7 +373,9 @@ def build_gpt_model(mcore_json: dict | str, *, layer_spec="local",
     from megatron.core.transformer import TransformerConfig
 
     if isinstance(mcore_json, str):
-        path = os.path.join(mcore_json, MCORE_CONFIG_FILE) if os.path.isdir(mcore_json) else mcore_json
+        path = (side_file(resolve_mcore_dir(mcore_json), MCORE_CONFIG_FILE)
+                or os.path.join(mcore_json, MCORE_CONFIG_FILE)
+                if os.path.isdir(mcore_json) else mcore_json)
         with open(path) as f:
             mcore_json = json.load(f)
     tc = dict(mcore_json["transformer_config"])

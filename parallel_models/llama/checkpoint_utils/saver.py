@@ -93,6 +93,9 @@ class _Placement:
         return params[name]
 
 
+StagePlacement = _Placement  # public name: the hybrid engine's weight sync plans with it
+
+
 def save_pretrained(model, out_dir: str, *, max_shard_size: int | str = "5GB", dtype=None,
                     source_dir: str | None = None, overwrite: bool = False,
                     progress: bool = False, weight_map: WeightMap | None = None) -> dict:

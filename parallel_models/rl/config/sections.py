@@ -108,6 +108,11 @@ class RolloutSection(SamplingFields):
     tensor_parallel_size: Optional[Int] = Field(
         None, ge=1, description="in-process rollout engine's TP (null = the actor's); differs "
                                 "from it or PP > 1: weights resharded before each rollout")
+    kv_budget_tokens: Int = Field(0, ge=0, description="inprocess: continuous batching with this "
+                                  "many KV positions for all running samples (rows leave when "
+                                  "done, the n samples share one prefill); 0 = static batches")
+    max_batch_rows: Int = Field(256, ge=1, description="continuous batching: samples decoding "
+                                                       "at once at most")
 
     def sampling_params(self, seed: int | None = None) -> SamplingParams:
         """The :class:`SamplingParams` of this section (with ``seed``)."""

@@ -8,6 +8,13 @@ rollout server (``server/engine.py``) wraps it and mirrors its commands to the o
 - :meth:`RolloutEngine.generate_samples` -> per-row ``{"token_ids", "log_probs",
   "finish_reason"}`` lists (the server's answer format); with ``top_logprobs=k`` also
   ``"top_logprobs"``: per generated token the k most likely ``[token_id, log_prob]`` pairs.
+- With ``kv_budget_tokens`` the engine batches continuously (``continuous.ContinuousEngine``:
+  rows leave when done, waiting prompts take their place, the n samples of a prompt share one
+  prefill; at most ``kv_budget_tokens`` KV positions and ``max_rows`` rows at once). Each prompt
+  i gets its own draw seed (``params.seed`` mixed with i, else one from ``generator`` / the global
+  generator), so a seeded call is reproducible whatever else runs. ``keep_kv=True`` (the
+  server) keeps the KV pool and the captured decode graphs between calls; otherwise they are
+  freed after each call (the trainer trains between rollouts).
 - :meth:`RolloutEngine.update_weights` loads an HF folder (or megatron-core checkpoint) into the
   model **atomically**: a copy of the current weights is taken first and written back if
   anything fails while loading (read error, out of memory, shape mismatch) on any rank of
@@ -48,10 +55,13 @@ def load_weights(model, path) -> None:
 
 
 class RolloutEngine:
-    """``RolloutEngine(model, eos_token_id=None, pad_token_id=0, weights_path=None)``."""
+    """``RolloutEngine(model, eos_token_id=None, pad_token_id=0, weights_path=None,
+    kv_budget_tokens=None, max_rows=64, prefix_cache_tokens=0, keep_kv=False)``."""
 
     def __init__(self, model, *, eos_token_id: int | list[int] | None = None,
-                 pad_token_id: int = 0, weights_path: str | None = None):
+                 pad_token_id: int = 0, weights_path: str | None = None,
+                 kv_budget_tokens: int | None = None, max_rows: int = 64,
+                 prefix_cache_tokens: int = 0, keep_kv: bool = False):
         if model.head_kind != "causal_lm":
             raise TypeError(f"{type(model).__name__} has no LM head; a rollout engine needs a "
                             "CausalLM")
@@ -62,6 +72,30 @@ class RolloutEngine:
         self.version = 0
         self.generated_tokens = 0
         self.batches = 0
+        self.kv_budget_tokens = kv_budget_tokens
+        self.max_rows = max_rows
+        self.prefix_cache_tokens = prefix_cache_tokens
+        self.keep_kv = keep_kv
+        self._continuous = None
+
+    @property
+    def continuous(self) -> bool:
+        return bool(self.kv_budget_tokens)
+
+    def continuous_engine(self):
+        """The :class:`~parallel_models.rl.rollout.continuous.ContinuousEngine` (made on first
+        use; continuous mode only)."""
+        if self._continuous is None:
+            from parallel_models.rl.rollout.continuous import ContinuousEngine
+
+            self._continuous = ContinuousEngine(
+                self.model, int(self.kv_budget_tokens), max_rows=self.max_rows,
+                prefix_cache_tokens=self.prefix_cache_tokens)
+            self._continuous.on_tokens = self._count_tokens
+        return self._continuous
+
+    def _count_tokens(self, count: int) -> None:
+        self.generated_tokens += count
 
     @property
     def device(self) -> torch.device:
@@ -78,7 +112,9 @@ class RolloutEngine:
         generator of its own unless ``generator`` is given. ``top_logprobs=k`` also returns the
         k most likely tokens per step; ``on_step`` sees each step's tokens as they are drawn
         (``generation.generate``); ``record_routes`` (MoE) also returns the experts every token
-        was routed to (``GenerationOutput.routes``)."""
+        was routed to (``GenerationOutput.routes``; recorded by the static batcher)."""
+        if self.continuous and on_step is None and not record_routes:
+            return self._generate_continuous(prompts, params, generator, top_logprobs)
         rows = [list(p) for p in prompts for _ in range(params.n)]
         one_each = params.model_copy(update={"n": 1})  # (a seed makes generate's generator)
         out = generate(self.model, rows, one_each, generator=generator,
@@ -86,6 +122,28 @@ class RolloutEngine:
                        top_logprobs=top_logprobs, on_step=on_step, record_routes=record_routes)
         self.generated_tokens += int(out.response_mask.sum())
         return out
+
+    def _generate_continuous(self, prompts, params, generator, top_logprobs):
+        from parallel_models.rl.rollout.continuous import generation_output, request_seed
+
+        engine = self.continuous_engine()
+        stop = self.stop_ids(params)
+        try:
+            requests = []
+            for i, p in enumerate(prompts):
+                seed = params.seed
+                if seed is None and not params.greedy:
+                    seed = int(torch.randint(0, 1 << 62, (1,), generator=generator))
+                one = params.model_copy(update={"seed": request_seed(seed, i)})
+                requests.append(engine.submit(p, one, stop_ids=stop, top_logprobs=top_logprobs))
+            engine.run()
+        finally:
+            if not self.keep_kv:
+                self._continuous = None
+        out = generation_output(requests, self.pad_token_id)
+        device = self.device
+        return type(out)(**{f: (v.to(device) if torch.is_tensor(v) else v)
+                             for f, v in vars(out).items()})
 
     def generate_samples(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                          top_logprobs: int = 0, on_step=None, record_routes: bool = False
@@ -171,6 +229,8 @@ class RolloutEngine:
             raise WeightUpdateError(f"{type(error).__name__}: {error} (the previous weights, "
                                     f"version {self.version}, were kept)") from error
         del snapshot
+        if self._continuous is not None:
+            self._continuous.clear_prefixes()  # KV of the old weights
         self.version += 1
         self.weights_path = path if isinstance(path, str) else getattr(path, "folder", None)
         return {"weight_version": self.version, "path": self.weights_path,

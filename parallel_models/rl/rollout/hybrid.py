@@ -39,11 +39,13 @@ def build_rollout_model(actor, layout: RolloutLayout):
 
 class HybridRollout:
     """``HybridRollout(actor_chunks, tensor_parallel_size, eos_token_id=, pad_token_id=,
-    bucket_bytes=, share_weights=)``; build it on every rank at once (it makes process groups)."""
+    bucket_bytes=, share_weights=, offload=)``; build it on every rank at once (it makes process
+    groups). ``offload``: keep the rollout copy in host memory between rollouts."""
 
     def __init__(self, actor_chunks, tensor_parallel_size: int | None = None, *,
                  eos_token_id=None, pad_token_id: int = 0,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, share_weights: bool | None = None):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, share_weights: bool | None = None,
+                 offload: bool = False):
         chunks = list(actor_chunks) if isinstance(actor_chunks, (list, tuple)) else [actor_chunks]
         actor = chunks[0]
         tp = tensor_parallel_size or mpu.get_tensor_model_parallel_world_size()
@@ -63,6 +65,20 @@ class HybridRollout:
             self.weight_sync = WeightSync(chunks, model, self.layout, bucket_bytes)
         self.engine = RolloutEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
         self._synced_version: object = None
+        # offload (trainer.offload on CUDA): the rollout copy sits in host memory between
+        # rollouts and comes to the device for the sync and the generation only
+        self.offloader = None
+        if offload and not self.zero_copy:
+            from parallel_models.utils.offload import Offloader
+
+            self.offloader = Offloader([model])
+            self.offloader.offload()
+
+    def _on_device(self):
+        import contextlib
+
+        return self.offloader.on_device() if self.offloader is not None else \
+            contextlib.nullcontext()
 
     @property
     def eos_token_id(self):
@@ -87,6 +103,10 @@ class HybridRollout:
         """This rank's training-DP share of prompts -> its rows (``sampling.n`` per prompt), as
         the trainer's rollout dict. Every rank calls this together. ``num_experts`` (an MoE
         actor): the rows carry their routes too."""
+        with self._on_device():
+            return self._rollout(prompt_ids, sampling, version, num_experts)
+
+    def _rollout(self, prompt_ids, sampling, version, num_experts) -> dict:
         self.sync(version)
         prompt_ids = [list(map(int, p)) for p in prompt_ids]
         layout = self.layout

@@ -29,7 +29,7 @@ from megatron.core import parallel_state as mpu
 
 from parallel_models.errors import ConfigError
 from parallel_models.llama.checkpoint_utils.collective_save import device_of, weight_map_of
-from parallel_models.llama.checkpoint_utils.saver import _Placement as StagePlacement
+from parallel_models.llama.checkpoint_utils.saver import StagePlacement
 from parallel_models.llama.checkpoint_utils.weight_map import WeightMapping
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20

@@ -35,7 +35,10 @@ text prompt without a tokenizer, 401 missing or wrong API key, 404/405 unknown r
 wrong types or out-of-range values (prompt too long, n / max_new_tokens / batch rows over the
 limits, token ids outside the vocab), 503 shutting down, 504 request timeout, 500 internal.
 
-Batching: requests arriving within ``batch_window_ms`` of the first queued one are generated
+Continuous batching (the server's default, ``continuous_batcher``): requests join the running batch at
+the next decode step and leave it when done (``continuous_batcher``); one that can never fit the
+KV budget gets 422 (OpenAI routes: 400) at once. With ``--static-batching``: requests arriving
+within ``batch_window_ms`` of the first queued one are generated
 together, up to ``max_batch`` rows (prompts x n). Rows with the same sampling params share one
 ``generate`` call; a request with a ``seed`` gets its own call (and generator), so its samples
 are reproducible. ``generate`` is row-independent, so greedy results do not depend on the batch.
@@ -239,8 +242,9 @@ _OPEN_PATHS = ("/health", "/docs", "/openapi.json")
 
 
 def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | None = None,
-               model_info: dict | None = None):
-    """The FastAPI app over ``engine`` (rank 0). Start its batcher in the lifespan."""
+               model_info: dict | None = None, batcher_cls=None):
+    """The FastAPI app over ``engine`` (rank 0). Start its batcher in the lifespan.
+    ``batcher_cls``: :class:`Batcher` (default) or ``continuous_batcher.ContinuousBatcher``."""
     from contextlib import asynccontextmanager
 
     from fastapi.exceptions import RequestValidationError
@@ -249,7 +253,7 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
     from starlette.exceptions import HTTPException as StarletteHTTPException
     from starlette.responses import JSONResponse
 
-    batcher = Batcher(engine, limits)
+    batcher = (batcher_cls or Batcher)(engine, limits)
     config = engine.model.config
     vocab_size = int(config.vocab_size)
     max_pos = int(getattr(config, "max_position_embeddings", 1 << 30))
@@ -334,7 +338,8 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
                 "eos_token_id": eos, "limits": dataclasses.asdict(limits),
                 "stats": {"requests": state["requests"], "batches": engine.batches,
                           "generated_tokens": engine.generated_tokens,
-                          "uptime_s": round(time.time() - state["started"], 1)}}
+                          "uptime_s": round(time.time() - state["started"], 1),
+                          **engine.continuous_stats()}}
 
     def _encode(prompt) -> list[int]:
         if isinstance(prompt, str):

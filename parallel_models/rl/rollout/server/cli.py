@@ -58,7 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=_positive, default=64,
                    help="rows (prompts x n) per batch, and prompts per request")
     p.add_argument("--batch-window-ms", type=float, default=5.0,
-                   help="how long the batcher waits to fill a batch, in milliseconds")
+                   help="--static-batching: how long the batcher waits to fill a batch, in "
+                   "milliseconds")
+    p.add_argument("--static-batching", action="store_true",
+                   help="generate batch by batch (each batch runs until its longest row ends) "
+                   "instead of continuous batching")
+    p.add_argument("--kv-budget-tokens", type=_positive, default=None,
+                   help="continuous batching: KV cache positions of all running samples "
+                   "together (per layer, this rank's heads); requests wait until theirs fit "
+                   "(default: max-batch x (max-prompt-tokens + max-new-tokens))")
+    p.add_argument("--prefix-cache-tokens", type=int, default=8192,
+                   help="continuous batching: prompt tokens whose KV is kept for reuse by "
+                   "identical prompts (0: off)")
     p.add_argument("--max-prompt-tokens", type=_positive, default=1024,
                    help="longest prompt accepted, in tokens")
     p.add_argument("--max-new-tokens", type=_positive, default=512,
@@ -236,7 +247,13 @@ def _serve(args, sock) -> int:
         raise
     eos = None if tokenizer is None else tokenizer.eos_token_id
     pad = 0 if tokenizer is None or tokenizer.pad_token_id is None else tokenizer.pad_token_id
-    rollout = RolloutEngine(model, eos_token_id=eos, pad_token_id=pad, weights_path=args.model)
+    budget = None
+    if not args.static_batching:
+        budget = args.kv_budget_tokens or args.max_batch * (args.max_prompt_tokens +
+                                                            args.max_new_tokens)
+    rollout = RolloutEngine(model, eos_token_id=eos, pad_token_id=pad, weights_path=args.model,
+                            kv_budget_tokens=budget, max_rows=args.max_batch,
+                            prefix_cache_tokens=max(0, args.prefix_cache_tokens), keep_kv=True)
     engine = Engine(rollout, args.tp, group)
     try:
         if rank != 0:
@@ -253,9 +270,15 @@ def _serve(args, sock) -> int:
                               max_new_tokens=args.max_new_tokens, max_n=args.max_n,
                               max_prompts=args.max_batch, max_body_bytes=args.max_body_bytes,
                               request_timeout_s=args.request_timeout)
+        batcher_cls = None
+        if rollout.continuous:
+            from parallel_models.rl.rollout.server.continuous_batcher import ContinuousBatcher
+
+            batcher_cls = ContinuousBatcher
         asgi, app, state = create_app(engine, tokenizer, limits, api_key=args.api_key,
                                       model_info={"model": args.model, "architecture": arch,
-                                                  "dtype": str(dtype).replace("torch.", "")})
+                                                  "dtype": str(dtype).replace("torch.", "")},
+                                      batcher_cls=batcher_cls)
         config = uvicorn.Config(asgi, host=args.host, port=args.port,
                                 log_level=args.log_level, timeout_graceful_shutdown=30)
         server = _server_class()(config)

@@ -7,7 +7,9 @@ and run the same commands, so the TP collectives inside ``generate`` match. All 
 rank 0 happens on one thread (the batcher), so a weight update runs between batches: requests
 already in a batch finish on the old weights, later ones see the new ones. Weight updates are
 atomic across the ranks (the engine's ``update_weights`` with the control group): if any rank
-fails to load, every rank keeps its old shard and the version does not move.
+fails to load, every rank keeps its old shard and the version does not move. In continuous mode
+(the rollout engine has a KV budget) the command is ``cstep``: new requests + one engine step
+(``server/continuous_batcher.py``).
 """
 
 from __future__ import annotations
@@ -60,6 +62,18 @@ class Engine:
     def generated_tokens(self) -> int:
         return self.rollout.generated_tokens
 
+    def continuous_stats(self) -> dict:
+        """Continuous mode: the engine's state for ``/info`` (empty otherwise)."""
+        c = self.rollout._continuous
+        if c is None:
+            return {}
+        return {"engine_steps": c.steps, "running_rows": len(c.running),
+                "waiting_requests": len(c.scheduler.waiting),
+                "kv_used_tokens": c.scheduler.pool.used,
+                "kv_budget_tokens": c.scheduler.pool.capacity,
+                "prompts_prefilled": c.prefilled_prompts,
+                "prefix_cache_hits": c.prefixes.hits if c.prefixes is not None else 0}
+
     # ---- rank 0 side ---------------------------------------------------------------------
     def _broadcast(self, cmd):
         if self.world > 1:
@@ -73,6 +87,17 @@ class Engine:
         tokens step by step (``generation.generate``)."""
         self._broadcast(("generate", calls))
         return self._do_generate(calls, on_step)
+
+    def run_cstep(self, submissions: list, hooks: list | None = None) -> None:
+        """Continuous mode: submit ``submissions`` (``(prompt, params, top_logprobs)``; rank 0's
+        ``hooks[i]`` = ``(on_token, on_done)``) and run one engine step, on every rank."""
+        self._broadcast(("cstep", submissions))
+        self._do_cstep(submissions, hooks)
+
+    def reset_continuous(self) -> None:
+        """Drop every running request (after a failed step), on every rank."""
+        self._broadcast(("creset",))
+        self.rollout._continuous = None
 
     def update_weights(self, path: str) -> dict:
         self._broadcast(("update", path))
@@ -92,6 +117,17 @@ class Engine:
         self.batches += 1
         return outs
 
+    def _do_cstep(self, submissions: list, hooks: list | None = None) -> None:
+        engine = self.rollout.continuous_engine()
+        self.model.eval()
+        for (prompt, params, top_k), (on_token, on_done) in zip(
+                submissions, hooks or [(None, None)] * len(submissions)):
+            engine.submit(prompt, params, stop_ids=self.rollout.stop_ids(params),
+                          top_logprobs=top_k, on_token=on_token, on_done=on_done)
+        if engine.has_work:
+            engine.step()
+            self.batches = engine.steps
+
     def _do_update(self, path: str) -> dict:
         group = self.group if self.world > 1 else None
         return self.rollout.update_weights(path, group=group)
@@ -102,6 +138,11 @@ class Engine:
             return self._do_generate(cmd[1])
         if kind == "update":
             return self._do_update(cmd[1])
+        if kind == "cstep":
+            return self._do_cstep(cmd[1])
+        if kind == "creset":
+            self.rollout._continuous = None
+            return None
         raise ValueError(f"unknown command {kind!r}")
 
 

@@ -39,12 +39,33 @@ def _frame(header: dict) -> bytes:
     return struct.pack("<Q", len(head)) + head
 
 
-def bucket_frame(tensors: dict[str, torch.Tensor]) -> tuple[bytes, memoryview]:
-    """One bucket as (header bytes, payload): the tensors copied back to back into a fresh host
-    buffer (the caller's tensors may be views of a buffer that the next bucket overwrites)."""
+class HostBuffers:
+    """A ring of ``count`` host buffers (pinned when the weights are on CUDA) reused bucket after
+    bucket: a buffer comes round again only after ``count - 1`` newer buckets, by then sent
+    (the sender's queue holds at most two buckets, one more is on the wire)."""
+
+    def __init__(self, count: int = 4):
+        self.count = count
+        self.buffers: list[torch.Tensor | None] = [None] * count
+        self.turn = 0
+
+    def take(self, numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        i, self.turn = self.turn, (self.turn + 1) % self.count
+        buf = self.buffers[i]
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = self.buffers[i] = torch.empty(numel, dtype=dtype, pin_memory=pinned)
+        return buf[:numel]
+
+
+def bucket_frame(tensors: dict[str, torch.Tensor], buffers: HostBuffers | None = None
+                 ) -> tuple[bytes, memoryview]:
+    """One bucket as (header bytes, payload): the tensors copied back to back into a host buffer
+    (fresh, or the next of ``buffers``; the caller's tensors may be views of a buffer that the
+    next bucket overwrites)."""
     first = next(iter(tensors.values()))
     total = sum(t.numel() for t in tensors.values())
-    host = torch.empty(total, dtype=first.dtype, pin_memory=first.is_cuda)
+    host = (buffers.take(total, first.dtype, first.is_cuda) if buffers is not None else
+            torch.empty(total, dtype=first.dtype, pin_memory=first.is_cuda))
     entries, off = [], 0
     for name, t in tensors.items():
         host[off: off + t.numel()].copy_(t.reshape(-1), non_blocking=True)
@@ -70,49 +91,67 @@ class StreamParser:
         self._buf = bytearray()
         self._header: dict | None = None
         self._payload: bytearray | None = None
+        self._filled = 0
         self._max_header = max_header
 
-    def feed(self, chunk: bytes) -> None:
-        if self.ended and chunk:
+    def feed(self, chunk) -> None:
+        """Take the next chunk of the body: payload bytes go straight into their bucket's
+        buffer; only frame headers are collected on the side."""
+        if self.ended and len(chunk):
             raise WeightStreamError("data after the end frame")
-        self._buf += chunk
-        while self._step():
-            pass
+        view, pos = memoryview(chunk), 0
+        while pos < len(view):
+            if self._payload is not None:
+                take = min(len(self._payload) - self._filled, len(view) - pos)
+                self._payload[self._filled:self._filled + take] = view[pos:pos + take]
+                self._filled += take
+                pos += take
+                if self._filled == len(self._payload):
+                    self._unpack(self._header["tensors"], self._payload)
+                    self._header, self._payload = None, None
+                continue
+            if self.ended:
+                raise WeightStreamError("data after the end frame")
+            need = self._header_bytes_needed()
+            take = min(need, len(view) - pos)
+            self._buf += view[pos:pos + take]
+            pos += take
+            if take == need:
+                self._read_header()
 
-    def _step(self) -> bool:
-        buf = self._buf
-        if self._header is None:
-            if len(buf) < 8:
-                return False
-            (n,) = struct.unpack("<Q", bytes(buf[:8]))
-            if n > self._max_header:
-                raise WeightStreamError(f"frame header of {n} bytes: not a weight stream")
-            if len(buf) < 8 + n:
-                return False
-            try:
-                self._header = json.loads(bytes(buf[8:8 + n]))
-            except ValueError:
-                raise WeightStreamError("malformed frame header") from None
-            del buf[:8 + n]
-            if self._header.get("end"):
-                if self._header.get("tensors") != len(self.tensors):
-                    raise WeightStreamError(f"end frame says {self._header.get('tensors')} "
-                                            f"tensors, {len(self.tensors)} arrived")
-                self.ended = True
-                self._header = None
-                return bool(buf)
-            self._payload = bytearray()
-        need = int(self._header["nbytes"]) - len(self._payload)
-        take = min(need, len(buf))
-        self._payload += buf[:take]
-        del buf[:take]
-        if len(self._payload) < int(self._header["nbytes"]):
-            return False
-        if any(not isinstance(e, list) or len(e) != 3 for e in self._header.get("tensors", [None])):
+    def _header_bytes_needed(self) -> int:
+        if len(self._buf) < 8:
+            return 8 - len(self._buf)
+        (n,) = struct.unpack("<Q", bytes(self._buf[:8]))
+        if n > self._max_header:
+            raise WeightStreamError(f"frame header of {n} bytes: not a weight stream")
+        return 8 + n - len(self._buf)
+
+    def _read_header(self) -> None:
+        if len(self._buf) == 8:  # the length only: the header's bytes come next
+            if self._header_bytes_needed():
+                return
+        try:
+            header = json.loads(bytes(self._buf[8:]))
+        except ValueError:
+            raise WeightStreamError("malformed frame header") from None
+        self._buf = bytearray()
+        if header.get("end"):
+            if header.get("tensors") != len(self.tensors):
+                raise WeightStreamError(f"end frame says {header.get('tensors')} tensors, "
+                                        f"{len(self.tensors)} arrived")
+            self.ended = True
+            return
+        entries = header.get("tensors")
+        if not isinstance(entries, list) or any(not isinstance(e, list) or len(e) != 3
+                                                for e in entries):
             raise WeightStreamError("malformed bucket header")
-        self._unpack(self._header["tensors"], self._payload)
-        self._header, self._payload = None, None
-        return bool(buf)
+        self._header = header
+        self._payload = bytearray(int(header["nbytes"]))  # filled in place
+        self._filled = 0
+        if not self._payload:
+            self._unpack(entries, self._payload)
+            self._header, self._payload = None, None
 
     def _unpack(self, entries, payload: bytearray) -> None:
         off = 0
@@ -131,7 +170,7 @@ class StreamParser:
             off += n
 
     def finish(self) -> dict[str, torch.Tensor]:
-        if not self.ended or self._header is not None or self._buf:
+        if not self.ended or self._payload is not None or self._buf:
             raise WeightStreamError(f"the weight stream was cut short ({len(self.tensors)} "
                                     "tensors arrived, no end frame)")
         return self.tensors
@@ -189,12 +228,13 @@ def push_weight_stream(chunks, client, bucket_bytes: int | None = None) -> int |
     gatherer = BucketGatherer(chunks, bucket_bytes or DEFAULT_BUCKET_BYTES)
     rank = dist.get_rank() if dist.is_initialized() else 0
     sender = _Sender(client) if rank == 0 else None
+    host = HostBuffers(4)
     count = 0
     try:
         for _, tensors in gatherer.buckets_iter():
             count += len(tensors)
             if sender is not None:
-                sender.put_all(bucket_frame(tensors))
+                sender.put_all(bucket_frame(tensors, host))
         if sender is not None:
             sender.put_all([end_frame(count)])
     finally:
@@ -261,5 +301,5 @@ class _Sender:
         return version, self.error
 
 
-__all__ = ["StreamParser", "WeightStreamError", "bucket_frame", "check_against_model",
+__all__ = ["HostBuffers", "StreamParser", "WeightStreamError", "bucket_frame", "check_against_model",
            "end_frame", "push_weight_stream", "receive_weight_stream"]

@@ -1,0 +1,95 @@
+"""Per-row reproducible sampling for continuous batching.
+
+In a continuous batch the rows next to a sample change from step to step, so drawing from one
+generator for the whole batch would make a seeded request's samples depend on the traffic. Here
+every row draws with counter-based noise: the uniform for (row seed, step, vocab id) is a hash
+(splitmix64) of those three integers, and the token is the Gumbel-max of the filtered logits,
+i.e. a draw from ``softmax(filtered logits / temperature)``. A request's samples are therefore
+the same whatever else runs, on any device, and a step needs no generator state (graph-safe).
+
+Log-probs and top log-probs are those of ``generation._next_tokens``: ``log_softmax(logits /
+temperature)`` of the drawn token (greedy: of the raw logits).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallel_models.rl.rollout.generation import _filter_logits
+
+_C1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_C2 = 0x94D049BB133111EB - (1 << 64)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 with wrapping products."""
+    x = (x ^ _shr(x, 30)) * _C1
+    x = (x ^ _shr(x, 27)) * _C2
+    return x ^ _shr(x, 31)
+
+
+def row_seed(seed: int, sample: int) -> int:
+    """The noise seed of sample ``sample`` of a request seeded with ``seed`` (a Python int)."""
+    x = torch.tensor([(seed * 1_000_003 + sample) & ((1 << 63) - 1)], dtype=torch.long)
+    return int(_mix(_mix(x) + _GOLDEN))
+
+
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[B, vocab]`` float32 Gumbel(0, 1) noise, a pure function of (seed, step, vocab id)."""
+    base = _mix(_mix(seeds + _GOLDEN * steps) ^ steps)  # [B]
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.long) * _GOLDEN
+    bits = _mix(base[:, None] + ids[None, :])
+    u = (_shr(bits, 40).float() + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 bits
+    return -torch.log(-torch.log(u))
+
+
+def draw(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, groups, top_k_max: int):
+    """Next tokens of every row of ``logits`` ``[B, vocab]``.
+
+    ``groups``: list of ``(rows, params)`` with ``rows`` a LongTensor of row indices (None = all
+    rows) sharing the :class:`SamplingParams` ``params``; rows in no group get token 0.
+    -> ``(tokens [B], log_probs [B] float32, top (ids, log-probs) [B, top_k_max] or None)``.
+    """
+    logits = logits.float()
+    b, vocab = logits.shape
+    tokens = torch.zeros(b, dtype=torch.long, device=logits.device)
+    logp = torch.zeros(b, dtype=torch.float32, device=logits.device)
+    top_ids = top_vals = None
+    if top_k_max:
+        k = min(top_k_max, vocab)
+        top_ids = torch.zeros(b, k, dtype=torch.long, device=logits.device)
+        top_vals = torch.zeros(b, k, dtype=torch.float32, device=logits.device)
+    for rows, params in groups:
+        sub = logits if rows is None else logits[rows]
+        if params.greedy:
+            scaled = sub
+            chosen = sub.argmax(-1)
+        else:
+            scaled = sub / params.temperature
+            filtered = _filter_logits(scaled, params.top_k, params.top_p)
+            s = seeds if rows is None else seeds[rows]
+            t = steps if rows is None else steps[rows]
+            chosen = (filtered + gumbel_noise(s, t, vocab)).argmax(-1)
+        all_logp = torch.log_softmax(scaled, -1)
+        chosen_logp = all_logp.gather(-1, chosen[:, None]).squeeze(-1)
+        if rows is None:
+            tokens, logp = chosen, chosen_logp
+        else:
+            tokens[rows], logp[rows] = chosen, chosen_logp
+        if top_k_max:
+            vals, ids = torch.topk(all_logp, top_ids.shape[1], -1)
+            if rows is None:
+                top_ids, top_vals = ids, vals
+            else:
+                top_ids[rows], top_vals[rows] = ids, vals
+    top = (top_ids, top_vals) if top_k_max else None
+    return tokens, logp, top
+
+
+__all__ = ["draw", "gumbel_noise", "row_seed"]

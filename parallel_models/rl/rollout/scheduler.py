@@ -1,0 +1,119 @@
+"""Admission of requests into the continuous-batching engine under a KV budget in tokens.
+
+The KV pool (``pool_cache.PoolKVCache``) is one flat run of ``capacity`` token positions per
+layer. A sample (one row of the decode batch) owns a contiguous region of ``len(prompt) +
+max_new_tokens`` positions from admission until it finishes, so its KV never moves. A request of
+``n`` samples is admitted as a whole (its prompt is prefilled once and copied into its n regions)
+when ``n`` rows are free and ``n`` regions fit; otherwise it waits, first in, first out (a large
+request at the head is not overtaken, so it cannot starve). A request that could not fit even
+into an empty pool (``n * (prompt + max_new_tokens) > capacity``, or ``n`` over the row limit, or
+one region over the per-row limit) is refused at once with :class:`KVBudgetError`.
+
+Regions are placed first-fit in a sorted free list and merged with their neighbours when freed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+from typing import Any
+
+
+class KVBudgetError(ValueError):
+    """A request needs more KV memory (or rows) than the engine can ever give it."""
+
+
+class TokenPool:
+    """First-fit allocator of contiguous regions in ``[0, capacity)``."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"KV budget must be >= 1 token, got {capacity}")
+        self.capacity = capacity
+        self._free: list[list[int]] = [[0, capacity]]  # sorted [start, end) runs
+        self.used = 0
+
+    def allocate(self, size: int) -> int | None:
+        """Start of a free region of ``size`` positions, or None when none is that long."""
+        for i, (start, end) in enumerate(self._free):
+            if end - start >= size:
+                if end - start == size:
+                    del self._free[i]
+                else:
+                    self._free[i][0] = start + size
+                self.used += size
+                return start
+        return None
+
+    def free(self, start: int, size: int) -> None:
+        i = bisect.bisect_left(self._free, [start, start + size])
+        self._free.insert(i, [start, start + size])
+        self.used -= size
+        if i + 1 < len(self._free) and self._free[i][1] == self._free[i + 1][0]:
+            self._free[i][1] = self._free.pop(i + 1)[1]
+        if i > 0 and self._free[i - 1][1] == self._free[i][0]:
+            self._free[i - 1][1] = self._free.pop(i)[1]
+
+
+class Scheduler:
+    """FIFO admission of requests (anything with ``n`` and ``row_tokens``) into rows and regions.
+
+    ``capacity``: KV budget in token positions; ``max_rows``: decode batch rows at most;
+    ``max_row_tokens``: the longest region one row may own (the decode kernel's key limit).
+    """
+
+    def __init__(self, capacity: int, max_rows: int, max_row_tokens: int):
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        self.pool = TokenPool(capacity)
+        self.max_rows = max_rows
+        self.max_row_tokens = max_row_tokens
+        self.rows_used = 0
+        self.waiting: collections.deque = collections.deque()
+
+    def check(self, n: int, row_tokens: int) -> None:
+        """Raise :class:`KVBudgetError` when ``n`` rows of ``row_tokens`` can never be admitted."""
+        if row_tokens > self.max_row_tokens:
+            raise KVBudgetError(
+                f"a sample needs {row_tokens} KV positions (prompt + max_new_tokens); the engine "
+                f"holds at most {self.max_row_tokens} per sample")
+        if n * row_tokens > self.pool.capacity:
+            raise KVBudgetError(
+                f"the request needs {n} x {row_tokens} = {n * row_tokens} KV positions (n x "
+                f"(prompt + max_new_tokens)); the KV budget is {self.pool.capacity} tokens")
+        if n > self.max_rows:
+            raise KVBudgetError(f"n={n} samples exceed the engine's {self.max_rows} batch rows")
+
+    def add(self, request: Any) -> None:
+        self.check(request.n, request.row_tokens)
+        self.waiting.append(request)
+
+    def admit(self) -> list[tuple[Any, list[int]]]:
+        """Requests that start now, with the region start of each of their samples."""
+        started = []
+        while self.waiting:
+            req = self.waiting[0]
+            if self.rows_used + req.n > self.max_rows:
+                break
+            starts: list[int] = []
+            for _ in range(req.n):
+                start = self.pool.allocate(req.row_tokens)
+                if start is None:
+                    break
+                starts.append(start)
+            if len(starts) < req.n:  # all or nothing: give back the partial allocation
+                for s in starts:
+                    self.pool.free(s, req.row_tokens)
+                break
+            self.waiting.popleft()
+            self.rows_used += req.n
+            started.append((req, starts))
+        return started
+
+    def release(self, start: int, size: int) -> None:
+        """A finished sample gives its row and region back."""
+        self.pool.free(start, size)
+        self.rows_used -= 1
+
+
+__all__ = ["KVBudgetError", "Scheduler", "TokenPool"]

@@ -7,7 +7,8 @@ rank (``Engine.run_cstep`` broadcasts the new requests with the step). A job's f
 when its last sample finishes; a streamed job's sink sees each token as it is drawn. A request
 that can never fit the KV budget is refused in :meth:`submit` (the HTTP handler answers 4xx at
 once). A weight update waits until the running rows finish (they keep the old weights), then
-runs; jobs queued behind it start on the new weights.
+runs; jobs queued behind it start on the new weights. A /generate asking for MoE routes
+(``return_routes``) waits the same way and runs through the static generator, which records them.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class ContinuousBatcher(Batcher):
 
     def submit(self, kind: str, payload, rows: int = 0):
         if kind == "generate":
-            rows_, params, _, _ = payload
+            rows_, params = payload[0], payload[1]
             for prompt, n in _groups(rows_):
                 try:
                     self.continuous.scheduler.check(n, len(prompt) + params.max_new_tokens)
@@ -84,6 +85,13 @@ class ContinuousBatcher(Batcher):
                         self._step([])
                     self._finish([job], lambda: [self.engine.update_weights(job.payload)])
                     continue
+                if job.payload[4:] and job.payload[4]:  # return_routes: the static generator
+                    self._step(subs)                     # records MoE routes; it runs once the
+                    subs = []                            # running rows are done
+                    while self.continuous.has_work:
+                        self._step([])
+                    self._finish([job], lambda: self._generate([job]))
+                    continue
                 subs.extend(self._requests_of(job))
             if subs or self.continuous.has_work:
                 self._step(subs)
@@ -98,7 +106,7 @@ class ContinuousBatcher(Batcher):
                 job.future.set_exception(ApiError(503, "server is shutting down"))
 
     def _requests_of(self, job) -> list:
-        rows, params, top_k, sink = job.payload
+        rows, params, top_k, sink = job.payload[:4]
         if params.seed is None and not params.greedy:  # rank 0 picks it: every rank the same
             params = params.model_copy(update={"seed": random.getrandbits(62)})
         groups = _groups(rows)

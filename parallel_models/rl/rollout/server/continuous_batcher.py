@@ -7,8 +7,8 @@ rank (``Engine.run_cstep`` broadcasts the new requests with the step). A job's f
 when its last sample finishes; a streamed job's sink sees each token as it is drawn. A request
 that can never fit the KV budget is refused in :meth:`submit` (the HTTP handler answers 4xx at
 once). A weight update waits until the running rows finish (they keep the old weights), then
-runs; jobs queued behind it start on the new weights. A /generate asking for MoE routes
-(``return_routes``) waits the same way and runs through the static generator, which records them.
+runs; jobs queued behind it start on the new weights. A request for MoE routes
+(``return_routes``) runs the same way, alone through the static ``generate`` that records them.
 """
 
 from __future__ import annotations
@@ -78,19 +78,15 @@ class ContinuousBatcher(Batcher):
                     continue
                 if not job.future.set_running_or_notify_cancel():
                     continue  # timed out while queued
-                if job.kind == "update":
+                if job.kind == "update" or _wants_routes(job):
                     self._step(subs)
                     subs = []
                     while self.continuous.has_work:  # running rows finish on the old weights
                         self._step([])
-                    self._finish([job], lambda: [self.engine.update_weights(job.payload)])
-                    continue
-                if job.payload[4:] and job.payload[4]:  # return_routes: the static generator
-                    self._step(subs)                     # records MoE routes; it runs once the
-                    subs = []                            # running rows are done
-                    while self.continuous.has_work:
-                        self._step([])
-                    self._finish([job], lambda: self._generate([job]))
+                    if job.kind == "update":
+                        self._finish([job], lambda: [self.engine.update_weights(job.payload)])
+                    else:  # MoE routes are recorded by the static generate: run it alone
+                        self._finish([job], lambda: self._generate([job]))
                     continue
                 subs.extend(self._requests_of(job))
             if subs or self.continuous.has_work:
@@ -149,6 +145,11 @@ class ContinuousBatcher(Batcher):
                 if not state.job.future.done():
                     state.job.future.set_exception(exc)
             self._active.clear()
+
+
+def _wants_routes(job) -> bool:
+    """A /generate job asking for MoE routes (its payload's optional fifth item)."""
+    return job.kind == "generate" and len(job.payload) > 4 and bool(job.payload[4])
 
 
 def _samples(requests) -> list[dict]:

@@ -2,6 +2,7 @@
 # One GPU-host session of checks (run from the repository root with the wheels in .whl/):
 #   bash bench/gpu_session.sh gpu      # tests/gpu (marker gpu) and bench/moe_bench.py
 #   bash bench/gpu_session.sh liger    # bench/liger_bench.py: ours vs transformers vs + Liger
+#   bash bench/gpu_session.sh replay   # bench/router_replay_bench.py: MoE rollout vs training
 #   bash bench/gpu_session.sh mcore    # CPU tests of the newest layers on the host's Python 3.12
 #                                      # with megatron-core 0.19 (GPU hidden: gloo on the CPU)
 # Logs and JSON go to $OUT (default /tmp/pm_gpu_out).
@@ -21,6 +22,10 @@ case "${1:-gpu}" in
     ;;
   liger)
     timeout 420 python3 bench/liger_bench.py --out "$OUT/liger.json" 2>&1 | tail -80
+    ;;
+  replay)
+    timeout 540 python3 bench/router_replay_bench.py --out "$OUT/router_replay.json" 2>&1 \
+        | tee "$OUT/router_replay.log" | grep -v '^[ {}]' | tail -30
     ;;
   mcore)
     CUDA_VISIBLE_DEVICES= timeout 540 python3 -m pytest -q -p no:cacheprovider -n 8 \

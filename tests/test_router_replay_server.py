@@ -1,7 +1,8 @@
 """The rollout server returns MoE routes when asked (``"return_routes": true`` on /generate):
 the trainer's ``server_rollout`` batch carries them as the in-process engine records them
-(greedy, same prompts: equal tokens and equal routes, compact dtype); a dense model answers
-422 with the reason."""
+(greedy, same prompts: equal tokens and equal routes, compact dtype), with continuous batching
+(such a request waits for the running rows, then runs through the static generator) and with
+--static-batching; a dense model answers 422 with the reason."""
 
 import httpx
 import pytest
@@ -16,12 +17,21 @@ MAX_NEW = 6
 
 
 @pytest.fixture(scope="module")
-def moe_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("replay_server")
-    path = save_tiny_hf_model(str(root / "moe"), "qwen3_moe", seed=1)
+def moe_model(tmp_path_factory):
+    path = save_tiny_hf_model(str(tmp_path_factory.mktemp("replay_server") / "moe"),
+                              "qwen3_moe", seed=1)
+    ref = run_distributed(checks.inprocess_greedy_routes, 1, path, PROMPTS, MAX_NEW)[0]
+    return path, ref
+
+
+@pytest.fixture(scope="module", params=["continuous", "static"])
+def moe_server(moe_model, tmp_path_factory, request):
+    path, ref = moe_model
     port = free_port()
-    proc = start_server(path, port, log_path=str(root / "server.log"))
-    yield {"path": path, "url": f"http://127.0.0.1:{port}", "root": root}
+    extra = ("--static-batching",) if request.param == "static" else ()
+    proc = start_server(path, port, extra=extra, log_path=str(
+        tmp_path_factory.mktemp("log") / "server.log"))
+    yield {"ref": ref, "url": f"http://127.0.0.1:{port}"}
     stop_server(proc)
 
 
@@ -30,8 +40,7 @@ def test_server_rollout_returns_the_routes_the_engine_records(moe_server):
     from parallel_models.rl.rollout.server import RolloutClient
     from parallel_models.rl.rollout.server.rollout import server_rollout
 
-    ref = run_distributed(checks.inprocess_greedy_routes, 1, moe_server["path"], PROMPTS,
-                          MAX_NEW)[0]
+    ref = moe_server["ref"]
     with RolloutClient(moe_server["url"]) as client:
         batch = server_rollout(client, PROMPTS, SamplingParams(
             max_new_tokens=MAX_NEW, greedy=True, ignore_eos=True), num_experts=4)

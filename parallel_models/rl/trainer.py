@@ -51,6 +51,8 @@ def _barrier() -> None:
 
 
 BUILTIN_MOE = "builtin-moe"  # model.path of the built-in tiny Qwen3-MoE
+MOE_CHECKPOINTS = ("trainer checkpoints of MoE actors are not supported yet (rl/sharded_state.py "
+                   "has no expert weight rules)")
 
 
 def builtin_model_config(vocab_size: int, tokenizer=None, moe: bool = False):
@@ -198,6 +200,8 @@ class PPOTrainer:
             # the bearer token, if the server wants one, comes from the environment
             self.rollout_client = RolloutClient(r.server_url,
                                                 api_key=os.environ.get("PARALLEL_MODELS_API_KEY"))
+        if tcfg.resume and self._moe:
+            raise ConfigError(f"trainer.resume: {MOE_CHECKPOINTS}")
         if tcfg.resume:
             self.resume()
         if self.rollout_client is not None:
@@ -477,6 +481,9 @@ class PPOTrainer:
                 print(json.dumps(finished))
             return []
         history = []
+        if tcfg.save_every and self._moe and _rank() == 0:
+            logger.warning("trainer.save_every=%d: %s; no trainer checkpoint is written (the "
+                           "final weights still go to actor_hf)", tcfg.save_every, MOE_CHECKPOINTS)
         if _rank() == 0:  # the resolved config of the run, beside its outputs
             self.cfg.save(os.path.join(tcfg.output_dir, "config.yaml"))
         if self.validator is not None and tcfg.val_before_train and self.step_index == 0:
@@ -496,8 +503,8 @@ class PPOTrainer:
             if _rank() == 0 and (self.step_index % tcfg.log_every == 0 or last):
                 logger.info("step %d/%d: %s", self.step_index, tcfg.total_steps,
                             summary_line(metrics))
-            if tcfg.save_every and (self.step_index % tcfg.save_every == 0
-                                    or self.step_index == tcfg.total_steps):
+            if tcfg.save_every and not self._moe and (self.step_index % tcfg.save_every == 0
+                                                      or self.step_index == tcfg.total_steps):
                 self.save_checkpoint()
         self.metrics.close()
         if _rank() == 0:

@@ -21,7 +21,7 @@ import torch
 
 from parallel_models import pipeline
 from parallel_models.rl import algorithms as algos
-from parallel_models.rl import dp_stats, losses, routing
+from parallel_models.rl import dp_stats, losses, moe_aux, routing
 from parallel_models.utils.microbatch import restore_order, split_by_token_budget
 from parallel_models.utils.offload import Offloader
 from parallel_models.utils.padding import pack_padded_batch
@@ -239,9 +239,14 @@ class PolicyRole(_ModelRole):
 
         mbs, _ = make_microbatches(batch, self.max_tokens)
         replay = getattr(cfg, "router_replay", "off") != "off"
-        with routing.routed_forwards(self.chunks, mbs, replay=replay):
-            out = train_step(self.state, mbs, loss_fn)
-        return _global_update_metrics(out, policy_metric_weights(cfg), len(mbs), "actor/")
+        coef = moe_aux.aux_loss_coef(cfg, self.model.config)  # MoE load-balancing loss
+        weights = policy_metric_weights(cfg)
+        if coef > 0:
+            weights = {**weights, moe_aux.METRIC: "_denom"}
+        with routing.routed_forwards(self.chunks, mbs, replay=replay), \
+                moe_aux.recording(self.chunks, coef):
+            out = train_step(self.state, mbs, moe_aux.with_aux_loss(loss_fn, self.model, coef))
+        return _global_update_metrics(out, weights, len(mbs), "actor/")
 
 
 class CriticRole(_ModelRole):

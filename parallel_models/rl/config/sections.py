@@ -146,6 +146,9 @@ class ActorSection(OptimizerFields):
                            "expert choice) | R3 (old-log-prob and updates replay the rollout's)")
     router_replay_reference: StrictBool = Field(False, description="the reference forward "
                                                 "replays the same routes (needs router_replay)")
+    moe_aux_loss_coef: Optional[Number] = Field(None, ge=0, description="MoE: weight of the "
+                                                "load-balancing loss (transformers' aux_loss); "
+                                                "null = the model's router_aux_loss_coef, 0 = off")
     tis_cap: Optional[Number] = Field(None, gt=0, description="truncated importance sampling: "
                                       "policy loss x min(exp(old - rollout log-prob), cap); "
                                       "null = off")

@@ -65,10 +65,13 @@ PER_SAMPLE_KEYS = ("sequences", "attention_mask", "prompt_lengths", "response_ma
                    "rollout_log_probs", "routes")
 
 
-def make_microbatches(batch: dict, max_tokens: int) -> tuple[list[dict], list[list[int]]]:
+def make_microbatches(batch: dict, max_tokens: int, routes: bool = True
+                      ) -> tuple[list[dict], list[list[int]]]:
     """Token-budget microbatches of a PPO batch, each packed for the RmPad models (MoE routes
-    packed like the tokens: ``rl/routing.py``)."""
-    sub = {k: v for k, v in batch.items() if k in PER_SAMPLE_KEYS and v is not None}
+    packed like the tokens: ``rl/routing.py``; ``routes=False``: left out, for models that do
+    not replay the actor's routes, e.g. an MoE critic)."""
+    sub = {k: v for k, v in batch.items() if k in PER_SAMPLE_KEYS and v is not None
+           and (routes or k != "routes")}
     lengths = batch["attention_mask"].sum(-1)
     budget = max(max_tokens, int(lengths.max()))  # one sample always fits
     mbs, indices = split_by_token_budget(sub, budget, seq_lens=lengths)
@@ -263,7 +266,7 @@ class CriticRole(_ModelRole):
 
     @torch.no_grad()
     def values(self, batch) -> torch.Tensor:
-        mbs, indices = make_microbatches(batch, self.max_tokens)
+        mbs, indices = make_microbatches(batch, self.max_tokens, routes=False)
         fn = lambda out, mb: self._gather(out.values, mb)  # noqa: E731
         return restore_order(pipeline.forward_only(self.state.chunks, mbs, fn), indices)
 
@@ -275,7 +278,7 @@ class CriticRole(_ModelRole):
         def loss_fn(out, mb):
             return value_loss(out.values, mb, self.cfg.cliprange_value, self.loss_agg_mode)
 
-        mbs, _ = make_microbatches(batch, self.max_tokens)
+        mbs, _ = make_microbatches(batch, self.max_tokens, routes=False)
         out = train_step(self.state, mbs, loss_fn)
         return _global_update_metrics(out, VALUE_METRIC_WEIGHTS, len(mbs), "critic/")
 

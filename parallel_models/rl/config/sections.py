@@ -53,6 +53,9 @@ class ParallelSection(BaseModel):
     pipeline_parallel_size: Int = Field(1, ge=1, description="pipeline stages of the actor, "
                                          "reference and critic")
     sequence_parallel: StrictBool = Field(False, description="sequence parallel on top of TP")
+    expert_parallel_size: Int = Field(1, ge=1, description="MoE: ranks the experts of each MoE "
+                                      "layer are split over (inside the data-parallel group; "
+                                      "divides num_experts)")
     backend: Literal["megatron", "fsdp"] = Field(
         "megatron", description="megatron (our parallel models; TP/PP/EP) | fsdp (any HF "
                                 "causal LM, torch FSDP2 over data-parallel ranks; TP=PP=1)")

@@ -1,7 +1,7 @@
 """Trainer checkpoints (megatron-core dist checkpoints of models and Adam states,
 ``rl/sharded_state.py``) of MoE models: saved at one expert-parallel / TP layout, loaded at
 another, bit-exact; tiny Qwen3-MoE (a dense layer among MoE layers) and Qwen2-MoE (gated shared
-expert)."""
+expert). The PPO trainer's resume at another EP: tests/test_moe_ppo_resume.py."""
 
 import os
 
@@ -32,3 +32,4 @@ def test_moe_model_and_optimizer_reshard(tmp_path, family, save_at, load_at):
     assert any(".experts." in k for k in want)
     for k in want:
         assert torch.equal(want[k], got[k]), f"{k} differs after the reshard"
+

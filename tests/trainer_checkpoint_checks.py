@@ -57,9 +57,10 @@ def dump_gathered_state(trainer, folder: str) -> None:
             json.dump(steps, f)
 
 
-def save_at_step2_then_step(output_dir: str, dump: str, tp: int) -> dict:
-    """Two PPO steps, a checkpoint, the gathered state, then one more step: its metrics."""
-    trainer = _trainer(output_dir, tp)
+def save_at_step2_then_step(output_dir: str, dump: str, tp: int, *extra: str) -> dict:
+    """Two PPO steps, a checkpoint, the gathered state, then one more step: its metrics.
+    ``extra``: more config overrides."""
+    trainer = _trainer(output_dir, tp, *extra)
     trainer.step()
     trainer.step()
     path = trainer.save_checkpoint()
@@ -68,9 +69,10 @@ def save_at_step2_then_step(output_dir: str, dump: str, tp: int) -> dict:
     return {"path": path, "metrics": metrics}
 
 
-def resume_then_step(output_dir: str, checkpoint: str, dump: str, tp: int, model: str) -> dict:
+def resume_then_step(output_dir: str, checkpoint: str, dump: str, tp: int, model: str,
+                     *extra: str) -> dict:
     """Resume ``checkpoint`` at this layout, dump the gathered state, then one step."""
-    trainer = _trainer(output_dir, tp, f"model.path={model}")
+    trainer = _trainer(output_dir, tp, *extra, f"model.path={model}")
     trainer.resume(checkpoint)
     dump_gathered_state(trainer, dump)
     return {"step": trainer.step_index, "metrics": trainer.step()}

@@ -84,10 +84,11 @@ def _peak_allocated_bytes(fn) -> tuple[int, object]:
 
 
 def sync_matches_fresh_load(model_path: str, out_dir: str, tp: int, pp: int,
-                            rollout_tps: list[int], bucket_bytes: int, vpp: int = 1) -> dict:
+                            rollout_tps: list[int], bucket_bytes: int, vpp: int = 1,
+                            ep: int = 1) -> dict:
     """Per rollout TP': two syncs (weights moved before each), each compared with a fresh load
     of the actor's save; the peak bytes torch allocated during each sync. ``vpp`` > 1: the
-    actor is this rank's virtual-pipeline chunks."""
+    actor is this rank's virtual-pipeline chunks; ``ep``: expert-parallel size (MoE)."""
     import os
 
     import torch
@@ -99,7 +100,8 @@ def sync_matches_fresh_load(model_path: str, out_dir: str, tp: int, pp: int,
     from parallel_models.rl.rollout.hybrid import HybridRollout
 
     pm.init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                     virtual_pipeline_parallel_size=vpp if vpp > 1 else None)
+                     virtual_pipeline_parallel_size=vpp if vpp > 1 else None,
+                     expert_model_parallel_size=ep)
     arch = pm.registry.architecture_of(model_path)
     cls = pm.get_model_class(arch, "causal_lm", rmpad=True, pp=pp > 1)
     actor = (pipeline.build_pipeline_chunks(cls, model_path, dtype=torch.float32) if vpp > 1

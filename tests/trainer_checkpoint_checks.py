@@ -57,9 +57,10 @@ def dump_gathered_state(trainer, folder: str) -> None:
             json.dump(steps, f)
 
 
-def save_at_step2_then_step(output_dir: str, dump: str, tp: int) -> dict:
-    """Two PPO steps, a checkpoint, the gathered state, then one more step: its metrics."""
-    trainer = _trainer(output_dir, tp)
+def save_at_step2_then_step(output_dir: str, dump: str, tp: int, *extra: str) -> dict:
+    """Two PPO steps, a checkpoint, the gathered state, then one more step: its metrics.
+    ``extra``: more config overrides."""
+    trainer = _trainer(output_dir, tp, *extra)
     trainer.step()
     trainer.step()
     path = trainer.save_checkpoint()
@@ -68,9 +69,10 @@ def save_at_step2_then_step(output_dir: str, dump: str, tp: int) -> dict:
     return {"path": path, "metrics": metrics}
 
 
-def resume_then_step(output_dir: str, checkpoint: str, dump: str, tp: int, model: str) -> dict:
+def resume_then_step(output_dir: str, checkpoint: str, dump: str, tp: int, model: str,
+                     *extra: str) -> dict:
     """Resume ``checkpoint`` at this layout, dump the gathered state, then one step."""
-    trainer = _trainer(output_dir, tp, f"model.path={model}")
+    trainer = _trainer(output_dir, tp, *extra, f"model.path={model}")
     trainer.resume(checkpoint)
     dump_gathered_state(trainer, dump)
     return {"step": trainer.step_index, "metrics": trainer.step()}
@@ -184,8 +186,9 @@ def _fake_adam_states(chunks, optimizer) -> None:
 
 
 def roles_roundtrip(hf_path: str, folder: str, tp: int, pp: int, dtype: str, save: bool,
-                    out: str) -> bool:
-    """Save (``save``) or load the model + optimizer of a role at TP=tp, PP=pp (DP: the rest).
+                    out: str, ep: int = 1) -> bool:
+    """Save (``save``) or load the model + optimizer of a role at TP=tp, PP=pp, EP=ep (DP: the
+    rest).
     Loading starts from zeroed weights and checks the gathered weights against ``hf_path`` and
     the Adam states against the weights they were made from (real vocab rows; padding rows load
     as zeros)."""
@@ -196,7 +199,8 @@ def roles_roundtrip(hf_path: str, folder: str, tp: int, pp: int, dtype: str, sav
     from parallel_models.rl import sharded_state
     from parallel_models.utils.optimizer import OptimConfig, build_optimizer
 
-    pm.init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    pm.init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                     expert_model_parallel_size=ep)
     cls = pm.get_model_class(pm.registry.architecture_of(hf_path), "causal_lm", rmpad=True,
                              pp=pp > 1)
     chunks = (pm.build_pipeline_chunks(cls, hf_path, dtype=dtype) if pp > 1

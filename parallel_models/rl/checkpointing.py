@@ -86,7 +86,9 @@ def _model_shape(model) -> dict:
     return {"head_kind": model.head_kind, "num_layers": c.num_layers,
             "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
             "num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads, "vocab_size": c.vocab_size}
+            "num_key_value_heads": c.num_key_value_heads, "vocab_size": c.vocab_size,
+            **({"num_experts": c.num_experts, "moe_intermediate_size": c.moe_intermediate_size,
+                "moe_layer_ids": list(c.moe_layer_ids)} if c.is_moe else {})}
 
 
 # ---- RNG states as JSON ---------------------------------------------------------------------------

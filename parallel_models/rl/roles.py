@@ -21,7 +21,7 @@ import torch
 
 from parallel_models import pipeline
 from parallel_models.rl import algorithms as algos
-from parallel_models.rl import dp_stats, losses, routing
+from parallel_models.rl import dp_stats, losses, moe_aux, routing
 from parallel_models.utils.microbatch import restore_order, split_by_token_budget
 from parallel_models.utils.offload import Offloader
 from parallel_models.utils.padding import pack_padded_batch
@@ -65,10 +65,13 @@ PER_SAMPLE_KEYS = ("sequences", "attention_mask", "prompt_lengths", "response_ma
                    "rollout_log_probs", "routes")
 
 
-def make_microbatches(batch: dict, max_tokens: int) -> tuple[list[dict], list[list[int]]]:
+def make_microbatches(batch: dict, max_tokens: int, routes: bool = True
+                      ) -> tuple[list[dict], list[list[int]]]:
     """Token-budget microbatches of a PPO batch, each packed for the RmPad models (MoE routes
-    packed like the tokens: ``rl/routing.py``)."""
-    sub = {k: v for k, v in batch.items() if k in PER_SAMPLE_KEYS and v is not None}
+    packed like the tokens: ``rl/routing.py``; ``routes=False``: left out, for models that do
+    not replay the actor's routes, e.g. an MoE critic)."""
+    sub = {k: v for k, v in batch.items() if k in PER_SAMPLE_KEYS and v is not None
+           and (routes or k != "routes")}
     lengths = batch["attention_mask"].sum(-1)
     budget = max(max_tokens, int(lengths.max()))  # one sample always fits
     mbs, indices = split_by_token_budget(sub, budget, seq_lens=lengths)
@@ -239,9 +242,14 @@ class PolicyRole(_ModelRole):
 
         mbs, _ = make_microbatches(batch, self.max_tokens)
         replay = getattr(cfg, "router_replay", "off") != "off"
-        with routing.routed_forwards(self.chunks, mbs, replay=replay):
-            out = train_step(self.state, mbs, loss_fn)
-        return _global_update_metrics(out, policy_metric_weights(cfg), len(mbs), "actor/")
+        coef = moe_aux.aux_loss_coef(cfg, self.model.config)  # MoE load-balancing loss
+        weights = policy_metric_weights(cfg)
+        if coef > 0:
+            weights = {**weights, moe_aux.METRIC: "_denom"}
+        with routing.routed_forwards(self.chunks, mbs, replay=replay), \
+                moe_aux.recording(self.chunks, coef):
+            out = train_step(self.state, mbs, moe_aux.with_aux_loss(loss_fn, self.model, coef))
+        return _global_update_metrics(out, weights, len(mbs), "actor/")
 
 
 class CriticRole(_ModelRole):
@@ -258,7 +266,7 @@ class CriticRole(_ModelRole):
 
     @torch.no_grad()
     def values(self, batch) -> torch.Tensor:
-        mbs, indices = make_microbatches(batch, self.max_tokens)
+        mbs, indices = make_microbatches(batch, self.max_tokens, routes=False)
         fn = lambda out, mb: self._gather(out.values, mb)  # noqa: E731
         return restore_order(pipeline.forward_only(self.state.chunks, mbs, fn), indices)
 
@@ -270,7 +278,7 @@ class CriticRole(_ModelRole):
         def loss_fn(out, mb):
             return value_loss(out.values, mb, self.cfg.cliprange_value, self.loss_agg_mode)
 
-        mbs, _ = make_microbatches(batch, self.max_tokens)
+        mbs, _ = make_microbatches(batch, self.max_tokens, routes=False)
         out = train_step(self.state, mbs, loss_fn)
         return _global_update_metrics(out, VALUE_METRIC_WEIGHTS, len(mbs), "critic/")
 

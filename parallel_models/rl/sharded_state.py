@@ -7,7 +7,12 @@ from the one weight map (``checkpoint_utils.weight_map``): every parameter becom
 ``ShardedTensorFactory`` whose pieces are ``ShardedTensor`` s of the megatron-core ``GPTModel``
 global tensor (``mcore_pieces``: the TP axis and block of each piece, fused QKV grouped per KV
 head, ``[gate; up]``), stacked over the *global* layer index (so PP stage offsets do not matter),
-with replica ids ``(tied copy, TP replica, DP rank)``. A factory, not a plain tensor, because the
+with replica ids ``(tied copy, TP replica, DP rank)``. MoE models follow the MoE weight map
+(``checkpoint_utils.moe_weight_map``): megatron-core's per-layer keys (``decoder.layers.{i}.``,
+``WeightMapping.mcore_location``), the dense- or MoE-only mappings on their layers only
+(``applies_to``), and each routed expert as one slice of a leading expert axis, held by the EP rank
+that owns it and replicated over the expert-data-parallel group, so a checkpoint saved at one
+expert-parallel size loads at another. A factory, not a plain tensor, because the
 fused QKV / gate-up pieces are not views of one block of the global tensor; megatron's optimizer
 (``optimizer.sharded_state_dict(model_sharded_state_dict)``) applies the same factory to Adam's
 ``exp_avg`` / ``exp_avg_sq`` (and the fp32 main params of a bf16 model), so optimizer states
@@ -55,12 +60,15 @@ def _source_indices(mapping, shape, config, tp: int, tp_rank: int) -> list[torch
     return [p.tensor.reshape(-1) for p in mapping.rule.mcore_pieces(index, config, tp, tp_rank)]
 
 
-def _factory(key: str, param: torch.Tensor, mapping, name: str, config, layer: int | None,
-             tied_copy: int, clone: bool) -> ShardedTensorFactory:
+def _factory(key: str, param: torch.Tensor, mapping, name: str, config,
+             lead: tuple[int, int] | None, tied_copy: int, clone: bool) -> ShardedTensorFactory:
+    """``lead``: (index, size) of the parameter on the global tensor's leading axis (the layer of
+    a stacked dense model, the expert of a routed-expert tensor), None without one."""
     tp = mpu.get_tensor_model_parallel_world_size()
     tp_rank = mpu.get_tensor_model_parallel_rank()
-    dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
-    L = config.num_layers
+    # routed experts are sharded over EP inside the DP group: replicas over expert-DP only
+    dp_rank = (mpu.get_expert_data_parallel_rank() if mapping.expert is not None
+               else mpu.get_data_parallel_rank(with_context_parallel=True))
     shape = tuple(param.shape)
     vocab = isinstance(mapping.rule, VocabSplit)  # saved up to the true vocab size
     if "qkv" in name and config.num_key_value_heads < tp:
@@ -79,12 +87,12 @@ def _factory(key: str, param: torch.Tensor, mapping, name: str, config, layer: i
                 if sharded is not None:
                     out[i] = sharded
                 continue
-            offsets = [] if layer is None else [(0, layer, L)]
+            offsets = [] if lead is None else [(0, *lead)]
             if piece.axis is not None:
-                offsets.append((piece.axis + (layer is not None), piece.index, piece.count))
+                offsets.append((piece.axis + (lead is not None), piece.index, piece.count))
             out[i] = ShardedTensor.from_rank_offsets(
                 key, tensor, *offsets, replica_id=replica,
-                prepend_axis_num=1 if layer is not None else 0)
+                prepend_axis_num=1 if lead is not None else 0)
         return out
 
     def merge(loaded: dict) -> torch.Tensor:
@@ -115,16 +123,34 @@ def model_sharded_state_dict(chunks, prefix: str, *, clone: bool = False) -> dic
         for m in mappings:
             # a tied last stage's copy of the embedding: a non-main replica of the embedding
             tied = int(m.tied_copy)
-            key = f"{prefix}.{m.mcore}"
-            names = ([(m.ours.format(i=li), layer.layer_id)
-                      for li, layer in enumerate(chunk.model.layers)] if m.per_layer
-                     else [(m.ours, None)])
-            for name, layer in names:
-                out[f"{c}.{name}"] = _factory(key, params[name], m, name, config, layer, tied,
-                                              clone)
+            for name, (key, lead) in _placements(m, chunk, config):
+                out[f"{c}.{name}"] = _factory(f"{prefix}.{key}", params[name], m, name, config,
+                                              lead, tied, clone)
         missing = set(params) - {k.split(".", 1)[1] for k in out if k.startswith(f"{c}.")}
         if missing:
             raise ValueError(f"{prefix}: parameters without a weight rule: {sorted(missing)}")
+    return out
+
+
+def _placements(mapping, chunk, config):
+    """(our parameter name, (megatron-core key, leading (index, size) or None)) of each tensor
+    ``mapping`` has on this rank's ``chunk``: one per local layer it applies to (MoE: dense- and
+    MoE-only mappings skip the other layers; a routed expert only on the EP rank holding it)."""
+    if not mapping.per_layer:
+        return [(mapping.ours, (mapping.mcore, None))]
+    local_expert = None
+    if mapping.expert is not None:
+        local_expert = mapping.local_expert(config, mpu.get_expert_model_parallel_world_size(),
+                                            mpu.get_expert_model_parallel_rank())
+        if local_expert is None:
+            return []
+    out = []
+    for li, layer in enumerate(chunk.model.layers):
+        if not mapping.applies_to(config, layer.layer_id):
+            continue
+        key, index, size = mapping.mcore_location(config, layer.layer_id)
+        out.append((mapping.ours_name(li, local_expert),
+                    (key, None if index is None else (index, size))))
     return out
 
 

@@ -130,7 +130,8 @@ class PPOTrainer:
             model_config.check_tensor_parallel(rollout_tp)
         pm.init_parallel(tensor_parallel_size=par.tensor_parallel_size,
                          pipeline_parallel_size=par.pipeline_parallel_size,
-                         sequence_parallel=par.sequence_parallel)
+                         sequence_parallel=par.sequence_parallel,
+                         expert_model_parallel_size=par.expert_parallel_size)
         self.dp_rank = mpu.get_data_parallel_rank()
         self.dp_size = mpu.get_data_parallel_world_size()
         tcfg = cfg.trainer
@@ -185,7 +186,8 @@ class PPOTrainer:
                                                 pad_token_id=pad if pad is not None else 0,
                                                 kv_budget_tokens=r.kv_budget_tokens or None,
                                                 max_rows=r.max_batch_rows)
-            pp = par.pipeline_parallel_size > 1
+            # PP or EP > 1: the rollout model holds every layer and expert (hybrid engine)
+            pp = par.pipeline_parallel_size > 1 or par.expert_parallel_size > 1
             if r.backend == "inprocess" and (pp or rollout_tp != par.tensor_parallel_size):
                 from parallel_models.rl.rollout.hybrid import HybridRollout
 

@@ -48,7 +48,41 @@ def _model_problems(cfg) -> list[str]:
             except ConfigError as err:
                 errors.append(f"{key}: {m.path}: {err}")
     errors += _router_replay_problems(cfg)
+    errors += _expert_parallel_problems(cfg)
     return errors
+
+
+def _expert_parallel_problems(cfg) -> list[str]:
+    """parallel.expert_parallel_size > 1 needs the megatron backend and an MoE model whose
+    expert count it divides."""
+    ep, m = cfg.parallel.expert_parallel_size, cfg.model
+    if ep == 1:
+        return []
+    key = f"parallel.expert_parallel_size={ep}"
+    if cfg.parallel.backend != "megatron":
+        return [f"{key}: expert parallel runs in the megatron backend; set "
+                "parallel.backend=megatron"]
+    if m.path is None:
+        return [f"{key}: the built-in model (model.path=null) is a dense Llama; use "
+                "model.path=builtin-moe or an MoE model, or expert_parallel_size=1"]
+    if m.path == "builtin-moe":
+        experts = 4  # trainer.builtin_model_config(moe=True)
+    else:
+        config_file = os.path.join(os.path.expanduser(m.path), "config.json")
+        if not os.path.isfile(config_file):
+            return []  # a hub name: checked when the trainer loads the model
+        from parallel_models.config import ModelConfig
+
+        try:
+            experts = ModelConfig.from_hf(os.path.expanduser(m.path)).num_experts or 0
+        except ConfigError:  # an unsupported config: reported by the model checks
+            return []
+    if not experts:
+        return [f"{key}: {m.path} is a dense model (no experts to split); use "
+                "expert_parallel_size=1"]
+    if experts % ep:
+        return [f"{key} does not divide the model's num_experts ({experts})"]
+    return []
 
 
 def _router_replay_problems(cfg) -> list[str]:
@@ -155,6 +189,11 @@ def _layout_problems(cfg, world_size: int) -> list[str]:
     if world_size % model_par:
         return [f"world size {world_size} is not divisible by tensor_parallel_size * "
                 f"pipeline_parallel_size = {model_par}"]
+    expert_par = model_par * par.expert_parallel_size  # the experts' TP x EP x PP grid
+    if world_size % expert_par:
+        return [f"world size {world_size} is not divisible by tensor_parallel_size * "
+                f"pipeline_parallel_size * expert_parallel_size = {expert_par} (experts are "
+                "split over EP inside the data-parallel group)"]
     dp = world_size // model_par
     errors = []
     rollout_tp = cfg.rollout.tensor_parallel_size

@@ -53,6 +53,9 @@ class ParallelSection(BaseModel):
     pipeline_parallel_size: Int = Field(1, ge=1, description="pipeline stages of the actor, "
                                          "reference and critic")
     sequence_parallel: StrictBool = Field(False, description="sequence parallel on top of TP")
+    expert_parallel_size: Int = Field(1, ge=1, description="MoE: ranks the experts of each MoE "
+                                      "layer are split over (inside the data-parallel group; "
+                                      "divides num_experts)")
     backend: Literal["megatron", "fsdp"] = Field(
         "megatron", description="megatron (our parallel models; TP/PP/EP) | fsdp (any HF "
                                 "causal LM, torch FSDP2 over data-parallel ranks; TP=PP=1)")
@@ -146,6 +149,9 @@ class ActorSection(OptimizerFields):
                            "expert choice) | R3 (old-log-prob and updates replay the rollout's)")
     router_replay_reference: StrictBool = Field(False, description="the reference forward "
                                                 "replays the same routes (needs router_replay)")
+    moe_aux_loss_coef: Optional[Number] = Field(None, ge=0, description="MoE: weight of the "
+                                                "load-balancing loss (transformers' aux_loss); "
+                                                "null = the model's router_aux_loss_coef, 0 = off")
     tis_cap: Optional[Number] = Field(None, gt=0, description="truncated importance sampling: "
                                       "policy loss x min(exp(old - rollout log-prob), cap); "
                                       "null = off")

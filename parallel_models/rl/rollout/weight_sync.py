@@ -1,4 +1,4 @@
-"""Weight sync from the training layout (TP x PP, each DP replica on its own) into the rollout
+"""Weight sync from the training layout (TP x PP x EP, each DP replica on its own) into the rollout
 engine's model (TP' only, :mod:`rollout_layout`), in-process and bucketed.
 
 For each bucket of HF tensors (consecutive entries of the weight map's ``global_jobs``, all on
@@ -7,6 +7,8 @@ one pipeline stage, at most ``bucket_bytes`` unless one tensor alone is larger):
 1. the TP ranks of the stage that owns them all-gather each shard (into a reused scratch
    buffer) and merge it back to the HF tensors with the weight rule (``rule.merge``), written
    into the reused bucket buffer;
+   (MoE: a routed expert by the ranks of the EP rank that holds it, over its expert-TP group,
+   then broadcast from there over the expert-parallel group);
 2. the bucket is broadcast over the pipeline group, so every rank of the replica holds it;
 3. each rank cuts its TP' shard out of the bucket with the same rule (``rule.shard``, read
    from the bucket through a slice reader) and copies it into the rollout model.
@@ -15,7 +17,8 @@ No rank holds more than its shards, one bucket and one gathered tensor (plus the
 temporaries of that tensor). The buffers are kept for the next sync. All transforms are the
 weight rules' (``checkpoint_utils/weight_rules.py``), so the result equals what
 ``from_pretrained`` of a ``save_pretrained`` of the actor loads, bit for bit. Communication stays
-inside each training model-parallel group; data-parallel replicas sync their own ranks.
+inside each training model-parallel group (and, for routed experts, the expert-parallel group,
+which spans data-parallel replicas); data-parallel replicas sync their own ranks.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from parallel_models.errors import ConfigError
 from parallel_models.llama.checkpoint_utils.collective_save import device_of, weight_map_of
 from parallel_models.llama.checkpoint_utils.saver import StagePlacement
 from parallel_models.llama.checkpoint_utils.weight_map import WeightMapping
@@ -85,11 +87,6 @@ class BucketGatherer:
         chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
         first = chunks[0]
         self.config = first.config
-        if self.config.is_moe and (mpu.get_expert_model_parallel_world_size() > 1
-                                   or mpu.get_tensor_model_parallel_world_size() > 1
-                                   or mpu.get_pipeline_model_parallel_world_size() > 1):
-            raise ConfigError("gathering an MoE model's weights from TP / PP / EP > 1 is not "
-                              "supported yet (its experts live in the expert groups)")
         self.chunks = chunks
         self.head_kind = first.head_kind
         self.bucket_bytes = int(bucket_bytes)
@@ -100,6 +97,14 @@ class BucketGatherer:
         self.tp = mpu.get_tensor_model_parallel_world_size()
         self.tp_group = mpu.get_tensor_model_parallel_group()
         self.pp_group = mpu.get_pipeline_model_parallel_group()
+        # MoE: a routed expert lives on one EP rank, split over its expert-TP group
+        self.ep = mpu.get_expert_model_parallel_world_size()
+        self.ep_rank = mpu.get_expert_model_parallel_rank()
+        self.etp = mpu.get_expert_tensor_parallel_world_size() if self.config.is_moe else 1
+        self.etp_group = (mpu.get_expert_tensor_parallel_group(check_initialized=False)
+                          if self.config.is_moe else None)
+        self.ep_group = (mpu.get_expert_model_parallel_group(check_initialized=False)
+                         if self.ep > 1 else None)
         self.buckets = self._plan(self.weight_map.global_jobs(self.config, self.head_kind))
         self._bucket_buf: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
@@ -135,25 +140,61 @@ class BucketGatherer:
         if self._bucket_buf is None:
             most = max(b.numel for b in self.buckets)
             self._bucket_buf = torch.empty(most, dtype=self.dtype, device=self.device)
-            gathered = [self.tp * self.placement.param(j.mapping, j.layer, self.config).numel()
+            gathered = [self._split(j.mapping)[0]
+                        * self.placement.param(j.mapping, j.layer, self.config).numel()
                         for b in self.buckets if b.stage == self.placement.pp_rank
-                        for j in b.jobs if j.mapping.rule.split_over_tp]
-            if self.tp > 1 and gathered:
+                        for j in b.jobs if j.mapping.rule.split_over_tp and self._holds(j)]
+            if max(self.tp, self.etp) > 1 and gathered:
                 self._scratch = torch.empty(max(gathered), dtype=self.dtype, device=self.device)
         return self._bucket_buf, self._scratch
 
     # ---- the sync -------------------------------------------------------------------------------
+    def _split(self, mapping: WeightMapping):
+        """(size, group) of the TP split of ``mapping``'s parameter: the expert-TP group for a
+        routed expert, the TP group otherwise."""
+        return (self.etp, self.etp_group) if mapping.expert is not None else (self.tp,
+                                                                              self.tp_group)
+
+    def _owner(self, job: _Job) -> int | None:
+        """The EP rank holding a routed expert's job (None: not a routed expert)."""
+        return None if job.mapping.expert is None else job.mapping.expert_owner(self.config,
+                                                                                 self.ep)
+
+    def _holds(self, job: _Job) -> bool:
+        """Whether this rank (on the job's stage) holds a shard of the job's parameter."""
+        owner = self._owner(job)
+        return owner is None or owner == self.ep_rank
+
     def _gather_merged(self, job: _Job, scratch) -> list[torch.Tensor]:
-        """The HF tensors of one job from this stage's TP shards (every TP rank gets them)."""
+        """The HF tensors of one job from this stage's TP (expert-TP) shards (every rank of that
+        group gets them)."""
         shard = self.placement.param(job.mapping, job.layer, self.config).detach()
         rule = job.mapping.rule
-        if not rule.split_over_tp or self.tp == 1:
+        n, group = self._split(job.mapping)
+        if not rule.split_over_tp or n == 1:
             return rule.merge([shard], self.config)
-        gathered = scratch[: self.tp * shard.numel()].view(self.tp * shard.shape[0],
-                                                           *shard.shape[1:])
+        gathered = scratch[: n * shard.numel()].view(n * shard.shape[0], *shard.shape[1:])
         # straight into the scratch buffer (a list all_gather stages a flat copy on gloo)
-        dist.all_gather_into_tensor(gathered, shard.contiguous(), group=self.tp_group)
-        return rule.merge(list(gathered.chunk(self.tp, dim=0)), self.config)
+        dist.all_gather_into_tensor(gathered, shard.contiguous(), group=group)
+        return rule.merge(list(gathered.chunk(n, dim=0)), self.config)
+
+    def _share_experts(self, bucket: _Bucket, flat: torch.Tensor) -> None:
+        """EP > 1: every EP rank of the stage gets the routed experts the others hold (one
+        broadcast per run of consecutive jobs of one owner, from that owner)."""
+        runs: list[list] = []  # [owner, start, end]
+        for job in bucket.jobs:
+            owner = self._owner(job)
+            if owner is None:
+                continue
+            start = job.slots[0][1]
+            end = job.slots[-1][1] + int(torch.Size(job.slots[-1][2]).numel())
+            if runs and runs[-1][0] == owner and runs[-1][2] == start:
+                runs[-1][2] = end
+            else:
+                runs.append([owner, start, end])
+        for owner, start, end in runs:
+            dist.broadcast(flat[start:end], src=dist.get_global_rank(self.ep_group, owner),
+                           group=self.ep_group)
 
     @torch.no_grad()
     def buckets_iter(self):
@@ -164,8 +205,12 @@ class BucketGatherer:
             flat = buf[: bucket.numel]
             if bucket.stage == my_stage:
                 for job in bucket.jobs:
+                    if not self._holds(job):
+                        continue
                     for t, (_, off, shape) in zip(self._gather_merged(job, scratch), job.slots):
                         flat[off: off + t.numel()].view(shape).copy_(t)
+                if self.ep > 1:
+                    self._share_experts(bucket, flat)
             if self.placement.pp > 1:
                 dist.broadcast(flat, src=self.placement.pp_ranks[bucket.stage],
                                group=self.pp_group)
@@ -179,11 +224,6 @@ class WeightSync:
     ``rollout_model`` (built under ``layout.active()``)."""
 
     def __init__(self, chunks, rollout_model, layout, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        first = chunks[0] if isinstance(chunks, (list, tuple)) else chunks
-        if first.config.is_moe:
-            raise ConfigError("rollout.tensor_parallel_size other than the actor's TP (or PP > 1) "
-                              "is not supported for MoE models yet; keep the rollout layout "
-                              "equal to the training one")
         self.gatherer = BucketGatherer(chunks, bucket_bytes)
         if self.gatherer.head_kind != "causal_lm":
             raise TypeError("WeightSync moves a CausalLM's weights")
@@ -224,7 +264,8 @@ class WeightSync:
             names = tuple(name for name, _, _ in job.slots)
             piece = job.mapping.rule.shard(reader, names, self.config,
                                            layout.tensor_parallel_size, layout.tensor_parallel_rank)
-            self.target_params[job.mapping.ours_name(job.layer)].copy_(piece)
+            # the rollout model has every expert (EP = 1): local expert = global expert
+            self.target_params[job.mapping.ours_name(job.layer, job.mapping.expert)].copy_(piece)
 
 
 __all__ = ["BucketGatherer", "TensorReader", "WeightSync", "DEFAULT_BUCKET_BYTES"]

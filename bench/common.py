@@ -9,9 +9,51 @@ Benches run as scripts (``python bench/x.py``), so their folder is on ``sys.path
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import tempfile
 
 import torch
+
+
+def add_llama_shape_args(p, seq: bool = True) -> None:
+    """The dense model shape every Llama bench takes (default: the 0.89B shape of the issues)."""
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--intermediate", type=int, default=5632)
+    p.add_argument("--vocab", type=int, default=32000)
+    if seq:
+        p.add_argument("--seq", type=int, default=4096)
+
+
+def add_moe_shape_args(p) -> None:
+    """The Qwen3-MoE shape of the MoE benches (64 experts, top-8, expert size 768)."""
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--expert-size", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seq", type=int, default=4096)
+
+
+def save_llama_model(args, max_positions: int = 8192):
+    """A random-weight bf16 Llama of ``args``' shape (seed 0) saved as an HF folder; returns
+    ``(config, folder)``."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                      intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                      num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                      max_position_embeddings=max_positions, architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    folder = os.path.join(tempfile.mkdtemp(), "model")
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(folder)
+    return cfg, folder
 
 
 def timed(fn, warmup: int = 2, iters: int = 5) -> float:

@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import tempfile
 
 import torch
-from common import alternate, gpu_state, report
+from common import add_llama_shape_args, alternate, gpu_state, report, save_llama_model
 
 
 def liger_model(folder, dev):
@@ -66,13 +64,7 @@ def liger_rope():
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--intermediate", type=int, default=5632)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seq", type=int, default=4096)
+    add_llama_shape_args(p)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cases", default="uniform,ragged")
@@ -82,17 +74,11 @@ def main():
     import parallel_models as pm
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
     from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     pm.init_parallel()
     dev = pm.compute_device()
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                      intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                      num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                      max_position_embeddings=max(8192, args.seq), architectures=["LlamaForCausalLM"])
-    torch.manual_seed(0)
-    folder = os.path.join(tempfile.mkdtemp(), "model")
-    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(folder)
+    cfg, folder = save_llama_model(args, max_positions=max(8192, args.seq))
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
                                               attn_implementation="sdpa").to(dev)
     hfl = liger_model(folder, dev)

@@ -20,7 +20,7 @@ import os
 import tempfile
 
 import torch
-from common import alternate, peak_gib, report
+from common import add_moe_shape_args, alternate, peak_gib, report
 
 
 def build_folder(args) -> str:
@@ -54,15 +54,7 @@ def active_params(args) -> int:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--expert-size", type=int, default=768)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seq", type=int, default=4096)
+    add_moe_shape_args(p)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=None)

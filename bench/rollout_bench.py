@@ -30,26 +30,18 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import tempfile
 import time
 
 import torch
-from common import report
+from common import add_llama_shape_args, report, save_llama_model
 
 
 def build(args, dev):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     import parallel_models as pm
 
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                      intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                      num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                      max_position_embeddings=8192, architectures=["LlamaForCausalLM"])
-    torch.manual_seed(0)
-    folder = os.path.join(tempfile.mkdtemp(), "model")
-    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(folder)
+    cfg, folder = save_llama_model(args, max_positions=8192)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
                                               attn_implementation="sdpa").to(dev)
     ours = pm.LlamaForCausalLMRmPad.from_pretrained(folder, dtype=torch.bfloat16)
@@ -232,12 +224,7 @@ def _warm_bucket(eng, size):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--intermediate", type=int, default=5632)
-    ap.add_argument("--vocab", type=int, default=32000)
+    add_llama_shape_args(ap, seq=False)
     ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import report, timed
+from common import add_moe_shape_args, report, timed
 from moe_bench import build_folder
 
 
@@ -39,15 +39,7 @@ def mismatch_row(role, batch, replay: bool) -> dict:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--expert-size", type=int, default=768)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seq", type=int, default=4096)
+    add_moe_shape_args(p)
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)

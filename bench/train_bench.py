@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 
 import torch
-from common import kernel_table, peak_gib, report, timed
+from common import add_llama_shape_args, kernel_table, peak_gib, report, save_llama_model, timed
 
 
 def matmul_peak_tflops(dev) -> float:
@@ -76,13 +75,7 @@ def check_against_hf(hf, ours, folder, args, dev) -> dict:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--intermediate", type=int, default=5632)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seq", type=int, default=4096)
+    add_llama_shape_args(p)
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--decode-batch", type=int, default=64)
     p.add_argument("--decode-prompt", type=int, default=128)
@@ -97,17 +90,11 @@ def main():
     from parallel_models.utils import gpu_compile
     from parallel_models.rl.rollout.generation import SamplingParams, generate
     from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     pm.init_parallel()
     dev = pm.compute_device()
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                      intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                      num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                      max_position_embeddings=max(8192, args.seq), architectures=["LlamaForCausalLM"])
-    torch.manual_seed(0)
-    folder = os.path.join(tempfile.mkdtemp(), "model")
-    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(folder)
+    cfg, folder = save_llama_model(args, max_positions=max(8192, args.seq))
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
                                               attn_implementation="sdpa").to(dev)
     ours = pm.LlamaForCausalLMRmPad.from_pretrained(folder, dtype=torch.bfloat16)

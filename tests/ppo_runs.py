@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 PPO = [sys.executable, "-m", "parallel_models.rl.train"]
@@ -39,3 +41,43 @@ def load_folder(folder):
         if f.endswith(".safetensors"):
             out.update(load_file(os.path.join(folder, f)))
     return out
+
+
+def resume_after_kill_matches(tmp_path, common, steps: int) -> None:
+    """A run SIGKILLed once its first checkpoint (step 2) exists, then ``--resume``d, logs the
+    same metrics (timings aside) at every step as an uninterrupted run of ``common``."""
+    ref = str(tmp_path / "ref")
+    run_ppo([f"trainer.output_dir={ref}", *common])
+    killed = str(tmp_path / "killed")
+    proc = subprocess.Popen(PPO + [f"trainer.output_dir={killed}", *common], env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 240
+    while not os.path.isdir(os.path.join(killed, "checkpoints", "step_000002")):
+        assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    run_ppo([f"trainer.output_dir={killed}", *common, "--resume"])
+    want, got = run_metrics(ref), run_metrics(killed)
+    assert [m["step"] for m in got] == list(range(1, steps + 1))
+    for a, b in zip(want, got):
+        for key in a:
+            if not key.startswith("timing/"):
+                assert a[key] == b[key], f"step {a['step']} {key}: {a[key]} vs {b[key]} after resume"
+
+
+def assert_same_trainer_state(want_dir, got_dir, adam_steps: float = 2.0) -> None:
+    """Two dumps of the trainer's actor and critic (weights, Adam moments, step counts; see
+    ``trainer_checkpoint_checks``) are bit-identical."""
+    import torch
+
+    for role in ("actor", "critic"):
+        for part in ("weights", "exp_avg", "exp_avg_sq"):
+            want = load_folder(os.path.join(want_dir, role, part))
+            got = load_folder(os.path.join(got_dir, role, part))
+            assert want.keys() == got.keys(), f"{role} {part}"
+            for k in want:
+                assert torch.equal(want[k], got[k]), f"{role} {part} {k} differs after resume"
+    with open(os.path.join(want_dir, "adam_steps.json")) as f1, \
+            open(os.path.join(got_dir, "adam_steps.json")) as f2:
+        assert json.load(f1) == json.load(f2) == {"actor": [adam_steps], "critic": [adam_steps]}

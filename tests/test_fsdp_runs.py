@@ -4,17 +4,13 @@ trains with it while the megatron backend refuses it (the roles' numbers against
 backend at DP=2: tests/test_fsdp.py)."""
 
 import os
-import signal
-import subprocess
-import time
 
 import pytest
 import torch
 
 from parallel_models.testing import run_distributed
 from tests import fsdp_checks
-from tests.ppo_runs import ENV, PPO
-from tests.ppo_runs import load_folder, run_metrics, run_ppo
+from tests.ppo_runs import load_folder, resume_after_kill_matches, run_metrics, run_ppo
 
 
 def test_default_job_steps_match_megatron(tmp_path):
@@ -36,26 +32,9 @@ def test_default_job_steps_match_megatron(tmp_path):
 
 
 def test_fsdp_resume_after_kill_continues_exactly(tmp_path):
-    common = ["parallel.backend=fsdp", "trainer.total_steps=4", "trainer.save_every=2",
-              "trainer.save_hf_at_end=false", "trainer.loggers=[jsonl]"]
-    ref = str(tmp_path / "ref")
-    run_ppo([f"trainer.output_dir={ref}", *common])
-    killed = str(tmp_path / "killed")
-    proc = subprocess.Popen(PPO + [f"trainer.output_dir={killed}", *common], env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while not os.path.isdir(os.path.join(killed, "checkpoints", "step_000002")):
-        assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    run_ppo([f"trainer.output_dir={killed}", *common, "--resume"])
-    want, got = run_metrics(ref), run_metrics(killed)
-    assert [m["step"] for m in got] == list(range(1, 5))
-    for a, b in zip(want, got):
-        for key in a:
-            if not key.startswith("timing/"):
-                assert a[key] == b[key], f"step {a['step']} {key}: {a[key]} vs {b[key]}"
+    resume_after_kill_matches(tmp_path, ["parallel.backend=fsdp", "trainer.total_steps=4",
+                                         "trainer.save_every=2", "trainer.save_hf_at_end=false",
+                                         "trainer.loggers=[jsonl]"], steps=4)
 
 
 def test_unlisted_family_trains_with_fsdp_and_megatron_refuses(tmp_path):

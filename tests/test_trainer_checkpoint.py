@@ -4,40 +4,20 @@ a finished run, clear errors for folders that cannot be resumed."""
 
 import json
 import os
-import signal
 import stat
-import subprocess
-import time
 
 import pytest
 import torch
 
 from parallel_models.testing import run_distributed
-from tests.ppo_runs import ENV, PPO
-from tests.ppo_runs import load_folder as _load_folder, run_metrics as _metrics, run_ppo as _run
+from tests.ppo_runs import assert_same_trainer_state, resume_after_kill_matches
+from tests.ppo_runs import load_folder as _load_folder, run_ppo as _run
 from tests import trainer_checkpoint_checks as checks
 
 def test_resume_after_kill_continues_exactly(tmp_path):
-    common = ["trainer.total_steps=6", "trainer.save_every=2", "trainer.save_hf_at_end=false",
-              "trainer.loggers=[jsonl]"]
-    ref = str(tmp_path / "ref")
-    _run([f"trainer.output_dir={ref}", *common])
-    killed = str(tmp_path / "killed")
-    proc = subprocess.Popen(PPO + [f"trainer.output_dir={killed}", *common], env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while not os.path.isdir(os.path.join(killed, "checkpoints", "step_000002")):
-        assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    _run([f"trainer.output_dir={killed}", *common, "--resume"])
-    want, got = _metrics(ref), _metrics(killed)
-    assert [m["step"] for m in got] == list(range(1, 7))
-    for a, b in zip(want, got):
-        for key in a:
-            if not key.startswith("timing/"):
-                assert a[key] == b[key], f"step {a['step']} {key}: {a[key]} vs {b[key]} after resume"
+    resume_after_kill_matches(tmp_path, ["trainer.total_steps=6", "trainer.save_every=2",
+                                         "trainer.save_hf_at_end=false", "trainer.loggers=[jsonl]"],
+                              steps=6)
 
 
 def test_final_checkpoint_layout_and_finished_resume(tmp_path):
@@ -80,19 +60,6 @@ def test_final_checkpoint_layout_and_finished_resume(tmp_path):
     assert after == before, "resuming a finished run changed files"
 
 
-def _assert_same_state(want_dir, got_dir):
-    for role in ("actor", "critic"):
-        for part in ("weights", "exp_avg", "exp_avg_sq"):
-            want = _load_folder(os.path.join(want_dir, role, part))
-            got = _load_folder(os.path.join(got_dir, role, part))
-            assert want.keys() == got.keys(), f"{role} {part}"
-            for k in want:
-                assert torch.equal(want[k], got[k]), f"{role} {part} {k} differs after resume"
-    with open(os.path.join(want_dir, "adam_steps.json")) as f1, \
-            open(os.path.join(got_dir, "adam_steps.json")) as f2:
-        want_steps, got_steps = json.load(f1), json.load(f2)
-    assert want_steps == got_steps == {"actor": [2.0], "critic": [2.0]}
-
 
 def test_resume_tp2_checkpoint_at_tp1(tmp_path):
     """Save at TP=2 (2 ranks) after 2 steps, resume at TP=1 (1 rank): weights and Adam states
@@ -103,7 +70,7 @@ def test_resume_tp2_checkpoint_at_tp1(tmp_path):
     resumed = run_distributed(checks.resume_then_step, 1, out1, saved["path"], dump1, 1,
                               os.path.join(out2, "builtin_model"), timeout=400)[0]
     assert resumed["step"] == 2
-    _assert_same_state(dump2, dump1)
+    assert_same_trainer_state(dump2, dump1)
     want, got = saved["metrics"], resumed["metrics"]
     assert want["response_length/mean"] == got["response_length/mean"], "other samples drawn"
     for key in ("actor/pg_loss", "critic/vf_loss", "actor/entropy", "reward/mean",

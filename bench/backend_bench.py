@@ -1,7 +1,7 @@
 """The two training backends on one GPU: PPO steps of the 0.5B shape with parallel.backend=megatron
 and =fsdp, time and peak memory per phase (the trainer's own timers and CUDA peak counters).
 
-    python bench/backend_bench.py [--steps 3] [--out results.json] [--no-offload-run]
+    python bench/backend_bench.py [--steps 2] [--out results.json] [--no-offload-run] [--skip-megatron]
 
 Same workload and model as bench/ppo_bench.py (Qwen2-0.5B-shaped, random weights, bf16, the
 built-in character vocabulary; 32 prompts x 4 samples, up to 128 new tokens, 2 PPO epochs,
@@ -37,7 +37,10 @@ def run(folder: str, out: str, steps: int, backend: str, offload: bool) -> dict:
            f"trainer.total_steps={steps}", f"trainer.output_dir={out}",
            f"parallel.backend={backend}", f"trainer.offload={str(offload).lower()}", *COMMON]
     start = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    except subprocess.TimeoutExpired:
+        return {"error": "no result in 150 s"}
     if proc.returncode != 0:
         print(proc.stderr[-4000:])
         return {"error": proc.stderr[-800:]}
@@ -52,28 +55,28 @@ def run(folder: str, out: str, steps: int, backend: str, offload: bool) -> dict:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", default=None)
     parser.add_argument("--no-offload-run", action="store_true")
+    parser.add_argument("--skip-megatron", action="store_true", help="fsdp runs only")
     args = parser.parse_args()
+    import torch
+
+    results = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
     root = tempfile.mkdtemp()
     folder = os.path.join(root, "qwen2_05b")
     build_model(folder)
-    settings = [("megatron", False), ("fsdp", False)] + ([] if args.no_offload_run
-                                                         else [("fsdp", True)])
-    results = {}
+    settings = ([] if args.skip_megatron else [("megatron", False)]) + [("fsdp", False)] + (
+        [] if args.no_offload_run else [("fsdp", True)])
     for backend, offload in settings:
         name = f"{backend}" + (" offload" if offload else "")
         results[name] = run(folder, os.path.join(root, name.replace(" ", "_")), args.steps,
                             backend, offload)
         print(name, json.dumps(results[name]), flush=True)
-    import torch
-
-    results["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        if args.out:  # after every run: a time-out keeps what was measured
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
     print(json.dumps(results, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

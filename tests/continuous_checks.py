@@ -71,6 +71,13 @@ def check_continuous(path: str, tp: int) -> dict:
     res["staggered_vs_hf"] = mismatch
     res["tokens"] = [s.token_ids for s in staggered]
 
+    # -- prompts starting together prefilled in small packs: the same tokens --
+    packs = ContinuousEngine(model, 400, max_rows=16, max_prefill_tokens=20)
+    chunked = [packs.submit(p, greedy.model_copy(update={"max_new_tokens": MAX_NEW - i % 4}))
+               for i, p in enumerate(prompts)]
+    packs.run()
+    res["chunked_prefill_equal"] = [r.samples[0].token_ids for r in chunked] == res["tokens"]
+
     # -- a request that can never fit: an error at once, nothing queued --
     errors = []
     for n, new in ((1, 200), (3, 30), (5, 1)):

@@ -30,6 +30,27 @@ def _share(model_path: str, log_probs):
     return full, share
 
 
+def save_tiny_phi3(folder: str, head: str = "causal_lm") -> str:
+    """A tiny random transformers Phi-3 (fused qkv / gate_up: not a family of our registry)
+    with the built-in tokenizer; ``head="value"``: a Phi3ForSequenceClassification."""
+    import torch
+    from transformers import Phi3Config, Phi3ForCausalLM, Phi3ForSequenceClassification
+
+    from parallel_models.rl.tokenizer import build_builtin_tokenizer
+
+    tok = build_builtin_tokenizer()
+    config = Phi3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=512, bos_token_id=tok.bos_token_id,
+                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                        num_labels=1)
+    torch.manual_seed(0)
+    cls = Phi3ForSequenceClassification if head == "value" else Phi3ForCausalLM
+    cls(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
 ACTOR_CFG = dict(loss_agg_mode="token-mean", clip_ratio_low=0.2, clip_ratio_high=0.2,
                  clip_ratio_c=3.0, entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1,
                  kl_loss_type="low_var_kl")
@@ -79,6 +100,13 @@ def fsdp_vs_megatron_step(model_path: str, out_dir: str, clip_grad: float) -> di
     meg.save_pretrained(os.path.join(out_dir, "megatron_actor"), overwrite=True)
     megv.save_pretrained(os.path.join(out_dir, "megatron_critic"), overwrite=True)
     export_hf(f, os.path.join(out_dir, "fsdp_actor"))
+    # the rollout engine's model (ours, TP=1) refilled from the updated FSDP actor
+    from parallel_models.rl.fsdp.rollout_sync import sync_rollout_model
+
+    rollout = pm.get_model_class(arch, "causal_lm", rmpad=True).from_pretrained(
+        model_path, dtype=torch.float32)
+    sync_rollout_model(f, rollout)
+    rollout.save_pretrained(os.path.join(out_dir, "rollout_actor"), overwrite=True)
     export_hf(fv, os.path.join(out_dir, "fsdp_critic"))
     return out
 

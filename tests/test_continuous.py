@@ -25,6 +25,7 @@ def test_staggered_arrivals_equal_alone_and_transformers(results, tp):
         assert r["waited"], "the budget was meant to make requests wait"
         assert not r["over_budget"] and r["pool_used_after"] == 0
         assert r["tokens"] == results[tp][0]["tokens"], "TP ranks drew different tokens"
+        assert r["chunked_prefill_equal"], "prefill in packs changed the tokens"
 
 
 def test_staggered_same_at_tp1_and_tp2(results):

@@ -32,6 +32,9 @@ def _model_problems(cfg) -> list[str]:
         if r.backend != "inprocess":
             errors.append("rollout.backend=server: parallel.backend=fsdp generates in-process "
                           "(set rollout.backend=inprocess)")
+        if (r.tensor_parallel_size or 1) != 1:
+            errors.append(f"rollout.tensor_parallel_size={r.tensor_parallel_size}: "
+                          "parallel.backend=fsdp generates at TP=1 on every rank; set it to 1")
     if m.path is not None and os.path.isfile(os.path.join(os.path.expanduser(m.path),
                                                           "config.json")):
         from parallel_models.config import ModelConfig

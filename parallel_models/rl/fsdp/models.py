@@ -1,7 +1,8 @@
 """Load transformers models for the fsdp backend and shard them with FSDP2.
 
 - :func:`load_causal_lm`: any ``AutoModelForCausalLM`` folder, fp32 master weights (dropout
-  off: PPO's old log-probs and its updates must see the same function).
+  off: PPO's old log-probs and its updates must see the same function; the pad token's
+  embedding row trains like the others, as in the megatron backend).
 - :func:`load_value_model`: the critic, a :class:`ValueModel` (the family's
   ``AutoModelForSequenceClassification`` body + its ``score`` head, num_labels=1). A score
   head absent from the folder (a causal-LM folder) is drawn exactly like our megatron Value
@@ -56,6 +57,15 @@ def _attn_implementation() -> str:
     return "sdpa"
 
 
+def _train_pad_row(hf_model) -> None:
+    """transformers builds the input embedding with ``padding_idx`` = the pad token, which
+    zeroes that row's gradient; the megatron backend trains it like any row (a sampled pad token
+    is an ordinary input there), so both backends take the same step."""
+    emb = hf_model.get_input_embeddings()
+    if getattr(emb, "padding_idx", None) is not None:
+        emb.padding_idx = None
+
+
 def load_causal_lm(path: str):
     """``AutoModelForCausalLM`` from ``path`` on the CPU in fp32 (clear error if unreadable)."""
     from transformers import AutoModelForCausalLM
@@ -67,6 +77,7 @@ def load_causal_lm(path: str):
     except (OSError, ValueError, KeyError) as err:
         raise ConfigError(f"{path}: cannot load it as a transformers AutoModelForCausalLM "
                           f"({type(err).__name__}: {err})") from err
+    _train_pad_row(model)
     return model
 
 
@@ -117,6 +128,7 @@ def load_value_model(path: str, seed: int = 0) -> ValueModel:
         raise ConfigError(f"{path}: cannot load it as a transformers "
                           f"AutoModelForSequenceClassification for the fsdp critic "
                           f"({type(err).__name__}: {err})") from err
+    _train_pad_row(hf)
     model = ValueModel(hf)
     if "score.weight" not in _safetensors_keys(path):  # a new head: our Value models' draw
         head = ValueHead(hf.config.hidden_size, sequence_parallel=False)

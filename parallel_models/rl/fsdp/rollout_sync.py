@@ -33,13 +33,13 @@ def sync_rollout_model(fsdp_model, rollout_model) -> int:
     """Copy ``fsdp_model`` (a sharded HF causal LM) into ``rollout_model`` (our CausalLM);
     collective. Returns the number of tensors copied."""
     from parallel_models.llama.checkpoint_utils.loader import load_weights
-    from parallel_models.testing import TensorDictReader
+    from parallel_models.rl.rollout.weight_sync import TensorReader
 
     copied = 0
     for unit in _units(fsdp_model):
         tensors = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
                    for name, p in unit}
-        load_weights(rollout_model, TensorDictReader(tensors), rollout_model.weight_map,
+        load_weights(rollout_model, TensorReader(tensors), rollout_model.weight_map,
                      strict=False)
         copied += len(tensors)
         del tensors

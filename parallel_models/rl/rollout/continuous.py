@@ -87,6 +87,18 @@ class _Row:
     generated: int = 0
 
 
+@dataclasses.dataclass(eq=False)
+class _Layout:
+    """The running rows of a decode bucket, in batch order, and their draw settings."""
+
+    rows: list
+    size: int
+    spec: list
+    k_max: int
+    seeds: torch.Tensor | None
+    steps: torch.Tensor | None
+
+
 def _buckets(max_rows: int) -> list[int]:
     out, b = [], 1
     while b < max_rows:
@@ -134,12 +146,15 @@ class _BucketStep:
 
 class ContinuousEngine:
     """``ContinuousEngine(model, kv_budget_tokens, max_rows=64, max_row_tokens=None,
-    prefix_cache_tokens=0)``: KV pool of ``kv_budget_tokens`` positions (this rank's heads),
-    at most ``max_rows`` samples decoding at once, at most ``max_row_tokens`` positions (prompt +
-    new tokens) per sample (default: the budget, capped by the model's positions)."""
+    prefix_cache_tokens=0, max_prefill_tokens=16384)``: KV pool of ``kv_budget_tokens``
+    positions (this rank's heads), at most ``max_rows`` samples decoding at once, at most
+    ``max_row_tokens`` positions (prompt + new tokens) per sample (default: the budget, capped by
+    the model's positions); prompts starting together are prefilled in packs of at most
+    ``max_prefill_tokens`` tokens."""
 
     def __init__(self, model, kv_budget_tokens: int, *, max_rows: int = 64,
-                 max_row_tokens: int | None = None, prefix_cache_tokens: int = 0):
+                 max_row_tokens: int | None = None, prefix_cache_tokens: int = 0,
+                 max_prefill_tokens: int = 16384):
         if model.head_kind != "causal_lm":
             raise TypeError(f"{type(model).__name__} has no LM head; generation needs a CausalLM")
         if mpu.get_pipeline_model_parallel_world_size() > 1:
@@ -147,6 +162,7 @@ class ContinuousEngine:
                                       "supported; build the rollout model with PP=1 (TP only)")
         self.model = model
         self.device = model.device
+        self.max_prefill_tokens = max_prefill_tokens
         positions = int(getattr(model.config, "max_position_embeddings", 0) or kv_budget_tokens)
         self.max_row_tokens = int(max_row_tokens or min(kv_budget_tokens, positions))
         self.scheduler = Scheduler(kv_budget_tokens, max_rows, self.max_row_tokens)
@@ -162,6 +178,8 @@ class ContinuousEngine:
         self._steps = {b: _BucketStep(model, self.cache, DecodeRows(b, self.device, self.cache.end),
                                       use_graph) for b in self.buckets}
         self.running: list[_Row] = []
+        self._layout: _Layout | None = None  # None: rebuild the decode buffers next step
+        self._last_tokens: torch.Tensor | None = None
         self.steps = 0
         self.prefilled_prompts = 0  # prompts run through the model (prefix hits excluded)
         self.generated_tokens = 0
@@ -230,21 +248,21 @@ class ContinuousEngine:
             else:
                 cache.write(starts[0], hit[0], hit[1])
                 logits_of[i] = hit[2]
-        if misses:
-            prompts = [admitted[i][0].prompt for i in misses]
+        for chunk in self._prefill_chunks(misses, admitted):
+            prompts = [admitted[i][0].prompt for i in chunk]
             lengths = torch.tensor([len(p) for p in prompts], device=device)
             cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
             ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
             positions = torch.cat([torch.arange(len(p), device=device) for p in prompts])
-            offsets = torch.tensor([admitted[i][1][0] for i in misses], device=device)
+            offsets = torch.tensor([admitted[i][1][0] for i in chunk], device=device)
             cache.begin_prefill(offsets, cu)
             hidden, _ = self.model.forward_hidden(ids, cu, positions, max(map(len, prompts)),
                                                   kv_cache=cache)
             cache.end_step()
             last = self.model._head(hidden[(cu[1:] - 1).long()], 0, full_vocab=True)
-            for j, i in enumerate(misses):
+            for j, i in enumerate(chunk):
                 logits_of[i] = last[j]
-            self.prefilled_prompts += len(misses)
+            self.prefilled_prompts += len(chunk)
         rows, row_logits = [], []
         for i, (req, starts) in enumerate(admitted):
             p = len(req.prompt)
@@ -265,24 +283,49 @@ class ContinuousEngine:
                 row_logits.append(logits_of[i])
         self._draw_and_accept(rows, torch.stack(row_logits), newly_admitted=True)
 
-    def _decode(self) -> None:
-        rows = sorted(self.running, key=lambda r: r.offset)  # ascending region starts (cu_k)
-        size = next(b for b in self.buckets if b >= len(rows))
-        pad = size - len(rows)
-        host = torch.tensor(
-            [[r.token for r in rows] + [0] * pad,
-             [r.offset for r in rows] + [self.cache.scratch(i) for i in range(pad)],
-             [r.length for r in rows] + [0] * pad], dtype=torch.long)
-        step = self._steps[size]
-        step.rows.load(host.to(self.device, non_blocking=True),
-                       span=max(r.length for r in rows) + 1)
-        logits = step()
-        for r in rows:
-            r.length += 1
-        self._draw_and_accept(rows, logits[:len(rows)] if pad else logits)
+    def _prefill_chunks(self, misses: list[int], admitted) -> list[list[int]]:
+        """``misses`` in packs of at most ``max_prefill_tokens`` prompt tokens (one prompt over
+        it runs alone): the prefill's activations stay bounded however many prompts start."""
+        chunks, tokens = [], 0
+        for i in misses:
+            n = len(admitted[i][0].prompt)
+            if not chunks or tokens + n > self.max_prefill_tokens:
+                chunks.append([])
+                tokens = 0
+            chunks[-1].append(i)
+            tokens += n
+        return chunks
 
-    def _draw_and_accept(self, rows: list[_Row], logits: torch.Tensor,
-                         newly_admitted: bool = False) -> None:
+    def _decode(self) -> None:
+        """One decode step of every running row. While no row joins or leaves, the bucket's
+        buffers are advanced on the device (last tokens in, lengths + 1): no host rebuild."""
+        lay = self._layout
+        if lay is None:
+            rows = sorted(self.running, key=lambda r: r.offset)  # ascending region starts
+            size = next(b for b in self.buckets if b >= len(rows))
+            pad = size - len(rows)
+            host = torch.tensor(
+                [[r.token for r in rows] + [0] * pad,
+                 [r.offset for r in rows] + [self.cache.scratch(i) for i in range(pad)],
+                 [r.length for r in rows] + [0] * pad], dtype=torch.long)
+            self._steps[size].rows.load(host.to(self.device, non_blocking=True),
+                                        span=max(r.length for r in rows) + 1)
+            lay = self._layout = _Layout(rows, size, *self._sampling_of(rows))
+        else:
+            buffers, n = self._steps[lay.size].rows, len(lay.rows)
+            buffers.tokens[:n].copy_(self._last_tokens)
+            buffers.lengths[:n] += 1
+            buffers.span += 1
+            if lay.steps is not None:
+                lay.steps += 1
+        logits = self._steps[lay.size]()
+        for r in lay.rows:
+            r.length += 1
+        self._draw_and_accept(lay.rows, logits[:len(lay.rows)], lay)
+
+    def _sampling_of(self, rows: list[_Row]):
+        """(draw groups, top-k width, seeds, steps) of ``rows``: one group when they share their
+        sampling knobs; seeds / steps only when some row samples (greedy draws no noise)."""
         groups: dict = {}
         for i, r in enumerate(rows):
             p = r.request.params
@@ -292,18 +335,29 @@ class ContinuousEngine:
             spec = [(None, next(iter(groups.values()))[0])]
         else:
             spec = [(torch.tensor(idx, device=self.device), p) for p, idx in groups.values()]
-        meta = torch.tensor([[r.seed for r in rows], [r.generated for r in rows]],
-                            dtype=torch.long).to(self.device, non_blocking=True)
-        k_max = max(r.request.top_logprobs for r in rows)
-        tokens, logp, top = draw(logits, meta[0], meta[1], spec, k_max)
+        seeds = steps = None
+        if any(not p.greedy for _, p in spec):
+            meta = torch.tensor([[r.seed for r in rows], [r.generated for r in rows]],
+                                dtype=torch.long).to(self.device)
+            seeds, steps = meta[0], meta[1].clone()
+        return spec, max(r.request.top_logprobs for r in rows), seeds, steps
+
+    def _draw_and_accept(self, rows: list[_Row], logits: torch.Tensor, lay=None,
+                         newly_admitted: bool = False) -> None:
+        if lay is None:
+            lay = _Layout(rows, 0, *self._sampling_of(rows))
+        tokens, logp, top = draw(logits, lay.seeds, lay.steps, lay.spec, lay.k_max)
         tokens, logp = _broadcast_in_tp_group(tokens, logp)
         if top is not None:
             top = _broadcast_in_tp_group(*top)
-        tokens, logp = tokens.tolist(), logp.tolist()
+        self._last_tokens = tokens
+        host = torch.stack([tokens.double(), logp.double()]).cpu()  # the step's one sync
+        tokens, logp = host[0].long().tolist(), host[1].tolist()
         if top is not None:
             top = (top[0].tolist(), top[1].tolist())
         if newly_admitted:
             self.running.extend(rows)
+            self._layout = None
         self.generated_tokens += len(rows)
         if self.on_tokens is not None:
             self.on_tokens(len(rows))
@@ -329,6 +383,7 @@ class ContinuousEngine:
                 continue
             finished.append(r)
         if finished:
+            self._layout = None
             gone = set(map(id, finished))
             self.running = [r for r in self.running if id(r) not in gone]
             for r in finished:

@@ -53,7 +53,8 @@ def draw(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, groups,
     """Next tokens of every row of ``logits`` ``[B, vocab]``.
 
     ``groups``: list of ``(rows, params)`` with ``rows`` a LongTensor of row indices (None = all
-    rows) sharing the :class:`SamplingParams` ``params``; rows in no group get token 0.
+    rows) sharing the :class:`SamplingParams` ``params``; rows in no group get token 0;
+    ``seeds`` / ``steps`` may be None when every group is greedy.
     -> ``(tokens [B], log_probs [B] float32, top (ids, log-probs) [B, top_k_max] or None)``.
     """
     logits = logits.float()

@@ -7,7 +7,8 @@ rank (``Engine.run_cstep`` broadcasts the new requests with the step). A job's f
 when its last sample finishes; a streamed job's sink sees each token as it is drawn. A request
 that can never fit the KV budget is refused in :meth:`submit` (the HTTP handler answers 4xx at
 once). A weight update waits until the running rows finish (they keep the old weights), then
-runs; jobs queued behind it start on the new weights.
+runs; jobs queued behind it start on the new weights. A request for MoE routes
+(``return_routes``) runs the same way, alone through the static ``generate`` that records them.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class ContinuousBatcher(Batcher):
 
     def submit(self, kind: str, payload, rows: int = 0):
         if kind == "generate":
-            rows_, params, _, _ = payload
+            rows_, params = payload[0], payload[1]
             for prompt, n in _groups(rows_):
                 try:
                     self.continuous.scheduler.check(n, len(prompt) + params.max_new_tokens)
@@ -77,12 +78,15 @@ class ContinuousBatcher(Batcher):
                     continue
                 if not job.future.set_running_or_notify_cancel():
                     continue  # timed out while queued
-                if job.kind == "update":
+                if job.kind == "update" or _wants_routes(job):
                     self._step(subs)
                     subs = []
                     while self.continuous.has_work:  # running rows finish on the old weights
                         self._step([])
-                    self._finish([job], lambda: [self.engine.update_weights(job.payload)])
+                    if job.kind == "update":
+                        self._finish([job], lambda: [self.engine.update_weights(job.payload)])
+                    else:  # MoE routes are recorded by the static generate: run it alone
+                        self._finish([job], lambda: self._generate([job]))
                     continue
                 subs.extend(self._requests_of(job))
             if subs or self.continuous.has_work:
@@ -98,7 +102,7 @@ class ContinuousBatcher(Batcher):
                 job.future.set_exception(ApiError(503, "server is shutting down"))
 
     def _requests_of(self, job) -> list:
-        rows, params, top_k, sink = job.payload
+        rows, params, top_k, sink = job.payload[:4]
         if params.seed is None and not params.greedy:  # rank 0 picks it: every rank the same
             params = params.model_copy(update={"seed": random.getrandbits(62)})
         groups = _groups(rows)
@@ -141,6 +145,11 @@ class ContinuousBatcher(Batcher):
                 if not state.job.future.done():
                     state.job.future.set_exception(exc)
             self._active.clear()
+
+
+def _wants_routes(job) -> bool:
+    """A /generate job asking for MoE routes (its payload's optional fifth item)."""
+    return job.kind == "generate" and len(job.payload) > 4 and bool(job.payload[4])
 
 
 def _samples(requests) -> list[dict]:

@@ -237,16 +237,22 @@ async def receive_weight_stream(request, engine):
     return PushedWeights(tensors, parser.frames)
 
 
+STREAM_BUCKET_BYTES = 64 * 2**20
+
+
 def push_weight_stream(chunks, client, bucket_bytes: int | None = None) -> int | None:
     """Trainer side (every rank calls): gather the actor bucket by bucket and stream it from
-    global rank 0 to the server. Returns the new weight version on every rank; raises
+    global rank 0 to the server. Buckets default to ``STREAM_BUCKET_BYTES`` (64 MiB): small
+    enough that gathering, sending and the server's parsing overlap (with 512 MiB buckets a
+    0.5B model is two buckets and the three steps ran one after the other: 9.8 s -> 6.2 s on
+    CPU). Returns the new weight version on every rank; raises
     :class:`WeightStreamError` on every rank if the push failed (the server keeps its old
     weights). The collectives run to the end even when the HTTP side fails, so no rank hangs."""
     import torch.distributed as dist
 
-    from parallel_models.rl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, BucketGatherer
+    from parallel_models.rl.rollout.weight_sync import BucketGatherer
 
-    gatherer = BucketGatherer(chunks, bucket_bytes or DEFAULT_BUCKET_BYTES)
+    gatherer = BucketGatherer(chunks, bucket_bytes or STREAM_BUCKET_BYTES)
     rank = dist.get_rank() if dist.is_initialized() else 0
     sender = _Sender(client) if rank == 0 else None
     host = HostBuffers(4)

@@ -3,7 +3,7 @@
 /update_weights``), with where the time goes.
 
     python bench/weight_push_cpu_bench.py [--layers 24] [--dtype bfloat16] [--rounds 3]
-                                          [--bucket-mb 512] [--tp 1] [--profile]
+                                          [--bucket-mb 64] [--tp 1] [--profile]
 
 Random weights of the Qwen2-0.5B shape (hidden 896, 14/2 heads, vocab 151936, tied; ``--layers``
 trims it). Prints JSON: the model's bytes, each push's seconds and MB/s, the server's own split
@@ -52,7 +52,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--bucket-mb", type=int, default=512)
+    ap.add_argument("--bucket-mb", type=int, default=None,
+                    help="stream bucket size (default: weight_stream.STREAM_BUCKET_BYTES)")
     ap.add_argument("--tp", type=int, default=1, help="the server's TP (torchrun ranks)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
@@ -61,14 +62,16 @@ def main(argv=None) -> dict:
     from parallel_models.distributed import free_port
     from parallel_models.rl.rollout.server.client import RolloutClient
     from parallel_models.rl.rollout.server.launch import start_server, stop_server
-    from parallel_models.rl.rollout.server.weight_stream import push_weight_stream
+    from parallel_models.rl.rollout.server.weight_stream import (STREAM_BUCKET_BYTES,
+                                                                 push_weight_stream)
 
     pm.init_parallel(tensor_parallel_size=1)
+    bucket = args.bucket_mb << 20 if args.bucket_mb else STREAM_BUCKET_BYTES
     dtype = getattr(torch, args.dtype)
     actor = build_actor(args.layers, dtype)
     nbytes = sum(p.numel() * p.element_size() for p in actor.parameters())
     out: dict = {"model_mb": round(nbytes / MB, 1), "dtype": args.dtype, "server_tp": args.tp,
-                 "bucket_mb": args.bucket_mb, "cores": os.cpu_count()}
+                 "bucket_mb": bucket >> 20, "cores": os.cpu_count()}
     with tempfile.TemporaryDirectory() as tmp:
         folder = os.path.join(tmp, "actor")
         t0 = time.perf_counter()
@@ -82,7 +85,7 @@ def main(argv=None) -> dict:
             pushes = []
             for _ in range(args.rounds):
                 t0 = time.perf_counter()
-                answer = push_weight_stream(actor, client, bucket_bytes=args.bucket_mb << 20)
+                answer = push_weight_stream(actor, client, bucket_bytes=bucket)
                 s = time.perf_counter() - t0
                 pushes.append({"seconds": round(s, 3), "mb_per_s": round(nbytes / MB / s, 1),
                                "version": answer})
@@ -96,7 +99,7 @@ def main(argv=None) -> dict:
             if args.profile:
                 prof = cProfile.Profile()
                 prof.enable()
-                push_weight_stream(actor, client, bucket_bytes=args.bucket_mb << 20)
+                push_weight_stream(actor, client, bucket_bytes=bucket)
                 prof.disable()
                 text = io.StringIO()
                 pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(25)

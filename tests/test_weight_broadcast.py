@@ -26,7 +26,7 @@ def _staged():
     return parser
 
 
-def forward_pushed() -> dict:
+def forward_pushed(starve_rank: int | None = None) -> dict:
     import torch.distributed as dist
 
     from parallel_models.rl.rollout.server.weight_broadcast import receive_pushed, send_pushed
@@ -38,11 +38,17 @@ def forward_pushed() -> dict:
     want = PushedWeights(parser.tensors, parser.frames)
     box = [("update_pushed", want.headers()) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0, group=group)
+    headers = box[0][1]
+    if dist.get_rank() == starve_rank:  # a buffer it cannot allocate: out of host memory
+        headers = [(entries, 1 << 62) for entries, _ in headers]
     if dist.get_rank() == 0:
-        send_pushed(want, group)
+        if not send_pushed(want, group):
+            return {"sent": False}
         got = want
     else:
-        got = receive_pushed(box[0][1], group)
+        got = receive_pushed(headers, group)
+        if not got.frames:
+            return {"sent": False, "reason": got.reason}
     model_bytes = sum(len(p) for _, p in want.frames)
     return {"equal": list(got.keys()) == list(want.keys()) and all(
                 torch.equal(got.tensors[n], want.tensors[n]) and
@@ -55,3 +61,11 @@ def test_pushed_weights_reach_every_rank_without_pickling_the_model():
     assert all(o["equal"] for o in out), out
     # the command is the headers only: a few hundred bytes, not the ~9 KB of tensors
     assert all(o["command_bytes"] < 1024 < o["model_bytes"] for o in out), out
+
+
+def test_a_rank_without_room_stops_the_forward_on_every_rank():
+    """One receiver cannot allocate its buffers: no rank blocks in a broadcast, rank 0 sends
+    nothing, and the others hand the engine a reader that fails (its vote keeps the old weights)."""
+    out = run_distributed(forward_pushed, 3, 2, timeout=120)
+    assert [o["sent"] for o in out] == [False] * 3, out
+    assert "out of host memory" in out[2]["reason"] and "another rank" in out[1]["reason"], out

@@ -105,10 +105,11 @@ class Engine:
         from parallel_models.rl.rollout.server.weight_stream import PushedWeights
 
         if self.world > 1 and isinstance(path, PushedWeights):
-            from parallel_models.rl.rollout.server.weight_broadcast import send_pushed
+            from parallel_models.rl.rollout.server.weight_broadcast import NotStaged, send_pushed
 
             self._broadcast(("update_pushed", path.headers()))
-            send_pushed(path, self.group)
+            if not send_pushed(path, self.group):  # a rank had no room: all keep the old weights
+                path = NotStaged("another rank could not stage them")
             return self._do_update(path)
         self._broadcast(("update", path))
         return self._do_update(path)

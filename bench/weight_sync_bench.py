@@ -1,7 +1,8 @@
 """Weight sync of the hybrid engine on one GPU: in-process reshard into the rollout model and a
 streamed push to the rollout server, time and extra memory, for the 0.5B and 8B shapes.
 
-    python bench/weight_sync_bench.py [--shapes 0.5b 8b] [--bucket-mb 512] [--skip-push]
+    python bench/weight_sync_bench.py [--shapes 0.5b 8b] [--bucket-mb 512] [--push-bucket-mb 64]
+                                      [--skip-push]
                                       [--out results.json]
 
 Random bf16 weights of the Qwen2-0.5B shape (hidden 896, 24 layers, 14/2 heads, vocab 151936,
@@ -121,6 +122,7 @@ def bench_push(actor, bucket_bytes: int, workdir: str) -> dict:
             versions.append(push_weight_stream(actor, client, bucket_bytes=bucket_bytes))
             times.append(time.perf_counter() - t0)
         extra = torch.cuda.max_memory_allocated() - base
+        client_info = client.info()  # the last push: receive_seconds (body) and seconds (swap)
         t0 = time.perf_counter()
         client.update_weights(folder)  # the folder path, for comparison (already saved)
         folder_load_s = time.perf_counter() - t0
@@ -129,13 +131,16 @@ def bench_push(actor, bucket_bytes: int, workdir: str) -> dict:
         stop_server(proc)
     return {"seconds": round(sorted(times)[1], 3), "rounds": [round(t, 3) for t in times],
             "versions": versions, "trainer_extra_gib": round(extra / GIB, 3),
-            "folder_save_s": round(save_s, 2), "folder_load_s": round(folder_load_s, 2)}
+            "folder_save_s": round(save_s, 2), "folder_load_s": round(folder_load_s, 2),
+            "server_split": client_info.get("last_weight_push")}
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=["0.5b", "8b"], choices=sorted(SHAPES))
     ap.add_argument("--bucket-mb", type=int, default=512)
+    ap.add_argument("--push-bucket-mb", type=int, default=64,
+                    help="bucket size of the streamed push (weight_stream.STREAM_BUCKET_BYTES)")
     ap.add_argument("--skip-push", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -153,7 +158,7 @@ def main(argv=None) -> dict:
         print(shape, "inprocess", json.dumps(row["inprocess"]), flush=True)
         if not args.skip_push:
             with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
-                row["push"] = bench_push(actor, args.bucket_mb << 20, tmp)
+                row["push"] = bench_push(actor, args.push_bucket_mb << 20, tmp)
             print(shape, "push", json.dumps(row["push"]), flush=True)
         results[shape] = row
         del actor

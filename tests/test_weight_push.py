@@ -130,11 +130,13 @@ def test_dead_server_fails_clearly(served, tmp_path):
 
 def test_ppo_pp2_with_server_backend_equals_inprocess_pp1(served, tmp_path):
     """3 greedy PPO steps at PP=2 with rollout.backend=server (weights streamed at the start and
-    after every step) give the metrics of the in-process PP=1 run. Runs last: it leaves the
+    after every step) give the metrics of the in-process PP=1 run, with one server request per
+    step (not one per pipeline stage). Runs last: it leaves the
     server on the trained weights."""
     from tests.hybrid_ppo_runs import assert_same_metrics, metrics_at
 
     version = _serves(served, 0)
+    requests = served["client"].info()["stats"]["requests"]
     common = [f"model.path={served['paths'][0]}", "data.max_prompt_length=16"]
     want = metrics_at(tmp_path, 1, common, "inprocess")
     got = metrics_at(tmp_path, 2, common + [
@@ -142,3 +144,5 @@ def test_ppo_pp2_with_server_backend_equals_inprocess_pp1(served, tmp_path):
         f"rollout.server_url=http://127.0.0.1:{served['port']}"], "server")
     assert_same_metrics(got, want, "PP=2 with the server backend")
     assert served["client"].health()["weight_version"] == version + 4  # start + 3 steps
+    # one /generate per step: only the first rank of the replica's TP x PP group asks
+    assert served["client"].info()["stats"]["requests"] - requests == 3

@@ -53,3 +53,34 @@ def test_bad_streams_are_refused(body, message):
     with pytest.raises(WeightStreamError, match=message):
         parser.feed(body(_tensors()))
         parser.finish()
+
+
+def test_client_sends_a_big_bucket_in_small_zero_copy_pieces():
+    """httpcore copies the unsent rest of a chunk after every socket send (quadratic in the chunk
+    size): the client must hand httpx pieces of at most WIRE_PIECE_BYTES, views of the bucket's
+    host buffer (no copy), which still parse back bit for bit."""
+    import httpx
+
+    from parallel_models.rl.rollout.server.client import WIRE_PIECE_BYTES, RolloutClient
+
+    big = {"w.weight": torch.arange(3 * WIRE_PIECE_BYTES // 4 + 5, dtype=torch.float32)}
+    header, payload = bucket_frame(big)
+    base = torch.frombuffer(payload, dtype=torch.uint8).data_ptr()
+    sizes, shared, parser = [], [], StreamParser()
+
+    class Wire(httpx.BaseTransport):  # sees the pieces as they would go to the socket
+        def handle_request(self, request):
+            for piece in request.stream:
+                sizes.append(len(piece))
+                ptr = torch.frombuffer(piece, dtype=torch.uint8).data_ptr() if len(piece) else 0
+                shared.append(base <= ptr < base + len(payload))
+                parser.feed(piece)
+            return httpx.Response(200, json={"weight_version": 1})
+
+    client = RolloutClient("http://server")
+    client._http = httpx.Client(base_url="http://server", transport=Wire())
+    assert client.push_weight_stream([header, payload, end_frame(1)]) == {"weight_version": 1}
+    assert max(sizes) <= WIRE_PIECE_BYTES and sum(sizes) == len(header) + len(payload) + len(
+        end_frame(1))
+    assert sum(shared) >= 3  # the payload's pieces point into its buffer: nothing was copied
+    assert torch.equal(parser.finish()["w.weight"], big["w.weight"])

@@ -40,6 +40,15 @@ class WeightUpdateError(RuntimeError):
     """Loading new weights failed (here or on another rank); the old weights were restored."""
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or inf in ``t``: min and max propagate both; on the CPU ``aminmax`` is ~50x faster
+    than ``isfinite(t).all()`` (0.8 s -> 0.015 s for a 272 MB bf16 embedding on one core)."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t.detach())
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
 def load_weights(model, path) -> None:
     """Fill ``model`` (this rank's shard) from ``path`` (a folder, or a loader ``WeightReader``
     over tensors in memory: a streamed push); a seam tests can replace."""
@@ -49,7 +58,7 @@ def load_weights(model, path) -> None:
         loader.load_hf_weights(model, path)
     else:
         loader.load_weights(model, path, model.weight_map)
-    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    bad = [name for name, p in model.named_parameters() if not all_finite(p)]
     if bad:
         raise ValueError(f"non-finite weights after loading: {', '.join(bad[:5])}")
 

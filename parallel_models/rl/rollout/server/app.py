@@ -339,7 +339,8 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
                 "stats": {"requests": state["requests"], "batches": engine.batches,
                           "generated_tokens": engine.generated_tokens,
                           "uptime_s": round(time.time() - state["started"], 1),
-                          **engine.continuous_stats()}}
+                          **engine.continuous_stats()},
+                "last_weight_push": state.get("last_push")}
 
     def _encode(prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -440,12 +441,16 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
         from parallel_models.rl.rollout.server.weight_stream import (WeightStreamError,
                                                                      receive_weight_stream)
 
+        t0 = time.perf_counter()
         try:
             reader = await receive_weight_stream(request, engine)
         except WeightStreamError as exc:
             raise ApiError(400, str(exc)) from None
+        received = round(time.perf_counter() - t0, 3)
         try:
-            return await _wait(batcher.submit("update", reader))
+            answer = await _wait(batcher.submit("update", reader))
+            state["last_push"] = {**answer, "receive_seconds": received}
+            return {**answer, "receive_seconds": received}
         except ApiError:
             raise
         except Exception as exc:  # noqa: BLE001

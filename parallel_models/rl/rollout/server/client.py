@@ -7,6 +7,20 @@ from typing import Any, Sequence
 from parallel_models.rl.rollout.sampling import SamplingParams
 
 
+WIRE_PIECE_BYTES = 1 << 20
+
+
+def wire_pieces(frames, piece_bytes: int = WIRE_PIECE_BYTES):
+    """``frames`` (bytes-like) as zero-copy memoryview pieces of at most ``piece_bytes``.
+    httpcore's sync write sends a chunk with ``buffer = buffer[sent:]``, which copies the rest of
+    a ``bytes`` chunk after every ``send``: quadratic in the chunk size (a 512 MiB bucket as one
+    chunk moved at ~30 MB/s; 1 MiB pieces at ~1 GB/s over loopback on 2 CPU cores)."""
+    for frame in frames:
+        view = memoryview(frame).cast("B")
+        for start in range(0, len(view), piece_bytes):
+            yield view[start:start + piece_bytes]
+
+
 class ServerError(RuntimeError):
     """The server answered with an error status; ``status`` and ``message`` tell which."""
 
@@ -69,8 +83,9 @@ class RolloutClient:
 
     def push_weight_stream(self, body) -> dict:
         """POST /update_weights_stream with ``body`` (an iterator of bytes-like frames,
-        ``server/weight_stream.py``); returns the new ``weight_version``."""
-        resp = self._http.post("/update_weights_stream", content=body,
+        ``server/weight_stream.py``; handed to the socket in pieces of at most
+        ``WIRE_PIECE_BYTES``, see :func:`wire_pieces`); returns the new ``weight_version``."""
+        resp = self._http.post("/update_weights_stream", content=wire_pieces(body),
                                headers={"content-type": "application/octet-stream"})
         try:
             answer = resp.json()

@@ -99,7 +99,18 @@ class Engine:
         self._broadcast(("creset",))
         self.rollout._continuous = None
 
-    def update_weights(self, path: str) -> dict:
+    def update_weights(self, path) -> dict:
+        """Load ``path`` (a folder, or pushed weights staged on rank 0: forwarded to the other
+        ranks as tensor broadcasts, ``weight_broadcast.py``) on every rank, all or nothing."""
+        from parallel_models.rl.rollout.server.weight_stream import PushedWeights
+
+        if self.world > 1 and isinstance(path, PushedWeights):
+            from parallel_models.rl.rollout.server.weight_broadcast import NotStaged, send_pushed
+
+            self._broadcast(("update_pushed", path.headers()))
+            if not send_pushed(path, self.group):  # a rank had no room: all keep the old weights
+                path = NotStaged("another rank could not stage them")
+            return self._do_update(path)
         self._broadcast(("update", path))
         return self._do_update(path)
 
@@ -138,6 +149,10 @@ class Engine:
             return self._do_generate(cmd[1])
         if kind == "update":
             return self._do_update(cmd[1])
+        if kind == "update_pushed":
+            from parallel_models.rl.rollout.server.weight_broadcast import receive_pushed
+
+            return self._do_update(receive_pushed(cmd[1], self.group))
         if kind == "cstep":
             return self._do_cstep(cmd[1])
         if kind == "creset":

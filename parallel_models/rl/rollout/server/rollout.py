@@ -4,8 +4,8 @@ format, and weight pushes after each update.
 ``server_rollout`` returns the same dict as ``PPOTrainer._rollout`` (``sequences`` = left-padded
 prompts + right-padded responses, ``attention_mask``, ``prompt_lengths``, ``response_mask``,
 ``group_index``) plus the server's ``rollout_log_probs``, ``weight_version`` and, when asked
-(MoE), ``routes``. In a TP group
-only TP rank 0 talks to the server; the batch is broadcast to the other TP ranks.
+(MoE), ``routes``. Only the first rank of each model-parallel group (TP x PP: one training DP replica) talks to
+the server; the batch is broadcast to the group's other ranks.
 
 ``push_actor_weights`` streams the actor to the server (``weight_stream.py``, no folder on disk)
 or, as the fallback or on request, saves an HF folder the server loads (``push_weights``).
@@ -16,19 +16,22 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 
-def _tp_info():
+def _replica_info():
+    """(size, rank in it, its first global rank, group) of this rank's model-parallel group (the
+    TP x PP ranks of one training DP replica, which share its prompts): only its first rank asks
+    the server, so a PP > 1 trainer does not generate each replica's rollout once per stage."""
     try:
         from megatron.core import parallel_state as mpu
-
-        if mpu.model_parallel_is_initialized():
-            return (mpu.get_tensor_model_parallel_world_size(),
-                    mpu.get_tensor_model_parallel_rank(), mpu.get_tensor_model_parallel_src_rank(),
-                    mpu.get_tensor_model_parallel_group())
     except ImportError:
-        pass
-    return 1, 0, 0, None
+        return 1, 0, 0, None
+    if not mpu.model_parallel_is_initialized():
+        return 1, 0, 0, None
+    group = mpu.get_model_parallel_group()
+    size = dist.get_world_size(group)
+    return size, dist.get_rank(group), dist.get_global_rank(group, 0), group
 
 
 def _request(client, prompt_ids, params, seed: int | None, eos_token_id, routes: bool) -> dict:
@@ -93,14 +96,12 @@ def server_rollout(client, prompt_ids, params, seed: int | None = None, device=N
     SamplingParams; its EOS, else ``eos_token_id``, and its stop ids are sent as
     ``stop_token_ids``); ``pad_token_id`` pads the batch. ``num_experts`` (an MoE actor): the
     server also returns the routes (``routes``, compact for that many experts)."""
-    import torch.distributed as dist
-
-    tp, tp_rank, src, group = _tp_info()
+    size, rank, src, group = _replica_info()
     batch = None
-    if tp_rank == 0:
+    if rank == 0:
         resp = _request(client, prompt_ids, params, seed, eos_token_id, num_experts is not None)
         batch = batch_from_response(resp, params.n, pad_token_id, num_experts)
-    if tp > 1:
+    if size > 1:
         obj = [batch]
         dist.broadcast_object_list(obj, src=src, group=group)
         batch = obj[0]

@@ -24,6 +24,8 @@ import threading
 
 import torch
 
+from parallel_models.rl.rollout.weight_sync import TensorReader
+
 log = logging.getLogger(__name__)
 
 _DTYPES = {str(d).removeprefix("torch."): d for d in
@@ -81,12 +83,45 @@ def end_frame(count: int) -> bytes:
     return _frame({"end": True, "tensors": count})
 
 
+def unpack_bucket(entries, payload: bytearray, tensors: dict[str, torch.Tensor]) -> None:
+    """Cut a bucket's payload into its tensors (views, no copy), added to ``tensors``."""
+    off = 0
+    for name, dtype, shape in entries:
+        if dtype not in _DTYPES:
+            raise WeightStreamError(f"{name}: unsupported dtype {dtype!r}")
+        if name in tensors:
+            raise WeightStreamError(f"{name}: sent twice")
+        dt = _DTYPES[dtype]
+        n = int(torch.Size(shape).numel()) * dt.itemsize
+        if off + n > len(payload):
+            raise WeightStreamError(f"{name}: payload shorter than its shape {shape}")
+        flat = torch.frombuffer(payload, dtype=torch.uint8, offset=off, count=n) if n else \
+            torch.empty(0, dtype=torch.uint8)
+        tensors[name] = flat.view(dt).view(shape)
+        off += n
+
+
+class PushedWeights(TensorReader):
+    """The staged tensors of a push plus the buckets they are views of: ``frames`` is a list of
+    ``(entries, payload)``, entries ``[[name, dtype, shape], ...]`` in payload order and payload
+    the bucket's bytes (a ``bytearray``)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], frames: list[tuple[list, bytearray]]):
+        super().__init__(tensors, folder="<pushed>")
+        self.frames = frames
+
+    def headers(self) -> list[tuple[list, int]]:
+        """What the command carries: each bucket's entries and byte count."""
+        return [(entries, len(payload)) for entries, payload in self.frames]
+
+
 class StreamParser:
     """Server side: feed the body's chunks (:meth:`feed`), then :meth:`finish` -> the staged HF
     tensors. Raises :class:`WeightStreamError` on a malformed or cut stream."""
 
     def __init__(self, max_header: int = 16 << 20):
         self.tensors: dict[str, torch.Tensor] = {}
+        self.frames: list[tuple[list, bytearray]] = []  # (entries, payload) per bucket
         self.ended = False
         self._buf = bytearray()
         self._header: dict | None = None
@@ -154,20 +189,8 @@ class StreamParser:
             self._header, self._payload = None, None
 
     def _unpack(self, entries, payload: bytearray) -> None:
-        off = 0
-        for name, dtype, shape in entries:
-            if dtype not in _DTYPES:
-                raise WeightStreamError(f"{name}: unsupported dtype {dtype!r}")
-            if name in self.tensors:
-                raise WeightStreamError(f"{name}: sent twice")
-            dt = _DTYPES[dtype]
-            n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
-            if off + n > len(payload):
-                raise WeightStreamError(f"{name}: payload shorter than its shape {shape}")
-            flat = torch.frombuffer(payload, dtype=torch.uint8, offset=off, count=n) if n else \
-                torch.empty(0, dtype=torch.uint8)
-            self.tensors[name] = flat.view(dt).view(shape)
-            off += n
+        unpack_bucket(entries, payload, self.tensors)
+        self.frames.append((entries, payload))
 
     def finish(self) -> dict[str, torch.Tensor]:
         if not self.ended or self._payload is not None or self._buf:
@@ -196,11 +219,9 @@ def check_against_model(tensors: dict[str, torch.Tensor], model) -> None:
 
 async def receive_weight_stream(request, engine):
     """Server side of ``POST /update_weights_stream``: the body parsed and checked against the
-    engine's model -> a loader reader over the staged tensors (:class:`WeightStreamError`
+    engine's model -> the staged tensors (:class:`PushedWeights`, a loader reader) (:class:`WeightStreamError`
     otherwise, saying that the old version is kept)."""
     from starlette.requests import ClientDisconnect
-
-    from parallel_models.rl.rollout.weight_sync import TensorReader
 
     parser = StreamParser()
     try:
@@ -213,19 +234,25 @@ async def receive_weight_stream(request, engine):
         log.warning("weight push rejected (version %d kept): %s", engine.version, what)
         raise WeightStreamError(f"weight push rejected, version {engine.version} kept: "
                                 f"{what}") from None
-    return TensorReader(tensors, folder="<pushed>")
+    return PushedWeights(tensors, parser.frames)
+
+
+STREAM_BUCKET_BYTES = 64 * 2**20
 
 
 def push_weight_stream(chunks, client, bucket_bytes: int | None = None) -> int | None:
     """Trainer side (every rank calls): gather the actor bucket by bucket and stream it from
-    global rank 0 to the server. Returns the new weight version on every rank; raises
+    global rank 0 to the server. Buckets default to ``STREAM_BUCKET_BYTES`` (64 MiB): small
+    enough that gathering, sending and the server's parsing overlap (with 512 MiB buckets a
+    0.5B model is two buckets and the three steps ran one after the other: 9.8 s -> 6.2 s on
+    CPU). Returns the new weight version on every rank; raises
     :class:`WeightStreamError` on every rank if the push failed (the server keeps its old
     weights). The collectives run to the end even when the HTTP side fails, so no rank hangs."""
     import torch.distributed as dist
 
-    from parallel_models.rl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, BucketGatherer
+    from parallel_models.rl.rollout.weight_sync import BucketGatherer
 
-    gatherer = BucketGatherer(chunks, bucket_bytes or DEFAULT_BUCKET_BYTES)
+    gatherer = BucketGatherer(chunks, bucket_bytes or STREAM_BUCKET_BYTES)
     rank = dist.get_rank() if dist.is_initialized() else 0
     sender = _Sender(client) if rank == 0 else None
     host = HostBuffers(4)
@@ -301,5 +328,5 @@ class _Sender:
         return version, self.error
 
 
-__all__ = ["HostBuffers", "StreamParser", "WeightStreamError", "bucket_frame", "check_against_model",
-           "end_frame", "push_weight_stream", "receive_weight_stream"]
+__all__ = ["HostBuffers", "PushedWeights", "StreamParser", "WeightStreamError", "bucket_frame", "check_against_model",
+           "end_frame", "push_weight_stream", "receive_weight_stream", "unpack_bucket"]

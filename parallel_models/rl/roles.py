@@ -23,7 +23,7 @@ from parallel_models import pipeline
 from parallel_models.rl import algorithms as algos
 from parallel_models.rl import dp_stats, losses, moe_aux, routing
 from parallel_models.utils.microbatch import restore_order, split_by_token_budget
-from parallel_models.utils.offload import Offloader
+from parallel_models.utils.offload import Offloader, OffloadingRole
 from parallel_models.utils.padding import pack_padded_batch
 from parallel_models.utils.vocab_parallel import gather_response, log_probs_from_packed_logits
 
@@ -163,20 +163,11 @@ def value_loss(values, mb, cliprange_value: float, mode: str):
                                  "_denom": denom.detach().float(), "_tokens": tokens.float()}
 
 
-class _ModelRole:
+class _ModelRole(OffloadingRole):
     """Offload plumbing shared by the model-backed roles."""
 
     def _init_offload(self, chunks, optimizer) -> None:
         self.offloader = Offloader(chunks, optimizer)
-
-    def offload(self) -> int:
-        return self.offloader.offload()
-
-    def onload(self) -> int:
-        return self.offloader.onload()
-
-    def on_device(self, with_optimizer: bool = False):
-        return self.offloader.on_device(with_optimizer=with_optimizer)
 
 
 def _global_update_metrics(out: dict, weighted: dict[str, str], n_microbatches: int,

@@ -266,3 +266,20 @@ class Offloader:
                 self._sync(free_cache=True)
             elif offload_after:
                 self.offload(with_optimizer=True)
+
+
+class OffloadingRole:
+    """The offload half of the trainer's role protocol for a role that holds an ``offloader``
+    (:class:`Offloader`, or the fsdp backend's): ``offload`` / ``onload`` return the bytes moved,
+    ``on_device`` keeps the role (and its optimizer states) on the device for a phase."""
+
+    offloader: Any
+
+    def offload(self) -> int:
+        return self.offloader.offload()
+
+    def onload(self) -> int:
+        return self.offloader.onload()
+
+    def on_device(self, with_optimizer: bool = False):
+        return self.offloader.on_device(with_optimizer=with_optimizer)

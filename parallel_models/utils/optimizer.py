@@ -81,13 +81,19 @@ def build_optimizer(chunks, config: OptimConfig) -> TrainState:
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
             use_distributed_optimizer=config.use_distributed_optimizer)
         optimizer = get_megatron_optimizer(opt_config, wrapped)
-    scheduler = OptimizerParamScheduler(
+    return TrainState(wrapped, optimizer, lr_scheduler(optimizer, config), config)
+
+
+def lr_scheduler(optimizer, config) -> OptimizerParamScheduler:
+    """megatron-core's schedule of ``config`` (warm-up, decay to ``min_lr`` over ``total_steps``,
+    constant weight decay) over ``optimizer``'s param groups (``lr_mult`` / ``wd_mult``): the one
+    schedule of both training backends."""
+    return OptimizerParamScheduler(
         optimizer, init_lr=0.0 if config.warmup_steps else config.lr, max_lr=config.lr,
         min_lr=config.min_lr, lr_warmup_steps=config.warmup_steps,
         lr_decay_steps=max(config.total_steps, config.warmup_steps + 1),
         lr_decay_style=config.lr_decay_style, start_wd=config.weight_decay,
         end_wd=config.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
-    return TrainState(wrapped, optimizer, scheduler, config)
 
 
 def _step_with_own_clipping(optimizer, max_norm: float):

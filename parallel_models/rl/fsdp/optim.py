@@ -17,6 +17,7 @@ import math
 import torch
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from parallel_models.utils.optimizer import lr_scheduler
 from parallel_models.utils.optimizer_config import OptimConfig
 
 
@@ -42,13 +43,7 @@ def build_fsdp_optimizer(model, config: OptimConfig) -> FSDPTrainState:
               for ps, wd in ((decay, 1.0), (no_decay, 0.0)) if ps]
     optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=tuple(config.betas),
                                   eps=config.eps, weight_decay=config.weight_decay)
-    scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if config.warmup_steps else config.lr, max_lr=config.lr,
-        min_lr=config.min_lr, lr_warmup_steps=config.warmup_steps,
-        lr_decay_steps=max(config.total_steps, config.warmup_steps + 1),
-        lr_decay_style=config.lr_decay_style, start_wd=config.weight_decay,
-        end_wd=config.weight_decay, wd_incr_steps=1, wd_incr_style="constant")
-    return FSDPTrainState(model, optimizer, scheduler, config)
+    return FSDPTrainState(model, optimizer, lr_scheduler(optimizer, config), config)
 
 
 def _full(value) -> float:

@@ -24,13 +24,14 @@ from parallel_models.rl.roles import (VALUE_METRIC_WEIGHTS, _global_update_metri
                                       _response_log_probs, gather_values, make_microbatches,
                                       policy_loss, policy_metric_weights, value_loss)
 from parallel_models.utils.microbatch import restore_order
+from parallel_models.utils.offload import OffloadingRole
 
 
 def _to(mb: dict, device) -> dict:
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items()}
 
 
-class _FSDPRole:
+class _FSDPRole(OffloadingRole):
     """What the fsdp roles share: microbatches on the device, forwards in step with the other
     ranks, one optimizer step over a minibatch, offloading."""
 
@@ -45,15 +46,6 @@ class _FSDPRole:
     @property
     def device(self) -> torch.device:
         return self.offloader.device
-
-    def offload(self) -> int:
-        return self.offloader.offload()
-
-    def onload(self) -> int:
-        return self.offloader.onload()
-
-    def on_device(self, with_optimizer: bool = False):
-        return self.offloader.on_device(with_optimizer=with_optimizer)
 
     def _microbatches(self, batch) -> tuple[list[dict], list[list[int]], int]:
         mbs, indices = make_microbatches(batch, self.max_tokens)

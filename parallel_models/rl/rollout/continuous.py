@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 import torch
 from megatron.core import parallel_state as mpu
 
-from parallel_models.rl.rollout.generation import (_broadcast_in_tp_group,
+from parallel_models.rl.rollout.generation import (_broadcast_in_tp_group, capture_cuda_graph,
                                                    sequence_parallel_off)
 from parallel_models.rl.rollout.pool_cache import DecodeRows, PoolKVCache
 from parallel_models.rl.rollout.prefix_cache import PrefixCache
@@ -126,15 +126,7 @@ class _BucketStep:
             return self._forward()
         if self.graph is None:
             try:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    self._forward()
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    self.logits = self._forward()
-                self.graph = graph
+                self.graph, self.logits = capture_cuda_graph(self._forward)
             except Exception as err:  # e.g. an op that syncs: run eagerly from now on
                 warnings.warn(f"CUDA graph capture of a decode bucket failed ({err}); decoding "
                               "eagerly")

@@ -124,6 +124,21 @@ def _last_token_logits(model, hidden, last_index):
     return model._head(hidden[last_index], 0, full_vocab=True)
 
 
+def capture_cuda_graph(forward):
+    """``forward()`` run once eagerly on a side stream (compiles kernels, initializes libraries),
+    then captured as a CUDA graph; returns ``(graph, output)`` where replaying the graph rewrites
+    ``output`` in place."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = forward()
+    return graph, output
+
+
 class _DecodeStep:
     """One decode step of every row: tokens ``[B]`` in a fixed buffer -> logits ``[B, vocab]``.
 
@@ -164,15 +179,7 @@ class _DecodeStep:
         return self.logits
 
     def _capture(self):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.logits = self._forward()
-        self.graph = graph
+        self.graph, self.logits = capture_cuda_graph(self._forward)
 
 
 @torch.no_grad()

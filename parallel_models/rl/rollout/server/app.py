@@ -170,7 +170,10 @@ class Batcher:
                     batch.append(nxt)
                     rows += nxt.rows
             self._finish(batch, lambda: self._generate(batch))
-        # cancel whatever is left
+        self._cancel_queued()
+
+    def _cancel_queued(self) -> None:
+        """Fail every job still queued with a 503 (the server is stopping)."""
         while True:
             try:
                 job = self.queue.get_nowait()

@@ -93,13 +93,7 @@ class ContinuousBatcher(Batcher):
                 self._step(subs)
             if stopping and not self.continuous.has_work:
                 break
-        while True:  # cancel whatever is left
-            try:
-                job = self.queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None and job.future.set_running_or_notify_cancel():
-                job.future.set_exception(ApiError(503, "server is shutting down"))
+        self._cancel_queued()
 
     def _requests_of(self, job) -> list:
         rows, params, top_k, sink = job.payload[:4]

@@ -8,6 +8,27 @@ import torch
 EOS = 2  # the builtin tokenizer's </s>, which the server uses as eos by default
 
 
+def served_models(root, n_prompts: int, max_prompt: int, max_new_tokens: int) -> dict:
+    """Two tiny Llamas (seeds 1 and 2) with the built-in tokenizer under ``root``, ``n_prompts``
+    seeded random prompts, and each model's greedy answers to them (the servers' oracle)."""
+    import random
+
+    from parallel_models.rl.tokenizer import build_builtin_tokenizer
+    from parallel_models.testing import run_distributed, save_tiny_hf_model
+
+    paths = []
+    for seed in (1, 2):
+        p = str(root / f"m{seed}")
+        save_tiny_hf_model(p, "llama", seed=seed, vocab_size=74)  # the builtin tokenizer's vocab
+        build_builtin_tokenizer().save_pretrained(p)
+        paths.append(p)
+    rng = random.Random(0)
+    prompts = [[1] + [rng.randrange(4, 74) for _ in range(rng.randrange(1, max_prompt))]
+               for _ in range(n_prompts)]
+    ref = run_distributed(reference_greedy, 1, paths, prompts, max_new_tokens)[0]
+    return {"paths": paths, "prompts": prompts, "ref": ref, "root": root}
+
+
 def reference_greedy(paths: list[str], prompts: list[list[int]], max_new_tokens: int) -> list:
     """For each model folder: greedy responses (token ids, log-probs) of each prompt generated
     alone, in-process (TP=1)."""

@@ -9,7 +9,6 @@ localhost port (TP=1, and TP=2 over gloo via torchrun), driven with a real HTTP 
 """
 
 import concurrent.futures
-import random
 
 import httpx
 import pytest
@@ -27,21 +26,7 @@ N_PROMPTS = 64
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from parallel_models.rl.tokenizer import build_builtin_tokenizer
-    from parallel_models.testing import save_tiny_hf_model
-
-    root = tmp_path_factory.mktemp("serve")
-    paths = []
-    for seed in (1, 2):
-        p = str(root / f"m{seed}")
-        save_tiny_hf_model(p, "llama", seed=seed, vocab_size=74)  # the builtin tokenizer's vocab
-        build_builtin_tokenizer().save_pretrained(p)
-        paths.append(p)
-    rng = random.Random(0)
-    prompts = [[1] + [rng.randrange(4, 74) for _ in range(rng.randrange(1, 12))]
-               for _ in range(N_PROMPTS)]
-    ref = run_distributed(server_checks.reference_greedy, 1, paths, prompts, MAX_NEW)[0]
-    return {"paths": paths, "prompts": prompts, "ref": ref, "root": root}
+    return server_checks.served_models(tmp_path_factory.mktemp("serve"), N_PROMPTS, 12, MAX_NEW)
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,7 @@ a push from a PP=2 trainer serves exactly the pushed weights; a push cut short, 
 wrong shape, a missing or non-finite tensor each leave the old version serving the old weights;
 a dead server makes the trainer fail with an error naming it."""
 
-import os
-import random
-
-import httpx
 import pytest
-import torch
 
 from parallel_models.distributed import free_port
 from parallel_models.rl.rollout.server.client import RolloutClient, ServerError
@@ -23,20 +18,8 @@ MAX_NEW = 6
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from parallel_models.rl.tokenizer import build_builtin_tokenizer
-    from parallel_models.testing import save_tiny_hf_model
-
-    root = tmp_path_factory.mktemp("push")
-    paths = []
-    for seed in (1, 2):
-        p = str(root / f"m{seed}")
-        save_tiny_hf_model(p, "llama", seed=seed, vocab_size=74)
-        build_builtin_tokenizer().save_pretrained(p)
-        paths.append(p)
-    rng = random.Random(0)
-    prompts = [[1] + [rng.randrange(4, 74) for _ in range(rng.randrange(1, 10))]
-               for _ in range(6)]
-    ref = run_distributed(server_checks.reference_greedy, 1, paths, prompts, MAX_NEW)[0]
+    models = server_checks.served_models(tmp_path_factory.mktemp("push"), 6, 10, MAX_NEW)
+    root, paths, prompts, ref = (models[k] for k in ("root", "paths", "prompts", "ref"))
     port = free_port()
     proc = start_server(paths[0], port, log_path=str(root / "server.log"))
     client = RolloutClient(f"http://127.0.0.1:{port}", timeout=60)

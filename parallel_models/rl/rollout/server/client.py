@@ -30,6 +30,18 @@ class ServerError(RuntimeError):
         self.message = message
 
 
+def _answer(resp) -> dict:
+    """The JSON body of a server response; a 4xx/5xx raises :class:`ServerError` with its
+    ``error`` message (or the raw text when the body is not JSON)."""
+    try:
+        body = resp.json()
+    except ValueError:
+        body = {"error": resp.text}
+    if resp.status_code >= 400:
+        raise ServerError(resp.status_code, body.get("error", str(body)))
+    return body
+
+
 class RolloutClient:
     """``RolloutClient("http://127.0.0.1:8000", api_key=None, timeout=300.0)``."""
 
@@ -43,14 +55,7 @@ class RolloutClient:
                                                       max_keepalive_connections=64))
 
     def _call(self, method: str, path: str, json: Any = None) -> dict:
-        resp = self._http.request(method, path, json=json)
-        try:
-            body = resp.json()
-        except ValueError:
-            body = {"error": resp.text}
-        if resp.status_code >= 400:
-            raise ServerError(resp.status_code, body.get("error", str(body)))
-        return body
+        return _answer(self._http.request(method, path, json=json))
 
     def health(self) -> dict:
         return self._call("GET", "/health")
@@ -85,15 +90,8 @@ class RolloutClient:
         """POST /update_weights_stream with ``body`` (an iterator of bytes-like frames,
         ``server/weight_stream.py``; handed to the socket in pieces of at most
         ``WIRE_PIECE_BYTES``, see :func:`wire_pieces`); returns the new ``weight_version``."""
-        resp = self._http.post("/update_weights_stream", content=wire_pieces(body),
-                               headers={"content-type": "application/octet-stream"})
-        try:
-            answer = resp.json()
-        except ValueError:
-            answer = {"error": resp.text}
-        if resp.status_code >= 400:
-            raise ServerError(resp.status_code, answer.get("error", str(answer)))
-        return answer
+        return _answer(self._http.post("/update_weights_stream", content=wire_pieces(body),
+                                       headers={"content-type": "application/octet-stream"}))
 
     def shutdown(self) -> dict:
         return self._call("POST", "/shutdown")

@@ -138,8 +138,9 @@ def sync_matches_fresh_load(model_path: str, out_dir: str, tp: int, pp: int,
     return results
 
 
-def ppo_metrics(output_dir: str, overrides: list[str]) -> list[dict]:
-    """``trainer.fit()`` of a short seeded PPO run with ``overrides``; its metrics per step."""
+def ppo_metrics(output_dir: str, overrides: list[str], report_engine: bool = False) -> list[dict]:
+    """``trainer.fit()`` of a short seeded PPO run with ``overrides``; its metrics per step
+    (``report_engine``: with ``_rollout_continuous``, whether the rollout batched continuously)."""
     from parallel_models.rl.config import load_config
     from parallel_models.rl.trainer import PPOTrainer
 
@@ -147,7 +148,12 @@ def ppo_metrics(output_dir: str, overrides: list[str]) -> list[dict]:
                              "trainer.loggers=[jsonl]", "trainer.save_hf_at_end=false",
                              *overrides])
     cfg.validate()
-    return PPOTrainer(cfg).fit()
+    trainer = PPOTrainer(cfg)
+    rows = trainer.fit()
+    engine = trainer.hybrid.engine if trainer.hybrid is not None else trainer.rollout_engine
+    for row in rows if report_engine else []:  # how the rollout ran (tests/hybrid_ppo_runs.metrics_at takes it out)
+        row["_rollout_continuous"] = bool(engine.continuous)
+    return rows
 
 
 def push_from_layout(model_path: str, url: str, tp: int, pp: int, fallback_folder: str | None

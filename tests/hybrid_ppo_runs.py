@@ -14,9 +14,13 @@ REL = 1e-5
 ABS_FLOOR = 1e-6  # metrics that are zero up to rounding (the whitened pg_loss, advantages/mean)
 
 
-def metrics_at(tmp_path, world: int, layout: list[str], name: str) -> list[dict]:
+def metrics_at(tmp_path, world: int, layout: list[str], name: str,
+               continuous: bool = False) -> list[dict]:
+    """The run's metrics (timings aside); ``continuous``: the rollout engine must have batched
+    continuously (else statically)."""
     rows = run_distributed(hybrid_checks.ppo_metrics, world, str(tmp_path / name),
-                           SHORT_RUN + layout, timeout=400)[0]
+                           SHORT_RUN + layout, report_engine=True, timeout=400)[0]
+    assert all(m.pop("_rollout_continuous") == continuous for m in rows), name
     return [{k: v for k, v in m.items() if not k.startswith(("timing/", "memory/"))}
             for m in rows]
 

@@ -184,8 +184,7 @@ class PPOTrainer:
             self.rollout_engine = RolloutEngine(self.actor_model,
                                                 eos_token_id=self.tokenizer.eos_token_id,
                                                 pad_token_id=pad if pad is not None else 0,
-                                                kv_budget_tokens=r.kv_budget_tokens or None,
-                                                max_rows=r.max_batch_rows)
+                                                **r.engine_options())
             # PP or EP > 1: the rollout model holds every layer and expert (hybrid engine)
             pp = par.pipeline_parallel_size > 1 or par.expert_parallel_size > 1
             if r.backend == "inprocess" and (pp or rollout_tp != par.tensor_parallel_size):
@@ -194,7 +193,8 @@ class PPOTrainer:
                 self.hybrid = HybridRollout(self.actor_model, rollout_tp,
                                             eos_token_id=self.tokenizer.eos_token_id,
                                             pad_token_id=pad if pad is not None else 0,
-                                            offload=self._offload_enabled())
+                                            offload=self._offload_enabled(),
+                                            engine_options=r.engine_options())
         self.rollout_client = None
         if r.backend == "server":
             from parallel_models.rl.rollout.server import RolloutClient

@@ -122,6 +122,11 @@ class RolloutSection(SamplingFields):
         fields = {k: getattr(self, k) for k in SamplingFields.model_fields}
         return SamplingParams(**fields, seed=seed)
 
+    def engine_options(self) -> dict:
+        """The in-process rollout engine's batching settings (``RolloutEngine`` keywords), the
+        same for the engine on the actor's weights, the hybrid engine's and the fsdp backend's."""
+        return {"kv_budget_tokens": self.kv_budget_tokens or None, "max_rows": self.max_batch_rows}
+
 
 class ActorSection(OptimizerFields):
     """The policy and its PPO loss (the optimizer knobs are those of OptimConfig)."""

@@ -111,7 +111,8 @@ def _build(trainer, model_path: str) -> None:
         trainer.actor_model = cls.from_pretrained(model_path, dtype=dtype)
         trainer.actor_model.requires_grad_(False)
         trainer.rollout_engine = SyncedRolloutEngine(
-            RolloutEngine(trainer.actor_model, **special), trainer.actor)
+            RolloutEngine(trainer.actor_model, **special, **cfg.rollout.engine_options()),
+            trainer.actor)
         logger.info("fsdp backend: rollout with %s, refilled from the FSDP actor", cls.__name__)
     else:
         from parallel_models.rl.fsdp.hf_rollout import HFRolloutEngine

@@ -39,13 +39,15 @@ def build_rollout_model(actor, layout: RolloutLayout):
 
 class HybridRollout:
     """``HybridRollout(actor_chunks, tensor_parallel_size, eos_token_id=, pad_token_id=,
-    bucket_bytes=, share_weights=, offload=)``; build it on every rank at once (it makes process
-    groups). ``offload``: keep the rollout copy in host memory between rollouts."""
+    bucket_bytes=, share_weights=, offload=, engine_options=)``; build it on every rank at once
+    (it makes process groups). ``offload``: keep the rollout copy in host memory between
+    rollouts. ``engine_options``: the rollout engine's batching settings (``kv_budget_tokens``,
+    ``max_rows``: continuous batching)."""
 
     def __init__(self, actor_chunks, tensor_parallel_size: int | None = None, *,
                  eos_token_id=None, pad_token_id: int = 0,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, share_weights: bool | None = None,
-                 offload: bool = False):
+                 offload: bool = False, engine_options: dict | None = None):
         chunks = list(actor_chunks) if isinstance(actor_chunks, (list, tuple)) else [actor_chunks]
         actor = chunks[0]
         tp = tensor_parallel_size or mpu.get_tensor_model_parallel_world_size()
@@ -63,7 +65,8 @@ class HybridRollout:
         else:
             model = build_rollout_model(actor, self.layout)
             self.weight_sync = WeightSync(chunks, model, self.layout, bucket_bytes)
-        self.engine = RolloutEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        self.engine = RolloutEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                                    **(engine_options or {}))
         self._synced_version: object = None
         # offload (trainer.offload on CUDA): the rollout copy sits in host memory between
         # rollouts and comes to the device for the sync and the generation only

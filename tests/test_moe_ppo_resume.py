@@ -34,3 +34,15 @@ def test_ppo_checkpoint_resumes_at_another_expert_parallel_size(tmp_path, save_e
             tol = 1e-5 * max(abs(want[key]), abs(got[key])) + 1e-6
             assert abs(want[key] - got[key]) <= tol, f"{key}: EP={save_ep} {want[key]} vs " \
                                                      f"EP={load_ep} {got[key]}"
+
+
+def test_moe_run_resumes_after_kill_from_its_periodic_checkpoint(tmp_path):
+    """The user's path: `parallel-models-ppo model.path=builtin-moe` writes its periodic
+    checkpoints (router replay R3 on), is SIGKILLed, and `--resume` continues exactly."""
+    from tests.ppo_runs import resume_after_kill_matches
+
+    resume_after_kill_matches(tmp_path, ["model.path=builtin-moe", "algorithm.adv_estimator=grpo",
+                                         "critic.enable=false", "actor.router_replay=R3",
+                                         "trainer.total_steps=4", "trainer.save_every=2",
+                                         "trainer.save_hf_at_end=false", "trainer.loggers=[jsonl]"],
+                              steps=4)

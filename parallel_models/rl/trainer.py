@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import random
-import shutil
 
 import numpy as np
 import torch
@@ -29,6 +28,8 @@ import parallel_models as pm
 from parallel_models.config import ConfigError
 from parallel_models.rl import algorithms as algos
 from parallel_models.rl.rollout.engine import RolloutEngine
+from parallel_models.rl.builtin_model import (BUILTIN_MOE, build_builtin_model,  # noqa: F401
+                                              builtin_model_config)
 from parallel_models.rl.tokenizer import builtin_vocab
 from parallel_models.rl import dp_stats
 from parallel_models.rl.advantages import compute_advantages
@@ -48,50 +49,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-BUILTIN_MOE = "builtin-moe"  # model.path of the built-in tiny Qwen3-MoE
-MOE_CHECKPOINTS = ("trainer checkpoints of MoE actors are not supported yet (rl/sharded_state.py "
-                   "has no expert weight rules)")
-
-
-def builtin_model_config(vocab_size: int, tokenizer=None, moe: bool = False):
-    """The default job's tiny Llama: 2 layers, hidden 64, 4 heads (2 KV heads); ``moe``: the
-    same shape as a Qwen3-MoE with 4 experts (top-2, intermediate 64) in every layer."""
-    from transformers import LlamaConfig, Qwen3MoeConfig
-
-    special = {} if tokenizer is None else dict(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)
-    if moe:
-        return Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                              head_dim=16, num_experts=4, num_experts_per_tok=2,
-                              moe_intermediate_size=64, norm_topk_prob=True,
-                              decoder_sparse_step=1, mlp_only_layers=[],
-                              max_position_embeddings=512, tie_word_embeddings=False,
-                              architectures=["Qwen3MoeForCausalLM"], **special)
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
-                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=512, tie_word_embeddings=False,
-                       architectures=["LlamaForCausalLM"], **special)
-
-
-def build_builtin_model(folder: str, tokenizer, seed: int = 0, moe: bool = False) -> str:
-    """The default job's tiny Llama (or Qwen3-MoE; random weights) and its tokenizer, saved as
-    an HF folder."""
-    from transformers import AutoModelForCausalLM
-
-    config = builtin_model_config(len(tokenizer), tokenizer, moe=moe)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    tmp = folder + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(tmp, folder)
-    return folder
 
 
 def _check_megatron_family(path: str) -> None:
@@ -202,8 +159,6 @@ class PPOTrainer:
             # the bearer token, if the server wants one, comes from the environment
             self.rollout_client = RolloutClient(r.server_url,
                                                 api_key=os.environ.get("PARALLEL_MODELS_API_KEY"))
-        if tcfg.resume and self._moe:
-            raise ConfigError(f"trainer.resume: {MOE_CHECKPOINTS}")
         if tcfg.resume:
             self.resume()
         if self.rollout_client is not None:
@@ -483,9 +438,6 @@ class PPOTrainer:
                 print(json.dumps(finished))
             return []
         history = []
-        if tcfg.save_every and self._moe and _rank() == 0:
-            logger.warning("trainer.save_every=%d: %s; no trainer checkpoint is written (the "
-                           "final weights still go to actor_hf)", tcfg.save_every, MOE_CHECKPOINTS)
         if _rank() == 0:  # the resolved config of the run, beside its outputs
             self.cfg.save(os.path.join(tcfg.output_dir, "config.yaml"))
         if self.validator is not None and tcfg.val_before_train and self.step_index == 0:
@@ -505,7 +457,7 @@ class PPOTrainer:
             if _rank() == 0 and (self.step_index % tcfg.log_every == 0 or last):
                 logger.info("step %d/%d: %s", self.step_index, tcfg.total_steps,
                             summary_line(metrics))
-            if tcfg.save_every and not self._moe and (self.step_index % tcfg.save_every == 0
+            if tcfg.save_every and (self.step_index % tcfg.save_every == 0
                                                       or self.step_index == tcfg.total_steps):
                 self.save_checkpoint()
         self.metrics.close()

@@ -10,6 +10,7 @@ import logging
 import os
 
 from parallel_models.errors import ConfigError
+from parallel_models.rl.builtin_model import BUILTIN_MOE, builtin_model_config
 from parallel_models.rl.config.sections import DATA_SUFFIXES
 
 logger = logging.getLogger(__name__)
@@ -65,8 +66,8 @@ def _expert_parallel_problems(cfg) -> list[str]:
     if m.path is None:
         return [f"{key}: the built-in model (model.path=null) is a dense Llama; use "
                 "model.path=builtin-moe or an MoE model, or expert_parallel_size=1"]
-    if m.path == "builtin-moe":
-        experts = 4  # trainer.builtin_model_config(moe=True)
+    if m.path == BUILTIN_MOE:
+        experts = builtin_model_config(1, moe=True).num_experts
     else:
         config_file = os.path.join(os.path.expanduser(m.path), "config.json")
         if not os.path.isfile(config_file):
@@ -102,7 +103,7 @@ def _router_replay_problems(cfg) -> list[str]:
                          "(model.path=null) is a dense Llama; use model.path=builtin-moe or an "
                          "MoE model, or router_replay=off"]
     config_file = os.path.join(os.path.expanduser(m.path), "config.json")
-    if m.path != "builtin-moe" and os.path.isfile(config_file):
+    if m.path != BUILTIN_MOE and os.path.isfile(config_file):
         from parallel_models.config import ModelConfig
 
         try:

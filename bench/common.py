@@ -56,6 +56,22 @@ def save_llama_model(args, max_positions: int = 8192):
     return cfg, folder
 
 
+def ragged_batch(tokens: int, max_len: int, vocab: int, device, min_len: int = 256):
+    """An RL-like padded batch: lengths uniform in [min_len, max_len] (seed 0) until ``tokens``
+    real tokens; returns ``(lengths, ids [N, max(lengths)], mask)`` (right padding)."""
+    g = torch.Generator().manual_seed(0)
+    lengths, total = [], 0
+    while total < tokens:
+        n = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        lengths.append(n)
+        total += n
+    ids = torch.randint(0, vocab, (len(lengths), max(lengths)), device=device)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    return lengths, ids, mask
+
+
 def timed(fn, warmup: int = 2, iters: int = 5) -> float:
     """Median seconds of ``fn()`` over ``iters`` runs after ``warmup`` runs (CUDA events)."""
     for _ in range(warmup):

@@ -21,7 +21,8 @@ import argparse
 import contextlib
 
 import torch
-from common import add_llama_shape_args, alternate, gpu_state, report, save_llama_model
+from common import (add_llama_shape_args, alternate, gpu_state, ragged_batch, report,
+                    save_llama_model)
 
 
 def liger_model(folder, dev):
@@ -132,16 +133,7 @@ def main():
         ids = torch.randint(0, args.vocab, (B, S), device=dev)
         run_case("uniform", ids, torch.ones_like(ids), B * S)
     if "ragged" in args.cases:  # as many real tokens as 2 uniform batches, lengths in [256, S]
-        g = torch.Generator().manual_seed(0)
-        lengths, total = [], 0
-        while total < B * S * 2:
-            n = int(torch.randint(256, S + 1, (1,), generator=g))
-            lengths.append(n)
-            total += n
-        ids = torch.randint(0, args.vocab, (len(lengths), max(lengths)), device=dev)
-        mask = torch.zeros_like(ids)
-        for i, n in enumerate(lengths):
-            mask[i, :n] = 1
+        lengths, ids, mask = ragged_batch(B * S * 2, S, args.vocab, dev)
         run_case("ragged", ids, mask, sum(lengths))
     res["gpu_state_end"] = gpu_state()
     report(res, args.out)

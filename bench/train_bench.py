@@ -20,7 +20,8 @@ import argparse
 import os
 
 import torch
-from common import add_llama_shape_args, kernel_table, peak_gib, report, save_llama_model, timed
+from common import (add_llama_shape_args, kernel_table, peak_gib, ragged_batch, report,
+                    save_llama_model, timed)
 
 
 def matmul_peak_tflops(dev) -> float:
@@ -155,17 +156,8 @@ def main():
         clear_grads()
 
     if "train_rl" in cases:  # same token count as 2 full batches, lengths uniform in [256, S]
-        g = torch.Generator().manual_seed(0)
-        lengths, total = [], 0
-        while total < B * S * 2:
-            n = int(torch.randint(256, S + 1, (1,), generator=g))
-            lengths.append(n)
-            total += n
-        N, L = len(lengths), max(lengths)
-        pids = torch.randint(0, args.vocab, (N, L), device=dev)
-        pmask = torch.zeros_like(pids)
-        for i, n in enumerate(lengths):
-            pmask[i, :n] = 1
+        lengths, pids, pmask = ragged_batch(B * S * 2, S, args.vocab, dev)
+        N, L = pids.shape
         packed = pm.pack_padded_batch(pids, pmask)
         f = flops(lengths)
         t_hf = timed(lambda: hf_step(pids, pmask), warmup=1, iters=3)

@@ -9,17 +9,15 @@ import torch
 from tests.moe_checks import ARCH
 
 
-def _safetensors_state(folder: str) -> dict:
-    import glob
-    import os
+def _folder_diff(want_folder: str, got_folder: str) -> dict:
+    """Tensors of two HF folders: names that differ, are missing from / extra in ``got``."""
+    from tests.ppo_runs import load_folder
 
-    from safetensors import safe_open
-
-    out = {}
-    for f in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
-        with safe_open(f, "pt") as st:
-            out.update({k: st.get_tensor(k) for k in st.keys()})
-    return out
+    want, got = load_folder(want_folder), load_folder(got_folder)
+    return {"differ": sorted(k for k in want.keys() & got.keys()
+                             if not torch.equal(want[k], got[k])),
+            "missing": sorted(want.keys() - got.keys()),
+            "extra": sorted(got.keys() - want.keys()), "count": len(got)}
 
 
 def check_moe_save_round_trip(folders: dict, out_root: str, tp: int, ep: int, pp: int = 1
@@ -43,11 +41,7 @@ def check_moe_save_round_trip(folders: dict, out_root: str, tp: int, ep: int, pp
         target = f"{out_root}/{family}_{head}_tp{tp}_ep{ep}_pp{pp}"
         model.save_pretrained(target)
         if dist.get_rank() == 0:
-            want, got = _safetensors_state(path), _safetensors_state(target)
-            out[family] = {"differ": sorted(k for k in want.keys() & got.keys()
-                                            if not torch.equal(want[k], got[k])),
-                           "missing": sorted(want.keys() - got.keys()),
-                           "extra": sorted(got.keys() - want.keys()), "count": len(got)}
+            out[family] = _folder_diff(path, target)
     return out
 
 
@@ -62,12 +56,7 @@ def convert_round_trip(folders: dict, out_root: str) -> dict:
         back = f"{out_root}/{family}_{head}_back"
         convert_hf_to_mcore(path, mcore, progress=False, format="flat")  # read as a folder below
         convert_mcore_to_hf(mcore, back, progress=False)
-        want, got = _safetensors_state(path), _safetensors_state(back)
-        out[family] = {"differ": sorted(k for k in want.keys() & got.keys()
-                                        if not torch.equal(want[k], got[k])),
-                       "missing": sorted(want.keys() - got.keys()),
-                       "extra": sorted(got.keys() - want.keys()), "count": len(got),
-                       "mcore": mcore}
+        out[family] = {**_folder_diff(path, back), "mcore": mcore}
     return out
 
 
@@ -126,9 +115,5 @@ def check_save_mcore_round_trip(folders: dict, out_root: str, tp: int, ep: int) 
         if dist.get_rank() == 0:
             back = mcore + "_hf"
             convert_mcore_to_hf(mcore, back, progress=False)
-            want, got = _safetensors_state(path), _safetensors_state(back)
-            out[family] = {"differ": sorted(k for k in want.keys() & got.keys()
-                                            if not torch.equal(want[k], got[k])),
-                           "missing": sorted(want.keys() - got.keys()),
-                           "extra": sorted(got.keys() - want.keys()), "count": len(got)}
+            out[family] = _folder_diff(path, back)
     return out

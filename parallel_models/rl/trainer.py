@@ -27,17 +27,15 @@ from tqdm import tqdm
 import parallel_models as pm
 from parallel_models.config import ConfigError
 from parallel_models.rl import algorithms as algos
-from parallel_models.rl.rollout.engine import RolloutEngine
 from parallel_models.rl.builtin_model import (BUILTIN_MOE, build_builtin_model,  # noqa: F401
                                               builtin_model_config)
 from parallel_models.rl.tokenizer import builtin_vocab
-from parallel_models.rl import dp_stats
+from parallel_models.rl import dp_stats, megatron_backend
 from parallel_models.rl.advantages import compute_advantages
 from parallel_models.rl.batch import RolloutBatch
 from parallel_models.rl.metrics import Timer
 from parallel_models.rl.mismatch import rollout_mismatch_metrics
-from parallel_models.rl.roles import CriticRole, PolicyRole, RuleReward
-from parallel_models.utils.optimizer import build_optimizer
+from parallel_models.rl.roles import RuleReward
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +101,7 @@ class PPOTrainer:
 
             build_fsdp_roles(self, model_path)  # actor, ref, critic, actor_model, rollout_engine
         else:
-            self._build_megatron_roles(model_path)
+            megatron_backend.build_roles(self, model_path)
         self.reward = self._build_reward()
         alg = cfg.algorithm
         if alg.kl_ctrl == "adaptive":
@@ -133,25 +131,11 @@ class PPOTrainer:
         self.step_index = 0
         r = cfg.rollout
         self.sampling = r.sampling_params()
-        pad = self.tokenizer.pad_token_id
         # an MoE actor (megatron backend): the rollout records routes (router replay, metrics)
         self._moe = par.backend == "megatron" and self.actor_model.config.is_moe
         self.hybrid = None  # the actor rolls out in another layout (TP' or PP > 1)
         if par.backend == "megatron":
-            self.rollout_engine = RolloutEngine(self.actor_model,
-                                                eos_token_id=self.tokenizer.eos_token_id,
-                                                pad_token_id=pad if pad is not None else 0,
-                                                **r.engine_options())
-            # PP or EP > 1: the rollout model holds every layer and expert (hybrid engine)
-            pp = par.pipeline_parallel_size > 1 or par.expert_parallel_size > 1
-            if r.backend == "inprocess" and (pp or rollout_tp != par.tensor_parallel_size):
-                from parallel_models.rl.rollout.hybrid import HybridRollout
-
-                self.hybrid = HybridRollout(self.actor_model, rollout_tp,
-                                            eos_token_id=self.tokenizer.eos_token_id,
-                                            pad_token_id=pad if pad is not None else 0,
-                                            offload=self._offload_enabled(),
-                                            engine_options=r.engine_options())
+            megatron_backend.build_rollout(self, rollout_tp)
         self.rollout_client = None
         if r.backend == "server":
             from parallel_models.rl.rollout.server import RolloutClient
@@ -164,38 +148,6 @@ class PPOTrainer:
         if self.rollout_client is not None:
             self._push_weights()  # the server starts from the trainer's (possibly resumed) actor
         self._offload_all()  # each phase brings what it needs to the GPU
-
-    def _build_megatron_roles(self, model_path: str) -> None:
-        """The actor, reference and critic roles over our parallel models (megatron backend)."""
-        cfg, tcfg, a = self.cfg, self.cfg.trainer, self.cfg.actor
-        dtype = cfg.model.dtype
-        arch = pm.registry.architecture_of(model_path)
-        pp = cfg.parallel.pipeline_parallel_size > 1  # PP variants: this rank's pipeline stage
-        actor_cls = pm.get_model_class(arch, "causal_lm", rmpad=True, pp=pp)
-        self.actor_model = actor_cls.from_pretrained(model_path, dtype=dtype)
-        budget = a.micro_batch_tokens
-        self.actor = PolicyRole(self.actor_model, build_optimizer([self.actor_model],
-                                                                 a.optim_config(tcfg.total_steps)),
-            temperature=cfg.rollout.temperature if not cfg.rollout.greedy else 1.0,
-            max_tokens=budget, cfg=a)
-        alg = cfg.algorithm
-        self.ref = None
-        if alg.kl_in_reward or a.use_kl_loss:
-            ref_model = actor_cls.from_pretrained(model_path, dtype=dtype)
-            ref_model.requires_grad_(False)
-            self.ref = PolicyRole(ref_model, None, temperature=self.actor.temperature,
-                                  max_tokens=budget)
-        self.critic = None
-        if alg.adv_estimator == "gae":
-            c = cfg.critic
-            critic_path = c.path or model_path
-            critic_cls = pm.get_model_class(pm.registry.architecture_of(critic_path), "value",
-                                            rmpad=True, pp=pp)
-            critic_model = critic_cls.from_pretrained(critic_path, dtype=dtype,
-                                                      value_head_seed=tcfg.seed)
-            critic_state = build_optimizer([critic_model], c.optim_config(tcfg.total_steps))
-            self.critic = CriticRole(critic_model, critic_state, max_tokens=budget, cfg=c,
-                                     loss_agg_mode=a.loss_agg_mode)
 
     # ---- set-up helpers -------------------------------------------------------------------------
     def _seed_everything(self, seed: int) -> None:

@@ -21,7 +21,9 @@ import torch
 
 from parallel_models import pipeline
 from parallel_models.rl import algorithms as algos
+from parallel_models.llama.layers import exact
 from parallel_models.rl import dp_stats, losses, moe_aux, routing
+from parallel_models.rl.exact_log_probs import exact_response_log_probs
 from parallel_models.utils.microbatch import restore_order, split_by_token_budget
 from parallel_models.utils.offload import Offloader, OffloadingRole
 from parallel_models.utils.padding import pack_padded_batch
@@ -85,6 +87,8 @@ def make_microbatches(batch: dict, max_tokens: int, routes: bool = True
 
 
 def _response_log_probs(logits, mb, temperature: float, with_entropy: bool):
+    if exact.enabled():  # rollout.exact: the sampler's own log-prob kernel
+        return exact_response_log_probs(logits, mb, temperature, with_entropy)
     if temperature != 1.0:
         logits = logits / temperature
     out = log_probs_from_packed_logits(logits, mb["input_ids"], mb["cu_seqlens"],

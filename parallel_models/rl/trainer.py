@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 import parallel_models as pm
 from parallel_models.config import ConfigError
+from parallel_models.llama.layers.exact import exact_mode
 from parallel_models.rl import algorithms as algos
 from parallel_models.rl.builtin_model import (BUILTIN_MOE, build_builtin_model,  # noqa: F401
                                               builtin_model_config)
@@ -220,8 +221,8 @@ class PPOTrainer:
         timings: dict[str, float] = {}
         memory: dict[str, float] = {}
 
-        def phase(name, fn, *args):
-            with Timer(name, timings, memory):
+        def phase(name, fn, *args):  # rollout.exact: every phase on the exact kernels
+            with Timer(name, timings, memory), exact_mode(self.cfg.rollout.exact):
                 return fn(*args)
 
         batch = phase("gen", self.rollout_phase)

@@ -21,6 +21,10 @@ def set_compilation(enabled: bool) -> None:
     _ENABLED = enabled
 
 
+def compilation_enabled() -> bool:
+    return _ENABLED
+
+
 @functools.cache
 def _compile_available() -> bool:
     if os.environ.get("PARALLEL_MODELS_COMPILE", "1") == "0" or not torch.cuda.is_available():

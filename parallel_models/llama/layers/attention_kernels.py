@@ -17,6 +17,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from parallel_models.llama.layers import exact
+
 
 @functools.cache
 def _flash_attn_varlen():
@@ -52,6 +54,10 @@ def available_backend(device: torch.device, dtype: torch.dtype) -> str:
 
 def varlen_causal_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int,
                             scale: float | None = None) -> torch.Tensor:
+    if exact.enabled():  # one batch-invariant kernel for prefill, decode and training
+        from parallel_models.llama.layers.exact import ops
+
+        return ops.varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
     backend = available_backend(q.device, q.dtype)
     if backend == "flash_attn":
         return _flash_attn_varlen()(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from parallel_models.llama.layers import exact
 from parallel_models.llama.layers.rotary import apply_rotary
 from parallel_models.utils.gpu_compile import compiled_on_gpu
 
@@ -40,7 +41,25 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-rms_norm = compiled_on_gpu(_rms_norm)
-add_rms_norm = compiled_on_gpu(_add_rms_norm)
+_compiled_rms_norm = compiled_on_gpu(_rms_norm)
+_compiled_add_rms_norm = compiled_on_gpu(_add_rms_norm)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (the batch-invariant kernel in exact mode: layers/exact)."""
+    if exact.enabled():
+        from parallel_models.llama.layers.exact import ops
+
+        return ops.rms_norm(x, weight, eps)
+    return _compiled_rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + residual, rms_norm(x + residual))."""
+    if exact.enabled():
+        total = x + residual
+        return total, rms_norm(total, weight, eps)
+    return _compiled_add_rms_norm(x, residual, weight, eps)
+
 rotary = compiled_on_gpu(_rotary)
 swiglu = compiled_on_gpu(_swiglu)

@@ -26,11 +26,15 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
+from parallel_models.llama.layers import exact
+
 ENV = "PARALLEL_MODELS_MOE_GROUPED_GEMM"
 
 
 def use_grouped_gemm(hidden: torch.Tensor) -> bool:
     """Whether to run the experts as grouped GEMMs for activations ``hidden``."""
+    if exact.enabled():  # exact mode's grouped kernel (layers/exact) takes any device and dtype
+        return True
     setting = os.environ.get(ENV, "auto")
     if setting not in ("auto", "0", "1"):
         raise ValueError(f"{ENV}={setting!r}: use 1 (on), 0 (off) or leave it unset (auto)")

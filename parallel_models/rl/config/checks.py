@@ -134,6 +134,9 @@ def _data_and_batch_problems(cfg) -> list[str]:
     if cfg.trainer.test_freq and d.val_path is None and d.task is None:
         errors.append(f"trainer.test_freq={cfg.trainer.test_freq} needs a validation set: "
                       "data.val_path or data.task")
+    if r.exact and (r.backend != "inprocess" or cfg.parallel.backend != "megatron"):
+        errors.append("rollout.exact=true runs the batch-invariant kernels of our own layers: "
+                      "it needs rollout.backend=inprocess and parallel.backend=megatron")
     if r.backend == "server" and not r.server_url:
         errors.append("rollout.backend=server needs rollout.server_url")
     samples = d.batch_size * r.n

@@ -116,6 +116,9 @@ class RolloutSection(SamplingFields):
                                   "done, the n samples share one prefill); 0 = static batches")
     max_batch_rows: Int = Field(256, ge=1, description="continuous batching: samples decoding "
                                                        "at once at most")
+    exact: StrictBool = Field(False, description="batch-invariant kernels (needs Triton): rollout "
+                              "log-probs == training log-probs bit for bit (megatron backend, "
+                              "inprocess rollout)")
 
     def sampling_params(self, seed: int | None = None) -> SamplingParams:
         """The :class:`SamplingParams` of this section (with ``seed``)."""

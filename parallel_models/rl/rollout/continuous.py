@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 import torch
 from megatron.core import parallel_state as mpu
 
+from parallel_models.llama.layers import exact
 from parallel_models.rl.rollout.generation import (_broadcast_in_tp_group, capture_cuda_graph,
                                                    sequence_parallel_off)
 from parallel_models.rl.rollout.pool_cache import DecodeRows, PoolKVCache
@@ -114,6 +115,7 @@ class _BucketStep:
     def __init__(self, model, cache: PoolKVCache, rows: DecodeRows, use_graph: bool):
         self.model, self.cache, self.rows = model, cache, rows
         self.use_graph, self.graph, self.logits = use_graph, None, None
+        self.exact = False  # whether the graph holds exact mode's kernels (layers/exact)
 
     def _forward(self):
         self.cache.begin_decode(self.rows)
@@ -124,7 +126,10 @@ class _BucketStep:
     def __call__(self):
         if not self.use_graph:
             return self._forward()
+        if self.graph is not None and self.exact != exact.enabled():
+            self.graph = None  # captured with the other kernels: capture again
         if self.graph is None:
+            self.exact = exact.enabled()
             try:
                 self.graph, self.logits = capture_cuda_graph(self._forward)
             except Exception as err:  # e.g. an op that syncs: run eagerly from now on

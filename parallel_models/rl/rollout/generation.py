@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
+from parallel_models.llama.layers import exact
 from parallel_models.rl.rollout.kv_cache import KVCache
 from parallel_models.rl.rollout.route_collector import RouteCollector
 from parallel_models.rl.rollout.sampling import SamplingParams
@@ -104,6 +105,10 @@ def _next_tokens(logits: torch.Tensor, params: SamplingParams, generator=None, t
         tokens = torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator).squeeze(-1)
     all_log_probs = torch.log_softmax(scaled, -1)
     log_probs = all_log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+    if exact.enabled():  # the training loss's log-prob kernel (layers/exact)
+        from parallel_models.rl.rollout.row_sampling import exact_log_probs
+
+        log_probs = exact_log_probs(logits, tokens, params)
     top = None
     if top_logprobs:
         values, ids = torch.topk(all_log_probs, min(top_logprobs, all_log_probs.shape[-1]), -1)

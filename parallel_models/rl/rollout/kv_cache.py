@@ -19,6 +19,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from parallel_models.llama.layers import exact
 from parallel_models.llama.layers.attention_kernels import varlen_causal_attention
 
 
@@ -76,6 +77,13 @@ class KVCache:
         self.v[layer, rows, pos] = v
         if not self.decoding:  # prefill of fresh rows: plain causal attention on the prompt
             return varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale)
+        if exact.enabled():  # the kernel of prefill and training (layers/exact)
+            from parallel_models.llama.layers.exact import ops
+
+            b, max_len, kv, d = self.k[layer].shape
+            return ops.decode_attention(q, self.k[layer].view(b * max_len, kv, d),
+                                        self.v[layer].view(b * max_len, kv, d),
+                                        self._rows * max_len, self.lengths, scale)
         if self.flash_decode:
             return _flash_decode(q, self.k[layer], self.v[layer], self._cu_q, self._cu_k,
                                  self._used, scale)

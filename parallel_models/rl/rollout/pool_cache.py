@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from parallel_models.llama.layers import exact
 from parallel_models.llama.layers.attention_kernels import varlen_causal_attention
 from parallel_models.rl.rollout.kv_cache import _flash_decode_supported
 
@@ -88,6 +89,11 @@ class PoolKVCache:
         if not self.decoding:
             return varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale)
         rows = self._rows
+        if exact.enabled():  # the kernel of prefill and training (layers/exact)
+            from parallel_models.llama.layers.exact import ops
+
+            return ops.decode_attention(q, self.k[layer], self.v[layer], rows.offsets,
+                                        rows.lengths, scale)
         if self.flash_decode:
             out = torch.ops.aten._flash_attention_forward(
                 q, self.k[layer], self.v[layer], rows.cu_q, rows.cu_k, 1, self.max_row_tokens,

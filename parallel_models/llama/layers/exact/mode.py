@@ -189,9 +189,8 @@ class _ExactOps(TorchFunctionMode):
         if not (_is_float(base, source) and base.dim() == 2 and source.dim() == 2
                 and index.dim() == 1):
             return NotImplemented
-        result = _index_add_rows(base, index, source)
-        with torch.no_grad() if not result.requires_grad else contextlib.nullcontext():
-            base.copy_(result)
+        result = _index_add_rows(base.clone(), index, source)  # (base is overwritten next)
+        base.copy_(result)
         return base
 
 

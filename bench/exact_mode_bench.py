@@ -8,7 +8,8 @@ rollout-vs-training log-prob difference it removes (bf16, TP=1).
 
 Model: ``dense`` a random Llama (``--hidden 1024 --layers 8 --heads 16 --kv-heads 4
 --intermediate 2816 --vocab 32000`` by default), ``moe`` the Qwen3-MoE shape of
-bench/moe_bench.py (its defaults and flags: 2048 hidden, 12 layers, 64 experts top-8). For each mode (normal, exact):
+bench/moe_bench.py (its defaults and flags: 2048 hidden, 12 layers, 64 experts top-8).
+For each mode (normal, exact):
 
 - generation: ``ContinuousEngine`` on ``--prompts`` random prompts (lengths in
   [prompt-len/2, prompt-len]), ``--new-tokens`` each, all submitted at once; ms per engine step

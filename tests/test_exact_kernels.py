@@ -111,7 +111,8 @@ def test_rows_do_not_depend_on_the_batch(dtype):
     nw = _randn(48, seed=3, dtype=dtype)
     assert torch.equal(tr.rms_norm(a[9:10], nw, 1e-6), tr.rms_norm(a, nw, 1e-6)[9:10])
     labels = torch.randint(0, 48, (100,), generator=_g(4)).to(DEV)
-    assert torch.equal(tr.token_log_probs(a[9:12], labels[9:12]), tr.token_log_probs(a, labels)[9:12])
+    assert torch.equal(tr.token_log_probs(a[9:12], labels[9:12]),
+                       tr.token_log_probs(a, labels)[9:12])
     # a packed sequence alone and behind another: the same attention output
     q, k, v, cu = _packed_qkv([30, 40], dtype)
     joint = ops.varlen_attention(q, k, v, cu, 40)

@@ -57,7 +57,8 @@ def varlen_causal_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int,
     if exact.enabled():  # one batch-invariant kernel for prefill, decode and training
         from parallel_models.llama.layers.exact import ops
 
-        return ops.varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale)
+        return ops.varlen_attention(q, k, v, cu_seqlens, max_seqlen, scale,
+                                    reference=varlen_causal_attention)
     backend = available_backend(q.device, q.dtype)
     if backend == "flash_attn":
         return _flash_attn_varlen()(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,

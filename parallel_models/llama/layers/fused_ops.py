@@ -50,7 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if exact.enabled():
         from parallel_models.llama.layers.exact import ops
 
-        return ops.rms_norm(x, weight, eps)
+        return ops.rms_norm(x, weight, eps, reference=_rms_norm)
     return _compiled_rms_norm(x, weight, eps)
 
 

@@ -106,9 +106,10 @@ def _next_tokens(logits: torch.Tensor, params: SamplingParams, generator=None, t
     all_log_probs = torch.log_softmax(scaled, -1)
     log_probs = all_log_probs.gather(-1, tokens[:, None]).squeeze(-1)
     if exact.enabled():  # the training loss's log-prob kernel (layers/exact)
-        from parallel_models.rl.rollout.row_sampling import exact_log_probs
+        from parallel_models.llama.layers.exact import ops
 
-        log_probs = exact_log_probs(logits, tokens, params)
+        log_probs = ops.token_log_probs(logits, tokens, 1.0 if params.greedy
+                                        else params.temperature)
     top = None
     if top_logprobs:
         values, ids = torch.topk(all_log_probs, min(top_logprobs, all_log_probs.shape[-1]), -1)

@@ -81,7 +81,10 @@ def draw(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, groups,
         all_logp = torch.log_softmax(scaled, -1)
         chosen_logp = all_logp.gather(-1, chosen[:, None]).squeeze(-1)
         if exact.enabled():  # the training loss's log-prob kernel (layers/exact)
-            chosen_logp = exact_log_probs(sub, chosen, params)
+            from parallel_models.llama.layers.exact import ops
+
+            chosen_logp = ops.token_log_probs(sub, chosen, 1.0 if params.greedy
+                                              else params.temperature)
         if rows is None:
             tokens, logp = chosen, chosen_logp
         else:
@@ -94,14 +97,6 @@ def draw(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, groups,
                 top_ids[rows], top_vals[rows] = ids, vals
     top = (top_ids, top_vals) if top_k_max else None
     return tokens, logp, top
-
-
-def exact_log_probs(logits: torch.Tensor, tokens: torch.Tensor, params) -> torch.Tensor:
-    """Exact mode: the log-probs of ``tokens`` from the batch-invariant kernel the training
-    forward uses (``log_softmax(logits / temperature)``; greedy: of the raw logits)."""
-    from parallel_models.llama.layers.exact import ops
-
-    return ops.token_log_probs(logits, tokens, 1.0 if params.greedy else params.temperature)
 
 
 __all__ = ["draw", "gumbel_noise", "row_seed"]

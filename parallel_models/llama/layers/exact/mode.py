@@ -84,10 +84,13 @@ def with_reference_grad(exact_fn, reference_fn, *tensors):
         t is not None and t.requires_grad for t in tensors)
     if not needs_grad:
         return exact_fn(*tensors)
+    if reference_fn is None:
+        raise RuntimeError("this exact-mode op was called without its reference op, which "
+                           "its gradient needs")
     return _ReferenceGrad.apply(exact_fn, reference_fn, *tensors)
 
 
-# ---- the ops routed by the TorchFunctionMode ------------------------------------------------------
+# ---- the ops routed by the TorchFunctionMode -----------------------------------------------
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 

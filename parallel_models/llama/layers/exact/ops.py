@@ -10,17 +10,18 @@ import torch
 from parallel_models.llama.layers.exact.mode import with_reference_grad
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, reference=None) -> torch.Tensor:
+    """``reference(x, weight, eps)``: the ordinary op (its gradient is used; None: no grad)."""
     from parallel_models.llama.layers.exact import triton_rows
-    from parallel_models.llama.layers.fused_ops import _rms_norm
 
     return with_reference_grad(lambda x, w: triton_rows.rms_norm(x, w, eps),
-                               lambda x, w: _rms_norm(x, w, eps), x, weight)
+                               reference and (lambda x, w: reference(x, w, eps)), x, weight)
 
 
-def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale=None):
-    """Causal attention of packed sequences (``cu_seqlens``): prefill and training."""
-    from parallel_models.llama.layers.attention_kernels import varlen_causal_attention
+def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale=None,
+                     reference=None):
+    """Causal attention of packed sequences (``cu_seqlens``): prefill and training.
+    ``reference``: the ordinary kernel, same arguments (its gradient is used; None: no grad)."""
     from parallel_models.llama.layers.exact import triton_attention
 
     cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
@@ -30,7 +31,7 @@ def varlen_attention(q, k, v, cu_seqlens: torch.Tensor, max_seqlen: int, scale=N
                                           torch.zeros_like(cu[:-1]), cu[:-1], max_seqlen, scale)
 
     return with_reference_grad(
-        exact, lambda q, k, v: varlen_causal_attention(q, k, v, cu, max_seqlen, scale=scale),
+        exact, reference and (lambda q, k, v: reference(q, k, v, cu, max_seqlen, scale)),
         q, k, v)
 
 

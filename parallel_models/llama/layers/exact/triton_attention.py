@@ -37,7 +37,8 @@ BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 64, 4, 2
 def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, q_start_ptr, pos0_ptr, k_start_ptr, scale,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                       stride_ot, stride_oh, GROUP: tl.constexpr, D: tl.constexpr,
-                      BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                      BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr):
     seq = tl.program_id(0)
     block = tl.program_id(1)
@@ -101,7 +102,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: torch.
     _attention_kernel[grid](
         q, k, v, out, q_start.to(torch.int32), pos0.to(torch.int32), k_start.to(torch.int32),
         scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), GROUP=heads // kv, D=d, BLOCK_D=max(triton.next_power_of_2(d), 16),
-        IEEE=q.dtype == torch.float32, UPCAST=triton_matmul.UPCAST, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+        out.stride(0), out.stride(1), GROUP=heads // kv, D=d,
+        BLOCK_D=max(triton.next_power_of_2(d), 16), IEEE=q.dtype == torch.float32,
+        UPCAST=triton_matmul.UPCAST, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
         num_stages=NUM_STAGES)
     return out

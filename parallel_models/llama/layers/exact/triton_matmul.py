@@ -51,7 +51,8 @@ def dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M", "stride_am", "stride_cm"])
 def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                   stride_cm, stride_cn, IEEE: tl.constexpr, UPCAST_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+                   stride_cm, stride_cn, IEEE: tl.constexpr, UPCAST_TILES: tl.constexpr,
+                   BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -113,7 +114,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return c
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
     _matmul_kernel[grid](a, b, c, M, N, K, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-                         c.stride(0), c.stride(1), IEEE=a.dtype == torch.float32, UPCAST_TILES=UPCAST,
+                         c.stride(0), c.stride(1), IEEE=a.dtype == torch.float32,
+                         UPCAST_TILES=UPCAST,
                          BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return c
 
@@ -141,6 +143,7 @@ def grouped_matmul(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torc
     grid = (num_tiles, triton.cdiv(N, bn))
     _grouped_kernel[grid](a, b, c, expert, row0, ends, R, N, K, E, a.stride(0), a.stride(1),
                           b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
-                          IEEE=a.dtype == torch.float32, UPCAST_TILES=UPCAST, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                          IEEE=a.dtype == torch.float32, UPCAST_TILES=UPCAST, BLOCK_M=bm,
+                          BLOCK_N=bn, BLOCK_K=bk,
                           num_warps=warps, num_stages=stages)
     return c

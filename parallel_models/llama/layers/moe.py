@@ -33,7 +33,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from parallel_models import megatron_fixes
 from parallel_models.config import ConfigError, ModelConfig
-from parallel_models.llama.layers import router_replay
+from parallel_models.llama.layers import exact, router_replay
 from parallel_models.llama.layers.grouped_experts import GroupedGemmExperts
 
 megatron_fixes.apply()  # te_general_gemm undefined without transformer-engine
@@ -73,10 +73,23 @@ class RecordingTopKRouter(TopKRouter):
     recording: list | None = None
 
     def gating(self, input: torch.Tensor) -> torch.Tensor:
-        logits = super().gating(input)
+        logits = _exact_gating(self, input) if exact.enabled() else super().gating(input)
         if self.recording is not None:
             self.recording.append(logits.view(-1, logits.shape[-1]))
         return logits
+
+
+def _exact_gating(router: TopKRouter, input: torch.Tensor) -> torch.Tensor:
+    """The router logits as megatron-core's ``gating`` computes them, as a plain ``torch.mm``
+    that exact mode routes to its batch-invariant matmul (megatron's own path may call
+    transformer-engine's GEMM, which exact mode cannot see)."""
+    dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(router.config.moe_router_dtype,
+                                                                 input.dtype)
+    flat = input.reshape(-1, input.shape[-1]).to(dtype)
+    logits = torch.mm(flat, router.weight.to(dtype).t())
+    if router.bias is not None:
+        logits = logits + router.bias.to(dtype)
+    return logits.view(*input.shape[:-1], -1)
 
 
 class ParallelMoE(MoELayer):

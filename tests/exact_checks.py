@@ -1,6 +1,7 @@
-"""Rank functions of tests/test_exact_mode.py (run in a gloo process, fp32, the Triton
-interpreter): a continuous-batching rollout under exact mode and the actor's log-prob forward
-over the same tokens in microbatches of several sizes; the update's forward with autograd."""
+"""Rank functions of tests/test_exact_mode.py (a gloo process, fp32, the Triton interpreter) and
+of tests/gpu/test_exact_mode.py's TP=2 case (nccl, bf16): a continuous-batching rollout under
+exact mode and the actor's log-prob forward over the same tokens in microbatches of several
+sizes; the update's forward with autograd."""
 
 from __future__ import annotations
 
@@ -22,13 +23,15 @@ def _rollout(model, prompts, max_new_tokens):
     return generation_output(reqs)
 
 
-def check_rollout_vs_training(path: str, prompt_count: int, max_new_tokens: int) -> dict:
+def check_rollout_vs_training(path: str, prompt_count: int, max_new_tokens: int, tp: int = 1,
+                              dtype: str = "float32") -> dict:
     import parallel_models as pm
     from parallel_models.llama.layers.exact import exact_mode
     from parallel_models.rl.roles import PolicyRole, _response_log_probs, make_microbatches
+    from parallel_models.utils.microbatch import restore_order
 
-    pm.init_parallel(tensor_parallel_size=1)
-    model = pm.AutoModelForCausalLM.from_pretrained(path, rmpad=True, dtype=torch.float32)
+    pm.init_parallel(tensor_parallel_size=tp)
+    model = pm.AutoModelForCausalLM.from_pretrained(path, rmpad=True, dtype=getattr(torch, dtype))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 200, (int(n),), generator=g).tolist()
                for n in torch.randint(3, 12, (prompt_count,), generator=g)]
@@ -43,21 +46,29 @@ def check_rollout_vs_training(path: str, prompt_count: int, max_new_tokens: int)
         result["exact_diff"] = {}
         for budget in (16, 10_000):  # one sequence per microbatch, all of them in one
             logp = PolicyRole(model, None, temperature=0.9, max_tokens=budget).log_probs(batch)
+            logp = logp.cpu()
             result["exact_diff"][budget] = (None if torch.equal(logp[mask], rollout) else
                                             (logp[mask] - rollout).abs().max().item())
         # the update's forward, autograd on: the same bits, and gradients
-        mb = make_microbatches(batch, 10_000)[0][0]
-        logits = model(mb["input_ids"], mb["cu_seqlens"], mb["position_ids"],
-                       mb["max_seqlen"]).logits
-        logp, _ = _response_log_probs(logits, mb, 0.9, True)
-        result["update_equal"] = torch.equal(logp[mask], rollout)
-        logp[mask].sum().backward()
-        exact_grads = [p.grad.clone() for p in model.parameters()]
+        mbs, order = make_microbatches(batch, 10_000)
+        assert len(mbs) == 1
+        mb = {k: v.to(model.device) if torch.is_tensor(v) else v for k, v in mbs[0].items()}
+        mask, rollout = mask.to(model.device), rollout.to(model.device)
+
+        def update_forward():
+            logits = model(mb["input_ids"], mb["cu_seqlens"], mb["position_ids"],
+                           mb["max_seqlen"]).logits
+            logp = restore_order([_response_log_probs(logits, mb, 0.9, True)[0]], order)
+            logp[mask].sum().backward()
+            return logp.detach()
+
+        result["update_equal"] = torch.equal(update_forward()[mask], rollout)
+        exact_grads = [p.grad.clone() if p.grad is not None else None
+                       for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    logits = model(mb["input_ids"], mb["cu_seqlens"], mb["position_ids"], mb["max_seqlen"]).logits
-    logp, _ = _response_log_probs(logits, mb, 0.9, True)
-    logp[mask].sum().backward()
+    logp = update_forward()
     result["grad_rel_err"] = max(((a - p.grad).norm() / (p.grad.norm() + 1e-12)).item()
-                                 for a, p in zip(exact_grads, model.parameters()))
-    result["normal_diff"] = (logp.detach()[mask] - rollout).abs().max().item()
+                                 for a, p in zip(exact_grads, model.parameters())
+                                 if a is not None)
+    result["normal_diff"] = (logp[mask] - rollout).abs().max().item()
     return result

@@ -140,3 +140,18 @@ def test_static_generate_equals_training_bitwise(exact_models, single_rank):
         scored = _scored(model, _batch(out), temperature=0.8)
     mask = out.response_mask.bool().to(DEV)
     _check("static generate", out.log_probs, mask, scored)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_tp2_rollout_equals_training_bitwise(exact_models, family):
+    """TP=2 (nccl; MoE trains with sequence parallel): the same check on every rank."""
+    from parallel_models.testing import run_distributed
+    from tests import exact_checks
+
+    results = run_distributed(exact_checks.check_rollout_vs_training, 2, exact_models[family],
+                              8, 24, tp=2, dtype="bfloat16", timeout=300)
+    for r in results:
+        assert r["tokens"] >= 100
+        assert r["exact_diff"] == {16: None, 10_000: None}, r["exact_diff"]
+        assert r["update_equal"]

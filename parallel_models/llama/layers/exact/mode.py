@@ -174,7 +174,7 @@ class _ExactOps(TorchFunctionMode):
         elif func in _SOFTMAXES:
             x, dim = args[0], _arg(args, kwargs, 1, "dim")
             if (_is_float(x) and dim is not None and dim in (-1, x.dim() - 1)
-                    and set(kwargs) <= {"dim", "dtype"}):
+                    and x.shape[-1] <= SOFTMAX_MAX_ROW and set(kwargs) <= {"dim", "dtype"}):
                 return _softmax(x, kwargs.get("dtype"))
         elif func in _INDEX_ADDS:
             return self._index_add(func, args, kwargs)
@@ -197,6 +197,9 @@ class _ExactOps(TorchFunctionMode):
         return base
 
 
+# softmax rows routed (the MoE router's, over experts); longer ones (a sampler's over the
+# vocab, which no log-prob reads) keep PyTorch's kernel: one program per row would not fit
+SOFTMAX_MAX_ROW = 8192
 _MATMULS = {torch.matmul, torch.Tensor.matmul, torch.mm, torch.Tensor.mm, torch.Tensor.__matmul__}
 _ADDMMS = {torch.addmm, torch.Tensor.addmm}
 _GROUPED = {getattr(torch, "_grouped_mm", None)} - {None}

@@ -95,7 +95,7 @@ def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
 
 def _next_tokens(logits: torch.Tensor, params: SamplingParams, generator=None, top_logprobs=0):
     """Draw the next tokens; -> (tokens, their log-probs, (top ids, top log-probs) or None)."""
-    logits = logits.float()
+    raw, logits = logits, logits.float()  # raw: exact mode's log-prob reads the model's dtype
     if params.greedy:
         tokens = logits.argmax(-1)
         scaled = logits
@@ -108,7 +108,7 @@ def _next_tokens(logits: torch.Tensor, params: SamplingParams, generator=None, t
     if exact.enabled():  # the training loss's log-prob kernel (layers/exact)
         from parallel_models.llama.layers.exact import ops
 
-        log_probs = ops.token_log_probs(logits, tokens, 1.0 if params.greedy
+        log_probs = ops.token_log_probs(raw, tokens, 1.0 if params.greedy
                                         else params.temperature)
     top = None
     if top_logprobs:

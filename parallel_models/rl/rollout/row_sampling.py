@@ -58,7 +58,7 @@ def draw(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, groups,
     ``seeds`` / ``steps`` may be None when every group is greedy.
     -> ``(tokens [B], log_probs [B] float32, top (ids, log-probs) [B, top_k_max] or None)``.
     """
-    logits = logits.float()
+    raw, logits = logits, logits.float()  # raw: exact mode's log-prob reads the model's dtype
     b, vocab = logits.shape
     tokens = torch.zeros(b, dtype=torch.long, device=logits.device)
     logp = torch.zeros(b, dtype=torch.float32, device=logits.device)
@@ -83,8 +83,8 @@ def draw(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, groups,
         if exact.enabled():  # the training loss's log-prob kernel (layers/exact)
             from parallel_models.llama.layers.exact import ops
 
-            chosen_logp = ops.token_log_probs(sub, chosen, 1.0 if params.greedy
-                                              else params.temperature)
+            chosen_logp = ops.token_log_probs(raw if rows is None else raw[rows], chosen,
+                                              1.0 if params.greedy else params.temperature)
         if rows is None:
             tokens, logp = chosen, chosen_logp
         else:

@@ -46,7 +46,8 @@ def decode_attention(q, k_pool, v_pool, starts: torch.Tensor, lengths: torch.Ten
 
 
 def token_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0):
-    """float32 ``log_softmax(logits.float() / temperature)`` at ``labels``, one per row."""
+    """float32 ``log_softmax(logits.float() / temperature)`` at ``labels``, one per row. Pass the
+    model's logits as they are (not a float copy) on both sides: one dtype, one compiled kernel."""
     from parallel_models.llama.layers.exact import triton_rows
 
     def reference(x):

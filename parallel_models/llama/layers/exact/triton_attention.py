@@ -33,7 +33,7 @@ from parallel_models.llama.layers.exact.triton_matmul import dot  # noqa: E402
 BLOCK_M, BLOCK_N, NUM_WARPS, NUM_STAGES = 64, 64, 4, 2
 
 
-@triton.jit(do_not_specialize=["stride_qt", "stride_kt", "stride_vt", "stride_ot"])
+@triton.jit
 def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, q_start_ptr, pos0_ptr, k_start_ptr, scale,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                       stride_ot, stride_oh, GROUP: tl.constexpr, D: tl.constexpr,

@@ -49,7 +49,7 @@ def dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
-@triton.jit(do_not_specialize=["M", "stride_am", "stride_cm"])
+@triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                    stride_cm, stride_cn, IEEE: tl.constexpr, UPCAST_TILES: tl.constexpr,
                    BLOCK_M: tl.constexpr,
@@ -71,7 +71,7 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk
              acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-@triton.jit(do_not_specialize=["R", "stride_am", "stride_cm"])
+@triton.jit(do_not_specialize=["R"])
 def _grouped_kernel(a_ptr, b_ptr, c_ptr, tile_expert_ptr, tile_row_ptr, ends_ptr, R, N, K, E,
                     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
                     IEEE: tl.constexpr, UPCAST_TILES: tl.constexpr, BLOCK_M: tl.constexpr,

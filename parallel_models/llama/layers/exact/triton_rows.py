@@ -7,6 +7,13 @@ alone (a decode step) or one of thousands (a training microbatch). PyTorch's own
 kernels choose their strategy (threads per row, split across blocks) from the whole shape, and
 the MoE combine's ``scatter_add_`` adds with atomics in whatever order the threads arrive.
 
+A ``tl.sum`` adds each thread's elements first, so its order follows the register layout of the
+loaded row, which Triton picks from what it knows of the pointers (alignment, divisibility of the
+strides and lengths): the row strides (and the log-prob's vocab size, padded on the training side)
+are therefore never specialized on, and callers pass the same dtype on both sides (the sampler
+hands over the model's logits, not a float copy), so every call runs the same compiled kernel.
+(The matmul and attention kernels reduce inside ``tl.dot``, whose layout the tile shape fixes.)
+
 Imported only when exact mode runs (Triton is optional): ``parallel_models.llama.layers.exact``.
 """
 
@@ -48,7 +55,7 @@ def _softmax_kernel(x_ptr, y_ptr, N, stride_x, stride_y, BLOCK: tl.constexpr):
     tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["stride_x"])
+@triton.jit(do_not_specialize=["V", "stride_x"])
 def _token_log_prob_kernel(x_ptr, label_ptr, out_ptr, V, stride_x, temperature,
                            BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

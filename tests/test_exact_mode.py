@@ -43,3 +43,6 @@ def test_config_switch():
     with pytest.raises(Exception, match="rollout.exact"):
         PPOConfig.model_validate({"rollout": {"exact": True, "backend": "server",
                                               "server_url": "http://x"}})
+    with pytest.raises(Exception, match="rollout.tensor_parallel_size=1 != parallel"):
+        PPOConfig.model_validate({"rollout": {"exact": True, "tensor_parallel_size": 1},
+                                  "parallel": {"tensor_parallel_size": 2}})

@@ -137,6 +137,11 @@ def _data_and_batch_problems(cfg) -> list[str]:
     if r.exact and (r.backend != "inprocess" or cfg.parallel.backend != "megatron"):
         errors.append("rollout.exact=true runs the batch-invariant kernels of our own layers: "
                       "it needs rollout.backend=inprocess and parallel.backend=megatron")
+    rollout_tp = r.tensor_parallel_size or cfg.parallel.tensor_parallel_size
+    if r.exact and rollout_tp != cfg.parallel.tensor_parallel_size:
+        errors.append(f"rollout.exact=true with rollout.tensor_parallel_size={rollout_tp} != "
+                      f"parallel.tensor_parallel_size={cfg.parallel.tensor_parallel_size}: the "
+                      "row-parallel sums differ between TP sizes; use the actor's TP")
     if r.backend == "server" and not r.server_url:
         errors.append("rollout.backend=server needs rollout.server_url")
     samples = d.batch_size * r.n

@@ -2,21 +2,23 @@
 each category's HBM byte floor.
 
     python bench/decode_profile.py [--batches 64 256] [--prompt 128] [--new 256]
-                                   [--kernels triton aten] [--steps 20] [--out profile.json]
+                                   [--variants ours baseline ...] [--steps 20] [--out p.json]
     python bench/decode_profile.py --device cpu --hidden 64 --layers 2 --heads 4 --kv-heads 2 \\
         --intermediate 128 --vocab 512 --batches 4 --prompt 8 --new 8      # smoke run
 
 Model: the 0.89B Llama shape of bench/rollout_bench.py (random weights, bf16; fp32 on the CPU).
-Per batch size B and decode attention kernel (``--kernels``: ``triton`` = the split-KV kernel of
-``rl/rollout/split_kv_attention.py``, ``aten`` = PyTorch's flash kernel + two ``index_copy_``),
-B prompts of ``prompt + new/2`` tokens (every row at the bench's mean context) in a
-``ContinuousEngine`` whose rows hold ``prompt + new`` positions (the bench's bucket):
+Per batch size B and engine variant (``--variants``; ``ours`` = split-KV triton attention
+(``rl/rollout/split_kv_attention.py``) + fused draw + pipelined decode, ``aten_attention`` = the
+same with PyTorch's flash kernel and two ``index_copy_`` KV writes, ``no_pipeline``,
+``no_fused_draw``, ``baseline`` = none of the three), B prompts of ``prompt + new/2`` tokens
+(every row at the bench's mean context) in a ``ContinuousEngine`` whose rows hold
+``prompt + new`` positions (the bench's bucket):
 
 - ``engine_step_ms``: wall time of ``engine.step()`` (graph replay + sampling + the host's
   bookkeeping and its one sync): what bench/rollout_bench.py reports as continuous ms/step;
 - ``graph_replay_ms``: the bucket's CUDA graph alone (model + LM head), CUDA events;
 - ``draw_ms``: the sampling of the step's logits alone (greedy here);
-- a torch.profiler trace of the same step run EAGERLY (the kernels are those the graph replays;
+- (``ours``, ``aten_attention``) a torch.profiler trace of the same step run EAGERLY (the kernels are those the graph replays;
   eager launches are slower, kernel durations are not), every kernel put in a category by the
   module/function that launched it (labels set by hooks on the model, no model change): qkv /
   o / gate-up / down / LM-head GEMMs, attention, KV write, rope, norms, activation, embedding,
@@ -50,6 +52,14 @@ from common import add_llama_shape_args, report, save_llama_model  # noqa: E402
 LABEL = "dp::"
 GEMMS = {"qkv_proj": "qkv_gemm", "o_proj": "o_gemm", "gate_up_proj": "gate_up_gemm",
          "down_proj": "down_gemm"}
+# name -> (decode attention kernel, fused draw, pipelined decode, profiled by category)
+VARIANTS = {
+    "ours": ("triton", True, True, True),
+    "aten_attention": ("aten", True, True, True),
+    "no_pipeline": ("triton", True, False, False),
+    "no_fused_draw": ("triton", False, True, False),
+    "baseline": ("aten", False, False, False),  # main before issue 17 item 4's changes
+}
 ORDER = ["qkv_gemm", "o_gemm", "gate_up_gemm", "down_gemm", "lm_head_gemm", "attention",
          "kv_write", "rope", "norm", "activation", "embedding", "sampling", "residual_add",
          "other", "unlinked"]
@@ -281,15 +291,18 @@ def attention_micro(cfg, batch, context, max_row_tokens, dev, dtype) -> dict:
     return out
 
 
-def run_case(args, cfg, model, dev, batch: int, kernel: str) -> dict:
+def run_case(args, cfg, model, dev, batch: int, variant: str) -> dict:
     from parallel_models.rl.rollout.continuous import ContinuousEngine
     from parallel_models.rl.rollout.row_sampling import draw
     from parallel_models.rl.rollout.sampling import SamplingParams
 
+    kernel, fused, pipeline, profiled = VARIANTS[variant]
+    os.environ["PARALLEL_MODELS_FUSED_DRAW"] = "1" if fused else "0"  # read at each draw
     half = args.new // 2
     context = args.prompt + half          # prompt length of the profiled rows
     row_tokens = args.prompt + args.new   # the bench's bucket: rows hold prompt + new positions
-    eng = ContinuousEngine(model, batch * row_tokens, max_rows=batch, max_row_tokens=row_tokens)
+    eng = ContinuousEngine(model, batch * row_tokens, max_rows=batch, max_row_tokens=row_tokens,
+                           pipeline=pipeline)
     if kernel == "triton" and eng.cache.decode_kernel != "triton" and dev.type == "cuda":
         raise RuntimeError("the split-KV triton kernel is unavailable here (see the warning)")
     eng.cache.decode_kernel = kernel if dev.type == "cuda" else "aten"
@@ -300,7 +313,8 @@ def run_case(args, cfg, model, dev, batch: int, kernel: str) -> dict:
     eng.step()  # prefill + first decode step (captures the bucket's graph on CUDA)
     bucket = eng._steps[eng._layout.size]
     steps = min(args.steps, half - 4)
-    out = {"batch": batch, "kernel": eng.cache.decode_kernel, "context": context,
+    out = {"batch": batch, "variant": variant, "kernel": eng.cache.decode_kernel,
+           "fused_draw": fused, "pipeline": pipeline, "context": context,
            "cuda_graph": bucket.graph is not None}
     out["engine_step_ms"] = wall_ms(eng.step, dev, steps)
     out["graph_replay_ms"] = gpu_ms(bucket.graph.replay, dev, 20) if bucket.graph else None
@@ -316,23 +330,25 @@ def run_case(args, cfg, model, dev, batch: int, kernel: str) -> dict:
 
     out["eager_step_ms"] = wall_ms(eager_step, dev, 5)
     used = context + 1 + args.steps  # about where the profiled steps are
-    with labels(model, eng.cache):
-        prof = profile_step(eager_step, dev)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
     floors = byte_floors(cfg, batch, used, 2 if dev.type == "cuda" else 4)
     bw = bandwidth(dev)
-    out["categories"] = {c: {"us": prof["us"].get(c, 0.0), "kernels": prof["kernels"].get(c, 0),
-                             "floor_us": 1e6 * floors.get(c, 0) / bw}
-                         for c in ORDER if c in prof["us"] or floors.get(c)}
-    out["unlabelled_top_us"] = prof["unlabelled_top"]
-    fwd = sum(v["us"] for c, v in out["categories"].items() if c != "sampling")
-    out["forward_kernel_sum_ms"] = fwd / 1e3
-    out["kernel_sum_ms"] = (fwd + out["categories"].get("sampling", {}).get("us", 0)) / 1e3
-    out["floor_ms"] = sum(floors[c] for c in floors if c not in ("sampling",)) * 1e3 / bw
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv = byte_floors(cfg, batch, used, 2 if dev.type == "cuda" else 4)["attention"]
-    out["bench_floor_ms"] = 1e3 * (weights + kv) / bw  # rollout_bench's formula
+    out["bench_floor_ms"] = 1e3 * (weights + floors["attention"]) / bw  # rollout_bench's formula
+    if profiled:
+        with labels(model, eng.cache):
+            prof = profile_step(eager_step, dev)
+        out["categories"] = {c: {"us": prof["us"].get(c, 0.0),
+                                 "kernels": prof["kernels"].get(c, 0),
+                                 "floor_us": 1e6 * floors.get(c, 0) / bw}
+                             for c in ORDER if c in prof["us"] or floors.get(c)}
+        out["unlabelled_top_us"] = prof["unlabelled_top"]
+        fwd = sum(v["us"] for c, v in out["categories"].items() if c != "sampling")
+        out["forward_kernel_sum_ms"] = fwd / 1e3
+        out["kernel_sum_ms"] = (fwd + out["categories"].get("sampling", {}).get("us", 0)) / 1e3
+        out["floor_ms"] = sum(floors[c] for c in floors if c != "sampling") * 1e3 / bw
+        if out["graph_replay_ms"] is not None:
+            out["graph_gaps_ms"] = out["graph_replay_ms"] - out["forward_kernel_sum_ms"]
     if out["graph_replay_ms"] is not None:
-        out["graph_gaps_ms"] = out["graph_replay_ms"] - out["forward_kernel_sum_ms"]
         out["host_ms"] = out["engine_step_ms"] - out["graph_replay_ms"] - out["draw_ms"]
     out["engine_over_floor"] = out["engine_step_ms"] / out["bench_floor_ms"]
     del eng, bucket, logits
@@ -340,9 +356,19 @@ def run_case(args, cfg, model, dev, batch: int, kernel: str) -> dict:
 
 
 def table(case: dict) -> str:
-    lines = [f"### batch {case['batch']}, attention `{case['kernel']}`, context {case['context']}"
-             f" (CUDA graph: {case['cuda_graph']})", "",
-             "| category | kernels/step | us | floor us | x floor | % of kernels |",
+    lines = [f"### batch {case['batch']}, `{case['variant']}` (attention {case['kernel']}, fused "
+             f"draw {case['fused_draw']}, pipeline {case['pipeline']}), context {case['context']}"
+             f" (CUDA graph: {case['cuda_graph']})", ""]
+    if "categories" in case:
+        lines += _category_rows(case)
+    keys = ("engine_step_ms", "graph_replay_ms", "forward_kernel_sum_ms", "graph_gaps_ms",
+            "draw_ms", "host_ms", "eager_step_ms", "bench_floor_ms", "engine_over_floor")
+    lines.append(" | ".join(f"{k} {case[k]:.3f}" for k in keys if case.get(k) is not None))
+    return "\n".join(lines)
+
+
+def _category_rows(case: dict) -> list:
+    lines = ["| category | kernels/step | us | floor us | x floor | % of kernels |",
              "| --- | --- | --- | --- | --- | --- |"]
     total = 1e3 * case["kernel_sum_ms"] or 1.0
     for c, v in case["categories"].items():
@@ -352,9 +378,17 @@ def table(case: dict) -> str:
     lines.append(f"| **kernel sum** | | {total:.1f} | {1e3 * case['floor_ms']:.1f} | "
                  f"{total / (1e3 * case['floor_ms']):.2f} | 100 |")
     lines.append("")
-    keys = ("engine_step_ms", "graph_replay_ms", "forward_kernel_sum_ms", "graph_gaps_ms",
-            "draw_ms", "host_ms", "eager_step_ms", "bench_floor_ms", "engine_over_floor")
-    lines.append(" | ".join(f"{k} {case[k]:.3f}" for k in keys if case.get(k) is not None))
+    return lines
+
+
+def summary(cases: list) -> str:
+    lines = ["| batch | variant | engine ms/step | graph replay ms | draw ms | host ms | floor ms "
+             "| x floor |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for c in cases:
+        lines.append(f"| {c['batch']} | {c['variant']} | {c['engine_step_ms']:.3f} | "
+                     f"{c.get('graph_replay_ms') or float('nan'):.3f} | {c['draw_ms']:.3f} | "
+                     f"{c.get('host_ms', float('nan')):.3f} | {c['bench_floor_ms']:.3f} | "
+                     f"{c['engine_over_floor']:.2f} |")
     return "\n".join(lines)
 
 
@@ -365,8 +399,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20, help="engine steps timed per case")
-    ap.add_argument("--kernels", nargs="+", default=["triton", "aten"],
-                    choices=["triton", "aten"], help="decode attention kernels compared")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                    help="engine settings compared (the first two are profiled by category)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -386,13 +420,13 @@ def main() -> None:
     t0 = time.perf_counter()
     with torch.no_grad():
         for batch in args.batches:
-            for kernel in args.kernels if dev.type == "cuda" else ["aten"]:
+            for variant in args.variants:
                 try:
-                    case = run_case(args, cfg, model, dev, batch, kernel)
+                    case = run_case(args, cfg, model, dev, batch, variant)
                     res["cases"].append(case)
                     print(table(case), flush=True)
                 except Exception as exc:  # noqa: BLE001 - record it, run the next case
-                    res["errors"].append(f"batch {batch} {kernel}: {type(exc).__name__}: {exc}")
+                    res["errors"].append(f"batch {batch} {variant}: {type(exc).__name__}: {exc}")
                     traceback.print_exc()
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
@@ -416,7 +450,9 @@ def main() -> None:
                   f"{m['split_kv_triton_us']:.1f} | {m['aten_flash_plus_kv_write_us']:.1f} | "
                   f"{m['max_abs_diff']:.3g} |")
     for case in res["cases"]:
-        print("\n" + table(case))
+        if "categories" in case:
+            print("\n" + table(case))
+    print("\n" + summary(res["cases"]))
     if res["errors"]:
         print("ERRORS:", *res["errors"], sep="\n  ")
     pm.destroy_parallel()

@@ -277,15 +277,18 @@ def attention_micro(cfg, batch, context, max_row_tokens, dev, dtype) -> dict:
             q, k_pool, v_pool, cu_q, cu_k, 1, max_row_tokens, 0.0, False, False, scale=scale,
             seqused_k=used)[0]
 
-    def ours():
+    def ours(split=None):
         return split_kv_attention.split_kv_decode(q, k_new, v_new, k_pool, v_pool, offsets,
-                                                  used, max_row_tokens, scale)
+                                                  used, max_row_tokens, scale, split=split)
 
     out = {"batch": batch, "context": context, "kv_bytes": kv_bytes,
-           "floor_us": 1e6 * kv_bytes / bandwidth(dev)}
+           "floor_us": 1e6 * kv_bytes / bandwidth(dev),
+           "auto_split": split_kv_attention.split_size(batch, kv, max_row_tokens, dev)}
     out["max_abs_diff"] = (aten().float() - ours().float()).abs().max().item()
     for name, fn in (("aten_flash_plus_kv_write", aten), ("split_kv_triton", ours)):
         out[f"{name}_us"] = 1e3 * gpu_ms(fn, dev, 50)
+    for split in (64, 128, 256, 512):  # what the automatic split size leaves on the table
+        out[f"split_{split}_us"] = 1e3 * gpu_ms(functools.partial(ours, split), dev, 50)
     out["split_kv_over_floor"] = out["split_kv_triton_us"] / out["floor_us"]
     out["aten_over_floor"] = out["aten_flash_plus_kv_write_us"] / out["floor_us"]
     return out
@@ -443,12 +446,14 @@ def main() -> None:
     res["seconds"] = time.perf_counter() - t0
     report(res, args.out)
     if res["attention_micro"]:
-        print("\n| batch | context | KV floor us | split-KV triton us | aten flash + KV write us "
-              "| max abs diff |\n| --- | --- | --- | --- | --- | --- |")
+        print("\n| batch | context | KV floor us | split-KV triton us (auto split) | aten flash + "
+              "KV write us | split 64 / 128 / 256 / 512 us | max abs diff |\n"
+              "| --- | --- | --- | --- | --- | --- | --- |")
         for m in res["attention_micro"]:
+            fixed = " / ".join(f"{m[f'split_{s}_us']:.1f}" for s in (64, 128, 256, 512))
             print(f"| {m['batch']} | {m['context']} | {m['floor_us']:.1f} | "
-                  f"{m['split_kv_triton_us']:.1f} | {m['aten_flash_plus_kv_write_us']:.1f} | "
-                  f"{m['max_abs_diff']:.3g} |")
+                  f"{m['split_kv_triton_us']:.1f} ({m['auto_split']}) | "
+                  f"{m['aten_flash_plus_kv_write_us']:.1f} | {fixed} | {m['max_abs_diff']:.3g} |")
     for case in res["cases"]:
         if "categories" in case:
             print("\n" + table(case))

@@ -93,3 +93,15 @@ def test_engine_through_the_kernel_equals_sdpa_and_transformers(hf_models):
     for (tok_a, lp_a), (tok_t, lp_t), ref in zip(out["aten"], out["triton"], out["hf"]):
         assert tok_t == tok_a == ref
         assert max(abs(a - b) for a, b in zip(lp_a, lp_t)) < 1e-5
+
+
+def test_split_size_fills_the_gpu_without_needless_splits(monkeypatch):
+    from parallel_models.rl.rollout.split_kv_attention import split_size
+
+    monkeypatch.delenv("PARALLEL_MODELS_DECODE_SPLIT", raising=False)
+    # "cpu" counts 4 SMs: 8 programs wanted
+    assert split_size(64, 8, 384, "cpu") == 512     # 512 programs already: one split per row
+    assert split_size(1, 2, 384, "cpu") == 128      # 4 splits wanted: 96 -> 128 per split
+    assert split_size(1, 1, 100, "cpu") == 64       # never below one tile
+    monkeypatch.setenv("PARALLEL_MODELS_DECODE_SPLIT", "32")
+    assert split_size(64, 8, 384, "cpu") == 32

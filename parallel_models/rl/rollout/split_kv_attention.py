@@ -8,14 +8,16 @@ being the token decoded now (its k/v come in as ``k_new`` / ``v_new``).
   ``tl.dot``), so each KV byte is read from memory once (PyTorch's flash kernel reads it once per
   query head).
 - Split-KV: program ``(row, kv head, split)`` covers positions ``split * split_size ..`` of its
-  row; splits past the row's length do nothing. The grid is fixed by ``max_row_tokens`` (not by
-  the lengths), so a CUDA graph captured once per bucket serves every later step; no host sync.
+  row; splits past the row's length do nothing. The grid is fixed by the bucket (rows,
+  ``max_row_tokens``; :func:`split_size`), not by the lengths, so a CUDA graph captured once per
+  bucket serves every later step; no host sync.
   A second small kernel merges the splits' partial outputs with their log-sum-exps (skipped when
   one split covers ``max_row_tokens``).
 - The new token's k/v are written into the pool by the program whose split holds it, so the
   decode step needs no separate KV write (``index_copy_``) launches.
 
-Triton is imported lazily (:func:`available`); without it the cache keeps PyTorch's kernels.
+The kernels live in ``split_kv_kernels``, imported lazily (:func:`available`): without triton
+the cache keeps PyTorch's kernels.
 Set ``TRITON_INTERPRET=1`` before importing triton to run the kernels on the CPU (tests).
 """
 
@@ -27,8 +29,24 @@ import warnings
 
 import torch
 
-DEFAULT_SPLIT = int(os.environ.get("PARALLEL_MODELS_DECODE_SPLIT", "128"))
 _BLOCK_N = 64
+
+
+def split_size(batch: int, kv_heads: int, max_row_tokens: int, device) -> int:
+    """Positions per split for a bucket (fixed per bucket: part of its captured graph).
+
+    Enough programs (rows x KV heads x splits) to fill the GPU twice over, no more splits than
+    that (each split adds a partial output to combine; one split skips the combine pass);
+    ``PARALLEL_MODELS_DECODE_SPLIT`` = a fixed size (a power of two >= 16) instead."""
+    fixed = os.environ.get("PARALLEL_MODELS_DECODE_SPLIT")
+    if fixed:
+        return int(fixed)
+    device = torch.device(device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count \
+        if device.type == "cuda" else 4
+    splits = max(1, -(-2 * sms // max(batch * kv_heads, 1)))
+    per_split = -(-max(int(max_row_tokens), 1) // splits)
+    return max(_BLOCK_N, 1 << (per_split - 1).bit_length())
 
 
 @functools.cache
@@ -89,108 +107,16 @@ def reference_decode(q, k_new, v_new, k_pool, v_pool, offsets, used, scale) -> t
 @functools.cache
 def _kernels():
     import triton
-    import triton.language as tl
 
-    @triton.jit
-    def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Out, PartOut, PartLse, scale,
-                     stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_pt, stride_ph,
-                     stride_ob, stride_oh,
-                     G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                     H: tl.constexpr, IEEE: tl.constexpr):
-        row = tl.program_id(0)
-        kvh = tl.program_id(1)
-        split = tl.program_id(2)
-        used = tl.load(Used + row).to(tl.int32)
-        last = used - 1  # the position of the token decoded now (comes from KNew / VNew)
-        start = split * SPLIT
-        end = tl.minimum(start + SPLIT, used)
-        g = tl.arange(0, BLOCK_G)
-        d = tl.arange(0, D)
-        gmask = g < G
-        heads = kvh * G + g
-        q = tl.load(Q + row * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=gmask[:, None], other=0.0)
-        offset = tl.load(Offsets + row).to(tl.int64)
-        k_new = tl.load(KNew + row * stride_kb + kvh * stride_kh + d)
-        v_new = tl.load(VNew + row * stride_vb + kvh * stride_vh + d)
-        k_base = KPool + kvh * stride_ph
-        v_base = VPool + kvh * stride_ph
-        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_G], tl.float32)
-        acc = tl.zeros([BLOCK_G, D], tl.float32)
-        # a fixed trip count (the interpreter cannot loop to a runtime bound); tiles past the
-        # row's end are skipped by the branch, so an empty split reads nothing
-        for tile in range(0, SPLIT // BLOCK_N):
-            n0 = start + tile * BLOCK_N
-            if n0 < end:
-                pos = n0 + tl.arange(0, BLOCK_N)
-                valid = pos < end
-                in_pool = pos < last
-                addr = (offset + pos.to(tl.int64))[:, None] * stride_pt + d[None, :]
-                k = tl.load(k_base + addr, mask=in_pool[:, None], other=0.0)
-                v = tl.load(v_base + addr, mask=in_pool[:, None], other=0.0)
-                is_new = (pos == last)[:, None]
-                k = tl.where(is_new, k_new[None, :], k)
-                v = tl.where(is_new, v_new[None, :], v)
-                if IEEE:
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))
-                s = tl.where(valid[None, :], s * scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile has a valid position
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                if IEEE:
-                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    pv = tl.dot(p.to(v.dtype), v)
-                acc = acc * alpha[:, None] + pv
-                m_i = m_new
-        if (last >= start) & (last < start + SPLIT):  # this program owns the new token
-            new_addr = (offset + last.to(tl.int64)) * stride_pt + d
-            tl.store(k_base + new_addr, k_new)
-            tl.store(v_base + new_addr, v_new)
-        nonempty = start < used
-        denom = tl.where(l_i > 0, l_i, 1.0)
-        out = acc / denom[:, None]
-        if NUM_SPLITS == 1:
-            tl.store(Out + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                     out.to(Out.dtype.element_ty), mask=gmask[:, None] & nonempty)
-        else:
-            part = (row * H + heads) * NUM_SPLITS + split  # PartLse [B, H, S], PartOut [.., D]
-            tl.store(PartOut + part[:, None] * D + d[None, :], out,
-                     mask=gmask[:, None] & nonempty)
-            tl.store(PartLse + part, m_i + tl.log(denom), mask=gmask & nonempty)
+    from parallel_models.rl.rollout import split_kv_kernels
 
-    @triton.jit
-    def combine_kernel(PartOut, PartLse, Used, Out, stride_ob, stride_oh,
-                       H: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
-                       NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
-        row = tl.program_id(0)
-        head = tl.program_id(1)
-        used = tl.load(Used + row).to(tl.int32)
-        splits = (used + SPLIT - 1) // SPLIT
-        s = tl.arange(0, BLOCK_S)
-        d = tl.arange(0, D)
-        smask = s < splits
-        base = (row * H + head) * NUM_SPLITS
-        lse = tl.load(PartLse + base + s, mask=smask, other=float("-inf"))
-        mx = tl.max(lse, 0)
-        w = tl.where(smask, tl.exp(lse - mx), 0.0)
-        parts = tl.load(PartOut + (base + s)[:, None] * D + d[None, :], mask=smask[:, None],
-                        other=0.0)
-        out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
-        tl.store(Out + row * stride_ob + head * stride_oh + d, out.to(Out.dtype.element_ty))
-
-    return triton, split_kernel, combine_kernel
+    return triton, split_kv_kernels.split_kernel, split_kv_kernels.combine_kernel
 
 
 def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     k_pool: torch.Tensor, v_pool: torch.Tensor, offsets: torch.Tensor,
                     used: torch.Tensor, max_row_tokens: int, scale: float,
-                    split: int = DEFAULT_SPLIT) -> torch.Tensor:
+                    split: int | None = None) -> torch.Tensor:
     """Attention of one query token per row over its pool region; writes ``k_new`` / ``v_new``
     at ``offsets + used - 1`` of the pools.
 
@@ -210,6 +136,8 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
             raise ValueError(f"split-KV decode needs {name} contiguous in head_dim")
     if k_pool.stride() != v_pool.stride():
         raise ValueError("split-KV decode needs the k and v pools laid out alike")
+    if split is None:
+        split = split_size(b, k_pool.shape[1], max_row_tokens, q.device)
     if split < 16 or split & (split - 1):
         raise ValueError(f"split size must be a power of two >= 16, got {split}")
     block_n = min(_BLOCK_N, split)
@@ -228,6 +156,7 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         k_pool.stride(1), out.stride(0), out.stride(1),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
         SPLIT=split, NUM_SPLITS=num_splits, H=heads, IEEE=q.dtype == torch.float32,
+        RUNTIME_LOOP=os.environ.get("TRITON_INTERPRET") != "1",
         num_warps=4, num_stages=2)
     if num_splits > 1:
         combine_kernel[(b, heads)](part_out, part_lse, used, out, out.stride(0), out.stride(1),
@@ -237,4 +166,4 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     return out
 
 
-__all__ = ["DEFAULT_SPLIT", "available", "reference_decode", "split_kv_decode", "supported"]
+__all__ = ["available", "split_size", "reference_decode", "split_kv_decode", "supported"]

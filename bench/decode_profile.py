@@ -10,7 +10,8 @@ Model: the 0.89B Llama shape of bench/rollout_bench.py (random weights, bf16; fp
 Per batch size B and engine variant (``--variants``; ``ours`` = split-KV triton attention
 (``rl/rollout/split_kv_attention.py``) + fused draw + pipelined decode, ``aten_attention`` = the
 same with PyTorch's flash kernel and two ``index_copy_`` KV writes, ``no_pipeline``,
-``no_fused_draw``, ``baseline`` = none of the three), B prompts of ``prompt + new/2`` tokens
+``no_fused_draw``, ``no_fused_norm`` (each layer's residual sum not fused into the next norm),
+``baseline`` = none of these, profiled too), B prompts of ``prompt + new/2`` tokens
 (every row at the bench's mean context) in a ``ContinuousEngine`` whose rows hold
 ``prompt + new`` positions (the bench's bucket):
 
@@ -18,7 +19,7 @@ same with PyTorch's flash kernel and two ``index_copy_`` KV writes, ``no_pipelin
   bookkeeping and its one sync): what bench/rollout_bench.py reports as continuous ms/step;
 - ``graph_replay_ms``: the bucket's CUDA graph alone (model + LM head), CUDA events;
 - ``draw_ms``: the sampling of the step's logits alone (greedy here);
-- (``ours``, ``aten_attention``) a torch.profiler trace of the same step run EAGERLY (the kernels are those the graph replays;
+- (``ours``, ``aten_attention``, ``baseline``) a torch.profiler trace of the same step run EAGERLY (the kernels are those the graph replays;
   eager launches are slower, kernel durations are not), every kernel put in a category by the
   module/function that launched it (labels set by hooks on the model, no model change): qkv /
   o / gate-up / down / LM-head GEMMs, attention, KV write, rope, norms, activation, embedding,
@@ -52,13 +53,15 @@ from common import add_llama_shape_args, report, save_llama_model  # noqa: E402
 LABEL = "dp::"
 GEMMS = {"qkv_proj": "qkv_gemm", "o_proj": "o_gemm", "gate_up_proj": "gate_up_gemm",
          "down_proj": "down_gemm"}
-# name -> (decode attention kernel, fused draw, pipelined decode, profiled by category)
+# name -> (decode attention kernel, fused draw, pipelined decode, residual sum fused into the
+# next norm, profiled by category)
 VARIANTS = {
-    "ours": ("triton", True, True, True),
-    "aten_attention": ("aten", True, True, True),
-    "no_pipeline": ("triton", True, False, False),
-    "no_fused_draw": ("triton", False, True, False),
-    "baseline": ("aten", False, False, False),  # main before issue 17 item 4's changes
+    "ours": ("triton", True, True, True, True),
+    "aten_attention": ("aten", True, True, True, True),
+    "no_pipeline": ("triton", True, False, True, False),
+    "no_fused_draw": ("triton", False, True, True, False),
+    "no_fused_norm": ("triton", True, True, False, False),
+    "baseline": ("aten", False, False, False, True),  # main before issue 17 item 4's changes
 }
 ORDER = ["qkv_gemm", "o_gemm", "gate_up_gemm", "down_gemm", "lm_head_gemm", "attention",
          "kv_write", "rope", "norm", "activation", "embedding", "sampling", "residual_add",
@@ -116,6 +119,7 @@ def _labelled(name, fn):
 @contextlib.contextmanager
 def labels(model, cache):
     """Hooks and wrappers naming the decode step's parts (undone on exit)."""
+    from parallel_models.llama import modeling
     from parallel_models.llama.layers import attention, decoder_layer, mlp
     from parallel_models.rl.rollout import pool_cache
 
@@ -145,9 +149,11 @@ def labels(model, cache):
         label_module(layer.input_layernorm, "norm")
         for attr, cat in GEMMS.items():
             owner = layer.self_attn if attr in ("qkv_proj", "o_proj") else layer.mlp
-            label_module(getattr(owner, attr), cat)
+            if getattr(owner, attr, None) is not None:  # (an MoE layer has no gate_up_proj)
+                label_module(getattr(owner, attr), cat)
     patch(attention, "rotary", "rope")
     patch(decoder_layer, "add_rms_norm", "norm")
+    patch(modeling, "add_rms_norm", "norm")  # the residual sum fused into the next norm
     patch(mlp, "swiglu", "activation")
     patch(pool_cache, "split_kv_decode", "attention")  # the triton kernel writes the KV too
     patch(cache, "write_kv", "kv_write")
@@ -299,8 +305,9 @@ def run_case(args, cfg, model, dev, batch: int, variant: str) -> dict:
     from parallel_models.rl.rollout.row_sampling import draw
     from parallel_models.rl.rollout.sampling import SamplingParams
 
-    kernel, fused, pipeline, profiled = VARIANTS[variant]
+    kernel, fused, pipeline, fuse_norm, profiled = VARIANTS[variant]
     os.environ["PARALLEL_MODELS_FUSED_DRAW"] = "1" if fused else "0"  # read at each draw
+    os.environ["PARALLEL_MODELS_DECODE_FUSE_NORM"] = "1" if fuse_norm else "0"  # each forward
     half = args.new // 2
     context = args.prompt + half          # prompt length of the profiled rows
     row_tokens = args.prompt + args.new   # the bench's bucket: rows hold prompt + new positions
@@ -317,7 +324,7 @@ def run_case(args, cfg, model, dev, batch: int, variant: str) -> dict:
     bucket = eng._steps[eng._layout.size]
     steps = min(args.steps, half - 4)
     out = {"batch": batch, "variant": variant, "kernel": eng.cache.decode_kernel,
-           "fused_draw": fused, "pipeline": pipeline, "context": context,
+           "fused_draw": fused, "pipeline": pipeline, "fused_norm": fuse_norm, "context": context,
            "cuda_graph": bucket.graph is not None}
     out["engine_step_ms"] = wall_ms(eng.step, dev, steps)
     out["graph_replay_ms"] = gpu_ms(bucket.graph.replay, dev, 20) if bucket.graph else None
@@ -360,7 +367,8 @@ def run_case(args, cfg, model, dev, batch: int, variant: str) -> dict:
 
 def table(case: dict) -> str:
     lines = [f"### batch {case['batch']}, `{case['variant']}` (attention {case['kernel']}, fused "
-             f"draw {case['fused_draw']}, pipeline {case['pipeline']}), context {case['context']}"
+             f"draw {case['fused_draw']}, pipeline {case['pipeline']}, fused norm "
+             f"{case['fused_norm']}), context {case['context']}"
              f" (CUDA graph: {case['cuda_graph']})", ""]
     if "categories" in case:
         lines += _category_rows(case)
@@ -403,7 +411,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20, help="engine steps timed per case")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
-                    help="engine settings compared (the first two are profiled by category)")
+                    help="engine settings compared (ours, aten_attention and baseline are "
+                         "profiled by category)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

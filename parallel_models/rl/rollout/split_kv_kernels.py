@@ -11,18 +11,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _tile(q, k_base, v_base, offset, n0, end, last, k_new, v_new, m_i, l_i, acc, scale,
-          stride_pt, d, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """One tile of BLOCK_N positions from n0 (online softmax update of m_i, l_i, acc)."""
+def _tile(q, k_base, v_base, offset, n0, end, m_i, l_i, acc, scale, stride_pt, d,
+          BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One tile of BLOCK_N pool positions from n0, below end (online softmax update of m_i,
+    l_i, acc). The loads feed the dots directly, so the compiler can pipeline them."""
     pos = n0 + tl.arange(0, BLOCK_N)
     valid = pos < end
-    in_pool = pos < last
     addr = (offset + pos.to(tl.int64))[:, None] * stride_pt + d[None, :]
-    k = tl.load(k_base + addr, mask=in_pool[:, None], other=0.0)
-    v = tl.load(v_base + addr, mask=in_pool[:, None], other=0.0)
-    is_new = (pos == last)[:, None]
-    k = tl.where(is_new, k_new[None, :], k)
-    v = tl.where(is_new, v_new[None, :], v)
+    k = tl.load(k_base + addr, mask=valid[:, None], other=0.0)
+    v = tl.load(v_base + addr, mask=valid[:, None], other=0.0)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -37,7 +34,6 @@ def _tile(q, k_base, v_base, offset, n0, end, last, k_new, v_new, m_i, l_i, acc,
     else:
         pv = tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc * alpha[:, None] + pv
-
 
 
 @triton.jit
@@ -68,18 +64,26 @@ def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Out, PartOut, PartL
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
+    pool_end = tl.minimum(end, last)  # positions before the new token come from the pool
     if RUNTIME_LOOP:  # compiled: loop to the split's end (the loads get pipelined)
-        for n0 in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _tile(q, k_base, v_base, offset, n0, end, last, k_new, v_new, m_i,
-                                  l_i, acc, scale, stride_pt, d, BLOCK_N, IEEE)
+        for n0 in range(start, pool_end, BLOCK_N):
+            m_i, l_i, acc = _tile(q, k_base, v_base, offset, n0, pool_end, m_i, l_i, acc, scale,
+                                  stride_pt, d, BLOCK_N, IEEE)
     else:  # the interpreter cannot loop to a runtime bound: a fixed trip count, tiles past the
         # split's end skipped (an empty split reads nothing)
         for tile in range(0, SPLIT // BLOCK_N):
             n0 = start + tile * BLOCK_N
-            if n0 < end:
-                m_i, l_i, acc = _tile(q, k_base, v_base, offset, n0, end, last, k_new, v_new, m_i,
-                                      l_i, acc, scale, stride_pt, d, BLOCK_N, IEEE)
+            if n0 < pool_end:
+                m_i, l_i, acc = _tile(q, k_base, v_base, offset, n0, pool_end, m_i, l_i, acc,
+                                      scale, stride_pt, d, BLOCK_N, IEEE)
     if (last >= start) & (last < start + SPLIT):  # this program owns the new token
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+        m_new = tl.maximum(m_i, s_new)
+        alpha = tl.exp(m_i - m_new)
+        p_new = tl.exp(s_new - m_new)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+        m_i = m_new
         new_addr = (offset + last.to(tl.int64)) * stride_pt + d
         tl.store(k_base + new_addr, k_new)
         tl.store(v_base + new_addr, v_new)

@@ -16,7 +16,8 @@ same with PyTorch's flash kernel and two ``index_copy_`` KV writes, ``no_pipelin
 ``prompt + new`` positions (the bench's bucket):
 
 - ``engine_step_ms``: wall time of ``engine.step()`` (graph replay + sampling + the host's
-  bookkeeping and its one sync): what bench/rollout_bench.py reports as continuous ms/step;
+  bookkeeping and its one sync): what bench/rollout_bench.py reports as continuous ms/step
+  (mean; ``engine_step_median_ms``: the median call);
 - ``graph_replay_ms``: the bucket's CUDA graph alone (model + LM head), CUDA events;
 - ``draw_ms``: the sampling of the step's logits alone (greedy here);
 - (``ours``, ``aten_attention``, ``baseline``) a torch.profiler trace of the same step run EAGERLY (the kernels are those the graph replays;
@@ -80,14 +81,21 @@ def sync(dev) -> None:
         torch.cuda.synchronize()
 
 
-def wall_ms(fn, dev, iters: int) -> float:
-    """Mean wall milliseconds of ``fn()`` over ``iters`` calls (one warm call first)."""
+def wall_ms(fn, dev, iters: int, median: list | None = None) -> float:
+    """Mean wall milliseconds of ``fn()`` over ``iters`` calls (one warm call first), the device
+    synchronized at both ends; with ``median`` (a list) also appends the median call's time
+    (robust to a busy host)."""
     fn()
     sync(dev)
     t = time.perf_counter()
+    calls = []
     for _ in range(iters):
+        c = time.perf_counter()
         fn()
+        calls.append(time.perf_counter() - c)
     sync(dev)
+    if median is not None:
+        median.append(1e3 * sorted(calls)[len(calls) // 2])
     return 1e3 * (time.perf_counter() - t) / iters
 
 
@@ -326,7 +334,9 @@ def run_case(args, cfg, model, dev, batch: int, variant: str) -> dict:
     out = {"batch": batch, "variant": variant, "kernel": eng.cache.decode_kernel,
            "fused_draw": fused, "pipeline": pipeline, "fused_norm": fuse_norm, "context": context,
            "cuda_graph": bucket.graph is not None}
-    out["engine_step_ms"] = wall_ms(eng.step, dev, steps)
+    median: list = []
+    out["engine_step_ms"] = wall_ms(eng.step, dev, steps, median)
+    out["engine_step_median_ms"] = median[0]
     out["graph_replay_ms"] = gpu_ms(bucket.graph.replay, dev, 20) if bucket.graph else None
     lay = eng._layout
     logits = bucket.logits if bucket.graph is not None else bucket._forward()
@@ -372,7 +382,7 @@ def table(case: dict) -> str:
              f" (CUDA graph: {case['cuda_graph']})", ""]
     if "categories" in case:
         lines += _category_rows(case)
-    keys = ("engine_step_ms", "graph_replay_ms", "forward_kernel_sum_ms", "graph_gaps_ms",
+    keys = ("engine_step_ms", "engine_step_median_ms", "graph_replay_ms", "forward_kernel_sum_ms", "graph_gaps_ms",
             "draw_ms", "host_ms", "eager_step_ms", "bench_floor_ms", "engine_over_floor")
     lines.append(" | ".join(f"{k} {case[k]:.3f}" for k in keys if case.get(k) is not None))
     return "\n".join(lines)
@@ -393,10 +403,11 @@ def _category_rows(case: dict) -> list:
 
 
 def summary(cases: list) -> str:
-    lines = ["| batch | variant | engine ms/step | graph replay ms | draw ms | host ms | floor ms "
-             "| x floor |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| batch | variant | engine ms/step (median call) | graph replay ms | draw ms | host "
+             "ms | floor ms | x floor |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for c in cases:
-        lines.append(f"| {c['batch']} | {c['variant']} | {c['engine_step_ms']:.3f} | "
+        lines.append(f"| {c['batch']} | {c['variant']} | {c['engine_step_ms']:.3f} "
+                     f"({c['engine_step_median_ms']:.3f}) | "
                      f"{c.get('graph_replay_ms') or float('nan'):.3f} | {c['draw_ms']:.3f} | "
                      f"{c.get('host_ms', float('nan')):.3f} | {c['bench_floor_ms']:.3f} | "
                      f"{c['engine_over_floor']:.2f} |")

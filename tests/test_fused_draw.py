@@ -53,3 +53,18 @@ def test_gumbel_max_draw_follows_softmax():
     probs = torch.softmax(logits[0] / 0.8, -1)
     assert (freq - probs).abs().max().item() < 0.015
     assert torch.allclose(logp, probs.log()[tokens], atol=1e-5)
+
+
+def test_a_failing_fused_pick_falls_back_to_the_general_path(monkeypatch):
+    from parallel_models.rl.rollout import row_sampling
+
+    def broken(*args):
+        raise RuntimeError("compilation failed")
+
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    want = draw(logits, None, None, [(None, SamplingParams(greedy=True))], 0)
+    monkeypatch.setattr(row_sampling, "greedy_pick", broken)
+    monkeypatch.setattr(row_sampling, "_FUSED_FAILED", [])
+    with pytest.warns(UserWarning, match="fused draw disabled"):
+        got = draw(logits, None, None, [(None, SamplingParams(greedy=True))], 0)
+    assert torch.equal(got[0], want[0]) and not row_sampling.fused_draw_enabled()

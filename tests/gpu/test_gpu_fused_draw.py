@@ -21,6 +21,9 @@ def test_compiled_pick_equals_general_path(monkeypatch, params):
     for fused in ("1", "0"):
         monkeypatch.setenv("PARALLEL_MODELS_FUSED_DRAW", fused)
         out[fused] = draw(logits, seeds, steps, [(None, params)], 0)
+    from parallel_models.rl.rollout import row_sampling
+
+    assert not row_sampling._FUSED_FAILED, row_sampling._FUSED_FAILED  # the compiled pick ran
     (tok_f, lp_f, _), (tok_g, lp_g, _) = out["1"], out["0"]
     # near-ties of logits + noise may flip under another float rounding of the noise: allow 1 row
     assert (tok_f != tok_g).sum().item() <= 1

@@ -22,6 +22,7 @@ by the rounding of the sum. ``PARALLEL_MODELS_FUSED_DRAW=0`` switches them off (
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -77,8 +78,24 @@ greedy_pick = compiled_on_gpu(_greedy_pick)
 sampled_pick = compiled_on_gpu(_sampled_pick)
 
 
+_FUSED_FAILED = []  # the first failure of a fused pick (e.g. its compilation): general path
+
+
 def fused_draw_enabled() -> bool:
-    return os.environ.get("PARALLEL_MODELS_FUSED_DRAW", "1") != "0"
+    return os.environ.get("PARALLEL_MODELS_FUSED_DRAW", "1") != "0" and not _FUSED_FAILED
+
+
+def _fused(params, logits, seeds, steps):
+    """(tokens, log-probs) by a fused pick, or None where it does not apply or failed once."""
+    try:
+        if params.greedy:
+            return greedy_pick(logits)
+        if not params.top_k and params.top_p >= 1.0:
+            return sampled_pick(logits, seeds, steps, float(params.temperature))
+    except Exception as exc:  # noqa: BLE001 - the general path computes the same draw
+        _FUSED_FAILED.append(exc)
+        warnings.warn(f"fused draw disabled, using the general path: {type(exc).__name__}: {exc}")
+    return None
 
 
 def draw(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, groups, top_k_max: int):
@@ -91,11 +108,9 @@ def draw(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, groups,
     """
     b, vocab = logits.shape
     if not top_k_max and fused_draw_enabled() and len(groups) == 1 and groups[0][0] is None:
-        params = groups[0][1]
-        if params.greedy:
-            return (*greedy_pick(logits), None)
-        if not params.top_k and params.top_p >= 1.0:
-            return (*sampled_pick(logits, seeds, steps, float(params.temperature)), None)
+        picked = _fused(groups[0][1], logits, seeds, steps)
+        if picked is not None:
+            return (*picked, None)
     logits = logits.float()
     tokens = torch.zeros(b, dtype=torch.long, device=logits.device)
     logp = torch.zeros(b, dtype=torch.float32, device=logits.device)

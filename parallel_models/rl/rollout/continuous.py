@@ -320,7 +320,9 @@ class ContinuousEngine:
         pending, self._pending = self._pending, None
         if pending is not None:
             if pending.layout is self._layout:  # no row joined or left since it was queued
-                self._pending = self._launch(self._layout)
+                if any(r.generated + 1 < r.request.params.max_new_tokens
+                       for r in self._layout.rows):  # (not when every row ends with `pending`)
+                    self._pending = self._launch(self._layout)
                 self._accept(pending)
                 return
             self._accept(pending)

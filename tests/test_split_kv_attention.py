@@ -144,3 +144,10 @@ def test_gpu_kernels_compile_for_hopper():
     if "ptxas" in run.stderr and "not found" in run.stderr.lower():
         pytest.skip("triton without its bundled ptxas")
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
+
+
+def test_self_check_passes_and_refuses_odd_head_dims():
+    from parallel_models.rl.rollout.split_kv_attention import supported
+
+    assert supported(torch.device(DEV), torch.float32, 2, 16)  # what PoolKVCache asks on CUDA
+    assert not supported(torch.device(DEV), torch.float32, 2, 24)  # head_dim not a power of 2

@@ -81,9 +81,9 @@ def supported(device: torch.device, dtype: torch.dtype, kv_heads: int, head_dim:
         used = torch.tensor([1, 64, 100, 33], device=device, dtype=torch.int32)
         ref = reference_decode(q, k_new, v_new, k_pool, v_pool, offsets, used, 0.1)
         got = split_kv_decode(q, k_new, v_new, k_pool, v_pool, offsets, used, 100, 0.1, split=32)
-        err = (got.float() - ref.float()).abs().max().item()
-        if not err < 5e-2:
-            raise AssertionError(f"max error {err} vs SDPA")
+        err = ((got.float() - ref.float()).abs() - 2e-2 * ref.float().abs()).max().item()
+        if not err < 3e-2:  # bf16: a few units in the last place of outputs up to ~4
+            raise AssertionError(f"error {err} vs SDPA (beyond 2% of the value)")
     except Exception as exc:  # noqa: BLE001 - any failure: PyTorch's kernels instead
         warnings.warn(f"split-KV triton decode attention disabled: {type(exc).__name__}: {exc}")
         return False

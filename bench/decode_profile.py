@@ -41,6 +41,7 @@ import argparse
 import collections
 import contextlib
 import functools
+import json
 import os
 import sys
 import time
@@ -453,6 +454,9 @@ def main() -> None:
                     traceback.print_exc()
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
+                if args.out:  # as it goes: a run cut short still leaves its cases
+                    with open(args.out, "w") as f:
+                        json.dump(res, f, indent=1)
             if dev.type == "cuda":
                 for context in (args.prompt + args.new // 2, 2048):
                     try:

@@ -32,7 +32,7 @@ case "${1:-gpu}" in
   decode)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
     timeout 240 python3 bench/decode_profile.py --out "$OUT/decode_profile.json" 2>&1 \
-        | tee "$OUT/decode_profile.log" | grep -v '^[ {}]' | tail -90
+        | tee "$OUT/decode_profile.log" | grep -v "^[ {}]" | tail -170
     timeout 180 python3 bench/rollout_bench.py --cases decode --out "$OUT/rollout_decode.json" 2>&1 \
         | tee "$OUT/rollout_decode.log" | tail -6
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_split_kv.py \

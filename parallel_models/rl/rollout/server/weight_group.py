@@ -138,12 +138,14 @@ def _cut(manifest: Manifest, staging: list[torch.Tensor]) -> dict[str, torch.Ten
 def _not_finite(manifest: Manifest, staging: list[torch.Tensor],
                 tensors: dict[str, torch.Tensor]) -> list[str]:
     """Names of the staged tensors with a NaN / inf (one check per bucket while all are fine)."""
+    from parallel_models.rl.rollout.engine import all_finite
+
     bad = []
     for bucket, raw in zip(manifest.buckets, staging):
         dtypes = {DTYPES[d] for _, d, _ in bucket.tensors}
-        if len(dtypes) == 1 and raw.numel() and bool(torch.isfinite(raw.view(*dtypes)).all()):
+        if len(dtypes) == 1 and all_finite(raw.view(*dtypes)):
             continue
-        bad += [n for n, _, _ in bucket.tensors if not bool(torch.isfinite(tensors[n]).all())]
+        bad += [n for n, _, _ in bucket.tensors if not all_finite(tensors[n])]
     return bad
 
 

@@ -90,3 +90,29 @@ def test_trainer_killed_mid_push_keeps_old_version(served):
     assert _push(served, 1)["versions"] == [version + 1]  # the server still takes pushes
     _serves(served, 1)
     served["client"].update_weights(served["paths"][0])  # the next test starts from model 0
+
+
+def test_bad_requests_are_refused_at_once(served):
+    """A manifest that does not fit the model, or a group of the wrong size, is a 400 naming the
+    problem before any byte moves (nothing queued: the server keeps serving its version)."""
+    from parallel_models.rl.rollout.server.client import ServerError
+    from tests.ppo_runs import load_folder
+
+    version = _serves(served, 0)
+    tensors = load_folder(served["paths"][0])
+    entries = [[n, "float32", list(t.shape)] for n, t in tensors.items()]
+    nbytes = sum(t.numel() * 4 for t in tensors.values())
+    bad_shape = [list(e) for e in entries]
+    bad_shape[3][2] = [e + 1 for e in bad_shape[3][2]]
+    cases = [({"buckets": [{"tensors": entries[1:], "nbytes": nbytes - tensors[entries[0][0]]
+                            .numel() * 4}]}, "missing"),
+             ({"buckets": [{"tensors": bad_shape, "nbytes": nbytes}]}, "nbytes says"),
+             ({"buckets": [{"tensors": entries, "nbytes": nbytes}], "extra": 1}, "invalid")]
+    for manifest, message in cases:
+        with pytest.raises(ServerError) as err:
+            served["client"].weights_group("update", manifest)
+        assert err.value.status == 400 and message in err.value.message, err.value.message
+    with pytest.raises(ServerError, match="world_size 5"):
+        served["client"].weights_group("init", {"master_addr": "127.0.0.1", "master_port": 1,
+                                                "world_size": 5})
+    assert _serves(served, 0) == version

@@ -93,7 +93,8 @@ class GroupPusher:
                 if err.status != 409 or attempt:  # 409: the server lost the group (restarted)
                     raise
                 self.drop()
-        if self.side.max([0])[0]:
+        if self.side.max([0])[0]:  # (1) failed: the server skips to (4)
+            self.side.max([0, 0])
             raise WeightStreamError(self._server_error(push_id, "the server could not stage "
                                                                 "the push"))
         return push_id
@@ -150,6 +151,14 @@ def pusher_of(client, transport: str = "auto") -> GroupPusher:
     return pusher
 
 
+def _clean(exc: Exception) -> bool:
+    """Whether the group is still in step after ``exc`` (the server refused the push and every
+    collective ran), so the next push may reuse it."""
+    from parallel_models.rl.rollout.server.client import ServerError
+
+    return isinstance(exc, (WeightStreamError, ServerError))
+
+
 def push_weight_group(chunks, client, bucket_bytes: int | None = None,
                       transport: str = "auto") -> int | None:
     """Every trainer rank calls: push the actor's current weights over the weights group.
@@ -165,7 +174,7 @@ def push_weight_group(chunks, client, bucket_bytes: int | None = None,
         try:
             push_id = pusher.start(gatherer)
         except Exception as exc:  # noqa: BLE001 - reported to every rank below
-            error, broken = f"{type(exc).__name__}: {exc}", not isinstance(exc, WeightStreamError)
+            error, broken = f"{type(exc).__name__}: {exc}", not _clean(exc)
     for bucket, _ in gatherer.buckets_iter():
         if pusher is not None and error is None:
             try:
@@ -177,7 +186,7 @@ def push_weight_group(chunks, client, bucket_bytes: int | None = None,
             version = pusher.finish(push_id)
             pusher.last_seconds = {"push_s": time.perf_counter() - t0}
         except Exception as exc:  # noqa: BLE001
-            error, broken = f"{type(exc).__name__}: {exc}", not isinstance(exc, WeightStreamError)
+            error, broken = f"{type(exc).__name__}: {exc}", not _clean(exc)
     if broken:  # a collective failed midway, its peers may still be in one: join afresh next time
         pusher.drop()
     box = [(version, error)]

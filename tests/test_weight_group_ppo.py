@@ -1,6 +1,6 @@
 """``rollout.weight_push: group`` in PPO: a run pushing over the weights group (gloo) gives the
-metrics of a run streaming over HTTP; a dead server makes the trainer fall back to the folder
-and fail with an error naming the server and the group push."""
+metrics of a run streaming over HTTP; a server killed mid-push makes the trainer fall back to
+the folder and fail with an error naming the server and the group push (no hang)."""
 
 import pytest
 
@@ -28,10 +28,19 @@ def served(tmp_path_factory):
     stop_server(proc)
 
 
-def test_dead_server_falls_back_clearly(served, tmp_path):
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    out = run_distributed(weight_group_checks.push_group, 1, served["paths"][0], url,
-                          fallback_folder=str(tmp_path / "fallback"))[0]
+def test_server_killed_mid_push_fails_clearly(served, tmp_path):
+    """The server dies between two buckets: the trainer does not hang; it falls back to the
+    folder, which fails too, and every rank raises an error naming the server and the group
+    push."""
+    port = free_port()
+    proc = start_server(served["paths"][0], port, log_path=str(tmp_path / "doomed.log"))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        out = run_distributed(weight_group_checks.push_group, 1, served["paths"][0], url,
+                              kill_after_buckets=2, kill_pid=proc.pid,
+                              fallback_folder=str(tmp_path / "fallback"))[0]
+    finally:
+        stop_server(proc)
     assert "group push failed first" in out.get("error", "") and url in out["error"], out
 
 

@@ -18,10 +18,11 @@ def _actor(model_path: str, tp: int, pp: int):
 
 def push_group(model_path: str, url: str, tp: int = 1, pp: int = 1, *, pushes: int = 1,
                poison: bool = False, kill_after_buckets: int | None = None,
-               fallback_folder: str | None = None) -> dict:
+               kill_pid: int | None = None, fallback_folder: str | None = None) -> dict:
     """Push ``model_path`` (loaded at TP x PP) ``pushes`` times over the weights group (small
     buckets: several per push). ``poison``: one weight gets a NaN first; ``kill_after_buckets``:
-    rank 0 SIGKILLs itself after sending that many buckets; ``fallback_folder``: through
+    rank 0 SIGKILLs ``kill_pid`` (default: itself) after sending that many buckets;
+    ``fallback_folder``: through
     ``push_actor_weights`` (mode group, the folder as fallback). -> the versions and the
     transport, or the error every rank raised."""
     import os
@@ -42,11 +43,12 @@ def push_group(model_path: str, url: str, tp: int = 1, pp: int = 1, *, pushes: i
 
         def send_then_die(self, flat):
             if len(sent) == kill_after_buckets:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(kill_pid or os.getpid(), signal.SIGKILL)
             send(self, flat)
             sent.append(1)
 
         weight_group_push.GroupPusher.send = send_then_die
+        weight_group_push.GROUP_BUCKET_BYTES = 64 * 1024  # several buckets through any path
     client = RolloutClient(url, timeout=60)
     try:
         if fallback_folder is not None:

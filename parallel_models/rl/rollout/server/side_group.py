@@ -73,9 +73,10 @@ def _env(**values):
 
 
 class SideGroup:
-    """``SideGroup(master_addr, master_port, rank, world_size, device, timeout_s, host=True)``:
-    join (the trainer, ``rank=0``, hosts the store; pass ``store`` when it was made first) and
-    exchange descriptors; :attr:`transport` is then the same on every member."""
+    """``SideGroup(master_addr, master_port, rank, world_size, device, timeout_s, wanted,
+    store=None)``: join (rank 0, the trainer, hosts the ``TCPStore``; pass ``store`` when it
+    was made first) and exchange descriptors; :attr:`transport` is then the same on every
+    member (``wanted`` != auto forces one)."""
 
     def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int,
                  device: torch.device, timeout_s: float, wanted: str = "auto", store=None):

@@ -109,11 +109,15 @@ class SideGroup:
     def _join_nccl(self) -> None:
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = self.timeout
+        opts.is_high_priority_stream = False
+        opts.global_ranks_in_group = list(range(self.world_size))  # (logs: no world to map to)
+        opts.group_name = "weights_group"
         # blocking wait: a timed-out collective raises in wait() (the default watchdog would
         # tear the whole process down); read when the group is built, so set only around it
         with _env(TORCH_NCCL_BLOCKING_WAIT="1"):
             self.nccl = dist.ProcessGroupNCCL(dist.PrefixStore("weights/nccl", self.store),
                                               self.rank, self.world_size, opts)
+        self.nccl._set_sequence_number_for_group()  # as torch's own group constructor does
         torch.cuda.set_device(self.device)
         probe = torch.ones(1, device=self.device)  # connect now, not in the first push
         self.broadcast(probe)

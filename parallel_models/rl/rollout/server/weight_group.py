@@ -10,10 +10,10 @@ Endpoints (JSON; the push's bytes never go through HTTP):
 - ``POST /weights_group/update`` the manifest ``{"buckets": [{"tensors": [[name, dtype, shape],
   ...], "nbytes": n}, ...], "ipc": {...} | null, "push_id"}`` -> 400 at once if it does not
   fit the model (every HF tensor of the weight map, right shapes, nothing else), 409 if no
-  group is joined; else 202 ``{"status": "receiving"}`` and, between batches, every rank receives the buckets into
-  staging buffers (on the GPU for nccl / ipc, host memory for gloo), checks them finite, and
-  only when every rank has them all and all are finite, loads them (no snapshot needed: nothing
-  can fail any more) and bumps the version.
+  group is joined; else 202 ``{"status": "receiving"}`` and, between batches, every rank
+  receives the buckets into staging buffers (on the GPU for nccl / ipc, host memory for gloo),
+  checks them finite, and only when every rank has them all and all are finite, loads them (no
+  snapshot needed: nothing can fail any more) and bumps the version.
 - ``GET /weights_group/status`` -> ``{"joined", "transport", "last"}``: the last join / push
   result or error (what the trainer reads after a push it was told failed).
 

@@ -5,6 +5,8 @@
 #   bash bench/gpu_session.sh replay   # bench/router_replay_bench.py: MoE rollout vs training
 #   bash bench/gpu_session.sh decode   # decode speed (issue 17 item 4): its GPU tests,
 #                                      # bench/decode_profile.py, rollout_bench.py --cases decode
+#   bash bench/gpu_session.sh exact    # exact mode (issue 15 item 4): its GPU test (bitwise
+#                                      # rollout == training) and bench/exact_mode_bench.py
 #   bash bench/gpu_session.sh mcore    # CPU tests of the newest layers on the host's Python 3.12
 #                                      # with megatron-core 0.19 (GPU hidden: gloo on the CPU)
 # Logs and JSON go to $OUT (default /tmp/pm_gpu_out).
@@ -38,6 +40,13 @@ case "${1:-gpu}" in
     timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_split_kv.py \
         tests/gpu/test_gpu_fused_draw.py tests/gpu/test_gpu_continuous.py 2>&1 \
         | tee "$OUT/decode_gpu_tests.log" | tail -15
+    ;;
+  exact)
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_exact_mode.py \
+        tests/test_exact_kernels.py 2>&1 | tee "$OUT/exact_gpu_tests.log" | tail -25
+    timeout 240 python3 bench/exact_mode_bench.py --out "$OUT/exact_mode.json" 2>&1 \
+        | tee "$OUT/exact_mode.log" | grep -v '^[ {}]' | tail -15
     ;;
   mcore)
     CUDA_VISIBLE_DEVICES= timeout 540 python3 -m pytest -q -p no:cacheprovider -n 8 \

@@ -151,3 +151,23 @@ def test_self_check_passes_and_refuses_odd_head_dims():
 
     assert supported(torch.device(DEV), torch.float32, 2, 16)  # what PoolKVCache asks on CUDA
     assert not supported(torch.device(DEV), torch.float32, 2, 24)  # head_dim not a power of 2
+
+
+@pytest.mark.parametrize("env", ["16,2,1", "32,8,3,32", "128,4,2"])
+def test_launch_configs_match_sdpa(monkeypatch, env):
+    """Each tile / split setting (PARALLEL_MODELS_DECODE_KERNEL_CONFIG) computes the same
+    attention (the interpreter ignores warps and stages; the GPU test times them)."""
+    monkeypatch.setenv("PARALLEL_MODELS_DECODE_KERNEL_CONFIG", env)
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, d, max_row, used = 4, 2, 16, 70, [1, 31, 70]
+    pool = max_row * len(used)
+    k_pool, v_pool = torch.randn(pool, kv_heads, d, generator=g), torch.randn(pool, kv_heads, d,
+                                                                               generator=g)
+    q = torch.randn(len(used), heads, d, generator=g)
+    k_new, v_new = torch.randn(2, len(used), kv_heads, d, generator=g)
+    offsets = torch.arange(len(used)) * max_row
+    used_t = torch.tensor(used, dtype=torch.int32)
+    ref = reference_decode(q, k_new, v_new, k_pool.clone(), v_pool.clone(), offsets, used_t, 0.3)
+    got = split_kv_decode(q.to(DEV), k_new.to(DEV), v_new.to(DEV), k_pool.to(DEV),
+                          v_pool.to(DEV), offsets.to(DEV), used_t.to(DEV), max_row, 0.3)
+    assert (got.cpu() - ref).abs().max().item() < 1e-5

@@ -16,6 +16,7 @@ being the token decoded now (its k/v come in as ``k_new`` / ``v_new``).
 - The new token's k/v are written into the pool by the program whose split holds it, so the
   decode step needs no separate KV write (``index_copy_``) launches.
 
+Launch settings (tile, warps, stages, split): ``split_kv_config`` (an env var or a table by shape).
 The kernels live in ``split_kv_kernels``, imported lazily (:func:`available`): without triton
 the cache keeps PyTorch's kernels.
 Set ``TRITON_INTERPRET=1`` before importing triton to run the kernels on the CPU (tests).
@@ -29,24 +30,30 @@ import warnings
 
 import torch
 
-_BLOCK_N = 64
+from parallel_models.rl.rollout.split_kv_config import LaunchConfig, launch_config
 
 
-def split_size(batch: int, kv_heads: int, max_row_tokens: int, device) -> int:
+def split_size(batch: int, kv_heads: int, max_row_tokens: int, device,
+               config: LaunchConfig | None = None) -> int:
     """Positions per split for a bucket (fixed per bucket: part of its captured graph).
 
     Enough programs (rows x KV heads x splits) to fill the GPU twice over, no more splits than
-    that (each split adds a partial output to combine; one split skips the combine pass);
-    ``PARALLEL_MODELS_DECODE_SPLIT`` = a fixed size (a power of two >= 16) instead."""
+    that (each split adds a partial output to combine; one split skips the combine pass), at
+    least one tile (the launch config's ``block_n``); ``PARALLEL_MODELS_DECODE_SPLIT`` = a fixed
+    size (a power of two >= 16) instead, else the launch config's ``split`` when it sets one
+    (``config``; default: ``split_kv_config.launch_config`` of the bucket)."""
     fixed = os.environ.get("PARALLEL_MODELS_DECODE_SPLIT")
     if fixed:
         return int(fixed)
+    config = config or launch_config(batch, int(max_row_tokens))
+    if config.split:
+        return config.split
     device = torch.device(device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count \
         if device.type == "cuda" else 4
     splits = max(1, -(-2 * sms // max(batch * kv_heads, 1)))
     per_split = -(-max(int(max_row_tokens), 1) // splits)
-    return max(_BLOCK_N, 1 << (per_split - 1).bit_length())
+    return max(config.block_n, 1 << (per_split - 1).bit_length())
 
 
 @functools.cache
@@ -116,13 +123,16 @@ def _kernels():
 def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     k_pool: torch.Tensor, v_pool: torch.Tensor, offsets: torch.Tensor,
                     used: torch.Tensor, max_row_tokens: int, scale: float,
-                    split: int | None = None) -> torch.Tensor:
+                    split: int | None = None,
+                    config: LaunchConfig | None = None) -> torch.Tensor:
     """Attention of one query token per row over its pool region; writes ``k_new`` / ``v_new``
     at ``offsets + used - 1`` of the pools.
 
     ``q`` ``[B, heads, D]``; ``k_new`` / ``v_new`` ``[B, kv_heads, D]``; ``k_pool`` / ``v_pool``
     ``[positions, kv_heads, D]`` (one layer); ``offsets`` ``[B]`` region starts; ``used`` ``[B]``
     positions per row including the new one (>= 1, <= ``max_row_tokens``). -> ``[B, heads, D]``.
+    ``config``: the launch settings (default: ``split_kv_config.launch_config`` of the bucket);
+    ``split`` overrides its split size.
     """
     triton, split_kernel, combine_kernel = _kernels()
     b, heads, dim = q.shape
@@ -136,11 +146,13 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
             raise ValueError(f"split-KV decode needs {name} contiguous in head_dim")
     if k_pool.stride() != v_pool.stride():
         raise ValueError("split-KV decode needs the k and v pools laid out alike")
+    if config is None:
+        config = launch_config(b, int(max_row_tokens))
     if split is None:
-        split = split_size(b, k_pool.shape[1], max_row_tokens, q.device)
+        split = split_size(b, k_pool.shape[1], max_row_tokens, q.device, config)
     if split < 16 or split & (split - 1):
         raise ValueError(f"split size must be a power of two >= 16, got {split}")
-    block_n = min(_BLOCK_N, split)
+    block_n = min(config.block_n, split)
     group = heads // kv_heads
     num_splits = triton.cdiv(max(int(max_row_tokens), 1), split)
     out = torch.empty_like(q)
@@ -157,7 +169,7 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
         SPLIT=split, NUM_SPLITS=num_splits, H=heads, IEEE=q.dtype == torch.float32,
         RUNTIME_LOOP=os.environ.get("TRITON_INTERPRET") != "1",
-        num_warps=4, num_stages=2)
+        num_warps=config.num_warps, num_stages=config.num_stages)
     if num_splits > 1:
         combine_kernel[(b, heads)](part_out, part_lse, used, out, out.stride(0), out.stride(1),
                                    H=heads, D=dim, SPLIT=split, NUM_SPLITS=num_splits,

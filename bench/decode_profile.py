@@ -29,7 +29,10 @@ same with PyTorch's flash kernel and two ``index_copy_`` KV writes, ``no_pipelin
   ``graph_replay_ms - forward kernel sum`` = the gaps between kernels inside the graph;
   ``engine_step_ms - graph_replay_ms - draw_ms`` = the host's share of a step.
 - ``attention_micro``: one layer's decode attention at these shapes: the split-KV kernel vs
-  PyTorch's flash kernel (+ its two KV writes), microseconds, beside the KV-bytes floor.
+  PyTorch's flash kernel (+ its two KV writes), microseconds per call captured in a CUDA graph
+  (``decode_attention_sweep.graph_us``: as the engine runs it; ``split_kv_eager_us``: one eager
+  call, launch and host included), beside the KV-bytes floor. The launch-config sweep:
+  bench/decode_attention_sweep.py.
 
 A markdown table per case is printed; ``--out`` writes everything as JSON. Each case is guarded:
 a failure is recorded and the next case runs.
@@ -51,6 +54,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import add_llama_shape_args, report, save_llama_model  # noqa: E402
+from decode_attention_sweep import graph_us  # noqa: E402
 
 LABEL = "dp::"
 GEMMS = {"qkv_proj": "qkv_gemm", "o_proj": "o_gemm", "gate_up_proj": "gate_up_gemm",
@@ -301,9 +305,10 @@ def attention_micro(cfg, batch, context, max_row_tokens, dev, dtype) -> dict:
            "auto_split": split_kv_attention.split_size(batch, kv, max_row_tokens, dev)}
     out["max_abs_diff"] = (aten().float() - ours().float()).abs().max().item()
     for name, fn in (("aten_flash_plus_kv_write", aten), ("split_kv_triton", ours)):
-        out[f"{name}_us"] = 1e3 * gpu_ms(fn, dev, 50)
+        out[f"{name}_us"] = graph_us([fn], dev)
+    out["split_kv_eager_us"] = 1e3 * gpu_ms(ours, dev, 50)
     for split in (64, 128, 256, 512):  # what the automatic split size leaves on the table
-        out[f"split_{split}_us"] = 1e3 * gpu_ms(functools.partial(ours, split), dev, 50)
+        out[f"split_{split}_us"] = graph_us([functools.partial(ours, split)], dev)
     out["split_kv_over_floor"] = out["split_kv_triton_us"] / out["floor_us"]
     out["aten_over_floor"] = out["aten_flash_plus_kv_write_us"] / out["floor_us"]
     return out
@@ -470,13 +475,14 @@ def main() -> None:
     res["seconds"] = time.perf_counter() - t0
     report(res, args.out)
     if res["attention_micro"]:
-        print("\n| batch | context | KV floor us | split-KV triton us (auto split) | aten flash + "
-              "KV write us | split 64 / 128 / 256 / 512 us | max abs diff |\n"
-              "| --- | --- | --- | --- | --- | --- | --- |")
+        print("\n| batch | context | KV floor us | split-KV triton us (auto split) | eager 1-call "
+              "us | aten flash + KV write us | split 64 / 128 / 256 / 512 us | max abs diff |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- |")
         for m in res["attention_micro"]:
             fixed = " / ".join(f"{m[f'split_{s}_us']:.1f}" for s in (64, 128, 256, 512))
             print(f"| {m['batch']} | {m['context']} | {m['floor_us']:.1f} | "
                   f"{m['split_kv_triton_us']:.1f} ({m['auto_split']}) | "
+                  f"{m['split_kv_eager_us']:.1f} | "
                   f"{m['aten_flash_plus_kv_write_us']:.1f} | {fixed} | {m['max_abs_diff']:.3g} |")
     for case in res["cases"]:
         if "categories" in case:

@@ -124,7 +124,7 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     k_pool: torch.Tensor, v_pool: torch.Tensor, offsets: torch.Tensor,
                     used: torch.Tensor, max_row_tokens: int, scale: float,
                     split: int | None = None,
-                    config: LaunchConfig | None = None) -> torch.Tensor:
+                    config: LaunchConfig | None = None, rope=None) -> torch.Tensor:
     """Attention of one query token per row over its pool region; writes ``k_new`` / ``v_new``
     at ``offsets + used - 1`` of the pools.
 
@@ -132,7 +132,8 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     ``[positions, kv_heads, D]`` (one layer); ``offsets`` ``[B]`` region starts; ``used`` ``[B]``
     positions per row including the new one (>= 1, <= ``max_row_tokens``). -> ``[B, heads, D]``.
     ``config``: the launch settings (default: ``split_kv_config.launch_config`` of the bucket);
-    ``split`` overrides its split size.
+    ``split`` overrides its split size. ``rope``: ``(cos, sin)`` ``[B, D]`` to rotate ``q`` and
+    ``k_new`` in the kernel (they come in unrotated; the pool gets the rotated k).
     """
     triton, split_kernel, combine_kernel = _kernels()
     b, heads, dim = q.shape
@@ -161,14 +162,22 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         part_lse = torch.empty(b, heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    if rope is not None:
+        cos, sin = rope
+        if cos.shape != (b, dim) or sin.shape != cos.shape or cos.stride(-1) != 1 \
+                or sin.stride() != cos.stride():
+            raise ValueError(f"split-KV decode rope needs cos / sin [{b}, {dim}] alike, "
+                             f"contiguous in head_dim (got {tuple(cos.shape)})")
+    else:
+        cos = sin = q  # unused
     split_kernel[(b, kv_heads, num_splits)](
-        q, k_new, v_new, k_pool, v_pool, offsets, used, out, part_out, part_lse, scale,
+        q, k_new, v_new, k_pool, v_pool, offsets, used, out, part_out, part_lse, cos, sin, scale,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1), k_pool.stride(0),
-        k_pool.stride(1), out.stride(0), out.stride(1),
+        k_pool.stride(1), out.stride(0), out.stride(1), cos.stride(0),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
         SPLIT=split, NUM_SPLITS=num_splits, H=heads, IEEE=q.dtype == torch.float32,
-        RUNTIME_LOOP=os.environ.get("TRITON_INTERPRET") != "1",
+        RUNTIME_LOOP=os.environ.get("TRITON_INTERPRET") != "1", ROPE=rope is not None,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if num_splits > 1:
         combine_kernel[(b, heads)](part_out, part_lse, used, out, out.stride(0), out.stride(1),

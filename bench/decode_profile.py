@@ -11,6 +11,7 @@ Per batch size B and engine variant (``--variants``; ``ours`` = split-KV triton 
 (``rl/rollout/split_kv_attention.py``) + fused draw + pipelined decode, ``aten_attention`` = the
 same with PyTorch's flash kernel and two ``index_copy_`` KV writes, ``no_pipeline``,
 ``no_fused_draw``, ``no_fused_norm`` (each layer's residual sum not fused into the next norm),
+``no_fused_rope`` (RoPE by its own kernels, not inside the split-KV attention),
 ``baseline`` = none of these, profiled too), B prompts of ``prompt + new/2`` tokens
 (every row at the bench's mean context) in a ``ContinuousEngine`` whose rows hold
 ``prompt + new`` positions (the bench's bucket):
@@ -67,6 +68,7 @@ VARIANTS = {
     "no_pipeline": ("triton", True, False, True, False),
     "no_fused_draw": ("triton", False, True, True, False),
     "no_fused_norm": ("triton", True, True, False, False),
+    "no_fused_rope": ("triton", True, True, True, False),  # rotary kernels, not in the attention
     "baseline": ("aten", False, False, False, True),  # main before issue 17 item 4's changes
 }
 ORDER = ["qkv_gemm", "o_gemm", "gate_up_gemm", "down_gemm", "lm_head_gemm", "attention",
@@ -322,6 +324,7 @@ def run_case(args, cfg, model, dev, batch: int, variant: str) -> dict:
     kernel, fused, pipeline, fuse_norm, profiled = VARIANTS[variant]
     os.environ["PARALLEL_MODELS_FUSED_DRAW"] = "1" if fused else "0"  # read at each draw
     os.environ["PARALLEL_MODELS_DECODE_FUSE_NORM"] = "1" if fuse_norm else "0"  # each forward
+    os.environ["PARALLEL_MODELS_DECODE_FUSE_ROPE"] = "0" if variant == "no_fused_rope" else "1"
     half = args.new // 2
     context = args.prompt + half          # prompt length of the profiled rows
     row_tokens = args.prompt + args.new   # the bench's bucket: rows hold prompt + new positions

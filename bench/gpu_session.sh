@@ -4,7 +4,8 @@
 #   bash bench/gpu_session.sh liger    # bench/liger_bench.py: ours vs transformers vs + Liger
 #   bash bench/gpu_session.sh replay   # bench/router_replay_bench.py: MoE rollout vs training
 #   bash bench/gpu_session.sh decode   # decode speed (issue 17 item 4), <= ~200 s:
-#                                      # bench/decode_profile.py (ours / aten_attention / baseline),
+#                                      # bench/decode_profile.py (ours / no_fused_rope /
+#                                      # aten_attention / baseline),
 #                                      # bench/decode_attention_sweep.py (60 s budget), GPU tests
 #   bash bench/gpu_session.sh decode_bench  # rollout_bench.py --cases decode (engine vs baseline)
 #   bash bench/gpu_session.sh mcore    # CPU tests of the newest layers on the host's Python 3.12
@@ -33,8 +34,8 @@ case "${1:-gpu}" in
     ;;
   decode)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-    timeout 90 python3 bench/decode_profile.py --variants ours aten_attention baseline \
-        --out "$OUT/decode_profile.json" 2>&1 | tee "$OUT/decode_profile.log" | grep -v "^[ {}]" \
+    timeout 90 python3 bench/decode_profile.py --variants ours no_fused_rope aten_attention \
+        baseline --out "$OUT/decode_profile.json" 2>&1 | tee "$OUT/decode_profile.log" | grep -v "^[ {}]" \
         | tail -120
     timeout 100 python3 bench/decode_attention_sweep.py --budget-s 60 \
         --out "$OUT/decode_attention_sweep.json" 2>&1 | tee "$OUT/decode_attention_sweep.log" \

@@ -151,9 +151,10 @@ def test_gpu_kernels_compile_for_hopper():
 
 
 def test_self_check_passes_and_refuses_odd_head_dims():
-    from parallel_models.rl.rollout.split_kv_attention import supported
+    from parallel_models.rl.rollout.split_kv_attention import rope_supported, supported
 
     assert supported(torch.device(DEV), torch.float32, 2, 16)  # what PoolKVCache asks on CUDA
+    assert rope_supported(torch.device(DEV), torch.float32, 2, 16)  # the in-kernel RoPE too
     assert not supported(torch.device(DEV), torch.float32, 2, 24)  # head_dim not a power of 2
 
 

@@ -84,6 +84,9 @@ class PoolKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.flash_decode = _flash_decode_supported(torch.device(device), dtype)
         self.decode_kernel = _decode_kernel(torch.device(device), dtype, (num_kv_heads, head_dim))
+        self._heads_dim = (num_kv_heads, head_dim)
+        if self.decode_kernel == "triton":  # its one-off check now, before any graph capture
+            split_kv_attention.rope_supported(torch.device(device), dtype, *self._heads_dim)
         self._write = None
         self._rows: DecodeRows | None = None
         self.decoding = False
@@ -114,7 +117,8 @@ class PoolKVCache:
         (decode through the split-KV kernel, which rotates them; the attention module then
         skips its rotary kernel). ``PARALLEL_MODELS_DECODE_FUSE_ROPE=0``: never."""
         return self.decoding and self.decode_kernel == "triton" \
-            and os.environ.get("PARALLEL_MODELS_DECODE_FUSE_ROPE", "1") != "0"
+            and os.environ.get("PARALLEL_MODELS_DECODE_FUSE_ROPE", "1") != "0" \
+            and split_kv_attention.rope_supported(self.k.device, self.k.dtype, *self._heads_dim)
 
     def attend(self, layer: int, q, k, v, cu_seqlens, max_seqlen, scale, rope=None):
         if rope is not None and not self.fuses_rope():

@@ -97,6 +97,42 @@ def supported(device: torch.device, dtype: torch.dtype, kv_heads: int, head_dim:
     return True
 
 
+@functools.cache
+def rope_supported(device: torch.device, dtype: torch.dtype, kv_heads: int,
+                   head_dim: int) -> bool:
+    """The in-kernel RoPE (``rope=``) matches ``apply_rotary`` then the kernel without it on
+    ``device``: checked once (call it before any graph capture); a failure warns and returns
+    False (the rotary kernels stay apart)."""
+    if not supported(device, dtype, kv_heads, head_dim):
+        return False
+    from parallel_models.llama.layers.rotary import apply_rotary
+
+    try:
+        g = torch.Generator(device=device).manual_seed(1)
+        rows, pool, group = 3, 200, 2
+
+        def rand(*shape):
+            return torch.randn(*shape, device=device, dtype=dtype, generator=g)
+
+        q, k_new, v_new = (rand(rows, kv_heads * group, head_dim),
+                           rand(rows, kv_heads, head_dim), rand(rows, kv_heads, head_dim))
+        k_pool, v_pool = rand(pool, kv_heads, head_dim), rand(pool, kv_heads, head_dim)
+        cos, sin = rand(rows, head_dim).cos(), rand(rows, head_dim).sin()
+        offsets = torch.arange(rows, device=device) * 60
+        used = (torch.arange(rows, device=device, dtype=torch.int32) * 25 + 1)
+        want = split_kv_decode(apply_rotary(q, cos, sin), apply_rotary(k_new, cos, sin), v_new,
+                               k_pool.clone(), v_pool.clone(), offsets, used, 60, 0.1, split=32)
+        got = split_kv_decode(q, k_new, v_new, k_pool, v_pool, offsets, used, 60, 0.1, split=32,
+                              rope=(cos, sin))
+        err = ((got.float() - want.float()).abs() - 2e-2 * want.float().abs()).max().item()
+        if not err < 3e-2:
+            raise AssertionError(f"error {err} vs apply_rotary + the kernel")
+    except Exception as exc:  # noqa: BLE001 - any failure: rotary kernels apart
+        warnings.warn(f"split-KV in-kernel RoPE disabled: {type(exc).__name__}: {exc}")
+        return False
+    return True
+
+
 def reference_decode(q, k_new, v_new, k_pool, v_pool, offsets, used, scale) -> torch.Tensor:
     """What :func:`split_kv_decode` computes, with SDPA row by row (host loop: tests only);
     writes ``k_new`` / ``v_new`` into the pools like it."""
@@ -187,4 +223,5 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     return out
 
 
-__all__ = ["available", "split_size", "reference_decode", "split_kv_decode", "supported"]
+__all__ = ["available", "split_size", "reference_decode", "rope_supported", "split_kv_decode",
+           "supported"]

@@ -86,7 +86,7 @@ class PoolKVCache:
         self.decode_kernel = _decode_kernel(torch.device(device), dtype, (num_kv_heads, head_dim))
         self._heads_dim = (num_kv_heads, head_dim)
         if self.decode_kernel == "triton":  # its one-off check now, before any graph capture
-            split_kv_attention.rope_supported(torch.device(device), dtype, *self._heads_dim)
+            split_kv_attention.rope_supported(self.k.device, dtype, *self._heads_dim)
         self._write = None
         self._rows: DecodeRows | None = None
         self.decoding = False

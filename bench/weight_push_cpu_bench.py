@@ -105,7 +105,7 @@ def main(argv=None) -> dict:
                 out[f"push_{transport}"] = pushes
                 out[f"push_{transport}_server_split"] = (
                     client.info().get("last_weight_push") if transport == "stream" else
-                    client.weights_group("status").get("last"))
+                    client.weights_group("status").get("last_push"))
                 print(transport, json.dumps(pushes), file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             loaded = client.update_weights(folder)

@@ -116,14 +116,8 @@ def _push_rounds(push, client, transport: str) -> dict:
         versions.append(push())
         times.append(time.perf_counter() - t0)
     extra = torch.cuda.max_memory_allocated() - base
-    split = client.info().get("last_weight_push")
-    if transport == "group":  # the status is recorded just after the trainer hears the outcome
-        deadline = time.monotonic() + 2.0
-        split = client.weights_group("status")
-        while (split.get("last") or {}).get("weight_version") != versions[-1] and \
-                time.monotonic() < deadline:
-            time.sleep(0.05)
-            split = client.weights_group("status")
+    split = (client.info().get("last_weight_push") if transport == "stream" else
+             client.weights_group("status"))
     return {"seconds": round(sorted(times)[1], 3), "first_seconds": round(times[0], 3),
             "rounds": [round(t, 3) for t in times], "versions": versions,
             "trainer_extra_gib": round(extra / GIB, 3), "server_split": split}
@@ -168,7 +162,9 @@ def bench_push(actor, bucket_bytes: int, workdir: str, transports=("stream",),
                                              transport=group_transport)
             out[transport] = _push_rounds(push, client, transport)
             if transport == "group":
-                out[transport]["transport"] = out[transport]["server_split"]["transport"]
+                split = out[transport]["server_split"]
+                out[transport]["transport"] = split["transport"]
+                out[transport]["server_split"] = split["last_push"]
             print(transport, json.dumps(out[transport]), flush=True)
         t0 = time.perf_counter()
         client.update_weights(folder)  # the folder path, for comparison (already saved)

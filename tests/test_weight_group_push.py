@@ -79,7 +79,7 @@ def test_nan_weight_keeps_old_version(served):
     assert "non-finite" in out.get("error", ""), out
     assert _serves(served, 0) == version  # old version, old weights
     status = served["client"].weights_group("status")
-    assert status["joined"] and status["last"]["ok"] is False
+    assert status["joined"] and status["last_push"]["ok"] is False  # the group is kept
 
 
 def test_trainer_killed_mid_push_keeps_old_version(served):

@@ -14,8 +14,9 @@ Endpoints (JSON; the push's bytes never go through HTTP):
   receives the buckets into staging buffers (on the GPU for nccl / ipc, host memory for gloo),
   checks them finite, and only when every rank has them all and all are finite, loads them (no
   snapshot needed: nothing can fail any more) and bumps the version.
-- ``GET /weights_group/status`` -> ``{"joined", "transport", "last"}``: the last join / push
-  result or error (what the trainer reads after a push it was told failed).
+- ``GET /weights_group/status`` -> ``{"joined", "transport", "weight_version", "last",
+  "last_push"}``: the last join / push job's result or error, and the last push's outcome as
+  the server reported it to the trainer (what the trainer reads after a push that failed).
 
 Per push, every member of the group runs the same collectives, so none can wait on another:
 (1) a vote that every server rank allocated its staging; (2) each bucket: one broadcast from
@@ -180,6 +181,10 @@ class PushJob:
                 answer["receive_seconds"], failed, error = received, 0, None
             except Exception as exc:  # noqa: BLE001 - reported to the trainer below
                 error = exc
+        # recorded before the trainer hears the outcome, so its status request finds it
+        engine.last_group_push = ({"push_id": manifest.push_id, "ok": True, **answer}
+                                  if error is None else
+                                  {"push_id": manifest.push_id, "ok": False, "error": str(error)})
         try:
             side.max([failed, engine.version])  # (4) the outcome, to the trainer
         except Exception:  # noqa: BLE001 - the trainer is gone; the push itself is whole
@@ -290,7 +295,8 @@ def group_router(engine, submit, state: dict):
     async def get_status():
         side = getattr(engine, "weight_group", None)
         return {"joined": side is not None, "transport": getattr(side, "transport", None),
-                "weight_version": engine.version, "last": status["last"]}
+                "weight_version": engine.version, "last": status["last"],
+                "last_push": getattr(engine, "last_group_push", None)}
 
     return router
 

@@ -117,16 +117,15 @@ class GroupPusher:
         return version
 
     def _server_error(self, push_id: str, fallback: str) -> str:
-        """The server's message for ``push_id`` (its status, once the push's job has ended)."""
-        deadline = time.monotonic() + 5.0
-        while time.monotonic() < deadline:
-            try:
-                last = self.client.weights_group("status").get("last") or {}
-            except Exception:  # noqa: BLE001 - keep the fallback text
-                break
-            if last.get("push_id") == push_id:
-                return last.get("error") or fallback
-            time.sleep(0.05)
+        """The server's message for ``push_id`` (recorded before it voted the outcome; a push
+        refused at the go vote is recorded when its job ends, maybe later: then ``fallback``)."""
+        try:
+            status = self.client.weights_group("status")
+        except Exception:  # noqa: BLE001 - keep the fallback text
+            return fallback
+        for last in (status.get("last_push") or {}, status.get("last") or {}):
+            if last.get("push_id") == push_id and last.get("error"):
+                return last["error"]
         return fallback
 
 

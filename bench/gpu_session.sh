@@ -6,7 +6,7 @@
 #   bash bench/gpu_session.sh decode   # decode speed (issue 17 item 4), <= ~200 s:
 #                                      # bench/decode_profile.py (ours / no_fused_rope /
 #                                      # aten_attention / baseline),
-#                                      # bench/decode_attention_sweep.py (60 s budget), GPU tests
+#                                      # bench/decode_attention_sweep.py (45 s budget), GPU tests
 #   bash bench/gpu_session.sh decode_bench  # rollout_bench.py --cases decode (engine vs baseline)
 #   bash bench/gpu_session.sh mcore    # CPU tests of the newest layers on the host's Python 3.12
 #                                      # with megatron-core 0.19 (GPU hidden: gloo on the CPU)
@@ -37,10 +37,10 @@ case "${1:-gpu}" in
     timeout 90 python3 bench/decode_profile.py --variants ours no_fused_rope aten_attention \
         baseline --out "$OUT/decode_profile.json" 2>&1 | tee "$OUT/decode_profile.log" | grep -v "^[ {}]" \
         | tail -120
-    timeout 100 python3 bench/decode_attention_sweep.py --budget-s 60 \
+    timeout 75 python3 bench/decode_attention_sweep.py --budget-s 45 \
         --out "$OUT/decode_attention_sweep.json" 2>&1 | tee "$OUT/decode_attention_sweep.log" \
         | tail -12
-    timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_split_kv.py \
+    timeout 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_split_kv.py \
         tests/gpu/test_gpu_fused_draw.py tests/gpu/test_gpu_continuous.py 2>&1 \
         | tee "$OUT/decode_gpu_tests.log" | tail -15
     ;;

@@ -216,6 +216,7 @@ def profile_step(step_fn, dev, iters: int = 3) -> dict:
     us = collections.Counter()
     count = collections.Counter()
     unlabelled = collections.Counter()
+    linked = collections.Counter()  # kernel name -> us claimed by a CPU op
     for evt in prof.events():
         if dev.type == "cuda":
             if not evt.kernels:
@@ -225,6 +226,7 @@ def profile_step(step_fn, dev, iters: int = 3) -> dict:
                 c = cat or _unlabelled_category(k.name)
                 us[c] += k.duration / iters
                 count[c] += 1 / iters
+                linked[k.name] += k.duration / iters
                 if cat is None:
                     unlabelled[k.name[:80]] += k.duration / iters
         elif not evt.cpu_children and not evt.name.startswith(LABEL):  # CPU: leaf ops' time
@@ -233,15 +235,23 @@ def profile_step(step_fn, dev, iters: int = 3) -> dict:
             count[cat] += 1 / iters
             if _category(evt) is None:
                 unlabelled[evt.name[:80]] += evt.self_cpu_time_total / iters
-    if dev.type == "cuda":  # kernels no CPU op claimed (a launch the profiler did not link)
+    if dev.type == "cuda":  # kernels no CPU op claimed (a launch the profiler did not link,
+        # e.g. Triton's driver-API launches): the split-KV kernels by name, the rest "unlinked"
         from torch.autograd import DeviceType
 
-        every = sum((e.time_range.end - e.time_range.start) for e in prof.events() if e.device_type == DeviceType.CUDA
-                    and not e.is_user_annotation and not e.name.startswith(LABEL)
-                    and "annotation" not in e.name) / iters
-        lost = every - sum(us.values())
-        if lost > 0.005 * every:
-            us["unlinked"] += lost
+        device_us, device_n = collections.Counter(), collections.Counter()
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA and not e.is_user_annotation \
+                    and not e.name.startswith(LABEL) and "annotation" not in e.name:
+                device_us[e.name] += (e.time_range.end - e.time_range.start) / iters
+                device_n[e.name] += 1 / iters
+        for name, t in device_us.items():
+            lost = t - linked.get(name, 0.0)
+            if lost > 0.005 * t and lost > 0.1:
+                cat = "attention" if name.startswith(("split_kernel", "combine_kernel")) \
+                    else "unlinked"
+                us[cat] += lost
+                count[cat] += device_n[name] * lost / t
     return {"us": dict(us), "kernels": {k: round(v, 1) for k, v in count.items()},
             "unlabelled_top": dict(unlabelled.most_common(12))}
 

@@ -11,6 +11,7 @@ Per batch size B and engine variant (``--variants``; ``ours`` = split-KV triton 
 (``rl/rollout/split_kv_attention.py``) + fused draw + pipelined decode, ``aten_attention`` = the
 same with PyTorch's flash kernel and two ``index_copy_`` KV writes, ``no_pipeline``,
 ``no_fused_draw``, ``no_fused_norm`` (each layer's residual sum not fused into the next norm),
+``no_fused_rope`` (RoPE by its own kernels, not inside the split-KV attention),
 ``baseline`` = none of these, profiled too), B prompts of ``prompt + new/2`` tokens
 (every row at the bench's mean context) in a ``ContinuousEngine`` whose rows hold
 ``prompt + new`` positions (the bench's bucket):
@@ -29,7 +30,10 @@ same with PyTorch's flash kernel and two ``index_copy_`` KV writes, ``no_pipelin
   ``graph_replay_ms - forward kernel sum`` = the gaps between kernels inside the graph;
   ``engine_step_ms - graph_replay_ms - draw_ms`` = the host's share of a step.
 - ``attention_micro``: one layer's decode attention at these shapes: the split-KV kernel vs
-  PyTorch's flash kernel (+ its two KV writes), microseconds, beside the KV-bytes floor.
+  PyTorch's flash kernel (+ its two KV writes), microseconds per call captured in a CUDA graph
+  (``decode_attention_sweep.graph_us``: as the engine runs it; ``split_kv_eager_us``: one eager
+  call, launch and host included), beside the KV-bytes floor. The launch-config sweep:
+  bench/decode_attention_sweep.py.
 
 A markdown table per case is printed; ``--out`` writes everything as JSON. Each case is guarded:
 a failure is recorded and the next case runs.
@@ -51,6 +55,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import add_llama_shape_args, report, save_llama_model  # noqa: E402
+from decode_attention_sweep import graph_us  # noqa: E402
 
 LABEL = "dp::"
 GEMMS = {"qkv_proj": "qkv_gemm", "o_proj": "o_gemm", "gate_up_proj": "gate_up_gemm",
@@ -63,6 +68,7 @@ VARIANTS = {
     "no_pipeline": ("triton", True, False, True, False),
     "no_fused_draw": ("triton", False, True, True, False),
     "no_fused_norm": ("triton", True, True, False, False),
+    "no_fused_rope": ("triton", True, True, True, False),  # rotary kernels, not in the attention
     "baseline": ("aten", False, False, False, True),  # main before issue 17 item 4's changes
 }
 ORDER = ["qkv_gemm", "o_gemm", "gate_up_gemm", "down_gemm", "lm_head_gemm", "attention",
@@ -210,6 +216,7 @@ def profile_step(step_fn, dev, iters: int = 3) -> dict:
     us = collections.Counter()
     count = collections.Counter()
     unlabelled = collections.Counter()
+    linked = collections.Counter()  # kernel name -> us claimed by a CPU op
     for evt in prof.events():
         if dev.type == "cuda":
             if not evt.kernels:
@@ -219,6 +226,7 @@ def profile_step(step_fn, dev, iters: int = 3) -> dict:
                 c = cat or _unlabelled_category(k.name)
                 us[c] += k.duration / iters
                 count[c] += 1 / iters
+                linked[k.name] += k.duration / iters
                 if cat is None:
                     unlabelled[k.name[:80]] += k.duration / iters
         elif not evt.cpu_children and not evt.name.startswith(LABEL):  # CPU: leaf ops' time
@@ -227,15 +235,23 @@ def profile_step(step_fn, dev, iters: int = 3) -> dict:
             count[cat] += 1 / iters
             if _category(evt) is None:
                 unlabelled[evt.name[:80]] += evt.self_cpu_time_total / iters
-    if dev.type == "cuda":  # kernels no CPU op claimed (a launch the profiler did not link)
+    if dev.type == "cuda":  # kernels no CPU op claimed (a launch the profiler did not link,
+        # e.g. Triton's driver-API launches): the split-KV kernels by name, the rest "unlinked"
         from torch.autograd import DeviceType
 
-        every = sum((e.time_range.end - e.time_range.start) for e in prof.events() if e.device_type == DeviceType.CUDA
-                    and not e.is_user_annotation and not e.name.startswith(LABEL)
-                    and "annotation" not in e.name) / iters
-        lost = every - sum(us.values())
-        if lost > 0.005 * every:
-            us["unlinked"] += lost
+        device_us, device_n = collections.Counter(), collections.Counter()
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA and not e.is_user_annotation \
+                    and not e.name.startswith(LABEL) and "annotation" not in e.name:
+                device_us[e.name] += (e.time_range.end - e.time_range.start) / iters
+                device_n[e.name] += 1 / iters
+        for name, t in device_us.items():
+            lost = t - linked.get(name, 0.0)
+            if lost > 0.005 * t and lost > 0.1:
+                cat = "attention" if name.startswith(("split_kernel", "combine_kernel")) \
+                    else "unlinked"
+                us[cat] += lost
+                count[cat] += device_n[name] * lost / t
     return {"us": dict(us), "kernels": {k: round(v, 1) for k, v in count.items()},
             "unlabelled_top": dict(unlabelled.most_common(12))}
 
@@ -301,9 +317,10 @@ def attention_micro(cfg, batch, context, max_row_tokens, dev, dtype) -> dict:
            "auto_split": split_kv_attention.split_size(batch, kv, max_row_tokens, dev)}
     out["max_abs_diff"] = (aten().float() - ours().float()).abs().max().item()
     for name, fn in (("aten_flash_plus_kv_write", aten), ("split_kv_triton", ours)):
-        out[f"{name}_us"] = 1e3 * gpu_ms(fn, dev, 50)
+        out[f"{name}_us"] = graph_us([fn], dev)
+    out["split_kv_eager_us"] = 1e3 * gpu_ms(ours, dev, 50)
     for split in (64, 128, 256, 512):  # what the automatic split size leaves on the table
-        out[f"split_{split}_us"] = 1e3 * gpu_ms(functools.partial(ours, split), dev, 50)
+        out[f"split_{split}_us"] = graph_us([functools.partial(ours, split)], dev)
     out["split_kv_over_floor"] = out["split_kv_triton_us"] / out["floor_us"]
     out["aten_over_floor"] = out["aten_flash_plus_kv_write_us"] / out["floor_us"]
     return out
@@ -317,6 +334,7 @@ def run_case(args, cfg, model, dev, batch: int, variant: str) -> dict:
     kernel, fused, pipeline, fuse_norm, profiled = VARIANTS[variant]
     os.environ["PARALLEL_MODELS_FUSED_DRAW"] = "1" if fused else "0"  # read at each draw
     os.environ["PARALLEL_MODELS_DECODE_FUSE_NORM"] = "1" if fuse_norm else "0"  # each forward
+    os.environ["PARALLEL_MODELS_DECODE_FUSE_ROPE"] = "0" if variant == "no_fused_rope" else "1"
     half = args.new // 2
     context = args.prompt + half          # prompt length of the profiled rows
     row_tokens = args.prompt + args.new   # the bench's bucket: rows hold prompt + new positions
@@ -470,13 +488,14 @@ def main() -> None:
     res["seconds"] = time.perf_counter() - t0
     report(res, args.out)
     if res["attention_micro"]:
-        print("\n| batch | context | KV floor us | split-KV triton us (auto split) | aten flash + "
-              "KV write us | split 64 / 128 / 256 / 512 us | max abs diff |\n"
-              "| --- | --- | --- | --- | --- | --- | --- |")
+        print("\n| batch | context | KV floor us | split-KV triton us (auto split) | eager 1-call "
+              "us | aten flash + KV write us | split 64 / 128 / 256 / 512 us | max abs diff |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- |")
         for m in res["attention_micro"]:
             fixed = " / ".join(f"{m[f'split_{s}_us']:.1f}" for s in (64, 128, 256, 512))
             print(f"| {m['batch']} | {m['context']} | {m['floor_us']:.1f} | "
                   f"{m['split_kv_triton_us']:.1f} ({m['auto_split']}) | "
+                  f"{m['split_kv_eager_us']:.1f} | "
                   f"{m['aten_flash_plus_kv_write_us']:.1f} | {fixed} | {m['max_abs_diff']:.3g} |")
     for case in res["cases"]:
         if "categories" in case:

@@ -3,8 +3,11 @@
 #   bash bench/gpu_session.sh gpu      # tests/gpu (marker gpu) and bench/moe_bench.py
 #   bash bench/gpu_session.sh liger    # bench/liger_bench.py: ours vs transformers vs + Liger
 #   bash bench/gpu_session.sh replay   # bench/router_replay_bench.py: MoE rollout vs training
-#   bash bench/gpu_session.sh decode   # decode speed (issue 17 item 4): its GPU tests,
-#                                      # bench/decode_profile.py, rollout_bench.py --cases decode
+#   bash bench/gpu_session.sh decode   # decode speed (issue 17 item 4), <= ~200 s:
+#                                      # bench/decode_profile.py (ours / no_fused_rope /
+#                                      # aten_attention / baseline),
+#                                      # bench/decode_attention_sweep.py (45 s budget), GPU tests
+#   bash bench/gpu_session.sh decode_bench  # rollout_bench.py --cases decode (engine vs baseline)
 #   bash bench/gpu_session.sh exact    # exact mode (issue 15 item 4): its GPU test (bitwise
 #                                      # rollout == training) and bench/exact_mode_bench.py
 #   bash bench/gpu_session.sh mcore    # CPU tests of the newest layers on the host's Python 3.12
@@ -33,13 +36,19 @@ case "${1:-gpu}" in
     ;;
   decode)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-    timeout 240 python3 bench/decode_profile.py --out "$OUT/decode_profile.json" 2>&1 \
-        | tee "$OUT/decode_profile.log" | grep -v "^[ {}]" | tail -170
-    timeout 180 python3 bench/rollout_bench.py --cases decode --out "$OUT/rollout_decode.json" 2>&1 \
-        | tee "$OUT/rollout_decode.log" | tail -6
-    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_split_kv.py \
+    timeout 90 python3 bench/decode_profile.py --variants ours no_fused_rope aten_attention \
+        baseline --out "$OUT/decode_profile.json" 2>&1 | tee "$OUT/decode_profile.log" | grep -v "^[ {}]" \
+        | tail -120
+    timeout 75 python3 bench/decode_attention_sweep.py --budget-s 45 \
+        --out "$OUT/decode_attention_sweep.json" 2>&1 | tee "$OUT/decode_attention_sweep.log" \
+        | tail -12
+    timeout 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_split_kv.py \
         tests/gpu/test_gpu_fused_draw.py tests/gpu/test_gpu_continuous.py 2>&1 \
         | tee "$OUT/decode_gpu_tests.log" | tail -15
+    ;;
+  decode_bench)
+    timeout 180 python3 bench/rollout_bench.py --cases decode --out "$OUT/rollout_decode.json" 2>&1 \
+        | tee "$OUT/rollout_decode.log" | tail -6
     ;;
   exact)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"

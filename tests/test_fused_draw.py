@@ -4,6 +4,8 @@ bf16 and fp32 logits), log-probs within float rounding; and the Gumbel-max draw 
 softmax(logits / T) (seeded statistical check, 20000 rows over 5 tokens, tolerance 0.015 = over
 4 standard deviations of a frequency)."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -68,3 +70,26 @@ def test_a_failing_fused_pick_falls_back_to_the_general_path(monkeypatch):
     with pytest.warns(UserWarning, match="fused draw disabled"):
         got = draw(logits, None, None, [(None, SamplingParams(greedy=True))], 0)
     assert torch.equal(got[0], want[0]) and not row_sampling.fused_draw_enabled()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU backend needs g++")
+def test_compiled_sampled_pick_equals_eager_for_64_bit_seeds():
+    """The GPU round-1 failure: inductor turned ``arange(vocab) * <64-bit constant>`` into an
+    index expression (Triton: ``Scalar -7046029254386353131 is out of range for type int32``; the
+    CPU backend crashed). With the constant passed as a tensor the compiled pick (CPU inductor
+    here) draws the eager tokens for seeds above 2^31 and negative int64 seeds."""
+    from parallel_models.rl.rollout import row_sampling
+
+    g = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(6, 1000, generator=g)).to(torch.bfloat16)
+    seeds = torch.tensor([row_seed(2**40 + 5, i) for i in range(4)] + [2**31 + 7, -(2**62)])
+    assert (seeds.abs() > 2**31).all()
+    steps = torch.tensor([0, 1, 5, 2**33, 7, 3])
+    golden = row_sampling.golden_tensor("cpu")
+    want = row_sampling._sampled_pick(logits, seeds, steps, 0.7, golden)
+    compiled = torch.compile(row_sampling._sampled_pick, fullgraph=True)
+    got = compiled(logits, seeds, steps, 0.7, golden)
+    assert torch.equal(got[0], want[0])
+    assert (got[1] - want[1]).abs().max().item() <= 1e-5
+    general = draw(logits, seeds, steps, [(None, SamplingParams(temperature=0.7))], 0)
+    assert torch.equal(general[0], want[0])

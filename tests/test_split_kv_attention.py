@@ -70,9 +70,11 @@ def _engine_tokens(path: str) -> dict:
     prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (3, 9, 14)]
     params = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=6)
     out = {}
-    for kernel in ("aten", "triton"):
+    for kernel in ("aten", "triton", "triton_rope_apart"):
+        os.environ["PARALLEL_MODELS_DECODE_FUSE_ROPE"] = "0" if kernel.endswith("apart") else "1"
         eng = ContinuousEngine(model, 120, max_rows=4, max_row_tokens=40)
-        eng.cache.decode_kernel = kernel  # "aten" on the CPU = masked SDPA over the pool
+        # "aten" on the CPU = masked SDPA over the pool; "triton" rotates q / k in the kernel
+        eng.cache.decode_kernel = kernel.split("_")[0]
         reqs = []
         for p in prompts:  # staggered: rows join a running batch
             reqs.append(eng.submit(p, params))
@@ -90,9 +92,11 @@ def test_engine_through_the_kernel_equals_sdpa_and_transformers(hf_models):
     from parallel_models.testing import run_distributed
 
     out = run_distributed(_engine_tokens, 1, hf_models[("llama", "causal_lm")], timeout=300)[0]
-    for (tok_a, lp_a), (tok_t, lp_t), ref in zip(out["aten"], out["triton"], out["hf"]):
-        assert tok_t == tok_a == ref
+    for (tok_a, lp_a), (tok_t, lp_t), (tok_r, lp_r), ref in zip(
+            out["aten"], out["triton"], out["triton_rope_apart"], out["hf"]):
+        assert tok_t == tok_r == tok_a == ref
         assert max(abs(a - b) for a, b in zip(lp_a, lp_t)) < 1e-5
+        assert max(abs(a - b) for a, b in zip(lp_a, lp_r)) < 1e-5
 
 
 def test_split_size_fills_the_gpu_without_needless_splits(monkeypatch):
@@ -114,11 +118,11 @@ from triton.compiler import ASTSource
 from parallel_models.rl.rollout import split_kv_kernels as K
 types = dict(Q="*bf16", KNew="*bf16", VNew="*bf16", KPool="*bf16", VPool="*bf16",
              Offsets="*i64", Used="*i32", Out="*bf16", PartOut="*fp32", PartLse="*fp32",
-             scale="fp32")
+             Cos="*bf16", Sin="*bf16", scale="fp32")
 types.update({n: "i32" for n in K.split_kernel.arg_names if n.startswith("stride")})
-for split, splits in ((512, 1), (128, 3)):
+for split, splits, rope in ((512, 1, False), (128, 3, True)):
     consts = dict(G=2, BLOCK_G=16, D=128, BLOCK_N=64, SPLIT=split, NUM_SPLITS=splits, H=16,
-                  IEEE=False, RUNTIME_LOOP=True)
+                  IEEE=False, RUNTIME_LOOP=True, ROPE=rope)
     sig = {n: "constexpr" if n in consts else types[n] for n in K.split_kernel.arg_names}
     triton.compile(ASTSource(K.split_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=4, num_stages=2))
@@ -147,7 +151,55 @@ def test_gpu_kernels_compile_for_hopper():
 
 
 def test_self_check_passes_and_refuses_odd_head_dims():
-    from parallel_models.rl.rollout.split_kv_attention import supported
+    from parallel_models.rl.rollout.split_kv_attention import rope_supported, supported
 
     assert supported(torch.device(DEV), torch.float32, 2, 16)  # what PoolKVCache asks on CUDA
+    assert rope_supported(torch.device(DEV), torch.float32, 2, 16)  # the in-kernel RoPE too
     assert not supported(torch.device(DEV), torch.float32, 2, 24)  # head_dim not a power of 2
+
+
+@pytest.mark.parametrize("env", ["16,2,1", "32,8,3,32", "128,4,2"])
+def test_launch_configs_match_sdpa(monkeypatch, env):
+    """Each tile / split setting (PARALLEL_MODELS_DECODE_KERNEL_CONFIG) computes the same
+    attention (the interpreter ignores warps and stages; the GPU test times them)."""
+    monkeypatch.setenv("PARALLEL_MODELS_DECODE_KERNEL_CONFIG", env)
+    g = torch.Generator().manual_seed(5)
+    heads, kv_heads, d, max_row, used = 4, 2, 16, 70, [1, 31, 70]
+    pool = max_row * len(used)
+    k_pool, v_pool = torch.randn(pool, kv_heads, d, generator=g), torch.randn(pool, kv_heads, d,
+                                                                               generator=g)
+    q = torch.randn(len(used), heads, d, generator=g)
+    k_new, v_new = torch.randn(2, len(used), kv_heads, d, generator=g)
+    offsets = torch.arange(len(used)) * max_row
+    used_t = torch.tensor(used, dtype=torch.int32)
+    ref = reference_decode(q, k_new, v_new, k_pool.clone(), v_pool.clone(), offsets, used_t, 0.3)
+    got = split_kv_decode(q.to(DEV), k_new.to(DEV), v_new.to(DEV), k_pool.to(DEV),
+                          v_pool.to(DEV), offsets.to(DEV), used_t.to(DEV), max_row, 0.3)
+    assert (got.cpu() - ref).abs().max().item() < 1e-5
+
+
+def test_rope_in_the_kernel_matches_rotary_then_attention():
+    """PARALLEL_MODELS_DECODE_FUSE_ROPE: q and the new k rotated inside the kernel give the
+    attention of the rotated q / k (llama's apply_rotary) and store the rotated k in the pool."""
+    from parallel_models.llama.layers.rotary import apply_rotary
+
+    g = torch.Generator().manual_seed(9)
+    heads, kv_heads, d, max_row, used = 4, 2, 16, 40, [1, 17, 40]
+    rows, pool = len(used), max_row * len(used)
+    k_pool, v_pool = torch.randn(pool, kv_heads, d, generator=g), torch.randn(pool, kv_heads, d,
+                                                                               generator=g)
+    q = torch.randn(rows, heads, d, generator=g)
+    k_new, v_new = torch.randn(2, rows, kv_heads, d, generator=g)
+    angles = torch.tensor(used)[:, None] * torch.rand(d // 2, generator=g)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    offsets = torch.arange(rows) * max_row
+    used_t = torch.tensor(used, dtype=torch.int32)
+    k_ref, v_ref = k_pool.clone(), v_pool.clone()
+    ref = reference_decode(apply_rotary(q, cos, sin), apply_rotary(k_new, cos, sin), v_new,
+                           k_ref, v_ref, offsets, used_t, 0.3)
+    got = split_kv_decode(q.to(DEV), k_new.to(DEV), v_new.to(DEV), k_pool.to(DEV),
+                          v_pool.to(DEV), offsets.to(DEV), used_t.to(DEV), max_row, 0.3, split=16,
+                          rope=(cos.to(DEV), sin.to(DEV)))
+    assert (got.cpu() - ref).abs().max().item() < 1e-5
+    if DEV == "cpu":
+        assert (k_pool - k_ref).abs().max().item() < 1e-6 and torch.equal(v_pool, v_ref)

@@ -50,6 +50,42 @@ def test_matches_sdpa_bf16(lengths, max_row):
     assert torch.equal(c["v_pool"], ref_pools["v_pool"])
 
 
+@pytest.mark.parametrize("config", ["16,2,1", "128,8,3", "32,4,4,64", "64,4,2,512"])
+def test_launch_configs_match_sdpa_bf16(monkeypatch, config):
+    """The launch settings the sweep (bench/decode_attention_sweep.py) may pick compute the
+    same attention (PARALLEL_MODELS_DECODE_KERNEL_CONFIG)."""
+    from parallel_models.rl.rollout.split_kv_attention import reference_decode, split_kv_decode
+
+    monkeypatch.setenv("PARALLEL_MODELS_DECODE_KERNEL_CONFIG", config)
+    lengths, max_row = [1, 2, 127, 128, 129, 300, 384, 77], 384
+    c = _case(lengths, max_row, seed=3)
+    ref = reference_decode(c["q"], c["k_new"], c["v_new"], c["k_pool"].clone(),
+                           c["v_pool"].clone(), c["offsets"], c["used"], 128 ** -0.5)
+    got = _run(c, max_row, split_kv_decode)
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_rope_in_the_kernel_matches_rotary_then_attention_bf16():
+    """PARALLEL_MODELS_DECODE_FUSE_ROPE: q / new k rotated in the kernel (bf16, 0.89B heads)."""
+    from parallel_models.llama.layers.rotary import apply_rotary
+    from parallel_models.rl.rollout.split_kv_attention import reference_decode, split_kv_decode
+
+    lengths, max_row = [1, 2, 127, 128, 129, 300, 384, 77], 384
+    c = _case(lengths, max_row, seed=4)
+    angles = c["used"].float()[:, None] * torch.rand(64, device=DEV)
+    cos = torch.cat([angles, angles], -1).cos().bfloat16()
+    sin = torch.cat([angles, angles], -1).sin().bfloat16()
+    pools = {k: c[k].clone() for k in ("k_pool", "v_pool")}
+    ref = reference_decode(apply_rotary(c["q"], cos, sin), apply_rotary(c["k_new"], cos, sin),
+                           c["v_new"], pools["k_pool"], pools["v_pool"], c["offsets"], c["used"],
+                           128 ** -0.5)
+    got = split_kv_decode(c["q"], c["k_new"], c["v_new"], c["k_pool"], c["v_pool"], c["offsets"],
+                          c["used"], max_row, 128 ** -0.5, rope=(cos, sin))
+    torch.testing.assert_close(got.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    # the stored k: rotated in fp32, rounded once (eager bf16 rounds each op): 1 bf16 ulp
+    torch.testing.assert_close(c["k_pool"].float(), pools["k_pool"].float(), atol=2e-2, rtol=1e-2)
+
+
 def test_cuda_graph_replay_follows_new_lengths():
     from parallel_models.rl.rollout.split_kv_attention import reference_decode, split_kv_decode
 

@@ -45,10 +45,15 @@ class ParallelAttention(torch.nn.Module):
         if self.qk_norm:  # [tokens, heads, head_dim], normed over head_dim before rotary
             q = rms_norm(q, self.q_layernorm.weight, self.q_layernorm.eps)
             k = rms_norm(k, self.k_layernorm.weight, self.k_layernorm.eps)
-        q, k = rotary(q, k, cos, sin)
-        if kv_cache is not None:
+        if kv_cache is not None and getattr(kv_cache, "fuses_rope", bool)():
+            # the cache's decode kernel rotates q and k itself (one kernel less per layer)
+            out = kv_cache.attend(layer_index, q, k, v, cu_seqlens, max_seqlen, self.scale,
+                                  rope=(cos, sin))
+        elif kv_cache is not None:
+            q, k = rotary(q, k, cos, sin)
             out = kv_cache.attend(layer_index, q, k, v, cu_seqlens, max_seqlen, self.scale)
         else:
+            q, k = rotary(q, k, cos, sin)
             out = varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, scale=self.scale)
         out, _ = self.o_proj(out.reshape(out.shape[0], 1, -1))
         return out

@@ -14,7 +14,9 @@ bucket write and read there (one position each), so a bucket of fixed size needs
   gathered ``[rows, span]`` window with a mask. With triton on CUDA fp16/bf16 (default;
   ``PARALLEL_MODELS_DECODE_ATTENTION=aten`` switches it off) the decode step's KV write and
   attention are one split-KV kernel instead (``split_kv_attention``: each KV byte read once
-  under GQA, the work split along the context). A decode step reads every index from the fixed
+  under GQA, the work split along the context; the rotary embedding of q and the new k too:
+  :meth:`PoolKVCache.fuses_rope`, ``PARALLEL_MODELS_DECODE_FUSE_ROPE=0`` switches that off).
+  A decode step reads every index from the fixed
   buffers of its :class:`DecodeRows`, so it can be captured once per bucket in a CUDA graph.
 - ``copy`` duplicates a prompt's KV into other regions (prefix sharing of the n samples).
 """
@@ -83,6 +85,9 @@ class PoolKVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.flash_decode = _flash_decode_supported(torch.device(device), dtype)
         self.decode_kernel = _decode_kernel(torch.device(device), dtype, (num_kv_heads, head_dim))
+        self._heads_dim = (num_kv_heads, head_dim)
+        if self.decode_kernel == "triton":  # its one-off check now, before any graph capture
+            split_kv_attention.rope_supported(self.k.device, dtype, *self._heads_dim)
         self._write = None
         self._rows: DecodeRows | None = None
         self.decoding = False
@@ -108,14 +113,24 @@ class PoolKVCache:
     def end_step(self) -> None:
         self._write = None
 
-    def attend(self, layer: int, q, k, v, cu_seqlens, max_seqlen, scale):
+    def fuses_rope(self) -> bool:
+        """True when this step's :meth:`attend` takes q / k unrotated with ``rope=(cos, sin)``
+        (decode through the split-KV kernel, which rotates them; the attention module then
+        skips its rotary kernel). ``PARALLEL_MODELS_DECODE_FUSE_ROPE=0``: never."""
+        return self.decoding and self.decode_kernel == "triton" \
+            and os.environ.get("PARALLEL_MODELS_DECODE_FUSE_ROPE", "1") != "0" \
+            and split_kv_attention.rope_supported(self.k.device, self.k.dtype, *self._heads_dim)
+
+    def attend(self, layer: int, q, k, v, cu_seqlens, max_seqlen, scale, rope=None):
+        if rope is not None and not self.fuses_rope():
+            raise ValueError("rope=(cos, sin) given to a step that does not fuse it")
         if not self.decoding:
             self.write_kv(layer, k, v)
             return varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale)
         if self.decode_kernel == "triton" and not exact.enabled():  # writes k / v itself
             rows = self._rows
             return split_kv_decode(q, k, v, self.k[layer], self.v[layer], rows.offsets,
-                                   rows.used, self.max_row_tokens, scale)
+                                   rows.used, self.max_row_tokens, scale, rope=rope)
         self.write_kv(layer, k, v)
         return self.decode_attention(layer, q, scale)
 

@@ -53,10 +53,24 @@ def row_seed(seed: int, sample: int) -> int:
     return int(_mix(_mix(x) + _GOLDEN))
 
 
-def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``[B, vocab]`` float32 Gumbel(0, 1) noise, a pure function of (seed, step, vocab id)."""
+def golden_tensor(device) -> torch.Tensor:
+    """The 0-d int64 tensor of splitmix64's increment, for :func:`gumbel_noise`'s ``golden``."""
+    return torch.full((), _GOLDEN, dtype=torch.long, device=device)
+
+
+def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int,
+                 golden: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, vocab]`` float32 Gumbel(0, 1) noise, a pure function of (seed, step, vocab id).
+
+    The vocab ids are multiplied by ``golden`` (:func:`golden_tensor`), a tensor and not a Python
+    constant: under ``torch.compile`` ``arange * constant`` becomes an index expression, which
+    inductor emits with 32-bit indices (``Scalar ... out of range for type int32`` from Triton,
+    wrong values where it compiles); a tensor operand keeps the product an int64 tensor product
+    with the same wrapping values."""
+    if golden is None:
+        golden = golden_tensor(seeds.device)
     base = _mix(_mix(seeds + _GOLDEN * steps) ^ steps)  # [B]
-    ids = torch.arange(vocab, device=seeds.device, dtype=torch.long) * _GOLDEN
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.long) * golden
     bits = _mix(base[:, None] + ids[None, :])
     u = (_shr(bits, 40).float() + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 bits
     return -torch.log(-torch.log(u))
@@ -69,14 +83,21 @@ def _greedy_pick(logits: torch.Tensor):
 
 
 def _sampled_pick(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
-                  temperature: float):
+                  temperature: float, golden: torch.Tensor):
     scaled = logits.float() / temperature
-    tokens = (scaled + gumbel_noise(seeds, steps, logits.shape[-1])).argmax(-1)
+    tokens = (scaled + gumbel_noise(seeds, steps, logits.shape[-1], golden)).argmax(-1)
     return tokens, scaled.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(scaled, -1)
 
 
 greedy_pick = compiled_on_gpu(_greedy_pick)
-sampled_pick = compiled_on_gpu(_sampled_pick)
+_compiled_sampled_pick = compiled_on_gpu(_sampled_pick)
+
+
+def sampled_pick(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+                 temperature: float):
+    """(tokens, log-probs) of the Gumbel-max draw at ``temperature`` (compiled on CUDA)."""
+    return _compiled_sampled_pick(logits, seeds, steps, temperature,
+                                  golden_tensor(logits.device))
 
 
 _FUSED_FAILED = []  # the first failure of a fused pick (e.g. its compilation): general path
@@ -153,5 +174,5 @@ def draw(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, groups,
     return tokens, logp, top
 
 
-__all__ = ["draw", "fused_draw_enabled", "greedy_pick", "gumbel_noise", "row_seed",
-           "sampled_pick"]
+__all__ = ["draw", "fused_draw_enabled", "golden_tensor", "greedy_pick", "gumbel_noise",
+           "row_seed", "sampled_pick"]

@@ -16,6 +16,7 @@ being the token decoded now (its k/v come in as ``k_new`` / ``v_new``).
 - The new token's k/v are written into the pool by the program whose split holds it, so the
   decode step needs no separate KV write (``index_copy_``) launches.
 
+Launch settings (tile, warps, stages, split): ``split_kv_config`` (an env var or a table by shape).
 The kernels live in ``split_kv_kernels``, imported lazily (:func:`available`): without triton
 the cache keeps PyTorch's kernels.
 Set ``TRITON_INTERPRET=1`` before importing triton to run the kernels on the CPU (tests).
@@ -29,24 +30,30 @@ import warnings
 
 import torch
 
-_BLOCK_N = 64
+from parallel_models.rl.rollout.split_kv_config import LaunchConfig, launch_config
 
 
-def split_size(batch: int, kv_heads: int, max_row_tokens: int, device) -> int:
+def split_size(batch: int, kv_heads: int, max_row_tokens: int, device,
+               config: LaunchConfig | None = None) -> int:
     """Positions per split for a bucket (fixed per bucket: part of its captured graph).
 
     Enough programs (rows x KV heads x splits) to fill the GPU twice over, no more splits than
-    that (each split adds a partial output to combine; one split skips the combine pass);
-    ``PARALLEL_MODELS_DECODE_SPLIT`` = a fixed size (a power of two >= 16) instead."""
+    that (each split adds a partial output to combine; one split skips the combine pass), at
+    least one tile (the launch config's ``block_n``); ``PARALLEL_MODELS_DECODE_SPLIT`` = a fixed
+    size (a power of two >= 16) instead, else the launch config's ``split`` when it sets one
+    (``config``; default: ``split_kv_config.launch_config`` of the bucket)."""
     fixed = os.environ.get("PARALLEL_MODELS_DECODE_SPLIT")
     if fixed:
         return int(fixed)
+    config = config or launch_config(batch, int(max_row_tokens))
+    if config.split:
+        return config.split
     device = torch.device(device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count \
         if device.type == "cuda" else 4
     splits = max(1, -(-2 * sms // max(batch * kv_heads, 1)))
     per_split = -(-max(int(max_row_tokens), 1) // splits)
-    return max(_BLOCK_N, 1 << (per_split - 1).bit_length())
+    return max(config.block_n, 1 << (per_split - 1).bit_length())
 
 
 @functools.cache
@@ -90,6 +97,42 @@ def supported(device: torch.device, dtype: torch.dtype, kv_heads: int, head_dim:
     return True
 
 
+@functools.cache
+def rope_supported(device: torch.device, dtype: torch.dtype, kv_heads: int,
+                   head_dim: int) -> bool:
+    """The in-kernel RoPE (``rope=``) matches ``apply_rotary`` then the kernel without it on
+    ``device``: checked once (call it before any graph capture); a failure warns and returns
+    False (the rotary kernels stay apart)."""
+    if not supported(device, dtype, kv_heads, head_dim):
+        return False
+    from parallel_models.llama.layers.rotary import apply_rotary
+
+    try:
+        g = torch.Generator(device=device).manual_seed(1)
+        rows, pool, group = 3, 200, 2
+
+        def rand(*shape):
+            return torch.randn(*shape, device=device, dtype=dtype, generator=g)
+
+        q, k_new, v_new = (rand(rows, kv_heads * group, head_dim),
+                           rand(rows, kv_heads, head_dim), rand(rows, kv_heads, head_dim))
+        k_pool, v_pool = rand(pool, kv_heads, head_dim), rand(pool, kv_heads, head_dim)
+        cos, sin = rand(rows, head_dim).cos(), rand(rows, head_dim).sin()
+        offsets = torch.arange(rows, device=device) * 60
+        used = (torch.arange(rows, device=device, dtype=torch.int32) * 25 + 1)
+        want = split_kv_decode(apply_rotary(q, cos, sin), apply_rotary(k_new, cos, sin), v_new,
+                               k_pool.clone(), v_pool.clone(), offsets, used, 60, 0.1, split=32)
+        got = split_kv_decode(q, k_new, v_new, k_pool, v_pool, offsets, used, 60, 0.1, split=32,
+                              rope=(cos, sin))
+        err = ((got.float() - want.float()).abs() - 2e-2 * want.float().abs()).max().item()
+        if not err < 3e-2:
+            raise AssertionError(f"error {err} vs apply_rotary + the kernel")
+    except Exception as exc:  # noqa: BLE001 - any failure: rotary kernels apart
+        warnings.warn(f"split-KV in-kernel RoPE disabled: {type(exc).__name__}: {exc}")
+        return False
+    return True
+
+
 def reference_decode(q, k_new, v_new, k_pool, v_pool, offsets, used, scale) -> torch.Tensor:
     """What :func:`split_kv_decode` computes, with SDPA row by row (host loop: tests only);
     writes ``k_new`` / ``v_new`` into the pools like it."""
@@ -116,13 +159,17 @@ def _kernels():
 def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     k_pool: torch.Tensor, v_pool: torch.Tensor, offsets: torch.Tensor,
                     used: torch.Tensor, max_row_tokens: int, scale: float,
-                    split: int | None = None) -> torch.Tensor:
+                    split: int | None = None,
+                    config: LaunchConfig | None = None, rope=None) -> torch.Tensor:
     """Attention of one query token per row over its pool region; writes ``k_new`` / ``v_new``
     at ``offsets + used - 1`` of the pools.
 
     ``q`` ``[B, heads, D]``; ``k_new`` / ``v_new`` ``[B, kv_heads, D]``; ``k_pool`` / ``v_pool``
     ``[positions, kv_heads, D]`` (one layer); ``offsets`` ``[B]`` region starts; ``used`` ``[B]``
     positions per row including the new one (>= 1, <= ``max_row_tokens``). -> ``[B, heads, D]``.
+    ``config``: the launch settings (default: ``split_kv_config.launch_config`` of the bucket);
+    ``split`` overrides its split size. ``rope``: ``(cos, sin)`` ``[B, D]`` to rotate ``q`` and
+    ``k_new`` in the kernel (they come in unrotated; the pool gets the rotated k).
     """
     triton, split_kernel, combine_kernel = _kernels()
     b, heads, dim = q.shape
@@ -136,11 +183,13 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
             raise ValueError(f"split-KV decode needs {name} contiguous in head_dim")
     if k_pool.stride() != v_pool.stride():
         raise ValueError("split-KV decode needs the k and v pools laid out alike")
+    if config is None:
+        config = launch_config(b, int(max_row_tokens))
     if split is None:
-        split = split_size(b, k_pool.shape[1], max_row_tokens, q.device)
+        split = split_size(b, k_pool.shape[1], max_row_tokens, q.device, config)
     if split < 16 or split & (split - 1):
         raise ValueError(f"split size must be a power of two >= 16, got {split}")
-    block_n = min(_BLOCK_N, split)
+    block_n = min(config.block_n, split)
     group = heads // kv_heads
     num_splits = triton.cdiv(max(int(max_row_tokens), 1), split)
     out = torch.empty_like(q)
@@ -149,15 +198,23 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         part_lse = torch.empty(b, heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
+    if rope is not None:
+        cos, sin = rope
+        if cos.shape != (b, dim) or sin.shape != cos.shape or cos.stride(-1) != 1 \
+                or sin.stride() != cos.stride():
+            raise ValueError(f"split-KV decode rope needs cos / sin [{b}, {dim}] alike, "
+                             f"contiguous in head_dim (got {tuple(cos.shape)})")
+    else:
+        cos = sin = q  # unused
     split_kernel[(b, kv_heads, num_splits)](
-        q, k_new, v_new, k_pool, v_pool, offsets, used, out, part_out, part_lse, scale,
+        q, k_new, v_new, k_pool, v_pool, offsets, used, out, part_out, part_lse, cos, sin, scale,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1), k_pool.stride(0),
-        k_pool.stride(1), out.stride(0), out.stride(1),
+        k_pool.stride(1), out.stride(0), out.stride(1), cos.stride(0),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
         SPLIT=split, NUM_SPLITS=num_splits, H=heads, IEEE=q.dtype == torch.float32,
-        RUNTIME_LOOP=os.environ.get("TRITON_INTERPRET") != "1",
-        num_warps=4, num_stages=2)
+        RUNTIME_LOOP=os.environ.get("TRITON_INTERPRET") != "1", ROPE=rope is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages)
     if num_splits > 1:
         combine_kernel[(b, heads)](part_out, part_lse, used, out, out.stride(0), out.stride(1),
                                    H=heads, D=dim, SPLIT=split, NUM_SPLITS=num_splits,
@@ -166,4 +223,5 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     return out
 
 
-__all__ = ["available", "split_size", "reference_decode", "split_kv_decode", "supported"]
+__all__ = ["available", "split_size", "reference_decode", "rope_supported", "split_kv_decode",
+           "supported"]

@@ -37,12 +37,22 @@ def _tile(q, k_base, v_base, offset, n0, end, m_i, l_i, acc, scale, stride_pt, d
 
 
 @triton.jit
-def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Out, PartOut, PartLse, scale,
-                 stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                 stride_pt, stride_ph, stride_ob, stride_oh,
+def _rope(x, partner, cos, sin, sign):
+    """RoPE ``x * cos + rotate_half(x) * sin`` with ``partner`` = x at ``(d + D/2) % D`` and
+    ``sign`` = -1 below D/2 (rotate_half), in fp32, rounded to x's dtype once (as the compiled
+    ``fused_ops.rotary``)."""
+    out = x.to(tl.float32) * cos + sign * partner.to(tl.float32) * sin
+    return out.to(x.dtype)
+
+
+@triton.jit
+def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Out, PartOut, PartLse, Cos, Sin,
+                 scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+                 stride_pt, stride_ph, stride_ob, stride_oh, stride_cos,
                  G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                  BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                 H: tl.constexpr, IEEE: tl.constexpr, RUNTIME_LOOP: tl.constexpr):
+                 H: tl.constexpr, IEEE: tl.constexpr, RUNTIME_LOOP: tl.constexpr,
+                 ROPE: tl.constexpr):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -54,10 +64,22 @@ def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Out, PartOut, PartL
     d = tl.arange(0, D)
     gmask = g < G
     heads = kvh * G + g
-    q = tl.load(Q + row * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None], other=0.0)
     offset = tl.load(Offsets + row).to(tl.int64)
-    k_new = tl.load(KNew + row * stride_kb + kvh * stride_kh + d)
+    if ROPE:  # q and the new k rotated here (PARALLEL_MODELS_DECODE_FUSE_ROPE)
+        cos = tl.load(Cos + row * stride_cos + d).to(tl.float32)
+        sin = tl.load(Sin + row * stride_cos + d).to(tl.float32)
+        d_partner = (d + D // 2) % D
+        sign = tl.where(d < D // 2, -1.0, 1.0)
+        q_ptr = Q + row * stride_qb + heads[:, None] * stride_qh
+        q = _rope(tl.load(q_ptr + d[None, :], mask=gmask[:, None], other=0.0),
+                  tl.load(q_ptr + d_partner[None, :], mask=gmask[:, None], other=0.0),
+                  cos, sin, sign)
+        k_ptr = KNew + row * stride_kb + kvh * stride_kh
+        k_new = _rope(tl.load(k_ptr + d), tl.load(k_ptr + d_partner), cos, sin, sign)
+    else:
+        q = tl.load(Q + row * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=gmask[:, None], other=0.0)
+        k_new = tl.load(KNew + row * stride_kb + kvh * stride_kh + d)
     v_new = tl.load(VNew + row * stride_vb + kvh * stride_vh + d)
     k_base = KPool + kvh * stride_ph
     v_base = VPool + kvh * stride_ph

@@ -3,6 +3,8 @@
 #   bash bench/gpu_session.sh gpu      # tests/gpu (marker gpu) and bench/moe_bench.py
 #   bash bench/gpu_session.sh liger    # bench/liger_bench.py: ours vs transformers vs + Liger
 #   bash bench/gpu_session.sh replay   # bench/router_replay_bench.py: MoE rollout vs training
+#   bash bench/gpu_session.sh decode   # decode speed (issue 17 item 4): its GPU tests,
+#                                      # bench/decode_profile.py, rollout_bench.py --cases decode
 #   bash bench/gpu_session.sh mcore    # CPU tests of the newest layers on the host's Python 3.12
 #                                      # with megatron-core 0.19 (GPU hidden: gloo on the CPU)
 # Logs and JSON go to $OUT (default /tmp/pm_gpu_out).
@@ -26,6 +28,16 @@ case "${1:-gpu}" in
   replay)
     timeout 540 python3 bench/router_replay_bench.py --out "$OUT/router_replay.json" 2>&1 \
         | tee "$OUT/router_replay.log" | grep -v '^[ {}]' | tail -30
+    ;;
+  decode)
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+    timeout 240 python3 bench/decode_profile.py --out "$OUT/decode_profile.json" 2>&1 \
+        | tee "$OUT/decode_profile.log" | grep -v "^[ {}]" | tail -170
+    timeout 180 python3 bench/rollout_bench.py --cases decode --out "$OUT/rollout_decode.json" 2>&1 \
+        | tee "$OUT/rollout_decode.log" | tail -6
+    timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_split_kv.py \
+        tests/gpu/test_gpu_fused_draw.py tests/gpu/test_gpu_continuous.py 2>&1 \
+        | tee "$OUT/decode_gpu_tests.log" | tail -15
     ;;
   mcore)
     CUDA_VISIBLE_DEVICES= timeout 540 python3 -m pytest -q -p no:cacheprovider -n 8 \

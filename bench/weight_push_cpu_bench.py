@@ -1,9 +1,11 @@
 """Trainer -> rollout-server weight push on the CPU: the streamed push (``POST
-/update_weights_stream``) side by side with the folder path (``save_pretrained`` + ``POST
+/update_weights_stream``) and the group push (gloo broadcast over a process group with the
+server, ``weight_push: group``) side by side with the folder path (``save_pretrained`` + ``POST
 /update_weights``), with where the time goes.
 
     python bench/weight_push_cpu_bench.py [--layers 24] [--dtype bfloat16] [--rounds 3]
                                           [--bucket-mb 64] [--tp 1] [--profile]
+                                          [--transports stream group]
 
 Random weights of the Qwen2-0.5B shape (hidden 896, 14/2 heads, vocab 151936, tied; ``--layers``
 trims it). Prints JSON: the model's bytes, each push's seconds and MB/s, the server's own split
@@ -56,12 +58,18 @@ def main(argv=None) -> dict:
                     help="stream bucket size (default: weight_stream.STREAM_BUCKET_BYTES)")
     ap.add_argument("--tp", type=int, default=1, help="the server's TP (torchrun ranks)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--transports", nargs="+", default=["stream", "group"],
+                    choices=["stream", "group"], help="push paths to time")
+    ap.add_argument("--group-bucket-mb", type=int, default=None,
+                    help="group push bucket size (default: weight_group_push.GROUP_BUCKET_BYTES)")
     args = ap.parse_args(argv)
 
     import parallel_models as pm
     from parallel_models.distributed import free_port
     from parallel_models.rl.rollout.server.client import RolloutClient
     from parallel_models.rl.rollout.server.launch import start_server, stop_server
+    from parallel_models.rl.rollout.server.weight_group_push import (GROUP_BUCKET_BYTES,
+                                                                     push_weight_group)
     from parallel_models.rl.rollout.server.weight_stream import (STREAM_BUCKET_BYTES,
                                                                  push_weight_stream)
 
@@ -82,15 +90,23 @@ def main(argv=None) -> dict:
                             extra=("--dtype", args.dtype), timeout=600)
         client = RolloutClient(f"http://127.0.0.1:{port}", timeout=600)
         try:
-            pushes = []
-            for _ in range(args.rounds):
-                t0 = time.perf_counter()
-                answer = push_weight_stream(actor, client, bucket_bytes=bucket)
-                s = time.perf_counter() - t0
-                pushes.append({"seconds": round(s, 3), "mb_per_s": round(nbytes / MB / s, 1),
-                               "version": answer})
-            out["push"] = pushes
-            out["push_server_split"] = client.info().get("last_weight_push")
+            group_bucket = (args.group_bucket_mb << 20 if args.group_bucket_mb
+                            else GROUP_BUCKET_BYTES)
+            for transport in args.transports:
+                pushes = []
+                for _ in range(args.rounds):
+                    t0 = time.perf_counter()
+                    answer = (push_weight_stream(actor, client, bucket_bytes=bucket)
+                              if transport == "stream" else
+                              push_weight_group(actor, client, bucket_bytes=group_bucket))
+                    s = time.perf_counter() - t0
+                    pushes.append({"seconds": round(s, 3), "mb_per_s": round(nbytes / MB / s, 1),
+                                   "version": answer})
+                out[f"push_{transport}"] = pushes
+                out[f"push_{transport}_server_split"] = (
+                    client.info().get("last_weight_push") if transport == "stream" else
+                    client.weights_group("status").get("last_push"))
+                print(transport, json.dumps(pushes), file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             loaded = client.update_weights(folder)
             out["folder_load_s"] = round(time.perf_counter() - t0, 3)

@@ -2,7 +2,8 @@
 streamed push to the rollout server, time and extra memory, for the 0.5B and 8B shapes.
 
     python bench/weight_sync_bench.py [--shapes 0.5b 8b] [--bucket-mb 512] [--push-bucket-mb 64]
-                                      [--skip-push]
+                                      [--skip-push] [--transports stream group]
+                                      [--group-transport auto] [--server-gpu N]
                                       [--out results.json]
 
 Random bf16 weights of the Qwen2-0.5B shape (hidden 896, 24 layers, 14/2 heads, vocab 151936,
@@ -13,10 +14,16 @@ tied) and the Llama-3-8B shape (hidden 4096, 32 layers, 32/8 heads, ffn 14336, v
   path PP > 1 or TP' != TP takes). ``first_extra_gib``: peak GPU memory above the start during
   the first sync (its kept bucket buffer + temporaries); ``later_extra_gib``: during a later
   sync. The rollout model itself (one more copy of the weights) is ``rollout_model_gib``.
-- ``push``: the actor saved once as an HF folder, a server started on it (same GPU), then the
-  actor streamed to ``POST /update_weights_stream`` (median of 3). ``trainer_extra_gib``: peak
-  GPU memory above the start on the trainer side; the server stages the pushed weights in host
-  memory (one model's bytes) before its atomic swap (which keeps a host snapshot too).
+- ``push``: the actor saved once as an HF folder, a server started on it (same GPU, or GPU
+  ``--server-gpu N``: its ``CUDA_VISIBLE_DEVICES``), then for each of ``--transports`` (median
+  of 3): ``stream``: the actor streamed to ``POST /update_weights_stream``; ``group``: broadcast
+  over a process group with the server (``weight_push: group``; ``--group-transport auto`` picks
+  CUDA IPC when the server is on the trainer's GPU, NCCL when it is on another). The first group
+  push includes joining the group (``first_seconds``). ``trainer_extra_gib``: peak GPU memory
+  above the start on the trainer side. The stream push stages the pushed weights in host memory
+  (one model's bytes) and its atomic swap keeps a host snapshot too; the group push stages them
+  on the server's GPU (one model's bytes, freed to its caching allocator after the swap) and
+  needs no snapshot. ``server_split``: the server's own receive / swap seconds of the last push.
 """
 
 from __future__ import annotations
@@ -98,10 +105,31 @@ def bench_inprocess(actor, bucket_bytes: int) -> dict:
     return out
 
 
-def bench_push(actor, bucket_bytes: int, workdir: str) -> dict:
+def _push_rounds(push, client, transport: str) -> dict:
+    """Three pushes with ``push()`` (median), the trainer's extra GPU memory, the server's split."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times, versions = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        versions.append(push())
+        times.append(time.perf_counter() - t0)
+    extra = torch.cuda.max_memory_allocated() - base
+    split = (client.info().get("last_weight_push") if transport == "stream" else
+             client.weights_group("status"))
+    return {"seconds": round(sorted(times)[1], 3), "first_seconds": round(times[0], 3),
+            "rounds": [round(t, 3) for t in times], "versions": versions,
+            "trainer_extra_gib": round(extra / GIB, 3), "server_split": split}
+
+
+def bench_push(actor, bucket_bytes: int, workdir: str, transports=("stream",),
+               group_transport: str = "auto", server_gpu: int | None = None,
+               group_bucket_bytes: int | None = None) -> dict:
     from parallel_models.distributed import free_port
     from parallel_models.rl.rollout.server.client import RolloutClient
     from parallel_models.rl.rollout.server.launch import start_server, stop_server
+    from parallel_models.rl.rollout.server.weight_group_push import push_weight_group
     from parallel_models.rl.rollout.server.weight_stream import push_weight_stream
 
     folder = os.path.join(workdir, "actor")
@@ -109,30 +137,42 @@ def bench_push(actor, bucket_bytes: int, workdir: str) -> dict:
     actor.save_pretrained(folder, overwrite=True)
     save_s = time.perf_counter() - t0
     port = free_port()
-    proc = start_server(folder, port, log_path=os.path.join(workdir, "server.log"),
-                        extra=("--dtype", "bfloat16"), timeout=900)
-    client = RolloutClient(f"http://127.0.0.1:{port}", timeout=900)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if server_gpu is not None:  # the trainer's CUDA is initialized: only the server sees this
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(server_gpu)
     try:
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        times, versions = [], []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            versions.append(push_weight_stream(actor, client, bucket_bytes=bucket_bytes))
-            times.append(time.perf_counter() - t0)
-        extra = torch.cuda.max_memory_allocated() - base
-        client_info = client.info()  # the last push: receive_seconds (body) and seconds (swap)
+        proc = start_server(folder, port, log_path=os.path.join(workdir, "server.log"),
+                            extra=("--dtype", "bfloat16"), timeout=900)
+    finally:
+        if server_gpu is not None:
+            if visible is None:
+                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+            else:
+                os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    client = RolloutClient(f"http://127.0.0.1:{port}", timeout=900)
+    out = {"folder_save_s": round(save_s, 2), "server_gpu": server_gpu}
+    try:
+        for transport in transports:
+            if transport == "stream":
+                def push():
+                    return push_weight_stream(actor, client, bucket_bytes=bucket_bytes)
+            else:
+                def push():
+                    return push_weight_group(actor, client, bucket_bytes=group_bucket_bytes,
+                                             transport=group_transport)
+            out[transport] = _push_rounds(push, client, transport)
+            if transport == "group":
+                split = out[transport]["server_split"]
+                out[transport]["transport"] = split["transport"]
+                out[transport]["server_split"] = split["last_push"]
+            print(transport, json.dumps(out[transport]), flush=True)
         t0 = time.perf_counter()
         client.update_weights(folder)  # the folder path, for comparison (already saved)
-        folder_load_s = time.perf_counter() - t0
+        out["folder_load_s"] = round(time.perf_counter() - t0, 2)
     finally:
         client.close()
         stop_server(proc)
-    return {"seconds": round(sorted(times)[1], 3), "rounds": [round(t, 3) for t in times],
-            "versions": versions, "trainer_extra_gib": round(extra / GIB, 3),
-            "folder_save_s": round(save_s, 2), "folder_load_s": round(folder_load_s, 2),
-            "server_split": client_info.get("last_weight_push")}
+    return out
 
 
 def main(argv=None) -> dict:
@@ -142,6 +182,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--push-bucket-mb", type=int, default=64,
                     help="bucket size of the streamed push (weight_stream.STREAM_BUCKET_BYTES)")
     ap.add_argument("--skip-push", action="store_true")
+    ap.add_argument("--transports", nargs="+", default=["stream", "group"],
+                    choices=["stream", "group"], help="server push paths to time")
+    ap.add_argument("--group-transport", default="auto", choices=["auto", "gloo", "nccl", "ipc"],
+                    help="group push: auto = CUDA IPC on the trainer's GPU, NCCL on another")
+    ap.add_argument("--group-bucket-mb", type=int, default=None,
+                    help="group push bucket size (default: weight_group_push.GROUP_BUCKET_BYTES)")
+    ap.add_argument("--server-gpu", type=int, default=None,
+                    help="run the server on this GPU (default: the trainer's)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -158,7 +206,9 @@ def main(argv=None) -> dict:
         print(shape, "inprocess", json.dumps(row["inprocess"]), flush=True)
         if not args.skip_push:
             with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
-                row["push"] = bench_push(actor, args.push_bucket_mb << 20, tmp)
+                row["push"] = bench_push(
+                    actor, args.push_bucket_mb << 20, tmp, args.transports, args.group_transport,
+                    args.server_gpu, args.group_bucket_mb << 20 if args.group_bucket_mb else None)
             print(shape, "push", json.dumps(row["push"]), flush=True)
         results[shape] = row
         del actor

@@ -13,6 +13,7 @@ along tokens under sequence parallel.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import ClassVar
 
 import torch
@@ -27,6 +28,7 @@ from parallel_models.heads import ParallelLMHead, ValueHead
 from parallel_models.llama import checkpoint_utils as ckpt_io
 from parallel_models.llama.layers import ParallelDecoderLayer, RMSNorm, RotaryEmbedding
 from parallel_models.llama.layers import moe_aux_loss
+from parallel_models.llama.layers.fused_ops import add_rms_norm
 from parallel_models.llama.layers.moe import moe_megatron_settings
 from parallel_models.utils.padding import (pack_padded_batch, position_ids_from_cu_seqlens,
                                            unpack_to_padded)
@@ -93,6 +95,12 @@ def build_megatron_config(config: ModelConfig, dtype: torch.dtype, sequence_para
     return mp_config
 
 
+def fuse_residual_norm() -> bool:
+    """Generation fuses each layer's residual sum into the next norm unless
+    ``PARALLEL_MODELS_DECODE_FUSE_NORM=0`` (benches compare)."""
+    return os.environ.get("PARALLEL_MODELS_DECODE_FUSE_NORM", "1") != "0"
+
+
 class ParallelDecoder(torch.nn.Module):
     """Embedding (first stage) -> decoder layers of this stage -> final norm (last stage)."""
 
@@ -140,11 +148,25 @@ class ParallelDecoder(torch.nn.Module):
         elif hidden is None:
             hidden = self.input_tensor
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
+        if kv_cache is not None and self.post_process and fuse_residual_norm():
+            return self._forward_fused(hidden, cos, sin, cu_seqlens, max_seqlen, kv_cache)
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, cu_seqlens, max_seqlen, kv_cache, i)
         if self.post_process:
             hidden = self.norm(hidden)
         return hidden
+
+    def _forward_fused(self, hidden, cos, sin, cu_seqlens, max_seqlen, kv_cache):
+        """The layers with each residual sum fused into the next norm (one kernel instead of
+        two per layer; the same values: the sum is rounded as before, then normed). Generation
+        only (a KV cache): launch-bound decode steps gain; training keeps ``forward``."""
+        normed = self.layers[0].input_layernorm(hidden)
+        for i, layer in enumerate(self.layers):
+            residual, mlp_out = layer.forward_parts(hidden, normed, cos, sin, cu_seqlens,
+                                                    max_seqlen, kv_cache, i)
+            norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            hidden, normed = add_rms_norm(mlp_out, residual, norm.weight, norm.eps)
+        return normed
 
 
 class ParallelModel(torch.nn.Module):

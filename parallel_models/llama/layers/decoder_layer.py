@@ -27,11 +27,19 @@ class ParallelDecoderLayer(torch.nn.Module):
                     else ParallelMLP(config, mp_config))
 
     def forward(self, hidden, cos, sin, cu_seqlens, max_seqlen, kv_cache=None, layer_index=0):
-        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, cu_seqlens, max_seqlen,
-                              kv_cache, layer_index)
+        residual, mlp_out = self.forward_parts(hidden, self.input_layernorm(hidden), cos, sin,
+                                               cu_seqlens, max_seqlen, kv_cache, layer_index)
+        return residual + mlp_out
+
+    def forward_parts(self, hidden, normed, cos, sin, cu_seqlens, max_seqlen, kv_cache=None,
+                      layer_index=0):
+        """The layer on ``hidden`` whose input norm ``normed`` is given -> ``(residual, mlp
+        output)``, not yet summed: a caller can fuse that sum with the next layer's input norm
+        (``ParallelDecoder`` does when decoding with a KV cache)."""
+        attn = self.self_attn(normed, cos, sin, cu_seqlens, max_seqlen, kv_cache, layer_index)
         norm = self.post_attention_layernorm
         hidden, normed = add_rms_norm(attn, hidden, norm.weight, norm.eps)  # one fused pass
-        return hidden + self.mlp(normed)
+        return hidden, self.mlp(normed)
 
 
 def _param_device(mp_config: ModelParallelConfig):

@@ -105,9 +105,11 @@ class RolloutSection(SamplingFields):
         "inprocess", description="inprocess | server (parallel-models-serve at server_url)")
     server_url: Optional[str] = Field(None, description="rollout.backend=server: the server's "
                                                         "base URL")
-    weight_push: Literal["stream", "folder"] = Field(
-        "stream", description="backend=server: stream | folder (an HF folder the server loads; "
-                              "also the fallback when a stream fails)")
+    weight_push: Literal["stream", "group", "folder"] = Field(
+        "stream", description="backend=server: stream (HTTP body) | group (broadcast over a "
+                              "process group with the server: gloo, NCCL, or CUDA IPC on one "
+                              "GPU) | folder (an HF folder the server loads; also the fallback "
+                              "when a stream or group push fails)")
     tensor_parallel_size: Optional[Int] = Field(
         None, ge=1, description="in-process rollout engine's TP (null = the actor's); differs "
                                 "from it or PP > 1: weights resharded before each rollout")

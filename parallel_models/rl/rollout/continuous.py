@@ -99,6 +99,18 @@ class _Layout:
     steps: torch.Tensor | None
 
 
+@dataclasses.dataclass(eq=False)
+class _Drawn:
+    """The tokens drawn for ``rows`` by one step, on their way to the host: ``host`` (``[2, B]``
+    tokens, log-probs) is filled by an asynchronous copy that ``ready`` marks done."""
+
+    rows: list
+    layout: _Layout | None
+    host: torch.Tensor
+    ready: object
+    top: tuple | None
+
+
 def _buckets(max_rows: int) -> list[int]:
     out, b = [], 1
     while b < max_rows:
@@ -142,11 +154,13 @@ class ContinuousEngine:
     positions (this rank's heads), at most ``max_rows`` samples decoding at once, at most
     ``max_row_tokens`` positions (prompt + new tokens) per sample (default: the budget, capped by
     the model's positions); prompts starting together are prefilled in packs of at most
-    ``max_prefill_tokens`` tokens."""
+    ``max_prefill_tokens`` tokens. ``pipeline`` (default: on CUDA, see
+    ``PARALLEL_MODELS_DECODE_PIPELINE``): queue each decode step before reading the previous
+    one's tokens (:meth:`_decode`)."""
 
     def __init__(self, model, kv_budget_tokens: int, *, max_rows: int = 64,
                  max_row_tokens: int | None = None, prefix_cache_tokens: int = 0,
-                 max_prefill_tokens: int = 16384):
+                 max_prefill_tokens: int = 16384, pipeline: bool | None = None):
         if model.head_kind != "causal_lm":
             raise TypeError(f"{type(model).__name__} has no LM head; generation needs a CausalLM")
         if mpu.get_pipeline_model_parallel_world_size() > 1:
@@ -169,6 +183,11 @@ class ContinuousEngine:
                      and os.environ.get("PARALLEL_MODELS_CUDA_GRAPHS", "1") != "0")
         self._steps = {b: _BucketStep(model, self.cache, DecodeRows(b, self.device, self.cache.end),
                                       use_graph) for b in self.buckets}
+        if pipeline is None:  # unset: on CUDA; "1": everywhere; "0": off
+            env = os.environ.get("PARALLEL_MODELS_DECODE_PIPELINE")
+            pipeline = env == "1" or (env is None and self.device.type == "cuda")
+        self.pipeline = pipeline
+        self._pending: _Drawn | None = None  # a decode step queued, its tokens not yet read
         self.running: list[_Row] = []
         self._layout: _Layout | None = None  # None: rebuild the decode buffers next step
         self._last_tokens: torch.Tensor | None = None
@@ -290,8 +309,34 @@ class ContinuousEngine:
 
     def _decode(self) -> None:
         """One decode step of every running row. While no row joins or leaves, the bucket's
-        buffers are advanced on the device (last tokens in, lengths + 1): no host rebuild."""
-        lay = self._layout
+        buffers are advanced on the device (last tokens in, lengths + 1): no host rebuild.
+
+        With ``pipeline`` the step's tokens are read by the NEXT call, after it has queued the
+        following step on the device (its input tokens never leave the device): the GPU decodes
+        while the host handles the previous tokens. A row that finished meanwhile drops the
+        token drawn for it ahead (its KV write stays inside its own region, and anything later
+        placed there is written after it in stream order). Outputs are those of the plain path.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            if pending.layout is self._layout:  # no row joined or left since it was queued
+                if any(r.generated + 1 < r.request.params.max_new_tokens
+                       for r in self._layout.rows):  # (not when every row ends with `pending`)
+                    self._pending = self._launch(self._layout)
+                self._accept(pending)
+                return
+            self._accept(pending)
+            if not self.running:
+                return
+        drawn = self._launch(self._layout)
+        if self.pipeline:
+            self._pending = drawn
+        else:
+            self._accept(drawn)
+
+    def _launch(self, lay: _Layout | None) -> _Drawn:
+        """Queue one decode step of the running rows (``lay``, or a new layout when None) and
+        its draw; nothing waits for the device."""
         if lay is None:
             rows = sorted(self.running, key=lambda r: r.offset)  # ascending region starts
             size = next(b for b in self.buckets if b >= len(rows))
@@ -313,7 +358,7 @@ class ContinuousEngine:
         logits = self._steps[lay.size]()
         for r in lay.rows:
             r.length += 1
-        self._draw_and_accept(lay.rows, logits[:len(lay.rows)], lay)
+        return self._draw(lay.rows, logits[:len(lay.rows)], lay)
 
     def _sampling_of(self, rows: list[_Row]):
         """(draw groups, top-k width, seeds, steps) of ``rows``: one group when they share their
@@ -338,18 +383,47 @@ class ContinuousEngine:
                          newly_admitted: bool = False) -> None:
         if lay is None:
             lay = _Layout(rows, 0, *self._sampling_of(rows))
+        self._accept(self._draw(rows, logits, lay), newly_admitted)
+
+    def _draw(self, rows: list[_Row], logits: torch.Tensor, lay: _Layout) -> _Drawn:
+        """Queue the draw of ``rows``' next tokens and their copy to the host."""
         tokens, logp, top = draw(logits, lay.seeds, lay.steps, lay.spec, lay.k_max)
         tokens, logp = _broadcast_in_tp_group(tokens, logp)
         if top is not None:
             top = _broadcast_in_tp_group(*top)
         self._last_tokens = tokens
-        host = torch.stack([tokens.double(), logp.double()]).cpu()  # the step's one sync
-        tokens, logp = host[0].long().tolist(), host[1].tolist()
+        both = torch.stack([tokens.double(), logp.double()])
+        ready = None
+        if both.is_cuda:
+            host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            host.copy_(both, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host = both
+        return _Drawn(rows, lay if lay.size else None, host, ready, top)
+
+    def _accept(self, drawn: _Drawn, newly_admitted: bool = False) -> None:
+        """Hand ``drawn``'s tokens to their samples (rows finished meanwhile skip theirs); finish
+        the rows that stop or reach their length."""
+        if drawn.ready is not None:
+            drawn.ready.synchronize()  # the step's one wait on the device
+        tokens, logp = drawn.host[0].long().tolist(), drawn.host[1].tolist()
+        top = drawn.top
         if top is not None:
             top = (top[0].tolist(), top[1].tolist())
+        rows = drawn.rows
         if newly_admitted:
             self.running.extend(rows)
             self._layout = None
+        else:  # rows that finished after this step was queued drop its token
+            live = [i for i, r in enumerate(rows)
+                    if r.request.samples[r.index].finish_reason is None]
+            if len(live) < len(rows):
+                tokens, logp = [tokens[i] for i in live], [logp[i] for i in live]
+                if top is not None:
+                    top = ([top[0][i] for i in live], [top[1][i] for i in live])
+                rows = [rows[i] for i in live]
         self.generated_tokens += len(rows)
         if self.on_tokens is not None:
             self.on_tokens(len(rows))
@@ -383,6 +457,8 @@ class ContinuousEngine:
                 r.request.rows_left -= 1
                 if r.request.rows_left == 0 and r.request.on_done is not None:
                     r.request.on_done(r.request)
+        if not self.running:
+            self._pending = None  # a step queued ahead for rows that all finished: nothing to read
 
 
 def request_seed(seed: int | None, index: int) -> int | None:

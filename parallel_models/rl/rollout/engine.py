@@ -213,16 +213,19 @@ class RolloutEngine:
     def _label(path) -> str:
         return repr(path) if isinstance(path, str) else getattr(path, "folder", "<memory>")
 
-    def update_weights(self, path, group=None) -> dict:
+    def update_weights(self, path, group=None, keep_old: bool = True) -> dict:
         """Load ``path`` into the model, all or nothing. With ``group`` (a process group of every
         rank holding a shard; all call this together) the ranks agree: if loading fails on any
         of them, each restores its old shard. Returns ``{"weight_version", "path", "seconds"}``;
-        raises :class:`WeightUpdateError` (the weights and version unchanged) on failure."""
+        raises :class:`WeightUpdateError` (the weights and version unchanged) on failure.
+        ``keep_old=False``: no snapshot to restore (a model-sized copy); only for weights the
+        caller already checked complete, of the right shapes and finite on every rank."""
         t0 = time.perf_counter()
         snapshot: list[torch.Tensor] | None = None
         error: BaseException | None = None
         try:
-            snapshot = self._snapshot()  # before touching anything: an OOM here changes nothing
+            if keep_old:  # before touching anything: an OOM here changes nothing
+                snapshot = self._snapshot()
             load_weights(self.model, path)
         except Exception as exc:  # noqa: BLE001 - restored below, reported to the caller
             error = exc  # (the other ranks still take part in the vote below: no hang)

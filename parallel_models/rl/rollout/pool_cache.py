@@ -11,18 +11,42 @@ bucket write and read there (one position each), so a bucket of fixed size needs
   ``offset + length``; attention over the row's ``length + 1`` positions. On CUDA fp16/bf16 it is
   PyTorch's flash kernel with ``cu_seqlens_k`` = the region starts and ``seqused_k`` = the
   lengths (flash decoding straight from the pool, GQA heads as they are); elsewhere SDPA over a
-  gathered ``[rows, span]`` window with a mask. A decode step reads every index from the fixed
+  gathered ``[rows, span]`` window with a mask. With triton on CUDA fp16/bf16 (default;
+  ``PARALLEL_MODELS_DECODE_ATTENTION=aten`` switches it off) the decode step's KV write and
+  attention are one split-KV kernel instead (``split_kv_attention``: each KV byte read once
+  under GQA, the work split along the context). A decode step reads every index from the fixed
   buffers of its :class:`DecodeRows`, so it can be captured once per bucket in a CUDA graph.
 - ``copy`` duplicates a prompt's KV into other regions (prefix sharing of the n samples).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
+from parallel_models.errors import ConfigError
 from parallel_models.llama.layers.attention_kernels import varlen_causal_attention
+from parallel_models.rl.rollout import split_kv_attention
 from parallel_models.rl.rollout.kv_cache import _flash_decode_supported
+from parallel_models.rl.rollout.split_kv_attention import split_kv_decode
+
+DECODE_KERNELS = ("triton", "aten")
+
+
+def _decode_kernel(device: torch.device, dtype: torch.dtype, heads_dim: tuple) -> str:
+    """``"triton"`` (split-KV, ``split_kv_attention``) on CUDA fp16/bf16 when triton imports and
+    the kernel passes its check against SDPA on this device, else ``"aten"`` (PyTorch's kernels); ``PARALLEL_MODELS_DECODE_ATTENTION=aten`` forces
+    PyTorch's (the bench compares). Graph capture of decode steps needs either of the CUDA ones."""
+    choice = os.environ.get("PARALLEL_MODELS_DECODE_ATTENTION", "triton")
+    if choice not in DECODE_KERNELS:
+        raise ConfigError(f"PARALLEL_MODELS_DECODE_ATTENTION={choice!r}: expected one of "
+                          f"{DECODE_KERNELS}")
+    if choice == "triton" and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) \
+            and split_kv_attention.supported(device, dtype, *heads_dim):
+        return "triton"
+    return "aten"
 
 
 class DecodeRows:
@@ -57,6 +81,7 @@ class PoolKVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.flash_decode = _flash_decode_supported(torch.device(device), dtype)
+        self.decode_kernel = _decode_kernel(torch.device(device), dtype, (num_kv_heads, head_dim))
         self._write = None
         self._rows: DecodeRows | None = None
         self.decoding = False
@@ -83,10 +108,23 @@ class PoolKVCache:
         self._write = None
 
     def attend(self, layer: int, q, k, v, cu_seqlens, max_seqlen, scale):
+        if not self.decoding:
+            self.write_kv(layer, k, v)
+            return varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale)
+        if self.decode_kernel == "triton":  # writes k / v into the pool itself
+            rows = self._rows
+            return split_kv_decode(q, k, v, self.k[layer], self.v[layer], rows.offsets,
+                                   rows.used, self.max_row_tokens, scale)
+        self.write_kv(layer, k, v)
+        return self.decode_attention(layer, q, scale)
+
+    def write_kv(self, layer: int, k, v) -> None:
+        """The step's new k / v at their pool positions."""
         self.k[layer].index_copy_(0, self._write, k)
         self.v[layer].index_copy_(0, self._write, v)
-        if not self.decoding:
-            return varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale)
+
+    def decode_attention(self, layer: int, q, scale):
+        """PyTorch's kernels: flash with ``seqused_k`` on CUDA fp16/bf16, else masked SDPA."""
         rows = self._rows
         if self.flash_decode:
             out = torch.ops.aten._flash_attention_forward(

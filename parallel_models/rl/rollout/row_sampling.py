@@ -9,13 +9,25 @@ the same whatever else runs, on any device, and a step needs no generator state 
 
 Log-probs and top log-probs are those of ``generation._next_tokens``: ``log_softmax(logits /
 temperature)`` of the drawn token (greedy: of the raw logits).
+
+Fused picks: when a group asks for no top-k / top-p filter and no top log-probs, its token and
+log-prob need only ``argmax(logits / T + noise)`` and ``logits[token] / T - logsumexp(logits /
+T)``; :func:`greedy_pick` / :func:`sampled_pick` compute just that, and on CUDA run through
+``torch.compile`` (``utils/gpu_compile``): one or two reductions reading the bf16 logits once,
+instead of an fp32 copy, a full-vocab log-softmax and a dozen int64 noise passes over ``[rows,
+vocab]``. Same math (the same noise function); the log-prob differs from the general path's only
+by the rounding of the sum. ``PARALLEL_MODELS_FUSED_DRAW=0`` switches them off (benches compare).
 """
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 
 from parallel_models.rl.rollout.generation import _filter_logits
+from parallel_models.utils.gpu_compile import compiled_on_gpu
 
 _C1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _C2 = 0x94D049BB133111EB - (1 << 64)
@@ -49,6 +61,43 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.
     return -torch.log(-torch.log(u))
 
 
+def _greedy_pick(logits: torch.Tensor):
+    x = logits.float()
+    tokens = x.argmax(-1)
+    return tokens, x.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(x, -1)
+
+
+def _sampled_pick(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor,
+                  temperature: float):
+    scaled = logits.float() / temperature
+    tokens = (scaled + gumbel_noise(seeds, steps, logits.shape[-1])).argmax(-1)
+    return tokens, scaled.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(scaled, -1)
+
+
+greedy_pick = compiled_on_gpu(_greedy_pick)
+sampled_pick = compiled_on_gpu(_sampled_pick)
+
+
+_FUSED_FAILED = []  # the first failure of a fused pick (e.g. its compilation): general path
+
+
+def fused_draw_enabled() -> bool:
+    return os.environ.get("PARALLEL_MODELS_FUSED_DRAW", "1") != "0" and not _FUSED_FAILED
+
+
+def _fused(params, logits, seeds, steps):
+    """(tokens, log-probs) by a fused pick, or None where it does not apply or failed once."""
+    try:
+        if params.greedy:
+            return greedy_pick(logits)
+        if not params.top_k and params.top_p >= 1.0:
+            return sampled_pick(logits, seeds, steps, float(params.temperature))
+    except Exception as exc:  # noqa: BLE001 - the general path computes the same draw
+        _FUSED_FAILED.append(exc)
+        warnings.warn(f"fused draw disabled, using the general path: {type(exc).__name__}: {exc}")
+    return None
+
+
 def draw(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, groups, top_k_max: int):
     """Next tokens of every row of ``logits`` ``[B, vocab]``.
 
@@ -57,8 +106,12 @@ def draw(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, groups,
     ``seeds`` / ``steps`` may be None when every group is greedy.
     -> ``(tokens [B], log_probs [B] float32, top (ids, log-probs) [B, top_k_max] or None)``.
     """
-    logits = logits.float()
     b, vocab = logits.shape
+    if not top_k_max and fused_draw_enabled() and len(groups) == 1 and groups[0][0] is None:
+        picked = _fused(groups[0][1], logits, seeds, steps)
+        if picked is not None:
+            return (*picked, None)
+    logits = logits.float()
     tokens = torch.zeros(b, dtype=torch.long, device=logits.device)
     logp = torch.zeros(b, dtype=torch.float32, device=logits.device)
     top_ids = top_vals = None
@@ -93,4 +146,5 @@ def draw(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, groups,
     return tokens, logp, top
 
 
-__all__ = ["draw", "gumbel_noise", "row_seed"]
+__all__ = ["draw", "fused_draw_enabled", "greedy_pick", "gumbel_noise", "row_seed",
+           "sampled_pick"]

@@ -148,6 +148,11 @@ class BucketGatherer:
                 self._scratch = torch.empty(max(gathered), dtype=self.dtype, device=self.device)
         return self._bucket_buf, self._scratch
 
+    def flat(self, bucket: _Bucket) -> torch.Tensor:
+        """The bucket's tensors back to back (in ``bucket.jobs`` / slot order): a view of the
+        reused bucket buffer, valid while ``buckets_iter`` is at that bucket."""
+        return self._buffers()[0][: bucket.numel]
+
     # ---- the sync -------------------------------------------------------------------------------
     def _split(self, mapping: WeightMapping):
         """(size, group) of the TP split of ``mapping``'s parameter: the expert-TP group for a

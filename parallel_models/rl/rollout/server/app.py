@@ -24,6 +24,8 @@ Endpoints (JSON; with ``--api-key`` every endpoint but ``/health`` needs
 - ``POST /update_weights_stream`` body: the weights as a stream of frames
   (``weight_stream.py``; no size limit) -> the same answer as ``/update_weights``; a stream cut
   short or a tensor that does not fit the model: 400, the old weights and version kept.
+- ``POST /weights_group/init``, ``POST /weights_group/update``, ``GET /weights_group/status``:
+  weights broadcast by the trainer over a process group (``weight_group.py``).
 - ``POST /shutdown`` -> graceful exit (in-flight requests finish); SIGTERM/SIGINT do the same.
 - The OpenAI-compatible API: ``GET /v1/models``, ``POST /v1/completions``,
   ``POST /v1/chat/completions`` (``openai_api``), batched with the requests above; its errors
@@ -469,6 +471,10 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
     app.include_router(openai_router(OpenAIServing(
         tokenizer=tokenizer, limits=limits, vocab_size=vocab_size, max_positions=max_pos,
         model_name=str(name), generate=_openai_generate)))
+
+    from parallel_models.rl.rollout.server.weight_group import group_router
+
+    app.include_router(group_router(engine, lambda job: batcher.submit("update", job), state))
 
     @app.post("/shutdown")
     async def shutdown():

@@ -93,6 +93,13 @@ class RolloutClient:
         return _answer(self._http.post("/update_weights_stream", content=wire_pieces(body),
                                        headers={"content-type": "application/octet-stream"}))
 
+    def weights_group(self, action: str, body: dict | None = None) -> dict:
+        """``/weights_group/{action}``: ``init`` / ``update`` (POST ``body``) or ``status``
+        (GET); ``server/weight_group.py``. 4xx / 5xx raise :class:`ServerError`."""
+        if action == "status":
+            return self._call("GET", "/weights_group/status")
+        return self._call("POST", f"/weights_group/{action}", body)
+
     def shutdown(self) -> dict:
         return self._call("POST", "/shutdown")
 

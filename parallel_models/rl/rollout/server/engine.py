@@ -49,6 +49,7 @@ class Engine:
         self.group = control_group
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.batches = 0
+        self.weight_group = None  # the trainer's weights group, once joined (weight_group.py)
 
     @property
     def version(self) -> int:
@@ -104,6 +105,9 @@ class Engine:
         ranks as tensor broadcasts, ``weight_broadcast.py``) on every rank, all or nothing."""
         from parallel_models.rl.rollout.server.weight_stream import PushedWeights
 
+        if hasattr(path, "run_on_every_rank"):  # a weights-group join or push (weight_group.py)
+            self._broadcast(("group_job", path))
+            return path.run_on_every_rank(self)
         if self.world > 1 and isinstance(path, PushedWeights):
             from parallel_models.rl.rollout.server.weight_broadcast import NotStaged, send_pushed
 
@@ -153,6 +157,8 @@ class Engine:
             from parallel_models.rl.rollout.server.weight_broadcast import receive_pushed
 
             return self._do_update(receive_pushed(cmd[1], self.group))
+        if kind == "group_job":
+            return cmd[1].run_on_every_rank(self)
         if kind == "cstep":
             return self._do_cstep(cmd[1])
         if kind == "creset":

@@ -7,8 +7,9 @@ prompts + right-padded responses, ``attention_mask``, ``prompt_lengths``, ``resp
 (MoE), ``routes``. Only the first rank of each model-parallel group (TP x PP: one training DP replica) talks to
 the server; the batch is broadcast to the group's other ranks.
 
-``push_actor_weights`` streams the actor to the server (``weight_stream.py``, no folder on disk)
-or, as the fallback or on request, saves an HF folder the server loads (``push_weights``).
+``push_actor_weights`` streams the actor to the server (``weight_stream.py``, no folder on disk),
+broadcasts it over a process group with the server (``weight_group_push.py``) or, as the
+fallback or on request, saves an HF folder the server loads (``push_weights``).
 """
 
 from __future__ import annotations
@@ -127,18 +128,21 @@ def push_weights(model, client, folder: str) -> int | None:
 
 
 def push_actor_weights(model, client, folder: str, mode: str = "stream") -> int | None:
-    """Every rank calls. ``mode="stream"``: stream the weights to the server; if that fails
-    (server gone, push rejected), warn and fall back to the folder; ``"folder"``: the folder
-    only. Either failing leaves the server on its old weights; if both fail, every rank raises
-    ``RuntimeError`` naming the server and both causes. Returns the new version."""
+    """Every rank calls. ``mode="stream"``: stream the weights to the server; ``"group"``:
+    broadcast them over a process group with the server (``weight_group_push.py``); if either
+    fails (server gone, push rejected), warn and fall back to the folder; ``"folder"``: the
+    folder only. Either failing leaves the server on its old weights; if both fail, every rank
+    raises ``RuntimeError`` naming the server and both causes. Returns the new version."""
     import logging
 
+    from parallel_models.rl.rollout.server.weight_group_push import push_weight_group
     from parallel_models.rl.rollout.server.weight_stream import (WeightStreamError,
                                                                  push_weight_stream)
 
-    if mode == "stream":
+    if mode in ("stream", "group"):
         try:
-            return push_weight_stream(model, client)
+            push = push_weight_stream if mode == "stream" else push_weight_group
+            return push(model, client)
         except WeightStreamError as err:
             logging.getLogger(__name__).warning("%s; falling back to the folder %s", err, folder)
             stream_error = err
@@ -147,7 +151,7 @@ def push_actor_weights(model, client, folder: str, mode: str = "stream") -> int 
     try:
         return push_weights(model, client, folder)
     except Exception as err:  # noqa: BLE001 - one clear error naming both attempts
-        first = f" (the stream push failed first: {stream_error})" if stream_error else ""
+        first = f" (the {mode} push failed first: {stream_error})" if stream_error else ""
         raise RuntimeError(f"could not push the actor's weights to the rollout server at "
                            f"{client.url}: {type(err).__name__}: {err}{first}; the server "
                            "keeps its previous weights") from err

@@ -1,0 +1,121 @@
+"""Triton kernels of the split-KV decode attention (imported only through
+``split_kv_attention``, which imports this module lazily: triton is not a dependency).
+
+``split_kernel``: program (row, KV head, split) runs an online softmax over its split's positions
+for all query heads of the KV head; ``combine_kernel`` merges the splits by their log-sum-exps.
+See ``split_kv_attention`` for the layout and the contract.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tile(q, k_base, v_base, offset, n0, end, m_i, l_i, acc, scale, stride_pt, d,
+          BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One tile of BLOCK_N pool positions from n0, below end (online softmax update of m_i,
+    l_i, acc). The loads feed the dots directly, so the compiler can pipeline them."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    valid = pos < end
+    addr = (offset + pos.to(tl.int64))[:, None] * stride_pt + d[None, :]
+    k = tl.load(k_base + addr, mask=valid[:, None], other=0.0)
+    v = tl.load(v_base + addr, mask=valid[:, None], other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(valid[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile holds a valid position
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Out, PartOut, PartLse, scale,
+                 stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+                 stride_pt, stride_ph, stride_ob, stride_oh,
+                 G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 H: tl.constexpr, IEEE: tl.constexpr, RUNTIME_LOOP: tl.constexpr):
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    used = tl.load(Used + row).to(tl.int32)
+    last = used - 1  # the position of the token decoded now (comes from KNew / VNew)
+    start = split * SPLIT
+    end = tl.minimum(start + SPLIT, used)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, D)
+    gmask = g < G
+    heads = kvh * G + g
+    q = tl.load(Q + row * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None], other=0.0)
+    offset = tl.load(Offsets + row).to(tl.int64)
+    k_new = tl.load(KNew + row * stride_kb + kvh * stride_kh + d)
+    v_new = tl.load(VNew + row * stride_vb + kvh * stride_vh + d)
+    k_base = KPool + kvh * stride_ph
+    v_base = VPool + kvh * stride_ph
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    pool_end = tl.minimum(end, last)  # positions before the new token come from the pool
+    if RUNTIME_LOOP:  # compiled: loop to the split's end (the loads get pipelined)
+        for n0 in range(start, pool_end, BLOCK_N):
+            m_i, l_i, acc = _tile(q, k_base, v_base, offset, n0, pool_end, m_i, l_i, acc, scale,
+                                  stride_pt, d, BLOCK_N, IEEE)
+    else:  # the interpreter cannot loop to a runtime bound: a fixed trip count, tiles past the
+        # split's end skipped (an empty split reads nothing)
+        for tile in range(0, SPLIT // BLOCK_N):
+            n0 = start + tile * BLOCK_N
+            if n0 < pool_end:
+                m_i, l_i, acc = _tile(q, k_base, v_base, offset, n0, pool_end, m_i, l_i, acc,
+                                      scale, stride_pt, d, BLOCK_N, IEEE)
+    if (last >= start) & (last < start + SPLIT):  # this program owns the new token
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+        m_new = tl.maximum(m_i, s_new)
+        alpha = tl.exp(m_i - m_new)
+        p_new = tl.exp(s_new - m_new)
+        l_i = l_i * alpha + p_new
+        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
+        m_i = m_new
+        new_addr = (offset + last.to(tl.int64)) * stride_pt + d
+        tl.store(k_base + new_addr, k_new)
+        tl.store(v_base + new_addr, v_new)
+    nonempty = start < used
+    denom = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / denom[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(Out + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=gmask[:, None] & nonempty)
+    else:
+        part = (row * H + heads) * NUM_SPLITS + split  # PartLse [B, H, S], PartOut [.., D]
+        tl.store(PartOut + part[:, None] * D + d[None, :], out,
+                 mask=gmask[:, None] & nonempty)
+        tl.store(PartLse + part, m_i + tl.log(denom), mask=gmask & nonempty)
+
+
+@triton.jit
+def combine_kernel(PartOut, PartLse, Used, Out, stride_ob, stride_oh,
+                   H: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
+                   NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    used = tl.load(Used + row).to(tl.int32)
+    splits = (used + SPLIT - 1) // SPLIT
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, D)
+    smask = s < splits
+    base = (row * H + head) * NUM_SPLITS
+    lse = tl.load(PartLse + base + s, mask=smask, other=float("-inf"))
+    mx = tl.max(lse, 0)
+    w = tl.where(smask, tl.exp(lse - mx), 0.0)
+    parts = tl.load(PartOut + (base + s)[:, None] * D + d[None, :], mask=smask[:, None],
+                    other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(Out + row * stride_ob + head * stride_oh + d, out.to(Out.dtype.element_ty))

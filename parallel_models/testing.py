@@ -3,6 +3,8 @@
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (spawn, 1 thread
 each) with the torchrun environment set, runs ``fn(*args)`` in each and returns the per-rank
 results; a failing rank's traceback is raised in the parent, and a hang hits ``timeout``.
+``run_distributed_jobs(jobs, world_size)`` runs several such checks in one world, so the spawn
+and the imports of torch / megatron-core / transformers are paid once.
 """
 
 from __future__ import annotations
@@ -80,6 +82,41 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0
     if errors:
         raise RuntimeError(f"distributed run of {fn.__name__} failed:\n" + "\n".join(errors))
     return [outs[r] for r in range(world_size)]
+
+
+def _run_jobs(jobs: list) -> list:
+    """Each job ``(fn, args, kwargs)`` in turn on this rank, every one from the random state and
+    environment variables the process started with (as if it had a fresh process of its own);
+    their results in order."""
+    import random
+
+    import numpy as np
+    import torch
+
+    start = torch.get_rng_state(), random.getstate(), np.random.get_state(), dict(os.environ)
+    results = []
+    for fn, args, kwargs in jobs:
+        torch.set_rng_state(start[0])
+        random.setstate(start[1])
+        np.random.set_state(start[2])
+        os.environ.clear()
+        os.environ.update(start[3])
+        try:
+            results.append(fn(*args, **kwargs))
+        except BaseException as err:
+            raise RuntimeError(f"job {len(results)} ({fn.__name__}) failed") from err
+    return results
+
+
+def run_distributed_jobs(jobs: list, world_size: int, *, timeout: float = 600.0) -> list[list]:
+    """Run several checks ``(fn, args)`` or ``(fn, args, kwargs)`` one after another in ONE world
+    of ``world_size`` CPU ranks: the spawn and the import of torch / megatron-core /
+    transformers (seconds per rank) are paid once instead of once per check. Each check sets up
+    its own layout (``init_parallel`` tears down the previous groups). Returns, per job, the
+    per-rank results, as ``run_distributed`` would have; the first failing job fails them all."""
+    jobs = [(job[0], tuple(job[1]), dict(job[2]) if len(job) > 2 else {}) for job in jobs]
+    per_rank = run_distributed(_run_jobs, world_size, jobs, timeout=timeout)
+    return [[per_rank[rank][j] for rank in range(world_size)] for j in range(len(jobs))]
 
 
 _TINY_COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,

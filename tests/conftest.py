@@ -19,3 +19,12 @@ def hf_models(tmp_path_factory):
             out[(family, head)] = save_tiny_hf_model(str(root / f"{family}_{head}"), family,
                                                      head=head, seed=1)
     return out
+
+
+@pytest.fixture(scope="session")
+def hybrid_reference(tmp_path_factory):
+    """The 3-step PPO run at PP=1, TP=1 on one rank that the hybrid-engine layouts
+    (tests/test_hybrid_ppo*.py) must reproduce; run once for both files."""
+    from tests.hybrid_ppo_runs import metrics_at
+
+    return metrics_at(tmp_path_factory.mktemp("hybrid_ref"), 1, [], "pp1")

@@ -4,7 +4,7 @@ generates a prompt cannot change the samples)."""
 
 from __future__ import annotations
 
-from parallel_models.testing import run_distributed
+from parallel_models.testing import run_distributed, run_distributed_jobs
 from tests import hybrid_checks
 
 SHORT_RUN = ["trainer.total_steps=3", "data.batch_size=4", "rollout.n=2",
@@ -23,6 +23,21 @@ def metrics_at(tmp_path, world: int, layout: list[str], name: str,
     assert all(m.pop("_rollout_continuous") == continuous for m in rows), name
     return [{k: v for k, v in m.items() if not k.startswith(("timing/", "memory/"))}
             for m in rows]
+
+
+def metrics_at_layouts(tmp_path, world: int, runs: dict) -> dict:
+    """``metrics_at`` for several runs on ``world`` ranks in one spawned world (one start-up):
+    ``runs`` key -> (layout overrides, continuous); returns key -> metrics."""
+    jobs = [(hybrid_checks.ppo_metrics, (str(tmp_path / f"run{i}"), SHORT_RUN + layout),
+             {"report_engine": True}) for i, (layout, _) in enumerate(runs.values())]
+    out = {}
+    for (name, (_, continuous)), ranks in zip(runs.items(),
+                                              run_distributed_jobs(jobs, world, timeout=900)):
+        rows = ranks[0]
+        assert all(m.pop("_rollout_continuous") == continuous for m in rows), name
+        out[name] = [{k: v for k, v in m.items() if not k.startswith(("timing/", "memory/"))}
+                     for m in rows]
+    return out
 
 
 def assert_same_metrics(got: list[dict], want: list[dict], what: str) -> None:

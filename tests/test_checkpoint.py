@@ -19,7 +19,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from parallel_models.testing import TensorDictReader, run_distributed, save_tiny_hf_model
+from parallel_models.testing import (TensorDictReader, run_distributed, run_distributed_jobs,
+                                     save_tiny_hf_model)
 from tests import checkpoint_checks as cc
 
 RUN_TIMEOUT = 240
@@ -223,8 +224,7 @@ def test_hf2mcore_value_from_a_causal_lm(env, tmp_path):
 
 
 # ---- our models at TP=2: save_pretrained, save_mcore, from_pretrained(mcore folder) ---------------------
-@pytest.fixture(scope="module")
-def tp2_saves(env):
+def _tp2_saves_job(env):
     root = env["root"]
     jobs = []
     for name, src in env["src"].items():
@@ -238,8 +238,7 @@ def tp2_saves(env):
     busy.mkdir()
     (busy / "keep.txt").write_text("keep")
     # busy: saving into a non-empty folder must fail
-    results = run_distributed(cc.save_roundtrips, 2, jobs, 2, busy=str(busy), timeout=RUN_TIMEOUT)
-    return results
+    return cc.save_roundtrips, (jobs, 2), {"busy": str(busy)}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -356,8 +355,7 @@ def _load_cases(env, names):
             for n in names]
 
 
-@pytest.fixture(scope="module")
-def megatron_tp2(env):
+def _megatron_tp2_job(env):
     from parallel_models import ModelConfig
     from parallel_models.llama.checkpoint_utils.megatron_format import mcore_config_dict
 
@@ -369,7 +367,25 @@ def megatron_tp2(env):
                                                       dtype=torch.float32, layer_spec="local"),
                       "out": str(env["root"] / f"{name}.megatron_tp2")})
     loads = _load_cases(env, ["llama", "qwen2", "llama-local-spec"])
-    return run_distributed(cc.megatron_checks, 2, loads, saves, 2, timeout=RUN_TIMEOUT)
+    return cc.megatron_checks, (loads, saves, 2)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(env):
+    """The TP=2 saves and megatron-core's TP=2 checks in one 2-rank world."""
+    saves, megatron = run_distributed_jobs([_tp2_saves_job(env), _megatron_tp2_job(env)], 2,
+                                           timeout=2 * RUN_TIMEOUT)
+    return {"saves": saves, "megatron": megatron}
+
+
+@pytest.fixture(scope="module")
+def tp2_saves(two_ranks):
+    return two_ranks["saves"]
+
+
+@pytest.fixture(scope="module")
+def megatron_tp2(two_ranks):
+    return two_ranks["megatron"]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ transformers. Whole runs: tests/test_fsdp_runs.py."""
 import pytest
 import torch
 
-from parallel_models.testing import run_distributed, save_tiny_hf_model
+from parallel_models.testing import run_distributed_jobs, save_tiny_hf_model
 from tests import fsdp_checks
 from tests.ppo_runs import load_folder
 
@@ -16,16 +16,26 @@ def _close(a: float, b: float, rel: float = 1e-5) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b), 1.0)
 
 
-def test_fsdp_update_equals_megatron_dp2(tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Both 2-rank checks in one spawned world."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    # a pad token that occurs in the sequences: transformers freezes its embedding row
+    # (padding_idx), the megatron backend trains it; the fsdp backend must follow megatron
+    path = save_tiny_hf_model(str(tmp / "llama"), "llama", seed=1, pad_token_id=3)
+    rm_path = fsdp_checks.save_tiny_phi3(str(tmp / "phi3_rm"), head="value")
+    step, scores = run_distributed_jobs([
+        (fsdp_checks.fsdp_vs_megatron_step, (path, str(tmp), 0.5)),
+        (fsdp_checks.fsdp_reward_scores, (rm_path,))], 2, timeout=600)
+    return {"path": path, "tmp": tmp, "step": step, "scores": scores}
+
+
+def test_fsdp_update_equals_megatron_dp2(two_ranks):
     """Same weights, batch and seed; several microbatches per rank, clipping active: log-probs,
     values, losses, grad norms and the updated weights of actor and critic agree (fp32); the
     rollout model refilled from the FSDP actor equals it bit for bit."""
-    # a pad token that occurs in the sequences: transformers freezes its embedding row
-    # (padding_idx), the megatron backend trains it; the fsdp backend must follow megatron
-    path = save_tiny_hf_model(str(tmp_path / "llama"), "llama", seed=1, pad_token_id=3)
-    results = run_distributed(fsdp_checks.fsdp_vs_megatron_step, 2, path, str(tmp_path), 0.5,
-                              timeout=300)
-    for r in results:
+    path, tmp_path = two_ranks["path"], two_ranks["tmp"]
+    for r in two_ranks["step"]:
         for key in ("log_probs", "values"):
             a, b = r[key]
             assert (a - b).abs().max() <= 1e-5, f"{key}: {(a - b).abs().max():.2e}"
@@ -53,11 +63,10 @@ def test_fsdp_update_equals_megatron_dp2(tmp_path):
     assert fsdp.keys() == rollout.keys() and all(torch.equal(fsdp[k], rollout[k]) for k in fsdp)
 
 
-def test_fsdp_reward_model_scores_like_transformers(tmp_path):
+def test_fsdp_reward_model_scores_like_transformers(two_ranks):
     """A reward model of a family our registry lacks, sharded over 2 ranks that hold different
     numbers of sequences and microbatches: each score equals transformers' (fp32)."""
-    path = fsdp_checks.save_tiny_phi3(str(tmp_path / "phi3_rm"), head="value")
-    for got, want in run_distributed(fsdp_checks.fsdp_reward_scores, 2, path, timeout=300):
+    for got, want in two_ranks["scores"]:
         assert got.shape == want.shape and (got - want).abs().max() <= 1e-5, (got, want)
 
 

@@ -4,20 +4,25 @@ PP=2: tests/test_hybrid_ppo_4ranks.py."""
 
 import pytest
 
-from tests.hybrid_ppo_runs import assert_same_metrics, metrics_at
+from tests.hybrid_ppo_runs import assert_same_metrics, metrics_at_layouts
+
+LAYOUTS = [(1, False), (2, False), (1, True)]  # (rollout_tp, continuous)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return metrics_at(tmp_path_factory.mktemp("ref"), 1, [], "pp1")
+def runs(tmp_path_factory):
+    """The three PP=2 runs in one 2-rank world."""
+    return metrics_at_layouts(tmp_path_factory.mktemp("pp2"), 2, {
+        (rollout_tp, continuous): (
+            ["parallel.pipeline_parallel_size=2", f"rollout.tensor_parallel_size={rollout_tp}",
+             *(["rollout.kv_budget_tokens=96", "rollout.max_batch_rows=3"] if continuous else [])],
+            continuous)
+        for rollout_tp, continuous in LAYOUTS})
 
 
-@pytest.mark.parametrize("rollout_tp,continuous", [(1, False), (2, False), (1, True)])
-def test_pp2_equals_pp1(tmp_path, reference, rollout_tp, continuous):
+@pytest.mark.parametrize("rollout_tp,continuous", LAYOUTS)
+def test_pp2_equals_pp1(runs, hybrid_reference, rollout_tp, continuous):
     """``continuous``: the hybrid engine batches continuously (rollout.kv_budget_tokens) and
     still gives the static PP=1 run's greedy samples."""
-    extra = ["rollout.kv_budget_tokens=96", "rollout.max_batch_rows=3"] if continuous else []
-    got = metrics_at(tmp_path, 2, ["parallel.pipeline_parallel_size=2",
-                                   f"rollout.tensor_parallel_size={rollout_tp}", *extra], "pp2",
-                     continuous=continuous)
-    assert_same_metrics(got, reference, f"PP=2, rollout TP'={rollout_tp}, continuous={continuous}")
+    assert_same_metrics(runs[(rollout_tp, continuous)], hybrid_reference,
+                        f"PP=2, rollout TP'={rollout_tp}, continuous={continuous}")

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from parallel_models.testing import run_distributed
+from parallel_models.testing import run_distributed_jobs
 from tests import trainer_checkpoint_checks as checks
 from tests.ppo_runs import assert_same_trainer_state
 
@@ -16,15 +16,32 @@ MOE_RUN = ["model.path=builtin-moe", "rollout.greedy=true", "trainer.seed=3",
 
 
 
-@pytest.mark.parametrize("save_ep,load_ep", [(2, 1), (1, 2)], ids=["ep2-to-ep1", "ep1-to-ep2"])
-def test_ppo_checkpoint_resumes_at_another_expert_parallel_size(tmp_path, save_ep, load_ep):
-    out_a, dump_a = str(tmp_path / "a"), str(tmp_path / "dump_a")
-    saved = run_distributed(checks.save_at_step2_then_step, 2, out_a, dump_a, 1, *MOE_RUN,
-                            f"parallel.expert_parallel_size={save_ep}", timeout=400)[0]
-    out_b, dump_b = str(tmp_path / "b"), str(tmp_path / "dump_b")
-    resumed = run_distributed(checks.resume_then_step, 2, out_b, saved["path"], dump_b, 1,
-                              os.path.join(out_a, "builtin_moe"), *MOE_RUN,
-                              f"parallel.expert_parallel_size={load_ep}", timeout=400)[0]
+RESUME = {"ep2-to-ep1": (2, 1), "ep1-to-ep2": (1, 2)}  # save_ep, load_ep
+
+
+@pytest.fixture(scope="module")
+def resumes(tmp_path_factory):
+    """Both saves in one 2-rank world, then both resumes in another."""
+    tmp = {name: tmp_path_factory.mktemp(name) for name in RESUME}
+    saves = run_distributed_jobs([
+        (checks.save_at_step2_then_step, (str(tmp[name] / "a"), str(tmp[name] / "dump_a"), 1,
+                                          *MOE_RUN, f"parallel.expert_parallel_size={save_ep}"))
+        for name, (save_ep, _) in RESUME.items()], 2, timeout=800)
+    loads = run_distributed_jobs([
+        (checks.resume_then_step, (str(tmp[name] / "b"), saved[0]["path"],
+                                   str(tmp[name] / "dump_b"), 1,
+                                   os.path.join(str(tmp[name] / "a"), "builtin_moe"), *MOE_RUN,
+                                   f"parallel.expert_parallel_size={load_ep}"))
+        for (name, (_, load_ep)), saved in zip(RESUME.items(), saves)], 2, timeout=800)
+    return {name: (tmp[name], saved[0], resumed[0])
+            for name, saved, resumed in zip(RESUME, saves, loads)}
+
+
+@pytest.mark.parametrize("name", list(RESUME))
+def test_ppo_checkpoint_resumes_at_another_expert_parallel_size(resumes, name):
+    save_ep, load_ep = RESUME[name]
+    tmp_path, saved, resumed = resumes[name]
+    dump_a, dump_b = str(tmp_path / "dump_a"), str(tmp_path / "dump_b")
     assert resumed["step"] == 2
     assert_same_trainer_state(dump_a, dump_b)
     want, got = saved["metrics"], resumed["metrics"]

@@ -4,19 +4,31 @@ and the pipeline stages, re-split for the rollout TP'; the rollout model equals 
 
 import pytest
 
-from parallel_models.testing import run_distributed, save_tiny_hf_model
+from parallel_models.testing import run_distributed_jobs, save_tiny_hf_model
 from tests import hybrid_checks
 
 
-@pytest.mark.parametrize("family,tp,pp,ep,rollout_tps", [
-    ("qwen3_moe", 1, 1, 2, [1, 2]),
-    ("qwen2_moe", 1, 2, 1, [1]),
-], ids=["qwen3moe-ep2", "qwen2moe-pp2"])
-def test_moe_sync_bit_identical_to_fresh_load(tmp_path, family, tp, pp, ep, rollout_tps):
-    model = save_tiny_hf_model(str(tmp_path / family), family, seed=1,
-                               num_hidden_layers=4)  # 2 per pipeline stage
-    results = run_distributed(hybrid_checks.sync_matches_fresh_load, 2, model, str(tmp_path),
-                              tp, pp, rollout_tps, 16 * 1024, 1, ep, timeout=300)
+CASES = {"qwen3moe-ep2": ("qwen3_moe", 1, 1, 2, [1, 2]),
+         "qwen2moe-pp2": ("qwen2_moe", 1, 2, 1, [1])}
+
+
+@pytest.fixture(scope="module")
+def synced(tmp_path_factory):
+    """Both cases on 2 ranks in one spawned world."""
+    jobs = []
+    for name, (family, tp, pp, ep, rollout_tps) in CASES.items():
+        tmp = tmp_path_factory.mktemp(name)
+        model = save_tiny_hf_model(str(tmp / family), family, seed=1,
+                                   num_hidden_layers=4)  # 2 per pipeline stage
+        jobs.append((hybrid_checks.sync_matches_fresh_load, (model, str(tmp), tp, pp, rollout_tps,
+                                                             16 * 1024, 1, ep)))
+    return dict(zip(CASES, run_distributed_jobs(jobs, 2, timeout=600)))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_sync_bit_identical_to_fresh_load(synced, name):
+    family, tp, pp, ep, _ = CASES[name]
+    results = synced[name]
     for rank, by_tp in enumerate(results):
         for rollout_tp, r in by_tp.items():
             where = f"rank {rank}, {family} TP={tp} x PP={pp} x EP={ep} -> TP'={rollout_tp}"

@@ -6,7 +6,7 @@ import torch
 from parallel_models.config import ConfigError
 from parallel_models.pipeline import (LOSS_DATA_KEYS, MODEL_INPUT_KEYS, check_microbatch_keys,
                                       format_pipeline_layout, forward_only, pipeline_layout)
-from parallel_models.testing import run_distributed, save_tiny_hf_model
+from parallel_models.testing import run_distributed_jobs, save_tiny_hf_model
 from tests import pipeline_checks
 
 FWD_TOL = 1e-4
@@ -22,11 +22,37 @@ def pp_models(tmp_path_factory):
             for f in ("llama", "qwen2") for h in ("causal_lm", "value")}
 
 
+# the 4-rank checks share one spawned world, the 2-rank ones another (one start-up each)
+TRAIN_4 = {"train_tp2_pp2": (("llama", "causal_lm"), 2, 2, None, 1),
+           "dp2_pp2_distopt": (("llama", "causal_lm"), 1, 2, None, 2, True)}
+TRAIN_2 = {"qwen2_pp2_3steps": (("qwen2", "causal_lm"), 1, 2, None, 3),
+           "pp2_vpp2": (("llama", "causal_lm"), 1, 2, 2, 1)}
+
+
+def _train_job(pp_models, model, *rest):
+    return pipeline_checks.check_train_steps, (pp_models[model], *rest)
+
+
 @pytest.fixture(scope="module")
-def forward_results(pp_models):
-    return {name: run_distributed(pipeline_checks.check_pp_forward, 4, pp_models, tp, pp, vpp, sp,
-                                  timeout=400)
-            for name, (tp, pp, vpp, sp) in FORWARD.items()}
+def four_rank_results(pp_models):
+    jobs = [(pipeline_checks.check_pp_forward, (pp_models, tp, pp, vpp, sp))
+            for tp, pp, vpp, sp in FORWARD.values()]
+    jobs += [_train_job(pp_models, *args) for args in TRAIN_4.values()]
+    results = run_distributed_jobs(jobs, 4, timeout=900)
+    assert not set(FORWARD) & set(TRAIN_4)
+    return dict(zip([*FORWARD, *TRAIN_4], results))
+
+
+@pytest.fixture(scope="module")
+def forward_results(four_rank_results):
+    return {name: four_rank_results[name] for name in FORWARD}
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(pp_models):
+    results = run_distributed_jobs([_train_job(pp_models, *args) for args in TRAIN_2.values()],
+                                   2, timeout=400)
+    return dict(zip(TRAIN_2, results))
 
 
 @pytest.mark.parametrize("setting", list(FORWARD))
@@ -70,31 +96,24 @@ def _assert_same_step(results, what):
             assert abs(ours - ref) <= 1e-5 * ref, f"{what}: grad norm {ours} vs HF {ref}"
 
 
-def test_train_step_tp2_pp2_matches_hf_adamw(pp_models):
-    results = run_distributed(pipeline_checks.check_train_steps, 4, pp_models[("llama", "causal_lm")],
-                              2, 2, None, 1, timeout=400)
-    _assert_same_step(results, "TP=2 x PP=2")
+def test_train_step_tp2_pp2_matches_hf_adamw(four_rank_results):
+    _assert_same_step(four_rank_results["train_tp2_pp2"], "TP=2 x PP=2")
 
 
-def test_qwen2_tied_embeddings_stay_in_sync_over_pp(pp_models):
-    results = run_distributed(pipeline_checks.check_train_steps, 2, pp_models[("qwen2", "causal_lm")],
-                              1, 2, None, 3, timeout=400)
+def test_qwen2_tied_embeddings_stay_in_sync_over_pp(two_rank_results):
+    results = two_rank_results["qwen2_pp2_3steps"]
     _assert_same_step(results, "Qwen2 PP=2, 3 steps")
     embed = next(r["tied"]["embed"] for r in results if "embed" in r["tied"])
     head = next(r["tied"]["head"] for r in results if "head" in r["tied"])
     assert torch.equal(embed, head), (embed - head).abs().max()
 
 
-def test_train_dp2_pp2_distributed_optimizer(pp_models):
-    results = run_distributed(pipeline_checks.check_train_steps, 4, pp_models[("llama", "causal_lm")],
-                              1, 2, None, 2, True, timeout=400)
-    _assert_same_step(results, "DP=2 x PP=2, distributed optimizer")
+def test_train_dp2_pp2_distributed_optimizer(four_rank_results):
+    _assert_same_step(four_rank_results["dp2_pp2_distopt"], "DP=2 x PP=2, distributed optimizer")
 
 
-def test_train_interleaved_pp2_vpp2(pp_models):
-    results = run_distributed(pipeline_checks.check_train_steps, 2, pp_models[("llama", "causal_lm")],
-                              1, 2, 2, 1, timeout=400)
-    _assert_same_step(results, "PP=2 x VPP=2")
+def test_train_interleaved_pp2_vpp2(two_rank_results):
+    _assert_same_step(two_rank_results["pp2_vpp2"], "PP=2 x VPP=2")
 
 
 def test_pipeline_layout_interleaves_chunks():

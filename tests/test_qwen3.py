@@ -18,8 +18,8 @@ import os
 import pytest
 import torch
 
-from parallel_models.testing import run_distributed, save_tiny_hf_model
-from tests import qwen3_checks
+from parallel_models.testing import run_distributed, run_distributed_jobs, save_tiny_hf_model
+from tests import pipeline_checks, qwen3_checks
 from tests.test_checkpoint import assert_bit_exact, convert, to_hf
 
 TOL = 1e-4
@@ -60,7 +60,8 @@ def tp1(env):
 
 
 @pytest.fixture(scope="module")
-def tp2(env):
+def two_ranks(env):
+    """The 2-rank checks (TP=2 forward/saves/generation, PP=2, a TP=2 train step) in one world."""
     root = env["root"]
     saves = [{"src": env["hf"][h], "head": h, "out": str(root / f"{h}.tp2.hf"), "kind": "hf"}
              for h in HEADS]
@@ -69,13 +70,22 @@ def tp2(env):
     saves.append({"src": env["mcore"]["causal_lm"], "head": "causal_lm", "kind": "hf",
                   "out": str(root / "causal_lm.mcore.tp2.hf")})
     cases = [{"name": "te-names", "mcore": env["mcore"]["causal_lm"], "hf": env["hf"]["causal_lm"]}]
-    return run_distributed(qwen3_checks.tensor_parallel_run, 2, _models(env), 2, saves, cases,
-                           timeout=TIMEOUT)
+    tp2, pp2, train = run_distributed_jobs([
+        (qwen3_checks.tensor_parallel_run, (_models(env), 2, saves, cases)),
+        (qwen3_checks.pipeline_run, (_models(env), 2)),
+        (pipeline_checks.check_train_steps, (env["hf"]["causal_lm"], 2, 1, None, 1))],
+        2, timeout=3 * TIMEOUT)
+    return {"tp2": tp2, "pp2": pp2, "train": train}
 
 
 @pytest.fixture(scope="module")
-def pp2(env):
-    return run_distributed(qwen3_checks.pipeline_run, 2, _models(env), 2, timeout=TIMEOUT)
+def tp2(two_ranks):
+    return two_ranks["tp2"]
+
+
+@pytest.fixture(scope="module")
+def pp2(two_ranks):
+    return two_ranks["pp2"]
 
 
 def test_tiny_model_has_the_shapes_the_tests_rely_on(env):
@@ -196,15 +206,11 @@ def test_megatron_gpt_model_loads_hf2mcore_output(tp1, tp2, setting, name):
         assert err <= TOL, f"{setting} rank {rank} {name}: max |logits - transformers| {err:.3e}"
 
 
-def test_train_step_tp2_matches_hf_adamw(env):
+def test_train_step_tp2_matches_hf_adamw(two_ranks):
     """One Adam step at TP=2 through megatron-core DDP + finalize_model_grads (the q/k norm
     gradients are partial per TP rank: summed there by megatron's qk_layernorm rule) equals
     transformers + torch AdamW."""
-    from tests import pipeline_checks
-
-    results = run_distributed(pipeline_checks.check_train_steps, 2, env["hf"]["causal_lm"],
-                              2, 1, None, 1, timeout=TIMEOUT)
-    for r in results:
+    for r in two_ranks["train"]:
         assert r["worst_rel"] <= TOL, f"weights differ from HF after one step: {r['worst_rel']:.2e}"
         for ours, ref in zip(r["norms"], r["hf_norms"]):
             assert abs(ours - ref) <= 1e-5 * ref, f"grad norm {ours} vs HF {ref}"

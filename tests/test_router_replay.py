@@ -14,7 +14,7 @@ record, fp32 on gloo, at TP=1, EP=2 and TP=2 (sequence parallel, which MoE at TP
 
 import pytest
 
-from parallel_models.testing import run_distributed
+from parallel_models.testing import run_distributed, run_distributed_jobs
 from tests import router_replay_checks as checks
 
 LOGP_TOL = 1e-5
@@ -29,12 +29,13 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def results(models, tmp_path_factory):
-    out = {}
-    saved = str(tmp_path_factory.mktemp("rollouts"))
-    for name, (tp, ep) in SETTINGS.items():
-        out[name] = run_distributed(checks.replay_against_rollout, tp * ep, models, tp, ep,
-                                    saved if name == "tp1" else None, timeout=300)
-    out["pp2"] = run_distributed(checks.replay_through_pipeline, 2, models, saved, timeout=300)
+    saved = str(tmp_path_factory.mktemp("rollouts"))  # tp1 writes its rollouts, pp2 reads them
+    out = {"tp1": run_distributed(checks.replay_against_rollout, 1, models, 1, 1, saved,
+                                  timeout=300)}
+    two = [name for name, (tp, ep) in SETTINGS.items() if tp * ep == 2]  # one 2-rank world
+    jobs = [(checks.replay_against_rollout, (models, *SETTINGS[name], None)) for name in two]
+    jobs.append((checks.replay_through_pipeline, (models, saved)))
+    out.update(zip([*two, "pp2"], run_distributed_jobs(jobs, 2, timeout=600)))
     return out
 
 

@@ -9,7 +9,7 @@ import stat
 import pytest
 import torch
 
-from parallel_models.testing import run_distributed
+from parallel_models.testing import run_distributed_jobs
 from tests.ppo_runs import assert_same_trainer_state, resume_after_kill_matches
 from tests.ppo_runs import load_folder as _load_folder, run_ppo as _run
 from tests import trainer_checkpoint_checks as checks
@@ -61,16 +61,44 @@ def test_final_checkpoint_layout_and_finished_resume(tmp_path):
 
 
 
-def test_resume_tp2_checkpoint_at_tp1(tmp_path):
+RESHARD = {"tp2-to-tp1": ((2, 1, 1), (1, 1, 1), "float32"),
+           "pp2-to-tp2": ((1, 2, 1), (2, 1, 1), "float32"),
+           "dp2-to-tp2-bf16": ((1, 1, 2), (2, 1, 1), "bfloat16")}
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory, hf_models):
+    """Every distributed check of this file in two spawned worlds: the 2-rank saves (and the
+    2-rank loads) first, then the 1-rank resume / loads / bad checkpoints."""
+    tmp = tmp_path_factory.mktemp("trainer_ckpt")
+    hf = hf_models[("qwen2", "causal_lm")]
+    out2, dump2 = str(tmp / "tp2"), str(tmp / "dump_tp2")
+    named = {1: [], 2: [("tp2_save", (checks.save_at_step2_then_step, (out2, dump2, 2)))]}
+    for name, (save_at, load_at, dtype) in RESHARD.items():
+        folder, out = str(tmp / name / "ckpt"), str(tmp / name / "gathered")
+        for (tp, pp, dp), save in ((save_at, True), (load_at, False)):  # the save goes first
+            named[tp * pp * dp].append(((name, save), (checks.roles_roundtrip, (
+                hf, folder, tp, pp, dtype, save, out))))
+    out = {"tmp": tmp, "dump2": dump2, "hf": hf}
+    out.update(zip([n for n, _ in named[2]], run_distributed_jobs([j for _, j in named[2]], 2,
+                                                                  timeout=1200)))
+    out1, dump1 = str(tmp / "tp1"), str(tmp / "dump_tp1")
+    named[1].append(("tp1_resume", (checks.resume_then_step, (
+        out1, out["tp2_save"][0]["path"], dump1, 1, os.path.join(out2, "builtin_model")))))
+    (tmp / "bad").mkdir()
+    named[1].append(("bad", (checks.bad_checkpoints, (str(tmp / "bad"),))))
+    out.update(zip([n for n, _ in named[1]], run_distributed_jobs([j for _, j in named[1]], 1,
+                                                                  timeout=1200)))
+    out["dump1"] = dump1
+    return out
+
+
+def test_resume_tp2_checkpoint_at_tp1(worlds):
     """Save at TP=2 (2 ranks) after 2 steps, resume at TP=1 (1 rank): weights and Adam states
     (gathered) are bit-exact, and the next step's losses match the TP=2 run's within 1e-5."""
-    out2, dump2 = str(tmp_path / "tp2"), str(tmp_path / "dump_tp2")
-    saved = run_distributed(checks.save_at_step2_then_step, 2, out2, dump2, 2, timeout=400)[0]
-    out1, dump1 = str(tmp_path / "tp1"), str(tmp_path / "dump_tp1")
-    resumed = run_distributed(checks.resume_then_step, 1, out1, saved["path"], dump1, 1,
-                              os.path.join(out2, "builtin_model"), timeout=400)[0]
+    saved, resumed = worlds["tp2_save"][0], worlds["tp1_resume"][0]
     assert resumed["step"] == 2
-    assert_same_trainer_state(dump2, dump1)
+    assert_same_trainer_state(worlds["dump2"], worlds["dump1"])
     want, got = saved["metrics"], resumed["metrics"]
     assert want["response_length/mean"] == got["response_length/mean"], "other samples drawn"
     for key in ("actor/pg_loss", "critic/vf_loss", "actor/entropy", "reward/mean",
@@ -78,26 +106,18 @@ def test_resume_tp2_checkpoint_at_tp1(tmp_path):
         assert abs(want[key] - got[key]) <= 1e-5, f"{key}: TP=2 {want[key]} vs TP=1 {got[key]}"
 
 
-def test_unusable_checkpoints_fail_clearly(tmp_path):
-    messages = run_distributed(checks.bad_checkpoints, 1, str(tmp_path), timeout=300)[0]
+def test_unusable_checkpoints_fail_clearly(worlds):
+    messages = worlds["bad"][0]
     assert set(messages) == {"plain", "tmp", "cut", "shape", "tensor"}
 
 
-@pytest.mark.parametrize("save_at,load_at,dtype", [
-    ((2, 1, 1), (1, 1, 1), "float32"),
-    ((1, 2, 1), (2, 1, 1), "float32"),
-    ((1, 1, 2), (2, 1, 1), "bfloat16"),
-], ids=["tp2-to-tp1", "pp2-to-tp2", "dp2-to-tp2-bf16"])
-def test_model_and_optimizer_reshard(tmp_path, hf_models, save_at, load_at, dtype):
+@pytest.mark.parametrize("name", list(RESHARD))
+def test_model_and_optimizer_reshard(worlds, name):
     """Weights and Adam states (and the fp32 main params of a bf16 model) of Qwen2 (qkv bias,
     tied embeddings, vocab 251: uneven TP rows) saved at one (TP, PP, DP) layout load exactly
     at another."""
-    hf = hf_models[("qwen2", "causal_lm")]
-    folder, out = str(tmp_path / "ckpt"), str(tmp_path / "gathered")
-    for (tp, pp, dp), save in ((save_at, True), (load_at, False)):
-        run_distributed(checks.roles_roundtrip, tp * pp * dp, hf, folder, tp, pp, dtype, save,
-                        out, timeout=300)
-    want, got = _load_folder(hf), _load_folder(out)
+    dtype = RESHARD[name][2]
+    want, got = _load_folder(worlds["hf"]), _load_folder(str(worlds["tmp"] / name / "gathered"))
     assert want.keys() == got.keys()
     for k in want:
         assert torch.equal(want[k].to(getattr(torch, dtype)), got[k]), \

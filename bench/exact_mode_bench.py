@@ -103,8 +103,10 @@ def measure(model, args, prompts, mbs, exact: bool) -> dict:
 
     with exact_mode(exact):
         out, row = generation(model, prompts, args.new_tokens)
-        batch = dict(sequences=out.sequences, attention_mask=out.attention_mask,
-                     prompt_lengths=out.prompt_mask.sum(-1), response_mask=out.response_mask)
+        dev = next(model.parameters()).device
+        batch = dict(sequences=out.sequences.to(dev), attention_mask=out.attention_mask.to(dev),
+                     prompt_lengths=out.prompt_mask.sum(-1).to(dev),
+                     response_mask=out.response_mask.to(dev))
         role = PolicyRole(model, None, temperature=1.0, max_tokens=args.micro_tokens)
         logp = role.log_probs(batch)
         mask = out.response_mask.bool()

@@ -161,3 +161,20 @@ def test_mode_routes_megatron_ops_and_grads(monkeypatch):
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
     for got, want in zip(grads, ref_grads):  # the backward is the reference op's
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_mode_sorts_every_topk(grad):
+    """megatron-core >= 0.19 routes with ``topk(sorted=torch.is_grad_enabled())``: exact mode makes
+    every top-k sorted, so the scoring (no grad) and update (grad) forwards see the k router
+    scores in one order (their softmax sums them in that order)."""
+    from parallel_models.llama.layers.exact import exact_mode
+
+    scores = _randn(64, 16, seed=4)
+    want_values, want_index = torch.topk(scores, 4, dim=1, sorted=True)
+    with exact_mode(), torch.set_grad_enabled(grad):
+        for call in (lambda: torch.topk(scores, k=4, dim=1, sorted=False),
+                     lambda: torch.topk(scores, 4, 1, True, False),
+                     lambda: scores.topk(4, dim=1, sorted=False)):
+            values, index = call()
+            assert torch.equal(values, want_values) and torch.equal(index, want_index)

@@ -43,3 +43,21 @@ def test_malformed_values_are_refused(monkeypatch, value, match):
     monkeypatch.setenv(split_kv_config.ENV, value)
     with pytest.raises(ConfigError, match=f"PARALLEL_MODELS_DECODE_KERNEL_CONFIG.*{match}"):
         launch_config(64, 384)
+
+
+def test_exact_mode_never_takes_unrotated_q_k(monkeypatch):
+    """In exact mode the pool cache decodes with exact mode's attention kernel (the one of prefill
+    and training), which takes rotated q / k: the attention module must then apply RoPE itself
+    (found on the GPU: with the split-KV kernel's in-kernel RoPE merged, exact-mode decode ran
+    without RoPE and rollout log-probs left the training ones by up to 0.4)."""
+    import torch
+
+    from parallel_models.rl.rollout import pool_cache, split_kv_attention
+
+    monkeypatch.delenv("PARALLEL_MODELS_DECODE_FUSE_ROPE", raising=False)
+    cache = pool_cache.PoolKVCache(1, 16, 2, 8, 2, 16, torch.float32, "cpu")
+    cache.decode_kernel, cache.decoding = "triton", True  # as on CUDA with Triton
+    monkeypatch.setattr(split_kv_attention, "rope_supported", lambda *args: True)
+    assert cache.fuses_rope()
+    monkeypatch.setattr(pool_cache.exact, "enabled", lambda: True)
+    assert not cache.fuses_rope()

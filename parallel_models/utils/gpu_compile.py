@@ -48,6 +48,20 @@ def compiled_on_gpu(eager_fn):
             return eager_fn(*args)
         if compiled is None:
             compiled = torch.compile(eager_fn, fullgraph=True)
-        return compiled(*args)
+        try:
+            return compiled(*args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            # too many input variants (shapes, dtypes, grad modes) for dynamo's recompile limit:
+            # these calls run eagerly (same values) instead of failing the run
+            _warn_recompile_limit(eager_fn)
+            return eager_fn(*args)
 
     return call
+
+
+@functools.cache
+def _warn_recompile_limit(fn) -> None:
+    import warnings
+
+    warnings.warn(f"torch.compile of {fn.__qualname__} hit dynamo's recompile limit; the "
+                  "further input variants run eagerly", stacklevel=3)

@@ -46,8 +46,9 @@ def _prompts(count, seed=0):
 
 
 def _batch(out):
-    return dict(sequences=out.sequences, attention_mask=out.attention_mask,
-                prompt_lengths=out.prompt_mask.sum(-1), response_mask=out.response_mask)
+    return dict(sequences=out.sequences.to(DEV), attention_mask=out.attention_mask.to(DEV),
+                prompt_lengths=out.prompt_mask.sum(-1).to(DEV),
+                response_mask=out.response_mask.to(DEV))
 
 
 def _continuous_rollout(model, prompts, max_new_tokens=40):

@@ -86,9 +86,11 @@ def _exact_gating(router: TopKRouter, input: torch.Tensor) -> torch.Tensor:
     dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(router.config.moe_router_dtype,
                                                                  input.dtype)
     flat = input.reshape(-1, input.shape[-1]).to(dtype)
+    if router.weight.device != input.device:  # megatron-core's gating moves it lazily too
+        router.weight.data = router.weight.data.to(input.device)
     logits = torch.mm(flat, router.weight.to(dtype).t())
     if router.bias is not None:
-        logits = logits + router.bias.to(dtype)
+        logits = logits + router.bias.to(device=input.device, dtype=dtype)
     return logits.view(*input.shape[:-1], -1)
 
 

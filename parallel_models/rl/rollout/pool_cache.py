@@ -116,8 +116,9 @@ class PoolKVCache:
     def fuses_rope(self) -> bool:
         """True when this step's :meth:`attend` takes q / k unrotated with ``rope=(cos, sin)``
         (decode through the split-KV kernel, which rotates them; the attention module then
-        skips its rotary kernel). ``PARALLEL_MODELS_DECODE_FUSE_ROPE=0``: never."""
-        return self.decoding and self.decode_kernel == "triton" \
+        skips its rotary kernel). Never in exact mode (its decode kernel is the one of prefill
+        and training, which takes rotated q / k) nor with ``PARALLEL_MODELS_DECODE_FUSE_ROPE=0``."""
+        return self.decoding and self.decode_kernel == "triton" and not exact.enabled() \
             and os.environ.get("PARALLEL_MODELS_DECODE_FUSE_ROPE", "1") != "0" \
             and split_kv_attention.rope_supported(self.k.device, self.k.dtype, *self._heads_dim)
 

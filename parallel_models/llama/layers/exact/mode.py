@@ -178,7 +178,21 @@ class _ExactOps(TorchFunctionMode):
                 return _softmax(x, kwargs.get("dtype"))
         elif func in _INDEX_ADDS:
             return self._index_add(func, args, kwargs)
+        elif func in _TOPKS:
+            return self._sorted_topk(func, args, kwargs)
         return NotImplemented
+
+    @staticmethod
+    def _sorted_topk(func, args, kwargs):
+        """Top-k always sorted: megatron-core >= 0.19 asks for ``sorted=torch.is_grad_enabled()``,
+        and an unsorted top-k's order depends on the kernel (hence on the batch) and differs
+        between the scoring (no grad) and the update (grad) forwards; the router's softmax over
+        the k scores then sums them in another order (fp32 probabilities 3e-8 apart)."""
+        if len(args) > 4:
+            args = (*args[:4], True, *args[5:])
+        else:
+            kwargs = {**kwargs, "sorted": True}
+        return func(*args, **kwargs)
 
     @staticmethod
     def _index_add(func, args, kwargs):
@@ -205,6 +219,7 @@ _ADDMMS = {torch.addmm, torch.Tensor.addmm}
 _GROUPED = {getattr(torch, "_grouped_mm", None)} - {None}
 _SOFTMAXES = {torch.softmax, torch.Tensor.softmax, F.softmax}
 _INDEX_ADDS = {torch.Tensor.index_add_, torch.Tensor.scatter_add_}
+_TOPKS = {torch.topk, torch.Tensor.topk}
 
 
 @contextlib.contextmanager

@@ -89,6 +89,40 @@ def test_gradcheck_float64(which):
     assert torch.autograd.gradcheck(fn, (z,))
 
 
+@pytest.mark.parametrize("which", ["both", "logp"])
+def test_temperature_divides_after_the_upcast(which):
+    """``temperature``: log-probs / entropy of ``softmax(float32(logits) / T)`` (what the sampler
+    draws from), not of bf16-rounded ``logits / T`` (which is off by up to ~|z| 2^-9, i.e. 1e-2 at
+    |z| ~ 10); gradients match autograd through that float32 math (and gradcheck in float64)."""
+    g = torch.Generator().manual_seed(5)
+    z = (torch.randn(64, 257, generator=g) * 6).to(torch.bfloat16)
+    y = torch.randint(0, 257, (64,), generator=g)
+    t = 0.7
+    ref = z.float().requires_grad_()
+    rlp, rent = _ref(ref / t, y)
+    rlp, rent = rlp.float(), rent.float()
+    x = z.clone().requires_grad_()
+    if which == "both":
+        lp, ent = vocab_parallel_log_probs_and_entropy(x, y, temperature=t)
+        torch.testing.assert_close(ent, rent, rtol=0, atol=2e-5)
+        loss, rloss = lp.sum() + 0.3 * ent.sum(), rlp.sum() + 0.3 * rent.sum()
+    else:
+        lp = vocab_parallel_log_probs(x, y, temperature=t)
+        loss, rloss = lp.sum(), rlp.sum()
+    torch.testing.assert_close(lp, rlp, rtol=0, atol=2e-5)
+    rounded, _ = _ref((z / t).float(), y)  # the old way: divide the bf16 logits
+    assert (rounded.float() - rlp).abs().max() > 1e-3  # so the check above can tell them apart
+    loss.backward()
+    rloss.backward()
+    torch.testing.assert_close(x.grad.float(), ref.grad, rtol=1e-2, atol=1e-3)
+    z64 = torch.randn(3, 9, generator=g, dtype=torch.float64, requires_grad=True)
+    y64 = torch.randint(0, 9, (3,), generator=g)
+    assert torch.autograd.gradcheck(
+        lambda v: vocab_parallel_log_probs_and_entropy(v, y64, temperature=t), (z64,))
+    with pytest.raises(ValueError, match="temperature"):
+        vocab_parallel_log_probs(z, y, temperature=0.0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_min_and_inf_logits_are_safe(dtype):
     """finfo.min (padding rows) and -inf (banned tokens) logits: p = 0, zero gradient, no NaN."""

@@ -31,7 +31,6 @@ def exact_response_log_probs(logits, mb, temperature: float, with_entropy: bool)
     out = gather_response(logp, mb["cu_seqlens"], mb["prompt_lengths"], R)
     if not with_entropy:
         return out, None
-    scaled = logits / temperature if temperature != 1.0 else logits
-    _, ent = log_probs_from_packed_logits(scaled, mb["input_ids"], mb["cu_seqlens"],
-                                          with_entropy=True)
+    _, ent = log_probs_from_packed_logits(logits, mb["input_ids"], mb["cu_seqlens"],
+                                          with_entropy=True, temperature=temperature)
     return out, gather_response(ent, mb["cu_seqlens"], mb["prompt_lengths"], R)

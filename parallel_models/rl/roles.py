@@ -89,10 +89,8 @@ def make_microbatches(batch: dict, max_tokens: int, routes: bool = True
 def _response_log_probs(logits, mb, temperature: float, with_entropy: bool):
     if exact.enabled():  # rollout.exact: the sampler's own log-prob kernel
         return exact_response_log_probs(logits, mb, temperature, with_entropy)
-    if temperature != 1.0:
-        logits = logits / temperature
     out = log_probs_from_packed_logits(logits, mb["input_ids"], mb["cu_seqlens"],
-                                       with_entropy=with_entropy)
+                                       with_entropy=with_entropy, temperature=temperature)
     R = mb["response_mask"].shape[1]
     if with_entropy:
         logp, ent = out

@@ -90,16 +90,17 @@ class _VocabParallelLogProbsEntropy(torch.autograd.Function):
     input), shape ``logits.shape[:-1]``; backward is local (no communication)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, group, need_entropy):
+    def forward(ctx, logits, labels, group, need_entropy, temperature=1.0):
         need_logp = labels is not None
-        max_z = _row_max(logits)
+        t = float(temperature)
+        max_z = _row_max(logits, t)
         if group is not None:
             dist.all_reduce(max_z, op=dist.ReduceOp.MAX, group=group)
         if need_logp:
             local = labels.long() - _vocab_start(group, logits.shape[-1])
-            stats, in_range, idx = _row_stats_with_target(logits, max_z, local, need_entropy)
+            stats, in_range, idx = _row_stats_with_target(logits, max_z, local, need_entropy, t)
         else:
-            stats = _row_stats(logits, max_z, need_entropy)
+            stats = _row_stats(logits, max_z, need_entropy, t)
         if group is not None:
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
         sum_exp = stats[..., 0]
@@ -115,7 +116,7 @@ class _VocabParallelLogProbsEntropy(torch.autograd.Function):
             ctx.save_for_backward(logits, max_z, sum_exp, mean_s, in_range, idx)
         else:
             ctx.save_for_backward(logits, max_z, sum_exp, mean_s, None, None)
-        ctx.need_logp, ctx.need_entropy = need_logp, need_entropy
+        ctx.need_logp, ctx.need_entropy, ctx.temperature = need_logp, need_entropy, t
         ctx.set_materialize_grads(False)
         return log_probs, entropy
 
@@ -124,23 +125,31 @@ class _VocabParallelLogProbsEntropy(torch.autograd.Function):
     def backward(ctx, grad_logp, grad_ent):
         logits, max_z, sum_exp, mean_s, in_range, idx = ctx.saved_tensors
         if grad_logp is None and grad_ent is None:
-            return None, None, None, None
+            return None, None, None, None, None
+        t = ctx.temperature
         if grad_ent is None:
-            grad = _logp_grad(logits, max_z, sum_exp, grad_logp, in_range, idx)
+            grad = _logp_grad(logits, max_z, sum_exp, grad_logp, in_range, idx, t)
         elif grad_logp is None:
-            grad = _entropy_grad(logits, max_z, sum_exp, mean_s, grad_ent)
+            grad = _entropy_grad(logits, max_z, sum_exp, mean_s, grad_ent, t)
         else:
             grad = _logp_entropy_grad(logits, max_z, sum_exp, mean_s, grad_logp, grad_ent,
-                                      in_range, idx)
-        return grad, None, None, None
+                                      in_range, idx, t)
+        return grad, None, None, None, None
 
 
 # The local [..., V] math below is pure elementwise/reduction work: on CUDA each function runs
 # compiled (one or two fused passes over the logits instead of ~8 float32 passes).
 
+def _scaled(logits, temperature: float):
+    """``logits / temperature`` in the compute dtype (upcast first, as the sampler does:
+    dividing bf16 logits would round the scaled logits to bf16)."""
+    z = logits.to(_compute_dtype(logits.dtype))
+    return z if temperature == 1.0 else z / temperature
+
+
 @compiled_on_gpu
-def _row_max(logits):
-    return logits.to(_compute_dtype(logits.dtype)).amax(dim=-1)
+def _row_max(logits, temperature: float):
+    return _scaled(logits, temperature).amax(dim=-1)
 
 
 def _sum_exp_parts(z, max_z, need_entropy: bool) -> list[torch.Tensor]:
@@ -153,15 +162,15 @@ def _sum_exp_parts(z, max_z, need_entropy: bool) -> list[torch.Tensor]:
 
 
 @compiled_on_gpu
-def _row_stats(logits, max_z, need_entropy: bool):
-    z = logits.to(_compute_dtype(logits.dtype))
+def _row_stats(logits, max_z, need_entropy: bool, temperature: float):
+    z = _scaled(logits, temperature)
     return torch.stack(_sum_exp_parts(z, max_z, need_entropy), dim=-1)
 
 
 @compiled_on_gpu
-def _row_stats_with_target(logits, max_z, local_labels, need_entropy: bool):
+def _row_stats_with_target(logits, max_z, local_labels, need_entropy: bool, temperature: float):
     """Stats plus the target logit of labels this rank owns (``local_labels`` = label - start)."""
-    z = logits.to(_compute_dtype(logits.dtype))
+    z = _scaled(logits, temperature)
     parts = _sum_exp_parts(z, max_z, need_entropy)
     local_vocab = z.shape[-1]
     in_range = (local_labels >= 0) & (local_labels < local_vocab)
@@ -171,10 +180,15 @@ def _row_stats_with_target(logits, max_z, local_labels, need_entropy: bool):
     return torch.stack(parts, dim=-1), in_range, idx
 
 
-def _softmax(logits, max_z, sum_exp):
-    z = logits.to(_compute_dtype(logits.dtype))
+def _softmax(logits, max_z, sum_exp, temperature: float):
+    z = _scaled(logits, temperature)
     s = _shifted(z, max_z)
     return s, torch.exp(s).div_(sum_exp.unsqueeze(-1))
+
+
+def _unscaled(grad_z, temperature: float, logits):
+    """d/dlogits from d/dz for ``z = logits / temperature``, in the logits' dtype."""
+    return (grad_z if temperature == 1.0 else grad_z.div_(temperature)).to(logits.dtype)
 
 
 def _add_target_grad(grad, grad_logp, in_range, idx):
@@ -188,10 +202,10 @@ def _add_target_grad(grad, grad_logp, in_range, idx):
 # scaling it by |g_H| > 1 first would overflow to inf (then 0 * inf = NaN).
 
 @compiled_on_gpu
-def _logp_grad(logits, max_z, sum_exp, grad_logp, in_range, idx):
-    _, p = _softmax(logits, max_z, sum_exp)
+def _logp_grad(logits, max_z, sum_exp, grad_logp, in_range, idx, temperature: float):
+    _, p = _softmax(logits, max_z, sum_exp, temperature)
     grad = p.mul_(grad_logp.to(p.dtype).unsqueeze(-1)).neg_()
-    return _add_target_grad(grad, grad_logp, in_range, idx).to(logits.dtype)
+    return _unscaled(_add_target_grad(grad, grad_logp, in_range, idx), temperature, logits)
 
 
 def _entropy_grad_part(s, p, mean_s, grad_ent):
@@ -199,20 +213,23 @@ def _entropy_grad_part(s, p, mean_s, grad_ent):
 
 
 @compiled_on_gpu
-def _entropy_grad(logits, max_z, sum_exp, mean_s, grad_ent):
-    s, p = _softmax(logits, max_z, sum_exp)
-    return _entropy_grad_part(s, p, mean_s, grad_ent).neg_().to(logits.dtype)
+def _entropy_grad(logits, max_z, sum_exp, mean_s, grad_ent, temperature: float):
+    s, p = _softmax(logits, max_z, sum_exp, temperature)
+    return _unscaled(_entropy_grad_part(s, p, mean_s, grad_ent).neg_(), temperature, logits)
 
 
 @compiled_on_gpu
-def _logp_entropy_grad(logits, max_z, sum_exp, mean_s, grad_logp, grad_ent, in_range, idx):
-    s, p = _softmax(logits, max_z, sum_exp)
+def _logp_entropy_grad(logits, max_z, sum_exp, mean_s, grad_logp, grad_ent, in_range, idx,
+                       temperature: float):
+    s, p = _softmax(logits, max_z, sum_exp, temperature)
     grad = _entropy_grad_part(s, p, mean_s, grad_ent)
     grad.add_(p.mul_(grad_logp.to(p.dtype).unsqueeze(-1))).neg_()
-    return _add_target_grad(grad, grad_logp, in_range, idx).to(logits.dtype)
+    return _unscaled(_add_target_grad(grad, grad_logp, in_range, idx), temperature, logits)
 
 
-def _check(logits: torch.Tensor, labels: torch.Tensor | None):
+def _check(logits: torch.Tensor, labels: torch.Tensor | None, temperature: float = 1.0):
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     if not logits.is_floating_point():
         raise TypeError(f"logits must be floating point, got {logits.dtype}")
     if logits.dim() < 1 or logits.shape[-1] == 0:
@@ -226,15 +243,18 @@ def _check(logits: torch.Tensor, labels: torch.Tensor | None):
             raise TypeError(f"labels must be integer token ids, got {labels.dtype}")
 
 
-def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, group=None
-                             ) -> torch.Tensor:
-    """``log softmax(full logits)[label]`` per position, float32 ``logits.shape[:-1]``.
+def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, group=None, *,
+                             temperature: float = 1.0) -> torch.Tensor:
+    """``log softmax(full logits / temperature)[label]`` per position, float32
+    ``logits.shape[:-1]``.
 
     ``logits [..., V_local]`` is this rank's vocab slice; ``labels [...]`` are global token ids.
-    Gradient w.r.t. the local logits: ``(onehot_local(label) - softmax_local) * grad``.
+    Gradient w.r.t. the local logits: ``(onehot_local(label) - softmax_local) * grad / T``.
+    The logits are divided by ``temperature`` after the upcast to float32, as the sampler does.
     """
-    _check(logits, labels)
-    logp, _ = _VocabParallelLogProbsEntropy.apply(logits, labels, _resolve_group(group), False)
+    _check(logits, labels, temperature)
+    logp, _ = _VocabParallelLogProbsEntropy.apply(logits, labels, _resolve_group(group), False,
+                                                  temperature)
     return logp
 
 
@@ -248,11 +268,14 @@ def vocab_parallel_entropy(logits: torch.Tensor, group=None) -> torch.Tensor:
     return ent
 
 
-def vocab_parallel_log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None
+def vocab_parallel_log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, group=None,
+                                         *, temperature: float = 1.0
                                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both of the above in one pass (two all-reduces in all): ``(log_probs, entropy)``."""
-    _check(logits, labels)
-    return _VocabParallelLogProbsEntropy.apply(logits, labels, _resolve_group(group), True)
+    """Both of the above in one pass (two all-reduces in all): ``(log_probs, entropy)``, of
+    ``softmax(logits / temperature)``."""
+    _check(logits, labels, temperature)
+    return _VocabParallelLogProbsEntropy.apply(logits, labels, _resolve_group(group), True,
+                                               temperature)
 
 
 # ---- RmPad (packed) helpers ------------------------------------------------------------------
@@ -277,7 +300,7 @@ def packed_next_token_mask(cu_seqlens: torch.Tensor, total: int | None = None) -
 
 def log_probs_from_packed_logits(logits: torch.Tensor, input_ids: torch.Tensor,
                                  cu_seqlens: torch.Tensor, group=None, *,
-                                 with_entropy: bool = False):
+                                 with_entropy: bool = False, temperature: float = 1.0):
     """Next-token log-probs of a packed (RmPad) batch from vocab-parallel logits.
 
     ``logits [T, V_local]`` (this rank's vocab slice), ``input_ids [T]``, ``cu_seqlens [B + 1]``.
@@ -285,7 +308,8 @@ def log_probs_from_packed_logits(logits: torch.Tensor, input_ids: torch.Tensor,
     is in the same sequence as ``t``, and 0 (no gradient) at the last token of each sequence
     (see :func:`packed_next_token_mask`). With ``with_entropy=True`` returns
     ``(log_probs, entropy)``, where ``entropy[t]`` is the entropy of the distribution at ``t``
-    (defined at every token, including the last), computed in the same pass.
+    (defined at every token, including the last), computed in the same pass. Both are of
+    ``softmax(logits / temperature)``, divided in float32 (as the sampler does).
     """
     if logits.dim() != 2 or input_ids.dim() != 1 or logits.shape[0] != input_ids.shape[0]:
         raise ValueError(f"expected logits [T, V_local] and input_ids [T], got "
@@ -293,9 +317,11 @@ def log_probs_from_packed_logits(logits: torch.Tensor, input_ids: torch.Tensor,
     labels = torch.roll(input_ids, shifts=-1)  # a valid id everywhere; masked below
     mask = packed_next_token_mask(cu_seqlens, input_ids.shape[0])
     if with_entropy:
-        logp, ent = vocab_parallel_log_probs_and_entropy(logits, labels, group)
+        logp, ent = vocab_parallel_log_probs_and_entropy(logits, labels, group,
+                                                         temperature=temperature)
     else:
-        logp, ent = vocab_parallel_log_probs(logits, labels, group), None
+        logp = vocab_parallel_log_probs(logits, labels, group, temperature=temperature)
+        ent = None
     logp = torch.where(mask, logp, torch.zeros_like(logp))
     return (logp, ent) if with_entropy else logp
 

@@ -16,6 +16,13 @@ import tempfile
 import torch
 
 
+def add_decode_shape_args(p) -> None:
+    """The decode workload of the rollout benches: batch sizes, prompt and new tokens."""
+    p.add_argument("--batches", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=256)
+
+
 def add_llama_shape_args(p, seq: bool = True) -> None:
     """The dense model shape every Llama bench takes (default: the 0.89B shape of the issues)."""
     p.add_argument("--hidden", type=int, default=2048)

@@ -39,6 +39,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import timed  # noqa: E402  (bench/common.py: the one timing method)
 
 SPLITS = (32, 64, 128, 256, 512, 1024, 2048)
 BLOCK_NS = (16, 32, 64, 128)
@@ -90,16 +91,7 @@ def eager_us(fn, dev, iters: int = 20) -> float:
     """One eager call between CUDA events (launch + host time included), median."""
     if dev.type != "cuda":
         return graph_us([fn], dev, iters)
-    fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(1e3 * a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return 1e6 * timed(fn, warmup=1, iters=iters)
 
 
 class Shape:

@@ -54,7 +54,8 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_llama_shape_args, report, save_llama_model  # noqa: E402
+from common import (add_decode_shape_args, add_llama_shape_args, report,  # noqa: E402
+                    save_llama_model, timed)
 from decode_attention_sweep import graph_us  # noqa: E402
 
 LABEL = "dp::"
@@ -107,19 +108,10 @@ def wall_ms(fn, dev, iters: int, median: list | None = None) -> float:
 
 
 def gpu_ms(fn, dev, iters: int) -> float:
-    """Median CUDA-event milliseconds of ``fn()`` (wall time on the CPU)."""
+    """Median CUDA-event milliseconds of ``fn()`` (``common.timed``; wall time on the CPU)."""
     if dev.type != "cuda":
         return wall_ms(fn, dev, iters)
-    fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return 1e3 * timed(fn, warmup=1, iters=iters)
 
 
 # ---- labels: every kernel gets the category of the innermost labelled range launching it ----
@@ -436,9 +428,7 @@ def summary(cases: list) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_llama_shape_args(ap, seq=False)
-    ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--new", type=int, default=256)
+    add_decode_shape_args(ap)
     ap.add_argument("--steps", type=int, default=20, help="engine steps timed per case")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                     help="engine settings compared (ours, aten_attention and baseline are "

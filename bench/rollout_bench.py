@@ -33,7 +33,7 @@ import math
 import time
 
 import torch
-from common import add_llama_shape_args, report, save_llama_model
+from common import add_decode_shape_args, add_llama_shape_args, report, save_llama_model
 
 
 def build(args, dev):
@@ -225,9 +225,7 @@ def _warm_bucket(eng, size):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_llama_shape_args(ap, seq=False)
-    ap.add_argument("--batches", type=int, nargs="+", default=[64, 256])
-    ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--new", type=int, default=256)
+    add_decode_shape_args(ap)
     ap.add_argument("--hf-new", type=int, default=32)
     ap.add_argument("--hf-compile", action="store_true",
                     help="let transformers torch.compile its static-cache decode (minutes of "

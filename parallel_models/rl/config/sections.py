@@ -192,9 +192,6 @@ class RewardSection(BaseModel):
     model_path: Optional[str] = Field(None, description="type=model: HF sequence-"
                                                         "classification folder")
     tokenizer: Optional[str] = Field(None, description="null = the reward model's own")
-    weight_push: Literal["stream", "folder"] = Field(
-        "stream", description="backend=server: stream | folder (an HF folder the server loads; "
-                              "also the fallback when a stream fails)")
     tensor_parallel_size: Optional[Int] = Field(
         None, ge=1, description="null = the actor's (the reward model shares its groups for "
                                 "now)")

@@ -23,7 +23,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from parallel_models.rl.rollout.server.weight_stream import WeightStreamError
+from parallel_models.rl.rollout.server.weight_stream import WeightStreamError, shared_outcome
 
 log = logging.getLogger(__name__)
 
@@ -188,13 +188,7 @@ def push_weight_group(chunks, client, bucket_bytes: int | None = None,
             error, broken = f"{type(exc).__name__}: {exc}", not _clean(exc)
     if broken:  # a collective failed midway, its peers may still be in one: join afresh next time
         pusher.drop()
-    box = [(version, error)]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    version, error = box[0]
-    if error is not None:
-        raise WeightStreamError(f"weight push over the group to {client.url} failed: {error}")
-    return version
+    return shared_outcome((version, error), f"weight push over the group to {client.url}")
 
 
 __all__ = ["GROUP_BUCKET_BYTES", "GroupPusher", "push_weight_group", "pusher_of"]

@@ -23,6 +23,7 @@ import struct
 import threading
 
 import torch
+import torch.distributed as dist
 
 from parallel_models.rl.rollout.weight_sync import TensorReader
 
@@ -248,7 +249,6 @@ def push_weight_stream(chunks, client, bucket_bytes: int | None = None) -> int |
     CPU). Returns the new weight version on every rank; raises
     :class:`WeightStreamError` on every rank if the push failed (the server keeps its old
     weights). The collectives run to the end even when the HTTP side fails, so no rank hangs."""
-    import torch.distributed as dist
 
     from parallel_models.rl.rollout.weight_sync import BucketGatherer
 
@@ -266,12 +266,18 @@ def push_weight_stream(chunks, client, bucket_bytes: int | None = None) -> int |
             sender.put_all([end_frame(count)])
     finally:
         outcome = sender.close() if sender is not None else None
+    return shared_outcome(outcome, f"weight push to {client.url}")
+
+
+def shared_outcome(outcome: tuple | None, what: str):
+    """Rank 0's push ``outcome`` ``(version, error or None)`` on every rank (the others pass
+    None): the new version, or :class:`WeightStreamError` naming ``what`` on every rank."""
     box = [outcome]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     version, error = box[0]
     if error is not None:
-        raise WeightStreamError(f"weight push to {client.url} failed: {error}")
+        raise WeightStreamError(f"{what} failed: {error}")
     return version
 
 
@@ -329,4 +335,5 @@ class _Sender:
 
 
 __all__ = ["HostBuffers", "PushedWeights", "StreamParser", "WeightStreamError", "bucket_frame", "check_against_model",
-           "end_frame", "push_weight_stream", "receive_weight_stream", "unpack_bucket"]
+           "end_frame", "push_weight_stream", "receive_weight_stream", "shared_outcome",
+           "unpack_bucket"]

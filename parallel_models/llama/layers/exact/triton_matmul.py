@@ -49,6 +49,25 @@ def dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a, b, acc)
 
 
+@triton.jit
+def _tile_product(a_ptr, b_ptr, rm, rn, m_end, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                  IEEE: tl.constexpr, UPCAST_TILES: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The fp32 ``[BLOCK_M, BLOCK_N]`` tile of ``a[rm] @ b[:, rn]`` (rows ``>= m_end`` read as
+    0), K walked from 0 upward in ``BLOCK_K`` steps: the one tile loop of both kernels, so a row
+    of the dense and of the grouped product is the same sequence of MMA steps."""
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
+                    mask=(rm[:, None] < m_end) & (kk[None, :] < K), other=0.0)
+        b = tl.load(b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
+                    mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
+        acc = dot(a, b, acc, IEEE, UPCAST_TILES)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                    stride_cm, stride_cn, IEEE: tl.constexpr, UPCAST_TILES: tl.constexpr,
@@ -58,15 +77,8 @@ def _matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, stride_am, stride_ak, stride_bk
     pid_n = tl.program_id(1)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)  # M * N may pass 2^31
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
-                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        b = tl.load(b_ptr + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
-                    mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
-        acc = dot(a, b, acc, IEEE, UPCAST_TILES)
+    acc = _tile_product(a_ptr, b_ptr, rm, rn, M, N, K, stride_am, stride_ak, stride_bk,
+                        stride_bn, IEEE, UPCAST_TILES, BLOCK_M, BLOCK_N, BLOCK_K)
     tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
              acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -84,16 +96,9 @@ def _grouped_kernel(a_ptr, b_ptr, c_ptr, tile_expert_ptr, tile_row_ptr, ends_ptr
         end = tl.load(ends_ptr + e)
         rm = row0 + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        b_base = b_ptr + e.to(tl.int64) * stride_be
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            a = tl.load(a_ptr + rm[:, None] * stride_am + kk[None, :] * stride_ak,
-                        mask=(rm[:, None] < end) & (kk[None, :] < K), other=0.0)
-            b = tl.load(b_base + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
-                        mask=(kk[:, None] < K) & (rn[None, :] < N), other=0.0)
-            acc = dot(a, b, acc, IEEE, UPCAST_TILES)
+        acc = _tile_product(a_ptr, b_ptr + e.to(tl.int64) * stride_be, rm, rn, end, N, K,
+                            stride_am, stride_ak, stride_bk, stride_bn, IEEE, UPCAST_TILES,
+                            BLOCK_M, BLOCK_N, BLOCK_K)
         tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
                  acc.to(c_ptr.dtype.element_ty), mask=(rm[:, None] < end) & (rn[None, :] < N))
 

@@ -8,20 +8,24 @@ import torch
 EOS = 2  # the builtin tokenizer's </s>, which the server uses as eos by default
 
 
+def tiny_builtin_model(path: str, seed: int) -> str:
+    """A tiny Llama with the built-in tokenizer (and its vocab) saved at ``path``."""
+    from parallel_models.rl.tokenizer import build_builtin_tokenizer
+    from parallel_models.testing import save_tiny_hf_model
+
+    save_tiny_hf_model(path, "llama", seed=seed, vocab_size=74)  # the builtin tokenizer's vocab
+    build_builtin_tokenizer().save_pretrained(path)
+    return path
+
+
 def served_models(root, n_prompts: int, max_prompt: int, max_new_tokens: int) -> dict:
     """Two tiny Llamas (seeds 1 and 2) with the built-in tokenizer under ``root``, ``n_prompts``
     seeded random prompts, and each model's greedy answers to them (the servers' oracle)."""
     import random
 
-    from parallel_models.rl.tokenizer import build_builtin_tokenizer
-    from parallel_models.testing import run_distributed, save_tiny_hf_model
+    from parallel_models.testing import run_distributed
 
-    paths = []
-    for seed in (1, 2):
-        p = str(root / f"m{seed}")
-        save_tiny_hf_model(p, "llama", seed=seed, vocab_size=74)  # the builtin tokenizer's vocab
-        build_builtin_tokenizer().save_pretrained(p)
-        paths.append(p)
+    paths = [tiny_builtin_model(str(root / f"m{seed}"), seed) for seed in (1, 2)]
     rng = random.Random(0)
     prompts = [[1] + [rng.randrange(4, 74) for _ in range(rng.randrange(1, max_prompt))]
                for _ in range(n_prompts)]

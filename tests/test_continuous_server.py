@@ -22,13 +22,8 @@ LONG = 240
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from parallel_models.rl.tokenizer import build_builtin_tokenizer
-    from parallel_models.testing import save_tiny_hf_model
-
     root = tmp_path_factory.mktemp("cserve")
-    path = str(root / "tiny")
-    save_tiny_hf_model(path, "llama", seed=1, vocab_size=74)  # the builtin tokenizer's vocab
-    build_builtin_tokenizer().save_pretrained(path)
+    path = server_checks.tiny_builtin_model(str(root / "tiny"), seed=1)
     port = free_port()
     proc = start_server(path, port, log_path=str(root / "server.log"),
                         extra=("--kv-budget-tokens", str(BUDGET), "--max-batch", "8",

@@ -8,18 +8,13 @@ from parallel_models.distributed import free_port
 from parallel_models.rl.rollout.server.client import RolloutClient
 from parallel_models.rl.rollout.server.launch import start_server, stop_server
 from parallel_models.testing import run_distributed
-from tests import weight_group_checks
+from tests import server_checks, weight_group_checks
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from parallel_models.rl.tokenizer import build_builtin_tokenizer
-    from parallel_models.testing import save_tiny_hf_model
-
     root = tmp_path_factory.mktemp("group_ppo")
-    path = str(root / "m1")
-    save_tiny_hf_model(path, "llama", seed=1, vocab_size=74)  # the builtin tokenizer's vocab
-    build_builtin_tokenizer().save_pretrained(path)
+    path = server_checks.tiny_builtin_model(str(root / "m1"), seed=1)
     port = free_port()
     proc = start_server(path, port, log_path=str(root / "server.log"))
     client = RolloutClient(f"http://127.0.0.1:{port}", timeout=60)

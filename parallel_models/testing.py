@@ -119,6 +119,18 @@ def run_distributed_jobs(jobs: list, world_size: int, *, timeout: float = 600.0)
     return [[per_rank[rank][j] for rank in range(world_size)] for j in range(len(jobs))]
 
 
+
+def run_named_jobs(named: list, *, timeout: float = 600.0) -> dict:
+    """``named``: ``(name, world_size, job)`` triples. Each world size's jobs run in one world
+    (:func:`run_distributed_jobs`, in the order given), smallest world first; returns
+    ``{name: per-rank results}``."""
+    out = {}
+    for world in sorted({w for _, w, _ in named}):
+        mine = [(name, job) for name, w, job in named if w == world]
+        results = run_distributed_jobs([job for _, job in mine], world, timeout=timeout)
+        out.update(zip([name for name, _ in mine], results))
+    return out
+
 _TINY_COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                     max_position_embeddings=256, rms_norm_eps=1e-6)
 # family -> (transformers config class name, its tiny settings); vocab sizes are odd so that they

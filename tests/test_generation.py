@@ -4,7 +4,7 @@ a fresh forward pass, identical tokens on every TP rank."""
 import pytest
 import torch
 
-from parallel_models.testing import run_distributed_jobs
+from parallel_models.testing import run_named_jobs
 from tests import generation_checks
 
 SETTINGS = [(1, False), (2, False), (2, True)]
@@ -13,13 +13,9 @@ SETTINGS = [(1, False), (2, False), (2, True)]
 @pytest.fixture(scope="module")
 def results(hf_models):
     """One spawned world per TP size runs every family x setting of that size."""
-    out = {}
-    for world in sorted({tp for tp, _ in SETTINGS}):
-        keys = [(fam, tp, sp) for fam in ("llama", "qwen2") for tp, sp in SETTINGS if tp == world]
-        jobs = [(generation_checks.check_generation, (hf_models[(fam, "causal_lm")], tp, sp))
-                for fam, tp, sp in keys]
-        out.update(zip(keys, run_distributed_jobs(jobs, world)))
-    return out
+    return run_named_jobs([((fam, tp, sp), tp, (generation_checks.check_generation,
+                                                 (hf_models[(fam, "causal_lm")], tp, sp)))
+                           for fam in ("llama", "qwen2") for tp, sp in SETTINGS])
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

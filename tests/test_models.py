@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from parallel_models.testing import run_distributed_jobs, save_tiny_hf_model
+from parallel_models.testing import run_named_jobs, save_tiny_hf_model
 from tests import model_checks
 
 FWD_TOL = 1e-4
@@ -31,20 +31,15 @@ def big_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def worlds(hf_models, odd_heads_model, big_model):
     """Every check of this file, grouped by world size: one spawned world per size."""
-    out = {}
-    by_world = {1: [], 2: [], 4: []}
-    for name, (tp, sp, world) in SETTINGS.items():
-        by_world[world].append((("forward", name), (model_checks.check_forward, (hf_models, tp, sp))))
-    for tp, sp in GRADIENTS:
-        by_world[tp].append((("gradients", tp, sp),
-                             (model_checks.check_gradients, (hf_models, tp, sp))))
-    by_world[2].append((("bad_tp",), (model_checks.check_bad_tp, (odd_heads_model, 2))))
     # first in its world, so the rank's memory is that of a fresh process, as alone
-    by_world[4].insert(0, (("load_memory",), (model_checks.check_load_memory, (big_model, 4))))
-    for world, named in by_world.items():
-        results = run_distributed_jobs([job for _, job in named], world, timeout=900)
-        out.update(zip([name for name, _ in named], results))
-    return out
+    named = [(("load_memory",), 4, (model_checks.check_load_memory, (big_model, 4)))]
+    for name, (tp, sp, world) in SETTINGS.items():
+        named.append((("forward", name), world, (model_checks.check_forward, (hf_models, tp, sp))))
+    for tp, sp in GRADIENTS:
+        named.append((("gradients", tp, sp), tp,
+                      (model_checks.check_gradients, (hf_models, tp, sp))))
+    named.append((("bad_tp",), 2, (model_checks.check_bad_tp, (odd_heads_model, 2))))
+    return run_named_jobs(named, timeout=900)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ router and experts included). Routing is made tie-free by wide router margins, c
 
 import pytest
 
-from parallel_models.testing import run_distributed_jobs, save_tiny_hf_model
+from parallel_models.testing import run_named_jobs, save_tiny_hf_model
 from tests import moe_checkpoint_checks, moe_checks
 
 FWD_TOL = 1e-4
@@ -64,12 +64,8 @@ def worlds(moe_models, tmp_path_factory):
            "aux_without_recording": moe_models[("qwen3_moe", "causal_lm")]}
     named.append((("bad_settings",), 2, moe_checks.check_bad_moe_settings, (bad, 1, 2)))
     named.append((("bad_init",), 2, moe_checks.check_bad_moe_settings, ({}, 2, 2)))
-    out = {"convert": trips}
-    for world in sorted({w for _, w, _, _ in named}):
-        mine = [(name, (fn, args)) for name, w, fn, args in named if w == world]
-        results = run_distributed_jobs([job for _, job in mine], world, timeout=1200)
-        out.update(zip([name for name, _ in mine], results))
-    return out
+    out = run_named_jobs([(name, w, (fn, args)) for name, w, fn, args in named], timeout=1200)
+    return {"convert": trips, **out}
 
 
 @pytest.fixture(scope="module")

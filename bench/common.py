@@ -79,6 +79,13 @@ def ragged_batch(tokens: int, max_len: int, vocab: int, device, min_len: int = 2
     return lengths, ids, mask
 
 
+def matmul_peak_tflops(dev) -> float:
+    """The measured bf16 matmul peak: TFLOP/s of an 8192^3 product (median, CUDA events)."""
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    return 2 * 8192**3 / timed(lambda: a @ b, warmup=3, iters=20) / 1e12
+
+
 def timed(fn, warmup: int = 2, iters: int = 5) -> float:
     """Median seconds of ``fn()`` over ``iters`` runs after ``warmup`` runs (CUDA events)."""
     for _ in range(warmup):

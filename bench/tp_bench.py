@@ -16,7 +16,7 @@ import argparse
 
 import torch
 import torch.distributed as dist
-from common import kernel_table, report
+from common import kernel_table, matmul_peak_tflops, report
 
 
 def main():
@@ -99,6 +99,8 @@ def main():
         step()
         step()
     if dist.get_rank() == 0:
+        res["matmul_peak_tflops"] = matmul_peak_tflops(dev)
+        res["share_of_matmul_peak"] = res["tflops_per_gpu"] / res["matmul_peak_tflops"]
         report(res, args.out)
     pm.destroy_parallel()
 

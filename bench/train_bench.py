@@ -20,15 +20,8 @@ import argparse
 import os
 
 import torch
-from common import (add_llama_shape_args, kernel_table, peak_gib, ragged_batch, report,
-                    save_llama_model, timed)
-
-
-def matmul_peak_tflops(dev) -> float:
-    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    t = timed(lambda: a @ b, warmup=3, iters=20)
-    return 2 * 8192**3 / t / 1e12
+from common import (add_llama_shape_args, kernel_table, matmul_peak_tflops, peak_gib,
+                    ragged_batch, report, save_llama_model, timed)
 
 
 def check_against_hf(hf, ours, folder, args, dev) -> dict:

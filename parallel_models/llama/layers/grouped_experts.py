@@ -30,6 +30,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from parallel_models.llama.layers import exact
 
 ENV = "PARALLEL_MODELS_MOE_GROUPED_GEMM"
+PACKED_ENV = "PARALLEL_MODELS_MOE_PACKED_EXPERTS"  # =0: stack the weights in every forward
 
 
 def use_grouped_gemm(hidden: torch.Tensor) -> bool:
@@ -104,7 +105,8 @@ class GroupedGemmExperts(SequentialMLP):
         views of (:func:`packed_view`), so a decode step reads them in place instead of copying
         every expert's weights first (3x the weight traffic of an MoE decode step)."""
         weights = [getattr(e, attr).weight for e in self.local_experts]
-        if torch.is_grad_enabled() and weights[0].requires_grad:
+        if (torch.is_grad_enabled() and weights[0].requires_grad) or \
+                os.environ.get(PACKED_ENV, "1") == "0":
             return torch.stack(weights)
         packed = packed_view(weights)
         if packed is None and _may_pack(weights):

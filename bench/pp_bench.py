@@ -139,6 +139,10 @@ def main():
     if dist.get_rank() == 0:
         add_tp1_share(res, args.tp1_json)
         report(res, args.out)
+        for st in stages:
+            print(f"stage {st['pp_rank']} ({st['layers']} layers): bubble measured "
+                  f"{st['bubble_measured']:.3f} (ideal {res['bubble_ideal']:.3f}), "
+                  f"peak {st['peak_gib']:.1f} GiB; {res['tokens_per_s_per_gpu']:.0f} tokens/s/GPU")
     pm.destroy_parallel()
 
 

@@ -12,6 +12,10 @@
 #                                      # rollout == training) and bench/exact_mode_bench.py
 #   bash bench/gpu_session.sh mcore    # CPU tests of the newest layers on the host's Python 3.12
 #                                      # with megatron-core 0.19 (GPU hidden: gloo on the CPU)
+#   bash bench/gpu_session.sh tp_pp    # issue 19 item 2 on 2 GPUs, ~5 min: tp_bench TP=1, TP=2
+#                                      # (overlap off, k=2 + kernel table, k=4, k=2 with
+#                                      # CUDA_DEVICE_MAX_CONNECTIONS=1), TP=2+SP (off, k=2),
+#                                      # pp_bench PP=2 x 16 microbatches (16/16, 17/15, 15/17)
 # Logs and JSON go to $OUT (default /tmp/pm_gpu_out).
 set -uo pipefail
 OUT=${OUT:-/tmp/pm_gpu_out}
@@ -57,6 +61,24 @@ case "${1:-gpu}" in
         tests/test_exact_kernels.py 2>&1 | tee "$OUT/exact_gpu_tests.log" | tail -25
     timeout 240 python3 bench/exact_mode_bench.py --out "$OUT/exact_mode.json" 2>&1 \
         | tee "$OUT/exact_mode.log" | grep -v '^[ {}]' | tail -15
+    ;;
+  tp_pp)
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+    TR="timeout 75 torchrun --nproc-per-node 2 --master-port 29517"
+    $TR bench/tp_bench.py --tp 1 --out "$OUT/tp1.json" > "$OUT/tp1.log" 2>&1; tail -3 "$OUT/tp1.log"
+    T1="--tp1-json $OUT/tp1.json"
+    run_tp() { name=$1; shift; $TR bench/tp_bench.py --tp 2 $T1 --out "$OUT/$name.json" "$@" \
+        > "$OUT/$name.log" 2>&1; echo "$name: $(grep -h 'share of TP=1' "$OUT/$name.log")"; }
+    run_tp tp2 --overlap-chunks 0
+    run_tp tp2_k2 --overlap-chunks 2 --profile "$OUT/tp2_k2_kernels.txt"
+    run_tp tp2_k4 --overlap-chunks 4
+    run_tp tp2_k2_maxconn1 --overlap-chunks 2 --max-connections-1
+    run_tp tp2_sp --sequence-parallel
+    run_tp tp2_sp_k2 --sequence-parallel --overlap-chunks 2
+    for split in "16 16" "17 15" "15 17"; do name=pp2_${split/ /_}
+      $TR bench/pp_bench.py --microbatches 16 --layers-per-stage $split $T1 \
+          --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+      echo "$name: $(grep -h 'share of TP=1' "$OUT/$name.log")"; tail -2 "$OUT/$name.log"; done
     ;;
   mcore)
     CUDA_VISIBLE_DEVICES= timeout 540 python3 -m pytest -q -p no:cacheprovider -n 8 \

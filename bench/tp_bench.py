@@ -2,6 +2,12 @@
 
     torchrun --nproc-per-node 2 bench/tp_bench.py --tp 1 [--out tp1.json]
     torchrun --nproc-per-node 2 bench/tp_bench.py --tp 2 [--sequence-parallel] [--out tp2.json]
+        [--overlap-chunks K] [--max-connections-1] [--tp1-json tp1.json]
+
+``--overlap-chunks K``: the row-parallel output reduction overlaps its GEMM in K token chunks
+(parallel_models/llama/layers/row_overlap.py). ``--max-connections-1``: CUDA_DEVICE_MAX_CONNECTIONS=1
+(set before CUDA starts; megatron relies on it to order comm before compute). ``--tp1-json``: a
+TP=1 run's output; adds ``share_of_tp1_per_gpu`` (this run's per-GPU tokens/s over TP=1's).
 
 Llama-3-8B shape by default (hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate 14336,
 vocab 128256), bf16, random weights built directly on the GPUs (no checkpoint). Every GPU keeps
@@ -13,10 +19,22 @@ many tokens. Per-GPU throughput = tokens / s / GPUs of the model. CUDA events, m
 from __future__ import annotations
 
 import argparse
+import json
+import os
 
 import torch
 import torch.distributed as dist
 from common import kernel_table, matmul_peak_tflops, report
+
+
+def add_tp1_share(res: dict, tp1_json: str | None) -> None:
+    """``share_of_tp1_per_gpu``: per-GPU tokens/s over the TP=1 run saved in ``tp1_json``."""
+    if tp1_json:
+        with open(tp1_json) as f:
+            base = json.load(f)
+        res["tp1_tokens_per_s_per_gpu"] = base["tokens_per_s_per_gpu"]
+        res["share_of_tp1_per_gpu"] = res["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"]
+        print(f"per-GPU share of TP=1: {res['share_of_tp1_per_gpu']:.3f}")
 
 
 def main():
@@ -34,7 +52,13 @@ def main():
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--out", default=None)
     p.add_argument("--profile", default=None, help="file: kernel table of one step (rank 0)")
+    p.add_argument("--overlap-chunks", type=int, default=0)
+    p.add_argument("--max-connections-1", action="store_true")
+    p.add_argument("--tp1-json", default=None)
     args = p.parse_args()
+    if args.max_connections_1:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    os.environ["PARALLEL_MODELS_TP_OVERLAP_CHUNKS"] = str(args.overlap_chunks)
 
     import parallel_models as pm
     from parallel_models.config import ModelConfig
@@ -88,6 +112,8 @@ def main():
     n_matmul = args.layers * per_layer + args.vocab * args.hidden
     flops = 6 * n_matmul * tokens + 6 * args.layers * args.hidden * (tokens // args.seq) * args.seq**2
     res = {"tp": args.tp, "sequence_parallel": args.sequence_parallel,
+           "overlap_chunks": args.overlap_chunks,
+           "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "tokens_per_step": tokens, "step_s": t, "tokens_per_s": tokens / t,
            "tokens_per_s_per_gpu": tokens / t / args.tp,
@@ -101,6 +127,7 @@ def main():
     if dist.get_rank() == 0:
         res["matmul_peak_tflops"] = matmul_peak_tflops(dev)
         res["share_of_matmul_peak"] = res["tflops_per_gpu"] / res["matmul_peak_tflops"]
+        add_tp1_share(res, args.tp1_json)
         report(res, args.out)
     pm.destroy_parallel()
 

@@ -14,6 +14,8 @@ from megatron.core import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
+from parallel_models.llama.layers.row_overlap import ChunkedRowParallelMatmul, overlap_chunks_from_env
+
 
 def _mark_tensor_parallel(module: torch.nn.Module, partition_dim: int) -> None:
     # megatron sets these only when it initializes the weight itself; we skip that (weights are
@@ -77,3 +79,16 @@ class ParallelRowLinear(RowParallelLinear):
             # the bias is added after the reduction: replicated; with sequence parallel its
             # gradient is partial per rank and must be summed like the norms'.
             self.bias.sequence_parallel = config.sequence_parallel
+        # k > 1: the output reduction overlaps the GEMM in k token chunks (row_overlap.py)
+        self.overlap_chunks = overlap_chunks_from_env()
+        self.tp_world_size = torch.distributed.get_world_size(self.tp_group)
+
+    def forward(self, input_):
+        k = self.overlap_chunks
+        if (k <= 1 or self.tp_world_size <= 1 or not torch.is_grad_enabled() or self.explicit_expert_comm
+                or self.gradient_accumulation_fusion or input_.shape[0] < k
+                or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
+            return super().forward(input_)
+        out = ChunkedRowParallelMatmul.apply(input_, self.weight, k, self.tp_group,
+                                             self.sequence_parallel)
+        return (out + self.bias if self.bias is not None else out), None

@@ -37,6 +37,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -205,7 +206,13 @@ def run_layout(args, layout, model, data, caps, root, prompt_len, new_tokens, en
            *overrides(args, layout, model, data, out, prompt_len, new_tokens)]
     log(f"{layout}: {' '.join(cmd[-8:])} ...")
     t0 = time.time()
-    proc = subprocess.run(cmd, env=env, timeout=args.timeout)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        proc.wait(timeout=args.timeout_s)
+    except subprocess.TimeoutExpired:  # keep the steps logged so far; free the GPUs
+        log(f"{layout}: over {args.timeout_s} s, stopping it")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     wall = time.time() - t0
     metrics_path = os.path.join(out, "metrics.jsonl")
     rows = []
@@ -254,7 +261,8 @@ def main():
     p.add_argument("--max-new", type=int, default=1024)
     p.add_argument("--mini-batch", type=int, default=128)
     p.add_argument("--micro-tokens", type=int, default=8192)
-    p.add_argument("--timeout", type=int, default=560, help="seconds per layout")
+    p.add_argument("--timeout", type=int, nargs="+", default=[560],
+                   help="seconds per layout (one value, or one per --layout)")
     p.add_argument("--root", default=None, help="folder for the model, data and runs")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -286,7 +294,10 @@ def main():
                "nemo_rl_definition": "tokens/sec/GPU = total tokens processed / (stage time x "
                                      "GPUs); docs.nvidia.com/nemo/rl/latest/about/"
                                      "performance-summary.html", "runs": []}
+    timeouts = dict(zip(args.layout, args.timeout * len(args.layout) if len(args.timeout) == 1
+                        else args.timeout))
     for layout in args.layout:
+        args.timeout_s = timeouts[layout]
         results["runs"].append(run_layout(args, layout, model, data, caps, root,
                                           args.prompt_len, args.max_new, env))
         print_table(results["runs"][-1])

@@ -32,7 +32,8 @@ case "${1:-gpu}" in
     timeout 300 python3 bench/moe_bench.py --out "$OUT/moe.json" 2>&1 | tail -40
     ;;
   liger)
-    timeout 420 python3 bench/liger_bench.py --out "$OUT/liger.json" 2>&1 | tail -80
+    timeout 420 python3 bench/liger_bench.py --out "$OUT/liger.json" --profile "$OUT/liger_kernels" 2>&1 \
+        | tail -80
     ;;
   replay)
     timeout 540 python3 bench/router_replay_bench.py --out "$OUT/router_replay.json" 2>&1 \

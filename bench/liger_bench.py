@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 
 import torch
-from common import (add_llama_shape_args, alternate, gpu_state, ragged_batch, report,
-                    save_llama_model)
+from common import (add_llama_shape_args, alternate, gpu_state, kernel_table, ragged_batch,
+                    report, save_llama_model)
 
 
 def liger_model(folder, dev):
@@ -70,6 +71,8 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cases", default="uniform,ragged")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", default=None,
+                   help="folder: a kernel table per case and contender (one step each)")
     args = p.parse_args()
 
     import parallel_models as pm
@@ -117,6 +120,10 @@ def main():
         spread = max(losses.values()) - min(losses.values())
         assert spread < 2e-2 * abs(losses["hf"]), f"{name}: losses disagree {losses}"
         timing = alternate(contenders(ids, mask, packed), rounds=args.rounds, warmup=2, iters=5)
+        if args.profile:  # after the timed rounds: the profiler does not disturb them
+            os.makedirs(args.profile, exist_ok=True)
+            for c, fn in contenders(ids, mask, packed).items():
+                kernel_table(fn, os.path.join(args.profile, f"{name}_{c}.txt"))
         r = {"real_tokens": real_tokens, "padded_tokens": ids.numel(), "losses": losses,
              "gpu_state_per_round": timing.pop("gpu_state_per_round")}
         for c, t in timing.items():

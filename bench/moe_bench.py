@@ -11,6 +11,12 @@ few near-tied tokens may route differently in bf16 (both sides). Speed: fwd+bwd 
 (loss = token cross-entropy; ours: vocab-parallel log-probs, HF: its ``labels`` loss), CUDA-event
 median after warm-up, the two alternated over ``--rounds``; active-parameter TFLOP/s count
 6 x (attention + top-k experts + router + head) params x tokens.
+``--decode-batch B`` (0 = skip) adds MoE decode: ms per step of the continuous engine (B rows,
+``--decode-prompt`` + ``--decode-new`` tokens, greedy) for three variants: megatron-core's
+dispatcher with the expert weights stacked per forward (the state before on-device dispatch;
+its CUDA-graph capture fails, so it decodes eagerly), on-device dispatch (graphs) with stacked
+weights, and on-device dispatch with the packed weights read in place (the default); beside the
+HBM floor (all weights + the KV read at the mean context, / 3.35 TB/s H100, 4.8 TB/s H200).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import os
 import tempfile
 
 import torch
-from common import add_moe_shape_args, alternate, peak_gib, report
+from common import add_moe_shape_args, alternate, peak_gib, report, timed
 
 
 def build_folder(args) -> str:
@@ -52,11 +58,55 @@ def active_params(args) -> int:
     return args.layers * (attn + experts + router) + args.vocab * args.hidden
 
 
+def decode_variants(model, args) -> dict:
+    """ms per decode step of each variant (see the module doc) and the HBM floor."""
+    import warnings
+
+    from parallel_models.rl.rollout.continuous import ContinuousEngine
+    from parallel_models.rl.rollout.sampling import SamplingParams
+
+    B, P, new = args.decode_batch, args.decode_prompt, args.decode_new
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, args.vocab, (B, P), generator=g).tolist()
+    variants = {"megatron_dispatch_stacked": ("0", "0"), "device_dispatch_stacked": ("1", "0"),
+                "device_dispatch_packed": ("1", "1")}
+    out = {}
+    for name, (dispatch, packed) in variants.items():
+        os.environ["PARALLEL_MODELS_MOE_DEVICE_DISPATCH"] = dispatch
+        os.environ["PARALLEL_MODELS_MOE_PACKED_EXPERTS"] = packed
+        eng = ContinuousEngine(model, B * (P + new + 16), max_rows=B)
+
+        def run(n, eng=eng):
+            for p in prompts:
+                eng.submit(p, SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=n))
+            eng.run()
+
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            short = timed(lambda: run(4), warmup=1, iters=3)
+            long = timed(lambda: run(4 + new), warmup=0, iters=3)
+        out[name] = {"ms_per_step": 1e3 * (long - short) / new,
+                     "graphs": any(s.graph is not None for s in eng._steps.values()),
+                     "capture_failed": any("capture" in str(w.message) for w in caught)}
+    for k in ("PARALLEL_MODELS_MOE_DEVICE_DISPATCH", "PARALLEL_MODELS_MOE_PACKED_EXPERTS"):
+        os.environ.pop(k, None)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = 2 * args.layers * args.kv_heads * 128 * 2 * B * (P + new / 2)
+    bw = 3.35e12 if "H100" in torch.cuda.get_device_name() else 4.8e12
+    out["hbm_floor_ms_per_step"] = 1e3 * (params + kv) / bw
+    for name in variants:
+        out[name]["over_floor"] = out[name]["ms_per_step"] / out["hbm_floor_ms_per_step"]
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     add_moe_shape_args(p)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--decode-batch", type=int, default=64)
+    p.add_argument("--decode-prompt", type=int, default=128)
+    p.add_argument("--decode-new", type=int, default=64)
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
@@ -117,6 +167,10 @@ def main():
     results["hf_peak_gib"] = peak_gib(step_hf)
     hf.zero_grad(set_to_none=True)
     results["ours_peak_gib"] = peak_gib(step_ours)
+    ours.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    if args.decode_batch:
+        results["decode"] = decode_variants(ours, args)
     report(results, args.out)
     pm.destroy_parallel()
 

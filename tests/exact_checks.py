@@ -38,10 +38,11 @@ def check_rollout_vs_training(path: str, prompt_count: int, max_new_tokens: int,
     result = {}
     with exact_mode():
         out = _rollout(model, prompts, max_new_tokens)
-        batch = dict(sequences=out.sequences, attention_mask=out.attention_mask,
-                     prompt_lengths=out.prompt_mask.sum(-1), response_mask=out.response_mask)
-        mask = out.response_mask.bool()
-        rollout = out.log_probs[mask]
+        batch = {k: v.to(model.device) for k, v in dict(  # the trainer's batches live there
+            sequences=out.sequences, attention_mask=out.attention_mask,
+            prompt_lengths=out.prompt_mask.sum(-1), response_mask=out.response_mask).items()}
+        mask = out.response_mask.bool().cpu()
+        rollout = out.log_probs.cpu()[mask]
         result["tokens"] = int(mask.sum())
         result["exact_diff"] = {}
         for budget in (16, 10_000):  # one sequence per microbatch, all of them in one

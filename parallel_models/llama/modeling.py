@@ -231,6 +231,13 @@ class ParallelModel(torch.nn.Module):
             else:
                 self.value_head = ValueHead(config.hidden_size, sequence_parallel=self.sequence_parallel,
                                             dtype=self.dtype, device=device)
+        if device != "cpu":
+            # megatron-core builds a few weights on the host whatever its settings (the MoE
+            # router, which it moves on first use, and the shared-expert gate, which it never
+            # moves: Qwen2-MoE failed on the GPU with "mat2 is on cpu")
+            for t in (*self.parameters(), *self.buffers()):
+                if t.device.type == "cpu":
+                    t.data = t.data.to(device)
         self.load_report = None
 
     @property

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import os
 from typing import Any, Iterator, Sequence
 
@@ -311,7 +312,28 @@ class PromptLoader:
         self.position = int(state["position"])
 
 
-__all__ = ["PromptDataset", "PromptLoader", "DataError", "builtin_prompts", "read_records"]
+def prompt_caps(batch: dict, rows: Sequence[int], data_cfg, limit: int) -> list[int]:
+    """The response caps of ``rows`` of a :meth:`PromptLoader.next_batch` batch, read from each
+    record's ``data_cfg.max_new_tokens_key`` field; a missing or bad value is a
+    :class:`DataError` naming the file, the prompt and the key."""
+    key = data_cfg.max_new_tokens_key
+    source = data_cfg.path or (f"data.task={data_cfg.task}" if data_cfg.task else
+                               "built-in prompts")
+    caps = []
+    for i in rows:
+        value = batch["records"][i].get(key)
+        if isinstance(value, numbers.Real) and not isinstance(value, bool) and \
+                float(value).is_integer() and 1 <= value <= limit:
+            caps.append(int(value))
+            continue
+        raise DataError(f"{source}: prompt {batch['indices'][i]}: data.max_new_tokens_key "
+                        f"{key!r} = {value!r}; it must be an integer in 1..{limit} "
+                        "(rollout.max_new_tokens)")
+    return caps
+
+
+__all__ = ["PromptDataset", "PromptLoader", "DataError", "builtin_prompts", "prompt_caps",
+           "read_records"]
 
 
 def prompt_datasets(data_cfg, tokenizer) -> tuple[PromptDataset, PromptDataset | None]:

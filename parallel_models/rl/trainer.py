@@ -34,6 +34,7 @@ from parallel_models.rl.tokenizer import builtin_vocab
 from parallel_models.rl import dp_stats, megatron_backend
 from parallel_models.rl.advantages import compute_advantages
 from parallel_models.rl.batch import RolloutBatch
+from parallel_models.rl.data import prompt_caps
 from parallel_models.rl.metrics import Timer
 from parallel_models.rl.mismatch import rollout_mismatch_metrics
 from parallel_models.rl.roles import RuleReward
@@ -246,8 +247,11 @@ class PPOTrainer:
         prompt_ids = records["input_ids"] if isinstance(records, dict) else records[0]
         self._global_batch_rows = len(prompt_ids) * self.cfg.rollout.n
         mine = [i for i in range(len(prompt_ids)) if i % self.dp_size == self.dp_rank]
+        caps = None
+        if self.cfg.data.max_new_tokens_key:  # per-prompt response caps from the dataset
+            caps = prompt_caps(records, mine, self.cfg.data, self.cfg.rollout.max_new_tokens)
         with self._use(self.actor):
-            batch = self._rollout([prompt_ids[i] for i in mine])
+            batch = self._rollout([prompt_ids[i] for i in mine], max_new_tokens=caps)
         if isinstance(records, dict) and "records" in records:
             # each response carries its prompt's dataset record (reward functions read its fields)
             batch["records"] = [records["records"][i] for i in mine for _ in range(self.cfg.rollout.n)]
@@ -258,7 +262,8 @@ class PPOTrainer:
             batch["messages"] = [m for m in msgs for _ in range(self.cfg.rollout.n)]
         return batch
 
-    def _rollout(self, prompt_ids: list[list[int]], sampling=None) -> RolloutBatch:
+    def _rollout(self, prompt_ids: list[list[int]], sampling=None,
+                 max_new_tokens: list[int] | None = None) -> RolloutBatch:
         sampling = sampling or self.sampling
         n = sampling.n
         if self.rollout_client is not None:
@@ -274,11 +279,13 @@ class PPOTrainer:
             return RolloutBatch.from_dict(out)
         if self.hybrid is not None:  # weights resharded into the rollout layout when stale
             out = self.hybrid.rollout(prompt_ids, sampling, version=self.step_index,
-                                      num_experts=self._num_experts())
+                                      num_experts=self._num_experts(),
+                                      max_new_tokens=max_new_tokens)
             out.pop("weight_version", None)  # rollout_log_probs stay: mismatch metrics, TIS
             return RolloutBatch.from_dict(out)
         routes = {"record_routes": True} if self._moe else {}  # (the fsdp engine has none)
-        out = self.rollout_engine.generate(prompt_ids, sampling, **routes)
+        out = self.rollout_engine.generate(prompt_ids, sampling, max_new_tokens=max_new_tokens,
+                                           **routes)
         return RolloutBatch(sequences=out.sequences, attention_mask=out.attention_mask,
                             prompt_lengths=out.prompt_mask.sum(-1),
                             response_mask=out.response_mask,

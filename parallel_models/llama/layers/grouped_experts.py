@@ -12,8 +12,9 @@ computes, for the tokens the dispatcher sorted by expert:
     out = grouped_mm(fc1, [W2_e^T])
 
 exactly as megatron's expert MLP does (probabilities applied after the activation, in fp32).
-Each forward stacks the local experts' weights (one copy per projection, freed after the
-backward). Used when ``use_grouped_gemm()`` says so: by default on CUDA devices of compute
+A forward with autograd stacks the local experts' weights (one copy per projection, freed after
+the backward); one without reads them in place, packed once into a tensor per projection that
+the expert parameters are views of (``GroupedGemmExperts.stacked_weights``). Used when ``use_grouped_gemm()`` says so: by default on CUDA devices of compute
 capability 9.0+ (Hopper) with bf16 activations; ``PARALLEL_MODELS_MOE_GROUPED_GEMM=1`` forces it
 (e.g. to test it on the CPU), ``=0`` turns it off.
 """
@@ -29,6 +30,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from parallel_models.llama.layers import exact
 
 ENV = "PARALLEL_MODELS_MOE_GROUPED_GEMM"
+PACKED_ENV = "PARALLEL_MODELS_MOE_PACKED_EXPERTS"  # =0: stack the weights in every forward
 
 
 def use_grouped_gemm(hidden: torch.Tensor) -> bool:
@@ -42,6 +44,42 @@ def use_grouped_gemm(hidden: torch.Tensor) -> bool:
         return setting == "1" and hasattr(torch, "_grouped_mm")
     return (hidden.is_cuda and hidden.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(hidden.device) >= (9, 0))
+
+
+def packed_view(weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """``weights`` as one ``[n, *shape]`` view without a copy when they are consecutive equal
+    contiguous slices of one storage (else None)."""
+    first = weights[0]
+    if not first.is_contiguous():
+        return None
+    base, size = first.untyped_storage().data_ptr(), first.numel()
+    offset = first.storage_offset()
+    for i, w in enumerate(weights):
+        if (w.shape != first.shape or w.dtype != first.dtype or not w.is_contiguous()
+                or w.untyped_storage().data_ptr() != base
+                or w.storage_offset() != offset + i * size):
+            return None
+    return first.detach().as_strided((len(weights), *first.shape), (size, *first.stride()),
+                                     offset)
+
+
+def _may_pack(weights: list[torch.Tensor]) -> bool:
+    """Whether the weights may be re-pointed into one new tensor: each owns its storage (not a
+    view into a buffer someone else manages, e.g. megatron DDP's parameter buffer), and no CUDA
+    graph is being captured (the packed tensor must not live in a graph's private pool)."""
+    if weights[0].is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    return all(w.storage_offset() == 0 and
+               w.untyped_storage().nbytes() == w.numel() * w.element_size() for w in weights)
+
+
+def _pack(weights: list[torch.Tensor]) -> torch.Tensor:
+    """Copy ``weights`` (parameters) into one ``[n, *shape]`` tensor and make each parameter a
+    view of its slice (same values; optimizers, hooks and in-place loads keep working)."""
+    packed = torch.stack([w.detach() for w in weights])
+    for i, w in enumerate(weights):
+        w.data = packed[i]
+    return packed
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -60,6 +98,21 @@ class _ContiguousGrad(torch.autograd.Function):
 class GroupedGemmExperts(SequentialMLP):
     """``SequentialMLP`` whose forward is two grouped GEMMs (see the module doc)."""
 
+    def stacked_weights(self, attr: str) -> torch.Tensor:
+        """The local experts' ``attr`` (``linear_fc1`` / ``linear_fc2``) weights as one
+        ``[experts, out, in]`` tensor. With autograd: a stack (its backward hands each expert
+        its gradient). Without: the weights themselves, packed once into one tensor they are
+        views of (:func:`packed_view`), so a decode step reads them in place instead of copying
+        every expert's weights first (3x the weight traffic of an MoE decode step)."""
+        weights = [getattr(e, attr).weight for e in self.local_experts]
+        if (torch.is_grad_enabled() and weights[0].requires_grad) or \
+                os.environ.get(PACKED_ENV, "1") == "0":
+            return torch.stack(weights)
+        packed = packed_view(weights)
+        if packed is None and _may_pack(weights):
+            packed = _pack(weights)
+        return packed if packed is not None else torch.stack(weights)
+
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         x = permuted_local_hidden_states
         if (self.num_local_experts == 1 or self.config.moe_apply_probs_on_input
@@ -67,8 +120,8 @@ class GroupedGemmExperts(SequentialMLP):
             return super().forward(x, tokens_per_expert, permuted_probs)
         counts = torch.as_tensor(tokens_per_expert).to(device=x.device)
         offs = torch.cumsum(counts, dim=0).to(torch.int32)
-        w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts]).transpose(1, 2)
-        w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts]).transpose(1, 2)
+        w1 = self.stacked_weights("linear_fc1").transpose(1, 2)
+        w2 = self.stacked_weights("linear_fc2").transpose(1, 2)
         fc1 = _ContiguousGrad.apply(torch._grouped_mm(x, w1, offs=offs))
         gate, up = torch.chunk(fc1, 2, dim=-1)
         act = F.silu(gate) * up

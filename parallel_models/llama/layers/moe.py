@@ -1,7 +1,8 @@
 """The MoE MLP of Qwen3-MoE, Qwen2-MoE and Mixtral: megatron-core's ``MoELayer`` (``TopKRouter``,
 dropless all-to-all token dispatch over the expert-parallel group, ``SequentialMLP`` experts of
 the local spec, run as grouped GEMMs on Hopper by ``grouped_experts.GroupedGemmExperts``,
-``SharedExpertMLP`` with its sigmoid gate).
+``SharedExpertMLP`` with its sigmoid gate). Forwards without autograd and without expert or
+tensor parallelism dispatch on the device (``moe_local_dispatch``: same values, capturable).
 
 Routing matches transformers per family with megatron-core's own router options, no subclass of
 its routing rule:
@@ -33,7 +34,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from parallel_models import megatron_fixes
 from parallel_models.config import ConfigError, ModelConfig
-from parallel_models.llama.layers import exact, router_replay
+from parallel_models.llama.layers import exact, moe_local_dispatch, router_replay
 from parallel_models.llama.layers.grouped_experts import GroupedGemmExperts
 
 megatron_fixes.apply()  # te_general_gemm undefined without transformer-engine
@@ -122,6 +123,8 @@ class ParallelMoE(MoELayer):
         _mark_expert_parallel(self)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        if moe_local_dispatch.applies(self, hidden):  # no host copies: CUDA-graph capturable
+            return moe_local_dispatch.forward(self, hidden)
         out, bias = super().forward(hidden)
         return out if bias is None else out + bias
 

@@ -94,6 +94,10 @@ class DataSection(BaseModel):
                                                       ".parquet); null = none, or data.task's")
     val_batch_size: Optional[Int] = Field(None, ge=1, description="validation prompts per "
                                                                  "rollout; null = batch_size")
+    max_new_tokens_key: Optional[str] = Field(
+        None, min_length=1, description="record field capping that prompt's response tokens "
+                                        "(an int in 1..rollout.max_new_tokens); null = "
+                                        "rollout.max_new_tokens for every prompt")
 
 
 class RolloutSection(SamplingFields):

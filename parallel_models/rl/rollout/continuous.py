@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from typing import Callable, Sequence
 
 import torch
 from megatron.core import parallel_state as mpu
 
-from parallel_models.llama.layers import exact
-from parallel_models.rl.rollout.generation import (_broadcast_in_tp_group, capture_cuda_graph,
-                                                   sequence_parallel_off)
+from parallel_models.rl.rollout.bucket_step import BucketStep, bucket_sizes
+from parallel_models.rl.rollout.generation import _broadcast_in_tp_group, sequence_parallel_off
 from parallel_models.rl.rollout.pool_cache import DecodeRows, PoolKVCache
 from parallel_models.rl.rollout.prefix_cache import PrefixCache
 from parallel_models.rl.rollout.row_sampling import draw, row_seed
@@ -112,47 +110,6 @@ class _Drawn:
     top: tuple | None
 
 
-def _buckets(max_rows: int) -> list[int]:
-    out, b = [], 1
-    while b < max_rows:
-        out.append(b)
-        b *= 2
-    return out + [max_rows]
-
-
-class _BucketStep:
-    """The decode step of one bucket: ``DecodeRows`` buffers -> logits ``[size, vocab]``; a CUDA
-    graph captured on the first call when possible (as ``generation._DecodeStep``)."""
-
-    def __init__(self, model, cache: PoolKVCache, rows: DecodeRows, use_graph: bool):
-        self.model, self.cache, self.rows = model, cache, rows
-        self.use_graph, self.graph, self.logits = use_graph, None, None
-        self.exact = False  # whether the graph holds exact mode's kernels (layers/exact)
-
-    def _forward(self):
-        self.cache.begin_decode(self.rows)
-        hidden, _ = self.model.forward_hidden(self.rows.tokens, self.rows.cu_q, self.rows.lengths,
-                                              1, kv_cache=self.cache)
-        return self.model._head(hidden, 0, full_vocab=True)
-
-    def __call__(self):
-        if not self.use_graph:
-            return self._forward()
-        if self.graph is not None and self.exact != exact.enabled():
-            self.graph = None  # captured with the other kernels: capture again
-        if self.graph is None:
-            self.exact = exact.enabled()
-            try:
-                self.graph, self.logits = capture_cuda_graph(self._forward)
-            except Exception as err:  # e.g. an op that syncs: run eagerly from now on
-                warnings.warn(f"CUDA graph capture of a decode bucket failed ({err}); decoding "
-                              "eagerly")
-                self.use_graph, self.graph = False, None
-                return self._forward()
-        self.graph.replay()
-        return self.logits
-
-
 class ContinuousEngine:
     """``ContinuousEngine(model, kv_budget_tokens, max_rows=64, max_row_tokens=None,
     prefix_cache_tokens=0, max_prefill_tokens=16384)``: KV pool of ``kv_budget_tokens``
@@ -182,11 +139,11 @@ class ContinuousEngine:
                                  self.max_row_tokens, attn.num_kv_heads_per_rank, attn.head_dim,
                                  model.dtype, self.device)
         self.prefixes = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
-        self.buckets = _buckets(max_rows)
+        self.buckets = bucket_sizes(max_rows)
         use_graph = (self.device.type == "cuda" and self.cache.flash_decode
                      and not model.config.rope_depends_on_length
                      and os.environ.get("PARALLEL_MODELS_CUDA_GRAPHS", "1") != "0")
-        self._steps = {b: _BucketStep(model, self.cache, DecodeRows(b, self.device, self.cache.end),
+        self._steps = {b: BucketStep(model, self.cache, DecodeRows(b, self.device, self.cache.end),
                                       use_graph) for b in self.buckets}
         if pipeline is None:  # unset: on CUDA; "1": everywhere; "0": off
             env = os.environ.get("PARALLEL_MODELS_DECODE_PIPELINE")

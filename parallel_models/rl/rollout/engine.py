@@ -63,6 +63,20 @@ def load_weights(model, path) -> None:
         raise ValueError(f"non-finite weights after loading: {', '.join(bad[:5])}")
 
 
+def _prompt_caps(caps, prompts: int, limit: int) -> list[int] | None:
+    """Per-prompt caps on new tokens, checked (None: no caps)."""
+    if caps is None:
+        return None
+    caps = [int(c) for c in caps]
+    if len(caps) != prompts:
+        raise ValueError(f"max_new_tokens: {len(caps)} caps for {prompts} prompts")
+    bad = [c for c in caps if not 1 <= c <= limit]
+    if bad:
+        raise ValueError(f"max_new_tokens: caps must be in 1..{limit} (the sampling "
+                         f"max_new_tokens), got {bad[:5]}")
+    return caps
+
+
 class RolloutEngine:
     """``RolloutEngine(model, eos_token_id=None, pad_token_id=0, weights_path=None,
     kv_budget_tokens=None, max_rows=64, prefix_cache_tokens=0, keep_kv=False)``."""
@@ -116,23 +130,30 @@ class RolloutEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  generator: torch.Generator | None = None, top_logprobs: int = 0,
-                 on_step=None, record_routes: bool = False) -> GenerationOutput:
+                 on_step=None, record_routes: bool = False,
+                 max_new_tokens: Sequence[int] | None = None) -> GenerationOutput:
         """``params.n`` samples of each prompt (rows prompt-major). A ``params.seed`` seeds a
         generator of its own unless ``generator`` is given. ``top_logprobs=k`` also returns the
         k most likely tokens per step; ``on_step`` sees each step's tokens as they are drawn
         (``generation.generate``); ``record_routes`` (MoE) also returns the experts every token
-        was routed to (``GenerationOutput.routes``; recorded by the static batcher)."""
+        was routed to (``GenerationOutput.routes``; recorded by the static batcher).
+        ``max_new_tokens``: per prompt, a cap on its samples' new tokens (each in
+        1..``params.max_new_tokens``)."""
+        caps = _prompt_caps(max_new_tokens, len(prompts), params.max_new_tokens)
         if self.continuous and on_step is None and not record_routes:
-            return self._generate_continuous(prompts, params, generator, top_logprobs)
+            return self._generate_continuous(prompts, params, generator, top_logprobs, caps)
         rows = [list(p) for p in prompts for _ in range(params.n)]
-        one_each = params.model_copy(update={"n": 1})  # (a seed makes generate's generator)
+        update = {"n": 1} if caps is None else {"n": 1, "max_new_tokens": max(caps)}
+        one_each = params.model_copy(update=update)  # (a seed makes generate's generator)
         out = generate(self.model, rows, one_each, generator=generator,
                        stop_token_ids=self.stop_ids(params), pad_token_id=self.pad_token_id,
-                       top_logprobs=top_logprobs, on_step=on_step, record_routes=record_routes)
+                       top_logprobs=top_logprobs, on_step=on_step, record_routes=record_routes,
+                       row_limits=None if caps is None else
+                       [c for c in caps for _ in range(params.n)])
         self.generated_tokens += int(out.response_mask.sum())
         return out
 
-    def _generate_continuous(self, prompts, params, generator, top_logprobs):
+    def _generate_continuous(self, prompts, params, generator, top_logprobs, caps=None):
         from parallel_models.rl.rollout.continuous import generation_output, request_seed
 
         engine = self.continuous_engine()
@@ -143,7 +164,10 @@ class RolloutEngine:
                 seed = params.seed
                 if seed is None and not params.greedy:
                     seed = int(torch.randint(0, 1 << 62, (1,), generator=generator))
-                one = params.model_copy(update={"seed": request_seed(seed, i)})
+                update = {"seed": request_seed(seed, i)}
+                if caps is not None:
+                    update["max_new_tokens"] = caps[i]
+                one = params.model_copy(update=update)
                 requests.append(engine.submit(p, one, stop_ids=stop, top_logprobs=top_logprobs))
             engine.run()
         finally:
@@ -155,15 +179,15 @@ class RolloutEngine:
                              for f, v in vars(out).items()})
 
     def generate_samples(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-                         top_logprobs: int = 0, on_step=None, record_routes: bool = False
-                         ) -> list[dict]:
+                         top_logprobs: int = 0, on_step=None, record_routes: bool = False,
+                         max_new_tokens: Sequence[int] | None = None) -> list[dict]:
         """Like :meth:`generate`, as one ``{"token_ids", "log_probs", "finish_reason"}`` dict per
         row (``"stop"`` when the last token is a stop id, else ``"length"``); ``top_logprobs=k``
         adds ``"top_logprobs"``: per token a list of k ``[token_id, log_prob]``, most likely
         first; ``record_routes`` (MoE) adds ``"routes"``: per prompt and generated token, per MoE
         layer, the k experts used (-1 where none: the last generated token)."""
         out = self.generate(prompts, params, top_logprobs=top_logprobs, on_step=on_step,
-                            record_routes=record_routes)
+                            record_routes=record_routes, max_new_tokens=max_new_tokens)
         stops = set(self.stop_ids(params))
         mask, toks = out.response_mask.cpu(), out.responses.cpu()
         logps = out.log_probs.float().cpu()

@@ -193,7 +193,8 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
              generator: torch.Generator | None = None, *,
              stop_token_ids: Sequence[int] | None = None,
              pad_token_id: int = 0, top_logprobs: int = 0,
-             on_step: Callable | None = None, record_routes: bool = False) -> GenerationOutput:
+             on_step: Callable | None = None, record_routes: bool = False,
+             row_limits: Sequence[int] | None = None) -> GenerationOutput:
     """Sample one continuation of each of ``prompts`` (token-id lists) with ``model`` (a
     parallel CausalLM); ``params.n`` must be 1 here (``RolloutEngine.generate`` repeats rows).
 
@@ -206,6 +207,7 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
     ``produced``: the rows that made a token this step; ``top``: (ids, log-probs) ``[B, k]`` or
     None); pass it on one rank only. ``record_routes`` (MoE models) also returns the top-k
     experts of every prompt and generated token per MoE layer (``rollout/route_collector.py``).
+    ``row_limits``: a cap on each row's new tokens (<= ``params.max_new_tokens``).
     """
     params.validate()
     if params.n != 1:
@@ -237,6 +239,7 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
         raise ValueError(f"top_logprobs must be >= 0, got {top_logprobs}")
     tokens_out, logp_out, alive_out, top_out = [], [], [], []
     alive = torch.ones(batch, dtype=torch.bool, device=device)
+    limits = None if row_limits is None else torch.tensor(list(row_limits), device=device)
     # on CUDA "any sequence still running?" is copied without blocking and read a step later
     lagged = device.type == "cuda"
     any_alive = torch.ones((), dtype=torch.bool, pin_memory=lagged)
@@ -262,6 +265,8 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
             if on_step is not None:
                 on_step(tokens, logp, alive_out[-1], top)
             alive = alive & ~torch.isin(tokens, stop)
+            if limits is not None:
+                alive = alive & (limits > step + 1)
             if step == params.max_new_tokens - 1:
                 break
             if not lagged:

@@ -102,32 +102,37 @@ class HybridRollout:
         return seconds
 
     def rollout(self, prompt_ids: list[list[int]], sampling, version=None,
-                num_experts: int | None = None) -> dict:
+                num_experts: int | None = None, max_new_tokens: list[int] | None = None) -> dict:
         """This rank's training-DP share of prompts -> its rows (``sampling.n`` per prompt), as
         the trainer's rollout dict. Every rank calls this together. ``num_experts`` (an MoE
-        actor): the rows carry their routes too."""
+        actor): the rows carry their routes too. ``max_new_tokens``: per prompt, a cap on its
+        samples' new tokens."""
         with self._on_device():
-            return self._rollout(prompt_ids, sampling, version, num_experts)
+            return self._rollout(prompt_ids, sampling, version, num_experts, max_new_tokens)
 
-    def _rollout(self, prompt_ids, sampling, version, num_experts) -> dict:
+    def _rollout(self, prompt_ids, sampling, version, num_experts, caps) -> dict:
         self.sync(version)
         prompt_ids = [list(map(int, p)) for p in prompt_ids]
+        caps = [sampling.max_new_tokens] * len(prompt_ids) if caps is None else list(caps)
         layout = self.layout
         pooled: list = [None] * dist.get_world_size()
-        dist.all_gather_object(pooled, (self.training_dp_rank, prompt_ids))
-        by_dp = dict(pooled)
-        items = [(d, i, p) for d in sorted(by_dp) for i, p in enumerate(by_dp[d])]
+        dist.all_gather_object(pooled, (self.training_dp_rank, prompt_ids, caps))
+        by_dp = {d: (p, c) for d, p, c in pooled}
+        items = [(d, i, p, by_dp[d][1][i]) for d in sorted(by_dp)
+                 for i, p in enumerate(by_dp[d][0])]
         mine = [items[j] for j in share_of(items, layout.data_parallel_rank,
                                            layout.data_parallel_size)]
         samples: list[dict] = []
         if mine:
             with layout.active():
-                samples = self.engine.generate_samples([p for _, _, p in mine], sampling,
-                                                       record_routes=num_experts is not None)
+                samples = self.engine.generate_samples([p for _, _, p, _ in mine], sampling,
+                                                       record_routes=num_experts is not None,
+                                                       max_new_tokens=[c for *_, c in mine])
         n = sampling.n
         answers = {}
         if layout.tensor_parallel_rank == 0:
-            answers = {(d, i): samples[k * n:(k + 1) * n] for k, (d, i, _) in enumerate(mine)}
+            answers = {(d, i): samples[k * n:(k + 1) * n]
+                       for k, (d, i, _, _) in enumerate(mine)}
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, answers)
         for part in gathered:

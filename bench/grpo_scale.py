@@ -1,0 +1,302 @@
+"""End-to-end GRPO at the Llama-3-8B shape on two GPUs (issue 19 item 3): the trainer's own run,
+per phase time, peak memory, tokens/s/GPU and the MFU of the scoring and training phases, and
+the whole step's tokens/s/GPU counted as NeMo-RL counts it.
+
+    python bench/grpo_scale.py --layout tp2 [--layout pp2] [--critic] [--steps 2] [--out r.json]
+    python bench/grpo_scale.py --shape tiny --layout tp2 pp2 --steps 1   # the CPU smoke (gloo)
+
+What runs (each layout: ``torchrun --nproc-per-node 2 -m parallel_models.rl.train``):
+- model: a random-weight bf16 Llama of the 8B shape (hidden 4096, 32 layers, 32/8 heads, ffn
+  14336, vocab 128256, rope theta 500000), written once as HF safetensors straight from tensors
+  drawn on the GPU (no transformers model is built); ``--shape tiny`` for the CPU;
+- tokenizer: a word-level one over the same 128256 ids (``t0`` ... plus specials), built on the
+  spot, so 512-token prompts and random responses round-trip as text;
+- data: 64 prompts per step of exactly 512 tokens, each with a response cap drawn long-tailed
+  (lognormal, median 300, sigma 0.8, clipped to 16..1024) in the record field the trainer reads
+  (``data.max_new_tokens_key``); ``rollout.ignore_eos``, so every response is as long as its cap;
+- GRPO: 8 samples per prompt, actor + reference (the KL loss) colocated with ``trainer.offload``,
+  continuous batching, one PPO epoch in minibatches of 128 samples; ``--critic``: the PPO variant
+  (GAE, a critic initialised from the actor, KL in the reward);
+- layouts: ``tp2`` (TP=2) and ``pp2`` (PP=2; the rollout runs at TP'=1 on each GPU through the
+  hybrid engine).
+
+Reported per step and phase (the trainer's ``timing/*_s`` and ``memory/*_peak_gib``): tokens/s/GPU
+= tokens the phase processed / time / GPUs; MFU of scoring (actor + reference forward: 2 N
+tokens + causal attention each) and of the actor update (6 N tokens + attention) against the
+H200's dense bf16 peak (989 TFLOP/s) and against the measured matmul peak; N = 7.50B multiplying
+parameters (the input embedding is a lookup). The whole step, as NeMo-RL's performance summary
+counts it (docs.nvidia.com/nemo/rl/latest/about/performance-summary.html: tokens/sec/GPU =
+total tokens processed / (time of the stage x GPUs), the stage being the whole step): prompt +
+response tokens of all samples / step time / GPUs. Step 1 includes graph capture and compiles:
+the table reports the last step (all steps are in the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+SHAPES = {
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, intermediate_size=14336, vocab_size=128256),
+    "tiny": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=128, vocab_size=1000),
+}
+H200_BF16_DENSE_TFLOPS = 989.0
+SPECIALS = ["<pad>", "<s>", "</s>"]
+
+
+def log(msg: str) -> None:
+    print(f"[grpo_scale {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def build_model(folder: str, shape: dict, device: str) -> None:
+    """HF Llama folder of random bf16 weights (std 0.02, norms 1), written shard by shard."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    V, H, L = shape["vocab_size"], shape["hidden_size"], shape["num_hidden_layers"]
+    kv = H // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    ffn = shape["intermediate_size"]
+    cfg = LlamaConfig(**shape, max_position_embeddings=8192, rope_theta=500000.0,
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                      architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
+    os.makedirs(folder, exist_ok=True)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*size):
+        return (torch.randn(*size, generator=gen, device=device) * 0.02).to(torch.bfloat16).cpu()
+
+    shards = [{"model.embed_tokens.weight": rand(V, H)}]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        shards.append({p + "self_attn.q_proj.weight": rand(H, H),
+                       p + "self_attn.k_proj.weight": rand(kv, H),
+                       p + "self_attn.v_proj.weight": rand(kv, H),
+                       p + "self_attn.o_proj.weight": rand(H, H),
+                       p + "mlp.gate_proj.weight": rand(ffn, H),
+                       p + "mlp.up_proj.weight": rand(ffn, H),
+                       p + "mlp.down_proj.weight": rand(H, ffn),
+                       p + "input_layernorm.weight": torch.ones(H, dtype=torch.bfloat16),
+                       p + "post_attention_layernorm.weight": torch.ones(H, dtype=torch.bfloat16)})
+    shards.append({"model.norm.weight": torch.ones(H, dtype=torch.bfloat16),
+                   "lm_head.weight": rand(V, H)})
+    weight_map, total = {}, 0
+    for k, tensors in enumerate(shards):
+        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, os.path.join(folder, name), metadata={"format": "pt"})
+        for key, t in tensors.items():
+            weight_map[key] = name
+            total += t.numel() * t.element_size()
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    cfg.save_pretrained(folder)
+    build_tokenizer(V).save_pretrained(folder)
+
+
+def build_tokenizer(vocab_size: int):
+    """A word-level fast tokenizer whose ids are ``<pad> <s> </s> t3 t4 ...``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(SPECIALS)}
+    vocab.update({f"t{i}": i for i in range(len(SPECIALS), vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>", unk_token="<pad>")
+
+
+def build_data(path: str, prompts: int, prompt_len: int, vocab: int, cap: int, seed: int = 0):
+    """``prompts`` records of ``prompt_len`` words and a long-tailed response cap; -> the caps."""
+    g = torch.Generator().manual_seed(seed)
+    caps = torch.exp(math.log(300.0) + 0.8 * torch.randn(prompts, generator=g))
+    caps = caps.round().clamp(min(16, cap), cap).long().tolist()
+    with open(path, "w") as f:
+        for i in range(prompts):
+            ids = torch.randint(len(SPECIALS), vocab, (prompt_len,), generator=g).tolist()
+            f.write(json.dumps({"prompt": " ".join(f"t{t}" for t in ids),
+                                "budget": caps[i]}) + "\n")
+    return caps
+
+
+def overrides(args, layout: str, model: str, data: str, out: str, prompt_len: int,
+              new_tokens: int) -> list[str]:
+    samples = args.prompts * args.n
+    engines = 1 if layout == "tp2" else 2  # pp2: two rollout engines (TP'=1, one per GPU)
+    kv_budget = samples // engines * (prompt_len + new_tokens)
+    o = [f"model.path={model}", f"model.dtype={args.dtype}", f"data.path={data}",
+         f"data.max_prompt_length={prompt_len}", f"data.batch_size={args.prompts}",
+         "data.shuffle=false", "data.max_new_tokens_key=budget", f"rollout.n={args.n}",
+         f"rollout.max_new_tokens={new_tokens}", "rollout.ignore_eos=true",
+         f"rollout.kv_budget_tokens={kv_budget}", f"rollout.max_batch_rows={samples // engines}",
+         "actor.ppo_epochs=1", f"actor.mini_batch_size={args.mini_batch}",
+         f"actor.micro_batch_tokens={args.micro_tokens}", "actor.lr=1e-6",
+         f"trainer.total_steps={args.steps}", "trainer.save_every=0",
+         "trainer.save_hf_at_end=false", "trainer.loggers=[jsonl]", f"trainer.output_dir={out}",
+         f"trainer.offload={str(args.offload).lower()}"]
+    o += (["parallel.tensor_parallel_size=2"] if layout == "tp2" else
+          ["parallel.pipeline_parallel_size=2"])
+    if args.critic:
+        o += ["algorithm.adv_estimator=gae", "critic.enable=true", "actor.use_kl_loss=false",
+              "critic.lr=1e-6"]
+    else:
+        o += ["algorithm.adv_estimator=grpo", "critic.enable=false", "actor.use_kl_loss=true",
+              "algorithm.kl_in_reward=false"]
+    return o
+
+
+def flops_per_token_pass(shape: dict) -> float:
+    """Multiplying parameters of one token's forward (x 2 FLOPs each): the linears and the head."""
+    H, L = shape["hidden_size"], shape["num_hidden_layers"]
+    kv = H // shape["num_attention_heads"] * shape["num_key_value_heads"]
+    per_layer = H * (2 * H + 2 * kv) + 3 * H * shape["intermediate_size"]
+    return 2.0 * (L * per_layer + shape["vocab_size"] * H)
+
+
+def attention_flops(shape: dict, lengths: list[int]) -> float:
+    """Causal attention of one forward over sequences of ``lengths`` (QK^T and PV, half)."""
+    H, L = shape["hidden_size"], shape["num_hidden_layers"]
+    return sum(2.0 * n * n * H * L for n in lengths)
+
+
+def step_report(shape, metrics: dict, seq_lengths: list[int], response_tokens: int,
+                gpus: int, matmul_peak: float | None) -> dict:
+    """Per phase: seconds, peak GiB, tokens/s/GPU; MFU of scoring and the actor update."""
+    tokens = sum(seq_lengths)
+    fwd = flops_per_token_pass(shape) * tokens + attention_flops(shape, seq_lengths)
+    work = {"gen": (response_tokens, None), "score": (2 * tokens, 2 * fwd),
+            "train_actor": (tokens, 3 * fwd), "train_critic": (tokens, 3 * fwd)}
+    out = {"tokens": tokens, "response_tokens": response_tokens, "phases": {}}
+    for key, value in metrics.items():
+        if not (key.startswith("timing/") and key.endswith("_s")) or key == "timing/step_s":
+            continue
+        phase = key[len("timing/"):-2]
+        if value < 1e-3:  # a phase that did nothing (e.g. the critic's update without a critic)
+            continue
+        row = {"s": value, "peak_gib": metrics.get(f"memory/{phase}_peak_gib")}
+        count, flops = work.get(phase, (None, None))
+        if count and value > 0:
+            row["tokens_per_s_per_gpu"] = count / value / gpus
+        if flops and value > 0:
+            tflops = flops / value / gpus / 1e12
+            row["tflops_per_gpu"] = tflops
+            row["mfu_h200_dense"] = tflops / H200_BF16_DENSE_TFLOPS
+            if matmul_peak:
+                row["share_of_matmul_peak"] = tflops / matmul_peak
+        out["phases"][phase] = row
+    out["step_s"] = metrics["timing/step_s"]
+    out["nemo_rl_tokens_per_s_per_gpu"] = tokens / out["step_s"] / gpus
+    return out
+
+
+def run_layout(args, layout, model, data, caps, root, prompt_len, new_tokens, env) -> dict:
+    out = os.path.join(root, f"run_{layout}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(29500 + (layout == "pp2")), "-m", "parallel_models.rl.train",
+           *overrides(args, layout, model, data, out, prompt_len, new_tokens)]
+    log(f"{layout}: {' '.join(cmd[-8:])} ...")
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=env, timeout=args.timeout)
+    wall = time.time() - t0
+    metrics_path = os.path.join(out, "metrics.jsonl")
+    rows = []
+    if os.path.isfile(metrics_path):
+        with open(metrics_path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    result = {"layout": layout, "returncode": proc.returncode, "wall_s": wall, "steps": []}
+    for step, m in enumerate(rows):
+        batch_caps = caps[step * args.prompts:(step + 1) * args.prompts]
+        lengths = [prompt_len + c for c in batch_caps for _ in range(args.n)]
+        response = sum(batch_caps) * args.n
+        r = step_report(SHAPES[args.shape], m, lengths, response, 2, args.matmul_peak)
+        r["response_length_mean_logged"] = m.get("response_length/mean")
+        r["reward_mean"] = m.get("reward/mean")
+        result["steps"].append(r)
+    log(f"{layout}: exit {proc.returncode} after {wall:.0f} s, {len(rows)} step(s) logged")
+    return result
+
+
+def print_table(result: dict) -> None:
+    if not result["steps"]:
+        return
+    last = result["steps"][-1]
+    print(f"\n{result['layout']}, step {len(result['steps'])}: {last['step_s']:.1f} s, "
+          f"{last['tokens']} tokens ({last['response_tokens']} generated), "
+          f"NeMo-RL tokens/s/GPU {last['nemo_rl_tokens_per_s_per_gpu']:.0f}")
+    print("| phase | s | peak GiB | tokens/s/GPU | TFLOP/s/GPU | MFU (989) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for phase, r in last["phases"].items():
+        def fmt(key, spec):
+            return format(r[key], spec) if r.get(key) is not None else ""
+        print(f"| {phase} | {r['s']:.2f} | {fmt('peak_gib', '.1f')} | "
+              f"{fmt('tokens_per_s_per_gpu', '.0f')} | {fmt('tflops_per_gpu', '.0f')} | "
+              f"{fmt('mfu_h200_dense', '.1%')} |")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--layout", nargs="+", choices=["tp2", "pp2"], default=["tp2"])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="8b")
+    p.add_argument("--critic", action="store_true", help="the PPO variant (GAE + a critic)")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--max-new", type=int, default=1024)
+    p.add_argument("--mini-batch", type=int, default=128)
+    p.add_argument("--micro-tokens", type=int, default=8192)
+    p.add_argument("--timeout", type=int, default=560, help="seconds per layout")
+    p.add_argument("--root", default=None, help="folder for the model, data and runs")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    cuda = torch.cuda.is_available()
+    args.dtype = "bfloat16" if cuda else "float32"
+    args.offload = cuda
+    args.matmul_peak = None
+    if cuda:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from common import matmul_peak_tflops
+
+        args.matmul_peak = matmul_peak_tflops(torch.device("cuda"))
+    root = args.root or tempfile.mkdtemp(prefix="grpo_scale_")
+    shape = SHAPES[args.shape]
+    model, data = os.path.join(root, "model"), os.path.join(root, "prompts.jsonl")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        log(f"writing the {args.shape} model to {model}")
+        build_model(model, shape, "cuda" if cuda else "cpu")
+    caps = build_data(data, args.prompts * args.steps, args.prompt_len, shape["vocab_size"],
+                      args.max_new)
+    srt = sorted(caps)
+    dist_info = {"mean": sum(caps) / len(caps), "median": srt[len(srt) // 2],
+                 "p90": srt[int(0.9 * (len(srt) - 1))], "max": srt[-1], "min": srt[0]}
+    log(f"data: {len(caps)} prompts x {args.prompt_len} tokens, response caps {dist_info}")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
+    results = {"device": torch.cuda.get_device_name() if cuda else "cpu",
+               "torch": torch.__version__, "args": vars(args), "response_caps": dist_info,
+               "nemo_rl_definition": "tokens/sec/GPU = total tokens processed / (stage time x "
+                                     "GPUs); docs.nvidia.com/nemo/rl/latest/about/"
+                                     "performance-summary.html", "runs": []}
+    for layout in args.layout:
+        results["runs"].append(run_layout(args, layout, model, data, caps, root,
+                                          args.prompt_len, args.max_new, env))
+        print_table(results["runs"][-1])
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    failed = [r["layout"] for r in results["runs"] if r["returncode"] != 0]
+    if failed:
+        sys.exit(f"failed layouts: {failed}")
+
+
+if __name__ == "__main__":
+    main()

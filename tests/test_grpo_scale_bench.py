@@ -1,0 +1,34 @@
+"""The 8B-scale GRPO bench (``bench/grpo_scale.py``) end to end at a tiny shape on 2 CPU ranks,
+TP=2 and PP=2: it builds its model, tokenizer and capped prompts, the trainer runs every step,
+and the report counts the tokens the caps imply (the GPU run must not be its first run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "bench", "grpo_scale.py")
+
+
+def test_tiny_tp2_and_pp2_runs_report_every_phase(tmp_path):
+    out = tmp_path / "r.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, BENCH, "--shape", "tiny", "--layout", "tp2", "pp2",
+                           "--steps", "2", "--prompts", "4", "--n", "2", "--prompt-len", "16",
+                           "--max-new", "8", "--mini-batch", "8", "--micro-tokens", "64",
+                           "--root", str(tmp_path / "root"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["layout"] for r in result["runs"]] == ["tp2", "pp2"]
+    for run in result["runs"]:
+        assert len(run["steps"]) == 2
+        for step in run["steps"]:
+            # 4 prompts x 2 samples, 16 prompt tokens + 8 new (ignore_eos: every cap is reached)
+            assert step["tokens"] == 8 * (16 + 8) and step["response_tokens"] == 8 * 8
+            assert step["response_length_mean_logged"] == 8
+            assert {"gen", "score", "train_actor"} <= set(step["phases"])
+            assert step["phases"]["score"]["tokens_per_s_per_gpu"] > 0
+            assert step["nemo_rl_tokens_per_s_per_gpu"] > 0

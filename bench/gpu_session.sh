@@ -64,8 +64,8 @@ case "${1:-gpu}" in
     ;;
   tp_pp)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-    TR="timeout 75 torchrun --nproc-per-node 2 --master-port 29517"
-    $TR bench/tp_bench.py --tp 1 --out "$OUT/tp1.json" > "$OUT/tp1.log" 2>&1; tail -3 "$OUT/tp1.log"
+    TR="timeout 75 torchrun --standalone --nproc-per-node 2"; SECONDS=0
+    $TR bench/tp_bench.py --tp 1 --out "$OUT/tp1.json" > "$OUT/tp1.log" 2>&1; echo "tp1: $(grep -h '"tokens_per_s_per_gpu"' "$OUT/tp1.log")"
     T1="--tp1-json $OUT/tp1.json"
     run_tp() { name=$1; shift; $TR bench/tp_bench.py --tp 2 $T1 --out "$OUT/$name.json" "$@" \
         > "$OUT/$name.log" 2>&1; echo "$name: $(grep -h 'share of TP=1' "$OUT/$name.log")"; }
@@ -79,6 +79,7 @@ case "${1:-gpu}" in
       $TR bench/pp_bench.py --microbatches 16 --layers-per-stage $split $T1 \
           --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
       echo "$name: $(grep -h 'share of TP=1' "$OUT/$name.log")"; tail -2 "$OUT/$name.log"; done
+    echo "tp_pp total: ${SECONDS} s"
     ;;
   mcore)
     CUDA_VISIBLE_DEVICES= timeout 540 python3 -m pytest -q -p no:cacheprovider -n 8 \

@@ -87,6 +87,19 @@ def main():
     ids = torch.randint(0, args.vocab, (tokens,), device=dev, generator=g)
     cu = torch.arange(0, tokens + 1, args.seq, dtype=torch.int32, device=dev)
 
+    overlap_check = None
+    if args.overlap_chunks > 1 and args.tp > 1:
+        # the chunked NCCL path against megatron's plain one on the same input (stream races
+        # would show here): max |logits difference|, bf16
+        from parallel_models.llama.layers.row_overlap import set_tp_overlap_chunks
+
+        chunked = model(ids, cu).logits.detach()
+        set_tp_overlap_chunks(model, 0)
+        plain = model(ids, cu).logits.detach()
+        set_tp_overlap_chunks(model, args.overlap_chunks)
+        overlap_check = float((chunked.float() - plain.float()).abs().max())
+        del chunked, plain
+
     def step():
         logits = model(ids, cu).logits
         loss = -log_probs_from_packed_logits(logits, ids, cu).sum() / tokens
@@ -112,7 +125,7 @@ def main():
     n_matmul = args.layers * per_layer + args.vocab * args.hidden
     flops = 6 * n_matmul * tokens + 6 * args.layers * args.hidden * (tokens // args.seq) * args.seq**2
     res = {"tp": args.tp, "sequence_parallel": args.sequence_parallel,
-           "overlap_chunks": args.overlap_chunks,
+           "overlap_chunks": args.overlap_chunks, "overlap_vs_plain_logits_max_abs": overlap_check,
            "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "tokens_per_step": tokens, "step_s": t, "tokens_per_s": tokens / t,

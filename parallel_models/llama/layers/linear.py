@@ -81,12 +81,17 @@ class ParallelRowLinear(RowParallelLinear):
             self.bias.sequence_parallel = config.sequence_parallel
         # k > 1: the output reduction overlaps the GEMM in k token chunks (row_overlap.py)
         self.overlap_chunks = overlap_chunks_from_env()
-        self.tp_world_size = torch.distributed.get_world_size(self.tp_group)
+        self.tp_world_size = (torch.distributed.get_world_size(self.tp_group)
+                              if torch.distributed.is_initialized() else 1)
 
     def forward(self, input_):
         k = self.overlap_chunks
-        if (k <= 1 or self.tp_world_size <= 1 or not torch.is_grad_enabled() or self.explicit_expert_comm
-                or self.gradient_accumulation_fusion or input_.shape[0] < k
+        # megatron's own path where it does more than a plain GEMM + reduction (the getattrs:
+        # attributes some megatron-core versions lack)
+        if (k <= 1 or self.tp_world_size <= 1 or not torch.is_grad_enabled()
+                or getattr(self, "explicit_expert_comm", False)
+                or getattr(self, "gradient_accumulation_fusion", False)
+                or getattr(self.config, "delay_wgrad_compute", False) or input_.shape[0] < k
                 or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
             return super().forward(input_)
         out = ChunkedRowParallelMatmul.apply(input_, self.weight, k, self.tp_group,

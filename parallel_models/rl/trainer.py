@@ -283,9 +283,10 @@ class PPOTrainer:
                                       max_new_tokens=max_new_tokens)
             out.pop("weight_version", None)  # rollout_log_probs stay: mismatch metrics, TIS
             return RolloutBatch.from_dict(out)
-        routes = {"record_routes": True} if self._moe else {}  # (the fsdp engine has none)
-        out = self.rollout_engine.generate(prompt_ids, sampling, max_new_tokens=max_new_tokens,
-                                           **routes)
+        extra = {"record_routes": True} if self._moe else {}  # (the fsdp engine has neither)
+        if max_new_tokens is not None:  # per-prompt caps (megatron backend: config checks)
+            extra["max_new_tokens"] = max_new_tokens
+        out = self.rollout_engine.generate(prompt_ids, sampling, **extra)
         return RolloutBatch(sequences=out.sequences, attention_mask=out.attention_mask,
                             prompt_lengths=out.prompt_mask.sum(-1),
                             response_mask=out.response_mask,

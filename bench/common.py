@@ -23,16 +23,28 @@ def add_decode_shape_args(p) -> None:
     p.add_argument("--new", type=int, default=256)
 
 
-def add_llama_shape_args(p, seq: bool = True) -> None:
-    """The dense model shape every Llama bench takes (default: the 0.89B shape of the issues)."""
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--intermediate", type=int, default=5632)
-    p.add_argument("--vocab", type=int, default=32000)
+LLAMA_089B = dict(hidden=2048, layers=16, heads=16, kv_heads=8, intermediate=5632, vocab=32000)
+LLAMA3_8B = dict(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, vocab=128256)
+
+
+def add_llama_shape_args(p, seq: bool = True, shape: dict = LLAMA_089B) -> None:
+    """The dense model shape every Llama bench takes (default: the 0.89B shape of the issues;
+    the scaling benches pass ``LLAMA3_8B``)."""
+    for name, default in shape.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     if seq:
         p.add_argument("--seq", type=int, default=4096)
+
+
+def add_scaling_args(p) -> None:
+    """What tp_bench and pp_bench share: tokens per GPU (per microbatch), timed steps, the
+    CUDA_DEVICE_MAX_CONNECTIONS=1 switch, a TP=1 result to compare with, the output file."""
+    p.add_argument("--tokens-per-gpu", type=int, default=4096,
+                   help="tokens per GPU (pp_bench: per microbatch)")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--max-connections-1", action="store_true")
+    p.add_argument("--tp1-json", default=None)
+    p.add_argument("--out", default=None)
 
 
 def add_moe_shape_args(p) -> None:

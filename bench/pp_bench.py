@@ -20,7 +20,7 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import report
+from common import LLAMA3_8B, add_llama_shape_args, add_scaling_args, report
 from tp_bench import add_tp1_share
 
 
@@ -47,20 +47,10 @@ def _wrap_schedule_steps(events: list):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--intermediate", type=int, default=14336)
-    p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens per microbatch")
+    add_llama_shape_args(p, shape=LLAMA3_8B)
+    add_scaling_args(p)
     p.add_argument("--microbatches", type=int, default=16)
     p.add_argument("--layers-per-stage", type=int, nargs=2, default=None)
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--max-connections-1", action="store_true")
-    p.add_argument("--tp1-json", default=None)
-    p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.max_connections_1:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"

@@ -24,7 +24,8 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import kernel_table, matmul_peak_tflops, report
+from common import (LLAMA3_8B, add_llama_shape_args, add_scaling_args, kernel_table,
+                    matmul_peak_tflops, report)
 
 
 def add_tp1_share(res: dict, tp1_json: str | None) -> None:
@@ -41,20 +42,10 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--intermediate", type=int, default=14336)
-    p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--tokens-per-gpu", type=int, default=4096)
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--out", default=None)
+    add_llama_shape_args(p, shape=LLAMA3_8B)
+    add_scaling_args(p)
     p.add_argument("--profile", default=None, help="file: kernel table of one step (rank 0)")
     p.add_argument("--overlap-chunks", type=int, default=0)
-    p.add_argument("--max-connections-1", action="store_true")
-    p.add_argument("--tp1-json", default=None)
     args = p.parse_args()
     if args.max_connections_1:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"

@@ -36,6 +36,51 @@ def add_llama_shape_args(p, seq: bool = True, shape: dict = LLAMA_089B) -> None:
         p.add_argument("--seq", type=int, default=4096)
 
 
+def build_random_llama(args, cls, seed: int, **kwargs):
+    """``cls`` (one of our Llama model classes) of ``args``' shape in bf16, rope theta 500000,
+    weights drawn on the device (normal 0.02, norms 1) from ``seed``: no checkpoint."""
+    from transformers import LlamaConfig
+
+    from parallel_models.config import ModelConfig
+
+    hf_cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                         intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                         max_position_embeddings=8192, rope_theta=500000.0,
+                         architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
+    model = cls(ModelConfig.from_hf(hf_cfg), dtype=torch.bfloat16, **kwargs)
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            prm.fill_(1.0) if "norm" in name else prm.normal_(0.0, 0.02, generator=gen)
+    return model
+
+
+def timed_steps(step, iters: int, warmup: int = 2, before=None, after=None) -> list[float]:
+    """Seconds of each of ``iters`` calls of ``step`` after ``warmup`` ones, every rank starting
+    together (a barrier) and timed with CUDA events; ``before`` / ``after`` run around each
+    timed call (e.g. to reset and read per-step probes)."""
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        if before is not None:
+            before()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        dist.barrier()
+        a.record()
+        step()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+        if after is not None:
+            after()
+    return times
+
+
 def add_scaling_args(p) -> None:
     """What tp_bench and pp_bench share: tokens per GPU (per microbatch), timed steps, the
     CUDA_DEVICE_MAX_CONNECTIONS=1 switch, a TP=1 result to compare with, the output file."""

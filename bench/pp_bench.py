@@ -20,7 +20,8 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import LLAMA3_8B, add_llama_shape_args, add_scaling_args, report
+from common import (LLAMA3_8B, add_llama_shape_args, add_scaling_args, build_random_llama,
+                    report, timed_steps)
 from tp_bench import add_tp1_share
 
 
@@ -56,26 +57,14 @@ def main():
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
 
     import parallel_models as pm
-    from parallel_models.config import ModelConfig
     from parallel_models.pipeline import forward_backward
     from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
-    from transformers import LlamaConfig
 
     pp = 2
     pm.init_parallel(pipeline_parallel_size=pp)
     dev = pm.compute_device()
-    hf_cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                         intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                         max_position_embeddings=8192, rope_theta=500000.0,
-                         architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
-    config = ModelConfig.from_hf(hf_cfg)
-    model = pm.LlamaForCausalLMRmPadPP(config, dtype=torch.bfloat16,
-                                       layers_per_stage=args.layers_per_stage)
-    gen = torch.Generator(device=dev).manual_seed(1234 + dist.get_rank())
-    with torch.no_grad():
-        for name, prm in model.named_parameters():
-            prm.fill_(1.0) if "norm" in name else prm.normal_(0.0, 0.02, generator=gen)
+    model = build_random_llama(args, pm.LlamaForCausalLMRmPadPP, 1234 + dist.get_rank(),
+                               layers_per_stage=args.layers_per_stage)
 
     n = args.tokens_per_gpu
     g = torch.Generator(device=dev).manual_seed(0)
@@ -93,24 +82,16 @@ def main():
     def step():
         forward_backward(model, microbatches, loss_fn)
 
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    walls, busy, fwd, bwd = [], [], [], []
-    for _ in range(args.iters):
-        events.clear()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        dist.barrier()
-        a.record()
-        step()
-        b.record()
-        torch.cuda.synchronize()
-        walls.append(a.elapsed_time(b) / 1e3)
+    busy, fwd, bwd = [], [], []
+
+    def read_events():  # this step's forward / backward busy time on this stage
         f = sum(s.elapsed_time(e) for k, s, e in events if k == "forward_step") / 1e3
         bw = sum(s.elapsed_time(e) for k, s, e in events if k == "backward_step") / 1e3
         fwd.append(f)
         bwd.append(bw)
         busy.append(f + bw)
+
+    walls = timed_steps(step, args.iters, before=events.clear, after=read_events)
     i = sorted(range(len(walls)), key=walls.__getitem__)[len(walls) // 2]  # the median step
     t = walls[i]
     stage = {"pp_rank": dist.get_rank(), "layers": len(model.model.layers),

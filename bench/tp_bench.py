@@ -24,8 +24,8 @@ import os
 
 import torch
 import torch.distributed as dist
-from common import (LLAMA3_8B, add_llama_shape_args, add_scaling_args, kernel_table,
-                    matmul_peak_tflops, report)
+from common import (LLAMA3_8B, add_llama_shape_args, add_scaling_args, build_random_llama,
+                    kernel_table, matmul_peak_tflops, report, timed_steps)
 
 
 def add_tp1_share(res: dict, tp1_json: str | None) -> None:
@@ -52,26 +52,12 @@ def main():
     os.environ["PARALLEL_MODELS_TP_OVERLAP_CHUNKS"] = str(args.overlap_chunks)
 
     import parallel_models as pm
-    from parallel_models.config import ModelConfig
     from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
-    from transformers import LlamaConfig
 
     pm.init_parallel(tensor_parallel_size=args.tp, sequence_parallel=args.sequence_parallel)
     dev = pm.compute_device()
-    hf_cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                         intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                         max_position_embeddings=8192, rope_theta=500000.0,
-                         architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
-    config = ModelConfig.from_hf(hf_cfg)
-    model = pm.LlamaForCausalLMRmPad(config, dtype=torch.bfloat16)
-    gen = torch.Generator(device=dev).manual_seed(1234)  # same weights on the TP group's ranks
-    with torch.no_grad():
-        for name, prm in model.named_parameters():
-            if "norm" in name:
-                prm.fill_(1.0)
-            else:
-                prm.normal_(0.0, 0.02, generator=gen)
+    # the same weights on the TP group's ranks
+    model = build_random_llama(args, pm.LlamaForCausalLMRmPad, 1234)
 
     tokens = args.tokens_per_gpu * args.tp
     g = torch.Generator(device=dev).manual_seed(0)
@@ -96,18 +82,7 @@ def main():
         loss = -log_probs_from_packed_logits(logits, ids, cu).sum() / tokens
         loss.backward()
 
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(args.iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        dist.barrier()
-        a.record()
-        step()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+    times = timed_steps(step, args.iters)
     t = sorted(times)[len(times) // 2]
     # parameters that multiply (the input embedding is a lookup): layers + LM head
     head_dim = args.hidden // args.heads

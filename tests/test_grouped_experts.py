@@ -91,3 +91,33 @@ def test_repointed_weights_are_packed_again_or_left_alone(moe_model, monkeypatch
         owned, _ = experts(x, counts, probs)
     assert torch.equal(owned, before)
     assert all(w.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr() for w in ws)
+
+
+def test_packed_model_saves_and_reloads(moe_model, tmp_path, monkeypatch):
+    """Packed expert weights are views of one tensor: saving still writes each expert's own
+    values (safetensors refuses shared storage; a view must not drag the whole pack along)."""
+    import os
+    import pathlib
+
+    import parallel_models as pm
+    from parallel_models.llama.layers.grouped_experts import GroupedGemmExperts
+
+    monkeypatch.setenv("PARALLEL_MODELS_MOE_GROUPED_GEMM", "1")
+    model = pm.AutoModelForCausalLM.from_pretrained(moe_model, rmpad=True, dtype=torch.float32)
+    ids = torch.randint(0, 200, (12,), generator=torch.Generator().manual_seed(0))
+    cu = torch.tensor([0, 12], dtype=torch.int32)
+    with torch.no_grad():
+        ref = model(ids, cu).logits
+    experts = next(m for m in model.modules() if isinstance(m, GroupedGemmExperts))
+    assert _is_packed(experts, "linear_fc1")
+    out = tmp_path / "saved"
+    model.save_pretrained(str(out))
+
+    def weights_bytes(folder):
+        return sum(os.path.getsize(folder / f) for f in os.listdir(folder)
+                   if f.endswith(".safetensors"))
+
+    assert weights_bytes(out) <= weights_bytes(pathlib.Path(moe_model)) * 1.01
+    again = pm.AutoModelForCausalLM.from_pretrained(str(out), rmpad=True, dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(again(ids, cu).logits, ref)

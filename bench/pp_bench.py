@@ -96,12 +96,14 @@ def main():
     t = walls[i]
     stage = {"pp_rank": dist.get_rank(), "layers": len(model.model.layers),
              "forward_s": fwd[i], "backward_s": bwd[i], "busy_s": busy[i],
-             "bubble_measured": 1 - busy[i] / t, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+             "bubble_measured": 1 - busy[i] / t,
+             "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
     stages = [None] * pp
     dist.all_gather_object(stages, stage)
     tokens = n * args.microbatches
     res = {"pp": pp, "microbatches": args.microbatches, "layers_per_stage":
-           args.layers_per_stage or [args.layers // pp] * pp, "device": torch.cuda.get_device_name(),
+           args.layers_per_stage or [args.layers // pp] * pp,
+           "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "cuda_device_max_connections":
            os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"), "tokens_per_step": tokens, "step_s": t,
            "steps_s": walls, "tokens_per_s": tokens / t, "tokens_per_s_per_gpu": tokens / t / pp,

@@ -5,8 +5,9 @@
         [--overlap-chunks K] [--max-connections-1] [--tp1-json tp1.json]
 
 ``--overlap-chunks K``: the row-parallel output reduction overlaps its GEMM in K token chunks
-(parallel_models/llama/layers/row_overlap.py). ``--max-connections-1``: CUDA_DEVICE_MAX_CONNECTIONS=1
-(set before CUDA starts; megatron relies on it to order comm before compute). ``--tp1-json``: a
+(parallel_models/llama/layers/row_overlap.py). ``--max-connections-1``: sets
+CUDA_DEVICE_MAX_CONNECTIONS=1 before CUDA starts (megatron relies on it to order comm before
+compute). ``--tp1-json``: a
 TP=1 run's output; adds ``share_of_tp1_per_gpu`` (this run's per-GPU tokens/s over TP=1's).
 
 Llama-3-8B shape by default (hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate 14336,

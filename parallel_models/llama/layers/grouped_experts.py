@@ -14,8 +14,8 @@ computes, for the tokens the dispatcher sorted by expert:
 exactly as megatron's expert MLP does (probabilities applied after the activation, in fp32).
 A forward with autograd stacks the local experts' weights (one copy per projection, freed after
 the backward); one without reads them in place, packed once into a tensor per projection that
-the expert parameters are views of (``GroupedGemmExperts.stacked_weights``). Used when ``use_grouped_gemm()`` says so: by default on CUDA devices of compute
-capability 9.0+ (Hopper) with bf16 activations; ``PARALLEL_MODELS_MOE_GROUPED_GEMM=1`` forces it
+the expert parameters are views of (``GroupedGemmExperts.stacked_weights``). Used when
+``use_grouped_gemm()`` says so: by default on CUDA devices of compute capability 9.0+ (Hopper) with bf16 activations; ``PARALLEL_MODELS_MOE_GROUPED_GEMM=1`` forces it
 (e.g. to test it on the CPU), ``=0`` turns it off.
 """
 

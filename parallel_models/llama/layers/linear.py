@@ -14,7 +14,8 @@ from megatron.core import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-from parallel_models.llama.layers.row_overlap import ChunkedRowParallelMatmul, overlap_chunks_from_env
+from parallel_models.llama.layers.row_overlap import (ChunkedRowParallelMatmul,
+                                                      overlap_chunks_from_env)
 
 
 def _mark_tensor_parallel(module: torch.nn.Module, partition_dim: int) -> None:

@@ -27,7 +27,8 @@ def overlap_chunks_from_env() -> int:
     try:
         k = int(raw)
     except ValueError:
-        raise ValueError(f"{ENV_VAR}={raw!r}: expected an integer number of chunks (0/1 = off)") from None
+        raise ValueError(f"{ENV_VAR}={raw!r}: expected an integer number of chunks "
+                         "(0/1 = off)") from None
     if k < 0:
         raise ValueError(f"{ENV_VAR}={k}: must be >= 0 (0/1 = off)")
     return k

@@ -113,7 +113,7 @@ class HybridRollout:
     def _rollout(self, prompt_ids, sampling, version, num_experts, caps) -> dict:
         self.sync(version)
         prompt_ids = [list(map(int, p)) for p in prompt_ids]
-        caps = [sampling.max_new_tokens] * len(prompt_ids) if caps is None else list(caps)
+        caps = [None] * len(prompt_ids) if caps is None else list(caps)
         layout = self.layout
         pooled: list = [None] * dist.get_world_size()
         dist.all_gather_object(pooled, (self.training_dp_rank, prompt_ids, caps))
@@ -124,10 +124,11 @@ class HybridRollout:
                                            layout.data_parallel_size)]
         samples: list[dict] = []
         if mine:
+            mine_caps = [c for *_, c in mine]  # all None unless the trainer passed caps
             with layout.active():
-                samples = self.engine.generate_samples([p for _, _, p, _ in mine], sampling,
-                                                       record_routes=num_experts is not None,
-                                                       max_new_tokens=[c for *_, c in mine])
+                samples = self.engine.generate_samples(
+                    [p for _, _, p, _ in mine], sampling, record_routes=num_experts is not None,
+                    max_new_tokens=None if None in mine_caps else mine_caps)
         n = sampling.n
         answers = {}
         if layout.tensor_parallel_rank == 0:

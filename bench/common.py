@@ -12,6 +12,8 @@ import json
 import os
 import subprocess
 import tempfile
+import threading
+import time
 
 import torch
 
@@ -143,20 +145,99 @@ def matmul_peak_tflops(dev) -> float:
     return 2 * 8192**3 / timed(lambda: a @ b, warmup=3, iters=20) / 1e12
 
 
-def timed(fn, warmup: int = 2, iters: int = 5) -> float:
-    """Median seconds of ``fn()`` over ``iters`` runs after ``warmup`` runs (CUDA events)."""
+def timed(fn, warmup: int = 2, iters: int = 5, steps: list | None = None) -> float:
+    """Median seconds of ``fn()`` over ``iters`` runs after ``warmup`` runs (CUDA events).
+    ``steps``: a list that gets ``(host start, host end, seconds)`` of each timed run, to put
+    beside :class:`GpuClockLog`'s samples."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.time()
         a.record()
         fn()
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
+        if steps is not None:
+            steps.append((t0, time.time(), times[-1]))
     return sorted(times)[len(times) // 2]
+
+
+class GpuClockLog:
+    """The GPU's SM clock (MHz), power (W), temperature (C) and active clock-event reasons
+    (nvidia-smi's bitmask: 0x4 software power cap, 0x8 hardware slowdown, 0x20 / 0x40 thermal)
+    sampled every ``period_ms`` by ``nvidia-smi -lms`` in its own process while the benchmark
+    runs: nothing is added to the timed GPU work, and each timed step can be put beside the
+    clocks it ran at (:meth:`during`). Without nvidia-smi it records nothing."""
+
+    FIELDS = ("clocks.sm", "power.draw", "temperature.gpu", "clocks_event_reasons.active")
+
+    def __init__(self, period_ms: int = 50):
+        self.period_ms = period_ms
+        self.samples: list[tuple[float, dict]] = []
+        self._proc = None
+        self._thread = None
+
+    def __enter__(self):
+        try:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", f"--query-gpu={','.join(self.FIELDS)}",
+                 "--format=csv,noheader,nounits", "-i", "0", f"-lms={self.period_ms}"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            return self
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        return self
+
+    def _read(self):
+        for line in self._proc.stdout:
+            parts = [v.strip() for v in line.split(",")]
+            try:
+                row = {k: float(int(v, 16) if v.startswith("0x") else v)
+                       for k, v in zip(self.FIELDS, parts)}
+            except ValueError:
+                continue
+            self.samples.append((time.time(), row))
+
+    def __exit__(self, *exc):
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(timeout=10)
+            self._thread.join(timeout=10)
+
+    def during(self, t0: float, t1: float) -> dict:
+        """Mean clock / power, max temperature and the OR of the clock-event reasons of the
+        samples in ``[t0, t1]`` (the nearest sample where none falls inside)."""
+        rows = [r for t, r in self.samples if t0 <= t <= t1]
+        if not rows and self.samples:
+            rows = [min(self.samples, key=lambda s: abs(s[0] - (t0 + t1) / 2))[1]]
+        if not rows:
+            return {}
+        reasons = 0
+        for r in rows:
+            reasons |= int(r.get("clocks_event_reasons.active", 0))
+        return {"sm_mhz": sum(r["clocks.sm"] for r in rows) / len(rows),
+                "power_w": sum(r["power.draw"] for r in rows) / len(rows),
+                "temp_c": max(r["temperature.gpu"] for r in rows),
+                "clock_event_reasons": hex(reasons), "samples": len(rows)}
+
+
+def _host_counters() -> dict:
+    """Counters that a slow round could come from besides the GPU's clock: compiled graphs
+    (a recompile), the caching allocator's device allocations / frees and retries (a step that
+    calls cudaMalloc or flushes the cache)."""
+    stats = torch.cuda.memory_stats()
+    out = {k: stats.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+    try:
+        from torch._dynamo.utils import counters
+        out["compiled_graphs"] = counters["stats"]["unique_graphs"]
+    except ImportError:
+        out["compiled_graphs"] = 0
+    return out
 
 
 def gpu_state() -> dict:
@@ -176,22 +257,46 @@ def alternate(contenders: dict, rounds: int = 3, warmup: int = 2, iters: int = 5
     """Time each ``name -> fn`` side by side, order-robust: ``rounds`` rounds, each timing every
     contender once (median of ``iters`` after ``warmup``), the order rotated every round so no
     contender always runs first (after a cooler GPU) or last. Returns per contender the median over
-    rounds, the spread ``(max - min) / median``, the rounds' times, and the GPU state after each
-    round."""
+    rounds, the spread ``(max - min) / median``, the rounds' times, and per round what could make
+    it slow: each timed step's time beside the SM clock / power / temperature / clock-event
+    reasons it ran at (:class:`GpuClockLog`), recompiles and allocator activity during the
+    round (:func:`_host_counters`); ``clock_normalized_spread`` is the spread of the rounds'
+    times scaled to the highest clock seen (time x clock): small where the clock explains the
+    spread. Also the GPU state after each round."""
     names = list(contenders)
     times: dict[str, list[float]] = {n: [] for n in names}
+    detail: dict[str, list[dict]] = {n: [] for n in names}
     states = []
-    for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for name in order:
-            times[name].append(timed(contenders[name], warmup=warmup, iters=iters))
-        states.append(gpu_state())
+    with GpuClockLog() as clocks:
+        for r in range(rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
+                before, steps = _host_counters(), []
+                times[name].append(timed(contenders[name], warmup=warmup, iters=iters,
+                                         steps=steps))
+                after = _host_counters()
+                per_step = [{"s": s, **clocks.during(t0, t1)} for t0, t1, s in steps]
+                detail[name].append({
+                    "steps": per_step, **{f"{k}_delta": after[k] - before[k] for k in after},
+                    "sm_mhz": _mean([x["sm_mhz"] for x in per_step if "sm_mhz" in x])})
+            states.append(gpu_state())
+    top_clock = max((d["sm_mhz"] for ds in detail.values() for d in ds if d["sm_mhz"]),
+                    default=None)
     out = {}
     for name, ts in times.items():
         med = sorted(ts)[len(ts) // 2]
-        out[name] = {"median_s": med, "spread": (max(ts) - min(ts)) / med, "rounds_s": ts}
+        out[name] = {"median_s": med, "spread": (max(ts) - min(ts)) / med, "rounds_s": ts,
+                     "rounds": detail[name]}
+        if top_clock and all(d["sm_mhz"] for d in detail[name]):
+            norm = [t * d["sm_mhz"] / top_clock for t, d in zip(ts, detail[name])]
+            out[name]["clock_normalized_spread"] = ((max(norm) - min(norm))
+                                                  / sorted(norm)[len(norm) // 2])
     out["gpu_state_per_round"] = states
     return out
+
+
+def _mean(xs: list) -> float | None:
+    return sum(xs) / len(xs) if xs else None
 
 
 def peak_gib(fn) -> float:

@@ -10,6 +10,8 @@
 #   bash bench/gpu_session.sh decode_bench  # rollout_bench.py --cases decode (engine vs baseline)
 #   bash bench/gpu_session.sh exact    # exact mode (issue 15 item 4): its GPU test (bitwise
 #                                      # rollout == training) and bench/exact_mode_bench.py
+#   bash bench/gpu_session.sh wgrad    # fused weight-gradient accumulation: its GPU test and
+#                                      # tp_bench TP=1 (8B shape, DDP buffers) fused vs unfused
 #   bash bench/gpu_session.sh mcore    # CPU tests of the newest layers on the host's Python 3.12
 #                                      # with megatron-core 0.19 (GPU hidden: gloo on the CPU)
 #   bash bench/gpu_session.sh tp_pp    # issue 19 item 2 on 2 GPUs, ~5 min: tp_bench TP=1, TP=2
@@ -80,6 +82,17 @@ case "${1:-gpu}" in
           --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
       echo "$name: $(grep -h 'share of TP=1' "$OUT/$name.log")"; tail -2 "$OUT/$name.log"; done
     echo "tp_pp total: ${SECONDS} s"
+    ;;
+  wgrad)
+    # weight-gradient GEMMs fused into DDP's fp32 buffers: the GPU test, then the 8B shape at
+    # TP=1 on this one GPU, fused vs unfused rounds alternated (+ a kernel table, fused)
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_wgrad_fusion.py 2>&1 \
+        | tee "$OUT/wgrad_gpu_tests.log" | tail -8
+    timeout 300 torchrun --standalone --nproc-per-node 1 bench/tp_bench.py --tp 1 \
+        --profile "$OUT/tp1_ddp_kernels.txt" --out "$OUT/tp1_ddp.json" > "$OUT/tp1_ddp.log" 2>&1
+    grep -hE '"(step_s|unfused_step_s|tflops_per_gpu|share_of_matmul_peak|matmul_peak_tflops|peak_gib|fused_wgrad_linears)"' \
+        "$OUT/tp1_ddp.log"; tail -3 "$OUT/tp1_ddp.log"
     ;;
   mcore)
     CUDA_VISIBLE_DEVICES= timeout 540 python3 -m pytest -q -p no:cacheprovider -n 8 \

@@ -9,7 +9,13 @@ Contenders (bf16, one GPU, fwd+bwd, loss = mean token cross-entropy):
   SwiGLU MLP, RoPE, fused linear cross-entropy on the final hidden states) - what
   ``apply_liger_kernel_to_llama`` patches, without patching the plain contender (Liger's own
   helper patches module globals, which would turn the ``hf`` contender into Liger too);
-- ``ours``: ``LlamaForCausalLMRmPad`` (packed, fused vocab-parallel log-probs).
+- ``ours``: ``LlamaForCausalLMRmPad`` (packed, fused vocab-parallel log-probs) as it trains:
+  in megatron-core DDP (``utils.optimizer.wrap_for_training``: fp32 gradient buffers), the
+  linears' weight gradients accumulated straight into them (``utils/wgrad_fusion.py``);
+- ``ours_unfused``: the same model with that fusion off (each weight gradient a bf16 tensor
+  that DDP's hook then adds into the buffer);
+- ``ours_plain``: a second instance without DDP, gradients accumulated in ``.grad`` (bf16) as
+  the transformers contenders' are.
 Cases: ``uniform`` (micro-batch x seq, no padding) and ``ragged`` (an RL-like batch, lengths
 uniform in [256, seq], the HF contenders padded, ours packed; effective tokens/s counts real
 tokens). Losses of the three are checked against each other first (bf16 tolerance).
@@ -77,6 +83,8 @@ def main():
 
     import parallel_models as pm
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    from parallel_models.utils import wgrad_fusion
+    from parallel_models.utils.optimizer import wrap_for_training
     from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
     from transformers import AutoModelForCausalLM
 
@@ -86,10 +94,13 @@ def main():
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16,
                                               attn_implementation="sdpa").to(dev)
     hfl = liger_model(folder, dev)
-    ours = pm.LlamaForCausalLMRmPad.from_pretrained(folder, dtype=torch.bfloat16)
+    ours_plain = pm.LlamaForCausalLMRmPad.from_pretrained(folder, dtype=torch.bfloat16)
+    [ours] = wrap_for_training(pm.LlamaForCausalLMRmPad.from_pretrained(folder,
+                                                                         dtype=torch.bfloat16))
+    fused = wgrad_fusion.enable([ours])  # what build_optimizer does; 0 where it cannot run
     lce = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "args": vars(args), "gpu_state_start": gpu_state()}
+           "args": vars(args), "gpu_state_start": gpu_state(), "fused_wgrad_linears": fused}
 
     def hf_loss(ids, mask):
         labels = ids.masked_fill(mask == 0, -100)
@@ -102,15 +113,22 @@ def main():
         h = hidden[:, :-1].reshape(-1, hidden.shape[-1])
         return lce(hfl.lm_head.weight, h, labels.reshape(-1))
 
-    def ours_loss(ids, cu):
-        logits = ours(ids, cu).logits
+    def ours_loss(ids, cu, model=ours):
+        logits = model(ids, cu).logits
         n = int(cu[-1]) - (len(cu) - 1)  # predicted tokens: every token but each sequence's first
         return -log_probs_from_packed_logits(logits, ids, cu).sum() / n
+
+    def ours_step(packed, fuse: bool, model=ours):
+        if model is ours:
+            wgrad_fusion.enable([ours], on=fuse and bool(fused))
+        ours_loss(packed.input_ids, packed.cu_seqlens, model).backward()
 
     def contenders(ids, mask, packed):
         return {"hf": lambda: hf_loss(ids, mask).backward(),
                 "hf_liger": lambda: liger_loss(ids, mask).backward(),
-                "ours": lambda: ours_loss(packed.input_ids, packed.cu_seqlens).backward()}
+                "ours": lambda: ours_step(packed, True),
+                "ours_unfused": lambda: ours_step(packed, False),
+                "ours_plain": lambda: ours_step(packed, False, ours_plain)}
 
     def run_case(name, ids, mask, real_tokens):
         packed = pm.pack_padded_batch(ids, mask)
@@ -123,16 +141,21 @@ def main():
         if args.profile:  # after the timed rounds: the profiler does not disturb them
             os.makedirs(args.profile, exist_ok=True)
             for c, fn in contenders(ids, mask, packed).items():
-                kernel_table(fn, os.path.join(args.profile, f"{name}_{c}.txt"))
+                if c in ("ours", "hf_liger"):  # the pair the targets compare
+                    kernel_table(fn, os.path.join(args.profile, f"{name}_{c}.txt"))
         r = {"real_tokens": real_tokens, "padded_tokens": ids.numel(), "losses": losses,
              "gpu_state_per_round": timing.pop("gpu_state_per_round")}
         for c, t in timing.items():
             r[c] = {"tok_s_median": real_tokens / t["median_s"], "spread": t["spread"],
-                    "step_s_rounds": t["rounds_s"]}
+                    "step_s_rounds": t["rounds_s"],
+                    "clock_normalized_spread": t.get("clock_normalized_spread"),
+                    "rounds": t["rounds"]}
         r["ours_over_hf"] = timing["hf"]["median_s"] / timing["ours"]["median_s"]
         r["ours_over_hf_liger"] = timing["hf_liger"]["median_s"] / timing["ours"]["median_s"]
-        for m in (hf, hfl, ours):
+        r["fused_over_unfused"] = timing["ours_unfused"]["median_s"] / timing["ours"]["median_s"]
+        for m in (hf, hfl, ours_plain):
             m.zero_grad(set_to_none=True)
+        ours.zero_grad_buffer()
         res[name] = r
 
     B, S = args.micro_batch, args.seq

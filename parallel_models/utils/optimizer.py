@@ -3,9 +3,11 @@
 ``build_optimizer(chunks, OptimConfig(...))`` wraps each model chunk in megatron-core's
 ``DistributedDataParallel`` (grad buffers, data-parallel reduction, ``finalize_model_grads``),
 builds the megatron optimizer (Adam; bf16/fp16 params keep fp32 master weights; optional
-distributed optimizer) and an ``OptimizerParamScheduler``. ``optimizer_step`` clips and applies
-the gradients; ``parallel_models.pipeline.train_step`` runs a whole step (forward-backward over
-microbatches through the pipeline schedules, then this), so this utility needs no pipeline code.
+distributed optimizer) and an ``OptimizerParamScheduler``; on the GPU the linears' weight
+gradients then accumulate straight into DDP's fp32 buffers (``utils/wgrad_fusion.py``).
+``optimizer_step`` clips and applies the gradients; ``parallel_models.pipeline.train_step`` runs
+a whole step (forward-backward over microbatches through the pipeline schedules, then this), so
+this utility needs no pipeline code.
 
 ``OptimConfig`` is a pydantic model (bounds, ``extra="forbid"``); its knobs live in
 ``OptimizerFields``, which the PPO config's ``actor`` and ``critic`` sections inherit (one
@@ -31,6 +33,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from parallel_models import cpu_shim
 from parallel_models.config import ConfigError
+from parallel_models.utils import wgrad_fusion
 from parallel_models.utils.optimizer_config import (Int, Number,  # noqa: F401 (re-exported)
                                                 OptimConfig, OptimizerFields)
 
@@ -53,16 +56,18 @@ def _check_trainable(model) -> None:
             "would need a sum over their replicas. Use TP <= num_key_value_heads.")
 
 
-def build_optimizer(chunks, config: OptimConfig) -> TrainState:
-    """Wrap ``chunks`` (one model or this rank's pipeline chunks) for training."""
-    config.validate()
+def wrap_for_training(chunks, use_distributed_optimizer: bool = False) -> list:
+    """``chunks`` (one model or this rank's pipeline chunks) in megatron-core DDP: fp32 grad
+    buffers, identical weights on every data-parallel replica, and (where it runs) the linears'
+    weight gradients accumulated straight into those buffers (``utils/wgrad_fusion.py``).
+    ``build_optimizer`` starts with this; benchmarks that time forward + backward as training
+    runs it (no optimizer states) call it alone."""
     chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
     for c in chunks:
         _check_trainable(c)
-    dtype = chunks[0].dtype
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-        use_distributed_optimizer=config.use_distributed_optimizer)
+        use_distributed_optimizer=use_distributed_optimizer)
     for c in chunks:
         # forward_backward normalizes by the global token count (finalize_model_grads), so
         # DDP must sum, not average, over data-parallel replicas
@@ -73,6 +78,16 @@ def build_optimizer(chunks, config: OptimConfig) -> TrainState:
         # start from identical weights on every data-parallel replica
         for w in wrapped:
             w.broadcast_params()
+    wgrad_fusion.enable(wrapped)
+    return wrapped
+
+
+def build_optimizer(chunks, config: OptimConfig) -> TrainState:
+    """Wrap ``chunks`` (one model or this rank's pipeline chunks) for training."""
+    config.validate()
+    wrapped = wrap_for_training(chunks, config.use_distributed_optimizer)
+    dtype = wrapped[0].module.dtype
+    with cpu_shim.cuda_to_cpu():
         opt_config = OptimizerConfig(
             optimizer="adam", lr=config.lr, min_lr=config.min_lr,
             weight_decay=config.weight_decay, adam_beta1=config.betas[0],

@@ -10,12 +10,11 @@ Contenders (bf16, one GPU, fwd+bwd, loss = mean token cross-entropy):
   ``apply_liger_kernel_to_llama`` patches, without patching the plain contender (Liger's own
   helper patches module globals, which would turn the ``hf`` contender into Liger too);
 - ``ours``: ``LlamaForCausalLMRmPad`` (packed, fused vocab-parallel log-probs) as it trains:
-  in megatron-core DDP (``utils.optimizer.wrap_for_training``: fp32 gradient buffers), the
-  linears' weight gradients accumulated straight into them (``utils/wgrad_fusion.py``);
-- ``ours_unfused``: the same model with that fusion off (each weight gradient a bf16 tensor
-  that DDP's hook then adds into the buffer);
+  in megatron-core DDP (``utils.optimizer.wrap_for_training``: fp32 gradient buffers);
 - ``ours_plain``: a second instance without DDP, gradients accumulated in ``.grad`` (bf16) as
-  the transformers contenders' are.
+  the transformers contenders' are;
+- ``ours_fused_wgrad`` (with ``--wgrad-fusion``): ``ours`` with the weight-gradient GEMMs
+  accumulating straight into the buffers (``utils/wgrad_fusion.py``, opt-in).
 Cases: ``uniform`` (micro-batch x seq, no padding) and ``ragged`` (an RL-like batch, lengths
 uniform in [256, seq], the HF contenders padded, ours packed; effective tokens/s counts real
 tokens). Losses of the three are checked against each other first (bf16 tolerance).
@@ -77,6 +76,8 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cases", default="uniform,ragged")
     p.add_argument("--out", default=None)
+    p.add_argument("--wgrad-fusion", action="store_true",
+                   help="add the contender ours_fused_wgrad (utils/wgrad_fusion.py)")
     p.add_argument("--profile", default=None,
                    help="folder: a kernel table per case and contender (one step each)")
     args = p.parse_args()
@@ -97,10 +98,9 @@ def main():
     ours_plain = pm.LlamaForCausalLMRmPad.from_pretrained(folder, dtype=torch.bfloat16)
     [ours] = wrap_for_training(pm.LlamaForCausalLMRmPad.from_pretrained(folder,
                                                                          dtype=torch.bfloat16))
-    fused = wgrad_fusion.enable([ours])  # what build_optimizer does; 0 where it cannot run
     lce = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "args": vars(args), "gpu_state_start": gpu_state(), "fused_wgrad_linears": fused}
+           "args": vars(args), "gpu_state_start": gpu_state()}
 
     def hf_loss(ids, mask):
         labels = ids.masked_fill(mask == 0, -100)
@@ -118,17 +118,19 @@ def main():
         n = int(cu[-1]) - (len(cu) - 1)  # predicted tokens: every token but each sequence's first
         return -log_probs_from_packed_logits(logits, ids, cu).sum() / n
 
-    def ours_step(packed, fuse: bool, model=ours):
-        if model is ours:
-            wgrad_fusion.enable([ours], on=fuse and bool(fused))
+    def ours_step(packed, model=ours, fuse: bool = False):
+        if model is ours and args.wgrad_fusion:
+            wgrad_fusion.enable([ours], on=fuse)
         ours_loss(packed.input_ids, packed.cu_seqlens, model).backward()
 
     def contenders(ids, mask, packed):
-        return {"hf": lambda: hf_loss(ids, mask).backward(),
-                "hf_liger": lambda: liger_loss(ids, mask).backward(),
-                "ours": lambda: ours_step(packed, True),
-                "ours_unfused": lambda: ours_step(packed, False),
-                "ours_plain": lambda: ours_step(packed, False, ours_plain)}
+        out = {"hf": lambda: hf_loss(ids, mask).backward(),
+               "hf_liger": lambda: liger_loss(ids, mask).backward(),
+               "ours": lambda: ours_step(packed),
+               "ours_plain": lambda: ours_step(packed, ours_plain)}
+        if args.wgrad_fusion:
+            out["ours_fused_wgrad"] = lambda: ours_step(packed, fuse=True)
+        return out
 
     def run_case(name, ids, mask, real_tokens):
         packed = pm.pack_padded_batch(ids, mask)
@@ -152,7 +154,9 @@ def main():
                     "rounds": t["rounds"]}
         r["ours_over_hf"] = timing["hf"]["median_s"] / timing["ours"]["median_s"]
         r["ours_over_hf_liger"] = timing["hf_liger"]["median_s"] / timing["ours"]["median_s"]
-        r["fused_over_unfused"] = timing["ours_unfused"]["median_s"] / timing["ours"]["median_s"]
+        if args.wgrad_fusion:
+            r["fused_wgrad_over_ours"] = (timing["ours"]["median_s"]
+                                          / timing["ours_fused_wgrad"]["median_s"])
         for m in (hf, hfl, ours_plain):
             m.zero_grad(set_to_none=True)
         ours.zero_grad_buffer()

@@ -10,8 +10,9 @@ CUDA_DEVICE_MAX_CONNECTIONS=1 before CUDA starts (megatron relies on it to order
 compute). ``--tp1-json``: a
 TP=1 run's output; adds ``share_of_tp1_per_gpu`` (this run's per-GPU tokens/s over TP=1's).
 ``--grad-buffer ddp`` (default): the model in megatron DDP as training runs it (fp32 gradient
-buffers, the weight-gradient GEMMs accumulating into them, ``utils/wgrad_fusion.py``), timed with
-that fusion on and off in alternated rounds; ``plain``: gradients in bf16 ``.grad``.
+buffers); ``plain``: gradients in bf16 ``.grad``. ``--compare-wgrad-fusion``: also timed with the
+weight-gradient GEMMs accumulating straight into the buffers (``utils/wgrad_fusion.py``), rounds
+alternated.
 
 Llama-3-8B shape by default (hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate 14336,
 vocab 128256), bf16, random weights built directly on the GPUs (no checkpoint). Every GPU keeps
@@ -51,9 +52,11 @@ def main():
     p.add_argument("--profile", default=None, help="file: kernel table of one step (rank 0)")
     p.add_argument("--overlap-chunks", type=int, default=0)
     p.add_argument("--grad-buffer", choices=["ddp", "plain"], default="ddp",
-                   help="ddp: gradients into megatron DDP's fp32 buffers as training runs "
-                        "(weight-gradient GEMMs fused into them where supported, and timed "
-                        "unfused too, rounds alternated); plain: bf16 .grad")
+                   help="ddp: gradients into megatron DDP's fp32 buffers as training runs; "
+                        "plain: bf16 .grad")
+    p.add_argument("--compare-wgrad-fusion", action="store_true",
+                   help="with ddp: also time the weight-gradient GEMMs fused into the buffers "
+                        "(utils/wgrad_fusion.py), rounds alternated")
     args = p.parse_args()
     if args.max_connections_1:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
@@ -72,7 +75,8 @@ def main():
         from parallel_models.utils.optimizer import wrap_for_training
 
         [model] = wrap_for_training(model)
-        fused = wgrad_fusion.enable([model])
+        if args.compare_wgrad_fusion:
+            fused = wgrad_fusion.enable([model], on=True)
 
     tokens = args.tokens_per_gpu * args.tp
     g = torch.Generator(device=dev).manual_seed(0)
@@ -97,14 +101,14 @@ def main():
         loss = -log_probs_from_packed_logits(logits, ids, cu).sum() / tokens
         loss.backward()
 
-    unfused_times = []
-    if fused:  # fused and unfused alternated over 3 rounds (order rotated), same process
+    fused_times = []
+    if fused:  # unfused (the default) and fused alternated over 3 rounds, same process
         times = []
         for r in range(3):
-            for on in ((True, False) if r % 2 == 0 else (False, True)):
+            for on in ((False, True) if r % 2 == 0 else (True, False)):
                 wgrad_fusion.enable([model], on=on)
-                (times if on else unfused_times).extend(timed_steps(step, args.iters))
-        wgrad_fusion.enable([model], on=True)
+                (fused_times if on else times).extend(timed_steps(step, args.iters))
+        wgrad_fusion.enable([model], on=False)
     else:
         times = timed_steps(step, args.iters)
     t = sorted(times)[len(times) // 2]
@@ -119,8 +123,8 @@ def main():
            "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "grad_buffer": args.grad_buffer, "fused_wgrad_linears": fused,
-           "step_s_all": times, "unfused_step_s_all": unfused_times,
-           "unfused_step_s": sorted(unfused_times)[len(unfused_times) // 2] if fused else None,
+           "step_s_all": times, "fused_wgrad_step_s_all": fused_times,
+           "fused_wgrad_step_s": sorted(fused_times)[len(fused_times) // 2] if fused else None,
            "tokens_per_step": tokens, "step_s": t, "tokens_per_s": tokens / t,
            "tokens_per_s_per_gpu": tokens / t / args.tp,
            "tflops_per_gpu": flops / t / 1e12 / args.tp,

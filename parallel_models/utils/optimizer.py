@@ -3,8 +3,9 @@
 ``build_optimizer(chunks, OptimConfig(...))`` wraps each model chunk in megatron-core's
 ``DistributedDataParallel`` (grad buffers, data-parallel reduction, ``finalize_model_grads``),
 builds the megatron optimizer (Adam; bf16/fp16 params keep fp32 master weights; optional
-distributed optimizer) and an ``OptimizerParamScheduler``; on the GPU the linears' weight
-gradients then accumulate straight into DDP's fp32 buffers (``utils/wgrad_fusion.py``).
+distributed optimizer) and an ``OptimizerParamScheduler``; with
+``PARALLEL_MODELS_WGRAD_FUSION=1`` the linears' weight gradients accumulate straight into DDP's
+fp32 buffers (``utils/wgrad_fusion.py``; off by default: slower on an H100).
 ``optimizer_step`` clips and applies the gradients; ``parallel_models.pipeline.train_step`` runs
 a whole step (forward-backward over microbatches through the pipeline schedules, then this), so
 this utility needs no pipeline code.
@@ -58,7 +59,7 @@ def _check_trainable(model) -> None:
 
 def wrap_for_training(chunks, use_distributed_optimizer: bool = False) -> list:
     """``chunks`` (one model or this rank's pipeline chunks) in megatron-core DDP: fp32 grad
-    buffers, identical weights on every data-parallel replica, and (where it runs) the linears'
+    buffers, identical weights on every data-parallel replica, and, when asked for, the linears'
     weight gradients accumulated straight into those buffers (``utils/wgrad_fusion.py``).
     ``build_optimizer`` starts with this; benchmarks that time forward + backward as training
     runs it (no optimizer states) call it alone."""

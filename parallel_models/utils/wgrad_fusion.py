@@ -1,21 +1,24 @@
-"""Weight-gradient GEMMs that accumulate straight into megatron's fp32 ``main_grad``.
+"""Weight-gradient GEMMs that accumulate straight into megatron's fp32 ``main_grad`` (opt-in).
 
 Without it a linear's backward writes its weight gradient as a new bf16 tensor and megatron's DDP
-hook then adds it into the fp32 gradient buffer (``main_grad.add_(grad)``): an extra kernel that
-reads 2 + 4 and writes 4 bytes per parameter per microbatch, ~5 % of an 8B step, and a bf16
-rounding of every microbatch's gradient. megatron-core fuses the two
-(``gradient_accumulation_fusion``) through APEX's ``fused_weight_gradient_mlp_cuda`` extension,
-which these hosts lack; this module supplies the same two functions from torch itself: cuBLAS
-``addmm`` with ``out_dtype=float32`` writing into ``main_grad`` (beta = 1, bf16 inputs, fp32
-accumulation and output), so the gradient buffer is updated in the GEMM's epilogue.
+hook then adds it into the fp32 gradient buffer (``main_grad.add_(grad)``). megatron-core fuses
+the two (``gradient_accumulation_fusion``) through APEX's ``fused_weight_gradient_mlp_cuda``
+extension, which these hosts lack; this module supplies the same two functions from torch
+itself: cuBLAS ``addmm`` with ``out_dtype=float32`` writing into ``main_grad`` (beta = 1, bf16
+inputs, fp32 accumulation and output). The gradient then skips one bf16 rounding per
+microbatch.
 
-``enable(chunks)`` turns it on for the DDP-wrapped model chunks after ``build_optimizer`` made
-their grad buffers: it registers these functions where megatron's linears look for the extension
-and sets ``gradient_accumulation_fusion`` on each megatron linear that owns its weight (a tied
-LM head borrows the embedding's weight, whose other gradient still arrives through ``.grad``, so
-it keeps the unfused path). ``PARALLEL_MODELS_WGRAD_FUSION=0`` keeps every linear unfused; ``=1``
-forces it (the CPU, where it runs as an fp32 ``addmm_``, for tests); the default is on where
-the probe below finds the fused GEMM on the device (CUDA).
+It is off unless ``PARALLEL_MODELS_WGRAD_FUSION=1``: measured on an H100 (docs/PERFORMANCE.md,
+"Fused weight-gradient accumulation") cuBLAS's beta = 1 kernels with an fp32 output are slower
+than a bf16 GEMM plus the separate add (Llama-3-8B shape, 4096 tokens: 351.8 vs 342.6 ms a
+step; 0.89B shape: even), so the default keeps megatron's unfused path. ``=1`` turns it on
+(on the CPU it runs as an fp32 ``addmm_``, which the tests use); ``=0`` or unset: off.
+
+``enable(chunks)`` applies the setting to the DDP-wrapped model chunks after
+``wrap_for_training`` made their grad buffers: it registers these functions where megatron's
+linears look for the extension and sets ``gradient_accumulation_fusion`` on each megatron linear
+that owns its weight (a tied LM head borrows the embedding's weight, whose other gradient still
+arrives through ``.grad``, so it keeps the unfused path).
 """
 
 from __future__ import annotations
@@ -64,13 +67,8 @@ def fused_gemm_works(device_type: str, dtype: torch.dtype) -> bool:
 
 
 def wanted(device_type: str, dtype: torch.dtype) -> bool:
-    """The env switch, else on where the fused GEMM works on a GPU."""
-    setting = os.environ.get(ENV, "")
-    if setting == "0":
-        return False
-    if setting == "1":
-        return True
-    return device_type == "cuda" and fused_gemm_works(device_type, dtype)
+    """On only with ``PARALLEL_MODELS_WGRAD_FUSION=1`` and where the fused GEMM works."""
+    return os.environ.get(ENV, "") == "1" and fused_gemm_works(device_type, dtype)
 
 
 def _install() -> None:

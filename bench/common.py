@@ -145,6 +145,15 @@ def matmul_peak_tflops(dev) -> float:
     return 2 * 8192**3 / timed(lambda: a @ b, warmup=3, iters=20) / 1e12
 
 
+def hbm_read_bandwidth(dev, gib: float = 4.0) -> float:
+    """Bytes/s that a plain read of ``gib`` GiB of bf16 reaches on this GPU (a float32 sum of it,
+    median of 10): the achievable side of the HBM roofline, beside the datasheet figure."""
+    x = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=dev)
+    seconds = timed(lambda: x.sum(dtype=torch.float32), warmup=2, iters=10)
+    del x
+    return int(gib * 2**30) / seconds
+
+
 def timed(fn, warmup: int = 2, iters: int = 5, steps: list | None = None) -> float:
     """Median seconds of ``fn()`` over ``iters`` runs after ``warmup`` runs (CUDA events).
     ``steps``: a list that gets ``(host start, host end, seconds)`` of each timed run, to put

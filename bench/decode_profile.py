@@ -4,7 +4,7 @@ each category's HBM byte floor.
     python bench/decode_profile.py [--batches 64 256] [--prompt 128] [--new 256]
                                    [--variants ours baseline ...] [--steps 20] [--out p.json]
     python bench/decode_profile.py --device cpu --hidden 64 --layers 2 --heads 4 --kv-heads 2 \\
-        --intermediate 128 --vocab 512 --batches 4 --prompt 8 --new 8      # smoke run
+        --intermediate 128 --vocab 512 --batches 4 --prompt 8 --new 16     # smoke run
 
 Model: the 0.89B Llama shape of bench/rollout_bench.py (random weights, bf16; fp32 on the CPU).
 Per batch size B and engine variant (``--variants``; ``ours`` = split-KV triton attention
@@ -54,8 +54,8 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_decode_shape_args, add_llama_shape_args, report,  # noqa: E402
-                    save_llama_model, timed)
+from common import (add_decode_shape_args, add_llama_shape_args,  # noqa: E402
+                    hbm_read_bandwidth, report, save_llama_model, timed)
 from decode_attention_sweep import graph_us  # noqa: E402
 
 LABEL = "dp::"
@@ -382,6 +382,10 @@ def run_case(args, cfg, model, dev, batch: int, variant: str) -> dict:
     if out["graph_replay_ms"] is not None:
         out["host_ms"] = out["engine_step_ms"] - out["graph_replay_ms"] - out["draw_ms"]
     out["engine_over_floor"] = out["engine_step_ms"] / out["bench_floor_ms"]
+    if dev.type == "cuda":  # the same floor at the read bandwidth this GPU reaches
+        out["measured_read_tb_s"] = hbm_read_bandwidth(dev) / 1e12
+        out["engine_over_measured_floor"] = (out["engine_over_floor"] * out["measured_read_tb_s"]
+                                             * 1e12 / bw)
     del eng, bucket, logits
     return out
 
@@ -394,7 +398,8 @@ def table(case: dict) -> str:
     if "categories" in case:
         lines += _category_rows(case)
     keys = ("engine_step_ms", "engine_step_median_ms", "graph_replay_ms", "forward_kernel_sum_ms", "graph_gaps_ms",
-            "draw_ms", "host_ms", "eager_step_ms", "bench_floor_ms", "engine_over_floor")
+            "draw_ms", "host_ms", "eager_step_ms", "bench_floor_ms", "engine_over_floor",
+            "measured_read_tb_s", "engine_over_measured_floor")
     lines.append(" | ".join(f"{k} {case[k]:.3f}" for k in keys if case.get(k) is not None))
     return "\n".join(lines)
 

@@ -5,6 +5,10 @@ the reference). On CUDA the same function runs through ``torch.compile``, which 
 into one Triton kernel forward and one backward instead of 5-10 elementwise passes over the
 activations (in eager mode those passes took ~40% of a training step: bench/train_bench.py
 --profile). ``PARALLEL_MODELS_COMPILE=0`` switches compilation off (utils/gpu_compile.py).
+
+SwiGLU and the two RMSNorms go to hand-written Triton kernels on CUDA instead
+(``elementwise_triton``: one pass each way, where inductor's backwards read their inputs twice);
+``PARALLEL_MODELS_TRITON_ELEMENTWISE=0`` keeps them compiled. Exact mode keeps its own kernels.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from parallel_models.llama.layers import exact
+from parallel_models.llama.layers import elementwise_triton, exact
 from parallel_models.llama.layers.rotary import apply_rotary
 from parallel_models.utils.gpu_compile import compiled_on_gpu
 
@@ -51,6 +55,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         from parallel_models.llama.layers.exact import ops
 
         return ops.rms_norm(x, weight, eps, reference=_rms_norm)
+    if elementwise_triton.use_for(x, weight):
+        return elementwise_triton.rms_norm(x, weight, eps)
     return _compiled_rms_norm(x, weight, eps)
 
 
@@ -59,7 +65,17 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     if exact.enabled():
         total = x + residual
         return total, rms_norm(total, weight, eps)
+    if elementwise_triton.use_for(x, residual, weight):
+        return elementwise_triton.add_rms_norm(x, residual, weight, eps)
     return _compiled_add_rms_norm(x, residual, weight, eps)
 
+
 rotary = compiled_on_gpu(_rotary)
-swiglu = compiled_on_gpu(_swiglu)
+_compiled_swiglu = compiled_on_gpu(_swiglu)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``[..., 2 * inter]`` holding [gate; up] -> silu(gate) * up (eager in exact mode)."""
+    if not exact.enabled() and elementwise_triton.use_for(gate_up):
+        return elementwise_triton.swiglu(gate_up)
+    return _compiled_swiglu(gate_up)

@@ -195,3 +195,14 @@ def test_switch_and_dispatch_rules(monkeypatch):
         et.set_enabled(None)
     monkeypatch.setenv(et.ENV, "1")
     assert et.enabled() and et.available()
+
+
+def test_launch_config_from_env(monkeypatch):
+    monkeypatch.setenv(et.LAUNCH_ENV, "norm_tile=8192, swiglu_block=512")
+    config = et.LaunchConfig.from_env()
+    assert (config.norm_tile, config.swiglu_block, config.swiglu_warps) == (8192, 512, 4)
+    monkeypatch.setenv(et.LAUNCH_ENV, "tile=1")
+    with pytest.raises(ValueError, match="unknown field"):
+        et.LaunchConfig.from_env()
+    monkeypatch.setattr(et, "CONFIG", et.LaunchConfig(norm_tile=3000))
+    assert et._norm_tile(100) == (16, 128, 4)  # 3000 // 128 = 23 rows -> 16 (a power of two)

@@ -35,6 +35,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 ENV = "PARALLEL_MODELS_TRITON_ELEMENTWISE"
+LAUNCH_ENV = "PARALLEL_MODELS_ELEMENTWISE_LAUNCH"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _OVERRIDE: bool | None = None
 
@@ -46,15 +47,28 @@ class LaunchConfig:
     ``swiglu_block`` columns per program (``swiglu_warps`` warps); RMSNorm tiles hold whole rows,
     ``max(1, norm_tile // next_pow2(N))`` of them (``norm_warps``: warps per ``norm_tile``
     elements, 4..16); the backward runs ``norm_programs_per_sm`` programs per SM (each keeps one
-    fp32 partial weight gradient)."""
+    fp32 partial weight gradient; at hidden 4096 a program of 8 warps needs ~120 registers a
+    thread, so two fit on an SM). ``PARALLEL_MODELS_ELEMENTWISE_LAUNCH="norm_tile=8192,..."``
+    overrides fields (tuning without code changes)."""
 
     swiglu_block: int = 1024
     swiglu_warps: int = 4
     norm_tile: int = 4096
-    norm_programs_per_sm: int = 4
+    norm_programs_per_sm: int = 2
+
+    @classmethod
+    def from_env(cls) -> LaunchConfig:
+        config = cls()
+        for item in filter(None, os.environ.get(LAUNCH_ENV, "").split(",")):
+            key, _, value = item.partition("=")
+            if key.strip() not in cls.__dataclass_fields__:
+                raise ValueError(f"{LAUNCH_ENV}: unknown field {key!r} (fields: "
+                                 f"{', '.join(cls.__dataclass_fields__)})")
+            setattr(config, key.strip(), int(value))
+        return config
 
 
-CONFIG = LaunchConfig()
+CONFIG = LaunchConfig.from_env()
 
 
 def set_enabled(enabled: bool | None) -> None:
@@ -120,7 +134,7 @@ def _pow2(n: int) -> int:
 
 # ------------------------------------------------------------------------------------ SwiGLU
 def _swiglu_launch(kernel, rows: int, inter: int, *args) -> None:
-    block = min(CONFIG.swiglu_block, _pow2(inter))
+    block = min(_pow2(CONFIG.swiglu_block), _pow2(inter))
     col_blocks = -(-inter // block)
     if rows and inter:
         kernel[(rows * col_blocks,)](*args, col_blocks, BLOCK=block,
@@ -166,7 +180,7 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 def _norm_tile(n: int) -> tuple[int, int, int]:
     """(rows per tile, padded row length, warps) for rows of ``n`` elements."""
     block_n = _pow2(n)
-    block_m = max(1, CONFIG.norm_tile // block_n)
+    block_m = _pow2(max(1, CONFIG.norm_tile // block_n) + 1) // 2  # a power of two, rounded down
     warps = min(16, max(4, block_m * block_n // 512))
     return block_m, block_n, warps
 

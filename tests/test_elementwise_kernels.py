@@ -21,17 +21,20 @@ from parallel_models.llama.layers.fused_ops import (_add_rms_norm, _rms_norm,  #
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _round_bf16_to_nearest_even():
+@pytest.fixture(autouse=True, scope="module")
+def _bf16_rounds_to_nearest_even():
     """Triton 3.6's interpreter converts fp32 -> bf16 by dropping bits (or rounds half away
-    from zero); the GPU rounds to nearest even, like PyTorch. Make the interpreter do that
-    (torch's conversion) so the bf16 checks hold it to the GPU's roundings."""
+    from zero); the GPU rounds to nearest even, like PyTorch. For this module's tests the
+    interpreter does that too (torch's conversion), so the bf16 checks hold it to the GPU's
+    roundings."""
+    if DEV != "cpu":
+        yield
+        return
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
 
     original = interpreter._convert_float
-    if getattr(original, "_rtne", False):
-        return
 
     def convert(data, src, dst, rounding_mode):
         if src == tl.float32 and dst == tl.bfloat16:
@@ -39,12 +42,13 @@ def _round_bf16_to_nearest_even():
             return out.view(torch.int16).numpy().view(np.uint16)
         return original(data, src, dst, rounding_mode)
 
-    convert._rtne = True
     interpreter._convert_float = convert
+    try:
+        yield
+    finally:
+        interpreter._convert_float = original
 
 
-if DEV == "cpu":
-    _round_bf16_to_nearest_even()
 # (abs, rel) per dtype: fp32 is ulp-level; half types allow a rounding step or two of outputs ~1-4
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 1.6e-2), torch.float16: (4e-3, 2e-3)}
 

@@ -176,6 +176,9 @@ def main():
           f"{step['triton']:.2f} ms, saving {step['saving_ms']:.2f} ms")
     if args.sweep:
         res["sweep"] = _sweep(cases, args.iters)
+        for name, found in res["sweep"].items():
+            print(f"sweep {name}: best {found['best']} {found['best_fwd_bwd_ms']:.3f} ms fwd+bwd "
+                  f"(default {res[name]['triton']['fwd_bwd']['ms']:.3f} ms)")
     report(res, args.out)
 
 

@@ -12,6 +12,9 @@
 #                                      # rollout == training) and bench/exact_mode_bench.py
 #   bash bench/gpu_session.sh wgrad    # fused weight-gradient accumulation: its GPU test and
 #                                      # tp_bench TP=1 (8B shape, DDP buffers) fused vs unfused
+#   bash bench/gpu_session.sh elementwise  # Triton SwiGLU / RMSNorm kernels, ~4 min: their
+#                                      # tests on CUDA, bench/elementwise_bench.py --sweep,
+#                                      # tp_bench TP=1 (8B shape) kernels vs compiled alternated
 #   bash bench/gpu_session.sh mcore    # CPU tests of the newest layers on the host's Python 3.12
 #                                      # with megatron-core 0.19 (GPU hidden: gloo on the CPU)
 #   bash bench/gpu_session.sh tp_pp    # issue 19 item 2 on 2 GPUs, ~5 min: tp_bench TP=1, TP=2
@@ -93,6 +96,21 @@ case "${1:-gpu}" in
         --compare-wgrad-fusion --profile "$OUT/tp1_ddp_kernels.txt" --out "$OUT/tp1_ddp.json" > "$OUT/tp1_ddp.log" 2>&1
     grep -hE '"(step_s|fused_wgrad_step_s|tflops_per_gpu|share_of_matmul_peak|matmul_peak_tflops|peak_gib|fused_wgrad_linears)"' \
         "$OUT/tp1_ddp.log"; tail -3 "$OUT/tp1_ddp.log"
+    ;;
+  elementwise)
+    # SwiGLU / RMSNorm / add-RMSNorm as Triton kernels (llama/layers/elementwise_triton.py):
+    # tests (the interpreter file runs on CUDA here too), the micro-bench (+ launch-config
+    # sweep), then the 8B shape at TP=1: kernels (default) vs compiled, rounds alternated
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_elementwise_kernels.py \
+        tests/test_elementwise_kernels.py 2>&1 | tee "$OUT/elementwise_tests.log" | tail -12
+    timeout 150 python3 bench/elementwise_bench.py --sweep --out "$OUT/elementwise.json" \
+        > /tmp/elementwise_bench.log 2>&1; grep -v '^[] {}]' /tmp/elementwise_bench.log | tail -8
+    timeout 420 torchrun --standalone --nproc-per-node 1 bench/tp_bench.py --tp 1 \
+        --compare-triton-elementwise --profile "$OUT/tp1_elementwise_kernels.txt" \
+        --out "$OUT/tp1_elementwise.json" > /tmp/tp1_elementwise.log 2>&1
+    grep -hE '"(step_s|compiled_elementwise_step_s|tflops_per_gpu|share_of_matmul_peak|matmul_peak_tflops|triton_elementwise)"' \
+        /tmp/tp1_elementwise.log; tail -3 /tmp/tp1_elementwise.log
     ;;
   mcore)
     CUDA_VISIBLE_DEVICES= timeout 540 python3 -m pytest -q -p no:cacheprovider -n 8 \

@@ -12,7 +12,8 @@ TP=1 run's output; adds ``share_of_tp1_per_gpu`` (this run's per-GPU tokens/s ov
 ``--grad-buffer ddp`` (default): the model in megatron DDP as training runs it (fp32 gradient
 buffers); ``plain``: gradients in bf16 ``.grad``. ``--compare-wgrad-fusion``: also timed with the
 weight-gradient GEMMs accumulating straight into the buffers (``utils/wgrad_fusion.py``), rounds
-alternated.
+alternated. ``--compare-triton-elementwise``: also timed with SwiGLU / RMSNorm through
+``torch.compile`` instead of the Triton kernels (``compiled_elementwise_step_s``), alternated.
 
 Llama-3-8B shape by default (hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate 14336,
 vocab 128256), bf16, random weights built directly on the GPUs (no checkpoint). Every GPU keeps
@@ -57,12 +58,16 @@ def main():
     p.add_argument("--compare-wgrad-fusion", action="store_true",
                    help="with ddp: also time the weight-gradient GEMMs fused into the buffers "
                         "(utils/wgrad_fusion.py), rounds alternated")
+    p.add_argument("--compare-triton-elementwise", action="store_true",
+                   help="also time SwiGLU / RMSNorm compiled instead of the Triton kernels "
+                        "(llama/layers/elementwise_triton.py), rounds alternated")
     args = p.parse_args()
     if args.max_connections_1:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     os.environ["PARALLEL_MODELS_TP_OVERLAP_CHUNKS"] = str(args.overlap_chunks)
 
     import parallel_models as pm
+    from parallel_models.llama.layers import elementwise_triton as et
     from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
 
     pm.init_parallel(tensor_parallel_size=args.tp, sequence_parallel=args.sequence_parallel)
@@ -101,14 +106,22 @@ def main():
         loss = -log_probs_from_packed_logits(logits, ids, cu).sum() / tokens
         loss.backward()
 
-    fused_times = []
-    if fused:  # unfused (the default) and fused alternated over 3 rounds, same process
-        times = []
+    def alternated(switch):
+        """Step times with ``switch(False)`` (the default) and ``switch(True)``, 3 rounds
+        alternated in this process; leaves the default on."""
+        times = {False: [], True: []}
         for r in range(3):
             for on in ((False, True) if r % 2 == 0 else (True, False)):
-                wgrad_fusion.enable([model], on=on)
-                (fused_times if on else times).extend(timed_steps(step, args.iters))
-        wgrad_fusion.enable([model], on=False)
+                switch(on)
+                times[on].extend(timed_steps(step, args.iters))
+        switch(False)
+        return times[False], times[True]
+
+    fused_times, compiled_times = [], []
+    if fused:  # unfused (the default) and fused
+        times, fused_times = alternated(lambda on: wgrad_fusion.enable([model], on=on))
+    elif args.compare_triton_elementwise:  # the Triton kernels (default) and the compiled path
+        times, compiled_times = alternated(lambda on: et.set_enabled(False if on else None))
     else:
         times = timed_steps(step, args.iters)
     t = sorted(times)[len(times) // 2]
@@ -125,6 +138,10 @@ def main():
            "grad_buffer": args.grad_buffer, "fused_wgrad_linears": fused,
            "step_s_all": times, "fused_wgrad_step_s_all": fused_times,
            "fused_wgrad_step_s": sorted(fused_times)[len(fused_times) // 2] if fused else None,
+           "triton_elementwise": et.enabled() and et.available(),
+           "compiled_elementwise_step_s_all": compiled_times,
+           "compiled_elementwise_step_s": (sorted(compiled_times)[len(compiled_times) // 2]
+                                           if compiled_times else None),
            "tokens_per_step": tokens, "step_s": t, "tokens_per_s": tokens / t,
            "tokens_per_s_per_gpu": tokens / t / args.tp,
            "tflops_per_gpu": flops / t / 1e12 / args.tp,

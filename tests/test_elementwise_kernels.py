@@ -210,3 +210,12 @@ def test_launch_config_from_env(monkeypatch):
         et.LaunchConfig.from_env()
     monkeypatch.setattr(et, "CONFIG", et.LaunchConfig(norm_tile=3000))
     assert et._norm_tile(100) == (16, 128, 4)  # 3000 // 128 = 23 rows -> 16 (a power of two)
+
+
+def test_flat_rows():
+    x = torch.zeros(4, 6, 8)
+    assert et.flat_rows(x) and et.flat_rows(x[1:3]) and et.flat_rows(x[:, :, :5])
+    assert et.flat_rows(x.view(24, 1, 8)) and et.flat_rows(torch.zeros(8))
+    assert et.flat_rows(torch.zeros(1, 8).expand(5, 8))  # one row stride (0): read in place
+    assert not et.flat_rows(x[:, :3])  # a head slice of [tokens, heads, d]: a copy to flatten
+    assert not et.flat_rows(x.transpose(0, 1)) and not et.flat_rows(x[..., ::2])

@@ -105,13 +105,29 @@ def available() -> bool:
     return True
 
 
+def flat_rows(t: torch.Tensor) -> bool:
+    """``t`` is ``[rows, last dim]`` through a view (one row stride, unit column stride)."""
+    if t.stride(-1) != 1 and t.shape[-1] != 1:
+        return False
+    expected = None
+    for size, stride in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
+        if size == 1:
+            continue
+        if expected is not None and stride != expected:
+            return False
+        expected = stride * size
+    return True
+
+
 def use_for(*tensors: torch.Tensor) -> bool:
     """Whether ``fused_ops`` sends these CUDA operands here: switched on, compilation on (not
-    exact mode), not inside a ``torch.compile`` trace, supported dtypes, triton loads."""
+    exact mode), not inside a ``torch.compile`` trace, supported dtypes, triton loads, and
+    rows without a copy (e.g. Qwen3's q / k heads, strided views of the qkv output, keep the
+    compiled kernels, which read them in place)."""
     from parallel_models.utils import gpu_compile
 
     return (tensors[0].is_cuda and enabled() and gpu_compile.compilation_enabled()
-            and all(t.dtype in DTYPES for t in tensors)
+            and all(t.dtype in DTYPES and flat_rows(t) for t in tensors)
             and not torch.compiler.is_compiling() and available())
 
 

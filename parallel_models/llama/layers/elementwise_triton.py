@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from parallel_models.utils import gpu_compile
+
 ENV = "PARALLEL_MODELS_TRITON_ELEMENTWISE"
 LAUNCH_ENV = "PARALLEL_MODELS_ELEMENTWISE_LAUNCH"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -124,8 +126,6 @@ def use_for(*tensors: torch.Tensor) -> bool:
     exact mode), not inside a ``torch.compile`` trace, supported dtypes, triton loads, and
     rows without a copy (e.g. Qwen3's q / k heads, strided views of the qkv output, keep the
     compiled kernels, which read them in place)."""
-    from parallel_models.utils import gpu_compile
-
     return (tensors[0].is_cuda and enabled() and gpu_compile.compilation_enabled()
             and all(t.dtype in DTYPES and flat_rows(t) for t in tensors)
             and not torch.compiler.is_compiling() and available())

@@ -175,6 +175,27 @@ def timed(fn, warmup: int = 2, iters: int = 5, steps: list | None = None) -> flo
     return sorted(times)[len(times) // 2]
 
 
+def kernel_seconds(fn, iters: int = 10) -> float:
+    """GPU time of the kernels (and copies / memsets) one call of ``fn`` launches, summed from
+    the profiler's device events over ``iters`` calls after one warm call: what a GPU-bound step
+    pays for ``fn``, free of the host's launch overhead (which :func:`timed` includes where the
+    kernels are shorter than their launches)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    # device events: kernels, copies, memsets (not the GPU spans of annotated host ranges,
+    # which repeat their kernels' time; the profiler's own "Self CUDA time total" skips them too)
+    device_us = sum(e.time_range.elapsed_us() for e in prof.events()
+                    if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
+    return device_us / 1e6 / iters
+
+
 class GpuClockLog:
     """The GPU's SM clock (MHz), power (W), temperature (C) and active clock-event reasons
     (nvidia-smi's bitmask: 0x4 software power cap, 0x8 hardware slowdown, 0x20 / 0x40 thermal)

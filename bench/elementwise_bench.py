@@ -5,14 +5,16 @@ and residual-add RMSNorm, forward and forward+backward, the compiled path (``tor
     python bench/elementwise_bench.py [--tokens 4096 --hidden 4096 --intermediate 14336]
         [--sweep] [--out elementwise.json]
 
-Per op and contender: median ms (CUDA events, ``common.timed``; rounds alternate the contenders)
-of the forward and of forward+backward (``torch.autograd.grad`` of every input, as training
-needs), the backward as their difference, each phase's GB/s of its byte floor (every tensor
-read or written once: SwiGLU forward 3 x T x I elements, backward 5; RMSNorm 2 and 3; the
-residual-add one 4 and 4) and the time over the floor's time at the datasheet bandwidth
-(``--peak-gbs``, H100 SXM 3350) and at the measured read bandwidth (``common.hbm_read_bandwidth``).
-``step_ms``: the ops' fwd+bwd times of one 8B training step (``--layers`` SwiGLUs and
-residual-add norms, layers + 1 plain norms). ``--sweep``: also times the kernels under other
+Per op and contender, for the forward and for forward+backward (``torch.autograd.grad`` of
+every input, as training needs; the backward as their difference): ``kernel_ms``, the GPU time of
+the kernels (``common.kernel_seconds``: what the GPU-bound training step pays), and ``ms``, the
+wall time between CUDA events (``common.timed``, which also holds the host's launch overhead
+where the kernels are shorter); medians over rounds that alternate the contenders. From the
+kernel time: GB/s of the phase's byte floor (every tensor read or written once: SwiGLU forward
+3 x T x I elements, backward 5; RMSNorm 2 and 3; the residual-add one 4 and 4) and the time over
+the floor's time at the datasheet bandwidth (``--peak-gbs``, H100 SXM 3350) and at the measured
+read bandwidth (``common.hbm_read_bandwidth``). ``step_ms``: the ops' fwd+bwd kernel times in
+one 8B training step (``--layers`` SwiGLUs and residual-add norms, layers + 1 plain norms). ``--sweep``: also times the kernels under other
 launch configs (``elementwise_triton.LaunchConfig``) and reports the fastest. Under a minute.
 """
 
@@ -22,7 +24,7 @@ import argparse
 import dataclasses
 
 import torch
-from common import hbm_read_bandwidth, report, timed
+from common import hbm_read_bandwidth, kernel_seconds, report, timed
 
 from parallel_models.llama.layers import elementwise_triton as et
 from parallel_models.llama.layers import fused_ops
@@ -68,31 +70,40 @@ def _outputs(fn, inputs, grads):
     return list(outs) + list(torch.autograd.grad(outs, leaves, grads))
 
 
-def _time_case(fn, inputs, grads, kernels: bool, iters: int) -> dict:
+def _time_case(fn, inputs, grads, kernels: bool, iters: int, wall: bool = True) -> dict:
+    """Seconds: ``{fwd,fwd_bwd}_kernel_s`` (GPU kernel time) and, with ``wall``,
+    ``{fwd,fwd_bwd}_s`` (CUDA events)."""
     et.set_enabled(kernels)
     try:
-        fwd, fwd_bwd = _phases(fn, inputs, grads)
-        return {"fwd_s": timed(fwd, warmup=3, iters=iters),
-                "fwd_bwd_s": timed(fwd_bwd, warmup=3, iters=iters)}
+        out = {}
+        for name, phase in zip(("fwd", "fwd_bwd"), _phases(fn, inputs, grads)):
+            if wall:
+                out[f"{name}_s"] = timed(phase, warmup=3, iters=iters)
+            out[f"{name}_kernel_s"] = kernel_seconds(phase, iters)
+        return out
     finally:
         et.set_enabled(None)
 
 
 def _describe(times: dict, floors: tuple, peak: float, hbm: float) -> dict:
     out = {}
-    phases = {"fwd": (times["fwd_s"], floors[0]),
-              "bwd": (times["fwd_bwd_s"] - times["fwd_s"], floors[1]),
-              "fwd_bwd": (times["fwd_bwd_s"], floors[0] + floors[1])}
-    for phase, (seconds, elements) in phases.items():
+    for phase, elements in (("fwd", floors[0]), ("bwd", floors[1]),
+                            ("fwd_bwd", floors[0] + floors[1])):
+        if phase == "bwd":
+            wall = times["fwd_bwd_s"] - times["fwd_s"]
+            kernel = times["fwd_bwd_kernel_s"] - times["fwd_kernel_s"]
+        else:
+            wall, kernel = times[f"{phase}_s"], times[f"{phase}_kernel_s"]
         floor_bytes = 2 * elements  # bf16
-        out[phase] = {"ms": seconds * 1e3, "gb_s": floor_bytes / seconds / 1e9,
-                      "x_floor_datasheet": seconds * peak / floor_bytes,
-                      "x_floor_measured_read": seconds * hbm / floor_bytes}
+        out[phase] = {"kernel_ms": kernel * 1e3, "ms": wall * 1e3,
+                      "gb_s": floor_bytes / kernel / 1e9,
+                      "x_floor_datasheet": kernel * peak / floor_bytes,
+                      "x_floor_measured_read": kernel * hbm / floor_bytes}
     return out
 
 
 def _sweep(cases: dict, iters: int) -> dict:
-    """fwd+bwd ms of the kernels per launch config (one field changed at a time from the
+    """fwd+bwd kernel ms of the kernels per launch config (one field changed at a time from the
     default, then the best of each field combined)."""
     base = dataclasses.replace(et.CONFIG)
     grid = {"swiglu": {"swiglu_block": [512, 1024, 2048, 4096], "swiglu_warps": [2, 4, 8]},
@@ -108,13 +119,15 @@ def _sweep(cases: dict, iters: int) -> dict:
                 scores = {}
                 for v in values:
                     et.CONFIG = dataclasses.replace(base, **{field: v})
-                    scores[v] = _time_case(fn, inputs, grads, True, iters)["fwd_bwd_s"] * 1e3
-                    rows.append({field: v, "fwd_bwd_ms": scores[v]})
+                    scores[v] = _time_case(fn, inputs, grads, True, iters,
+                                           wall=False)["fwd_bwd_kernel_s"] * 1e3
+                    rows.append({field: v, "fwd_bwd_kernel_ms": scores[v]})
                 best[field] = min(scores, key=scores.get)
             et.CONFIG = dataclasses.replace(base, **best)
-            combined = _time_case(fn, inputs, grads, True, iters)["fwd_bwd_s"] * 1e3
+            combined = _time_case(fn, inputs, grads, True, iters,
+                                  wall=False)["fwd_bwd_kernel_s"] * 1e3
             out[name] = {"default": dataclasses.asdict(base), "tried": rows,
-                         "best": best, "best_fwd_bwd_ms": combined}
+                         "best": best, "best_fwd_bwd_kernel_ms": combined}
     finally:
         et.CONFIG = base
     return out
@@ -161,24 +174,29 @@ def main():
         for c, ts in rounds.items():
             med = {k: sorted(t[k] for t in ts)[len(ts) // 2] for k in ts[0]}
             entry[c] = _describe(med, floors, args.peak_gbs * 1e9, hbm)
-        entry["speedup_fwd_bwd"] = (entry["compiled"]["fwd_bwd"]["ms"]
-                                    / entry["triton"]["fwd_bwd"]["ms"])
+        entry["speedup_fwd_bwd"] = (entry["compiled"]["fwd_bwd"]["kernel_ms"]
+                                    / entry["triton"]["fwd_bwd"]["kernel_ms"])
         res[name] = entry
-        print(f"{name}: compiled {entry['compiled']['fwd_bwd']['ms']:.3f} ms, triton "
-              f"{entry['triton']['fwd_bwd']['ms']:.3f} ms fwd+bwd (x floor "
-              f"{entry['compiled']['fwd_bwd']['x_floor_datasheet']:.2f} -> "
-              f"{entry['triton']['fwd_bwd']['x_floor_datasheet']:.2f}); rel diff {rel:.1e}")
+        for phase in ("fwd", "bwd"):
+            c, t = entry["compiled"][phase], entry["triton"][phase]
+            print(f"{name} {phase}: kernels compiled {c['kernel_ms']:.4f} ms (x floor "
+                  f"{c['x_floor_datasheet']:.2f}), triton {t['kernel_ms']:.4f} ms (x floor "
+                  f"{t['x_floor_datasheet']:.2f}, {t['gb_s']:.0f} GB/s); wall fwd+bwd "
+                  f"{entry['compiled']['fwd_bwd']['ms']:.3f} vs "
+                  f"{entry['triton']['fwd_bwd']['ms']:.3f} ms")
+        print(f"{name}: outputs rel diff triton vs compiled {rel:.1e}")
     counts = {"swiglu": args.layers, "add_rms_norm": args.layers, "rms_norm": args.layers + 1}
-    step = {c: sum(res[n][c]["fwd_bwd"]["ms"] * k for n, k in counts.items()) for c in contenders}
+    step = {c: sum(res[n][c]["fwd_bwd"]["kernel_ms"] * k for n, k in counts.items())
+            for c in contenders}
     step["saving_ms"] = step["compiled"] - step["triton"]
     res["step_ms"] = step
-    print(f"one {args.layers}-layer step: compiled {step['compiled']:.2f} ms, triton "
-          f"{step['triton']:.2f} ms, saving {step['saving_ms']:.2f} ms")
+    print(f"one {args.layers}-layer step, these ops' kernels: compiled {step['compiled']:.2f} "
+          f"ms, triton {step['triton']:.2f} ms, saving {step['saving_ms']:.2f} ms")
     if args.sweep:
         res["sweep"] = _sweep(cases, args.iters)
         for name, found in res["sweep"].items():
-            print(f"sweep {name}: best {found['best']} {found['best_fwd_bwd_ms']:.3f} ms fwd+bwd "
-                  f"(default {res[name]['triton']['fwd_bwd']['ms']:.3f} ms)")
+            print(f"sweep {name}: best {found['best']} {found['best_fwd_bwd_kernel_ms']:.4f} ms "
+                  f"fwd+bwd kernels (default {res[name]['triton']['fwd_bwd']['kernel_ms']:.4f})")
     report(res, args.out)
 
 

@@ -17,11 +17,15 @@ W (> 200 MB in all) so that, as in the engine (16 layers), no call finds its wei
 Floor = the weight's bytes at the HBM bandwidth (``common.bandwidth``: H100 3.35 TB/s); GB/s =
 weight bytes / time. Contenders: ``cublas`` (``F.linear``, what megatron's linears call) and the
 skinny kernel at its current config (``skinny_gemm_config.launch_config``: env, table or the
-byte-math heuristic), then a coordinate search from it (split_k, block_n, block_k, num_stages,
-num_warps, block_m; each axis keeps the best so far) within ``--budget-s`` seconds in all (the
-baselines of every shape are timed first, so a short budget still reports them). Each config's
-output is checked against torch's fp32 product rounded once (within 1 bf16 unit + 1e-3) before
-it is timed; a config that fails (compilation, resources, values) is recorded and skipped.
+byte-math heuristic), then a search within ``--budget-s`` seconds in all (the baselines of
+every case are timed first, so a short budget still reports them). Compiling a config costs
+more than timing it, and the split count is a runtime value of the kernel, so the search walks
+a short list of tiles per row count (``TILES``: block_n, block_k, stages, warps; best guesses
+first), compiles each once and times it on every shape at each split count that makes sense
+there (``splits_for``); the row counts share the time by ``WEIGHT`` (the engine's 64 and 256
+first). Each config's output is checked against torch's fp32 product rounded once (within 1
+bf16 unit + 1e-3) before it is timed; a config that fails (compilation, resources, values) is
+recorded and skipped.
 
 Reports per shape and rows: floor, cuBLAS and kernel (current / best) microseconds, GB/s and
 x floor; per rows the step's GEMM total (layers x the four + the head) for cuBLAS and for the
@@ -44,10 +48,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import add_llama_shape_args, bandwidth, graph_us  # noqa: E402  (one timing method)
 
 SPLITS = (1, 2, 4, 8, 16)
-BLOCK_NS = (32, 64, 128)
-BLOCK_KS = (64, 128, 256)
-STAGES = (2, 3, 4, 5, 6)
-WARPS = (4, 8)
+# Tiles tried per row count, best guesses first: (block_n, block_k, num_stages, num_warps[,
+# block_m]); each is compiled once (split_k is a runtime value) and timed on every shape at the
+# split counts that make sense there (splits_for). block_m defaults to block_m_for(rows).
+TILES = {
+    16: [(64, 128, 4, 4), (64, 256, 4, 4), (128, 128, 4, 4), (32, 256, 5, 4), (128, 256, 3, 8),
+         (64, 128, 6, 4), (32, 128, 6, 4), (128, 64, 6, 4), (256, 64, 4, 8)],
+    64: [(64, 128, 4, 4), (64, 64, 6, 4), (128, 64, 4, 8), (32, 128, 5, 4), (64, 256, 3, 4),
+         (128, 128, 3, 8), (32, 64, 8, 4), (64, 128, 3, 8), (128, 64, 3, 4)],
+    256: [(64, 64, 3, 8), (128, 64, 3, 8), (64, 64, 4, 4), (64, 64, 3, 8, 256),
+          (128, 32, 4, 8), (64, 128, 2, 8), (32, 64, 4, 4), (128, 64, 2, 8, 256)],
+}
+# share of the search time per row count (the engine's batch 64 and 256 buckets first)
+WEIGHT = {64: 0.35, 256: 0.35, 16: 0.15, 1: 0.15}
 
 
 def shapes(args) -> list[tuple[str, int, int]]:
@@ -95,6 +108,23 @@ class Case:
             raise AssertionError(f"output off torch's fp32 product by {err} beyond 1 bf16 unit")
 
 
+def splits_for(n: int, k: int, rows: int, config, sms: int) -> list[int]:
+    """Split counts worth timing: none, and those giving between half and 8x the SM count of
+    programs with at least one K step per split."""
+    tiles = -(-n // config.block_n) * -(-rows // config.block_m)
+    return [s for s in SPLITS if s == 1 or (k // s >= config.block_k
+                                            and sms // 2 <= tiles * s <= 8 * sms)]
+
+
+def tiles_for(rows: int) -> list:
+    """The TILES list of the nearest row count at or above ``rows`` as LaunchConfigs (split 1)."""
+    from parallel_models.rl.rollout.skinny_gemm_config import LaunchConfig, block_m_for
+
+    key = min((r for r in TILES if r >= rows), default=max(TILES))
+    return [LaunchConfig(t[0], t[4] if len(t) > 4 else block_m_for(rows), t[1], 1, t[3], t[2])
+            for t in TILES[key]]
+
+
 class Search:
     """The configs tried for one case (config -> result) within a deadline."""
 
@@ -115,23 +145,23 @@ class Search:
             self.tried[config] = {"error": f"{type(exc).__name__}: {str(exc)[:160]}"}
         return self.tried[config].get("us", math.inf)
 
-    def coordinate(self, start, deadline: float):
-        from parallel_models.rl.rollout.skinny_gemm_config import LaunchConfig
+    def best(self):
+        timed = [(r["us"], c) for c, r in self.tried.items() if "us" in r]
+        return min(timed, key=lambda t: t[0])[1] if timed else None
 
-        best = start
-        block_ms = sorted({start.block_m, min(256, max(16, 1 << (self.case.rows - 1)
-                                                        .bit_length()))})
-        for name, values in (("split_k", SPLITS), ("block_n", BLOCK_NS), ("block_k", BLOCK_KS),
-                             ("num_stages", STAGES), ("num_warps", WARPS),
-                             ("block_m", block_ms), ("split_k", SPLITS)):
-            for value in values:
-                fields = {**best.__dict__, name: value}
-                if fields["split_k"] > 1 and self.case.k // fields["split_k"] < fields["block_k"]:
-                    continue  # splits thinner than one K step
-                config = LaunchConfig(**fields)
-                if self.measure(config, deadline) < self.measure(best, deadline):
-                    best = config
-        return best
+
+def search_rows(searches: list, rows: int, sms: int, deadline: float) -> None:
+    """Every tile of ``tiles_for(rows)`` (one compile each) on every shape at its useful split
+    counts, until ``deadline``."""
+    from dataclasses import replace
+
+    for tile in tiles_for(rows):
+        for search in searches:
+            case = search.case
+            for split in splits_for(case.n, case.k, rows, tile, sms):
+                search.measure(replace(tile, split_k=split), deadline)
+        if time.perf_counter() > deadline:
+            return
 
 
 def main() -> None:
@@ -174,9 +204,13 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 - record it, run the next case
                 res["errors"].append(f"{name} x{rows}: {type(exc).__name__}: {exc}")
                 traceback.print_exc()
-    for i, (entry, (search, start)) in enumerate(zip(cases, searches)):  # phase 2: search
-        share = (deadline - time.perf_counter()) / (len(cases) - i)
-        best = search.coordinate(start, time.perf_counter() + share)
+    todo = sorted({e["rows"] for e in cases}, key=lambda r: -WEIGHT.get(r, 0.1))
+    for i, rows in enumerate(todo):  # phase 2: the search, the row counts by weight
+        share = WEIGHT.get(rows, 0.1) / sum(WEIGHT.get(r, 0.1) for r in todo[i:])
+        search_rows([s for e, (s, _) in zip(cases, searches) if e["rows"] == rows], rows,
+                    _sms(dev), time.perf_counter() + share * (deadline - time.perf_counter()))
+    for entry, (search, start) in zip(cases, searches):
+        best = search.best() or start
         floor, ws = entry["floor_us"], entry["w_bytes"]
         cur_us = search.tried[start].get("us", math.inf)
         best_us = search.tried[best].get("us", math.inf)
@@ -188,9 +222,6 @@ def main() -> None:
             "configs_tried": len(search.tried),
             "tried": {c.as_env(): r for c, r in search.tried.items()}})
         del search.case
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(res | {"cases": cases[:i + 1]}, f, indent=1)
     per_step = {"qkv": args.layers, "o_proj": args.layers, "gate_up": args.layers,
                 "down": args.layers, "lm_head": 1}
     res["cases"] = cases

@@ -12,8 +12,9 @@ Per batch size B and engine variant (``--variants``; ``ours`` = split-KV triton 
 same with PyTorch's flash kernel and two ``index_copy_`` KV writes, ``no_pipeline``,
 ``no_fused_draw``, ``no_fused_norm`` (each layer's residual sum not fused into the next norm),
 ``no_fused_rope`` (RoPE by its own kernels, not inside the split-KV attention),
-``baseline`` = none of these, profiled too), B prompts of ``prompt + new/2`` tokens
-(every row at the bench's mean context) in a ``ContinuousEngine`` whose rows hold
+``skinny_gemm`` (``ours`` + ``PARALLEL_MODELS_DECODE_GEMM=triton``: the linears' products by
+``rl/rollout/skinny_gemm.py``; every other variant sets ``cublas``), ``baseline`` = none of
+these, profiled too), B prompts of ``prompt + new/2`` tokens (every row at the bench's mean context) in a ``ContinuousEngine`` whose rows hold
 ``prompt + new`` positions (the bench's bucket):
 
 - ``engine_step_ms``: wall time of ``engine.step()`` (graph replay + sampling + the host's

@@ -201,20 +201,20 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from parallel_models.rl.rollout import skinny_gemm_kernels as K
 types = dict(X="*bf16", W="*bf16", Bias="*bf16", Y="*bf16", Ws="*fp32", Locks="*i32", M="i32",
-             N="i32", K="i32", K_SPLIT="i32", M_TILES="i32", stride_xm="i32", stride_wn="i32",
-             stride_ym="i32")
+             N="i32", K="i32", SPLIT_K="i32", K_SPLIT="i32", M_TILES="i32", stride_xm="i32",
+             stride_wn="i32", stride_ym="i32")
 for n, k, bn, bm, bk, split, warps, stages, bias in (
         (2048, 2048, 64, 64, 128, 8, 4, 4, False), (32000, 2048, 64, 16, 128, 1, 4, 4, False),
         (4096, 2048, 64, 128, 64, 2, 8, 3, True), (11264, 2048, 128, 64, 128, 1, 8, 3, False)):
     k_split = -(-(-(-k // split)) // bk) * bk
-    consts = dict(BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, SPLIT_K=split, HAS_BIAS=bias,
+    consts = dict(BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, HAS_BIAS=bias,
                   EVEN_K=k_split * split == k, EVEN_N=n % bn == 0, UPCAST=False)
     names = K.skinny_kernel.arg_names
     sig = {a: "constexpr" if a in consts else types[a] for a in names}
     # pointers and strides 16-aligned, as the JIT specializes them at run time (the loads are
     # then pipelined with async copies)
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
-             if a in types and a not in ("M", "M_TILES")}
+             if a in types and a not in ("M", "SPLIT_K", "M_TILES")}
     ptx = triton.compile(ASTSource(K.skinny_kernel, sig, consts, attrs),
                          target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=warps, num_stages=stages)).asm["ptx"]

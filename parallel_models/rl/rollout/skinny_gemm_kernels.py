@@ -11,8 +11,8 @@ serve M = 1 .. 256 alike). fp32 accumulation, bf16 (x's dtype) out, transposed o
 then takes a ticket from the tile's counter (``Locks``); the split that draws the last ticket
 reads the sum back (an atomic add of 0: from L2, whatever L1 holds), zeroes it, resets the
 counter and writes the bf16 output. No second kernel, and the workspace and counters are zero
-again when the kernel ends, so a CUDA graph can replay it. See ``skinny_gemm`` for the contract and ``skinny_gemm_config``
-for the launch settings.
+again when the kernel ends, so a CUDA graph can replay it. See ``skinny_gemm`` for the contract
+and ``skinny_gemm_config`` for the launch settings.
 """
 
 import triton
@@ -33,10 +33,13 @@ def _mma(w, xt, acc, UPCAST: tl.constexpr):
         return tl.dot(w, xt, acc)
 
 
-@triton.jit
-def skinny_kernel(X, W, Bias, Y, Ws, Locks, M, N, K, K_SPLIT, M_TILES, stride_xm, stride_wn,
-                  stride_ym, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+# the row count, split count and M tiles are runtime values (one compiled kernel serves every
+# split: the sweep compiles a tile once for all shapes); only N, K and the strides get
+# Triton's divisibility specialization (the vector loads and atomics need it)
+@triton.jit(do_not_specialize_on_alignment=["M", "SPLIT_K", "M_TILES"])
+def skinny_kernel(X, W, Bias, Y, Ws, Locks, M, N, K, SPLIT_K, K_SPLIT, M_TILES, stride_xm,
+                  stride_wn, stride_ym, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, UPCAST: tl.constexpr):
     pid = tl.program_id(0)
     pid_m = pid % M_TILES

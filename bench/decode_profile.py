@@ -14,8 +14,9 @@ same with PyTorch's flash kernel and two ``index_copy_`` KV writes, ``no_pipelin
 ``no_fused_rope`` (RoPE by its own kernels, not inside the split-KV attention),
 ``skinny_gemm`` (``ours`` + ``PARALLEL_MODELS_DECODE_GEMM=triton``: the linears' products by
 ``rl/rollout/skinny_gemm.py``; every other variant sets ``cublas``), ``baseline`` = none of
-these, profiled too), B prompts of ``prompt + new/2`` tokens (every row at the bench's mean context) in a ``ContinuousEngine`` whose rows hold
-``prompt + new`` positions (the bench's bucket):
+these, profiled too), B prompts of ``prompt + new/2`` tokens (every row at the bench's mean
+context) in a ``ContinuousEngine`` whose rows hold ``prompt + new`` positions (the bench's
+bucket):
 
 - ``engine_step_ms``: wall time of ``engine.step()`` (graph replay + sampling + the host's
   bookkeeping and its one sync): what bench/rollout_bench.py reports as continuous ms/step

@@ -95,12 +95,13 @@ def block_m_for(rows: int) -> int:
 
 @functools.cache
 def heuristic(rows: int, n: int, k: int, sms: int = 132) -> LaunchConfig:
-    """The byte-math default (module docstring): N tiles of 64 rows of W; split K (powers of
-    two, at most 8, each split at least 256 of K) until the programs cover the SMs; 128 of K per
-    step, 4 stages (3 when x's tile is large), 4 warps (8 for two M tiles of 128)."""
+    """The byte-math default (module docstring): N tiles of 64 rows of W (128 above 64 rows:
+    x is re-read once per N tile, ``rows / block_n`` times W's bytes); split K (powers of two,
+    at most 8, each split at least 256 of K) until the programs cover the SMs; 128 of K per
+    step, 4 stages (3 when x's tile is large), 4 warps (8 for M tiles of 128)."""
     block_m = block_m_for(rows)
     m_tiles = -(-rows // block_m)
-    block_n = 64
+    block_n = 64 if rows <= 64 else 128
     tiles = -(-n // block_n) * m_tiles
     split = 1
     while tiles * split < sms and split < 8 and k // (2 * split) >= 256:

@@ -15,12 +15,15 @@ again when the kernel ends, so a CUDA graph can replay it. See ``skinny_gemm`` f
 and ``skinny_gemm_config`` for the launch settings.
 """
 
+import os
+
 import triton
 import triton.language as tl
 
-from parallel_models.llama.layers.exact import interpreter_fix
+if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreter's runtime loop bound (K_SPLIT)
+    from parallel_models.llama.layers.exact import interpreter_fix
 
-interpreter_fix.apply()  # the interpreter's runtime loop bound (K_SPLIT)
+    interpreter_fix.apply()
 
 
 @triton.jit

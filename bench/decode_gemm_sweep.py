@@ -29,7 +29,8 @@ recorded and skipped.
 
 Reports per shape and rows: floor, cuBLAS and kernel (current / best) microseconds, GB/s and
 x floor; per rows the step's GEMM total (layers x the four + the head) for cuBLAS and for the
-best kernel configs; and the ``skinny_gemm_config.TUNED`` entries that would apply the best.
+best kernel configs; and the ``skinny_gemm_config.TUNED`` entries that would apply the best
+(``None`` where cuBLAS was faster: the linears then keep cuBLAS at that shape).
 """
 
 from __future__ import annotations
@@ -235,6 +236,9 @@ def main() -> None:
             res["step_totals"][rows] = {
                 key: sum(per_step[c["shape"]] * c[key] for c in mine)
                 for key in ("floor_us", "cublas_us", "current_us", "best_us")}
+            # with the printed table: the kernel where it won, cuBLAS elsewhere
+            res["step_totals"][rows]["table_us"] = sum(
+                per_step[c["shape"]] * min(c["best_us"], c["cublas_us"]) for c in mine)
     res["seconds"] = time.perf_counter() - t_start
     if args.out:
         with open(args.out, "w") as f:
@@ -255,12 +259,14 @@ def main() -> None:
         print(f"step GEMMs at rows={rows} ({args.layers} layers + head): floor {t['floor_us']:.0f} "
               f"us, cuBLAS {t['cublas_us']:.0f} us ({t['cublas_us'] / t['floor_us']:.2f}x), "
               f"kernel current {t['current_us']:.0f} us, best {t['best_us']:.0f} us "
-              f"({t['best_us'] / t['floor_us']:.2f}x)")
-    for c in cases:
+              f"({t['best_us'] / t['floor_us']:.2f}x), with the TUNED lines below "
+              f"{t['table_us']:.0f} us ({t['table_us'] / t['floor_us']:.2f}x)")
+    for c in cases:  # the table entries (None: cuBLAS stays, it was faster)
         if "best_us" in c:
-            print(f"TUNED[({c['rows']}, {c['n']}, {c['k']})] = LaunchConfig("
-                  f"{c['best'].replace(',', ', ')})  # {c['shape']}: {c['best_us']:.1f} us, "
-                  f"cuBLAS {c['cublas_us']:.1f}")
+            value = (f"LaunchConfig({c['best'].replace(',', ', ')})"
+                     if c["best_us"] < c["cublas_us"] else "None")
+            print(f"TUNED[({c['rows']}, {c['n']}, {c['k']})] = {value}  # {c['shape']}: kernel "
+                  f"{c['best_us']:.1f} us, cuBLAS {c['cublas_us']:.1f}")
     print(f"{res['seconds']:.1f} s")
     if res["errors"]:
         print("ERRORS:", *res["errors"], sep="\n  ")

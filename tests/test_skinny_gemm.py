@@ -82,7 +82,8 @@ def test_bad_operands_are_refused():
 
 def test_the_rule(monkeypatch):
     """Only with PARALLEL_MODELS_DECODE_GEMM=triton (default cublas), without autograd, for
-    <= 256 rows of bf16 against a bf16 [N, K] weight with unit K stride, exact mode off."""
+    <= 256 rows of bf16 against a bf16 [N, K] weight with unit K stride, exact mode off, and
+    not where the launch-config table marks the shape as cuBLAS's (a None entry)."""
     from parallel_models.llama.layers.exact import exact_mode
 
     x = torch.randn(64, 1, 32).to(torch.bfloat16)
@@ -102,6 +103,16 @@ def test_the_rule(monkeypatch):
         assert not use_skinny(x[..., :16], w)  # K mismatch
         with exact_mode():
             assert not use_skinny(x, w)
+        monkeypatch.setitem(TUNED, (64, 48, 32), None)  # a sweep found cuBLAS faster there
+        assert not use_skinny(x, w) and not use_skinny(x[:1], w)
+        assert use_skinny(torch.randn(65, 32).to(torch.bfloat16), w)  # past the entry's rows
+        monkeypatch.setitem(TUNED, (1, 48, 32), LaunchConfig(16, 16, 16, 1, 4, 2))
+        assert use_skinny(x[:1], w) and not use_skinny(x[:2], w)  # the smallest entry wins
+        monkeypatch.setenv(ENV, "16,16,16,1,4,2")  # a forced config overrides the table
+        assert use_skinny(x, w)
+        monkeypatch.delenv(ENV)
+        monkeypatch.delitem(TUNED, (64, 48, 32))
+        monkeypatch.delitem(TUNED, (1, 48, 32))
         y = skinny_gemm.decode_linear(x, w)
         assert y is not None and within_one_ulp(y, reference_linear(x, w)) <= 1.0
     assert not use_skinny(x, w)  # autograd on: training keeps cuBLAS

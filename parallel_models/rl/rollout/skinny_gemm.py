@@ -19,9 +19,10 @@ into a workspace that the last split reads back and re-zeroes) and needs no seco
 When it is used (:func:`use_skinny`, the one rule, asked by :func:`decode_linear`, the one hook
 the linears call): ``PARALLEL_MODELS_DECODE_GEMM=triton`` (default ``cublas``: off until the GPU
 measurement says it wins), a CUDA tensor (or any under ``TRITON_INTERPRET=1``, the CPU tests),
-no autograd (``torch.is_grad_enabled()`` false: generation), rows <= 256, bf16 x and W, exact
-mode off (its batch-invariant kernels own every product then), triton imports and the kernel
-matched ``torch.matmul`` on this device once (:func:`supported`).
+no autograd (``torch.is_grad_enabled()`` false: generation), rows <= 256, bf16 x and W, the
+launch-config table does not mark the shape as cuBLAS's (a ``None`` entry), exact mode off (its
+batch-invariant kernels own every product then), triton imports and the kernel matched
+``torch.matmul`` on this device once (:func:`supported`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 
 from parallel_models.errors import ConfigError
 from parallel_models.rl.rollout.skinny_gemm_config import (MAX_ROWS, LaunchConfig,
-                                                           launch_config)
+                                                           cublas_preferred, launch_config)
 
 ENV = "PARALLEL_MODELS_DECODE_GEMM"
 MODES = ("cublas", "triton")
@@ -62,10 +63,13 @@ def use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if mode() != "triton" or torch.is_grad_enabled():
         return False
     k = x.shape[-1] if x.dim() else 0
-    if not (k and 0 < x.numel() // k <= MAX_ROWS and x.dtype == torch.bfloat16
+    rows = x.numel() // k if k else 0
+    if not (0 < rows <= MAX_ROWS and x.dtype == torch.bfloat16
             and weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] == k
             and weight.stride(1) == 1 and x.device == weight.device and _runs_here(x)):
         return False
+    if cublas_preferred(rows, weight.shape[0], k):
+        return False  # measured: cuBLAS is faster at this shape (skinny_gemm_config.TUNED)
     from parallel_models.llama.layers import exact  # local: the layers import this module
 
     if exact.enabled():

@@ -8,7 +8,8 @@ software-pipelining depth of the W / x loads). Where it comes from, first match 
    shape; benches and trying a sweep's result);
 2. :data:`TUNED`: ``(max rows, N, K) -> config`` for the decode buckets (the smallest entry of
    that N and K whose ``max rows`` holds the call's rows), filled from
-   ``bench/decode_gemm_sweep.py``'s best per shape;
+   ``bench/decode_gemm_sweep.py``'s best per shape; an entry ``None`` says cuBLAS measured
+   faster there (:func:`cublas_preferred`: the linears keep cuBLAS for that shape);
 3. :func:`heuristic`: from the byte math below.
 
 Byte math (H100: 132 SMs, ~3.35 TB/s; weights dominate: at M = 64 the 0.89B model's x is 256 KB
@@ -64,10 +65,10 @@ class LaunchConfig:
                                           self.num_warps, self.num_stages))
 
 
-# (max rows, N, K) -> config: the smallest max rows >= the call's rows among the entries of its
-# N and K wins. Empty until a GPU sweep (bench/decode_gemm_sweep.py) says better than the
-# heuristic.
-TUNED: dict[tuple[int, int, int], LaunchConfig] = {}
+# (max rows, N, K) -> config, or None where cuBLAS is faster: the smallest max rows >= the call's
+# rows among the entries of its N and K wins. Empty until a GPU sweep
+# (bench/decode_gemm_sweep.py, which prints the lines to paste) says better than the heuristic.
+TUNED: dict[tuple[int, int, int], LaunchConfig | None] = {}
 
 
 @functools.cache
@@ -112,17 +113,32 @@ def heuristic(rows: int, n: int, k: int, sms: int = 132) -> LaunchConfig:
     return LaunchConfig(block_n, block_m, block_k, split, warps, stages)
 
 
+def _tuned(rows: int, n: int, k: int) -> tuple[bool, LaunchConfig | None]:
+    """(whether a :data:`TUNED` entry holds the shape, its value)."""
+    best = None
+    for (max_rows, tn, tk), config in TUNED.items():
+        if tn == n and tk == k and rows <= max_rows and (best is None or max_rows < best[0]):
+            best = (max_rows, config)
+    return (True, best[1]) if best else (False, None)
+
+
+def cublas_preferred(rows: int, n: int, k: int) -> bool:
+    """Whether the table says cuBLAS is faster at this shape (its entry is None) and the env
+    var does not force a config."""
+    if os.environ.get(ENV):
+        return False
+    found, config = _tuned(rows, n, k)
+    return found and config is None
+
+
 def launch_config(rows: int, n: int, k: int, sms: int = 132) -> LaunchConfig:
     """The kernel's launch settings for ``x [rows, k] @ W[n, k]^T``."""
     value = os.environ.get(ENV)
     if value:
         return parse(value)
-    best = None
-    for (max_rows, tn, tk), config in TUNED.items():
-        if tn == n and tk == k and rows <= max_rows and (best is None or max_rows < best[0]):
-            best = (max_rows, config)
-    return best[1] if best else heuristic(rows, n, k, sms)
+    _, config = _tuned(rows, n, k)
+    return config or heuristic(rows, n, k, sms)
 
 
-__all__ = ["ENV", "LaunchConfig", "MAX_ROWS", "TUNED", "block_m_for", "heuristic",
-           "launch_config", "parse"]
+__all__ = ["ENV", "LaunchConfig", "MAX_ROWS", "TUNED", "block_m_for", "cublas_preferred",
+           "heuristic", "launch_config", "parse"]

@@ -1,7 +1,8 @@
 """The skinny decode GEMM on the GPU (bf16): within one bf16 unit of torch's fp32 product at the
 0.89B model's five decode products and the decode buckets' row counts, with its default and
-other launch configs; replayed from a CUDA graph it follows new inputs and leaves its split-K
-workspace zeroed; a graph captured before a shape ran eagerly still computes it (no split);
+other launch configs, the same bits every run (the K splits are summed in a fixed order);
+replayed from a CUDA graph it follows new inputs and leaves its split-K counters zeroed; a graph
+captured before a shape ran eagerly still computes it (no split);
 the model's logits with ``PARALLEL_MODELS_DECODE_GEMM=triton`` match cuBLAS's, and the engine
 decodes through it with graphs exactly as eagerly.
 
@@ -44,7 +45,8 @@ def test_decode_shapes_match_fp32_matmul(rows, n, k):
     x, w, _ = _operands(rows, n, k, seed=rows)
     got = skinny_linear(x, w)
     assert _excess(got, reference_linear(x, w)) <= 1e-3
-    assert torch.equal(skinny_linear(x, w), got)  # the workspace was left clean
+    for _ in range(3):  # counters left zeroed; splits summed in split order: the same bits
+        assert torch.equal(skinny_linear(x, w), got)
 
 
 @pytest.mark.parametrize("config", ["32,64,128,4,4,4", "128,64,64,2,8,3", "64,16,256,16,4,5",
@@ -80,8 +82,8 @@ def test_cuda_graph_replay_follows_new_inputs():
         want = reference_linear(x, w, b)
         assert _excess(out, want) <= 1e-3
         assert _excess(out2, reference_linear(out, w)) <= 1e-3
-    for ws, locks in skinny_gemm._WORKSPACES.values():
-        assert not ws.any() and not locks.any()
+    for _, locks in skinny_gemm._WORKSPACES.values():
+        assert not locks.any()
 
 
 def test_capture_before_any_eager_call_uses_no_split():

@@ -4,16 +4,17 @@ At decode the linears multiply a handful of rows (the batch bucket, <= 256) by a
 so they are bound by reading W from memory. cuBLAS picks split-K plus a separate reduction
 kernel for the skinny products (o_proj 2.33x its weight-read floor on an H100 at M = 64,
 docs/PERFORMANCE.md "Issue 17 item 4"); this Triton kernel (``skinny_gemm_kernels``) instead
-computes ``W_tile @ x^T`` (N on the MMA's M side), sums its K splits in-kernel (fp32 atomics
-into a workspace that the last split reads back and re-zeroes) and needs no second launch.
+computes ``W_tile @ x^T`` (N on the MMA's M side), sums its K splits in-kernel (each split
+stores its fp32 partial; the last split of a tile to finish adds them in split order: the same
+bits every run) and needs no second launch.
 
 - ``x [..., K]`` bf16 with ``rows = x.numel() / K`` <= 256, ``W [N, K]`` bf16 with unit stride
   along K (``nn.Linear`` / megatron layout), fp32 accumulation, bf16 out ``[..., N]``.
 - Graph-capturable: no host sync, nothing allocated but the output. The split-K workspace
-  (``rows`` rounded up x N fp32, zero at rest) and its tile counters are allocated on the first
-  eager call of a shape and kept for the process; a call captured before its shape ran eagerly
-  uses ``split_k = 1`` instead. One stream at a time may use a shape's workspace (the engine
-  decodes on one stream).
+  (splits x ``rows`` rounded up x N fp32) and its tile counters (zero at rest) are allocated on
+  the first eager call of a shape and kept for the process; a call captured before its shape ran
+  eagerly uses ``split_k = 1`` instead. One stream at a time may use a shape's workspace (the
+  engine decodes on one stream). Deterministic: the same inputs give the same bits.
 - Launch settings: ``skinny_gemm_config`` (an env var, a table by shape, a byte-math default).
 
 When it is used (:func:`use_skinny`, the one rule, asked by :func:`decode_linear`, the one hook
@@ -160,17 +161,18 @@ def _sms(device: torch.device) -> int:
 _WORKSPACES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _workspace(device: torch.device, rows: int, n: int) -> tuple | None:
-    """The zeroed fp32 ``[rows', n]`` partial sums and int32 tile counters of a split-K call
-    (``rows'`` = rows rounded up to a power of two >= 16; counters for the thinnest tiles);
-    None when it does not exist yet and a graph is being captured."""
+def _workspace(device: torch.device, rows: int, n: int, split: int) -> tuple | None:
+    """The fp32 ``[split, rows', n]`` partial sums and zeroed int32 tile counters of a split-K
+    call (``rows'`` = rows rounded up to a power of two >= 16; counters for the thinnest tiles);
+    None when it does not exist yet and a graph is being captured. Never freed: a captured graph
+    keeps their addresses."""
     padded = max(16, 1 << (rows - 1).bit_length())
-    key = (device, padded, n)
+    key = (device, padded, n, split)
     if key not in _WORKSPACES:
         if _capturing(device):
             return None
         tiles = -(-n // 16) * -(-padded // 16)
-        _WORKSPACES[key] = (torch.zeros(padded * n, dtype=torch.float32, device=device),
+        _WORKSPACES[key] = (torch.empty(split * padded * n, dtype=torch.float32, device=device),
                             torch.zeros(tiles, dtype=torch.int32, device=device))
     return _WORKSPACES[key]
 
@@ -200,7 +202,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     split = max(1, min(config.split_k, triton.cdiv(k, config.block_k)))
     ws = locks = y  # unused without a split
     if split > 1:
-        found = _workspace(x.device, rows, n)
+        found = _workspace(x.device, rows, n, split)
         if found is None:
             split = 1
         else:

@@ -17,8 +17,10 @@ against 8-131 MB of W per linear). Each W byte is read once from HBM whatever th
 tile decides is (a) how many programs stream W at once: fewer than ~1 per SM leaves bandwidth
 idle, so a small N is split over K rather than cut into thinner N tiles; (b) how often x is
 re-read from L2: once per N tile, ``M / block_n`` times the W bytes, so thin N tiles are costly
-at large M; (c) the fp32 partial sums of a split (``M * N * 4`` bytes per split, through L2
-atomics): cheap next to W at decode sizes (2 MB for o_proj at M = 64 and 4 splits vs 8 MB of W).
+at large M; (c) the fp32 partial sums of a split (``M * N * 4`` bytes per split, written to L2
+and read back by the tile's last split): cheap next to W at decode sizes (2 MB for o_proj at
+M = 64 and 4 splits vs 8 MB of W), but the last split of each tile reads all of its tile's
+partials, which lengthens the kernel's tail as the split count grows.
 """
 
 from __future__ import annotations

@@ -7,12 +7,13 @@ and multiplies it by the matching ``[BLOCK_M, K / SPLIT_K]`` slab of x, swapped 
 x^T``: the big dimension N is the MMA's M side, the few rows of x its N side, so tensor cores
 serve M = 1 .. 256 alike). fp32 accumulation, bf16 (x's dtype) out, transposed on the store.
 
-``SPLIT_K > 1``: each split adds its fp32 tile into the zeroed workspace ``Ws`` with atomics,
-then takes a ticket from the tile's counter (``Locks``); the split that draws the last ticket
-reads the sum back (an atomic add of 0: from L2, whatever L1 holds), zeroes it, resets the
-counter and writes the bf16 output. No second kernel, and the workspace and counters are zero
-again when the kernel ends, so a CUDA graph can replay it. See ``skinny_gemm`` for the contract
-and ``skinny_gemm_config`` for the launch settings.
+``SPLIT_K > 1``: each split stores its fp32 tile in its slice of the workspace ``Ws`` and takes
+a ticket from the tile's counter (``Locks``: a release after a CTA barrier, as CUTLASS's
+split-K semaphore); the split that draws the last ticket sums the slices in split order (so the
+result does not depend on which split finished last: the same bits every run, unlike atomic
+adds), adds the bias, writes the bf16 output and resets the counter. No second kernel, and the
+counters are zero again when the kernel ends, so a CUDA graph can replay it. See
+``skinny_gemm`` for the contract and ``skinny_gemm_config`` for the launch settings.
 """
 
 import os
@@ -77,17 +78,19 @@ def skinny_kernel(X, W, Bias, Y, Ws, Locks, M, N, K, SPLIT_K, K_SPLIT, M_TILES, 
             acc += tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=out_mask)
     else:
-        ws_ptr = Ws + m.to(tl.int64)[None, :] * N + n[:, None]  # Ws [M, N] fp32, zero at rest
-        tl.atomic_add(ws_ptr, acc, mask=out_mask, sem="relaxed")
-        tl.debug_barrier()  # every thread's adds issued before the ticket (release below)
+        # Ws [SPLIT_K, M, N] fp32: this split's partial sum, then a ticket
+        part = Ws + (pid_k * M + m.to(tl.int64))[None, :] * N + n[:, None]
+        tl.store(part, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's stores before the ticket (its release below)
         lock = Locks + pid_n * M_TILES + pid_m
         ticket = tl.atomic_add(lock, 1, sem="acq_rel")  # one per program
-        if ticket == SPLIT_K - 1:  # the last split of this tile: the sum is complete
+        if ticket == SPLIT_K - 1:  # the last split of this tile: every partial is written
             tl.debug_barrier()
-            zero = tl.zeros_like(acc)
-            total = tl.atomic_add(ws_ptr, zero, mask=out_mask, sem="relaxed")  # read from L2
-            total = tl.where(out_mask, total, 0.0)  # (masked lanes: undefined)
-            tl.store(ws_ptr, zero, mask=out_mask)  # zero at rest again
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            first = Ws + m.to(tl.int64)[None, :] * N + n[:, None]
+            for s in range(0, SPLIT_K):  # in split order, whichever split came last: the same
+                total += tl.load(first + s * M * N, mask=out_mask, other=0.0,  # sum every run
+                                 cache_modifier=".cg")  # (from L2)
             if HAS_BIAS:
                 total += tl.load(Bias + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             tl.store(y_ptr, total.to(Y.dtype.element_ty), mask=out_mask)

@@ -116,6 +116,8 @@ def test_the_rule(monkeypatch):
         monkeypatch.delitem(TUNED, (1, 48, 32))
         y = skinny_gemm.decode_linear(x, w)
         assert y is not None and within_one_ulp(y, reference_linear(x, w)) <= 1.0
+        b = torch.randn(96).to(torch.bfloat16)
+        assert skinny_gemm.decode_linear(x, w, b[::2]) is None  # a strided bias: cuBLAS
     assert not use_skinny(x, w)  # autograd on: training keeps cuBLAS
     monkeypatch.setenv(skinny_gemm.ENV, "cutlass")
     with pytest.raises(ConfigError, match="PARALLEL_MODELS_DECODE_GEMM"):

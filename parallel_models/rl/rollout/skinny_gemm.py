@@ -84,7 +84,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """The hook of the linears: ``x @ weight^T + bias`` by the skinny kernel when
     :func:`use_skinny` says so, else None (the caller runs its usual GEMM)."""
-    if not use_skinny(x, weight):
+    if not use_skinny(x, weight) or (bias is not None and (
+            bias.shape != (weight.shape[0],) or bias.stride(0) != 1)):
         return None
     return skinny_linear(x, weight, bias)
 

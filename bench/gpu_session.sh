@@ -60,8 +60,6 @@ case "${1:-gpu}" in
     nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
     timeout 75 python3 bench/decode_gemm_sweep.py --budget-s 40 --out "$OUT/decode_gemm_sweep.json" \
         2>&1 | tee "$OUT/decode_gemm_sweep.log" | grep -v "^TUNED" | tail -32
-    # the sweep's table (its best config per shape, cuBLAS where that won) for what follows
-    export PARALLEL_MODELS_DECODE_GEMM_TUNED="$OUT/decode_gemm_sweep.json"
     timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_skinny_gemm.py \
         2>&1 | tee "$OUT/skinny_gpu_tests.log" | tail -15
     timeout 100 python3 bench/decode_profile.py --variants ours skinny_gemm \

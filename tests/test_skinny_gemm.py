@@ -250,30 +250,3 @@ def test_gpu_kernel_compiles_for_hopper():
     if "ptxas" in run.stderr and "not found" in run.stderr.lower():
         pytest.skip("triton without its bundled ptxas")
     assert run.returncode == 0 and "compiled" in run.stdout, run.stderr[-3000:]
-
-
-def test_a_sweep_result_file_fills_the_table(monkeypatch, tmp_path):
-    """``PARALLEL_MODELS_DECODE_GEMM_TUNED`` names a decode_gemm_sweep.py JSON: its cases' best
-    configs where they beat cuBLAS, None (cuBLAS) where they did not; a bad file is named."""
-    import json
-
-    from parallel_models.errors import ConfigError
-    from parallel_models.rl.rollout import skinny_gemm_config as cfg
-
-    sweep = {"cases": [
-        {"rows": 64, "n": 2048, "k": 2048, "best": "64,64,128,4,4,4", "best_us": 4.0,
-         "cublas_us": 6.0},
-        {"rows": 64, "n": 4096, "k": 2048, "best": "64,64,128,2,4,4", "best_us": 9.0,
-         "cublas_us": 8.0},
-        {"rows": 256, "n": 2048, "k": 2048}]}  # a case that failed: no best
-    path = tmp_path / "sweep.json"
-    path.write_text(json.dumps(sweep))
-    monkeypatch.setenv(cfg.TUNED_FILE_ENV, str(path))
-    assert cfg.launch_config(64, 2048, 2048) == cfg.LaunchConfig(64, 64, 128, 4, 4, 4)
-    assert cfg.cublas_preferred(64, 4096, 2048) and not cfg.cublas_preferred(64, 2048, 2048)
-    assert cfg.launch_config(256, 2048, 2048) == cfg.heuristic(256, 2048, 2048)
-    bad = tmp_path / "bad.json"
-    bad.write_text("{}")
-    monkeypatch.setenv(cfg.TUNED_FILE_ENV, str(bad))
-    with pytest.raises(ConfigError, match="bad.json"):
-        cfg.launch_config(64, 2048, 2048)

@@ -9,9 +9,7 @@ software-pipelining depth of the W / x loads). Where it comes from, first match 
 2. :data:`TUNED`: ``(max rows, N, K) -> config`` for the decode buckets (the smallest entry of
    that N and K whose ``max rows`` holds the call's rows), filled from
    ``bench/decode_gemm_sweep.py``'s best per shape; an entry ``None`` says cuBLAS measured
-   faster there (:func:`cublas_preferred`: the linears keep cuBLAS for that shape). A sweep's
-   JSON (``--out``) named by ``PARALLEL_MODELS_DECODE_GEMM_TUNED=path`` adds its entries on top
-   (a table measured on this GPU, without editing the code);
+   faster there (:func:`cublas_preferred`: the linears keep cuBLAS for that shape);
 3. :func:`heuristic`: from the byte math below.
 
 Byte math (H100: 132 SMs, ~3.35 TB/s; weights dominate: at M = 64 the 0.89B model's x is 256 KB
@@ -28,14 +26,12 @@ partials, which lengthens the kernel's tail as the split count grows.
 from __future__ import annotations
 
 import functools
-import json
 import os
 from dataclasses import dataclass
 
 from parallel_models.errors import ConfigError
 
 ENV = "PARALLEL_MODELS_DECODE_GEMM_CONFIG"
-TUNED_FILE_ENV = "PARALLEL_MODELS_DECODE_GEMM_TUNED"
 MAX_ROWS = 256  # the largest decode bucket the kernel is meant for
 
 
@@ -119,30 +115,10 @@ def heuristic(rows: int, n: int, k: int, sms: int = 132) -> LaunchConfig:
     return LaunchConfig(block_n, block_m, block_k, split, warps, stages)
 
 
-@functools.cache
-def sweep_table(path: str) -> dict:
-    """The TUNED entries of a ``bench/decode_gemm_sweep.py --out`` file: per case its best
-    config where it beat cuBLAS, else None (ConfigError naming the file when unreadable)."""
-    try:
-        with open(path) as f:
-            cases = json.load(f)["cases"]
-        return {(c["rows"], c["n"], c["k"]):
-                parse(c["best"]) if c["best_us"] < c["cublas_us"] else None
-                for c in cases if "best_us" in c}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{TUNED_FILE_ENV}={path}: not a decode_gemm_sweep.py result "
-                          f"({type(exc).__name__}: {exc})") from None
-
-
-def _table() -> dict:
-    path = os.environ.get(TUNED_FILE_ENV)
-    return {**TUNED, **sweep_table(path)} if path else TUNED
-
-
 def _tuned(rows: int, n: int, k: int) -> tuple[bool, LaunchConfig | None]:
     """(whether a :data:`TUNED` entry holds the shape, its value)."""
     best = None
-    for (max_rows, tn, tk), config in _table().items():
+    for (max_rows, tn, tk), config in TUNED.items():
         if tn == n and tk == k and rows <= max_rows and (best is None or max_rows < best[0]):
             best = (max_rows, config)
     return (True, best[1]) if best else (False, None)
@@ -166,5 +142,5 @@ def launch_config(rows: int, n: int, k: int, sms: int = 132) -> LaunchConfig:
     return config or heuristic(rows, n, k, sms)
 
 
-__all__ = ["ENV", "LaunchConfig", "MAX_ROWS", "TUNED", "TUNED_FILE_ENV", "block_m_for",
-           "cublas_preferred", "heuristic", "launch_config", "parse", "sweep_table"]
+__all__ = ["ENV", "LaunchConfig", "MAX_ROWS", "TUNED", "block_m_for", "cublas_preferred",
+           "heuristic", "launch_config", "parse"]

@@ -12,11 +12,9 @@ Per batch size B and engine variant (``--variants``; ``ours`` = split-KV triton 
 same with PyTorch's flash kernel and two ``index_copy_`` KV writes, ``no_pipeline``,
 ``no_fused_draw``, ``no_fused_norm`` (each layer's residual sum not fused into the next norm),
 ``no_fused_rope`` (RoPE by its own kernels, not inside the split-KV attention),
-``skinny_gemm`` (``ours`` + ``PARALLEL_MODELS_DECODE_GEMM=triton``: the linears' products by
-``rl/rollout/skinny_gemm.py``; every other variant sets ``cublas``), ``baseline`` = none of
-these, profiled too), B prompts of ``prompt + new/2`` tokens (every row at the bench's mean
-context) in a ``ContinuousEngine`` whose rows hold ``prompt + new`` positions (the bench's
-bucket):
+``baseline`` = none of these, profiled too), B prompts of ``prompt + new/2`` tokens
+(every row at the bench's mean context) in a ``ContinuousEngine`` whose rows hold
+``prompt + new`` positions (the bench's bucket):
 
 - ``engine_step_ms``: wall time of ``engine.step()`` (graph replay + sampling + the host's
   bookkeeping and its one sync): what bench/rollout_bench.py reports as continuous ms/step
@@ -33,7 +31,7 @@ bucket):
   ``engine_step_ms - graph_replay_ms - draw_ms`` = the host's share of a step.
 - ``attention_micro``: one layer's decode attention at these shapes: the split-KV kernel vs
   PyTorch's flash kernel (+ its two KV writes), microseconds per call captured in a CUDA graph
-  (``common.graph_us``: as the engine runs it; ``split_kv_eager_us``: one eager
+  (``decode_attention_sweep.graph_us``: as the engine runs it; ``split_kv_eager_us``: one eager
   call, launch and host included), beside the KV-bytes floor. The launch-config sweep:
   bench/decode_attention_sweep.py.
 
@@ -56,8 +54,9 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (add_decode_shape_args, add_llama_shape_args, bandwidth,  # noqa: E402
-                    graph_us, hbm_read_bandwidth, report, save_llama_model, timed)
+from common import (add_decode_shape_args, add_llama_shape_args,  # noqa: E402
+                    hbm_read_bandwidth, report, save_llama_model, timed)
+from decode_attention_sweep import graph_us  # noqa: E402
 
 LABEL = "dp::"
 GEMMS = {"qkv_proj": "qkv_gemm", "o_proj": "o_gemm", "gate_up_proj": "gate_up_gemm",
@@ -66,7 +65,6 @@ GEMMS = {"qkv_proj": "qkv_gemm", "o_proj": "o_gemm", "gate_up_proj": "gate_up_ge
 # next norm, profiled by category)
 VARIANTS = {
     "ours": ("triton", True, True, True, True),
-    "skinny_gemm": ("triton", True, True, True, True),  # ours + PARALLEL_MODELS_DECODE_GEMM=triton
     "aten_attention": ("aten", True, True, True, True),
     "no_pipeline": ("triton", True, False, True, False),
     "no_fused_draw": ("triton", False, True, True, False),
@@ -77,6 +75,13 @@ VARIANTS = {
 ORDER = ["qkv_gemm", "o_gemm", "gate_up_gemm", "down_gemm", "lm_head_gemm", "attention",
          "kv_write", "rope", "norm", "activation", "embedding", "sampling", "residual_add",
          "other", "unlinked"]
+
+
+def bandwidth(dev: torch.device) -> float:
+    if dev.type != "cuda":
+        return 50e9  # a nominal CPU figure: the smoke run's floors mean nothing
+    name = torch.cuda.get_device_name()
+    return 4.8e12 if "H200" in name else 3.35e12 if "H100" in name else 2.0e12
 
 
 def sync(dev) -> None:
@@ -322,7 +327,6 @@ def run_case(args, cfg, model, dev, batch: int, variant: str) -> dict:
     os.environ["PARALLEL_MODELS_FUSED_DRAW"] = "1" if fused else "0"  # read at each draw
     os.environ["PARALLEL_MODELS_DECODE_FUSE_NORM"] = "1" if fuse_norm else "0"  # each forward
     os.environ["PARALLEL_MODELS_DECODE_FUSE_ROPE"] = "0" if variant == "no_fused_rope" else "1"
-    os.environ["PARALLEL_MODELS_DECODE_GEMM"] = "triton" if variant == "skinny_gemm" else "cublas"
     half = args.new // 2
     context = args.prompt + half          # prompt length of the profiled rows
     row_tokens = args.prompt + args.new   # the bench's bucket: rows hold prompt + new positions

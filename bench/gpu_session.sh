@@ -8,9 +8,6 @@
 #                                      # aten_attention / baseline),
 #                                      # bench/decode_attention_sweep.py (45 s budget), GPU tests
 #   bash bench/gpu_session.sh decode_bench  # rollout_bench.py --cases decode (engine vs baseline)
-#   bash bench/gpu_session.sh skinny   # the skinny decode GEMM, <= ~150 s: bench/decode_gemm_sweep.py
-#                                      # (cuBLAS vs the kernel's configs, 40 s budget), its GPU
-#                                      # tests, decode_profile.py ours vs skinny_gemm
 #   bash bench/gpu_session.sh exact    # exact mode (issue 15 item 4): its GPU test (bitwise
 #                                      # rollout == training) and bench/exact_mode_bench.py
 #   bash bench/gpu_session.sh wgrad    # fused weight-gradient accumulation: its GPU test and
@@ -55,16 +52,6 @@ case "${1:-gpu}" in
     timeout 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_split_kv.py \
         tests/gpu/test_gpu_fused_draw.py tests/gpu/test_gpu_continuous.py 2>&1 \
         | tee "$OUT/decode_gpu_tests.log" | tail -15
-    ;;
-  skinny)
-    nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-    timeout 75 python3 bench/decode_gemm_sweep.py --budget-s 40 --out "$OUT/decode_gemm_sweep.json" \
-        2>&1 | tee "$OUT/decode_gemm_sweep.log" | grep -v "^TUNED" | tail -32
-    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_skinny_gemm.py \
-        2>&1 | tee "$OUT/skinny_gpu_tests.log" | tail -15
-    timeout 100 python3 bench/decode_profile.py --variants ours skinny_gemm \
-        --out "$OUT/decode_profile_skinny.json" 2>&1 | tee "$OUT/decode_profile_skinny.log" \
-        | grep -v "^[ {}]" | tail -60
     ;;
   decode_bench)
     timeout 180 python3 bench/rollout_bench.py --cases decode --out "$OUT/rollout_decode.json" 2>&1 \

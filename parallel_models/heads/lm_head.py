@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import torch
 from megatron.core import ModelParallelConfig, parallel_state as mpu
-from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-from parallel_models.llama.layers.linear import DecodeColumnParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear, gather_from_tensor_model_parallel_region
 
 
 class ParallelLMHead(torch.nn.Module):
@@ -23,7 +21,7 @@ class ParallelLMHead(torch.nn.Module):
         self.vocab_size = vocab_size
         self.padded_vocab_size = padded_vocab_size
         self.tied = tied
-        self.proj = DecodeColumnParallelLinear(
+        self.proj = ColumnParallelLinear(
             hidden_size, padded_vocab_size, config=mp_config, bias=False, gather_output=False,
             init_method=lambda w: torch.nn.init.normal_(w, 0.0, init_std),
             skip_weight_param_allocation=tied)

@@ -5,10 +5,6 @@ Local layouts (what one TP rank holds, rows of the weight):
   ranks each rank holds one KV head, shared (replicated) by ``tp // num_kv_heads`` ranks.
 - gate-up: ``[gate rows of this rank; up rows of this rank]``.
 The checkpoint weight map (checkpoint_utils/weight_map.py) knows these layouts.
-
-Every linear here (and the LM head's, ``DecodeColumnParallelLinear``) routes its local product
-through :class:`DecodeGemm`: generation's few-row products may go to the skinny decode GEMM
-(``rl/rollout/skinny_gemm.decode_linear`` holds the rule; off by default).
 """
 
 from __future__ import annotations
@@ -20,7 +16,6 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 
 from parallel_models.llama.layers.row_overlap import (ChunkedRowParallelMatmul,
                                                       overlap_chunks_from_env)
-from parallel_models.rl.rollout.skinny_gemm import decode_linear
 
 
 def _mark_tensor_parallel(module: torch.nn.Module, partition_dim: int) -> None:
@@ -38,27 +33,7 @@ def _init_normal(std: float):
     return lambda w: torch.nn.init.normal_(w, mean=0.0, std=std)
 
 
-class DecodeGemm:
-    """Mixin of a megatron-core Column/RowParallelLinear: its local product (``_forward_impl``,
-    where megatron multiplies this rank's input by its weight shard) goes to the skinny decode
-    GEMM when ``decode_linear`` takes it; megatron's own path otherwise. Under sequence parallel
-    a column-parallel product gathers its input inside ``_forward_impl``: megatron's path then
-    (generation switches sequence parallel off). The row-parallel reduction and bias stay in
-    megatron's ``forward``."""
-
-    def _forward_impl(self, input, weight, *args, **kwargs):  # noqa: A002 - megatron's names
-        if not kwargs.get("sequence_parallel", False) and not args:
-            out = decode_linear(input, weight, kwargs.get("bias"))
-            if out is not None:
-                return out
-        return super()._forward_impl(input, weight, *args, **kwargs)
-
-
-class DecodeColumnParallelLinear(DecodeGemm, ColumnParallelLinear):
-    """megatron-core's ColumnParallelLinear with the decode-GEMM hook (the LM head's)."""
-
-
-class QKVParallelLinear(DecodeGemm, ColumnParallelLinear):
+class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection, split by heads; KV heads replicated when num_kv_heads < TP."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -83,7 +58,7 @@ class QKVParallelLinear(DecodeGemm, ColumnParallelLinear):
                 v.reshape(*shape, self.num_kv_heads_per_rank, self.head_dim))
 
 
-class GateUpParallelLinear(DecodeGemm, ColumnParallelLinear):
+class GateUpParallelLinear(ColumnParallelLinear):
     """Fused gate and up projections of a SwiGLU MLP; each rank holds [gate_local; up_local]."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool,
@@ -93,7 +68,7 @@ class GateUpParallelLinear(DecodeGemm, ColumnParallelLinear):
         _mark_tensor_parallel(self, 0)
 
 
-class ParallelRowLinear(DecodeGemm, RowParallelLinear):
+class ParallelRowLinear(RowParallelLinear):
     """Row-parallel output projection (o_proj, down_proj): input split, output reduced."""
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool,

@@ -12,8 +12,8 @@ TP=1 run's output; adds ``share_of_tp1_per_gpu`` (this run's per-GPU tokens/s ov
 ``--grad-buffer ddp`` (default): the model in megatron DDP as training runs it (fp32 gradient
 buffers); ``plain``: gradients in bf16 ``.grad``. ``--compare-wgrad-fusion``: also timed with the
 weight-gradient GEMMs accumulating straight into the buffers (``utils/wgrad_fusion.py``), rounds
-alternated. ``--compare-triton-elementwise``: also timed with SwiGLU / RMSNorm through
-``torch.compile`` instead of the Triton kernels (``compiled_elementwise_step_s``), alternated.
+alternated. ``--compare-triton-elementwise``: SwiGLU / RMSNorm through the opt-in Triton kernels
+(``step_s``) and through ``torch.compile`` (``compiled_elementwise_step_s``), rounds alternated.
 
 Llama-3-8B shape by default (hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate 14336,
 vocab 128256), bf16, random weights built directly on the GPUs (no checkpoint). Every GPU keeps
@@ -59,7 +59,7 @@ def main():
                    help="with ddp: also time the weight-gradient GEMMs fused into the buffers "
                         "(utils/wgrad_fusion.py), rounds alternated")
     p.add_argument("--compare-triton-elementwise", action="store_true",
-                   help="also time SwiGLU / RMSNorm compiled instead of the Triton kernels "
+                   help="time SwiGLU / RMSNorm through the opt-in Triton kernels and compiled "
                         "(llama/layers/elementwise_triton.py), rounds alternated")
     args = p.parse_args()
     if args.max_connections_1:
@@ -120,8 +120,8 @@ def main():
     fused_times, compiled_times = [], []
     if fused:  # unfused (the default) and fused
         times, fused_times = alternated(lambda on: wgrad_fusion.enable([model], on=on))
-    elif args.compare_triton_elementwise:  # the Triton kernels (default) and the compiled path
-        times, compiled_times = alternated(lambda on: et.set_enabled(False if on else None))
+    elif args.compare_triton_elementwise:  # the Triton kernels (step_s) and the compiled path
+        times, compiled_times = alternated(lambda on: et.set_enabled(not on))
     else:
         times = timed_steps(step, args.iters)
     t = sorted(times)[len(times) // 2]

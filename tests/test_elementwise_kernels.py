@@ -189,6 +189,8 @@ def test_add_rms_norm_matches_eager(shape, dtype, used):
 def test_switch_and_dispatch_rules(monkeypatch):
     """The environment switch and the run-time override; CPU tensors never come here."""
     x = torch.zeros(2, 4)
+    monkeypatch.delenv(et.ENV, raising=False)
+    assert not et.enabled(), "opt-in"
     monkeypatch.setenv(et.ENV, "0")
     assert not et.enabled()
     et.set_enabled(True)

@@ -36,8 +36,10 @@ def _eager_and_compiled(fn_name, *inputs):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_compiled_fused_ops_match_eager(dtype, tol):
+def test_compiled_fused_ops_match_eager(dtype, tol, monkeypatch):
     assert gpu_compile._compile_available(), "torch.compile (triton) not available on this GPU host"
+    # the compiled path, not the opt-in Triton kernels (tests/gpu/test_gpu_elementwise_kernels.py)
+    monkeypatch.setenv("PARALLEL_MODELS_TRITON_ELEMENTWISE", "0")
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
 

@@ -6,9 +6,9 @@ into one Triton kernel forward and one backward instead of 5-10 elementwise pass
 activations (in eager mode those passes took ~40% of a training step: bench/train_bench.py
 --profile). ``PARALLEL_MODELS_COMPILE=0`` switches compilation off (utils/gpu_compile.py).
 
-SwiGLU and the two RMSNorms go to hand-written Triton kernels on CUDA instead
-(``elementwise_triton``: one pass each way, where inductor's backwards read their inputs twice);
-``PARALLEL_MODELS_TRITON_ELEMENTWISE=0`` keeps them compiled. Exact mode keeps its own kernels.
+With ``PARALLEL_MODELS_TRITON_ELEMENTWISE=1`` SwiGLU and the two RMSNorms go to hand-written
+Triton kernels on CUDA instead (``elementwise_triton``: one pass each way, where inductor's
+backwards read their inputs twice; opt-in, see there why). Exact mode keeps its own kernels.
 """
 
 from __future__ import annotations

@@ -212,6 +212,8 @@ class GpuClockLog:
         self._thread = None
 
     def __enter__(self):
+        if self.period_ms <= 0:
+            return self
         try:
             self._proc = subprocess.Popen(
                 ["nvidia-smi", f"--query-gpu={','.join(self.FIELDS)}",
@@ -283,7 +285,8 @@ def gpu_state() -> dict:
         return {}
 
 
-def alternate(contenders: dict, rounds: int = 3, warmup: int = 2, iters: int = 5) -> dict:
+def alternate(contenders: dict, rounds: int = 3, warmup: int = 2, iters: int = 5,
+              clock_log_ms: int = 50) -> dict:
     """Time each ``name -> fn`` side by side, order-robust: ``rounds`` rounds, each timing every
     contender once (median of ``iters`` after ``warmup``), the order rotated every round so no
     contender always runs first (after a cooler GPU) or last. Returns per contender the median over
@@ -292,12 +295,13 @@ def alternate(contenders: dict, rounds: int = 3, warmup: int = 2, iters: int = 5
     reasons it ran at (:class:`GpuClockLog`), recompiles and allocator activity during the
     round (:func:`_host_counters`); ``clock_normalized_spread`` is the spread of the rounds'
     times scaled to the highest clock seen (time x clock): small where the clock explains the
-    spread. Also the GPU state after each round."""
+    spread. Also the GPU state after each round. ``clock_log_ms=0``: no sampling (nvidia-smi
+    takes driver calls while it samples, which may itself disturb the steps it watches)."""
     names = list(contenders)
     times: dict[str, list[float]] = {n: [] for n in names}
     detail: dict[str, list[dict]] = {n: [] for n in names}
     states = []
-    with GpuClockLog() as clocks:
+    with GpuClockLog(clock_log_ms) as clocks:
         for r in range(rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:

@@ -76,6 +76,8 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cases", default="uniform,ragged")
     p.add_argument("--out", default=None)
+    p.add_argument("--clock-log-ms", type=int, default=50,
+                   help="nvidia-smi sampling period beside the timed steps (0: off)")
     p.add_argument("--wgrad-fusion", action="store_true",
                    help="add the contender ours_fused_wgrad (utils/wgrad_fusion.py)")
     p.add_argument("--profile", default=None,
@@ -139,7 +141,8 @@ def main():
                       "ours": float(ours_loss(packed.input_ids, packed.cu_seqlens))}
         spread = max(losses.values()) - min(losses.values())
         assert spread < 2e-2 * abs(losses["hf"]), f"{name}: losses disagree {losses}"
-        timing = alternate(contenders(ids, mask, packed), rounds=args.rounds, warmup=2, iters=5)
+        timing = alternate(contenders(ids, mask, packed), rounds=args.rounds, warmup=2, iters=5,
+                           clock_log_ms=args.clock_log_ms)
         if args.profile:  # after the timed rounds: the profiler does not disturb them
             os.makedirs(args.profile, exist_ok=True)
             for c, fn in contenders(ids, mask, packed).items():

@@ -22,9 +22,9 @@ import triton.language as tl
 
 
 @triton.jit
-def swiglu_fwd_kernel(GU, Out, n_cols, stride_gu, stride_out, col_blocks, BLOCK: tl.constexpr):
-    """``out[r, c] = round(silu(gate[r, c])) * up[r, c]`` (eager rounds silu's output to the
-    input dtype before the product; so does this)."""
+def _gate_up_block(GU, n_cols, stride_gu, col_blocks, BLOCK: tl.constexpr):
+    """This program's row and ``BLOCK`` columns of ``[gate | up]``: (row, cols, mask, gate in its
+    dtype, up in fp32)."""
     pid = tl.program_id(0)
     row = (pid // col_blocks).to(tl.int64)
     cols = (pid % col_blocks) * BLOCK + tl.arange(0, BLOCK)
@@ -32,6 +32,14 @@ def swiglu_fwd_kernel(GU, Out, n_cols, stride_gu, stride_out, col_blocks, BLOCK:
     base = GU + row * stride_gu
     gate = tl.load(base + cols, mask=mask, other=0.0)
     up = tl.load(base + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    return row, cols, mask, gate, up
+
+
+@triton.jit
+def swiglu_fwd_kernel(GU, Out, n_cols, stride_gu, stride_out, col_blocks, BLOCK: tl.constexpr):
+    """``out[r, c] = round(silu(gate[r, c])) * up[r, c]`` (eager rounds silu's output to the
+    input dtype before the product; so does this)."""
+    row, cols, mask, gate, up = _gate_up_block(GU, n_cols, stride_gu, col_blocks, BLOCK)
     g = gate.to(tl.float32)
     silu = (g * tl.sigmoid(g)).to(gate.dtype).to(tl.float32)
     tl.store(Out + row * stride_out + cols, (silu * up).to(Out.dtype.element_ty), mask=mask)
@@ -43,13 +51,7 @@ def swiglu_bwd_kernel(GU, DOut, DGU, n_cols, stride_gu, stride_dout, stride_dgu,
     """``d_up = dout * round(silu(gate))``, ``d_gate = round(dout * up) * silu'(gate)`` with
     ``silu'(x) = s (1 + x (1 - s))``, ``s = sigmoid(x)`` (PyTorch's ``silu_backward``), written
     to ``DGU[r, :I]`` and ``DGU[r, I:]``."""
-    pid = tl.program_id(0)
-    row = (pid // col_blocks).to(tl.int64)
-    cols = (pid % col_blocks) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    base = GU + row * stride_gu
-    gate = tl.load(base + cols, mask=mask, other=0.0)
-    up = tl.load(base + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    row, cols, mask, gate, up = _gate_up_block(GU, n_cols, stride_gu, col_blocks, BLOCK)
     dout = tl.load(DOut + row * stride_dout + cols, mask=mask, other=0.0).to(tl.float32)
     g = gate.to(tl.float32)
     s = tl.sigmoid(g)

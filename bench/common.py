@@ -8,6 +8,7 @@ Benches run as scripts (``python bench/x.py``), so their folder is on ``sys.path
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -145,9 +146,11 @@ def matmul_peak_tflops(dev) -> float:
     return 2 * 8192**3 / timed(lambda: a @ b, warmup=3, iters=20) / 1e12
 
 
+@functools.cache
 def hbm_read_bandwidth(dev, gib: float = 4.0) -> float:
     """Bytes/s that a plain read of ``gib`` GiB of bf16 reaches on this GPU (a float32 sum of it,
-    median of 10): the achievable side of the HBM roofline, beside the datasheet figure."""
+    median of 10): the achievable side of the HBM roofline, beside the datasheet figure;
+    measured once per device and run."""
     x = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=dev)
     seconds = timed(lambda: x.sum(dtype=torch.float32), warmup=2, iters=10)
     del x

@@ -44,6 +44,10 @@ def add_tp1_share(res: dict, tp1_json: str | None) -> None:
         print(f"per-GPU share of TP=1: {res['share_of_tp1_per_gpu']:.3f}")
 
 
+def _median(xs: list[float]) -> float | None:
+    return sorted(xs)[len(xs) // 2] if xs else None
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tp", type=int, default=1)
@@ -124,7 +128,7 @@ def main():
         times, compiled_times = alternated(lambda on: et.set_enabled(not on))
     else:
         times = timed_steps(step, args.iters)
-    t = sorted(times)[len(times) // 2]
+    t = _median(times)
     # parameters that multiply (the input embedding is a lookup): layers + LM head
     head_dim = args.hidden // args.heads
     per_layer = (args.hidden * (args.heads + 2 * args.kv_heads) * head_dim
@@ -137,11 +141,10 @@ def main():
            "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "grad_buffer": args.grad_buffer, "fused_wgrad_linears": fused,
            "step_s_all": times, "fused_wgrad_step_s_all": fused_times,
-           "fused_wgrad_step_s": sorted(fused_times)[len(fused_times) // 2] if fused else None,
+           "fused_wgrad_step_s": _median(fused_times),
            "triton_elementwise": et.enabled() and et.available(),
            "compiled_elementwise_step_s_all": compiled_times,
-           "compiled_elementwise_step_s": (sorted(compiled_times)[len(compiled_times) // 2]
-                                           if compiled_times else None),
+           "compiled_elementwise_step_s": _median(compiled_times),
            "tokens_per_step": tokens, "step_s": t, "tokens_per_s": tokens / t,
            "tokens_per_s_per_gpu": tokens / t / args.tp,
            "tflops_per_gpu": flops / t / 1e12 / args.tp,

@@ -88,7 +88,9 @@ def enable(chunks, on: bool | None = None) -> int:
     if not params:
         return 0
     if on is None:
-        on = wanted(params[0].device.type, params[0].dtype)
+        if not wanted(params[0].device.type, params[0].dtype):
+            return 0  # megatron built the linears unfused: nothing to switch
+        on = True
     if on:
         _install()
     owners: dict[int, int] = {}

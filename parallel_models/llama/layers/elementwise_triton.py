@@ -25,8 +25,8 @@ them and spread more across rounds (cause not found). And Qwen3-MoE decode no lo
 same tokens in CUDA graphs as eagerly: the dispatch keeps strided inputs on the compiled kernels,
 so graph and eager steps can round a norm differently and flip a near-tied route.
 ``gpu_compile.set_compilation(False)`` (exact mode, the benches' eager baselines) switches these
-kernels off as well: they replace the compiled pieces. Set ``TRITON_INTERPRET=1`` before importing triton to run them on the CPU
-(tests); ``fused_ops`` only sends CUDA tensors here.
+kernels off as well: they replace the compiled pieces. Set ``TRITON_INTERPRET=1`` before
+importing triton to run them on the CPU (tests); ``fused_ops`` only sends CUDA tensors here.
 """
 
 from __future__ import annotations

@@ -12,9 +12,6 @@ Per batch size B and engine variant (``--variants``; ``ours`` = split-KV triton 
 same with PyTorch's flash kernel and two ``index_copy_`` KV writes, ``no_pipeline``,
 ``no_fused_draw``, ``no_fused_norm`` (each layer's residual sum not fused into the next norm),
 ``no_fused_rope`` (RoPE by its own kernels, not inside the split-KV attention),
-``l2_prefetch`` (ours + each next GEMM's weight prefetched into L2 on a side stream:
-``rl/rollout/l2_prefetch.py``; at most 24 MiB of each weight), ``l2_prefetch_8`` / ``_48``
-(at most 8 / 48 MiB),
 ``baseline`` = none of these, profiled too), B prompts of ``prompt + new/2`` tokens
 (every row at the bench's mean context) in a ``ContinuousEngine`` whose rows hold
 ``prompt + new`` positions (the bench's bucket):
@@ -74,17 +71,10 @@ VARIANTS = {
     "no_fused_norm": ("triton", True, True, False, False),
     "no_fused_rope": ("triton", True, True, True, False),  # rotary kernels, not in the attention
     "baseline": ("aten", False, False, False, True),  # main before issue 17 item 4's changes
-    # ours + the next GEMM's weight prefetched into L2 on a side stream (rl/rollout/l2_prefetch),
-    # at most 24 / 8 / 48 MiB per weight
-    "l2_prefetch": ("triton", True, True, True, True),
-    "l2_prefetch_8": ("triton", True, True, True, False),
-    "l2_prefetch_48": ("triton", True, True, True, False),
 }
-# variant -> (PARALLEL_MODELS_DECODE_L2_PREFETCH, PARALLEL_MODELS_DECODE_L2_PREFETCH_MAX_MB)
-PREFETCH = {"l2_prefetch": ("1", "24"), "l2_prefetch_8": ("1", "8"), "l2_prefetch_48": ("1", "48")}
 ORDER = ["qkv_gemm", "o_gemm", "gate_up_gemm", "down_gemm", "lm_head_gemm", "attention",
          "kv_write", "rope", "norm", "activation", "embedding", "sampling", "residual_add",
-         "other", "l2_prefetch", "unlinked"]
+         "other", "unlinked"]
 
 
 def bandwidth(dev: torch.device) -> float:
@@ -250,8 +240,8 @@ def profile_step(step_fn, dev, iters: int = 3) -> dict:
         for name, t in device_us.items():
             lost = t - linked.get(name, 0.0)
             if lost > 0.005 * t and lost > 0.1:
-                cat = ("attention" if name.startswith(("split_kernel", "combine_kernel"))
-                       else "l2_prefetch" if name.startswith("prefetch_kernel") else "unlinked")
+                cat = "attention" if name.startswith(("split_kernel", "combine_kernel")) \
+                    else "unlinked"
                 us[cat] += lost
                 count[cat] += device_n[name] * lost / t
     return {"us": dict(us), "kernels": {k: round(v, 1) for k, v in count.items()},
@@ -337,9 +327,6 @@ def run_case(args, cfg, model, dev, batch: int, variant: str) -> dict:
     os.environ["PARALLEL_MODELS_FUSED_DRAW"] = "1" if fused else "0"  # read at each draw
     os.environ["PARALLEL_MODELS_DECODE_FUSE_NORM"] = "1" if fuse_norm else "0"  # each forward
     os.environ["PARALLEL_MODELS_DECODE_FUSE_ROPE"] = "0" if variant == "no_fused_rope" else "1"
-    prefetch, prefetch_mb = PREFETCH.get(variant, ("0", "24"))
-    os.environ["PARALLEL_MODELS_DECODE_L2_PREFETCH"] = prefetch  # read by the engine
-    os.environ["PARALLEL_MODELS_DECODE_L2_PREFETCH_MAX_MB"] = prefetch_mb
     half = args.new // 2
     context = args.prompt + half          # prompt length of the profiled rows
     row_tokens = args.prompt + args.new   # the bench's bucket: rows hold prompt + new positions

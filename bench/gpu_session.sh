@@ -8,9 +8,6 @@
 #                                      # aten_attention / baseline),
 #                                      # bench/decode_attention_sweep.py (45 s budget), GPU tests
 #   bash bench/gpu_session.sh decode_bench  # rollout_bench.py --cases decode (engine vs baseline)
-#   bash bench/gpu_session.sh prefetch # L2 weight prefetch in decode (issue 17 item 4), ~5 min:
-#                                      # the decode GPU tests, then decode_profile.py ours vs
-#                                      # l2_prefetch (24 / 8 / 48 MiB caps) at batch 64 and 256
 #   bash bench/gpu_session.sh exact    # exact mode (issue 15 item 4): its GPU test (bitwise
 #                                      # rollout == training) and bench/exact_mode_bench.py
 #   bash bench/gpu_session.sh wgrad    # fused weight-gradient accumulation: its GPU test and
@@ -58,16 +55,6 @@ case "${1:-gpu}" in
     timeout 110 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_split_kv.py \
         tests/gpu/test_gpu_fused_draw.py tests/gpu/test_gpu_continuous.py 2>&1 \
         | tee "$OUT/decode_gpu_tests.log" | tail -15
-    ;;
-  prefetch)
-    nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-    timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_gpu_l2_prefetch.py \
-        tests/gpu/test_gpu_split_kv.py tests/gpu/test_gpu_continuous.py \
-        tests/gpu/test_gpu_elementwise_kernels.py tests/gpu/test_gpu_kernels.py 2>&1 \
-        | tee "$OUT/prefetch_gpu_tests.log" | tail -15
-    timeout 200 python3 bench/decode_profile.py --variants ours l2_prefetch l2_prefetch_8 \
-        l2_prefetch_48 ours --out "$OUT/decode_prefetch.json" 2>&1 | tee "$OUT/decode_prefetch.log" \
-        | grep -v "^[ {}]" | tail -60
     ;;
   decode_bench)
     timeout 180 python3 bench/rollout_bench.py --cases decode --out "$OUT/rollout_decode.json" 2>&1 \

@@ -8,7 +8,6 @@ captured in a CUDA graph once and replayed whatever rows it holds. Used by
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 from parallel_models.llama.layers import exact
@@ -29,20 +28,16 @@ class BucketStep:
     """The decode step of one bucket: ``DecodeRows`` buffers -> logits ``[size, vocab]``; a CUDA
     graph captured on the first call when possible (as ``generation._DecodeStep``)."""
 
-    def __init__(self, model, cache: PoolKVCache, rows: DecodeRows, use_graph: bool,
-                 prefetcher=None):
+    def __init__(self, model, cache: PoolKVCache, rows: DecodeRows, use_graph: bool):
         self.model, self.cache, self.rows = model, cache, rows
-        self.prefetcher = prefetcher  # l2_prefetch.L2Prefetcher or None
         self.use_graph, self.graph, self.logits = use_graph, None, None
         self.exact = False  # whether the graph holds exact mode's kernels (layers/exact)
 
     def _forward(self):
         self.cache.begin_decode(self.rows)
-        around = self.prefetcher.step() if self.prefetcher else contextlib.nullcontext()
-        with around:
-            hidden, _ = self.model.forward_hidden(self.rows.tokens, self.rows.cu_q,
-                                                  self.rows.lengths, 1, kv_cache=self.cache)
-            return self.model._head(hidden, 0, full_vocab=True)
+        hidden, _ = self.model.forward_hidden(self.rows.tokens, self.rows.cu_q, self.rows.lengths,
+                                              1, kv_cache=self.cache)
+        return self.model._head(hidden, 0, full_vocab=True)
 
     def __call__(self):
         if not self.use_graph:

@@ -31,7 +31,6 @@ from typing import Callable, Sequence
 import torch
 from megatron.core import parallel_state as mpu
 
-from parallel_models.rl.rollout import l2_prefetch
 from parallel_models.rl.rollout.bucket_step import BucketStep, bucket_sizes
 from parallel_models.rl.rollout.generation import _broadcast_in_tp_group, sequence_parallel_off
 from parallel_models.rl.rollout.pool_cache import DecodeRows, PoolKVCache
@@ -144,9 +143,8 @@ class ContinuousEngine:
         use_graph = (self.device.type == "cuda" and self.cache.flash_decode
                      and not model.config.rope_depends_on_length
                      and os.environ.get("PARALLEL_MODELS_CUDA_GRAPHS", "1") != "0")
-        self.prefetcher = l2_prefetch.for_engine(model)  # PARALLEL_MODELS_DECODE_L2_PREFETCH
         self._steps = {b: BucketStep(model, self.cache, DecodeRows(b, self.device, self.cache.end),
-                                      use_graph, self.prefetcher) for b in self.buckets}
+                                      use_graph) for b in self.buckets}
         if pipeline is None:  # unset: on CUDA; "1": everywhere; "0": off
             env = os.environ.get("PARALLEL_MODELS_DECODE_PIPELINE")
             pipeline = env == "1" or (env is None and self.device.type == "cuda")

@@ -15,6 +15,10 @@
 #   bash bench/gpu_session.sh elementwise  # Triton SwiGLU / RMSNorm kernels, ~4 min: their
 #                                      # tests on CUDA, bench/elementwise_bench.py --sweep,
 #                                      # tp_bench TP=1 (8B shape) kernels vs compiled alternated
+#   bash bench/gpu_session.sh firstwrite  # DDP buffers written by a step's first backward, ~8 min:
+#                                      # its GPU test, tp_bench TP=1 (8B shape, every step starts
+#                                      # with zero_grad_buffer) first write vs zeroed + adds
+#                                      # alternated, then the newest CPU tests on megatron-core 0.19
 #   bash bench/gpu_session.sh mcore    # CPU tests of the newest layers on the host's Python 3.12
 #                                      # with megatron-core 0.19 (GPU hidden: gloo on the CPU)
 #   bash bench/gpu_session.sh tp_pp    # issue 19 item 2 on 2 GPUs, ~5 min: tp_bench TP=1, TP=2
@@ -111,6 +115,20 @@ case "${1:-gpu}" in
         --out "$OUT/tp1_elementwise.json" > /tmp/tp1_elementwise.log 2>&1
     grep -hE '"(step_s|compiled_elementwise_step_s|tflops_per_gpu|share_of_matmul_peak|matmul_peak_tflops|triton_elementwise)"' \
         /tmp/tp1_elementwise.log; tail -3 /tmp/tp1_elementwise.log
+    ;;
+  firstwrite)
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+    timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_grad_first_write.py 2>&1 \
+        | tee "$OUT/first_write_gpu_test.log" | grep -E "first write|passed|failed|Error" | tail -6
+    timeout 300 torchrun --standalone --nproc-per-node 1 bench/tp_bench.py --tp 1 \
+        --compare-grad-first-write --profile "$OUT/tp1_first_write_kernels.txt" \
+        --out "$OUT/tp1_first_write.json" > /tmp/tp1_first_write.log 2>&1
+    grep -hE '"(step_s|zeroed_buffers_step_s|step_s_all|zeroed_buffers_step_s_all|tflops_per_gpu|share_of_matmul_peak|matmul_peak_tflops)"' \
+        /tmp/tp1_first_write.log; tail -3 /tmp/tp1_first_write.log
+    CUDA_VISIBLE_DEVICES= timeout 420 python3 -m pytest -q -p no:cacheprovider -n 8 \
+        tests/test_grad_first_write.py tests/test_moe_aux_loss_pp.py tests/test_moe_aux_loss.py \
+        tests/test_moe_expert_parallel_ppo.py tests/test_wgrad_fusion.py 2>&1 \
+        | tee "$OUT/mcore019_new_tests.log" | tail -8
     ;;
   mcore)
     CUDA_VISIBLE_DEVICES= timeout 540 python3 -m pytest -q -p no:cacheprovider -n 8 \

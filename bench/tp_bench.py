@@ -12,7 +12,10 @@ TP=1 run's output; adds ``share_of_tp1_per_gpu`` (this run's per-GPU tokens/s ov
 ``--grad-buffer ddp`` (default): the model in megatron DDP as training runs it (fp32 gradient
 buffers); ``plain``: gradients in bf16 ``.grad``. ``--compare-wgrad-fusion``: also timed with the
 weight-gradient GEMMs accumulating straight into the buffers (``utils/wgrad_fusion.py``), rounds
-alternated. ``--compare-triton-elementwise``: SwiGLU / RMSNorm through the opt-in Triton kernels
+alternated. ``--compare-grad-first-write``: also timed with megatron's zeroed buffers + adds
+(``zeroed_buffers_step_s``) against the first backward writing them (``step_s``, the default:
+``utils/grad_first_write.py``), rounds alternated; with ddp every step starts with
+``zero_grad_buffer()`` as training does. ``--compare-triton-elementwise``: SwiGLU / RMSNorm through the opt-in Triton kernels
 (``step_s``) and through ``torch.compile`` (``compiled_elementwise_step_s``), rounds alternated.
 
 Llama-3-8B shape by default (hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate 14336,
@@ -62,6 +65,10 @@ def main():
     p.add_argument("--compare-wgrad-fusion", action="store_true",
                    help="with ddp: also time the weight-gradient GEMMs fused into the buffers "
                         "(utils/wgrad_fusion.py), rounds alternated")
+    p.add_argument("--compare-grad-first-write", action="store_true",
+                   help="with ddp: also time megatron's zeroed buffers + adds against the "
+                        "first backward writing them (utils/grad_first_write.py, the default), "
+                        "rounds alternated")
     p.add_argument("--compare-triton-elementwise", action="store_true",
                    help="time SwiGLU / RMSNorm through the opt-in Triton kernels and compiled "
                         "(llama/layers/elementwise_triton.py), rounds alternated")
@@ -106,6 +113,8 @@ def main():
         del chunked, plain
 
     def step():
+        if args.grad_buffer == "ddp":
+            model.zero_grad_buffer()  # as every training step starts
         logits = model(ids, cu).logits
         loss = -log_probs_from_packed_logits(logits, ids, cu).sum() / tokens
         loss.backward()
@@ -121,9 +130,14 @@ def main():
         switch(False)
         return times[False], times[True]
 
-    fused_times, compiled_times = [], []
+    fused_times, compiled_times, zeroed_times = [], [], []
     if fused:  # unfused (the default) and fused
         times, fused_times = alternated(lambda on: wgrad_fusion.enable([model], on=on))
+    elif args.compare_grad_first_write and args.grad_buffer == "ddp":
+        from parallel_models.utils import grad_first_write
+
+        # first write (the default) and megatron's memset + adds
+        times, zeroed_times = alternated(lambda on: grad_first_write.enable(model, on=not on))
     elif args.compare_triton_elementwise:  # the Triton kernels (step_s) and the compiled path
         times, compiled_times = alternated(lambda on: et.set_enabled(not on))
     else:
@@ -142,6 +156,8 @@ def main():
            "grad_buffer": args.grad_buffer, "fused_wgrad_linears": fused,
            "step_s_all": times, "fused_wgrad_step_s_all": fused_times,
            "fused_wgrad_step_s": _median(fused_times),
+           "zeroed_buffers_step_s_all": zeroed_times,
+           "zeroed_buffers_step_s": _median(zeroed_times),
            "triton_elementwise": et.enabled() and et.available(),
            "compiled_elementwise_step_s_all": compiled_times,
            "compiled_elementwise_step_s": _median(compiled_times),

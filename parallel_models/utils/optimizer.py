@@ -5,7 +5,8 @@
 builds the megatron optimizer (Adam; bf16/fp16 params keep fp32 master weights; optional
 distributed optimizer) and an ``OptimizerParamScheduler``; with
 ``PARALLEL_MODELS_WGRAD_FUSION=1`` the linears' weight gradients accumulate straight into DDP's
-fp32 buffers (``utils/wgrad_fusion.py``; off by default: slower on an H100).
+fp32 buffers (``utils/wgrad_fusion.py``; off by default: slower on an H100); otherwise a step's
+first backward writes the buffers instead of zeroing and adding (``utils/grad_first_write.py``).
 ``optimizer_step`` clips and applies the gradients; ``parallel_models.pipeline.train_step`` runs
 a whole step (forward-backward over microbatches through the pipeline schedules, then this), so
 this utility needs no pipeline code.
@@ -34,7 +35,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from parallel_models import cpu_shim
 from parallel_models.config import ConfigError
-from parallel_models.utils import wgrad_fusion
+from parallel_models.utils import grad_first_write, wgrad_fusion
 from parallel_models.utils.optimizer_config import (Int, Number,  # noqa: F401 (re-exported)
                                                 OptimConfig, OptimizerFields)
 
@@ -73,13 +74,15 @@ def wrap_for_training(chunks, use_distributed_optimizer: bool = False) -> list:
         # forward_backward normalizes by the global token count (finalize_model_grads), so
         # DDP must sum, not average, over data-parallel replicas
         c.mp_config.calculate_per_token_loss = True
-    with cpu_shim.cuda_to_cpu():
+    with cpu_shim.cuda_to_cpu(), grad_first_write.building():
         wrapped = [DistributedDataParallel(config=c.mp_config, ddp_config=ddp_config, module=c)
                    for c in chunks]
         # start from identical weights on every data-parallel replica
         for w in wrapped:
             w.broadcast_params()
     wgrad_fusion.enable(wrapped)
+    for w in wrapped:  # a step's first backward writes the fp32 buffers instead of adding
+        grad_first_write.enable(w)
     return wrapped
 
 

@@ -91,7 +91,8 @@ def _fold(routers, totals: RouterTotals, valid_tokens: int | None, tp_rank: int,
             real = n if valid_tokens is None else max(0, min(n, valid_tokens - start))
             weights = torch.softmax(logits[:real].float(), dim=-1)
             chosen = weights.topk(top_k, dim=-1).indices.reshape(-1)
-            counts = counts + torch.bincount(chosen, minlength=num_experts)
+            # scatter_add, not bincount: no device sync (bincount sizes its output on the host)
+            counts = counts.scatter_add(0, chosen, torch.ones_like(chosen))
             probs = probs + weights.sum(dim=0)
             rows = rows + real
         router.recording = []

@@ -7,7 +7,8 @@ Variants are compositions, not copies:
 - pipeline stage: ``pre_process`` (has the embedding) / ``post_process`` (final norm + head) and the
   layers this stage owns.
 Hidden states travel as ``[tokens, 1, hidden]`` (megatron's ``[s, b, h]``), split over the TP ranks
-along tokens under sequence parallel.
+along tokens under sequence parallel. While the MoE load-balancing loss is recorded, a stage's
+pipeline message has a few more rows: the router totals so far (``layers/moe_aux_carry.py``).
 """
 
 from __future__ import annotations

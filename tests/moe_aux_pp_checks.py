@@ -83,13 +83,15 @@ def _pipeline_run(path: str, dtype, seed: int = 5) -> tuple[list, dict, list, tu
     return aux, _router_grads(chunks), layers, (ids, mask)
 
 
-def pp_vs_transformers(paths: dict, vpp: int | None) -> dict:
-    """PP=2 (``vpp``: virtual chunks per rank) in fp32 vs transformers, per family: each
-    microbatch's aux loss, and the worst relative error of this rank's router-weight gradients
-    of (CE + COEF * aux) as a global token mean over the microbatches."""
+def pp_vs_transformers(paths: dict, vpp: int | None, tp: int = 1) -> dict:
+    """PP=2 (``vpp``: virtual chunks per rank; ``tp`` > 1: with sequence parallel, 2 x tp
+    ranks) in fp32 vs transformers, per family: each microbatch's aux loss, and the worst
+    relative error of this rank's router-weight gradients of (CE + COEF * aux) as a global
+    token mean over the microbatches."""
     import parallel_models as pm
 
-    pm.init_parallel(pipeline_parallel_size=2, virtual_pipeline_parallel_size=vpp)
+    pm.init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=2,
+                     virtual_pipeline_parallel_size=vpp, sequence_parallel=tp > 1)
     out = {}
     for family, path in paths.items():
         aux, grads, layers, (ids, mask) = _pipeline_run(path, torch.float32)

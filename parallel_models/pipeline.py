@@ -206,6 +206,12 @@ def _run(chunks, microbatches, fn, forward_only: bool, with_loss: bool, extra_ke
         for m in models:
             m.pad_tokens_to = n_tokens
         config.variable_seq_lengths = False
+    # rows the stages' messages carry beyond the tokens (the MoE load-balancing totals while
+    # router logits are recorded), per TP rank: the fixed shape of the interleaved schedule
+    extra = max(getattr(m, "pipeline_extra_rows", lambda: 0)() for m in models)
+    if extra:
+        extra *= models[0].tp if models[0].sequence_parallel else 1
+    seq_length = n_tokens + extra
     iterators = [iter(microbatches) for _ in chunks]
     step = functools.partial(_forward_step, fn=fn, with_loss=with_loss)
     try:
@@ -215,7 +221,7 @@ def _run(chunks, microbatches, fn, forward_only: bool, with_loss: bool, extra_ke
                 data_iterator=iterators if interleaved else iterators[0],
                 model=sched if interleaved else sched[0],
                 num_microbatches=len(microbatches),
-                seq_length=n_tokens,
+                seq_length=seq_length,
                 micro_batch_size=1,
                 forward_only=forward_only,
             )

@@ -7,7 +7,8 @@ Variants are compositions, not copies:
 - pipeline stage: ``pre_process`` (has the embedding) / ``post_process`` (final norm + head) and the
   layers this stage owns.
 Hidden states travel as ``[tokens, 1, hidden]`` (megatron's ``[s, b, h]``), split over the TP ranks
-along tokens under sequence parallel.
+along tokens under sequence parallel. While the MoE load-balancing loss is recorded, a stage's
+pipeline message has a few more rows: the router totals so far (``layers/moe_aux_carry.py``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from parallel_models.distributed import get_parallel_settings
 from parallel_models.heads import ParallelLMHead, ValueHead
 from parallel_models.llama import checkpoint_utils as ckpt_io
 from parallel_models.llama.layers import ParallelDecoderLayer, RMSNorm, RotaryEmbedding
-from parallel_models.llama.layers import moe_aux_loss
+from parallel_models.llama.layers import moe_aux_carry, moe_aux_loss
 from parallel_models.llama.layers.fused_ops import add_rms_norm
 from parallel_models.llama.layers.moe import moe_megatron_settings
 from parallel_models.utils.padding import (pack_padded_batch, position_ids_from_cu_seqlens,
@@ -302,7 +303,19 @@ class ParallelModel(torch.nn.Module):
         if kv_cache is not None and pad:
             raise ValueError("KV-cached decoding runs without sequence-parallel padding; use "
                              "parallel_models.rl.rollout.generation (it switches SP off)")
-        hidden = self.model(input_ids, position_ids, cu_seqlens, max_seqlen, kv_cache=kv_cache)
+        aux = self.moe_aux_recording and kv_cache is None and self.config.is_moe
+        received, incoming = None, None
+        if aux and not self.pre_process:  # the earlier stages' load-balancing totals ride along
+            received, incoming = moe_aux_carry.strip(self.model.input_tensor,
+                                                     self.config.num_experts)
+        hidden = self.model(input_ids, position_ids, cu_seqlens, max_seqlen, hidden=received,
+                            kv_cache=kv_cache)
+        if aux:
+            totals = moe_aux_loss.collect(self, incoming)
+            if self.post_process:
+                self.moe_aux_totals = totals  # for load_balancing_loss
+            else:
+                hidden = moe_aux_carry.append(hidden, totals)
         return hidden, pad
 
     def _head(self, hidden, pad, full_vocab):
@@ -342,6 +355,18 @@ class ParallelModel(torch.nn.Module):
         return ValueOutput(unpack_to_padded(out.values, packed))
 
     # ---- MoE load-balancing loss (off by default) ------------------------------------------------
+    moe_aux_recording: bool = False  # set by record_router_logits
+    moe_aux_totals = None  # the last forward's RouterTotals (the last pipeline stage's)
+
+    def pipeline_extra_rows(self) -> int:
+        """Rows this chunk's pipeline messages carry beyond the tokens (per TP rank): the
+        load-balancing totals while the router logits are recorded (``moe_aux_carry``)."""
+        if not (self.moe_aux_recording and self.config.is_moe) or \
+                (self.pre_process and self.post_process):
+            return 0
+        return moe_aux_carry.carry_rows(self.config.num_experts, self.config.hidden_size,
+                                        self.mp_config.pipeline_dtype)
+
     def record_router_logits(self, enabled: bool = True) -> None:
         """Keep the router logits of the next forwards (for :meth:`router_aux_loss`)."""
         moe_aux_loss.record_router_logits(self, enabled)

@@ -8,22 +8,16 @@ exactly as transformers does by ``llama.layers.moe_aux_loss``.
 denominator, so the step's loss is the weighted mean over microbatches and data-parallel ranks)
 and reports it as ``actor/moe_aux_loss``.
 
-Pipeline parallel: the aux loss reduces its counts over the pipeline group, which the loss
-function (run on the last stage only) cannot do; with PP > 1 an explicit coefficient is refused
-and the model's default is not applied (a warning says so).
+Pipeline parallel: the loss function runs on the last stage, which receives the earlier stages'
+router totals with each microbatch's activation (``llama.layers.moe_aux_carry``); the gradient
+reaches every stage's routers, exactly as at PP=1.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 
-from megatron.core import parallel_state as mpu
-
-from parallel_models.errors import ConfigError
 from parallel_models.llama.layers import moe_aux_loss
-
-logger = logging.getLogger(__name__)
 
 METRIC = "moe_aux_loss"
 
@@ -34,16 +28,7 @@ def aux_loss_coef(actor_cfg, model_config) -> float:
     if not getattr(model_config, "is_moe", False):
         return 0.0
     explicit = getattr(actor_cfg, "moe_aux_loss_coef", None)
-    coef = float(model_config.router_aux_loss_coef if explicit is None else explicit)
-    if coef > 0 and mpu.get_pipeline_model_parallel_world_size() > 1:
-        if explicit is not None:
-            raise ConfigError(f"actor.moe_aux_loss_coef={explicit}: the MoE load-balancing loss "
-                              "is not supported with parallel.pipeline_parallel_size > 1; set "
-                              "actor.moe_aux_loss_coef=0")
-        logger.warning("the model's router_aux_loss_coef (%s) is not applied with pipeline "
-                       "parallel (set actor.moe_aux_loss_coef=0 to silence this)", coef)
-        return 0.0
-    return coef
+    return float(model_config.router_aux_loss_coef if explicit is None else explicit)
 
 
 @contextlib.contextmanager
@@ -61,8 +46,8 @@ def recording(chunks, coef: float):
 
 def with_aux_loss(loss_fn, model, coef: float):
     """``loss_fn`` (returning ``(loss * denom, denom, metrics)``) plus ``coef`` times the
-    load-balancing loss of the forward of ``model`` (ours, not its DDP wrapper; one pipeline
-    stage) it is called after; unchanged when ``coef`` is 0."""
+    load-balancing loss of the forward of ``model`` (ours or its DDP wrapper; this rank's
+    pipeline chunk or chunks) it is called after; unchanged when ``coef`` is 0."""
     if coef <= 0:
         return loss_fn
 

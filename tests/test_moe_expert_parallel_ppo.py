@@ -1,6 +1,7 @@
 """PPO of the built-in tiny Qwen3-MoE at expert parallel 2 (2 ranks: experts split over the two
 data-parallel ranks, rollout through the hybrid engine) equals the EP=1, DP=2 run (rel <= 1e-5);
-so do EP=2 combined with TP=2 and with PP=2 (4 ranks) against the same layout at EP=1; and the
+so do EP=2 combined with TP=2 and with PP=2 (4 ranks, the load-balancing loss on) against the
+same layout at EP=1; and the
 config refuses expert-parallel sizes the model or the world cannot take."""
 
 import re
@@ -46,12 +47,13 @@ def test_ep2_equals_ep1(tmp_path):
 
 @pytest.mark.parametrize("layout", [
     ["parallel.tensor_parallel_size=2"],
-    # the load-balancing loss is not applied with PP > 1 (rl/moe_aux.py): off in both runs
-    ["parallel.pipeline_parallel_size=2", "actor.moe_aux_loss_coef=0"]],
+    # the load-balancing loss (0.01) rides the pipeline messages (llama/layers/moe_aux_carry.py)
+    ["parallel.pipeline_parallel_size=2"]],
     ids=["tp2", "pp2"])
 def test_ep2_with_tp_or_pp_equals_ep1(tmp_path, layout):
     want = _metrics(tmp_path, "ep1", layout, world=4)
     got = _metrics(tmp_path, "ep2", layout + ["parallel.expert_parallel_size=2"], world=4)
+    assert "actor/moe_aux_loss" in want[0]
     _assert_same_run(got, want, f"EP=2 with {layout[0]}")
 
 

@@ -12,7 +12,8 @@ With this on (the default; ``PARALLEL_MODELS_GRAD_FIRST_WRITE=0`` turns it off):
 - ``zero_grad_buffer`` leaves the buffers' contents and marks every parameter's ``main_grad``
   stale (megatron's bucket bookkeeping is reset as before);
 - the backward hook copies the gradient into a stale ``main_grad`` (then it is fresh); later
-  microbatches of the step add as before;
+  microbatches of the step add as before; both by a vectorized Triton kernel on CUDA
+  (``grad_buffer_kernels``: PyTorch's mixed-dtype ``copy_`` / ``add_`` run unvectorized);
 - before the buffers are reduced over data-parallel ranks (``finish_grad_sync``, which
   ``finalize_model_grads`` calls first), a parameter that got no gradient this step has its
   ``main_grad`` zeroed, as megatron's memset would have left it.
@@ -30,27 +31,56 @@ since that adds to whatever the buffer holds, and for overlapped gradient reduct
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
+import torch
+
 STALE = "_pm_main_grad_stale"
+ON = "_pm_first_write"  # set on the parameters of a switched DDP wrapper
 ENV = "PARALLEL_MODELS_GRAD_FIRST_WRITE"
+ENV_KERNEL = "PARALLEL_MODELS_GRAD_BUFFER_KERNEL"
 
 
 def wanted() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
+@functools.cache
+def _kernel_module():
+    try:
+        from parallel_models.utils import grad_buffer_kernels
+    except ImportError:  # no triton
+        return None
+    return grad_buffer_kernels
+
+
+def _accumulate(main_grad: torch.Tensor, grad: torch.Tensor, add: bool) -> None:
+    """``main_grad`` written (``add`` false) or added with ``grad``: on CUDA by a vectorized
+    Triton kernel (``grad_buffer_kernels``; ``PARALLEL_MODELS_GRAD_BUFFER_KERNEL=0``: PyTorch's
+    ``copy_`` / ``add_``), elsewhere by PyTorch. The same values either way."""
+    if (main_grad.is_cuda and main_grad.dtype == torch.float32 and main_grad.is_contiguous()
+            and grad.is_contiguous() and grad.numel() == main_grad.numel()
+            and os.environ.get(ENV_KERNEL, "1") != "0" and _kernel_module() is not None):
+        _kernel_module().accumulate(main_grad, grad, add)
+    elif add:
+        main_grad.add_(grad)
+    else:
+        main_grad.copy_(grad)
+
+
 def _make_hook(original):
-    """megatron's hook maker wrapped: a stale ``main_grad`` takes a copy of the gradient, and
-    megatron's hook then only does its bookkeeping (``grad = None``, bucket readiness)."""
+    """megatron's hook maker wrapped: on a switched wrapper's parameter the gradient is written
+    into a stale ``main_grad`` or added to a fresh one here, and megatron's hook then only does
+    its bookkeeping (``grad = None``, bucket readiness)."""
 
     def make(ddp, param):
         inner = original(ddp, param)
 
         def hook(*unused):
-            if (getattr(param, STALE, False) and param.grad is not None
+            if (getattr(param, ON, False) and param.grad is not None
                     and not param.grad_added_to_main_grad):
-                param.main_grad.copy_(param.grad.data)
+                _accumulate(param.main_grad, param.grad.data, add=not getattr(param, STALE, False))
                 setattr(param, STALE, False)
                 param.grad_added_to_main_grad = True  # megatron's hook: do not add it again
                 try:
@@ -92,6 +122,7 @@ def enable(ddp, on: bool | None = None) -> bool:
         del ddp._pm_first_write_originals
         for p in ddp.params_with_grad:
             setattr(p, STALE, False)
+            setattr(p, ON, False)
     if on is None:
         on = wanted()
     if not on or ddp.ddp_config.overlap_grad_reduce:
@@ -117,6 +148,9 @@ def enable(ddp, on: bool | None = None) -> bool:
                 setattr(p, STALE, False)
         return original_finish(*args, **kwargs)
 
+    for p in params:
+        setattr(p, ON, True)
+        setattr(p, STALE, False)  # as built: the buffers hold zeros
     ddp._pm_first_write_originals = (original_zero, original_finish)
     ddp.zero_grad_buffer, ddp.finish_grad_sync = zero_grad_buffer, finish_grad_sync
     return True

@@ -1,6 +1,6 @@
 """DDP buffers written by a step's first backward (``utils/grad_first_write.py``) on CUDA, bf16:
 two training steps of three microbatches give the fp32 ``main_grad`` and the updated weights of
-megatron's zeroed buffers + adds, within the run-to-run difference of megatron's path itself
+megatron's zeroed buffers + adds (the writes and adds through the Triton kernel), within the run-to-run difference of megatron's path itself
 (4x of it: bit for bit where that path is deterministic; the CPU test holds the bitwise claim)."""
 
 from __future__ import annotations
@@ -40,7 +40,14 @@ def _max_diff(a: list, b: list) -> float:
 
 
 def test_first_write_equals_zeroed_buffers(gpu_models, single_rank, monkeypatch):
+    from parallel_models.utils import grad_buffer_kernels
+
+    calls = []
+    kernel = grad_buffer_kernels.accumulate
+    monkeypatch.setattr(grad_buffer_kernels, "accumulate",
+                        lambda m, g, add: (calls.append(add), kernel(m, g, add))[1])
     on = _train(gpu_models["llama"], "1", monkeypatch)
+    assert calls.count(False) and calls.count(True) == 2 * calls.count(False)  # 1 write, 2 adds
     off = _train(gpu_models["llama"], "0", monkeypatch)
     off_again = _train(gpu_models["llama"], "0", monkeypatch)
     for what, i in (("main_grad", 0), ("weights", 1)):

@@ -120,11 +120,13 @@ case "${1:-gpu}" in
     nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
     timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_grad_first_write.py 2>&1 \
         | tee "$OUT/first_write_gpu_test.log" | grep -E "first write|passed|failed|Error" | tail -6
-    timeout 300 torchrun --standalone --nproc-per-node 1 bench/tp_bench.py --tp 1 \
-        --compare-grad-first-write --profile "$OUT/tp1_first_write_kernels.txt" \
-        --out "$OUT/tp1_first_write.json" > /tmp/tp1_first_write.log 2>&1
-    grep -hE '"(step_s|zeroed_buffers_step_s|step_s_all|zeroed_buffers_step_s_all|tflops_per_gpu|share_of_matmul_peak|matmul_peak_tflops)"' \
-        /tmp/tp1_first_write.log; tail -3 /tmp/tp1_first_write.log
+    for kernel in 1 0; do  # first write with the Triton buffer kernel, then with copy_ / add_
+      PARALLEL_MODELS_GRAD_BUFFER_KERNEL=$kernel timeout 200 torchrun --standalone \
+          --nproc-per-node 1 bench/tp_bench.py --tp 1 --compare-grad-first-write \
+          --profile "$OUT/tp1_first_write_k$kernel.txt" --out "$OUT/tp1_first_write_k$kernel.json" \
+          > /tmp/tp1_first_write.log 2>&1
+      echo "buffer kernel $kernel:"; grep -hE '"(step_s|zeroed_buffers_step_s|share_of_matmul_peak)"' \
+          /tmp/tp1_first_write.log | head -3; done
     CUDA_VISIBLE_DEVICES= timeout 420 python3 -m pytest -q -p no:cacheprovider -n 8 \
         tests/test_grad_first_write.py tests/test_moe_aux_loss_pp.py tests/test_moe_aux_loss.py \
         tests/test_moe_expert_parallel_ppo.py tests/test_wgrad_fusion.py 2>&1 \

@@ -1,7 +1,8 @@
 """DDP buffers written by a step's first backward (``utils/grad_first_write.py``) on CUDA, bf16:
-two training steps of three microbatches give the fp32 ``main_grad`` and the updated weights of
-megatron's zeroed buffers + adds (the writes and adds through the Triton kernel), within the run-to-run difference of megatron's path itself
-(4x of it: bit for bit where that path is deterministic; the CPU test holds the bitwise claim)."""
+two training steps of three microbatches (writes and adds through the Triton kernel) give the
+fp32 ``main_grad`` and the updated weights of megatron's zeroed buffers + adds, within 4x the
+run-to-run difference of megatron's path itself (bit for bit where that path is
+deterministic; the CPU test holds the bitwise claim)."""
 
 from __future__ import annotations
 

@@ -359,6 +359,84 @@ def kernel_table(fn, path: str, rows: int = 45) -> None:
                                           max_name_column_width=100))
 
 
+def gap_table(fn, path: str, rows: int = 25, min_us: float = 5.0) -> dict:
+    """Where the GPU idles during one call of ``fn`` (after one warm call): from a chrome trace
+    with Python stacks, every gap of at least ``min_us`` between the end of all kernels so far
+    and the next kernel's start, charged to what the launching thread was running when the gap
+    began (its innermost Python frame of our code, megatron or torch, and its innermost op).
+    Writes a table to ``path``; returns the totals (step span, kernel busy time, gap time)."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()
+    sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts, with_stack=True) as prof:
+        fn()
+        sync()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        with open(f.name) as g:
+            trace = json.load(g)["traceEvents"]
+    return _gaps_from_trace(trace, path, rows, min_us)
+
+
+def _gaps_from_trace(trace: list, path: str, rows: int, min_us: float) -> dict:
+    """:func:`gap_table`'s analysis of chrome-trace events."""
+    import bisect
+    import collections
+
+    spans = [e for e in trace if e.get("ph") == "X" and "dur" in e]
+    kernels = sorted((e for e in spans if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy")),
+                     key=lambda e: e["ts"])
+    launches = {e["args"].get("correlation"): e for e in spans if e.get("cat") == "cuda_runtime"}
+    host = collections.defaultdict(list)  # tid -> [(ts, end, kind, name)] of ops and frames
+    for e in spans:
+        if e.get("cat") in ("cpu_op", "python_function"):
+            host[e["tid"]].append((e["ts"], e["ts"] + e["dur"], e["cat"], e["name"]))
+    for evs in host.values():
+        evs.sort()
+    starts = {tid: [ev[0] for ev in evs] for tid, evs in host.items()}
+
+    def running(tid, t):
+        """(innermost frame of ours / megatron / torch, innermost op) on ``tid`` at ``t``."""
+        evs = host.get(tid, [])
+        frame = op = None
+        for ts, end, kind, name in evs[:bisect.bisect_right(starts.get(tid, []), t)][-400:]:
+            if end < t:
+                continue
+            if kind == "cpu_op":
+                op = name
+            elif any(k in name for k in ("parallel_models", "megatron", "bench/", "torch/")):
+                frame = name
+        return frame, op
+
+    busy_end, gaps, busy = None, collections.Counter(), 0.0
+    counts = collections.Counter()
+    for k in kernels:
+        end = k["ts"] + k["dur"]
+        if busy_end is not None and k["ts"] - busy_end >= min_us:
+            launch = launches.get(k["args"].get("correlation"))
+            tid = launch["tid"] if launch else None
+            frame, op = running(tid, busy_end) if tid is not None else (None, None)
+            key = f"{frame or '?'} | {op or '?'}"
+            gaps[key] += k["ts"] - busy_end
+            counts[key] += 1
+        busy += max(0.0, end - max(k["ts"], busy_end or k["ts"]))
+        busy_end = end if busy_end is None else max(busy_end, end)
+    span = busy_end - kernels[0]["ts"] if kernels else 0.0
+    total_gap = sum(gaps.values())
+    with open(path, "w") as out:
+        out.write(f"kernels span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f} ms, gaps >= "
+                  f"{min_us} us {total_gap / 1e3:.2f} ms in {sum(counts.values())}\n")
+        out.write("gap ms | gaps | launching thread at the gap's start: frame | op\n")
+        for key, t in gaps.most_common(rows):
+            out.write(f"{t / 1e3:8.3f} | {counts[key]:5d} | {key}\n")
+    return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "gap_ms": total_gap / 1e3}
+
+
 def report(results: dict, out: str | None) -> None:
     """Print ``results`` as JSON and, with ``out``, write them there."""
     print(json.dumps(results, indent=1))

@@ -34,7 +34,7 @@ import os
 import torch
 import torch.distributed as dist
 from common import (LLAMA3_8B, add_llama_shape_args, add_scaling_args, build_random_llama,
-                    kernel_table, matmul_peak_tflops, report, timed_steps)
+                    gap_table, kernel_table, matmul_peak_tflops, report, timed_steps)
 
 
 def add_tp1_share(res: dict, tp1_json: str | None) -> None:
@@ -58,6 +58,9 @@ def main():
     add_llama_shape_args(p, shape=LLAMA3_8B)
     add_scaling_args(p)
     p.add_argument("--profile", default=None, help="file: kernel table of one step (rank 0)")
+    p.add_argument("--gaps", default=None,
+                   help="file: where the GPU idles in one step and what the host ran then "
+                        "(rank 0; common.gap_table)")
     p.add_argument("--overlap-chunks", type=int, default=0)
     p.add_argument("--grad-buffer", choices=["ddp", "plain"], default="ddp",
                    help="ddp: gradients into megatron DDP's fp32 buffers as training runs; "
@@ -168,6 +171,11 @@ def main():
     if args.profile and dist.get_rank() == 0:
         kernel_table(step, args.profile, rows=30)
     elif args.profile:  # the other ranks take part in the same two steps (collectives)
+        step()
+        step()
+    if args.gaps and dist.get_rank() == 0:
+        res["gaps"] = gap_table(step, args.gaps)
+    elif args.gaps:
         step()
         step()
     if dist.get_rank() == 0:

@@ -161,6 +161,15 @@ def test_packed_next_token_mask():
     assert packed_next_token_mask(cu).tolist() == [True, True, False, False, True, True, False]
     # trailing padding beyond cu_seqlens[-1] (e.g. for sequence parallelism) is masked too
     assert packed_next_token_mask(cu, 9).tolist()[7:] == [False, False]
+    # a leading empty sequence, ends past a shorter ``total``: the definition token by token
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        lens = torch.randint(0, 4, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g)
+        cu = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0).int()])
+        for total in (int(cu[-1]), int(cu[-1]) + 2, max(int(cu[-1]) - 2, 0)):
+            want = [any(int(cu[b]) <= t < int(cu[b + 1]) - 1 for b in range(len(lens)))
+                    for t in range(total)]
+            assert packed_next_token_mask(cu, total).tolist() == want, (cu.tolist(), total)
 
 
 def test_log_probs_from_packed_logits_local():

@@ -291,11 +291,11 @@ class ParallelModel(torch.nn.Module):
     def forward_hidden(self, input_ids, cu_seqlens, position_ids=None, max_seqlen=None,
                        kv_cache=None):
         """Packed tokens -> final hidden states ``[tokens(+pad)(/tp), 1, hidden]`` and the pad."""
+        if max_seqlen is None:  # from the host copy when there is one (no device sync)
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
         cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
         if position_ids is None:
             position_ids = position_ids_from_cu_seqlens(cu_seqlens)
-        if max_seqlen is None:
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if cu_seqlens.numel() > 1 else 0
         self.last_token_count = input_ids.shape[0]  # before padding (MoE aux loss reads it)
         input_ids, position_ids, cu_seqlens, pad = self._pad_for_sequence_parallel(
             input_ids, position_ids, cu_seqlens)

@@ -289,13 +289,13 @@ def packed_next_token_mask(cu_seqlens: torch.Tensor, total: int | None = None) -
     cu = cu_seqlens.long()
     if total is None:
         total = int(cu[-1])
-    pos = torch.arange(total, device=cu.device)
-    mask = pos < cu[-1]  # tokens inside some sequence
-    lengths = cu[1:] - cu[:-1]
-    ends = (cu[1:] - 1)[lengths > 0]
-    ends = ends[ends < total]
+    # one spare slot takes the writes of empty sequences and of ends past ``total``: no boolean
+    # indexing, so no device-to-host sync (a sync drains the GPU's queue mid-step)
+    mask = torch.arange(total + 1, device=cu.device) < cu[-1]  # tokens inside some sequence
+    ends = cu[1:] - 1
+    ends = torch.where((cu[1:] > cu[:-1]) & (ends < total), ends, total)
     mask[ends] = False
-    return mask
+    return mask[:total]
 
 
 def log_probs_from_packed_logits(logits: torch.Tensor, input_ids: torch.Tensor,

@@ -83,7 +83,6 @@ def _fold(routers, totals: RouterTotals, valid_tokens: int | None, tp_rank: int,
     """``totals`` plus the recorded logits of ``routers`` (in layer order), which are cleared.
     Rows past ``valid_tokens`` (sequence-parallel or pipeline padding) are left out."""
     counts, probs, rows = totals.counts, totals.probs, totals.rows
-    num_experts = counts.shape[0]
     for router in routers:
         for logits in router.recording:
             n = logits.shape[0]

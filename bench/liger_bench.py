@@ -10,9 +10,12 @@ Contenders (bf16, one GPU, fwd+bwd, loss = mean token cross-entropy):
   ``apply_liger_kernel_to_llama`` patches, without patching the plain contender (Liger's own
   helper patches module globals, which would turn the ``hf`` contender into Liger too);
 - ``ours``: ``LlamaForCausalLMRmPad`` (packed, fused vocab-parallel log-probs) as it trains:
-  in megatron-core DDP (``utils.optimizer.wrap_for_training``: fp32 gradient buffers);
-- ``ours_plain``: a second instance without DDP, gradients accumulated in ``.grad`` (bf16) as
-  the transformers contenders' are;
+  in megatron-core DDP (``utils.optimizer.wrap_for_training``: fp32 gradient buffers, cleared
+  by ``zero_grad_buffer()`` each step and written by its backward);
+- ``ours_plain``: a second instance without DDP, gradients in ``.grad`` (bf16) as the
+  transformers contenders' are.
+Every step starts from cleared gradients, as training does (``zero_grad(set_to_none=True)`` for
+the plain modules: their backward then writes ``.grad`` without an add);
 - ``ours_fused_wgrad`` (with ``--wgrad-fusion``): ``ours`` with the weight-gradient GEMMs
   accumulating straight into the buffers (``utils/wgrad_fusion.py``, opt-in).
 Cases: ``uniform`` (micro-batch x seq, no padding) and ``ragged`` (an RL-like batch, lengths
@@ -123,11 +126,22 @@ def main():
     def ours_step(packed, model=ours, fuse: bool = False):
         if model is ours and args.wgrad_fusion:
             wgrad_fusion.enable([ours], on=fuse)
+        # a training step starts from cleared gradients: DDP's buffers (their first backward
+        # writes them, utils/grad_first_write.py), or None for a plain module
+        if model is ours:
+            ours.zero_grad_buffer()
+        else:
+            model.zero_grad(set_to_none=True)
         ours_loss(packed.input_ids, packed.cu_seqlens, model).backward()
 
+    def fresh(model, loss):
+        """``loss().backward()`` from cleared (None) gradients, as a training step runs."""
+        model.zero_grad(set_to_none=True)
+        loss().backward()
+
     def contenders(ids, mask, packed):
-        out = {"hf": lambda: hf_loss(ids, mask).backward(),
-               "hf_liger": lambda: liger_loss(ids, mask).backward(),
+        out = {"hf": lambda: fresh(hf, lambda: hf_loss(ids, mask)),
+               "hf_liger": lambda: fresh(hfl, lambda: liger_loss(ids, mask)),
                "ours": lambda: ours_step(packed),
                "ours_plain": lambda: ours_step(packed, ours_plain)}
         if args.wgrad_fusion:

@@ -6,21 +6,27 @@ deterministic; the CPU test holds the bitwise claim)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 
 def _train(path, first_write: str, monkeypatch):
+    import os
+
     import parallel_models as pm
     from parallel_models.utils import grad_first_write
     from parallel_models.utils.optimizer import OptimConfig, build_optimizer, optimizer_step, zero_grads
     from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
 
-    monkeypatch.setenv(grad_first_write.ENV, first_write)
+    if monkeypatch is None:  # a spawned rank
+        os.environ[grad_first_write.ENV] = first_write
+    else:
+        monkeypatch.setenv(grad_first_write.ENV, first_write)
     model = pm.AutoModelForCausalLM.from_pretrained(path, rmpad=True, dtype=torch.bfloat16)
     state = build_optimizer(model, OptimConfig(lr=1e-3, total_steps=2))
     ddp = state.chunks[0]
     assert ("_pm_first_write_originals" in ddp.__dict__) == (first_write == "1")
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(torch.distributed.get_rank())  # data differs by DP rank
     grads = []
     for _ in range(2):
         zero_grads(state)
@@ -57,3 +63,22 @@ def test_first_write_equals_zeroed_buffers(gpu_models, single_rank, monkeypatch)
         got = _max_diff(as_list(on), as_list(off))
         print(f"{what}: first write vs zeroed {got:.3g}, zeroed run to run {noise:.3g}")
         assert got <= 4 * noise, (what, got, noise)  # 0 when the path is deterministic
+
+
+def _dp2_worker(path):
+    import parallel_models as pm
+
+    pm.init_parallel(tensor_parallel_size=1)  # 2 ranks: data parallel 2 over NCCL
+    on, off, again = (_train(path, mode, None) for mode in ("1", "0", "0"))
+    return {"grads": (_max_diff(on[0], off[0]), _max_diff(off[0], again[0])),
+            "weights": (_max_diff([on[1]], [off[1]]), _max_diff([off[1]], [again[1]]))}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_first_write_data_parallel_2_over_nccl(gpu_models):
+    """The same at DP=2 on two GPUs: the buffers are all-reduced over NCCL after the writes."""
+    from parallel_models.testing import run_distributed
+
+    for r in run_distributed(_dp2_worker, 2, gpu_models["llama"], timeout=300):
+        for what, (got, noise) in r.items():
+            assert got <= 4 * noise, (what, got, noise)

@@ -1,8 +1,11 @@
 """Helpers for tests and examples: spawn N gloo ranks on the CPU, build tiny HF models locally.
 
-``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (spawn, 1 thread
-each) with the torchrun environment set, runs ``fn(*args)`` in each and returns the per-rank
-results; a failing rank's traceback is raised in the parent, and a hang hits ``timeout``.
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (1 thread each) with
+the torchrun environment set, runs ``fn(*args)`` in each and returns the per-rank results; a
+failing rank's traceback is raised in the parent, and a hang hits ``timeout``. The processes are
+forked from a forkserver that imported torch / megatron-core / transformers once (seconds of CPU
+per process otherwise, the bulk of a small check on the CPU); each gets the caller's current
+environment before anything of the check is unpickled, as a spawned process would.
 ``run_distributed_jobs(jobs, world_size)`` runs several such checks in one world, so the spawn
 and the imports of torch / megatron-core / transformers are paid once.
 """
@@ -20,7 +23,24 @@ from typing import Any, Callable
 from parallel_models.distributed import free_port
 
 
-def _worker(rank: int, world_size: int, port: int, fn, args, kwargs, results) -> None:
+# imported once by the forkserver; every rank is forked with them loaded. Only third-party
+# modules: ours are imported in the rank after its environment is set (triton_matmul reads one)
+_PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.tensor_parallel",
+            "transformers", "safetensors.torch"]
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(_PRELOAD)
+    return _CTX
+
+
+def _worker(rank: int, world_size: int, port: int, env: dict, payload: bytes, results) -> None:
+    os.environ.clear()
+    os.environ.update(env)  # the caller's, as spawn would give (the forkserver's may be older)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                       OMP_NUM_THREADS="1")
@@ -28,6 +48,7 @@ def _worker(rank: int, world_size: int, port: int, fn, args, kwargs, results) ->
         import torch
 
         torch.set_num_threads(1)
+        fn, args, kwargs = pickle.loads(payload)
         out = fn(*args, **kwargs)
         results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report everything, including SystemExit from argparse
@@ -44,10 +65,12 @@ def _worker(rank: int, world_size: int, port: int, fn, args, kwargs, results) ->
 def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0, **kwargs
                     ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` CPU ranks (gloo); returns results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, results),
+    payload = pickle.dumps((fn, args, kwargs))
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, env, payload, results),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()

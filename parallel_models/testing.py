@@ -23,10 +23,11 @@ from typing import Any, Callable
 from parallel_models.distributed import free_port
 
 
-# imported once by the forkserver; every rank is forked with them loaded. Only third-party
-# modules: ours are imported in the rank after its environment is set (triton_matmul reads one)
+# imported once by the forkserver (started with the caller's environment at its first run);
+# every rank is forked with them loaded. Only third-party modules: ours are imported in the rank
+# after its environment is set (parallel_models' triton_matmul reads one at import)
 _PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.tensor_parallel",
-            "transformers", "safetensors.torch"]
+            "transformers", "transformers.modeling_utils", "safetensors.torch"]
 _CTX = None
 
 

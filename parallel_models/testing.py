@@ -6,8 +6,9 @@ failing rank's traceback is raised in the parent, and a hang hits ``timeout``. T
 forked from a forkserver that imported torch / megatron-core / transformers once (seconds of CPU
 per process otherwise, the bulk of a small check on the CPU); each gets the caller's current
 environment before anything of the check is unpickled, as a spawned process would.
-``run_distributed_jobs(jobs, world_size)`` runs several such checks in one world, so the spawn
-and the imports of torch / megatron-core / transformers are paid once.
+``run_distributed_jobs(jobs, world_size)`` runs several such checks in one world, so the start
+and the set-up are paid once. ``start_main("pkg.module:main", argv)`` runs a console script's
+``main`` in a process forked the same way (a subprocess-like handle).
 """
 
 from __future__ import annotations
@@ -159,7 +160,8 @@ def run_named_jobs(named: list, *, timeout: float = 600.0) -> dict:
 def _main_process(target: str, argv: list, env: dict, out_path: str, err_path: str) -> None:
     """A console script's ``main(argv)`` as ``python -m`` would run it, in a forked process:
     the caller's environment, stdout / stderr to files, the exit code from its return value or
-    ``SystemExit``, an uncaught exception's traceback on stderr and code 1, atexit handlers."""
+    ``SystemExit``, an uncaught exception's traceback on stderr and code 1, then what the
+    interpreter's exit does: join non-daemon threads, run the atexit handlers."""
     import atexit
     import importlib
     import sys
@@ -181,6 +183,11 @@ def _main_process(target: str, argv: list, env: dict, out_path: str, err_path: s
     except BaseException:
         traceback.print_exc()
         code = 1
+    import threading
+
+    for t in threading.enumerate():  # interpreter shutdown: non-daemon threads, then atexit
+        if t is not threading.current_thread() and not t.daemon:
+            t.join()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -2,10 +2,11 @@
 
 ``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (1 thread each) with
 the torchrun environment set, runs ``fn(*args)`` in each and returns the per-rank results; a
-failing rank's traceback is raised in the parent, and a hang hits ``timeout``. The processes are
-forked from a forkserver that imported torch / megatron-core / transformers once (seconds of CPU
-per process otherwise, the bulk of a small check on the CPU); each gets the caller's current
-environment before anything of the check is unpickled, as a spawned process would.
+failing rank's traceback is raised in the parent, and a hang hits ``timeout``. On a CPU-only host
+the processes are forked from a forkserver that imported torch / megatron-core / transformers
+once (seconds of CPU per process otherwise, the bulk of a small check on the CPU); with a GPU
+they are spawned. Each gets the caller's current environment before anything of the check is
+unpickled, as a spawned process would.
 ``run_distributed_jobs(jobs, world_size)`` runs several such checks in one world, so the start
 and the set-up are paid once. ``start_main("pkg.module:main", argv)`` runs a console script's
 ``main`` in a process forked the same way (a subprocess-like handle).
@@ -33,10 +34,17 @@ _CTX = None
 
 
 def _context():
+    """forkserver on a CPU-only host; spawn where a GPU is present: the preloaded imports may
+    probe CUDA (cuInit), and a child forked after that cannot use the device."""
     global _CTX
     if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(_PRELOAD)
+        import glob
+
+        if glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"):
+            _CTX = mp.get_context("spawn")
+        else:
+            _CTX = mp.get_context("forkserver")
+            _CTX.set_forkserver_preload(_PRELOAD)
     return _CTX
 
 

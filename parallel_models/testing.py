@@ -1,10 +1,15 @@
 """Helpers for tests and examples: spawn N gloo ranks on the CPU, build tiny HF models locally.
 
-``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (spawn, 1 thread
-each) with the torchrun environment set, runs ``fn(*args)`` in each and returns the per-rank
-results; a failing rank's traceback is raised in the parent, and a hang hits ``timeout``.
-``run_distributed_jobs(jobs, world_size)`` runs several such checks in one world, so the spawn
-and the imports of torch / megatron-core / transformers are paid once.
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (1 thread each) with
+the torchrun environment set, runs ``fn(*args)`` in each and returns the per-rank results; a
+failing rank's traceback is raised in the parent, and a hang hits ``timeout``. On a CPU-only host
+the processes are forked from a forkserver that imported torch / megatron-core / transformers
+once (seconds of CPU per process otherwise, the bulk of a small check on the CPU); with a GPU
+they are spawned. Each gets the caller's current environment before anything of the check is
+unpickled, as a spawned process would.
+``run_distributed_jobs(jobs, world_size)`` runs several such checks in one world, so the start
+and the set-up are paid once. ``start_main("pkg.module:main", argv)`` runs a console script's
+``main`` in a process forked the same way (a subprocess-like handle).
 """
 
 from __future__ import annotations
@@ -20,7 +25,32 @@ from typing import Any, Callable
 from parallel_models.distributed import free_port
 
 
-def _worker(rank: int, world_size: int, port: int, fn, args, kwargs, results) -> None:
+# imported once by the forkserver (started with the caller's environment at its first run);
+# every rank is forked with them loaded. Only third-party modules: ours are imported in the rank
+# after its environment is set (parallel_models' triton_matmul reads one at import)
+_PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.tensor_parallel",
+            "transformers", "transformers.modeling_utils", "safetensors.torch"]
+_CTX = None
+
+
+def _context():
+    """forkserver on a CPU-only host; spawn where a GPU is present: the preloaded imports may
+    probe CUDA (cuInit), and a child forked after that cannot use the device."""
+    global _CTX
+    if _CTX is None:
+        import glob
+
+        if glob.glob("/dev/nvidia[0-9]*") or os.path.exists("/dev/kfd"):
+            _CTX = mp.get_context("spawn")
+        else:
+            _CTX = mp.get_context("forkserver")
+            _CTX.set_forkserver_preload(_PRELOAD)
+    return _CTX
+
+
+def _worker(rank: int, world_size: int, port: int, env: dict, payload: bytes, results) -> None:
+    os.environ.clear()
+    os.environ.update(env)  # the caller's, as spawn would give (the forkserver's may be older)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                       OMP_NUM_THREADS="1")
@@ -28,6 +58,7 @@ def _worker(rank: int, world_size: int, port: int, fn, args, kwargs, results) ->
         import torch
 
         torch.set_num_threads(1)
+        fn, args, kwargs = pickle.loads(payload)
         out = fn(*args, **kwargs)
         results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report everything, including SystemExit from argparse
@@ -44,10 +75,12 @@ def _worker(rank: int, world_size: int, port: int, fn, args, kwargs, results) ->
 def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0, **kwargs
                     ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` CPU ranks (gloo); returns results by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, results),
+    payload = pickle.dumps((fn, args, kwargs))
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, env, payload, results),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
@@ -130,6 +163,108 @@ def run_named_jobs(named: list, *, timeout: float = 600.0) -> dict:
         results = run_distributed_jobs([job for _, job in mine], world, timeout=timeout)
         out.update(zip([name for name, _ in mine], results))
     return out
+
+
+def _main_process(target: str, argv: list, env: dict, out_path: str, err_path: str) -> None:
+    """A console script's ``main(argv)`` as ``python -m`` would run it, in a forked process:
+    the caller's environment, stdout / stderr to files, the exit code from its return value or
+    ``SystemExit``, an uncaught exception's traceback on stderr and code 1, then what the
+    interpreter's exit does: join non-daemon threads, run the atexit handlers."""
+    import atexit
+    import importlib
+    import sys
+
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out_path), (2, err_path)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(f, fd)
+        os.close(f)
+    module, name = target.split(":")
+    try:
+        code = getattr(importlib.import_module(module), name)(list(argv))
+    except SystemExit as err:
+        code = err.code
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    import threading
+
+    for t in threading.enumerate():  # interpreter shutdown: non-daemon threads, then atexit
+        if t is not threading.current_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code or 0)
+
+
+class MainProcess:
+    """A console script's ``main`` (``"package.module:main"``) started by :func:`start_main`;
+    ``poll`` / ``wait`` / ``kill`` / ``returncode`` / ``stdout`` / ``stderr`` as in
+    ``subprocess``."""
+
+    def __init__(self, target: str, argv: list, env: dict, log_dir: str):
+        import tempfile
+
+        self.args = [target, *argv]
+        self._dir = tempfile.mkdtemp(prefix="main_", dir=log_dir)
+        self._paths = [os.path.join(self._dir, n) for n in ("stdout", "stderr")]
+        self._proc = _context().Process(target=_main_process,
+                                        args=(target, list(argv), dict(env), *self._paths))
+        self._proc.start()
+        self.pid = self._proc.pid
+
+    @property
+    def returncode(self):
+        return self._proc.exitcode
+
+    def poll(self):
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Waits for the exit; on ``timeout`` kills it and raises ``subprocess.TimeoutExpired``."""
+        import subprocess
+
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            self._proc.kill()
+            self._proc.join()
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._proc.exitcode
+
+    def _read(self, i: int) -> str:
+        with open(self._paths[i], errors="replace") as f:
+            return f.read()
+
+    @property
+    def stdout(self) -> str:
+        return self._read(0)
+
+    @property
+    def stderr(self) -> str:
+        return self._read(1)
+
+    def close(self) -> None:
+        """Remove the files that held its stdout / stderr."""
+        import shutil
+
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def start_main(target: str, argv: list, env: dict | None = None, log_dir: str | None = None
+               ) -> MainProcess:
+    """Start ``main(argv)`` of ``target`` (``"package.module:main"``) in a process forked from
+    the forkserver that holds torch / megatron-core / transformers imported: the same run as
+    ``python -m package.module *argv`` without paying those imports again (seconds of CPU)."""
+    return MainProcess(target, argv, dict(os.environ if env is None else env), log_dir)
+
 
 _TINY_COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                     max_position_embeddings=256, rms_norm_eps=1e-6)

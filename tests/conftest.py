@@ -28,3 +28,11 @@ def hybrid_reference(tmp_path_factory):
     from tests.hybrid_ppo_runs import metrics_at
 
     return metrics_at(tmp_path_factory.mktemp("hybrid_ref"), 1, [], "pp1")
+
+
+@pytest.fixture(scope="session")
+def checkpoint_models(tmp_path_factory):
+    """The checkpoint tests' models, saved and converted once for tests/test_checkpoint*.py."""
+    from tests.checkpoint_setup import build_models
+
+    return build_models(tmp_path_factory.mktemp("ckpt"))

@@ -1,22 +1,34 @@
-"""Running ``parallel-models-ppo`` as a subprocess in tests, and reading what a run wrote."""
+"""Running ``parallel-models-ppo`` in tests (its ``main`` in a process forked from the preloaded
+forkserver: ``parallel_models.testing.start_main``; the console script itself and ``torchrun``
+launches: tests/test_cli.py, tests/test_multinode.py), and reading what a run wrote."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 import time
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-PPO = [sys.executable, "-m", "parallel_models.rl.train"]
+MAIN = "parallel_models.rl.train:main"
+
+
+def start_ppo(args, env=None):
+    """``parallel-models-ppo *args`` started (``poll`` / ``kill`` / ``wait`` as a Popen)."""
+    from parallel_models.testing import start_main
+
+    return start_main(MAIN, list(args), env or ENV)
 
 
 def run_ppo(args, timeout=300, check=True, env=None):
-    """``parallel-models-ppo *args``; raises with the end of stderr when it fails (``check``)."""
-    proc = subprocess.run(PPO + list(args), env=env or ENV, capture_output=True, text=True,
-                          timeout=timeout)
+    """``parallel-models-ppo *args`` to its end: ``returncode``, ``stdout``, ``stderr``; raises
+    with the end of stderr when it fails (``check``)."""
+    run = start_ppo(args, env)
+    try:
+        run.wait(timeout)
+        proc = subprocess.CompletedProcess(run.args, run.returncode, run.stdout, run.stderr)
+    finally:
+        run.close()
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
     return proc
@@ -49,14 +61,16 @@ def resume_after_kill_matches(tmp_path, common, steps: int) -> None:
     ref = str(tmp_path / "ref")
     run_ppo([f"trainer.output_dir={ref}", *common])
     killed = str(tmp_path / "killed")
-    proc = subprocess.Popen(PPO + [f"trainer.output_dir={killed}", *common], env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 240
-    while not os.path.isdir(os.path.join(killed, "checkpoints", "step_000002")):
-        assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc = start_ppo([f"trainer.output_dir={killed}", *common])
+    try:
+        deadline = time.time() + 240
+        while not os.path.isdir(os.path.join(killed, "checkpoints", "step_000002")):
+            assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
+            time.sleep(0.05)
+        proc.kill()  # SIGKILL
+        proc.wait()
+    finally:
+        proc.close()
     run_ppo([f"trainer.output_dir={killed}", *common, "--resume"])
     want, got = run_metrics(ref), run_metrics(killed)
     assert [m["step"] for m in got] == list(range(1, steps + 1))

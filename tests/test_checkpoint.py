@@ -1,100 +1,29 @@
 """Checkpoints (issue 4): the HF saver, hf2mcore / mcore2hf, megatron-core loading our output and
-us loading megatron-core's, TP resharding, bad input.
+us loading megatron-core's, TP resharding. Bad input: tests/test_checkpoint_errors.py; the record
+format, interrupted conversions and the command line: tests/test_checkpoint_records.py; the models
+and helpers they share: tests/checkpoint_setup.py.
 
-Models: Llama (GQA, llama3 rope in the form megatron-core expresses, fp32, source in several
-safetensors shards), Qwen2 (qkv bias, tied embeddings, bf16), their value (sequence-classification)
-versions, and a Llama with one KV head (replicated over the TP ranks). Round trips compare every
-tensor bit for bit, dtype included. Multi-rank work is batched into three spawned runs.
+Round trips compare every tensor bit for bit, dtype included. Multi-rank work is batched into
+three spawned runs.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
-from safetensors import safe_open
 
-from parallel_models.testing import (TensorDictReader, run_distributed, run_distributed_jobs,
-                                     save_tiny_hf_model)
+from parallel_models.testing import TensorDictReader, run_distributed, run_distributed_jobs
 from tests import checkpoint_checks as cc
-
-RUN_TIMEOUT = 240
-LOGIT_TOL = 1e-4
-MEGATRON_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-LLAMA = dict(rope_scaling=MEGATRON_ROPE, max_position_embeddings=16384)
-MODELS = {  # name: (family, head, dtype, overrides)
-    "llama": ("llama", "causal_lm", None, LLAMA),
-    "qwen2": ("qwen2", "causal_lm", torch.bfloat16, {}),
-    "llama_value": ("llama", "value", None, LLAMA),
-    "qwen2_value": ("qwen2", "value", torch.bfloat16, {}),
-    "llama_kv1": ("llama", "causal_lm", None, dict(LLAMA, num_key_value_heads=1)),
-}
-HEAD = {name: spec[1] for name, spec in MODELS.items()}
-
-
-def load_all(folder: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(os.listdir(folder)):
-        if f.endswith(".safetensors"):
-            with safe_open(os.path.join(folder, f), "pt") as h:
-                out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
-
-
-def assert_bit_exact(src: str, got: str, upcast: bool = False) -> None:
-    a, b = load_all(src), load_all(got)
-    assert sorted(a) == sorted(b), f"tensor names differ: {sorted(set(a) ^ set(b))}"
-    for name in a:
-        x, y = (a[name].float(), b[name]) if upcast else (a[name], b[name])
-        assert x.dtype == y.dtype, f"{name}: dtype {y.dtype}, source {x.dtype}"
-        assert torch.equal(x, y), f"{name}: values differ"
-
-
-def no_leftovers(path: str) -> bool:
-    parent, base = os.path.split(os.path.abspath(path))
-    return not any(n.startswith(f".{base}.tmp-") for n in os.listdir(parent))
-
-
-def convert(src, out, **kw):
-    from conversion.hf2mcore import convert_hf_to_mcore
-
-    kw.setdefault("format", "flat")  # these tests read the dist checkpoint files in `out` itself
-    return convert_hf_to_mcore(src, out, progress=False, **kw)
-
-
-def to_hf(src, out, **kw):
-    from conversion.mcore2hf import convert_mcore_to_hf
-
-    return convert_mcore_to_hf(src, out, progress=False, **kw)
+from tests.checkpoint_setup import (HEAD, LOGIT_TOL, MODELS, RUN_TIMEOUT, assert_bit_exact,
+                                    convert, expect_error, load_all, no_leftovers, to_hf)
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ckpt")
-    src = {}
-    for i, (name, (family, head, dtype, kw)) in enumerate(MODELS.items()):
-        shard = "100KB" if name == "llama" else None
-        src[name] = save_tiny_hf_model(str(root / name), family, head=head, seed=10 + i,
-                                       dtype=dtype, max_shard_size=shard, **kw)
-    # tokenizer files travel with the weights
-    for f, text in (("tokenizer_config.json", '{"model_max_length": 64}'),
-                    ("tokenizer.json", '{"version": "1.0"}')):
-        (root / "llama" / f).write_text(text)
-    mc = {}
-    for name, path in src.items():
-        mc[name] = str(root / f"{name}.mcore")
-        convert(path, mc[name])
-    mc["llama.local"] = str(root / "llama.local.mcore")
-    convert(src["llama"], mc["llama.local"], layer_spec="local")
-    mc["qwen2.fp32"] = str(root / "qwen2.fp32.mcore")
-    convert(src["qwen2"], mc["qwen2.fp32"], dtype="fp32")
-    return {"root": root, "src": src, "mcore": mc}
+def env(checkpoint_models):
+    return checkpoint_models
 
 
 # ---- weight rules: pure transforms, one CPU ----------------------------------------------------------------
@@ -427,255 +356,7 @@ def test_megatron_saved_tp2_checkpoint_through_mcore2hf(env, megatron_tp2, name)
     assert_bit_exact(env["src"][name], out, upcast=name == "qwen2")  # saved in fp32
 
 
-# ---- bad input -------------------------------------------------------------------------------------------
-def _copy(src, dst):
-    shutil.copytree(src, dst)
-    return str(dst)
-
-
-def _expect_error(fn, out, *needles):
-    from parallel_models import CheckpointError, ConfigError
-
-    with pytest.raises((CheckpointError, ConfigError)) as info:
-        fn()
-    msg = str(info.value)
-    for needle in needles:
-        assert needle in msg, msg
-    assert not os.path.exists(out) and no_leftovers(out)
-    return msg
-
-
-def test_hf2mcore_missing_shard_named_in_index(env, tmp_path):
-    bad = _copy(env["src"]["llama"], tmp_path / "bad")
-    os.remove(os.path.join(bad, "model-00002-of-00004.safetensors"))
-    _expect_error(lambda: convert(bad, str(tmp_path / "out")), str(tmp_path / "out"),
-                  "model-00002-of-00004.safetensors", "missing")
-
-
-def test_hf2mcore_truncated_safetensors(env, tmp_path):
-    bad = _copy(env["src"]["qwen2"], tmp_path / "bad")
-    path = os.path.join(bad, "model.safetensors")
-    with open(path, "r+b") as f:
-        f.truncate(os.path.getsize(path) // 2)
-    _expect_error(lambda: convert(bad, str(tmp_path / "out")), str(tmp_path / "out"),
-                  "model.safetensors", "cannot read")
-
-
-def test_hf2mcore_unknown_architecture(env, tmp_path, capsys):
-    from conversion.hf2mcore import main
-
-    bad = _copy(env["src"]["qwen2"], tmp_path / "bad")
-    cfg = json.loads(open(os.path.join(bad, "config.json")).read())
-    cfg["architectures"] = ["MistralForCausalLM"]
-    open(os.path.join(bad, "config.json"), "w").write(json.dumps(cfg))
-    out = str(tmp_path / "out")
-    assert main(["--hf-path", bad, "--output", out, "--quiet"]) == 1
-    err = capsys.readouterr().err
-    assert "unsupported architecture 'MistralForCausalLM'" in err and "LlamaForCausalLM" in err
-    assert not os.path.exists(out) and no_leftovers(out)
-
-
-def test_hf2mcore_into_non_empty_folder(env, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("keep")
-    from parallel_models import CheckpointError
-
-    with pytest.raises(CheckpointError, match="not empty"):
-        convert(env["src"]["llama"], str(out))
-    with pytest.raises(CheckpointError, match="not empty"):
-        to_hf(env["mcore"]["llama"], str(out))
-    assert sorted(os.listdir(out)) == ["keep.txt"] and no_leftovers(str(out))
-
-
-def _without_tensor(src: str, dst: str, drop: str) -> str:
-    """A real dist checkpoint that lacks one tensor: ``src`` rewritten without ``drop``."""
-    from parallel_models.llama.checkpoint_utils import LLAMA, McoreCheckpoint
-    from parallel_models.llama.checkpoint_utils.dcp import ChunkItem, write_dist_checkpoint
-    from parallel_models.llama.checkpoint_utils.megatron_format import (extra_state_items,
-                                                                       write_megatron_files)
-
-    ck = McoreCheckpoint(src, LLAMA)
-    items = [ChunkItem(key, tuple(c.offsets), tuple(c.sizes), tuple(md.size), md.properties.dtype,
-                       lambda k=key, c=c: ck._chunk(k, c))
-             for key, md in ck.tensors.items() if key != drop for c in md.chunks]
-    os.makedirs(dst)
-    write_dist_checkpoint(dst, items, extra_state_items(ck.config.num_layers))
-    write_megatron_files(dst)
-    for f in ("config.json", "mcore_config.json"):
-        shutil.copyfile(os.path.join(src, f), os.path.join(dst, f))
-    return dst
-
-
-def test_mcore2hf_dist_checkpoint_missing_a_tensor(env, tmp_path):
-    bad = _without_tensor(env["mcore"]["llama"], str(tmp_path / "bad"),
-                          "decoder.layers.mlp.linear_fc2.weight")
-    out = str(tmp_path / "out")
-    _expect_error(lambda: to_hf(bad, out), out, "decoder.layers.mlp.linear_fc2.weight",
-                  "model.layers.0.mlp.down_proj.weight")
-
-
-def test_mcore2hf_missing_or_truncated_chunk_file(env, tmp_path):
-    bad = _copy(env["mcore"]["llama"], tmp_path / "bad")
-    os.remove(os.path.join(bad, "__0_0.distcp"))
-    _expect_error(lambda: to_hf(bad, str(tmp_path / "out")), str(tmp_path / "out"),
-                  "__0_0.distcp", "missing")
-    bad2 = _copy(env["mcore"]["qwen2"], tmp_path / "bad2")
-    path = os.path.join(bad2, "__0_0.distcp")
-    with open(path, "r+b") as f:
-        f.truncate(os.path.getsize(path) - 100)
-    _expect_error(lambda: to_hf(bad2, str(tmp_path / "out2")), str(tmp_path / "out2"),
-                  "truncated")
-
-
 def test_mcore2hf_needs_a_config(env, tmp_path, megatron_tp2):
     out = str(tmp_path / "out")
-    _expect_error(lambda: to_hf(str(env["root"] / "llama.megatron_tp2"), out), out, "--hf-config")
-    _expect_error(lambda: to_hf(str(env["src"]["llama"]), out), out, "metadata.json")
-
-
-def test_mcore_metadata_is_not_unpickled_blindly(env, tmp_path):
-    """A crafted ``.metadata`` cannot run code: only DCP's own classes are allowed."""
-    import pickle
-
-    bad = _copy(env["mcore"]["qwen2"], tmp_path / "bad")
-    marker = tmp_path / "pwned"
-
-    class Evil:
-        def __reduce__(self):
-            return (os.system, (f"touch {marker}",))
-
-    with open(os.path.join(bad, ".metadata"), "wb") as f:
-        pickle.dump(Evil(), f)
-    out = str(tmp_path / "out")
-    _expect_error(lambda: to_hf(bad, out), out, "not allowed")
-    assert not marker.exists()
-
-
-def _records(folder: str):
-    """(key, raw bytes) of every chunk record of a dist checkpoint, located by DCP's index."""
-    from parallel_models.llama.checkpoint_utils.dcp import read_dcp_metadata
-
-    md = read_dcp_metadata(folder)
-    for index, info in sorted(md.storage_data.items(), key=lambda kv: (kv[1].relative_path,
-                                                                         kv[1].offset)):
-        with open(os.path.join(folder, info.relative_path), "rb") as f:
-            f.seek(info.offset)
-            yield index.fqn, f.read(info.length)
-
-
-def test_hf2mcore_records_carry_crc32(env):
-    """Every record hf2mcore writes (range-copied from safetensors or assembled) has a CRC32 in
-    each zip member that Python's zipfile verifies, and torch.load reads it."""
-    import io
-    import zipfile
-
-    n = 0
-    for name in ("llama", "qwen2", "qwen2.fp32"):  # verbatim copies, and dtype-converted ones
-        for key, raw in _records(env["mcore"][name]):
-            zf = zipfile.ZipFile(io.BytesIO(raw))
-            assert zf.testzip() is None, f"{name}: {key}: bad CRC32"
-            assert all(i.CRC != 0 for i in zf.infolist() if i.file_size), f"{name}: {key}: no CRC32"
-            torch.load(io.BytesIO(raw), weights_only=True)
-            n += 1
-    assert n > 50
-
-
-def test_records_streamed_through_small_buffers_match_torch_save(tmp_path):
-    """A record's data and its CRC32 fields crossing write-buffer boundaries: the file holds the
-    records torch.save writes (CRC32 checked by zipfile, values by torch.load), only the
-    serialization id differs."""
-    import io
-    import zipfile
-
-    from parallel_models.llama.checkpoint_utils.dcp import tensor_filler, write_record
-    from parallel_models.llama.checkpoint_utils.direct_io import (RangeReader, WriteBehind,
-                                                                 segment_filler)
-    from parallel_models.llama.checkpoint_utils.torch_record import Placeholder
-
-    gen = torch.Generator().manual_seed(0)
-    tensors = [torch.randn(37, 101, generator=gen), torch.randn(5000, generator=gen).bfloat16(),
-               torch.zeros(0, 3), torch.arange(3, dtype=torch.int64), torch.randn(3, 1999)]
-    src = str(tmp_path / "src.bin")  # the last tensor's bytes, copied verbatim as segments
-    with open(src, "wb") as f:
-        f.write(b"x" * 123 + tensors[-1].numpy().tobytes())
-    wb, reader, path = WriteBehind(size=8192, count=2), RangeReader(), str(tmp_path / "out.bin")
-    out, spans = wb.open(path), []
-    for i, t in enumerate(tensors):
-        start = out.tell()
-        if i == len(tensors) - 1:
-            write_record(out, Placeholder().tensor(t.shape, t.dtype),
-                         segment_filler(reader, [(src, 123, 4000), (src, 4123, t.nbytes - 4000)]))
-        else:
-            write_record(out, t, tensor_filler(t))
-        spans.append((start, out.tell()))
-    out.close()
-    wb.finish()
-    reader.close()
-    assert wb.crc_bytes == sum(t.nbytes for t in tensors)
-    data = open(path, "rb").read()
-    for t, (a, b) in zip(tensors, spans):
-        raw = data[a:b]
-        assert zipfile.ZipFile(io.BytesIO(raw)).testzip() is None
-        assert torch.equal(torch.load(io.BytesIO(raw), weights_only=True), t)
-        ref = io.BytesIO()
-        torch.save(t, ref)
-        ref = ref.getvalue()
-        differ = [k for k in range(len(ref)) if ref[k] != raw[k]]
-        sid = zipfile.ZipFile(io.BytesIO(ref)).getinfo("archive/.data/serialization_id")
-        assert len(ref) == len(raw) and all(k >= sid.header_offset for k in differ)
-
-
-def test_interrupted_conversion_leaves_nothing(env, tmp_path, monkeypatch):
-    from parallel_models.llama.checkpoint_utils.direct_io import RangeReader
-
-    calls = {"n": 0}
-    original = RangeReader.read_into  # what copies the tensors from the safetensors files
-
-    def flaky(self, *args):
-        calls["n"] += 1
-        if calls["n"] == 7:
-            raise KeyboardInterrupt
-        return original(self, *args)
-
-    monkeypatch.setattr(RangeReader, "read_into", flaky)
-    out = str(tmp_path / "out")
-    with pytest.raises(KeyboardInterrupt):
-        convert(env["src"]["llama"], out)
-    assert calls["n"] == 7 and not os.path.exists(out) and no_leftovers(out)
-
-
-# ---- command line ------------------------------------------------------------------------------------------
-def _script(name):
-    exe = shutil.which(name)
-    return [exe] if exe else [sys.executable, "-m", f"conversion.{name}"]
-
-
-def test_cli_help():
-    from conversion import hf2mcore, mcore2hf
-
-    for mod, flags in ((hf2mcore, ["--hf-path", "--output", "--dtype", "--layer-spec", "--value"]),
-                       (mcore2hf, ["--mcore-path", "--output", "--hf-config"])):
-        text = mod.build_parser().format_help()
-        assert all(f in text for f in flags), text
-        with pytest.raises(SystemExit) as info:
-            mod.main(["--help"])
-        assert info.value.code == 0
-
-
-def test_cli_end_to_end(env, tmp_path):
-    mc, hf = str(tmp_path / "mc"), str(tmp_path / "hf")
-    run = subprocess.run(_script("hf2mcore") + ["--hf-path", env["src"]["qwen2"], "--output", mc,
-                                                "--dtype", "fp32"],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    assert "hf2mcore: 26 tensors" in run.stdout and "GB/s" in run.stdout, run.stdout
-    assert "hf2mcore:" in run.stderr  # the tqdm bar
-    run = subprocess.run(_script("mcore2hf") + ["--mcore-path", mc, "--output", hf],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr
-    assert_bit_exact(env["src"]["qwen2"], hf, upcast=True)
-    run = subprocess.run(_script("mcore2hf") + ["--mcore-path", mc, "--output", hf],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 1 and "error:" in run.stderr and "not empty" in run.stderr
-    assert "Traceback" not in run.stderr
+    expect_error(lambda: to_hf(str(env["root"] / "llama.megatron_tp2"), out), out, "--hf-config")
+    expect_error(lambda: to_hf(str(env["src"]["llama"]), out), out, "metadata.json")

@@ -46,6 +46,14 @@ def _hf_loss_and_aux(path: str, ids, mask, dtype=torch.float32):
     return hf, auxes
 
 
+def _on_device(microbatches: list, model) -> list:
+    """The microbatches' tensors on ``model``'s device (CUDA on a GPU host, for the NCCL run of
+    tests/gpu/test_gpu_moe_aux_pp.py)."""
+    dev = next(model.parameters()).device
+    return [{k: v.to(dev) if torch.is_tensor(v) else v for k, v in mb.items()}
+            for mb in microbatches]
+
+
 def _router_grads(chunks, main_grad: bool = False) -> dict:
     """{global layer id: router-weight gradient} of this rank's chunks."""
     out = {}
@@ -54,7 +62,7 @@ def _router_grads(chunks, main_grad: bool = False) -> dict:
             router = getattr(layer.mlp, "router", None)
             if router is not None:
                 g = router.weight.main_grad if main_grad else router.weight.grad
-                out[layer.layer_id] = g.detach().float().clone()
+                out[layer.layer_id] = g.detach().float().cpu().clone()
     return out
 
 
@@ -70,7 +78,7 @@ def _pipeline_run(path: str, dtype, seed: int = 5) -> tuple[list, dict, list, tu
     cls = pm.get_model_class(pm.registry.architecture_of(path), "causal_lm", rmpad=True, pp=True)
     chunks = pm.build_pipeline_chunks(cls, path, dtype=dtype)
     ids, mask = _padded_batch(chunks[0].config.vocab_size, seed)
-    mbs = _microbatches_packed(ids, mask, N_MICRO)
+    mbs = _on_device(_microbatches_packed(ids, mask, N_MICRO), chunks[0])
     for mb in mbs:
         mb["full_vocab"] = True
     moe_aux_loss.record_router_logits(chunks, True)
@@ -125,7 +133,7 @@ def bf16_pp_equals_pp1(path: str) -> dict:
                                rmpad=True).from_pretrained(path, dtype=torch.bfloat16)
     moe_aux_loss.record_router_logits(model, True)
     ref_aux, count = [], 0
-    for mb in _microbatches_packed(ids, mask, N_MICRO):
+    for mb in _on_device(_microbatches_packed(ids, mask, N_MICRO), model):
         out = model(mb["input_ids"], mb["cu_seqlens"], mb["position_ids"], mb["max_seqlen"],
                     full_vocab=True)
         loss, n, _ = _ce_loss_fn(out, mb)

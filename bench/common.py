@@ -404,7 +404,8 @@ def _gaps_from_trace(trace: list, path: str, rows: int, min_us: float) -> dict:
         """(innermost frame of ours / megatron / torch, innermost op) on ``tid`` at ``t``."""
         evs = host.get(tid, [])
         frame = op = None
-        for ts, end, kind, name in evs[:bisect.bisect_right(starts.get(tid, []), t)][-400:]:
+        i = bisect.bisect_right(starts.get(tid, []), t)  # the last 400 started by t
+        for ts, end, kind, name in evs[max(0, i - 400):i]:
             if end < t:
                 continue
             if kind == "cpu_op":

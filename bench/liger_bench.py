@@ -123,27 +123,25 @@ def main():
         n = int(cu[-1]) - (len(cu) - 1)  # predicted tokens: every token but each sequence's first
         return -log_probs_from_packed_logits(logits, ids, cu).sum() / n
 
-    def ours_step(packed, model=ours, fuse: bool = False):
-        if model is ours and args.wgrad_fusion:
-            wgrad_fusion.enable([ours], on=fuse)
-        # a training step starts from cleared gradients: DDP's buffers (their first backward
-        # writes them, utils/grad_first_write.py), or None for a plain module
-        if model is ours:
-            ours.zero_grad_buffer()
-        else:
-            model.zero_grad(set_to_none=True)
-        ours_loss(packed.input_ids, packed.cu_seqlens, model).backward()
-
     def fresh(model, loss):
         """``loss().backward()`` from cleared (None) gradients, as a training step runs."""
         model.zero_grad(set_to_none=True)
         loss().backward()
 
+    def ours_step(packed, fuse: bool = False):
+        """Ours in DDP: a training step starts from ``zero_grad_buffer()`` (the buffers' first
+        backward writes them, utils/grad_first_write.py)."""
+        if args.wgrad_fusion:
+            wgrad_fusion.enable([ours], on=fuse)
+        ours.zero_grad_buffer()
+        ours_loss(packed.input_ids, packed.cu_seqlens).backward()
+
     def contenders(ids, mask, packed):
         out = {"hf": lambda: fresh(hf, lambda: hf_loss(ids, mask)),
                "hf_liger": lambda: fresh(hfl, lambda: liger_loss(ids, mask)),
                "ours": lambda: ours_step(packed),
-               "ours_plain": lambda: ours_step(packed, ours_plain)}
+               "ours_plain": lambda: fresh(ours_plain, lambda: ours_loss(
+                   packed.input_ids, packed.cu_seqlens, ours_plain))}
         if args.wgrad_fusion:
             out["ours_fused_wgrad"] = lambda: ours_step(packed, fuse=True)
         return out

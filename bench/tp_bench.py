@@ -15,8 +15,9 @@ weight-gradient GEMMs accumulating straight into the buffers (``utils/wgrad_fusi
 alternated. ``--compare-grad-first-write``: also timed with megatron's zeroed buffers + adds
 (``zeroed_buffers_step_s``) against the first backward writing them (``step_s``, the default:
 ``utils/grad_first_write.py``), rounds alternated; with ddp every step starts with
-``zero_grad_buffer()`` as training does. ``--compare-triton-elementwise``: SwiGLU / RMSNorm through the opt-in Triton kernels
-(``step_s``) and through ``torch.compile`` (``compiled_elementwise_step_s``), rounds alternated.
+``zero_grad_buffer()`` as training does. ``--compare-triton-elementwise``: SwiGLU / RMSNorm
+through the opt-in Triton kernels (``step_s``) and through ``torch.compile``
+(``compiled_elementwise_step_s``), rounds alternated.
 
 Llama-3-8B shape by default (hidden 4096, 32 layers, 32 heads, 8 KV heads, intermediate 14336,
 vocab 128256), bf16, random weights built directly on the GPUs (no checkpoint). Every GPU keeps

@@ -118,7 +118,7 @@ class Shape:
         self.floor_us = 1e6 * self.kv_bytes / bandwidth(torch.device(dev))
 
     def calls(self, config):
-        from parallel_models.rl.rollout.split_kv_attention import split_kv_decode
+        from parallel_models.inference.split_kv_attention import split_kv_decode
 
         def make(k_pool, v_pool):
             return lambda: split_kv_decode(self.q, self.k_new, self.v_new, k_pool, v_pool,
@@ -128,14 +128,14 @@ class Shape:
 
 
 def auto_split(shape: Shape, config, dev) -> int:
-    from parallel_models.rl.rollout.split_kv_attention import split_size
+    from parallel_models.inference.split_kv_attention import split_size
 
     return split_size(shape.batch, shape.kv_heads, shape.max_row, dev, config)
 
 
 def sweep_shape(shape: Shape, dev, budget_s: float, full: bool, reps: int) -> dict:
     """Coordinate search (then the grid with ``full``) within ``budget_s`` seconds."""
-    from parallel_models.rl.rollout.split_kv_config import LaunchConfig, launch_config
+    from parallel_models.inference.split_kv_config import LaunchConfig, launch_config
 
     t0 = time.perf_counter()
     start = launch_config(shape.batch, shape.max_row)

@@ -8,7 +8,7 @@ each category's HBM byte floor.
 
 Model: the 0.89B Llama shape of bench/rollout_bench.py (random weights, bf16; fp32 on the CPU).
 Per batch size B and engine variant (``--variants``; ``ours`` = split-KV triton attention
-(``rl/rollout/split_kv_attention.py``) + fused draw + pipelined decode, ``aten_attention`` = the
+(``inference/split_kv_attention.py``) + fused draw + pipelined decode, ``aten_attention`` = the
 same with PyTorch's flash kernel and two ``index_copy_`` KV writes, ``no_pipeline``,
 ``no_fused_draw``, ``no_fused_norm`` (each layer's residual sum not fused into the next norm),
 ``no_fused_rope`` (RoPE by its own kernels, not inside the split-KV attention),
@@ -128,7 +128,7 @@ def labels(model, cache):
     """Hooks and wrappers naming the decode step's parts (undone on exit)."""
     from parallel_models.llama import modeling
     from parallel_models.llama.layers import attention, decoder_layer, mlp
-    from parallel_models.rl.rollout import pool_cache
+    from parallel_models.inference import pool_cache
 
     handles, patched = [], []
 
@@ -274,7 +274,7 @@ def byte_floors(cfg, batch: int, context_used: int, dtype_bytes: int) -> dict:
 
 def attention_micro(cfg, batch, context, max_row_tokens, dev, dtype) -> dict:
     """One layer's decode attention: split-KV kernel vs PyTorch's flash (+ KV writes)."""
-    from parallel_models.rl.rollout import split_kv_attention
+    from parallel_models.inference import split_kv_attention
 
     h, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     d = cfg.hidden_size // h
@@ -319,9 +319,9 @@ def attention_micro(cfg, batch, context, max_row_tokens, dev, dtype) -> dict:
 
 
 def run_case(args, cfg, model, dev, batch: int, variant: str) -> dict:
-    from parallel_models.rl.rollout.continuous import ContinuousEngine
-    from parallel_models.rl.rollout.row_sampling import draw
-    from parallel_models.rl.rollout.sampling import SamplingParams
+    from parallel_models.inference.continuous import ContinuousEngine
+    from parallel_models.inference.row_sampling import draw
+    from parallel_models.inference.sampling import SamplingParams
 
     kernel, fused, pipeline, fuse_norm, profiled = VARIANTS[variant]
     os.environ["PARALLEL_MODELS_FUSED_DRAW"] = "1" if fused else "0"  # read at each draw

@@ -48,8 +48,8 @@ def build_model(args):
 
 
 def generation(model, prompts, new_tokens):
-    from parallel_models.rl.rollout.continuous import ContinuousEngine, generation_output
-    from parallel_models.rl.rollout.sampling import SamplingParams
+    from parallel_models.inference.continuous import ContinuousEngine, generation_output
+    from parallel_models.inference.sampling import SamplingParams
 
     budget = len(prompts) * (max(map(len, prompts)) + new_tokens)
     engine = ContinuousEngine(model, budget, max_rows=len(prompts))
@@ -70,7 +70,7 @@ def generation(model, prompts, new_tokens):
 
 
 def training_batch(args, device):
-    from parallel_models.rl.roles import make_microbatches
+    from parallel_models.rl.roles.model_roles import make_microbatches
 
     lengths, ids, mask = ragged_batch(args.train_tokens, args.train_max_len, args.vocab, device,
                                       min_len=args.train_max_len // 8)
@@ -86,7 +86,7 @@ def training_batch(args, device):
 
 
 def train_step(model, mbs):
-    from parallel_models.rl.roles import _response_log_probs
+    from parallel_models.rl.roles.model_roles import _response_log_probs
 
     for mb in mbs:
         logits = model(mb["input_ids"], mb["cu_seqlens"], mb["position_ids"],
@@ -99,7 +99,7 @@ def train_step(model, mbs):
 
 def measure(model, args, prompts, mbs, exact: bool) -> dict:
     from parallel_models.llama.layers.exact import exact_mode
-    from parallel_models.rl.roles import PolicyRole
+    from parallel_models.rl.roles.model_roles import PolicyRole
 
     with exact_mode(exact):
         out, row = generation(model, prompts, args.new_tokens)

@@ -26,7 +26,7 @@ def main():
 
     import parallel_models as pm
     from parallel_models.llama.layers.attention_kernels import available_backend
-    from parallel_models.rl.rollout.generation import SamplingParams, generate
+    from parallel_models.inference.generation import SamplingParams, generate
     from parallel_models.testing import save_tiny_hf_model
     from parallel_models.utils.padding import pack_padded_batch, position_ids_from_attention_mask
     from transformers import AutoModelForCausalLM

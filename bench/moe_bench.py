@@ -62,8 +62,8 @@ def decode_variants(model, args) -> dict:
     """ms per decode step of each variant (see the module doc) and the HBM floor."""
     import warnings
 
-    from parallel_models.rl.rollout.continuous import ContinuousEngine
-    from parallel_models.rl.rollout.sampling import SamplingParams
+    from parallel_models.inference.continuous import ContinuousEngine
+    from parallel_models.inference.sampling import SamplingParams
 
     B, P, new = args.decode_batch, args.decode_prompt, args.decode_new
     g = torch.Generator().manual_seed(0)

@@ -21,7 +21,7 @@ def build_model(folder: str) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from parallel_models.rl.tokenizer import build_builtin_tokenizer
+    from parallel_models.tokenizer import build_builtin_tokenizer
 
     tok = build_builtin_tokenizer()
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=896, intermediate_size=4864,

@@ -68,8 +68,8 @@ def device_name() -> str:
 
 def continuous_decode(ours, prompts, new, budget):
     """ms per decode step of a continuous engine running ``prompts`` to ``new`` tokens each."""
-    from parallel_models.rl.rollout.continuous import ContinuousEngine
-    from parallel_models.rl.rollout.sampling import SamplingParams
+    from parallel_models.inference.continuous import ContinuousEngine
+    from parallel_models.inference.sampling import SamplingParams
 
     params = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=new)
     eng = ContinuousEngine(ours, budget, max_rows=len(prompts), max_row_tokens=len(prompts[0]) + new)
@@ -81,8 +81,8 @@ def continuous_decode(ours, prompts, new, budget):
 
 
 def decode_case(args, cfg, hf, ours, dev, batch):
-    from parallel_models.rl.rollout.generation import generate
-    from parallel_models.rl.rollout.sampling import SamplingParams
+    from parallel_models.inference.generation import generate
+    from parallel_models.inference.sampling import SamplingParams
 
     P, new = args.prompt, args.new
     g = torch.Generator().manual_seed(batch)
@@ -128,9 +128,9 @@ def decode_case(args, cfg, hf, ours, dev, batch):
 
 
 def grpo_case(args, cfg, ours):
-    from parallel_models.rl.rollout.continuous import ContinuousEngine
-    from parallel_models.rl.rollout.generation import generate
-    from parallel_models.rl.rollout.sampling import SamplingParams
+    from parallel_models.inference.continuous import ContinuousEngine
+    from parallel_models.inference.generation import generate
+    from parallel_models.inference.sampling import SamplingParams
 
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, cfg.vocab_size, (args.grpo_prompts, args.prompt), generator=g)
@@ -183,8 +183,8 @@ def prefix_case(args, cfg, ours) -> list:
     """The n samples of one prompt: one prefill + copies of its KV into the other n-1 regions
     (what the engine does) vs n prefills (n distinct prompts of the same length, one packed
     forward); and the copies alone. One engine step each (prefill, 1 token)."""
-    from parallel_models.rl.rollout.continuous import ContinuousEngine
-    from parallel_models.rl.rollout.sampling import SamplingParams
+    from parallel_models.inference.continuous import ContinuousEngine
+    from parallel_models.inference.sampling import SamplingParams
 
     n, out = args.grpo_n, []
     one = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=1)
@@ -215,7 +215,7 @@ def prefix_case(args, cfg, ours) -> list:
 
 def _warm_bucket(eng, size):
     """Run ``size`` one-token prompts for 3 tokens so the bucket's graph is captured."""
-    from parallel_models.rl.rollout.sampling import SamplingParams
+    from parallel_models.inference.sampling import SamplingParams
 
     for i in range(size):
         eng.submit([i + 1], SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=3))

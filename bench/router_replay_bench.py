@@ -29,7 +29,7 @@ from moe_bench import build_folder
 
 
 def mismatch_row(role, batch, replay: bool) -> dict:
-    from parallel_models.rl.mismatch import rollout_mismatch_metrics
+    from parallel_models.rl.algorithms.mismatch import rollout_mismatch_metrics
 
     batch.old_log_probs = role.log_probs(batch, replay=replay)
     row = rollout_mismatch_metrics(batch, role.route_session)
@@ -48,10 +48,10 @@ def main():
     args = p.parse_args()
 
     import parallel_models as pm
-    from parallel_models.rl.batch import RolloutBatch
-    from parallel_models.rl.roles import PolicyRole
-    from parallel_models.rl.rollout.engine import RolloutEngine
-    from parallel_models.rl.rollout.sampling import SamplingParams
+    from parallel_models.rl.data.batch import RolloutBatch
+    from parallel_models.rl.roles.model_roles import PolicyRole
+    from parallel_models.inference.engine import RolloutEngine
+    from parallel_models.inference.sampling import SamplingParams
     from parallel_models.utils import routes as route_utils
 
     pm.init_parallel(tensor_parallel_size=1)

@@ -5,7 +5,7 @@
                                 [--size tiny|small] [--server-arg=--static-batching]
                                 [--out results.json]
 
-Starts ``python -m parallel_models.rl.rollout.server`` (torchrun for --tp > 1) on a free
+Starts ``python -m parallel_models.inference.server`` (torchrun for --tp > 1) on a free
 localhost port, warms it up, then for each concurrency C sends ``--requests`` single-prompt
 requests from C client threads (httpx, one shared pool), greedy with ``ignore_eos`` so every
 request generates exactly ``--max-new-tokens`` tokens. Without --model a random model is built
@@ -24,13 +24,13 @@ import tempfile
 import time
 
 from parallel_models.distributed import free_port
-from parallel_models.rl.rollout.server.launch import start_server, stop_server
+from parallel_models.inference.server.launch import start_server, stop_server
 
 
 def build_model(folder: str, size: str) -> None:
     import torch
 
-    from parallel_models.rl.tokenizer import build_builtin_tokenizer
+    from parallel_models.tokenizer import build_builtin_tokenizer
 
     tok = build_builtin_tokenizer()
     if size == "tiny":
@@ -50,7 +50,7 @@ def build_model(folder: str, size: str) -> None:
 
 
 def run_level(client, prompts, concurrency: int, max_new: int) -> dict:
-    from parallel_models.rl.rollout.sampling import SamplingParams
+    from parallel_models.inference.sampling import SamplingParams
 
     # the /generate body: the sampling params (greedy, every request runs to max_new) + prompts
     params = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=max_new).model_dump()

@@ -82,7 +82,7 @@ def main():
 
     import parallel_models as pm
     from parallel_models.utils import gpu_compile
-    from parallel_models.rl.rollout.generation import SamplingParams, generate
+    from parallel_models.inference.generation import SamplingParams, generate
     from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
     from transformers import AutoModelForCausalLM
 

@@ -66,11 +66,11 @@ def main(argv=None) -> dict:
 
     import parallel_models as pm
     from parallel_models.distributed import free_port
-    from parallel_models.rl.rollout.server.client import RolloutClient
-    from parallel_models.rl.rollout.server.launch import start_server, stop_server
-    from parallel_models.rl.rollout.server.weight_group_push import (GROUP_BUCKET_BYTES,
+    from parallel_models.inference.server.client import RolloutClient
+    from parallel_models.inference.server.launch import start_server, stop_server
+    from parallel_models.inference.server.weight_group_push import (GROUP_BUCKET_BYTES,
                                                                      push_weight_group)
-    from parallel_models.rl.rollout.server.weight_stream import (STREAM_BUCKET_BYTES,
+    from parallel_models.inference.server.weight_stream import (STREAM_BUCKET_BYTES,
                                                                  push_weight_stream)
 
     pm.init_parallel(tensor_parallel_size=1)

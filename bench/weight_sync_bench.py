@@ -127,10 +127,10 @@ def bench_push(actor, bucket_bytes: int, workdir: str, transports=("stream",),
                group_transport: str = "auto", server_gpu: int | None = None,
                group_bucket_bytes: int | None = None) -> dict:
     from parallel_models.distributed import free_port
-    from parallel_models.rl.rollout.server.client import RolloutClient
-    from parallel_models.rl.rollout.server.launch import start_server, stop_server
-    from parallel_models.rl.rollout.server.weight_group_push import push_weight_group
-    from parallel_models.rl.rollout.server.weight_stream import push_weight_stream
+    from parallel_models.inference.server.client import RolloutClient
+    from parallel_models.inference.server.launch import start_server, stop_server
+    from parallel_models.inference.server.weight_group_push import push_weight_group
+    from parallel_models.inference.server.weight_stream import push_weight_stream
 
     folder = os.path.join(workdir, "actor")
     t0 = time.perf_counter()

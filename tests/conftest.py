@@ -25,7 +25,7 @@ def hf_models(tmp_path_factory):
 def hybrid_reference(tmp_path_factory):
     """The 3-step PPO run at PP=1, TP=1 on one rank that the hybrid-engine layouts
     (tests/test_hybrid_ppo*.py) must reproduce; run once for both files."""
-    from tests.hybrid_ppo_runs import metrics_at
+    from tests.helpers.hybrid_ppo_runs import metrics_at
 
     return metrics_at(tmp_path_factory.mktemp("hybrid_ref"), 1, [], "pp1")
 
@@ -33,6 +33,6 @@ def hybrid_reference(tmp_path_factory):
 @pytest.fixture(scope="session")
 def checkpoint_models(tmp_path_factory):
     """The checkpoint tests' models, saved and converted once for tests/test_checkpoint*.py."""
-    from tests.checkpoint_setup import build_models
+    from tests.helpers.checkpoint_setup import build_models
 
     return build_models(tmp_path_factory.mktemp("ckpt"))

@@ -125,7 +125,7 @@ def test_serve_startup_errors_are_one_line(tmp_path):
 
 
 def test_serve_help_gives_every_default():
-    from parallel_models.rl.rollout.server.cli import build_parser
+    from parallel_models.inference.server.cli import build_parser
 
     parser = build_parser()
     formatter = parser._get_formatter()
@@ -148,7 +148,7 @@ def test_server_logs_its_url_once_listening(caplog):
     import uvicorn
     from fastapi import FastAPI
 
-    from parallel_models.rl.rollout.server import cli
+    from parallel_models.inference.server import cli
 
     app = FastAPI()
 

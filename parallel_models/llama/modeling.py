@@ -302,7 +302,7 @@ class ParallelModel(torch.nn.Module):
         max_seqlen = max(max_seqlen, pad)
         if kv_cache is not None and pad:
             raise ValueError("KV-cached decoding runs without sequence-parallel padding; use "
-                             "parallel_models.rl.rollout.generation (it switches SP off)")
+                             "parallel_models.inference.generation (it switches SP off)")
         aux = self.moe_aux_recording and kv_cache is None and self.config.is_moe
         received, incoming = None, None
         if aux and not self.pre_process:  # the earlier stages' load-balancing totals ride along

@@ -5,7 +5,7 @@ A checkpoint is a folder ``<output_dir>/checkpoints/step_NNNNNN/``:
 - ``dist/``: one megatron-core ``dist_checkpointing`` checkpoint of every trainable role (actor,
   critic): weights and megatron optimizer states (Adam ``exp_avg`` / ``exp_avg_sq``, the fp32
   main params of bf16 models, the shared step) as sharded tensors under the role's prefix
-  (``rl/sharded_state.py``), so it loads at another TP/PP/DP layout.
+  (``rl/roles/sharded_state.py``), so it loads at another TP/PP/DP layout.
 - ``trainer_state.json``: step, LR schedulers, data loader position, KL coefficient, metrics
   position, the layout and the model shapes it was saved with. No pickles.
 - ``rng/rank_NNNNN.json``: each rank's torch / CUDA / numpy / Python RNG states.
@@ -35,7 +35,7 @@ from megatron.core import parallel_state as mpu
 
 from parallel_models.config import ConfigError
 from parallel_models.llama.checkpoint_utils import CheckpointError
-from parallel_models.rl import sharded_state
+from parallel_models.rl.roles import sharded_state
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def _backend(trainer) -> str:
 
 def _model_shape(model) -> dict:
     if not hasattr(model, "head_kind"):  # a transformers model (fsdp backend)
-        from parallel_models.rl.fsdp.checkpoint import model_shape
+        from parallel_models.rl.backends.fsdp.checkpoint import model_shape
 
         return model_shape(model)
     c = model.config
@@ -166,7 +166,7 @@ def save_trainer_checkpoint(trainer) -> str:
     failure = None
     try:
         if _backend(trainer) == "fsdp":
-            from parallel_models.rl.fsdp import checkpoint as fsdp_checkpoint
+            from parallel_models.rl.backends.fsdp import checkpoint as fsdp_checkpoint
 
             fsdp_checkpoint.save_roles(os.path.join(tmp, DIST_DIR), trainer._trainable())
         else:
@@ -351,7 +351,7 @@ class _FSDPStates:
     """Resume I/O of the fsdp backend: torch.distributed.checkpoint state dicts."""
 
     def __init__(self, trainer):
-        from parallel_models.rl.fsdp import checkpoint as fsdp_checkpoint
+        from parallel_models.rl.backends.fsdp import checkpoint as fsdp_checkpoint
 
         self.io, self.roles = fsdp_checkpoint, trainer._trainable()
 
@@ -433,7 +433,7 @@ def finished_run_summary(trainer) -> dict | None:
                "total_steps": trainer.cfg.trainer.total_steps}
     metrics_file = os.path.join(trainer.cfg.trainer.output_dir, "metrics.jsonl")
     if os.path.isfile(metrics_file):
-        from parallel_models.rl.metrics import read_metrics
+        from parallel_models.rl.observe.metrics import read_metrics
 
         rows = [r for r in read_metrics(metrics_file) if r.get("step", 0) <= trainer.step_index]
         if rows:

@@ -3,11 +3,11 @@ update -> actor update -> metrics), with checkpoints and exact resume.
 
 All roles live on the same ranks (TP x PP inside a model, data parallel across replicas; with PP
 or ``rollout.tensor_parallel_size`` other than TP the actor rolls out through the hybrid engine,
-``rollout/hybrid.py``) and follow one protocol (``rl/roles.py``); with ``trainer.offload`` on CUDA only
+``rollout/hybrid.py``) and follow one protocol (``rl/roles/model_roles.py``); with ``trainer.offload`` on CUDA only
 the role a phase uses sits on the GPU. The batch travels between phases as a
-:class:`~parallel_models.rl.batch.RolloutBatch`. Each data-parallel rank takes its share of every
+:class:`~parallel_models.rl.data.batch.RolloutBatch`. Each data-parallel rank takes its share of every
 prompt batch (prompts are dealt before they are repeated ``rollout.n`` times, so a grpo / rloo
-group never straddles ranks); batch statistics are global over the ranks (``rl/dp_stats.py``).
+group never straddles ranks); batch statistics are global over the ranks (``rl/observe/dp_stats.py``).
 """
 
 from __future__ import annotations
@@ -27,17 +27,18 @@ from tqdm import tqdm
 import parallel_models as pm
 from parallel_models.config import ConfigError
 from parallel_models.llama.layers.exact import exact_mode
-from parallel_models.rl import algorithms as algos
-from parallel_models.rl.builtin_model import (BUILTIN_MOE, build_builtin_model,  # noqa: F401
+from parallel_models.rl.algorithms import core as algos
+from parallel_models.rl.backends.builtin_model import (BUILTIN_MOE, build_builtin_model,  # noqa: F401
                                               builtin_model_config)
-from parallel_models.rl.tokenizer import builtin_vocab
-from parallel_models.rl import dp_stats, megatron_backend
-from parallel_models.rl.advantages import compute_advantages
-from parallel_models.rl.batch import RolloutBatch
-from parallel_models.rl.data import prompt_caps
-from parallel_models.rl.metrics import Timer
-from parallel_models.rl.mismatch import rollout_mismatch_metrics
-from parallel_models.rl.roles import RuleReward
+from parallel_models.tokenizer import builtin_vocab
+from parallel_models.rl.observe import dp_stats
+from parallel_models.rl.backends import megatron as megatron_backend
+from parallel_models.rl.algorithms.advantages import compute_advantages
+from parallel_models.rl.data.batch import RolloutBatch
+from parallel_models.rl.data.prompts import prompt_caps
+from parallel_models.rl.observe.metrics import Timer
+from parallel_models.rl.algorithms.mismatch import rollout_mismatch_metrics
+from parallel_models.rl.roles.model_roles import RuleReward
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +71,8 @@ def summary_line(metrics: dict) -> str:
 
 class PPOTrainer:
     def __init__(self, cfg):
-        from parallel_models.rl.data import PromptLoader, prompt_datasets
-        from parallel_models.rl.metrics import MetricsLogger
+        from parallel_models.rl.data.prompts import PromptLoader, prompt_datasets
+        from parallel_models.rl.observe.metrics import MetricsLogger
 
         self.cfg = cfg
         par = cfg.parallel
@@ -95,11 +96,11 @@ class PPOTrainer:
         os.makedirs(tcfg.output_dir, exist_ok=True)
         self._seed_everything(tcfg.seed)
         model_path = self._model_path()
-        from parallel_models.rl.tokenizer import load_tokenizer
+        from parallel_models.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or model_path, what="actor tokenizer")
         if par.backend == "fsdp":
-            from parallel_models.rl.fsdp.factory import build_fsdp_roles
+            from parallel_models.rl.backends.fsdp.factory import build_fsdp_roles
 
             build_fsdp_roles(self, model_path)  # actor, ref, critic, actor_model, rollout_engine
         else:
@@ -116,7 +117,7 @@ class PPOTrainer:
                                    seed=d.seed)
         self.validator = None
         if val_dataset is not None:
-            from parallel_models.rl.evaluation import Validator
+            from parallel_models.rl.observe.evaluation import Validator
 
             self.validator = Validator(val_dataset, self.tokenizer, d.val_batch_size or d.batch_size,
                                        num_samples=tcfg.val_samples_logged, dp_rank=self.dp_rank,
@@ -124,7 +125,7 @@ class PPOTrainer:
                                        dp_group=mpu.get_data_parallel_group())
         trackers = []
         if _rank() == 0:
-            from parallel_models.rl.trackers import build_trackers
+            from parallel_models.rl.observe.trackers import build_trackers
 
             trackers = build_trackers(tcfg.loggers, tcfg.output_dir, tcfg.project_name,
                                       tcfg.experiment_name, cfg.to_dict())
@@ -140,7 +141,7 @@ class PPOTrainer:
             megatron_backend.build_rollout(self, rollout_tp)
         self.rollout_client = None
         if r.backend == "server":
-            from parallel_models.rl.rollout.server import RolloutClient
+            from parallel_models.inference.server import RolloutClient
 
             # the bearer token, if the server wants one, comes from the environment
             self.rollout_client = RolloutClient(r.server_url,
@@ -163,7 +164,7 @@ class PPOTrainer:
         moe = self.cfg.model.path == BUILTIN_MOE
         if self.cfg.model.path and not moe:
             return self.cfg.model.path
-        from parallel_models.rl.tokenizer import build_builtin_tokenizer
+        from parallel_models.tokenizer import build_builtin_tokenizer
 
         folder = os.path.join(self.cfg.trainer.output_dir, "builtin_moe" if moe else "builtin_model")
         if _rank() == 0 and not os.path.isfile(os.path.join(folder, "config.json")):
@@ -176,13 +177,13 @@ class PPOTrainer:
         r = self.cfg.reward
         if r.type == "rule":
             from parallel_models.rl.config.sections import reward_function_path
-            from parallel_models.rl.rewards import load_reward_function
+            from parallel_models.rl.rewards.rules import load_reward_function
 
             return RuleReward(load_reward_function(reward_function_path(self.cfg)), self.tokenizer)
-        from parallel_models.rl.reward_model import RewardModel  # issue: reward model role
+        from parallel_models.rl.rewards.model import RewardModel  # issue: reward model role
 
         if self.cfg.parallel.backend == "fsdp":  # any *ForSequenceClassification, sharded
-            from parallel_models.rl.fsdp.reward import FSDPRewardModel
+            from parallel_models.rl.backends.fsdp.reward import FSDPRewardModel
 
             return FSDPRewardModel.from_config(r, self.tokenizer, dtype=self.cfg.model.dtype,
                                                replicate=self.cfg.parallel.fsdp_replicate_size)
@@ -210,7 +211,7 @@ class PPOTrainer:
     def _push_weights(self) -> None:
         """rollout.backend=server: stream the actor to the server (rollout.weight_push), the
         HF folder as fallback."""
-        from parallel_models.rl.rollout.server.rollout import push_actor_weights
+        from parallel_models.inference.server.rollout import push_actor_weights
 
         folder = os.path.join(self.cfg.trainer.output_dir, "rollout_weights")
         with self._use(self.actor):
@@ -267,7 +268,7 @@ class PPOTrainer:
         sampling = sampling or self.sampling
         n = sampling.n
         if self.rollout_client is not None:
-            from parallel_models.rl.rollout.server.rollout import server_rollout
+            from parallel_models.inference.server.rollout import server_rollout
 
             seed = (self.cfg.trainer.seed * 1_000_003 + self.step_index) * 1009 + self.dp_rank
             out = server_rollout(self.rollout_client, prompt_ids, sampling, seed=seed,
@@ -423,7 +424,7 @@ class PPOTrainer:
                 self.save_checkpoint()
         self.metrics.close()
         if _rank() == 0:
-            from parallel_models.rl.plots import plot_training_curves
+            from parallel_models.rl.observe.plots import plot_training_curves
 
             plot_training_curves(os.path.join(tcfg.output_dir, "metrics.jsonl"),
                                  os.path.join(tcfg.output_dir, "reward_curve.png"))
@@ -432,7 +433,7 @@ class PPOTrainer:
                 if role is not None:
                     role.onload()
         if tcfg.save_hf_at_end and self.cfg.parallel.backend == "fsdp":
-            from parallel_models.rl.fsdp.factory import export_roles_hf
+            from parallel_models.rl.backends.fsdp.factory import export_roles_hf
 
             export_roles_hf(self, tcfg.output_dir)
         elif tcfg.save_hf_at_end:

@@ -52,8 +52,8 @@ def _batch(out):
 
 
 def _continuous_rollout(model, prompts, max_new_tokens=40):
-    from parallel_models.rl.rollout.continuous import ContinuousEngine, generation_output
-    from parallel_models.rl.rollout.sampling import SamplingParams
+    from parallel_models.inference.continuous import ContinuousEngine, generation_output
+    from parallel_models.inference.sampling import SamplingParams
 
     engine = ContinuousEngine(model, 4096, max_rows=8)
     reqs = []
@@ -67,7 +67,7 @@ def _continuous_rollout(model, prompts, max_new_tokens=40):
 
 
 def _scored(model, batch, budgets=BUDGETS, temperature=1.0):
-    from parallel_models.rl.roles import PolicyRole
+    from parallel_models.rl.roles.model_roles import PolicyRole
 
     return {b: PolicyRole(model, None, temperature=temperature, max_tokens=b).log_probs(batch)
             for b in budgets}
@@ -75,7 +75,7 @@ def _scored(model, batch, budgets=BUDGETS, temperature=1.0):
 
 def _update_forward(model, batch, budget):
     """The update's forward (autograd on) of every microbatch -> log-probs [B, R]; backward."""
-    from parallel_models.rl.roles import _response_log_probs, make_microbatches
+    from parallel_models.rl.roles.model_roles import _response_log_probs, make_microbatches
     from parallel_models.utils.microbatch import restore_order
 
     mbs, indices = make_microbatches(batch, budget)
@@ -129,8 +129,8 @@ def test_continuous_rollout_equals_training_bitwise(exact_models, single_rank, f
 def test_static_generate_equals_training_bitwise(exact_models, single_rank):
     import parallel_models as pm
     from parallel_models.llama.layers.exact import exact_mode
-    from parallel_models.rl.rollout.generation import generate
-    from parallel_models.rl.rollout.sampling import SamplingParams
+    from parallel_models.inference.generation import generate
+    from parallel_models.inference.sampling import SamplingParams
 
     model = pm.AutoModelForCausalLM.from_pretrained(exact_models["llama"], rmpad=True,
                                                    dtype=torch.bfloat16)
@@ -148,7 +148,7 @@ def test_static_generate_equals_training_bitwise(exact_models, single_rank):
 def test_tp2_rollout_equals_training_bitwise(exact_models, family):
     """TP=2 (nccl; MoE trains with sequence parallel): the same check on every rank."""
     from parallel_models.testing import run_distributed
-    from tests import exact_checks
+    from tests.helpers import exact_checks
 
     results = run_distributed(exact_checks.check_rollout_vs_training, 2, exact_models[family],
                               8, 24, tp=2, dtype="bfloat16", timeout=300)

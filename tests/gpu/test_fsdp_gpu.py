@@ -7,8 +7,8 @@ import torch
 
 
 def _actor(path, dtype="float32"):
-    from parallel_models.rl.fsdp import models as fm
-    from parallel_models.rl.fsdp.optim import build_fsdp_optimizer
+    from parallel_models.rl.backends.fsdp import models as fm
+    from parallel_models.rl.backends.fsdp.optim import build_fsdp_optimizer
     from parallel_models.utils.optimizer_config import OptimConfig
 
     model = fm.shard_model(fm.load_causal_lm(path), fm.device_mesh(), dtype=dtype)
@@ -16,14 +16,14 @@ def _actor(path, dtype="float32"):
 
 
 def _step(model, state, ids):
-    from parallel_models.rl.fsdp.optim import fsdp_optimizer_step
+    from parallel_models.rl.backends.fsdp.optim import fsdp_optimizer_step
 
     model(input_ids=ids, use_cache=False).logits.float().logsumexp(-1).mean().backward()
     return fsdp_optimizer_step(state)["grad_norm"]
 
 
 def test_offload_frees_memory_and_changes_nothing(gpu_models, single_rank):
-    from parallel_models.rl.fsdp.offload import FSDPOffloader
+    from parallel_models.rl.backends.fsdp.offload import FSDPOffloader
 
     ids = torch.randint(3, 1000, (2, 64), device="cuda")
     plain, plain_state = _actor(gpu_models["llama"])

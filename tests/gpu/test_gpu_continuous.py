@@ -32,8 +32,8 @@ def test_fp32_staggered_equals_transformers(gpu_models, single_rank):
     import parallel_models as pm
     from transformers import AutoModelForCausalLM
 
-    from parallel_models.rl.rollout.continuous import ContinuousEngine
-    from parallel_models.rl.rollout.sampling import SamplingParams
+    from parallel_models.inference.continuous import ContinuousEngine
+    from parallel_models.inference.sampling import SamplingParams
 
     path = gpu_models["llama"]
     model = pm.AutoModelForCausalLM.from_pretrained(path, rmpad=True, dtype=torch.float32)
@@ -51,8 +51,8 @@ def test_fp32_staggered_equals_transformers(gpu_models, single_rank):
 def test_bf16_graphs_equal_eager_and_logprobs(gpu_models, single_rank, monkeypatch):
     import parallel_models as pm
 
-    from parallel_models.rl.rollout.continuous import ContinuousEngine
-    from parallel_models.rl.rollout.sampling import SamplingParams
+    from parallel_models.inference.continuous import ContinuousEngine
+    from parallel_models.inference.sampling import SamplingParams
 
     model = pm.AutoModelForCausalLM.from_pretrained(gpu_models["qwen2"], rmpad=True,
                                                    dtype=torch.bfloat16)
@@ -86,8 +86,8 @@ def test_moe_decode_is_captured_and_equals_eager(tmp_path, single_rank, monkeypa
     import warnings
 
     import parallel_models as pm
-    from parallel_models.rl.rollout.continuous import ContinuousEngine
-    from parallel_models.rl.rollout.sampling import SamplingParams
+    from parallel_models.inference.continuous import ContinuousEngine
+    from parallel_models.inference.sampling import SamplingParams
     from parallel_models.testing import save_tiny_hf_model
 
     path = save_tiny_hf_model(str(tmp_path / family), family, seed=0, hidden_size=256,

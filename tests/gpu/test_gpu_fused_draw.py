@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel_models.rl.rollout.row_sampling import draw, row_seed
-from parallel_models.rl.rollout.sampling import SamplingParams
+from parallel_models.inference.row_sampling import draw, row_seed
+from parallel_models.inference.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("params", [SamplingParams(greedy=True), SamplingParams(temperature=0.7)])
@@ -21,7 +21,7 @@ def test_compiled_pick_equals_general_path(monkeypatch, params):
     for fused in ("1", "0"):
         monkeypatch.setenv("PARALLEL_MODELS_FUSED_DRAW", fused)
         out[fused] = draw(logits, seeds, steps, [(None, params)], 0)
-    from parallel_models.rl.rollout import row_sampling
+    from parallel_models.inference import row_sampling
 
     assert not row_sampling._FUSED_FAILED, row_sampling._FUSED_FAILED  # the compiled pick ran
     (tok_f, lp_f, _), (tok_g, lp_g, _) = out["1"], out["0"]

@@ -98,7 +98,7 @@ def test_attention_dispatch_matches_fp32_math(lengths):
 def test_decode_attention_matches_fp32_reference():
     """Decode attention over a KV cache with per-row fill lengths (flash with ``seqused_k`` and the
     SDPA fallback) vs a plain fp32 softmax over each row's filled keys (GQA repeated by hand)."""
-    from parallel_models.rl.rollout import kv_cache as kc
+    from parallel_models.inference import kv_cache as kc
 
     dev = torch.device(DEV)
     assert kc._flash_decode_supported(dev, torch.bfloat16)

@@ -105,7 +105,7 @@ def test_fp32_gradients_match_transformers(gpu_models, single_rank, family):
 
 
 def _generate(model, prompts, monkeypatch, graphs: bool):
-    from parallel_models.rl.rollout import generation
+    from parallel_models.inference import generation
 
     monkeypatch.setenv("PARALLEL_MODELS_CUDA_GRAPHS", "1" if graphs else "0")
     captures = []
@@ -155,7 +155,7 @@ def test_greedy_generation_matches_transformers(gpu_models, single_rank, monkeyp
 
 def _tp2_worker(path, prompts):
     import parallel_models as pm
-    from parallel_models.rl.rollout.generation import SamplingParams, generate
+    from parallel_models.inference.generation import SamplingParams, generate
 
     pm.init_parallel(tensor_parallel_size=2, sequence_parallel=True)
     assert torch.distributed.get_backend() == "nccl"

@@ -2,7 +2,7 @@
 ``layers/moe_aux_carry``): fp32 aux values and router gradients equal transformers' (run on the
 CPU; rel 1e-5), and bf16 pipeline messages (the carried fp32 sums and their gradient as bf16
 pieces over NCCL) give PP=1's values to fp32 rounding. The CPU suite holds the same checks on
-gloo (tests/test_moe_aux_loss_pp.py)."""
+gloo (tests/models/test_moe_aux_loss_pp.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_pp2_aux_loss_over_nccl(tmp_path):
     from parallel_models.testing import run_distributed_jobs
-    from tests import moe_aux_pp_checks, moe_checks
+    from tests.helpers import moe_aux_pp_checks
+    from tests.helpers import moe_checks
 
     path = moe_checks.save_moe_model(str(tmp_path / "qwen3_moe"), "qwen3_moe",
                                      num_hidden_layers=4, router_aux_loss_coef=0.01)

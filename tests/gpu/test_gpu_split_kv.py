@@ -38,7 +38,7 @@ def _run(c, max_row, fn):
     ([1, 64, 100, 128], 128),                          # one split: no combine pass
 ])
 def test_matches_sdpa_bf16(lengths, max_row):
-    from parallel_models.rl.rollout.split_kv_attention import reference_decode, split_kv_decode
+    from parallel_models.inference.split_kv_attention import reference_decode, split_kv_decode
 
     c = _case(lengths, max_row)
     ref_pools = {k: c[k].clone() for k in ("k_pool", "v_pool")}
@@ -54,7 +54,7 @@ def test_matches_sdpa_bf16(lengths, max_row):
 def test_launch_configs_match_sdpa_bf16(monkeypatch, config):
     """The launch settings the sweep (bench/decode_attention_sweep.py) may pick compute the
     same attention (PARALLEL_MODELS_DECODE_KERNEL_CONFIG)."""
-    from parallel_models.rl.rollout.split_kv_attention import reference_decode, split_kv_decode
+    from parallel_models.inference.split_kv_attention import reference_decode, split_kv_decode
 
     monkeypatch.setenv("PARALLEL_MODELS_DECODE_KERNEL_CONFIG", config)
     lengths, max_row = [1, 2, 127, 128, 129, 300, 384, 77], 384
@@ -68,7 +68,7 @@ def test_launch_configs_match_sdpa_bf16(monkeypatch, config):
 def test_rope_in_the_kernel_matches_rotary_then_attention_bf16():
     """PARALLEL_MODELS_DECODE_FUSE_ROPE: q / new k rotated in the kernel (bf16, 0.89B heads)."""
     from parallel_models.llama.layers.rotary import apply_rotary
-    from parallel_models.rl.rollout.split_kv_attention import reference_decode, split_kv_decode
+    from parallel_models.inference.split_kv_attention import reference_decode, split_kv_decode
 
     lengths, max_row = [1, 2, 127, 128, 129, 300, 384, 77], 384
     c = _case(lengths, max_row, seed=4)
@@ -87,7 +87,7 @@ def test_rope_in_the_kernel_matches_rotary_then_attention_bf16():
 
 
 def test_cuda_graph_replay_follows_new_lengths():
-    from parallel_models.rl.rollout.split_kv_attention import reference_decode, split_kv_decode
+    from parallel_models.inference.split_kv_attention import reference_decode, split_kv_decode
 
     max_row = 640
     c = _case([1, 5, 300, 640], max_row)
@@ -111,8 +111,8 @@ def test_cuda_graph_replay_follows_new_lengths():
 def test_engine_uses_the_kernel_with_graphs_as_eagerly(gpu_models, single_rank, monkeypatch):
     import parallel_models as pm
 
-    from parallel_models.rl.rollout.continuous import ContinuousEngine
-    from parallel_models.rl.rollout.sampling import SamplingParams
+    from parallel_models.inference.continuous import ContinuousEngine
+    from parallel_models.inference.sampling import SamplingParams
 
     model = pm.AutoModelForCausalLM.from_pretrained(gpu_models["llama"], rmpad=True,
                                                    dtype=torch.bfloat16)

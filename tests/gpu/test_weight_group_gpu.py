@@ -12,10 +12,10 @@ import torch
 
 import parallel_models as pm
 from parallel_models.distributed import free_port
-from parallel_models.rl.rollout.server.client import RolloutClient
-from parallel_models.rl.rollout.server.launch import start_server, stop_server
-from parallel_models.rl.rollout.server.weight_group_push import push_weight_group
-from parallel_models.rl.rollout.server.weight_stream import WeightStreamError
+from parallel_models.inference.server.client import RolloutClient
+from parallel_models.inference.server.launch import start_server, stop_server
+from parallel_models.inference.server.weight_group_push import push_weight_group
+from parallel_models.inference.server.weight_stream import WeightStreamError
 
 
 def _server(folder: str, log: str, gpu: int | None):

@@ -9,9 +9,9 @@ import os
 import torch
 
 import parallel_models as pm
-from parallel_models.rl.rollout.engine import RolloutEngine
+from parallel_models.inference.engine import RolloutEngine
 from parallel_models.rl.rollout.hybrid import HybridRollout
-from parallel_models.rl.rollout.sampling import SamplingParams
+from parallel_models.inference.sampling import SamplingParams
 
 
 def _move(model, seed: int) -> None:

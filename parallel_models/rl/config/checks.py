@@ -10,7 +10,7 @@ import logging
 import os
 
 from parallel_models.errors import ConfigError
-from parallel_models.rl.builtin_model import BUILTIN_MOE, builtin_model_config
+from parallel_models.rl.backends.builtin_model import BUILTIN_MOE, builtin_model_config
 from parallel_models.rl.config.sections import DATA_SUFFIXES
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ def _roles_problems(cfg) -> list[str]:
         errors.append(f"critic.path: {c.path!r} does not exist")
     if rw.type == "rule":
         from parallel_models.rl.config.sections import reward_function_path
-        from parallel_models.rl.rewards import load_reward_function
+        from parallel_models.rl.rewards.rules import load_reward_function
 
         try:
             load_reward_function(reward_function_path(cfg))

@@ -2,7 +2,7 @@
 description per field (the descriptions become the comments of ``configs/default.yaml``).
 
 Fields shared with other code are defined once and inherited: ``rollout`` takes the sampling
-knobs of :class:`~parallel_models.rl.rollout.sampling.SamplingFields` (``n``, ``temperature``,
+knobs of :class:`~parallel_models.inference.sampling.SamplingFields` (``n``, ``temperature``,
 ``top_k``, ...), ``actor`` and ``critic`` the optimizer knobs of
 :class:`~parallel_models.utils.optimizer.OptimizerFields` (``lr``, ``weight_decay``,
 ``clip_grad``, ``warmup_steps``, ...). Where the PPO run wants another default than the shared
@@ -19,7 +19,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from parallel_models.rl.rollout.sampling import SamplingFields, SamplingParams
+from parallel_models.inference.sampling import SamplingFields, SamplingParams
 from parallel_models.utils.optimizer_config import Int, Number, OptimizerFields
 
 KL_KINDS = ("k1", "abs", "k2", "mse", "k3", "low_var_kl")
@@ -89,7 +89,7 @@ class DataSection(BaseModel):
     seed: Int = Field(0, description="seed of the shuffling")
     task: Optional[Literal["find_digit", "last_digit", "max_digit", "add_mod10"]] = Field(
         None, description="a built-in verifiable task instead of path (its held-out split is "
-                          "the validation set; reward: parallel_models.rl.tasks.first_number_match)")
+                          "the validation set; reward: parallel_models.rl.data.tasks.first_number_match)")
     val_path: Optional[str] = Field(None, description="validation prompts (.jsonl / .json / "
                                                       ".parquet); null = none, or data.task's")
     val_batch_size: Optional[Int] = Field(None, ge=1, description="validation prompts per "
@@ -273,8 +273,8 @@ class TrainerSection(BaseModel):
     save_hf_at_end: StrictBool = Field(True, description="actor_hf/ and critic_hf/ at the end")
 
 
-DEFAULT_REWARD = "parallel_models.rl.rewards.vowel_reward"
-TASK_REWARD = "parallel_models.rl.tasks.first_number_match"
+DEFAULT_REWARD = "parallel_models.rl.rewards.rules.vowel_reward"
+TASK_REWARD = "parallel_models.rl.data.tasks.first_number_match"
 
 
 def reward_function_path(cfg) -> str:

@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from parallel_models.rl.rollout.engine import RolloutEngine
-from parallel_models.rl.rollout.rollout_layout import RolloutLayout, share_of
-from parallel_models.rl.rollout.server.rollout import batch_from_response
-from parallel_models.rl.rollout.weight_sync import DEFAULT_BUCKET_BYTES, WeightSync
+from parallel_models.inference.engine import RolloutEngine
+from parallel_models.inference.rollout_layout import RolloutLayout, share_of
+from parallel_models.inference.server.rollout import batch_from_response
+from parallel_models.inference.weight_sync import DEFAULT_BUCKET_BYTES, WeightSync
 
 
 def build_rollout_model(actor, layout: RolloutLayout):

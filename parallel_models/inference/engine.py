@@ -1,0 +1,276 @@
+"""The rollout engine: one object that turns prompts + :class:`SamplingParams` into samples with
+the parallel CausalLM and swaps its weights atomically. The PPO trainer uses it in-process; the
+rollout server (``server/engine.py``) wraps it and mirrors its commands to the other TP ranks.
+
+- :meth:`RolloutEngine.generate` -> :class:`GenerationOutput` (``n`` samples per prompt,
+  prompt-major; the tokenizer's EOS unless the params name their own or ``ignore_eos``; a
+  ``seed`` gets its own generator, so seeded draws are reproducible).
+- :meth:`RolloutEngine.generate_samples` -> per-row ``{"token_ids", "log_probs",
+  "finish_reason"}`` lists (the server's answer format); with ``top_logprobs=k`` also
+  ``"top_logprobs"``: per generated token the k most likely ``[token_id, log_prob]`` pairs.
+- With ``kv_budget_tokens`` the engine batches continuously (``continuous.ContinuousEngine``:
+  rows leave when done, waiting prompts take their place, the n samples of a prompt share one
+  prefill; at most ``kv_budget_tokens`` KV positions and ``max_rows`` rows at once). Each prompt
+  i gets its own draw seed (``params.seed`` mixed with i, else one from ``generator`` / the global
+  generator), so a seeded call is reproducible whatever else runs. ``keep_kv=True`` (the
+  server) keeps the KV pool and the captured decode graphs between calls; otherwise they are
+  freed after each call (the trainer trains between rollouts).
+- :meth:`RolloutEngine.update_weights` loads an HF folder (or megatron-core checkpoint) into the
+  model **atomically**: a copy of the current weights is taken first and written back if
+  anything fails while loading (read error, out of memory, shape mismatch) on any rank of
+  ``group``; the weights are then bit-identical to before and ``version`` does not move.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from parallel_models.inference.generation import GenerationOutput, generate
+from parallel_models.inference.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class WeightUpdateError(RuntimeError):
+    """Loading new weights failed (here or on another rank); the old weights were restored."""
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or inf in ``t``: min and max propagate both; on the CPU ``aminmax`` is ~50x faster
+    than ``isfinite(t).all()`` (0.8 s -> 0.015 s for a 272 MB bf16 embedding on one core)."""
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t.detach())
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def load_weights(model, path) -> None:
+    """Fill ``model`` (this rank's shard) from ``path`` (a folder, or a loader ``WeightReader``
+    over tensors in memory: a streamed push); a seam tests can replace."""
+    from parallel_models.llama.checkpoint_utils import loader
+
+    if isinstance(path, str):
+        loader.load_hf_weights(model, path)
+    else:
+        loader.load_weights(model, path, model.weight_map)
+    bad = [name for name, p in model.named_parameters() if not all_finite(p)]
+    if bad:
+        raise ValueError(f"non-finite weights after loading: {', '.join(bad[:5])}")
+
+
+def _prompt_caps(caps, prompts: int, limit: int) -> list[int] | None:
+    """Per-prompt caps on new tokens, checked (None: no caps)."""
+    if caps is None:
+        return None
+    caps = [int(c) for c in caps]
+    if len(caps) != prompts:
+        raise ValueError(f"max_new_tokens: {len(caps)} caps for {prompts} prompts")
+    bad = [c for c in caps if not 1 <= c <= limit]
+    if bad:
+        raise ValueError(f"max_new_tokens: caps must be in 1..{limit} (the sampling "
+                         f"max_new_tokens), got {bad[:5]}")
+    return caps
+
+
+class RolloutEngine:
+    """``RolloutEngine(model, eos_token_id=None, pad_token_id=0, weights_path=None,
+    kv_budget_tokens=None, max_rows=64, prefix_cache_tokens=0, keep_kv=False)``."""
+
+    def __init__(self, model, *, eos_token_id: int | list[int] | None = None,
+                 pad_token_id: int = 0, weights_path: str | None = None,
+                 kv_budget_tokens: int | None = None, max_rows: int = 64,
+                 prefix_cache_tokens: int = 0, keep_kv: bool = False):
+        if model.head_kind != "causal_lm":
+            raise TypeError(f"{type(model).__name__} has no LM head; a rollout engine needs a "
+                            "CausalLM")
+        self.model = model
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.weights_path = weights_path
+        self.version = 0
+        self.generated_tokens = 0
+        self.batches = 0
+        self.kv_budget_tokens = kv_budget_tokens
+        self.max_rows = max_rows
+        self.prefix_cache_tokens = prefix_cache_tokens
+        self.keep_kv = keep_kv
+        self._continuous = None
+
+    @property
+    def continuous(self) -> bool:
+        return bool(self.kv_budget_tokens)
+
+    def continuous_engine(self):
+        """The :class:`~parallel_models.inference.continuous.ContinuousEngine` (made on first
+        use; continuous mode only)."""
+        if self._continuous is None:
+            from parallel_models.inference.continuous import ContinuousEngine
+
+            self._continuous = ContinuousEngine(
+                self.model, int(self.kv_budget_tokens), max_rows=self.max_rows,
+                prefix_cache_tokens=self.prefix_cache_tokens)
+            self._continuous.on_tokens = self._count_tokens
+        return self._continuous
+
+    def _count_tokens(self, count: int) -> None:
+        self.generated_tokens += count
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    # ---- generation ------------------------------------------------------------------------
+    def stop_ids(self, params: SamplingParams) -> list[int]:
+        return params.stop_ids(self.eos_token_id)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 generator: torch.Generator | None = None, top_logprobs: int = 0,
+                 on_step=None, record_routes: bool = False,
+                 max_new_tokens: Sequence[int] | None = None) -> GenerationOutput:
+        """``params.n`` samples of each prompt (rows prompt-major). A ``params.seed`` seeds a
+        generator of its own unless ``generator`` is given. ``top_logprobs=k`` also returns the
+        k most likely tokens per step; ``on_step`` sees each step's tokens as they are drawn
+        (``generation.generate``); ``record_routes`` (MoE) also returns the experts every token
+        was routed to (``GenerationOutput.routes``; recorded by the static batcher).
+        ``max_new_tokens``: per prompt, a cap on its samples' new tokens (each in
+        1..``params.max_new_tokens``)."""
+        caps = _prompt_caps(max_new_tokens, len(prompts), params.max_new_tokens)
+        if self.continuous and on_step is None and not record_routes:
+            return self._generate_continuous(prompts, params, generator, top_logprobs, caps)
+        rows = [list(p) for p in prompts for _ in range(params.n)]
+        update = {"n": 1} if caps is None else {"n": 1, "max_new_tokens": max(caps)}
+        one_each = params.model_copy(update=update)  # (a seed makes generate's generator)
+        out = generate(self.model, rows, one_each, generator=generator,
+                       stop_token_ids=self.stop_ids(params), pad_token_id=self.pad_token_id,
+                       top_logprobs=top_logprobs, on_step=on_step, record_routes=record_routes,
+                       row_limits=None if caps is None else
+                       [c for c in caps for _ in range(params.n)])
+        self.generated_tokens += int(out.response_mask.sum())
+        return out
+
+    def _generate_continuous(self, prompts, params, generator, top_logprobs, caps=None):
+        from parallel_models.inference.continuous import generation_output, request_seed
+
+        engine = self.continuous_engine()
+        stop = self.stop_ids(params)
+        try:
+            requests = []
+            for i, p in enumerate(prompts):
+                seed = params.seed
+                if seed is None and not params.greedy:
+                    seed = int(torch.randint(0, 1 << 62, (1,), generator=generator))
+                update = {"seed": request_seed(seed, i)}
+                if caps is not None:
+                    update["max_new_tokens"] = caps[i]
+                one = params.model_copy(update=update)
+                requests.append(engine.submit(p, one, stop_ids=stop, top_logprobs=top_logprobs))
+            engine.run()
+        finally:
+            if not self.keep_kv:
+                self._continuous = None
+        out = generation_output(requests, self.pad_token_id)
+        device = self.device
+        return type(out)(**{f: (v.to(device) if torch.is_tensor(v) else v)
+                             for f, v in vars(out).items()})
+
+    def generate_samples(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                         top_logprobs: int = 0, on_step=None, record_routes: bool = False,
+                         max_new_tokens: Sequence[int] | None = None) -> list[dict]:
+        """Like :meth:`generate`, as one ``{"token_ids", "log_probs", "finish_reason"}`` dict per
+        row (``"stop"`` when the last token is a stop id, else ``"length"``); ``top_logprobs=k``
+        adds ``"top_logprobs"``: per token a list of k ``[token_id, log_prob]``, most likely
+        first; ``record_routes`` (MoE) adds ``"routes"``: per prompt and generated token, per MoE
+        layer, the k experts used (-1 where none: the last generated token)."""
+        out = self.generate(prompts, params, top_logprobs=top_logprobs, on_step=on_step,
+                            record_routes=record_routes, max_new_tokens=max_new_tokens)
+        stops = set(self.stop_ids(params))
+        mask, toks = out.response_mask.cpu(), out.responses.cpu()
+        logps = out.log_probs.float().cpu()
+        samples = []
+        for b in range(toks.shape[0]):
+            k = int(mask[b].sum())
+            ids = toks[b, :k].tolist()
+            samples.append({"token_ids": ids, "log_probs": logps[b, :k].tolist(),
+                            "finish_reason": "stop" if ids and ids[-1] in stops else "length"})
+        if out.routes is not None:
+            from parallel_models.utils.routes import expand
+
+            real = out.attention_mask.bool().cpu()
+            routes = expand(out.routes.cpu())
+            for b, sample in enumerate(samples):
+                sample["routes"] = routes[b][real[b]].tolist()
+        if out.top_token_ids is not None:
+            top_ids, top_logps = out.top_token_ids.cpu(), out.top_log_probs.float().cpu()
+            for b, sample in enumerate(samples):
+                k = len(sample["token_ids"])
+                sample["top_logprobs"] = [[list(pair) for pair in zip(i, v)] for i, v in
+                                          zip(top_ids[b, :k].tolist(), top_logps[b, :k].tolist())]
+        return samples
+
+    # ---- weights -----------------------------------------------------------------------------
+    def _tensors(self) -> list[tuple[str, torch.Tensor]]:
+        named = list(self.model.named_parameters()) + list(self.model.named_buffers())
+        seen, out = set(), []
+        for name, t in named:
+            if id(t) not in seen:  # tied weights once
+                seen.add(id(t))
+                out.append((name, t))
+        return out
+
+    def _snapshot(self) -> list[torch.Tensor]:
+        # host copies on CUDA (the accelerator holds the model, the host has room), else clones
+        host = self.device.type == "cuda"
+        return [t.detach().to("cpu", copy=True) if host else t.detach().clone()
+                for _, t in self._tensors()]
+
+    @torch.no_grad()
+    def _restore(self, snapshot: list[torch.Tensor]) -> None:
+        for (_, t), saved in zip(self._tensors(), snapshot):
+            t.copy_(saved)
+
+    @staticmethod
+    def _label(path) -> str:
+        return repr(path) if isinstance(path, str) else getattr(path, "folder", "<memory>")
+
+    def update_weights(self, path, group=None, keep_old: bool = True) -> dict:
+        """Load ``path`` into the model, all or nothing. With ``group`` (a process group of every
+        rank holding a shard; all call this together) the ranks agree: if loading fails on any
+        of them, each restores its old shard. Returns ``{"weight_version", "path", "seconds"}``;
+        raises :class:`WeightUpdateError` (the weights and version unchanged) on failure.
+        ``keep_old=False``: no snapshot to restore (a model-sized copy); only for weights the
+        caller already checked complete, of the right shapes and finite on every rank."""
+        t0 = time.perf_counter()
+        snapshot: list[torch.Tensor] | None = None
+        error: BaseException | None = None
+        try:
+            if keep_old:  # before touching anything: an OOM here changes nothing
+                snapshot = self._snapshot()
+            load_weights(self.model, path)
+        except Exception as exc:  # noqa: BLE001 - restored below, reported to the caller
+            error = exc  # (the other ranks still take part in the vote below: no hang)
+        failed = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+        if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(failed, group=group)
+        if int(failed):
+            if snapshot is not None:
+                self._restore(snapshot)
+            if error is None:
+                raise WeightUpdateError(f"loading {self._label(path)} failed on another rank; the previous "
+                                        f"weights (version {self.version}) were kept")
+            raise WeightUpdateError(f"{type(error).__name__}: {error} (the previous weights, "
+                                    f"version {self.version}, were kept)") from error
+        del snapshot
+        if self._continuous is not None:
+            self._continuous.clear_prefixes()  # KV of the old weights
+        self.version += 1
+        self.weights_path = path if isinstance(path, str) else getattr(path, "folder", None)
+        return {"weight_version": self.version, "path": self.weights_path,
+                "seconds": round(time.perf_counter() - t0, 3)}
+
+
+__all__ = ["RolloutEngine", "WeightUpdateError", "load_weights"]

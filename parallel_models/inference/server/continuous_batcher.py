@@ -1,0 +1,161 @@
+"""The rollout server's batcher in continuous mode: one thread runs the continuous engine.
+
+Requests arriving while others decode join the running batch at the next step (no batch window):
+each loop turn takes every queued job, turns its rows into engine requests (consecutive identical
+rows = one request of n samples, so they share one prefill) and runs one engine step on every
+rank (``Engine.run_cstep`` broadcasts the new requests with the step). A job's future resolves
+when its last sample finishes; a streamed job's sink sees each token as it is drawn. A request
+that can never fit the KV budget is refused in :meth:`submit` (the HTTP handler answers 4xx at
+once). A weight update waits until the running rows finish (they keep the old weights), then
+runs; jobs queued behind it start on the new weights. A request for MoE routes
+(``return_routes``) runs the same way, alone through the static ``generate`` that records them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import random
+
+from parallel_models.inference.continuous import request_seed
+from parallel_models.inference.scheduler import KVBudgetError
+from parallel_models.inference.server.app import ApiError, Batcher
+
+log = logging.getLogger(__name__)
+
+
+def _groups(rows: list[list[int]]) -> list[tuple[list[int], int]]:
+    """Consecutive identical rows as (prompt, count)."""
+    out: list = []
+    for row in rows:
+        if out and out[-1][0] == row:
+            out[-1][1] += 1
+        else:
+            out.append([row, 1])
+    return [(p, n) for p, n in out]
+
+
+@dataclasses.dataclass(eq=False)
+class _Running:
+    job: object
+    requests: list = dataclasses.field(default_factory=list)
+    left: int = 0
+
+
+class ContinuousBatcher(Batcher):
+    def __init__(self, engine, limits):
+        super().__init__(engine, limits)
+        self.continuous = engine.rollout.continuous_engine()
+        self._active: list[_Running] = []
+
+    def submit(self, kind: str, payload, rows: int = 0):
+        if kind == "generate":
+            rows_, params = payload[0], payload[1]
+            for prompt, n in _groups(rows_):
+                try:
+                    self.continuous.scheduler.check(n, len(prompt) + params.max_new_tokens)
+                except KVBudgetError as exc:
+                    raise ApiError(422, str(exc)) from None
+        return super().submit(kind, payload, rows)
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _run(self):
+        stopping = False
+        while True:
+            jobs = []
+            if not self.continuous.has_work and not stopping:
+                jobs.append(self._next())
+            while True:
+                try:
+                    jobs.append(self.queue.get_nowait())
+                except queue.Empty:
+                    break
+            subs: list = []
+            for job in jobs:
+                if job is None:
+                    stopping = True
+                    continue
+                if not job.future.set_running_or_notify_cancel():
+                    continue  # timed out while queued
+                if job.kind == "update" or _wants_routes(job):
+                    self._step(subs)
+                    subs = []
+                    while self.continuous.has_work:  # running rows finish on the old weights
+                        self._step([])
+                    if job.kind == "update":
+                        self._finish([job], lambda: [self.engine.update_weights(job.payload)])
+                    else:  # MoE routes are recorded by the static generate: run it alone
+                        self._finish([job], lambda: self._generate([job]))
+                    continue
+                subs.extend(self._requests_of(job))
+            if subs or self.continuous.has_work:
+                self._step(subs)
+            if stopping and not self.continuous.has_work:
+                break
+        self._cancel_queued()
+
+    def _requests_of(self, job) -> list:
+        rows, params, top_k, sink = job.payload[:4]
+        if params.seed is None and not params.greedy:  # rank 0 picks it: every rank the same
+            params = params.model_copy(update={"seed": random.getrandbits(62)})
+        groups = _groups(rows)
+        state = _Running(job, [None] * len(groups), len(groups))
+        self._active.append(state)
+        subs, start = [], 0
+        for i, (prompt, n) in enumerate(groups):
+            p = params.model_copy(update={"n": n, "seed": request_seed(params.seed, i)})
+            subs.append(((prompt, p, top_k), self._hooks(state, i, start, len(rows), sink)))
+            start += n
+        return subs
+
+    def _hooks(self, state: _Running, i: int, start: int, total: int, sink):
+        on_token = None
+        if sink is not None:
+            def on_token(index, token, logp, top):
+                step = [None] * total
+                step[start + index] = (token, logp, top)
+                try:  # a listener gone must not fail the batch
+                    sink(step)
+                except Exception:  # noqa: BLE001
+                    log.debug("a stream listener failed", exc_info=True)
+
+        def on_done(request):
+            state.requests[i] = request
+            state.left -= 1
+            if state.left == 0:
+                self._active.remove(state)
+                state.job.future.set_result((_samples(state.requests), self.engine.version))
+
+        return on_token, on_done
+
+    def _step(self, subs: list) -> None:
+        try:
+            self.engine.run_cstep([s for s, _ in subs], [h for _, h in subs])
+        except Exception as exc:  # noqa: BLE001 - report to the callers, keep serving
+            log.exception("engine step failed")
+            self.engine.reset_continuous()
+            for state in self._active:
+                if not state.job.future.done():
+                    state.job.future.set_exception(exc)
+            self._active.clear()
+
+
+def _wants_routes(job) -> bool:
+    """A /generate job asking for MoE routes (its payload's optional fifth item)."""
+    return job.kind == "generate" and len(job.payload) > 4 and bool(job.payload[4])
+
+
+def _samples(requests) -> list[dict]:
+    out = []
+    for req in requests:
+        for s in req.samples:
+            d = {"token_ids": s.token_ids, "log_probs": s.log_probs,
+                 "finish_reason": s.finish_reason}
+            if s.top_logprobs is not None:
+                d["top_logprobs"] = s.top_logprobs
+            out.append(d)
+    return out
+
+
+__all__ = ["ContinuousBatcher"]

@@ -1,0 +1,64 @@
+"""Start and stop a rollout server as a subprocess (tests, benchmarks, scripts)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+
+def start_server(model: str, port: int, *, tp: int = 1, api_key: str | None = None,
+                 extra: tuple[str, ...] = (), log_path: str | None = None,
+                 timeout: float = 120.0) -> subprocess.Popen:
+    """Start ``parallel-models-serve`` (torchrun for tp > 1) in its own process group and wait
+    until ``/health`` answers; ``extra`` are more command-line options."""
+    import httpx
+
+    args = ["--model", model, "--port", str(port), "--tp", str(tp), *extra]
+    if api_key:
+        args += ["--api-key", api_key]
+    if tp > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={tp}", "-m", "parallel_models.inference.server", *args]
+    else:
+        cmd = [sys.executable, "-m", "parallel_models.inference.server", *args]
+    # the server makes its own rendezvous: drop any torchrun variables of the caller
+    inherited = {k: v for k, v in os.environ.items()
+                 if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                              "MASTER_PORT", "GROUP_RANK") and not k.startswith("TORCHELASTIC_")}
+    env = dict(inherited, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PYTHONWARNINGS="ignore")
+    log = open(log_path, "w") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = open(log_path).read()[-3000:] if log_path else ""
+            raise RuntimeError(f"server exited with {proc.returncode} during start\n{tail}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    stop_server(proc)
+    raise TimeoutError("server did not answer /health in time")
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> int:
+    """SIGTERM the server (its process group: torchrun and its ranks) and wait."""
+    import signal
+
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    return proc.returncode

@@ -1,0 +1,46 @@
+"""Weights of the fsdp actor into the rollout engine's model, one FSDP unit at a time.
+
+For a family in our registry the rollout engine generates with our parallel CausalLM (KV cache,
+its decode kernels). Before each rollout :func:`sync_rollout_model` copies the FSDP actor into
+it: for each decoder layer (an FSDP unit) in turn, then the root's own parameters (embeddings,
+final norm, LM head), every rank all-gathers that unit's full tensors (``DTensor.full_tensor``),
+and the one weight map (``checkpoint_utils``' loader rules, fed by an in-memory reader of HF
+names) copies them into this rank's part of the rollout model. No rank holds more than one
+unit's full tensors beyond the rollout model itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from parallel_models.rl.backends.fsdp.models import decoder_layers
+
+
+def _units(model) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """The parameters by FSDP unit (each decoder layer, then the rest), with their HF names."""
+    named = list(model.named_parameters())
+    units, seen = [], set()
+    for layer in decoder_layers(model):
+        ids = {id(p) for p in layer.parameters()}
+        units.append([(n, p) for n, p in named if id(p) in ids])
+        seen |= ids
+    units.append([(n, p) for n, p in named if id(p) not in seen])
+    return units
+
+
+@torch.no_grad()
+def sync_rollout_model(fsdp_model, rollout_model) -> int:
+    """Copy ``fsdp_model`` (a sharded HF causal LM) into ``rollout_model`` (our CausalLM);
+    collective. Returns the number of tensors copied."""
+    from parallel_models.llama.checkpoint_utils.loader import load_weights
+    from parallel_models.inference.weight_sync import TensorReader
+
+    copied = 0
+    for unit in _units(fsdp_model):
+        tensors = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+                   for name, p in unit}
+        load_weights(rollout_model, TensorReader(tensors), rollout_model.weight_map,
+                     strict=False)
+        copied += len(tensors)
+        del tensors
+    return copied

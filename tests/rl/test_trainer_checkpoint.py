@@ -1,0 +1,124 @@
+"""PPO trainer checkpoints (megatron-core dist checkpoints of models and optimizers + JSON trainer
+state): exact resume after a kill, resume at another TP layout, the final checkpoint, --resume of
+a finished run, clear errors for folders that cannot be resumed."""
+
+import json
+import os
+import stat
+
+import pytest
+import torch
+
+from parallel_models.testing import run_distributed_jobs
+from tests.helpers.ppo_runs import assert_same_trainer_state, resume_after_kill_matches
+from tests.helpers.ppo_runs import load_folder as _load_folder, run_ppo as _run
+from tests.helpers import trainer_checkpoint_checks as checks
+
+def test_resume_after_kill_continues_exactly(tmp_path):
+    resume_after_kill_matches(tmp_path, ["trainer.total_steps=6", "trainer.save_every=2",
+                                         "trainer.save_hf_at_end=false", "trainer.loggers=[jsonl]"],
+                              steps=6)
+
+
+def test_final_checkpoint_layout_and_finished_resume(tmp_path):
+    """total_steps=3 with save_every=2 still checkpoints step 3; the folder holds a megatron
+    dist checkpoint, JSON state, per-rank RNG, config.yaml, all readable by others, and `latest`
+    names it; --resume of the finished run prints a summary and changes nothing."""
+    out = str(tmp_path / "run")
+    args = [f"trainer.output_dir={out}", "trainer.total_steps=3", "trainer.save_every=2",
+            *checks.TINY]
+    _run(args)
+    root = os.path.join(out, "checkpoints")
+    assert sorted(d for d in os.listdir(root)) == ["latest", "step_000002", "step_000003"]
+    with open(os.path.join(root, "latest")) as f:
+        assert json.load(f)["latest"] == "step_000003"
+    final = os.path.join(root, "step_000003")
+    for name in ("trainer_state.json", "config.yaml", "rng/rank_00000.json",
+                 "dist/metadata.json", "dist/.metadata"):
+        assert os.path.isfile(os.path.join(final, name)), name
+    with open(os.path.join(final, "trainer_state.json")) as f:
+        state = json.load(f)
+    assert state["step"] == 3 and set(state["models"]) == {"actor", "critic"}
+    from parallel_models.rl.config import load_config
+
+    saved = load_config(os.path.join(final, "config.yaml"))  # the resolved config reloads
+    assert saved.trainer.total_steps == 3 and saved.trainer.output_dir == out
+    assert saved.rollout.max_new_tokens == 8
+    for dirpath, _, files in os.walk(final):
+        for name in files:
+            mode = os.stat(os.path.join(dirpath, name)).st_mode
+            assert mode & stat.S_IRGRP and mode & stat.S_IROTH, f"{name}: {oct(mode)}"
+    before = {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
+              for d, _, fs in os.walk(out) for f in fs}
+    proc = _run([*args, "--resume"])
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["finished"] is True and summary["step"] == 3
+    assert summary["checkpoint"].endswith("step_000003")
+    assert "reward/mean" in summary["last_metrics"]
+    after = {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
+             for d, _, fs in os.walk(out) for f in fs}
+    assert after == before, "resuming a finished run changed files"
+
+
+
+RESHARD = {"tp2-to-tp1": ((2, 1, 1), (1, 1, 1), "float32"),
+           "pp2-to-tp2": ((1, 2, 1), (2, 1, 1), "float32"),
+           "dp2-to-tp2-bf16": ((1, 1, 2), (2, 1, 1), "bfloat16")}
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory, hf_models):
+    """Every distributed check of this file in two spawned worlds: the 2-rank saves (and the
+    2-rank loads) first, then the 1-rank resume / loads / bad checkpoints."""
+    tmp = tmp_path_factory.mktemp("trainer_ckpt")
+    hf = hf_models[("qwen2", "causal_lm")]
+    out2, dump2 = str(tmp / "tp2"), str(tmp / "dump_tp2")
+    named = {1: [], 2: [("tp2_save", (checks.save_at_step2_then_step, (out2, dump2, 2)))]}
+    for name, (save_at, load_at, dtype) in RESHARD.items():
+        folder, out = str(tmp / name / "ckpt"), str(tmp / name / "gathered")
+        for (tp, pp, dp), save in ((save_at, True), (load_at, False)):  # the save goes first
+            named[tp * pp * dp].append(((name, save), (checks.roles_roundtrip, (
+                hf, folder, tp, pp, dtype, save, out))))
+    out = {"tmp": tmp, "dump2": dump2, "hf": hf}
+    out.update(zip([n for n, _ in named[2]], run_distributed_jobs([j for _, j in named[2]], 2,
+                                                                  timeout=1200)))
+    out1, dump1 = str(tmp / "tp1"), str(tmp / "dump_tp1")
+    named[1].append(("tp1_resume", (checks.resume_then_step, (
+        out1, out["tp2_save"][0]["path"], dump1, 1, os.path.join(out2, "builtin_model")))))
+    (tmp / "bad").mkdir()
+    named[1].append(("bad", (checks.bad_checkpoints, (str(tmp / "bad"),))))
+    out.update(zip([n for n, _ in named[1]], run_distributed_jobs([j for _, j in named[1]], 1,
+                                                                  timeout=1200)))
+    out["dump1"] = dump1
+    return out
+
+
+def test_resume_tp2_checkpoint_at_tp1(worlds):
+    """Save at TP=2 (2 ranks) after 2 steps, resume at TP=1 (1 rank): weights and Adam states
+    (gathered) are bit-exact, and the next step's losses match the TP=2 run's within 1e-5."""
+    saved, resumed = worlds["tp2_save"][0], worlds["tp1_resume"][0]
+    assert resumed["step"] == 2
+    assert_same_trainer_state(worlds["dump2"], worlds["dump1"])
+    want, got = saved["metrics"], resumed["metrics"]
+    assert want["response_length/mean"] == got["response_length/mean"], "other samples drawn"
+    for key in ("actor/pg_loss", "critic/vf_loss", "actor/entropy", "reward/mean",
+                "returns/mean", "actor/ppo_kl", "kl/actor_ref"):
+        assert abs(want[key] - got[key]) <= 1e-5, f"{key}: TP=2 {want[key]} vs TP=1 {got[key]}"
+
+
+def test_unusable_checkpoints_fail_clearly(worlds):
+    messages = worlds["bad"][0]
+    assert set(messages) == {"plain", "tmp", "cut", "shape", "tensor"}
+
+
+@pytest.mark.parametrize("name", list(RESHARD))
+def test_model_and_optimizer_reshard(worlds, name):
+    """Weights and Adam states (and the fp32 main params of a bf16 model) of Qwen2 (qkv bias,
+    tied embeddings, vocab 251: uneven TP rows) saved at one (TP, PP, DP) layout load exactly
+    at another."""
+    dtype = RESHARD[name][2]
+    want, got = _load_folder(worlds["hf"]), _load_folder(str(worlds["tmp"] / name / "gathered"))
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k].to(getattr(torch, dtype)), got[k]), \
+            f"{k} differs after the reshard"

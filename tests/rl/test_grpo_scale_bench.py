@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "bench", "grpo_scale.py")
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "grpo_scale.py")
 
 
 def test_tiny_tp2_and_pp2_runs_report_every_phase(tmp_path):

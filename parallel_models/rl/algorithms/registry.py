@@ -59,6 +59,7 @@ class Registry:
         self.params = params
         self.defaults = dict(defaults or {})
         self._entries: dict[str, Callable] = {}
+        self._checked: dict[str, Callable] = {}  # users' functions, loaded and checked
 
     def register(self, name: str, *aliases: str, **attributes: Any) -> Callable:
         """Decorator: register the function under ``name`` (and ``aliases``), setting
@@ -94,11 +95,14 @@ class Registry:
         spec = spec.strip()
         if spec in self._entries:
             return self._entries[spec]
+        if spec in self._checked:
+            return self._checked[spec]
         if not is_user_spec(spec):
             raise ConfigError(self.unknown_message(spec))
         fn = load_function(spec, self.kind)
         if self.params is not None:
             check_signature(fn, self.params, spec, self.kind)
+        self._checked[spec] = fn
         return fn
 
     def attribute(self, fn: Callable, name: str) -> Any:

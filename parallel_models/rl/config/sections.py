@@ -196,7 +196,9 @@ class RewardSection(BaseModel):
 
     type: Literal["rule", "model"] = Field("rule", description="rule | model")
     function: Optional[str] = Field(
-        None, description="type=rule: fn(prompts, responses, **record_fields), or verl's "
+        None, description="type=rule: a built-in (vowel_reward | length_reward | exact_match | "
+                          "math_reward), package.module.function or path/to/file.py:function: "
+                          "fn(prompts, responses, **record_fields), or verl's "
                           "compute_score(data_source, solution_str, ground_truth, extra_info); "
                           "null = tasks.first_number_match with data.task, else vowel_reward")
     model_path: Optional[str] = Field(None, description="type=model: HF sequence-"

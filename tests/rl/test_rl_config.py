@@ -203,7 +203,7 @@ def test_config_sections_are_documented_in_module():
         "actor": {"lr", "weight_decay", "clip_grad", "warmup_steps", "ppo_epochs",
                   "mini_batch_size", "micro_batch_tokens", "clip_ratio_low", "clip_ratio_high",
                   "clip_ratio_c", "entropy_coef", "loss_agg_mode", "use_kl_loss", "kl_loss_coef",
-                  "kl_loss_type"},
+                  "kl_loss_type", "policy_loss"},
         "critic": {"enable", "path", "lr", "weight_decay", "clip_grad", "cliprange_value",
                    "warmup_steps"},
         "reward": {"type", "function", "model_path", "tokenizer", "tensor_parallel_size",

@@ -236,8 +236,9 @@ def test_reward_loading(tmp_path):
     assert "no attribute 'no_such_fn'" in str(e.value) and "vowel_reward" in str(e.value)
     with pytest.raises(ConfigError, match="'VOWELS'.*not callable"):
         load_reward_function("parallel_models.rl.rewards.rules.VOWELS")
-    with pytest.raises(ConfigError, match="dotted path"):
-        load_reward_function("vowel_reward")
+    assert load_reward_function("vowel_reward") is vowel_reward  # a registered name
+    with pytest.raises(ConfigError, match="dotted path.*did you mean 'vowel_reward'"):
+        load_reward_function("vowel_rewrd")
     f = tmp_path / "myreward.py"
     f.write_text("def score(prompts, responses, **kw):\n    return [1.0] * len(responses)\n")
     assert load_reward_function(f"{f}:score")(["p"], ["r"]) == [1.0]

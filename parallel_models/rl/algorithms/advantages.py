@@ -1,6 +1,8 @@
 """The advantage phase of a PPO step: token-level rewards (score on the last valid response
 token, minus the in-reward KL penalty), then advantages and returns by the configured
-estimator, then (``algorithm.whiten_advantages``) whitening over the global batch.
+estimator (``algorithm.adv_estimator``: a name of
+:data:`~parallel_models.rl.algorithms.estimators.ADVANTAGE_ESTIMATORS` or a user's
+``file.py:function``; signature there), then (``algorithm.whiten_advantages``) whitening over the global batch.
 
 ``algorithm.whiten_advantages`` means the same for every estimator: the final advantages are
 whitened (zero mean, unit variance over the valid tokens of all data-parallel ranks) when it
@@ -13,8 +15,9 @@ is on, and left as the estimator made them when it is off:
   flag adds batch whitening on top.
 * ``rloo``: the leave-one-out baseline is the estimator; the flag adds batch whitening.
 
-Unset (``null``, the default) it takes each estimator's usual setting, verl's: on for gae, off
-for grpo and rloo (their group baseline already centers the advantages).
+Unset (``null``, the default) it takes each estimator's usual setting (its
+``whiten_by_default``), verl's: on for gae, off for grpo and rloo (their group baseline already
+centers the advantages); off for a user's estimator unless it declares otherwise.
 
 For grpo / rloo the returns equal the (unwhitened) advantages; they are logged, not trained on.
 Groups never straddle data-parallel ranks: the trainer deals prompts to ranks before it
@@ -26,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from parallel_models.rl.algorithms import core as algos
+from parallel_models.rl.algorithms import estimators
 from parallel_models.rl.observe import dp_stats
 from parallel_models.rl.data.batch import RolloutBatch
 
@@ -33,16 +37,16 @@ from parallel_models.rl.data.batch import RolloutBatch
 def whitens(alg) -> bool:
     """``algorithm.whiten_advantages``, or the estimator's default when it is unset."""
     if alg.whiten_advantages is None:
-        return alg.adv_estimator == "gae"
+        return estimators.declares(alg, "whiten_by_default")
     return bool(alg.whiten_advantages)
 
 
 def compute_advantages(batch: RolloutBatch, alg, kl_ctrl) -> dict[str, float]:
     """Fill ``token_level_rewards``, ``advantages`` and ``returns`` of ``batch`` from its
     ``scores`` (and ``old_log_probs`` / ``ref_log_probs`` with ``alg.kl_in_reward``,
-    ``values`` with gae). ``alg`` is the ``algorithm`` config section; ``kl_ctrl`` the KL
-    controller (read here, updated by the caller with ``kl/current_kl``). Returns metrics,
-    global over data-parallel ranks."""
+    ``values`` when the estimator needs a critic). ``alg`` is the ``algorithm`` config section;
+    ``kl_ctrl`` the KL controller (read here, updated by the caller with ``kl/current_kl``).
+    Returns metrics, global over data-parallel ranks."""
     mask = batch.response_mask
     metrics: dict[str, float] = {}
     token_scores = algos.scores_at_last_token(batch["scores"], mask)
@@ -58,19 +62,8 @@ def compute_advantages(batch: RolloutBatch, alg, kl_ctrl) -> dict[str, float]:
                         "kl/kl_coef": float(kl_ctrl.value)})
     else:
         rewards = token_scores
-    if alg.adv_estimator == "gae":
-        adv, ret = algos.compute_gae(rewards, batch["values"], mask, alg.gamma, alg.lam,
-                                     whiten=False)
-    elif alg.adv_estimator in ("grpo", "rloo"):
-        seq_scores = algos.masked_sum(rewards, mask, dim=-1)
-        if alg.adv_estimator == "grpo":
-            adv = algos.compute_grpo_advantages(seq_scores, batch.group_index, mask)
-        else:
-            adv = algos.compute_rloo_advantages(seq_scores, batch.group_index, mask)
-        ret = adv.clone()
-    else:
-        raise ValueError(f"algorithm.adv_estimator={alg.adv_estimator!r}: expected gae, grpo "
-                         "or rloo")
+    values = batch["values"] if estimators.declares(alg, "needs_critic") else None
+    adv, ret = estimators.run_estimator(alg, rewards, mask, values, batch.group_index)
     if whitens(alg):
         adv = dp_stats.masked_whiten(adv, mask)
     batch.token_level_rewards = rewards

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from parallel_models.rl.algorithms.registry import Registry
+
 __all__ = [
     "masked_sum",
     "masked_mean",
@@ -45,6 +47,7 @@ __all__ = [
     "compute_grpo_advantages",
     "compute_rloo_advantages",
     "KL_PENALTY_KINDS",
+    "KL_ESTIMATORS",
     "kl_penalty",
     "FixedKLController",
     "AdaptiveKLController",
@@ -314,36 +317,55 @@ def compute_rloo_advantages(
 # KL penalty
 # ---------------------------------------------------------------------------
 
+# Every KL estimator is called ``fn(log_probs, ref_log_probs) -> per-token KL`` (same shape, no
+# masking: callers mask). ``algorithm.kl_penalty`` and ``actor.kl_loss_type`` name one: a
+# registered name below or the user's own ``path/to/file.py:function``.
+KL_ESTIMATORS = Registry("KL estimator", params=("log_probs", "ref_log_probs"))
+
+
+@KL_ESTIMATORS.register("k1")
+def kl_k1(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    """``logp - ref``; unbiased, high variance, can be negative per token."""
+    return log_probs - ref_log_probs
+
+
+@KL_ESTIMATORS.register("abs")
+def kl_abs(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    """``|logp - ref|``."""
+    return (log_probs - ref_log_probs).abs()
+
+
+@KL_ESTIMATORS.register("k2", "mse")
+def kl_k2(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    """``0.5 * (logp - ref)^2``; low variance, biased."""
+    return 0.5 * (log_probs - ref_log_probs).square()
+
+
+@KL_ESTIMATORS.register("k3", "low_var_kl")
+def kl_k3(log_probs: torch.Tensor, ref_log_probs: torch.Tensor) -> torch.Tensor:
+    """``exp(ref - logp) - (ref - logp) - 1``; unbiased, always >= 0, low variance. Clamped to
+    [-10, 10] like verl because the exp explodes when the policy drifts far from the reference."""
+    log_ratio = ref_log_probs - log_probs
+    # Clamping the exponent changes no value after the outer clamp (k3 is
+    # monotone in |log_ratio| and already > 10 at |log_ratio| = 20), but it
+    # keeps exp finite so the backward pass never computes 0 * inf = NaN.
+    log_ratio = torch.clamp(log_ratio, min=-20.0, max=20.0)
+    kld = torch.exp(log_ratio) - log_ratio - 1
+    return torch.clamp(kld, min=-10.0, max=10.0)
+
+
 KL_PENALTY_KINDS = ("k1", "abs", "k2", "mse", "k3", "low_var_kl")
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "k1") -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from sampled-token log-probs.
-
-    * ``k1``: ``logp - ref``; unbiased, high variance, can be negative per token.
-    * ``abs``: ``|logp - ref|``.
-    * ``k2`` / ``mse``: ``0.5 * (logp - ref)^2``; low variance, biased.
-    * ``k3`` / ``low_var_kl``: ``exp(ref - logp) - (ref - logp) - 1``; unbiased,
-      always >= 0, low variance. Clamped to [-10, 10] like verl because the exp
-      explodes when the policy drifts far from the reference.
+    """Per-token estimate of KL(pi || pi_ref) from sampled-token log-probs by the KL estimator
+    ``kind`` (a name of :data:`KL_ESTIMATORS`: ``k1``, ``abs``, ``k2`` / ``mse``, ``k3`` /
+    ``low_var_kl``, or a user's ``path/to/file.py:function``); unknown kinds raise
+    :class:`~parallel_models.errors.ConfigError` (a ValueError).
 
     No masking is applied here; callers mask the result.
     """
-    if kind == "k1":
-        return logprob - ref_logprob
-    if kind == "abs":
-        return (logprob - ref_logprob).abs()
-    if kind in ("k2", "mse"):
-        return 0.5 * (logprob - ref_logprob).square()
-    if kind in ("k3", "low_var_kl"):
-        log_ratio = ref_logprob - logprob
-        # Clamping the exponent changes no value after the outer clamp (k3 is
-        # monotone in |log_ratio| and already > 10 at |log_ratio| = 20), but it
-        # keeps exp finite so the backward pass never computes 0 * inf = NaN.
-        log_ratio = torch.clamp(log_ratio, min=-20.0, max=20.0)
-        kld = torch.exp(log_ratio) - log_ratio - 1
-        return torch.clamp(kld, min=-10.0, max=10.0)
-    raise ValueError(f"unknown KL penalty kind {kind!r}; expected one of {', '.join(KL_PENALTY_KINDS)}")
+    return KL_ESTIMATORS.get(kind)(log_probs=logprob, ref_log_probs=ref_logprob)
 
 
 class FixedKLController:

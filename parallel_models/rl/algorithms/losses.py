@@ -5,6 +5,28 @@ Same conventions as :mod:`parallel_models.rl.algorithms.core` (binary masks with
 rows, ``torch.where`` masking so padding garbage never reaches a result or a gradient).
 Scaling a microbatch's loss to a global (all microbatches, all data-parallel ranks) mean is
 the caller's job: :func:`agg_denominator` says what each mode divides by.
+
+Policy losses by name (``actor.policy_loss``, default ``ppo``): :data:`POLICY_LOSSES`, or a
+user's own ``path/to/file.py:function``. The call signature (called with keywords, on one
+microbatch)::
+
+    fn(log_probs, old_log_probs, advantages, response_mask, config, token_weights)
+        -> (loss, metrics)
+
+* ``log_probs``: ``[B, R]`` the policy's log-probs of the sampled tokens (with gradient);
+* ``old_log_probs``: ``[B, R]`` the same before this step's updates; ``advantages``: ``[B, R]``;
+* ``response_mask``: ``[B, R]``, 1 on valid response tokens;
+* ``config``: the ``actor`` config section (``clip_ratio_low``, ``loss_agg_mode``, ...);
+* ``token_weights``: ``[B, R]`` per-token weights without gradient (truncated importance
+  sampling, ``actor.tis_cap``), or None;
+* returns ``loss``, a 0-dim tensor aggregated over the microbatch by ``config.loss_agg_mode``
+  (:func:`agg_loss`: the caller weighs microbatches by :func:`agg_denominator`), and
+  ``metrics``, 0-dim detached tensors, token means over the microbatch, logged as
+  ``actor/<name>`` (token-weighted means over microbatches and ranks). A loss declares the
+  names of its metrics (``metrics=`` at registration, ``fn.metrics = (...)`` for a user's
+  function; default none) and returns exactly those.
+The entropy bonus and the KL loss (``actor.entropy_coef``, ``actor.use_kl_loss``) are added by
+the caller for every policy loss.
 """
 
 from __future__ import annotations
@@ -12,12 +34,15 @@ from __future__ import annotations
 import torch
 
 from parallel_models.rl.algorithms.core import as_bool_mask, masked_mean, masked_sum
+from parallel_models.rl.algorithms.registry import Registry
 
 __all__ = [
     "LOSS_AGG_MODES",
     "agg_loss",
     "agg_denominator",
     "compute_policy_loss",
+    "POLICY_LOSSES",
+    "ppo_policy_loss",
     "truncated_is_weights",
     "compute_value_loss",
     "entropy_from_logits",
@@ -134,6 +159,25 @@ def compute_policy_loss(
         "ppo_kl": ppo_kl.detach(),
     }
     return loss, metrics
+
+
+POLICY_LOSSES = Registry(
+    "policy loss",
+    params=("log_probs", "old_log_probs", "advantages", "response_mask", "config",
+            "token_weights"),
+    defaults={"metrics": ()})
+
+
+@POLICY_LOSSES.register("ppo", metrics=("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"))
+def ppo_policy_loss(log_probs, old_log_probs, advantages, response_mask, config,
+                    token_weights=None):
+    """The clipped PPO loss with dual clip (:func:`compute_policy_loss`) with the ``actor``
+    section's ``clip_ratio_low`` / ``clip_ratio_high`` / ``clip_ratio_c`` / ``loss_agg_mode``."""
+    return compute_policy_loss(old_log_probs, log_probs, advantages, response_mask,
+                               clip_ratio_low=config.clip_ratio_low,
+                               clip_ratio_high=config.clip_ratio_high,
+                               clip_ratio_c=config.clip_ratio_c,
+                               loss_agg_mode=config.loss_agg_mode, token_weights=token_weights)
 
 
 def compute_value_loss(

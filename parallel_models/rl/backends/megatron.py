@@ -33,7 +33,8 @@ def build_roles(trainer, model_path: str) -> None:
         trainer.ref = PolicyRole(ref_model, None, temperature=trainer.actor.temperature,
                                  max_tokens=budget)
     trainer.critic = None
-    if alg.adv_estimator == "gae":
+    from parallel_models.rl.algorithms.estimators import needs_critic
+    if needs_critic(cfg):
         c = cfg.critic
         critic_path = c.path or model_path
         critic_cls = pm.get_model_class(pm.registry.architecture_of(critic_path), "value",

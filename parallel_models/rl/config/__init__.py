@@ -16,12 +16,12 @@
 from parallel_models.errors import ConfigError
 from parallel_models.rl.config.ppo import (PPOConfig, default_config_path, load_config,
                                            parse_override)
-from parallel_models.rl.config.sections import (DATA_SUFFIXES, KL_KINDS, SECTION_DEFAULTS,
+from parallel_models.rl.config.sections import (DATA_SUFFIXES, SECTION_DEFAULTS,
                                                 SECTIONS, ActorSection, AlgorithmSection,
-                                                CriticSection, DataSection, KLKind, LossAggMode,
+                                                CriticSection, DataSection, LossAggMode,
                                                 ModelSection, ParallelSection, RewardSection,
                                                 RolloutSection, TrainerSection)
 
 __all__ = ["PPOConfig", "SECTIONS", "SECTION_DEFAULTS", "ConfigError", "load_config",
-           "parse_override", "default_config_path", "KL_KINDS", "KLKind", "LossAggMode",
+           "parse_override", "default_config_path", "LossAggMode",
            "DATA_SUFFIXES"] + [k.__name__ for k in SECTIONS.values()]

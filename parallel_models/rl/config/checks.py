@@ -161,12 +161,45 @@ def _data_and_batch_problems(cfg) -> list[str]:
     return errors
 
 
-def _roles_problems(cfg) -> list[str]:
-    c, rw, alg, par, r = cfg.critic, cfg.reward, cfg.algorithm, cfg.parallel, cfg.rollout
+def _extension_problems(cfg) -> list[str]:
+    """The names of what users extend, resolved against their registries (a user's file is
+    loaded here, once per process), and the critic / estimator agreement."""
+    from parallel_models.rl.algorithms.core import KL_ESTIMATORS
+    from parallel_models.rl.algorithms.estimators import ADVANTAGE_ESTIMATORS
+    from parallel_models.rl.algorithms.losses import POLICY_LOSSES
+
+    alg, c = cfg.algorithm, cfg.critic
     errors = []
-    if alg.adv_estimator == "gae" and not c.enable:
-        errors.append("algorithm.adv_estimator=gae needs a critic: set critic.enable=true "
-                      "(or use adv_estimator=grpo / rloo)")
+    for key, registry in (("algorithm.adv_estimator", ADVANTAGE_ESTIMATORS),
+                          ("actor.policy_loss", POLICY_LOSSES),
+                          ("algorithm.kl_penalty", KL_ESTIMATORS),
+                          ("actor.kl_loss_type", KL_ESTIMATORS)):
+        try:
+            registry.get(cfg.get(key))
+        except ConfigError as err:
+            errors.append(f"{key}: {err}")
+    try:
+        estimator = ADVANTAGE_ESTIMATORS.get(alg.adv_estimator)
+    except ConfigError:
+        return errors
+    name = alg.adv_estimator
+    if ADVANTAGE_ESTIMATORS.attribute(estimator, "needs_critic"):
+        if c.enable is False:
+            errors.append(f"algorithm.adv_estimator={name} needs a critic: set critic.enable="
+                          "true or leave it unset (or use adv_estimator=grpo / rloo)")
+    elif c.enable:
+        errors.append(f"critic.enable=true but algorithm.adv_estimator={name} uses no critic "
+                      "(it declares needs_critic=False): leave critic.enable unset or use an "
+                      "estimator that needs one (gae)")
+    if ADVANTAGE_ESTIMATORS.attribute(estimator, "needs_groups") and cfg.rollout.n < 2:
+        errors.append(f"algorithm.adv_estimator={name} compares the samples of a prompt: it "
+                      f"needs rollout.n >= 2, got {cfg.rollout.n}")
+    return errors
+
+
+def _roles_problems(cfg) -> list[str]:
+    c, rw, alg, par = cfg.critic, cfg.reward, cfg.algorithm, cfg.parallel
+    errors = _extension_problems(cfg)
     if c.path is not None and (os.path.isabs(c.path) or c.path.startswith((".", "~"))) and \
             not os.path.exists(os.path.expanduser(c.path)):
         errors.append(f"critic.path: {c.path!r} does not exist")
@@ -187,9 +220,6 @@ def _roles_problems(cfg) -> list[str]:
             errors.append(f"reward.{key}={value}: in this version the reward model shares the "
                           f"actor's model-parallel groups, so it must equal parallel.{key} "
                           f"({getattr(par, key)}) or be left unset")
-    if alg.adv_estimator in ("grpo", "rloo") and r.n < 2:
-        errors.append(f"algorithm.adv_estimator={alg.adv_estimator} compares the samples of a "
-                      f"prompt: it needs rollout.n >= 2, got {r.n}")
     if alg.kl_ctrl == "adaptive" and not alg.kl_in_reward:
         errors.append("algorithm.kl_ctrl=adaptive adjusts the in-reward KL coefficient: it "
                       "needs algorithm.kl_in_reward=true")

@@ -11,6 +11,11 @@ model (``rollout.n``, ``actor.lr``), :data:`SECTION_DEFAULTS` says so.
 Values are checked as they come in: integers accept ``3`` and ``"3"`` but not ``2.5`` or
 ``true``; floats accept integers and numeric strings (YAML 1.1 reads ``1e-5`` as a string);
 strings accept numbers; ``null`` only where a field says so.
+
+What users extend is named, not enumerated: ``algorithm.adv_estimator``, ``actor.policy_loss``,
+``algorithm.kl_penalty``, ``actor.kl_loss_type`` (and ``reward.function``) take a registered name
+or ``path/to/file.py:function``; the config check (``checks.py``) resolves them against their
+registries (``parallel_models.rl.algorithms.registry``), loading users' files there.
 """
 
 from __future__ import annotations
@@ -22,8 +27,6 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from parallel_models.inference.sampling import SamplingFields, SamplingParams
 from parallel_models.utils.optimizer_config import Int, Number, OptimizerFields
 
-KL_KINDS = ("k1", "abs", "k2", "mse", "k3", "low_var_kl")
-KLKind = Literal["k1", "abs", "k2", "mse", "k3", "low_var_kl"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -153,11 +156,13 @@ class ActorSection(OptimizerFields):
     entropy_coef: Number = Field(0.0, ge=0, description="entropy bonus")
     loss_agg_mode: LossAggMode = Field("token-mean", description="token-mean | "
                                        "seq-mean-token-sum | seq-mean-token-mean")
+    policy_loss: str = Field("ppo", min_length=1, description="ppo (clipped, dual clip) | "
+                             "path/to/file.py:function (signature: rl/algorithms/losses.py)")
     use_kl_loss: StrictBool = Field(False, description="KL to the reference as a loss term "
                                                        "(GRPO style)")
     kl_loss_coef: Number = Field(0.001, ge=0, description="weight of the KL loss")
-    kl_loss_type: KLKind = Field("low_var_kl", description="k1 | abs | k2 | mse | k3 | "
-                                                           "low_var_kl")
+    kl_loss_type: str = Field("low_var_kl", min_length=1, description="KL estimator: k1 | abs "
+                              "| k2 | mse | k3 | low_var_kl | path/to/file.py:function")
     router_replay: Literal["off", "R2", "R3"] = Field(
         "off", description="MoE only: off | R2 (updates replay the old-log-prob forward's "
                            "expert choice) | R3 (old-log-prob and updates replay the rollout's)")
@@ -176,8 +181,9 @@ class CriticSection(OptimizerFields):
 
     model_config = SECTION_CONFIG
 
-    enable: StrictBool = Field(True, description="needed by adv_estimator=gae; unused by grpo "
-                                                 "/ rloo")
+    enable: Optional[StrictBool] = Field(None, description="null = when the advantage "
+                                         "estimator needs one (gae); true / false must agree "
+                                         "with it")
     path: Optional[str] = Field(None, description="null = initialize from the actor with a new "
                                                   "value head")
     cliprange_value: Number = Field(0.5, gt=0, description="value clipping")
@@ -190,7 +196,9 @@ class RewardSection(BaseModel):
 
     type: Literal["rule", "model"] = Field("rule", description="rule | model")
     function: Optional[str] = Field(
-        None, description="type=rule: fn(prompts, responses, **record_fields), or verl's "
+        None, description="type=rule: a built-in (vowel_reward | length_reward | exact_match | "
+                          "math_reward), package.module.function or path/to/file.py:function: "
+                          "fn(prompts, responses, **record_fields), or verl's "
                           "compute_score(data_source, solution_str, ground_truth, extra_info); "
                           "null = tasks.first_number_match with data.task, else vowel_reward")
     model_path: Optional[str] = Field(None, description="type=model: HF sequence-"
@@ -218,12 +226,13 @@ class AlgorithmSection(BaseModel):
 
     model_config = SECTION_CONFIG
 
-    adv_estimator: Literal["gae", "grpo", "rloo"] = Field("gae", description="gae | grpo | "
-                                                                             "rloo")
+    adv_estimator: str = Field("gae", min_length=1, description="gae | grpo | rloo | "
+                               "path/to/file.py:function (signature: rl/algorithms/"
+                               "estimators.py)")
     gamma: Number = Field(1.0, ge=0, le=1, description="discount")
     lam: Number = Field(0.95, ge=0, le=1, description="GAE lambda")
-    kl_penalty: KLKind = Field("k1", description="in-reward KL estimator: k1 | abs | k2 | mse "
-                                                 "| k3 | low_var_kl")
+    kl_penalty: str = Field("k1", min_length=1, description="in-reward KL estimator: k1 | abs "
+                            "| k2 | mse | k3 | low_var_kl | path/to/file.py:function")
     kl_in_reward: StrictBool = Field(True, description="subtract kl_coef * KL from the reward")
     kl_coef: Number = Field(0.001, ge=0, description="in-reward KL coefficient (start value "
                                                      "when adaptive)")
@@ -233,7 +242,8 @@ class AlgorithmSection(BaseModel):
     kl_horizon: Int = Field(10000, gt=0, description="adaptive controller: horizon")
     whiten_advantages: Optional[StrictBool] = Field(
         None, description="whiten the final advantages over the global batch; null = the "
-                          "estimator's default (gae: true, grpo / rloo: false, as verl)")
+                          "estimator's default (gae: true, grpo / rloo: false, as verl; a "
+                          "user's: false unless it sets whiten_by_default)")
 
 
 class TrainerSection(BaseModel):

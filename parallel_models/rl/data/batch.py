@@ -36,7 +36,7 @@ ROUTE_FIELDS = ("routes",)
 _PRODUCER = {"old_log_probs": "the actor (score phase)",
              "routes": "the rollout of an MoE actor (or R2's old-log-prob forward)",
              "rollout_log_probs": "the rollout", "ref_log_probs": "the reference policy",
-             "values": "the critic (only with algorithm.adv_estimator=gae)",
+             "values": "the critic (only when needs_critic(cfg): the estimator needs one)",
              "scores": "the reward (score phase)", "advantages": "the advantage phase",
              "returns": "the advantage phase", "token_level_rewards": "the advantage phase"}
 

@@ -5,8 +5,9 @@ sequence, special tokens removed) and returns one float per response. ``extras``
 arguments the trainer may pass along (e.g. ``records=``, the data records the prompts came from,
 one per response); a function should accept ``**extras`` and ignore what it does not use.
 
-Select one with ``reward.function: package.module.function`` (or ``package.module:function``, or
-``path/to/file.py:function``); :func:`load_reward_function` resolves it with clear errors.
+Select one with ``reward.function``: a built-in's name (``vowel_reward``, the names registered in
+:data:`REWARD_FUNCTIONS`), ``package.module.function`` (or ``package.module:function``), or
+``path/to/file.py:function``; :func:`load_reward_function` resolves it with clear errors.
 
 Built-in examples:
 
@@ -23,19 +24,21 @@ in ``parallel_models.rl.rewards.calls``.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-import sys
 from typing import Any, Callable, Sequence
 
 from parallel_models.config import ConfigError
+from parallel_models.rl.algorithms.registry import Registry, load_function
 
 RewardFn = Callable[..., Sequence[float]]
+
+# the built-in rules by name (reward.function=vowel_reward); no call-signature check here: how a
+# rule is called depends on the convention it declares (parallel_models.rl.rewards.calls)
+REWARD_FUNCTIONS = Registry("reward function")
 
 VOWELS = "aeiou"
 
 
+@REWARD_FUNCTIONS.register("vowel_reward")
 def vowel_reward(prompts: Sequence[str], responses: Sequence[str], target: str = VOWELS,
                  min_length: int = 4, short_penalty: float = 0.5, **extras: Any) -> list[float]:
     """Share of the response's characters that are in ``target`` (vowels), in [0, 1], minus
@@ -59,6 +62,7 @@ def vowel_reward(prompts: Sequence[str], responses: Sequence[str], target: str =
     return scores
 
 
+@REWARD_FUNCTIONS.register("length_reward")
 def length_reward(prompts: Sequence[str], responses: Sequence[str], target_length: int = 8,
                   **extras: Any) -> list[float]:
     """``1 - |len(response) - target_length| / target_length``, floored at -1 (characters)."""
@@ -98,6 +102,7 @@ def _references(name: str, responses: Sequence[str], answers, records, answer_ke
     return answers
 
 
+@REWARD_FUNCTIONS.register("exact_match")
 def exact_match(prompts: Sequence[str], responses: Sequence[str],
                 answers: Sequence[str] | None = None, records: Sequence[dict] | None = None,
                 answer_key: str | None = None, **extras: Any) -> list[float]:
@@ -111,6 +116,7 @@ def exact_match(prompts: Sequence[str], responses: Sequence[str],
     return [float(r.strip().lower() == str(a).strip().lower()) for r, a in zip(responses, answers)]
 
 
+@REWARD_FUNCTIONS.register("math_reward")
 def math_reward(prompts: Sequence[str], responses: Sequence[str],
                 answers: Sequence[str] | None = None, records: Sequence[dict] | None = None,
                 answer_key: str | None = None, format_score: float = 0.0,
@@ -137,67 +143,21 @@ def math_reward(prompts: Sequence[str], responses: Sequence[str],
 
 
 def load_reward_function(path: str) -> RewardFn:
-    """Resolve ``"package.module.function"``, ``"package.module:function"`` or
-    ``"file.py:function"`` to a callable; raise :class:`ConfigError` saying what is wrong."""
+    """Resolve a registered name (``"vowel_reward"``), ``"package.module.function"``,
+    ``"package.module:function"`` or ``"file.py:function"`` to a callable; raise
+    :class:`ConfigError` saying what is wrong."""
     if not isinstance(path, str) or not path.strip():
         raise ConfigError(f"reward function {path!r}: expected a dotted path like "
                           "'package.module.function'")
     path = path.strip()
-    if ":" in path:
-        module_name, attr = path.rsplit(":", 1)
-    elif "." in path:
-        module_name, attr = path.rsplit(".", 1)
-    else:
+    if path in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS.get(path)
+    if ":" not in path and "." not in path:
         raise ConfigError(f"reward function {path!r}: expected a dotted path like "
-                          "'package.module.function' (module and function name)")
-    if not module_name or not attr:
-        raise ConfigError(f"reward function {path!r}: empty module or function name")
-
-    if module_name.endswith(".py"):
-        module = _load_file(module_name, path)
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
-                raise ConfigError(f"reward function {path!r}: module {module_name!r} not found "
-                                  f"(no module named {err.name!r}; is it installed or on "
-                                  "PYTHONPATH?)") from err
-            raise ConfigError(f"reward function {path!r}: importing module {module_name!r} "
-                              f"failed: {type(err).__name__}: {err}") from err
-        except Exception as err:  # noqa: BLE001 - anything the module raises while importing
-            raise ConfigError(f"reward function {path!r}: importing module {module_name!r} "
-                              f"failed: {type(err).__name__}: {err}") from err
-
-    if not hasattr(module, attr):
-        public = sorted(n for n in dir(module) if not n.startswith("_")
-                        and callable(getattr(module, n, None))
-                        and getattr(getattr(module, n), "__module__", None) == module.__name__)
-        raise ConfigError(f"reward function {path!r}: module {module_name!r} has no attribute "
-                          f"{attr!r}; functions defined there: {', '.join(public) or '(none)'}")
-    fn = getattr(module, attr)
-    if not callable(fn):
-        raise ConfigError(f"reward function {path!r}: {attr!r} in {module_name!r} is not "
-                          f"callable (it is a {type(fn).__name__})")
-    return fn
-
-
-def _load_file(file: str, path: str):
-    file = os.path.expanduser(file)
-    if not os.path.isfile(file):
-        raise ConfigError(f"reward function {path!r}: file {file!r} not found")
-    name = "_reward_" + os.path.splitext(os.path.basename(file))[0]
-    spec = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:  # noqa: BLE001
-        sys.modules.pop(name, None)
-        raise ConfigError(f"reward function {path!r}: running {file!r} failed: "
-                          f"{type(err).__name__}: {err}") from err
-    return module
+                          "'package.module.function' (module and function name) or "
+                          f"{REWARD_FUNCTIONS.unknown_message(path)}")
+    return load_function(path, REWARD_FUNCTIONS.kind)
 
 
 __all__ = ["vowel_reward", "length_reward", "exact_match", "math_reward", "reference_of",
-           "load_reward_function", "RewardFn", "VOWELS"]
+           "load_reward_function", "RewardFn", "VOWELS", "REWARD_FUNCTIONS"]

@@ -103,10 +103,10 @@ def _response_log_probs(logits, mb, temperature: float, with_entropy: bool):
 
 
 def policy_loss(logits, mb, cfg, temperature: float):
-    """The actor's loss on one packed microbatch (``logits [T, V]``): the clipped policy loss,
-    minus the entropy bonus, plus the KL loss; returned as ``(loss * denom, denom, metrics)``
-    with the loss-like metrics weighted (see :func:`_global_update_metrics`). Both training
-    backends use it."""
+    """The actor's loss on one packed microbatch (``logits [T, V]``): the policy loss
+    (``actor.policy_loss``, default the clipped PPO loss), minus the entropy bonus, plus the KL
+    loss; returned as ``(loss * denom, denom, metrics)`` with the loss-like metrics weighted
+    (see :func:`_global_update_metrics`). Both training backends use it."""
     mode = cfg.loss_agg_mode
     logp, ent = _response_log_probs(logits, mb, temperature, True)
     mask = mb["response_mask"]
@@ -116,17 +116,21 @@ def policy_loss(logits, mb, cfg, temperature: float):
             raise ValueError("actor.tis_cap is set but the batch has no rollout log-probs")
         tis = losses.truncated_is_weights(mb["old_log_probs"], mb["rollout_log_probs"],
                                           cfg.tis_cap)
-    pg_loss, m = losses.compute_policy_loss(
-        mb["old_log_probs"], logp, mb["advantages"], mask,
-        clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-        clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=mode, token_weights=tis)
+    loss_name = getattr(cfg, "policy_loss", "ppo")
+    loss_fn = losses.POLICY_LOSSES.get(loss_name)
+    pg_loss, m = loss_fn(log_probs=logp, old_log_probs=mb["old_log_probs"],
+                         advantages=mb["advantages"], response_mask=mask, config=cfg,
+                         token_weights=tis)
+    declared = losses.POLICY_LOSSES.attribute(loss_fn, "metrics")
+    if set(m) != set(declared):
+        raise ValueError(f"actor.policy_loss={loss_name!r} returned the metrics {sorted(m)} but "
+                         f"declares {sorted(declared)} (its metrics attribute)")
     entropy = losses.compute_entropy_loss(ent, mask, mode)
     loss = pg_loss - cfg.entropy_coef * entropy
     denom = losses.agg_denominator(mask, mode)
     tokens = (mask > 0).sum()
     metrics = {"pg_loss": pg_loss.detach() * denom, "entropy": entropy.detach() * denom,
-               "pg_clipfrac": m["pg_clipfrac"] * tokens, "ppo_kl": m["ppo_kl"] * tokens,
-               "pg_clipfrac_lower": m["pg_clipfrac_lower"] * tokens,
+               **{k: v.detach() * tokens for k, v in m.items()},
                "_denom": denom.detach().float(), "_tokens": tokens.float()}
     if cfg.use_kl_loss:
         kl = losses.agg_loss(algos.kl_penalty(logp, mb["ref_log_probs"], cfg.kl_loss_type),
@@ -137,9 +141,11 @@ def policy_loss(logits, mb, cfg, temperature: float):
 
 
 def policy_metric_weights(cfg) -> dict[str, str]:
-    """Which weight each weighted actor metric of :func:`policy_loss` carries."""
-    weighted = {"pg_loss": "_denom", "entropy": "_denom", "pg_clipfrac": "_tokens",
-                "ppo_kl": "_tokens", "pg_clipfrac_lower": "_tokens"}
+    """Which weight each weighted actor metric of :func:`policy_loss` carries (the policy loss's
+    own metrics, those it declares, are token means)."""
+    loss_fn = losses.POLICY_LOSSES.get(getattr(cfg, "policy_loss", "ppo"))
+    weighted = {"pg_loss": "_denom", "entropy": "_denom",
+                **dict.fromkeys(losses.POLICY_LOSSES.attribute(loss_fn, "metrics"), "_tokens")}
     if cfg.use_kl_loss:
         weighted["kl_loss"] = "_denom"
     return weighted

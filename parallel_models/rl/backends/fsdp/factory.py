@@ -96,7 +96,8 @@ def _build(trainer, model_path: str) -> None:
         trainer.ref = FSDPPolicyRole(shard(fm.load_causal_lm(model_path), trainable=False),
                                      temperature=temperature, **common)
     trainer.critic = None
-    if alg.adv_estimator == "gae":
+    from parallel_models.rl.algorithms.estimators import needs_critic
+    if needs_critic(cfg):
         c = cfg.critic
         critic = shard(fm.load_value_model(c.path or model_path, seed=tcfg.seed))
         trainer.critic = FSDPCriticRole(critic, build_fsdp_optimizer(

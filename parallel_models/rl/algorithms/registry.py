@@ -1,0 +1,200 @@
+"""Registries by name for the parts of the RL stack that users extend, and the loading of a
+user's own function from a Python file.
+
+Four registries use this helper, each next to its built-ins:
+
+* advantage estimators (``algorithm.adv_estimator``): ``rl/algorithms/estimators.py``;
+* policy losses (``actor.policy_loss``): ``rl/algorithms/losses.py``;
+* KL estimators (``algorithm.kl_penalty``, ``actor.kl_loss_type``): ``rl/algorithms/core.py``;
+* rule reward functions (``reward.function``): ``rl/rewards/rules.py``.
+
+A built-in registers itself with a decorator, with the attributes the caller reads::
+
+    @ADVANTAGE_ESTIMATORS.register("gae", needs_critic=True)
+    def gae(token_level_rewards, response_mask, values, group_index, config): ...
+
+A config value is either a registered name or ``path/to/file.py:function`` (also
+``package.module:function``): :meth:`Registry.get` resolves both. A user's file is loaded once
+per process (the config check loads it in every rank; later look-ups reuse it), its function is
+checked against the call signature of the registry, and every problem (no such file, the file
+raises, no such function, a signature that does not take the arguments) is a
+:class:`~parallel_models.errors.ConfigError` saying what is wrong. The attributes a built-in
+gets at registration (``needs_critic``, ...) a user's function sets itself
+(``fn.needs_critic = True``); :meth:`Registry.attribute` reads them with the registry's defaults.
+
+This module imports nothing heavy (no torch), so config code can import it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from typing import Any, Callable
+
+from parallel_models.errors import ConfigError
+
+_LOADED: dict[tuple[str, str], Callable] = {}  # (absolute file or module, function) -> function
+
+
+def is_user_spec(spec: str) -> bool:
+    """Whether ``spec`` names a user's function (``file.py:fn`` / ``module:fn``), not a
+    registered name."""
+    return ":" in spec
+
+
+class Registry:
+    """Functions of one kind by name. ``kind`` names them in messages ("advantage estimator");
+    ``params`` are the keyword arguments every function of the kind is called with (None: no
+    check); ``defaults`` are the registration attributes and their values for functions that
+    do not set them."""
+
+    def __init__(self, kind: str, params: tuple[str, ...] | None = None,
+                 defaults: dict[str, Any] | None = None):
+        self.kind = kind
+        self.params = params
+        self.defaults = dict(defaults or {})
+        self._entries: dict[str, Callable] = {}
+        self._checked: dict[str, Callable] = {}  # users' functions, loaded and checked
+
+    def register(self, name: str, *aliases: str, **attributes: Any) -> Callable:
+        """Decorator: register the function under ``name`` (and ``aliases``), setting
+        ``attributes`` (only those of ``defaults``) on it."""
+        unknown = sorted(set(attributes) - set(self.defaults))
+        if unknown:
+            raise TypeError(f"{self.kind} registration: unknown attributes {unknown}; known: "
+                            f"{sorted(self.defaults)}")
+
+        def decorate(fn: Callable) -> Callable:
+            for key, value in attributes.items():
+                setattr(fn, key, value)
+            for n in (name, *aliases):
+                if n in self._entries and self._entries[n] is not fn:
+                    raise ValueError(f"{self.kind} {n!r} is already registered")
+                self._entries[n] = fn
+            return fn
+
+        return decorate
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def get(self, spec: str) -> Callable:
+        """The function ``spec`` names: a registered name or ``file.py:function``; raise
+        :class:`ConfigError` (did-you-mean, the registered names) when there is none."""
+        if not isinstance(spec, str) or not spec.strip():
+            raise ConfigError(f"{self.kind} {spec!r}: expected a name ({', '.join(self.names())})"
+                              " or path/to/file.py:function")
+        spec = spec.strip()
+        if spec in self._entries:
+            return self._entries[spec]
+        if spec in self._checked:
+            return self._checked[spec]
+        if not is_user_spec(spec):
+            raise ConfigError(self.unknown_message(spec))
+        fn = load_function(spec, self.kind)
+        if self.params is not None:
+            check_signature(fn, self.params, spec, self.kind)
+        self._checked[spec] = fn
+        return fn
+
+    def attribute(self, fn: Callable, name: str) -> Any:
+        """A registration attribute of ``fn`` (the registry's default when it sets none)."""
+        return getattr(fn, name, self.defaults[name])
+
+    def unknown_message(self, name: str) -> str:
+        close = difflib.get_close_matches(name, self.names(), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return (f"unknown {self.kind} {name!r}{hint}; registered: {', '.join(self.names())}; "
+                "or your own as path/to/file.py:function")
+
+
+def check_signature(fn: Callable, params: tuple[str, ...], spec: str, kind: str) -> None:
+    """Raise :class:`ConfigError` unless ``fn`` can be called with ``params`` as keywords."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins / C callables: nothing to check
+        return
+    try:
+        signature.bind(**dict.fromkeys(params))
+    except TypeError as err:
+        raise ConfigError(f"{kind} {spec!r}: {getattr(fn, '__name__', fn)}{signature} cannot be "
+                          f"called as a {kind}: {err}; a {kind} is called with the keyword "
+                          f"arguments ({', '.join(params)})") from err
+
+
+def load_function(spec: str, kind: str) -> Callable:
+    """Resolve ``"file.py:function"``, ``"package.module:function"`` or
+    ``"package.module.function"`` to a callable, importing a file once per process; raise
+    :class:`ConfigError` (starting with ``kind`` and ``spec``) saying what is wrong."""
+    if ":" in spec:
+        module_name, attr = spec.rsplit(":", 1)
+    elif "." in spec:
+        module_name, attr = spec.rsplit(".", 1)
+    else:
+        raise ConfigError(f"{kind} {spec!r}: expected a dotted path like "
+                          "'package.module.function' (module and function name)")
+    if not module_name or not attr:
+        raise ConfigError(f"{kind} {spec!r}: empty module or function name")
+    is_file = module_name.endswith(".py")
+    key = (os.path.abspath(os.path.expanduser(module_name)) if is_file else module_name, attr)
+    if key in _LOADED:
+        return _LOADED[key]
+    module = _load_file(module_name, spec, kind) if is_file else _import(module_name, spec, kind)
+    if not hasattr(module, attr):
+        public = sorted(n for n in dir(module) if not n.startswith("_")
+                        and callable(getattr(module, n, None))
+                        and getattr(getattr(module, n), "__module__", None) == module.__name__)
+        raise ConfigError(f"{kind} {spec!r}: module {module_name!r} has no attribute "
+                          f"{attr!r}; functions defined there: {', '.join(public) or '(none)'}")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise ConfigError(f"{kind} {spec!r}: {attr!r} in {module_name!r} is not callable (it "
+                          f"is a {type(fn).__name__})")
+    _LOADED[key] = fn
+    return fn
+
+
+def _import(module_name: str, spec: str, kind: str):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
+            raise ConfigError(f"{kind} {spec!r}: module {module_name!r} not found (no module "
+                              f"named {err.name!r}; is it installed or on PYTHONPATH?)") from err
+        raise ConfigError(f"{kind} {spec!r}: importing module {module_name!r} failed: "
+                          f"{type(err).__name__}: {err}") from err
+    except Exception as err:  # noqa: BLE001 - anything the module raises while importing
+        raise ConfigError(f"{kind} {spec!r}: importing module {module_name!r} failed: "
+                          f"{type(err).__name__}: {err}") from err
+
+
+def _load_file(file: str, spec: str, kind: str):
+    file = os.path.abspath(os.path.expanduser(file))
+    if not os.path.isfile(file):
+        raise ConfigError(f"{kind} {spec!r}: file {file!r} not found")
+    # one module per file (two user files may share a base name)
+    digest = hashlib.sha1(file.encode()).hexdigest()[:8]
+    name = f"_user_{os.path.splitext(os.path.basename(file))[0]}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as err:  # noqa: BLE001
+        sys.modules.pop(name, None)
+        raise ConfigError(f"{kind} {spec!r}: running {file!r} failed: "
+                          f"{type(err).__name__}: {err}") from err
+    return module
+
+
+__all__ = ["Registry", "is_user_spec", "load_function", "check_signature"]

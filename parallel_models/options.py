@@ -238,13 +238,14 @@ def get_options() -> KernelOptions:
 def set_options(options: KernelOptions | Mapping[str, Any] | None = None,
                 source: str = "options") -> KernelOptions:
     """Make ``options`` (a model or a mapping; None = the defaults) the process's options;
-    returns the effective options (environment overrides applied, each validated; a bad value
-    is a ConfigError naming ``source`` or the environment variable)."""
+    returns the effective options (environment overrides applied, each validated and logged
+    again; a bad value is a ConfigError naming ``source`` or the environment variable)."""
     global _base
     if isinstance(options, KernelOptions):
         _base = options.model_copy(deep=True)
     else:
         _base = KernelOptions.build(options, source)
+    _logged.clear()
     return get_options()
 
 

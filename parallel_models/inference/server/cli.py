@@ -204,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         options = set_options(parse_assignments(args.option, "--option"), "--option")
     except ConfigError as err:
         return error_exit(PROG, err)
-    log.info("options: %s", options.model_dump(mode="json", exclude_defaults=True) or "defaults")
+    changed = options.model_dump(mode="json", exclude_defaults=True)
+    if changed:
+        log.info("kernel / engine options: %s", changed)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach it can generate, "
                     "load weights from server paths and shut it down", args.host)

@@ -54,3 +54,33 @@ def test_a_bad_variable_stops_the_run_naming_it(tmp_path):
                    check=False, env=_env())
     assert proc.returncode == 2
     assert "unknown key 'kernels.cuda_graph' (did you mean 'cuda_graphs'?)" in proc.stderr
+
+
+def test_the_kernels_section_becomes_the_process_options(tmp_path, monkeypatch):
+    """``parallel-models-ppo`` (the main every rank runs) makes the config's ``kernels`` the
+    process's options before the trainer is built, environment variables over them, and hands
+    the trainer the config with the values that run."""
+    from parallel_models import options
+    from parallel_models.rl import train, trainer
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, cfg):
+            seen["cfg"] = cfg.kernels.model_dump()
+            seen["process"] = options.get_options().model_dump()
+
+        def fit(self):
+            return []
+
+    monkeypatch.setattr(trainer, "PPOTrainer", Recorder)
+    for var in options.ENV_VARS.values():
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PARALLEL_MODELS_MOE_GROUPED_GEMM", "1")
+    try:
+        assert train.main([f"trainer.output_dir={tmp_path}", "kernels.cuda_graphs=false",
+                           "kernels.moe_grouped_gemm=false"]) == 0
+    finally:
+        options.set_options(None)
+    assert seen["cfg"] == seen["process"]
+    assert (seen["process"]["cuda_graphs"], seen["process"]["moe_grouped_gemm"]) == (False, True)

@@ -14,7 +14,6 @@ def _train(path, first_write: str, monkeypatch):
     import os
 
     import parallel_models as pm
-    from parallel_models.utils import grad_first_write
     from parallel_models.utils.optimizer import OptimConfig, build_optimizer, optimizer_step, zero_grads
     from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
 

@@ -134,9 +134,9 @@ def use_for(*tensors: torch.Tensor) -> bool:
     exact mode), not inside a ``torch.compile`` trace, supported dtypes, triton loads, and
     rows without a copy (e.g. Qwen3's q / k heads, strided views of the qkv output, keep the
     compiled kernels, which read them in place)."""
-    return (tensors[0].is_cuda and enabled() and gpu_compile.compilation_enabled()
-            and all(t.dtype in DTYPES and flat_rows(t) for t in tensors)
-            and not torch.compiler.is_compiling() and available())
+    return (tensors[0].is_cuda and not torch.compiler.is_compiling() and enabled()
+            and gpu_compile.compilation_enabled()
+            and all(t.dtype in DTYPES and flat_rows(t) for t in tensors) and available())
 
 
 @functools.cache

@@ -18,12 +18,13 @@ last dim is not contiguous), any width (masked), bfloat16 / float16 / float32 (o
 compiled path); outputs come back contiguous in the input's shape.
 
 Switch: opt-in, the option ``triton_elementwise`` (``parallel_models.options``; env
-``PARALLEL_MODELS_TRITON_ELEMENTWISE=1``; :func:`set_enabled` forces it at run time). Measured on an H100 (docs/PERFORMANCE.md, "Triton SwiGLU / RMSNorm kernels") the
-kernels reach their byte floors and save 2.4 ms of a 378 ms Llama-3-8B step. They stay off by
-default for two reasons. In the same session the 0.89B uniform training case ran slower with
-them and spread more across rounds (cause not found). And Qwen3-MoE decode no longer gave the
-same tokens in CUDA graphs as eagerly: the dispatch keeps strided inputs on the compiled kernels,
-so graph and eager steps can round a norm differently and flip a near-tied route.
+``PARALLEL_MODELS_TRITON_ELEMENTWISE=1``; :func:`set_enabled` forces it at run time). Measured on an
+H100 (docs/PERFORMANCE.md, "Triton SwiGLU / RMSNorm kernels") the kernels reach their byte floors
+and save 2.4 ms of a 378 ms Llama-3-8B step. They stay off by default for two reasons. In the same
+session the 0.89B uniform training case ran slower with them and spread more across rounds (cause
+not found). And Qwen3-MoE decode no longer gave the same tokens in CUDA graphs as eagerly: the
+dispatch keeps strided inputs on the compiled kernels, so graph and eager steps can round a norm
+differently and flip a near-tied route.
 ``gpu_compile.set_compilation(False)`` (exact mode, the benches' eager baselines) switches these
 kernels off as well: they replace the compiled pieces. Set ``TRITON_INTERPRET=1`` before
 importing triton to run them on the CPU (tests); ``fused_ops`` only sends CUDA tensors here.
@@ -205,7 +206,8 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 def _norm_tile(n: int) -> tuple[int, int, int]:
     """(rows per tile, padded row length, warps) for rows of ``n`` elements."""
     block_n = _pow2(n)
-    block_m = _pow2(max(1, launch_config().norm_tile // block_n) + 1) // 2  # a power of two, rounded down
+    tile = launch_config().norm_tile
+    block_m = _pow2(max(1, tile // block_n) + 1) // 2  # a power of two, rounded down
     warps = min(16, max(4, block_m * block_n // 512))
     return block_m, block_n, warps
 

@@ -9,7 +9,8 @@ activations (in eager mode those passes took ~40% of a training step: bench/trai
 
 With the option ``triton_elementwise`` on (``PARALLEL_MODELS_TRITON_ELEMENTWISE=1``) SwiGLU and
 the two RMSNorms go to hand-written Triton kernels on CUDA instead (``elementwise_triton``: one
-pass each way, where inductor's backwards read their inputs twice; opt-in, see there why). Exact mode keeps its own kernels.
+pass each way, where inductor's backwards read their inputs twice; opt-in, see there why). Exact
+mode keeps its own kernels.
 """
 
 from __future__ import annotations

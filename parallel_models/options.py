@@ -285,5 +285,5 @@ def parse_assignments(items: list[str] | None, source: str = "--option") -> dict
     return out
 
 
-__all__ = ["ENV_VARS", "FIELDS", "KernelOptions", "env_var", "get_options", "option",
-           "options_override", "parse_assignments", "set_options"]
+__all__ = ["ENV_VARS", "ElementwiseLaunchField", "FIELDS", "KernelOptions", "env_var",
+           "get_options", "option", "options_override", "parse_assignments", "set_options"]

@@ -318,15 +318,23 @@ def attention_micro(cfg, batch, context, max_row_tokens, dev, dtype) -> dict:
     return out
 
 
+def variant_options(variant: str):
+    """The kernel options of ``variant`` (parallel_models.options), for the ``with`` around its
+    case: the fused draw (read at each draw), the fused residual norm (each forward) and the
+    in-kernel RoPE (each step)."""
+    from parallel_models.options import options_override
+
+    _, fused, _, fuse_norm, _ = VARIANTS[variant]
+    return options_override(fused_draw=fused, decode_fuse_norm=fuse_norm,
+                            decode_fuse_rope=variant != "no_fused_rope")
+
+
 def run_case(args, cfg, model, dev, batch: int, variant: str) -> dict:
     from parallel_models.inference.continuous import ContinuousEngine
     from parallel_models.inference.row_sampling import draw
     from parallel_models.inference.sampling import SamplingParams
 
     kernel, fused, pipeline, fuse_norm, profiled = VARIANTS[variant]
-    os.environ["PARALLEL_MODELS_FUSED_DRAW"] = "1" if fused else "0"  # read at each draw
-    os.environ["PARALLEL_MODELS_DECODE_FUSE_NORM"] = "1" if fuse_norm else "0"  # each forward
-    os.environ["PARALLEL_MODELS_DECODE_FUSE_ROPE"] = "0" if variant == "no_fused_rope" else "1"
     half = args.new // 2
     context = args.prompt + half          # prompt length of the profiled rows
     row_tokens = args.prompt + args.new   # the bench's bucket: rows hold prompt + new positions
@@ -459,7 +467,8 @@ def main() -> None:
         for batch in args.batches:
             for variant in args.variants:
                 try:
-                    case = run_case(args, cfg, model, dev, batch, variant)
+                    with variant_options(variant):
+                        case = run_case(args, cfg, model, dev, batch, variant)
                     res["cases"].append(case)
                     print(table(case), flush=True)
                 except Exception as exc:  # noqa: BLE001 - record it, run the next case

@@ -105,7 +105,7 @@ def _describe(times: dict, floors: tuple, peak: float, hbm: float) -> dict:
 def _sweep(cases: dict, iters: int) -> dict:
     """fwd+bwd kernel ms of the kernels per launch config (one field changed at a time from the
     default, then the best of each field combined)."""
-    base = dataclasses.replace(et.CONFIG)
+    base = et.launch_config()  # the options' launch config (elementwise_launch)
     grid = {"swiglu": {"swiglu_block": [512, 1024, 2048, 4096], "swiglu_warps": [2, 4, 8]},
             "rms_norm": {"norm_tile": [2048, 4096, 8192, 16384],
                          "norm_programs_per_sm": [1, 2, 3, 4, 8]}}
@@ -129,7 +129,7 @@ def _sweep(cases: dict, iters: int) -> dict:
             out[name] = {"default": dataclasses.asdict(base), "tried": rows,
                          "best": best, "best_fwd_bwd_kernel_ms": combined}
     finally:
-        et.CONFIG = base
+        et.CONFIG = None  # back to the options'
     return out
 
 
@@ -150,7 +150,7 @@ def main():
     res = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
            "shape": {"tokens": args.tokens, "hidden": args.hidden,
                      "intermediate": args.intermediate},
-           "launch_config": dataclasses.asdict(et.CONFIG)}
+           "launch_config": dataclasses.asdict(et.launch_config())}
     hbm = hbm_read_bandwidth(dev)
     res["hbm_read_gb_s"] = hbm / 1e9
     cases = _cases(args, dev)

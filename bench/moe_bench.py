@@ -64,16 +64,15 @@ def decode_variants(model, args) -> dict:
 
     from parallel_models.inference.continuous import ContinuousEngine
     from parallel_models.inference.sampling import SamplingParams
+    from parallel_models.options import options_override
 
     B, P, new = args.decode_batch, args.decode_prompt, args.decode_new
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, args.vocab, (B, P), generator=g).tolist()
-    variants = {"megatron_dispatch_stacked": ("0", "0"), "device_dispatch_stacked": ("1", "0"),
-                "device_dispatch_packed": ("1", "1")}
+    variants = {"megatron_dispatch_stacked": (False, False),
+                "device_dispatch_stacked": (True, False), "device_dispatch_packed": (True, True)}
     out = {}
     for name, (dispatch, packed) in variants.items():
-        os.environ["PARALLEL_MODELS_MOE_DEVICE_DISPATCH"] = dispatch
-        os.environ["PARALLEL_MODELS_MOE_PACKED_EXPERTS"] = packed
         eng = ContinuousEngine(model, B * (P + new + 16), max_rows=B)
 
         def run(n, eng=eng):
@@ -81,15 +80,14 @@ def decode_variants(model, args) -> dict:
                 eng.submit(p, SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=n))
             eng.run()
 
-        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught, \
+                options_override(moe_device_dispatch=dispatch, moe_packed_experts=packed):
             warnings.simplefilter("always")
             short = timed(lambda: run(4), warmup=1, iters=3)
             long = timed(lambda: run(4 + new), warmup=0, iters=3)
         out[name] = {"ms_per_step": 1e3 * (long - short) / new,
                      "graphs": any(s.graph is not None for s in eng._steps.values()),
                      "capture_failed": any("capture" in str(w.message) for w in caught)}
-    for k in ("PARALLEL_MODELS_MOE_DEVICE_DISPATCH", "PARALLEL_MODELS_MOE_PACKED_EXPERTS"):
-        os.environ.pop(k, None)
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     kv = 2 * args.layers * args.kv_heads * 128 * 2 * B * (P + new / 2)
     bw = 3.35e12 if "H100" in torch.cuda.get_device_name() else 4.8e12

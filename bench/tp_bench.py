@@ -79,9 +79,11 @@ def main():
     args = p.parse_args()
     if args.max_connections_1:
         os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-    os.environ["PARALLEL_MODELS_TP_OVERLAP_CHUNKS"] = str(args.overlap_chunks)
 
     import parallel_models as pm
+    from parallel_models.options import set_options
+
+    set_options({"tp_overlap_chunks": args.overlap_chunks})  # read when the layers are built
     from parallel_models.llama.layers import elementwise_triton as et
     from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
 

@@ -83,6 +83,7 @@ def main():
     import parallel_models as pm
     from parallel_models.utils import gpu_compile
     from parallel_models.inference.generation import SamplingParams, generate
+    from parallel_models.options import options_override
     from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
     from transformers import AutoModelForCausalLM
 
@@ -182,11 +183,11 @@ def main():
             t_ours = timed(lambda: generate(ours, prompts.tolist(), params), warmup=1, iters=3)
             t_hf = timed(lambda: hf_generate(new), warmup=1, iters=3)
             # the same decode without CUDA graphs: its speed, and identical tokens
-            os.environ["PARALLEL_MODELS_CUDA_GRAPHS"] = "0"
             short = SamplingParams(max_new_tokens=min(new, 64), greedy=True)
-            t_eager = timed(lambda: generate(ours, prompts.tolist(), short), warmup=1, iters=2)
-            eager_tokens = generate(ours, prompts.tolist(), short).responses
-            os.environ.pop("PARALLEL_MODELS_CUDA_GRAPHS")
+            with options_override(cuda_graphs=False):
+                t_eager = timed(lambda: generate(ours, prompts.tolist(), short), warmup=1,
+                                iters=2)
+                eager_tokens = generate(ours, prompts.tolist(), short).responses
             graph_tokens = generate(ours, prompts.tolist(), short).responses
             graphs_equal_eager = bool(torch.equal(eager_tokens, graph_tokens))
             if args.profile:

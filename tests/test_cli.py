@@ -124,6 +124,43 @@ def test_serve_startup_errors_are_one_line(tmp_path):
     assert proc.returncode == 2 and "--port" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_serve_options(tmp_path, monkeypatch):
+    """``--option name=value``: a bad name or value (or a bad PARALLEL_MODELS_* variable) is one
+    line before the model loads; good ones are the process's options when the server starts, with
+    the environment's variables over them."""
+    from parallel_models import options
+    from parallel_models.inference.server import cli
+
+    serve = _script("parallel-models-serve")
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    base = [serve, "--model", str(model), "--port", "0"]
+    proc, _ = _run(base + ["--option", "cuda_graph=false"])
+    assert proc.returncode == 2
+    assert "did you mean 'cuda_graphs'" in _one_line_error(proc, "parallel-models-serve")
+    proc, _ = _run(base + ["--option", "decode_split=48"])
+    assert proc.returncode == 2
+    assert "decode_split" in _one_line_error(proc, "parallel-models-serve")
+    proc, _ = _run(base, env={**os.environ, "PARALLEL_MODELS_DECODE_ATTENTION": "typo"})
+    assert proc.returncode == 2
+    assert "PARALLEL_MODELS_DECODE_ATTENTION='typo'" in _one_line_error(proc,
+                                                                       "parallel-models-serve")
+    seen = {}
+    monkeypatch.setattr(cli, "_serve", lambda args, sock: seen.update(
+        options.get_options().model_dump()) or 0)
+    for var in options.ENV_VARS.values():
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PARALLEL_MODELS_FUSED_DRAW", "0")
+    try:
+        assert cli.main(["--model", str(model), "--port", "0", "--option", "cuda_graphs=false",
+                         "--option", "decode_split=64", "--option", "fused_draw=true"]) == 0
+    finally:
+        options.set_options(None)
+    assert (seen["cuda_graphs"], seen["decode_split"], seen["fused_draw"]) == (False, 64, False)
+    assert seen["decode_attention"] == "triton"  # the others: defaults
+
+
 def test_serve_help_gives_every_default():
     from parallel_models.inference.server.cli import build_parser
 

@@ -25,7 +25,6 @@ supported (as in ``generation.generate``).
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Callable, Sequence
 
 import torch
@@ -38,6 +37,7 @@ from parallel_models.inference.prefix_cache import PrefixCache
 from parallel_models.inference.row_sampling import draw, row_seed
 from parallel_models.inference.sampling import SamplingParams
 from parallel_models.inference.scheduler import KVBudgetError, Scheduler
+from parallel_models.options import option
 
 
 @dataclasses.dataclass
@@ -116,8 +116,8 @@ class ContinuousEngine:
     positions (this rank's heads), at most ``max_rows`` samples decoding at once, at most
     ``max_row_tokens`` positions (prompt + new tokens) per sample (default: the budget, capped by
     the model's positions); prompts starting together are prefilled in packs of at most
-    ``max_prefill_tokens`` tokens. ``pipeline`` (default: on CUDA, see
-    ``PARALLEL_MODELS_DECODE_PIPELINE``): queue each decode step before reading the previous
+    ``max_prefill_tokens`` tokens. ``pipeline`` (default: the option ``decode_pipeline``, auto =
+    on CUDA): queue each decode step before reading the previous
     one's tokens (:meth:`_decode`)."""
 
     def __init__(self, model, kv_budget_tokens: int, *, max_rows: int = 64,
@@ -142,12 +142,12 @@ class ContinuousEngine:
         self.buckets = bucket_sizes(max_rows)
         use_graph = (self.device.type == "cuda" and self.cache.flash_decode
                      and not model.config.rope_depends_on_length
-                     and os.environ.get("PARALLEL_MODELS_CUDA_GRAPHS", "1") != "0")
+                     and option("cuda_graphs"))
         self._steps = {b: BucketStep(model, self.cache, DecodeRows(b, self.device, self.cache.end),
                                       use_graph) for b in self.buckets}
-        if pipeline is None:  # unset: on CUDA; "1": everywhere; "0": off
-            env = os.environ.get("PARALLEL_MODELS_DECODE_PIPELINE")
-            pipeline = env == "1" or (env is None and self.device.type == "cuda")
+        if pipeline is None:  # the option: "auto" = on CUDA; true: everywhere; false: off
+            setting = option("decode_pipeline")
+            pipeline = setting is True or (setting == "auto" and self.device.type == "cuda")
         self.pipeline = pipeline
         self._pending: _Drawn | None = None  # a decode step queued, its tokens not yet read
         self.running: list[_Row] = []

@@ -10,7 +10,7 @@ On CUDA the decode step (all layers and the LM head, fixed batch) is captured on
 a CUDA graph and replayed: a step is then a single launch instead of hundreds of small kernels
 (decode of a small batch is launch-bound). Sampling stays outside the graph; whether any
 sequence is still running is read one step late (no host sync per step), and the extra step is
-cut. ``PARALLEL_MODELS_CUDA_GRAPHS=0`` turns graphs off.
+cut. The option ``cuda_graphs`` off (``PARALLEL_MODELS_CUDA_GRAPHS=0``) turns graphs off.
 
 Returned ``log_probs`` are ``log_softmax(logits / temperature)`` of the chosen tokens (top-k /
 top-p only restrict what can be drawn), which is what a fresh forward pass of the same tokens
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import warnings
 from typing import Callable, Sequence
 
@@ -37,6 +36,7 @@ from parallel_models.llama.layers import exact
 from parallel_models.inference.kv_cache import KVCache
 from parallel_models.inference.route_collector import RouteCollector
 from parallel_models.inference.sampling import SamplingParams
+from parallel_models.options import option
 
 
 @dataclasses.dataclass
@@ -159,7 +159,7 @@ class _DecodeStep:
         self.cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
         self.graph = None
         self.use_graph = (device.type == "cuda" and not model.config.rope_depends_on_length
-                          and os.environ.get("PARALLEL_MODELS_CUDA_GRAPHS", "1") != "0")
+                          and option("cuda_graphs"))
 
     def _forward(self):
         self.cache.begin_decode()

@@ -11,11 +11,12 @@ bucket write and read there (one position each), so a bucket of fixed size needs
   ``offset + length``; attention over the row's ``length + 1`` positions. On CUDA fp16/bf16 it is
   PyTorch's flash kernel with ``cu_seqlens_k`` = the region starts and ``seqused_k`` = the
   lengths (flash decoding straight from the pool, GQA heads as they are); elsewhere SDPA over a
-  gathered ``[rows, span]`` window with a mask. With triton on CUDA fp16/bf16 (default;
-  ``PARALLEL_MODELS_DECODE_ATTENTION=aten`` switches it off) the decode step's KV write and
-  attention are one split-KV kernel instead (``split_kv_attention``: each KV byte read once
-  under GQA, the work split along the context; the rotary embedding of q and the new k too:
-  :meth:`PoolKVCache.fuses_rope`, ``PARALLEL_MODELS_DECODE_FUSE_ROPE=0`` switches that off).
+  gathered ``[rows, span]`` window with a mask. With triton on CUDA fp16/bf16 (default; the
+  option ``decode_attention: aten``, env ``PARALLEL_MODELS_DECODE_ATTENTION=aten``, switches it
+  off) the decode step's KV write and attention are one split-KV kernel instead
+  (``split_kv_attention``: each KV byte read once under GQA, the work split along the context;
+  the rotary embedding of q and the new k too: :meth:`PoolKVCache.fuses_rope`, the option
+  ``decode_fuse_rope`` off, ``PARALLEL_MODELS_DECODE_FUSE_ROPE=0``, switches that off).
   A decode step reads every index from the fixed
   buffers of its :class:`DecodeRows`, so it can be captured once per bucket in a CUDA graph.
 - ``copy`` duplicates a prompt's KV into other regions (prefix sharing of the n samples).
@@ -23,29 +24,22 @@ bucket write and read there (one position each), so a bucket of fixed size needs
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from parallel_models.errors import ConfigError
 from parallel_models.llama.layers import exact
 from parallel_models.llama.layers.attention_kernels import varlen_causal_attention
 from parallel_models.inference import split_kv_attention
+from parallel_models.options import option
 from parallel_models.inference.kv_cache import _flash_decode_supported
 from parallel_models.inference.split_kv_attention import split_kv_decode
 
-DECODE_KERNELS = ("triton", "aten")
-
-
 def _decode_kernel(device: torch.device, dtype: torch.dtype, heads_dim: tuple) -> str:
     """``"triton"`` (split-KV, ``split_kv_attention``) on CUDA fp16/bf16 when triton imports and
-    the kernel passes its check against SDPA on this device, else ``"aten"`` (PyTorch's kernels); ``PARALLEL_MODELS_DECODE_ATTENTION=aten`` forces
-    PyTorch's (the bench compares). Graph capture of decode steps needs either of the CUDA ones."""
-    choice = os.environ.get("PARALLEL_MODELS_DECODE_ATTENTION", "triton")
-    if choice not in DECODE_KERNELS:
-        raise ConfigError(f"PARALLEL_MODELS_DECODE_ATTENTION={choice!r}: expected one of "
-                          f"{DECODE_KERNELS}")
+    the kernel passes its check against SDPA on this device, else ``"aten"`` (PyTorch's
+    kernels); the option ``decode_attention`` = ``"aten"`` forces PyTorch's (the bench
+    compares). Graph capture of decode steps needs either of the CUDA ones."""
+    choice = option("decode_attention")  # "triton" | "aten" (validated there)
     if choice == "triton" and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) \
             and split_kv_attention.supported(device, dtype, *heads_dim):
         return "triton"
@@ -117,9 +111,9 @@ class PoolKVCache:
         """True when this step's :meth:`attend` takes q / k unrotated with ``rope=(cos, sin)``
         (decode through the split-KV kernel, which rotates them; the attention module then
         skips its rotary kernel). Never in exact mode (its decode kernel is the one of prefill
-        and training, which takes rotated q / k) nor with ``PARALLEL_MODELS_DECODE_FUSE_ROPE=0``."""
+        and training, which takes rotated q / k) nor with the option ``decode_fuse_rope`` off."""
         return self.decoding and self.decode_kernel == "triton" and not exact.enabled() \
-            and os.environ.get("PARALLEL_MODELS_DECODE_FUSE_ROPE", "1") != "0" \
+            and option("decode_fuse_rope") \
             and split_kv_attention.rope_supported(self.k.device, self.k.dtype, *self._heads_dim)
 
     def attend(self, layer: int, q, k, v, cu_seqlens, max_seqlen, scale, rope=None):

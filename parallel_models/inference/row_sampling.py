@@ -16,18 +16,19 @@ T)``; :func:`greedy_pick` / :func:`sampled_pick` compute just that, and on CUDA 
 ``torch.compile`` (``utils/gpu_compile``): one or two reductions reading the bf16 logits once,
 instead of an fp32 copy, a full-vocab log-softmax and a dozen int64 noise passes over ``[rows,
 vocab]``. Same math (the same noise function); the log-prob differs from the general path's only
-by the rounding of the sum. ``PARALLEL_MODELS_FUSED_DRAW=0`` switches them off (benches compare).
+by the rounding of the sum. The option ``fused_draw`` off (``PARALLEL_MODELS_FUSED_DRAW=0``)
+switches them off (benches compare; read at each draw).
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 
 from parallel_models.llama.layers import exact
 from parallel_models.inference.generation import _filter_logits
+from parallel_models.options import option
 from parallel_models.utils.gpu_compile import compiled_on_gpu
 
 _C1 = 0xBF58476D1CE4E5B9 - (1 << 64)
@@ -104,7 +105,7 @@ _FUSED_FAILED = []  # the first failure of a fused pick (e.g. its compilation): 
 
 
 def fused_draw_enabled() -> bool:
-    return os.environ.get("PARALLEL_MODELS_FUSED_DRAW", "1") != "0" and not _FUSED_FAILED
+    return option("fused_draw") and not _FUSED_FAILED
 
 
 def _fused(params, logits, seeds, steps):

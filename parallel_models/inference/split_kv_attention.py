@@ -31,6 +31,7 @@ import warnings
 import torch
 
 from parallel_models.inference.split_kv_config import LaunchConfig, launch_config
+from parallel_models.options import option
 
 
 def split_size(batch: int, kv_heads: int, max_row_tokens: int, device,
@@ -39,12 +40,12 @@ def split_size(batch: int, kv_heads: int, max_row_tokens: int, device,
 
     Enough programs (rows x KV heads x splits) to fill the GPU twice over, no more splits than
     that (each split adds a partial output to combine; one split skips the combine pass), at
-    least one tile (the launch config's ``block_n``); ``PARALLEL_MODELS_DECODE_SPLIT`` = a fixed
+    least one tile (the launch config's ``block_n``); the option ``decode_split`` = a fixed
     size (a power of two >= 16) instead, else the launch config's ``split`` when it sets one
     (``config``; default: ``split_kv_config.launch_config`` of the bucket)."""
-    fixed = os.environ.get("PARALLEL_MODELS_DECODE_SPLIT")
+    fixed = option("decode_split")
     if fixed:
-        return int(fixed)
+        return fixed
     config = config or launch_config(batch, int(max_row_tokens))
     if config.split:
         return config.split

@@ -5,26 +5,27 @@ A :class:`LaunchConfig` is the tile over KV positions (``block_n``), ``num_warps
 :func:`~parallel_models.inference.split_kv_attention.split_size`). Where it comes from, first
 match wins:
 
-1. ``PARALLEL_MODELS_DECODE_KERNEL_CONFIG="block_n,warps,stages"`` or
+1. the option ``decode_kernel_config`` (``parallel_models.options``; env
+   ``PARALLEL_MODELS_DECODE_KERNEL_CONFIG``) ``"block_n,warps,stages"`` or
    ``"block_n,warps,stages,split"`` (every shape; benches and trying a sweep's result);
 2. :data:`TUNED`: ``(min batch, min max_row_tokens, config)`` entries, the last entry whose
    minimums the bucket reaches (fill it from ``bench/decode_attention_sweep.py``'s best per
    shape);
 3. :data:`DEFAULT`.
 
-``PARALLEL_MODELS_DECODE_SPLIT`` (a fixed split size) still overrides the split of all of them.
+The option ``decode_split`` (a fixed split size) still overrides the split of all of them.
 The config is read when a bucket's graph is captured (or at each eager call).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 from parallel_models.errors import ConfigError
+from parallel_models.options import env_var, option
 
-ENV = "PARALLEL_MODELS_DECODE_KERNEL_CONFIG"
+SOURCE = f"decode_kernel_config ({env_var('decode_kernel_config')})"
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class LaunchConfig:
             raise ConfigError(f"split-KV split must be a power of two >= 16, got {self.split}")
 
     def as_env(self) -> str:
-        """The :data:`ENV` value selecting this config."""
+        """The ``decode_kernel_config`` value (and environment value) selecting this config."""
         fields = (self.block_n, self.num_warps, self.num_stages) + (
             (self.split,) if self.split else ())
         return ",".join(str(f) for f in fields)
@@ -59,24 +60,24 @@ TUNED: list[tuple[int, int, LaunchConfig]] = []
 
 @functools.cache
 def parse(value: str) -> LaunchConfig:
-    """``"block_n,warps,stages[,split]"`` -> :class:`LaunchConfig` (ConfigError naming
-    :data:`ENV` when malformed)."""
+    """``"block_n,warps,stages[,split]"`` -> :class:`LaunchConfig` (ConfigError naming the
+    option and its environment variable when malformed)."""
     try:
         fields = [int(f) for f in value.split(",")]
     except ValueError:
         fields = []
     if len(fields) not in (3, 4):
-        raise ConfigError(f"{ENV}={value!r}: expected 'block_n,warps,stages' or "
+        raise ConfigError(f"{SOURCE}={value!r}: expected 'block_n,warps,stages' or "
                           f"'block_n,warps,stages,split' (integers)")
     try:
         return LaunchConfig(*fields)
     except ConfigError as exc:
-        raise ConfigError(f"{ENV}={value!r}: {exc}") from None
+        raise ConfigError(f"{SOURCE}={value!r}: {exc}") from None
 
 
 def launch_config(batch: int, max_row_tokens: int) -> LaunchConfig:
     """The kernel's launch settings for a bucket of ``batch`` rows of ``max_row_tokens``."""
-    value = os.environ.get(ENV)
+    value = option("decode_kernel_config")
     if value:
         return parse(value)
     chosen = DEFAULT
@@ -86,4 +87,4 @@ def launch_config(batch: int, max_row_tokens: int) -> LaunchConfig:
     return chosen
 
 
-__all__ = ["DEFAULT", "ENV", "LaunchConfig", "TUNED", "launch_config", "parse"]
+__all__ = ["DEFAULT", "LaunchConfig", "TUNED", "launch_config", "parse"]

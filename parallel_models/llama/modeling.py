@@ -14,7 +14,6 @@ pipeline message has a few more rows: the router totals so far (``layers/moe_aux
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import ClassVar
 
 import torch
@@ -31,6 +30,7 @@ from parallel_models.llama.layers import ParallelDecoderLayer, RMSNorm, RotaryEm
 from parallel_models.llama.layers import moe_aux_carry, moe_aux_loss
 from parallel_models.llama.layers.fused_ops import add_rms_norm
 from parallel_models.llama.layers.moe import moe_megatron_settings
+from parallel_models.options import option
 from parallel_models.utils.padding import (pack_padded_batch, position_ids_from_cu_seqlens,
                                            unpack_to_padded)
 
@@ -97,9 +97,9 @@ def build_megatron_config(config: ModelConfig, dtype: torch.dtype, sequence_para
 
 
 def fuse_residual_norm() -> bool:
-    """Generation fuses each layer's residual sum into the next norm unless
-    ``PARALLEL_MODELS_DECODE_FUSE_NORM=0`` (benches compare)."""
-    return os.environ.get("PARALLEL_MODELS_DECODE_FUSE_NORM", "1") != "0"
+    """Generation fuses each layer's residual sum into the next norm unless the option
+    ``decode_fuse_norm`` is off (``PARALLEL_MODELS_DECODE_FUSE_NORM=0``; benches compare)."""
+    return option("decode_fuse_norm")
 
 
 class ParallelDecoder(torch.nn.Module):

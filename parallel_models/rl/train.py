@@ -9,6 +9,9 @@ on the spot, built-in prompts and a rule-based reward that PPO visibly raises in
 two CPU cores. Overrides are dotted keys (``actor.lr=1e-5``, ``trainer.total_steps=50``); every
 key, its default and meaning: ``parallel_models/rl/configs/default.yaml`` (rendered from the
 config models). Problems are reported together, each naming the key, and the exit code is 2.
+The ``kernels`` section (kernel and engine options, :mod:`parallel_models.options`) becomes the
+process's options in every rank, with ``PARALLEL_MODELS_<NAME>`` environment variables over it;
+the run's ``config.yaml`` records the values that ran.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:
             cfg.trainer.resume = True
         cfg.validate()
+        from parallel_models.options import set_options
+
+        cfg.kernels = set_options(cfg.kernels, "kernels")  # with the environment's overrides
         if os.environ.get("RANK", "0") == "0":
             log_optional_pieces(logging.getLogger(PROG))
         from parallel_models.rl.trainer import PPOTrainer

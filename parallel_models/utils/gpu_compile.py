@@ -2,16 +2,18 @@
 
 Functions wrapped with :func:`compiled_on_gpu` keep their eager definition (the CPU path and the
 reference) and, on CUDA tensors, run through ``torch.compile``, which fuses their passes over the
-activations into a few Triton kernels (forward and backward). ``PARALLEL_MODELS_COMPILE=0``
+activations into a few Triton kernels (forward and backward). The option ``compile`` off
+(``parallel_models.options``; env ``PARALLEL_MODELS_COMPILE=0``; read at the first CUDA call)
 switches compilation off; :func:`set_compilation` does the same at run time (benchmarks compare).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from parallel_models.options import option
 
 _ENABLED = True
 
@@ -27,7 +29,7 @@ def compilation_enabled() -> bool:
 
 @functools.cache
 def _compile_available() -> bool:
-    if os.environ.get("PARALLEL_MODELS_COMPILE", "1") == "0" or not torch.cuda.is_available():
+    if not option("compile") or not torch.cuda.is_available():
         return False
     try:
         from torch.utils._triton import has_triton

@@ -7,7 +7,8 @@ a step's first microbatch both are wasted work: the sum is the gradient itself. 
 Llama-3-8B shape on an H100 those adds were 34.9 ms, 9.8 % of a training step
 (docs/PERFORMANCE.md).
 
-With this on (the default; ``PARALLEL_MODELS_GRAD_FIRST_WRITE=0`` turns it off):
+With this on (the default; the option ``grad_first_write``, env
+``PARALLEL_MODELS_GRAD_FIRST_WRITE=0``, turns it off when DDP is built):
 
 - ``zero_grad_buffer`` leaves the buffers' contents and marks every parameter's ``main_grad``
   stale (megatron's bucket bookkeeping is reset as before);
@@ -32,18 +33,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 
 import torch
 
+from parallel_models.options import option
+
 STALE = "_pm_main_grad_stale"
 ON = "_pm_first_write"  # set on the parameters of a switched DDP wrapper
-ENV = "PARALLEL_MODELS_GRAD_FIRST_WRITE"
-ENV_KERNEL = "PARALLEL_MODELS_GRAD_BUFFER_KERNEL"
 
 
 def wanted() -> bool:
-    return os.environ.get(ENV, "1") != "0"
+    return option("grad_first_write")
 
 
 @functools.cache
@@ -57,11 +57,11 @@ def _kernel_module():
 
 def _accumulate(main_grad: torch.Tensor, grad: torch.Tensor, add: bool) -> None:
     """``main_grad`` written (``add`` false) or added with ``grad``: on CUDA by a vectorized
-    Triton kernel (``grad_buffer_kernels``; ``PARALLEL_MODELS_GRAD_BUFFER_KERNEL=0``: PyTorch's
+    Triton kernel (``grad_buffer_kernels``; the option ``grad_buffer_kernel`` off: PyTorch's
     ``copy_`` / ``add_``), elsewhere by PyTorch. The same values either way."""
     if (main_grad.is_cuda and main_grad.dtype == torch.float32 and main_grad.is_contiguous()
             and grad.is_contiguous() and grad.numel() == main_grad.numel()
-            and os.environ.get(ENV_KERNEL, "1") != "0" and _kernel_module() is not None):
+            and option("grad_buffer_kernel") and _kernel_module() is not None):
         _kernel_module().accumulate(main_grad, grad, add)
     elif add:
         main_grad.add_(grad)
@@ -156,4 +156,4 @@ def enable(ddp, on: bool | None = None) -> bool:
     return True
 
 
-__all__ = ["ENV", "building", "enable", "wanted"]
+__all__ = ["building", "enable", "wanted"]

@@ -3,10 +3,11 @@
 ``build_optimizer(chunks, OptimConfig(...))`` wraps each model chunk in megatron-core's
 ``DistributedDataParallel`` (grad buffers, data-parallel reduction, ``finalize_model_grads``),
 builds the megatron optimizer (Adam; bf16/fp16 params keep fp32 master weights; optional
-distributed optimizer) and an ``OptimizerParamScheduler``; with
-``PARALLEL_MODELS_WGRAD_FUSION=1`` the linears' weight gradients accumulate straight into DDP's
-fp32 buffers (``utils/wgrad_fusion.py``; off by default: slower on an H100); otherwise a step's
-first backward writes the buffers instead of zeroing and adding (``utils/grad_first_write.py``).
+distributed optimizer) and an ``OptimizerParamScheduler``; with the option ``wgrad_fusion``
+(``PARALLEL_MODELS_WGRAD_FUSION=1``) the linears' weight gradients accumulate straight into
+DDP's fp32 buffers (``utils/wgrad_fusion.py``; off by default: slower on an H100); otherwise a
+step's first backward writes the buffers instead of zeroing and adding
+(``utils/grad_first_write.py``).
 ``optimizer_step`` clips and applies the gradients; ``parallel_models.pipeline.train_step`` runs
 a whole step (forward-backward over microbatches through the pipeline schedules, then this), so
 this utility needs no pipeline code.

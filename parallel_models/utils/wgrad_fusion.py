@@ -8,11 +8,12 @@ itself: cuBLAS ``addmm`` with ``out_dtype=float32`` writing into ``main_grad`` (
 inputs, fp32 accumulation and output). The gradient then skips one bf16 rounding per
 microbatch.
 
-It is off unless ``PARALLEL_MODELS_WGRAD_FUSION=1``: measured on an H100 (docs/PERFORMANCE.md,
-"Fused weight-gradient accumulation") cuBLAS's beta = 1 kernels with an fp32 output are slower
-than a bf16 GEMM plus the separate add (Llama-3-8B shape, 4096 tokens: 351.8 vs 342.6 ms a
-step; 0.89B shape: even), so the default keeps megatron's unfused path. ``=1`` turns it on
-(on the CPU it runs as an fp32 ``addmm_``, which the tests use); ``=0`` or unset: off.
+It is off unless the option ``wgrad_fusion`` is on (``PARALLEL_MODELS_WGRAD_FUSION=1``; read
+when DDP is built): measured on an H100 (docs/PERFORMANCE.md, "Fused weight-gradient
+accumulation") cuBLAS's beta = 1 kernels with an fp32 output are slower than a bf16 GEMM plus
+the separate add (Llama-3-8B shape, 4096 tokens: 351.8 vs 342.6 ms a step; 0.89B shape: even),
+so the default keeps megatron's unfused path. On, it runs on the CPU as an fp32 ``addmm_``
+(which the tests use).
 
 ``enable(chunks)`` applies the setting to the DDP-wrapped model chunks after
 ``wrap_for_training`` made their grad buffers: it registers these functions where megatron's
@@ -24,12 +25,12 @@ arrives through ``.grad``, so it keeps the unfused path).
 from __future__ import annotations
 
 import functools
-import os
 import types
 
 import torch
 
-ENV = "PARALLEL_MODELS_WGRAD_FUSION"
+from parallel_models.options import option
+
 
 
 def _accumulate(total_input: torch.Tensor, grad_output: torch.Tensor,
@@ -67,8 +68,8 @@ def fused_gemm_works(device_type: str, dtype: torch.dtype) -> bool:
 
 
 def wanted(device_type: str, dtype: torch.dtype) -> bool:
-    """On only with ``PARALLEL_MODELS_WGRAD_FUSION=1`` and where the fused GEMM works."""
-    return os.environ.get(ENV, "") == "1" and fused_gemm_works(device_type, dtype)
+    """On only with the option ``wgrad_fusion`` and where the fused GEMM works."""
+    return option("wgrad_fusion") and fused_gemm_works(device_type, dtype)
 
 
 def _install() -> None:

@@ -2,8 +2,8 @@
 gloo ranks (data parallel 2): over steps of several microbatches the reduced ``main_grad`` equals
 megatron's own path (zeroed buffers + adds) bit for bit; a parameter that gets no gradient in a
 step ends the step with a zero ``main_grad``, not last step's; the buffers' memset is skipped
-(and kept when the weight-gradient GEMMs accumulate into the buffers themselves, or with
-``PARALLEL_MODELS_GRAD_FIRST_WRITE=0``). Training with it against transformers: every
+(and kept when the weight-gradient GEMMs accumulate into the buffers themselves, or with the
+option ``grad_first_write`` off). Training with it against transformers: every
 ``check_train_steps`` test (tests/distributed/test_pipeline.py and others) runs with it on, the default."""
 
 import pytest
@@ -12,14 +12,13 @@ from parallel_models.testing import run_distributed
 
 
 def _run() -> dict:
-    import os
-
     import torch
     from megatron.core import ModelParallelConfig
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     import parallel_models as pm
     from parallel_models import cpu_shim
+    from parallel_models.options import options_override
     from parallel_models.utils import grad_first_write
 
     pm.init_parallel(tensor_parallel_size=1)
@@ -36,15 +35,15 @@ def _run() -> dict:
             h = torch.tanh(self.a(x))
             return self.b(h).square().sum() if use_b else h.sum()
 
-    def build(first_write: str):
-        os.environ[grad_first_write.ENV] = first_write
+    def build(first_write: bool):
         module = Two()
         cfg = ModelParallelConfig()
         cfg.calculate_per_token_loss = False  # read by DDP (a TransformerConfig field)
         with cpu_shim.cuda_to_cpu(), grad_first_write.building():
             ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, overlap_grad_reduce=False), module)
-        switched = grad_first_write.enable(ddp)
+        with options_override(grad_first_write=first_write):
+            switched = grad_first_write.enable(ddp)
         resets = []
         for buf in ddp.buffers:
             original = buf.reset
@@ -57,8 +56,8 @@ def _run() -> dict:
     plan = [[(data[0], True), (data[1], True), (data[2], True)], [(data[3], False), (data[4], False)]]
     out = {}
     for mode in ("plain", "fused"):
-        for name, env in (("on", "1"), ("off", "0")):
-            ddp, switched, resets = build(env)
+        for name, first_write in (("on", True), ("off", False)):
+            ddp, switched, resets = build(first_write)
             if mode == "fused":  # the flag utils/wgrad_fusion sets on a fused linear (a plain
                 # nn.Linear ignores it; the buffers must still be zeroed)
                 ddp.module.a.gradient_accumulation_fusion = True

@@ -25,11 +25,16 @@ def test_accumulate_adds_the_weight_gradient_into_the_buffer(dtype):
 
 
 def test_switch(monkeypatch):
-    monkeypatch.setenv(wgrad_fusion.ENV, "0")
-    assert not wgrad_fusion.wanted("cuda", torch.bfloat16)
-    monkeypatch.setenv(wgrad_fusion.ENV, "1")
+    from parallel_models.options import env_var, options_override
+
+    monkeypatch.delenv(env_var("wgrad_fusion"), raising=False)
+    with options_override(wgrad_fusion=False):
+        assert not wgrad_fusion.wanted("cuda", torch.bfloat16)
+    with options_override(wgrad_fusion=True):
+        assert wgrad_fusion.wanted("cpu", torch.float32)
+    monkeypatch.setenv(env_var("wgrad_fusion"), "1")  # the environment variable still works
     assert wgrad_fusion.wanted("cpu", torch.float32)
-    monkeypatch.delenv(wgrad_fusion.ENV)
+    monkeypatch.delenv(env_var("wgrad_fusion"))
     assert not wgrad_fusion.wanted("cpu", torch.float32), "unfused by default"
     assert wgrad_fusion.fused_gemm_works("cpu", torch.bfloat16)
 

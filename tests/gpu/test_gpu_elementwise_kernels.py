@@ -139,7 +139,7 @@ def test_rms_norms_at_8b_width(shape, dtype, residual, compiled_path):
 
 
 def test_fused_ops_dispatch_and_switch(monkeypatch):
-    monkeypatch.setenv(et.ENV, "1")  # opt-in
+    monkeypatch.setenv("PARALLEL_MODELS_TRITON_ELEMENTWISE", "1")  # opt-in
     calls = []
     for name in ("swiglu", "rms_norm", "add_rms_norm"):
         fn = getattr(et, name)
@@ -150,7 +150,7 @@ def test_fused_ops_dispatch_and_switch(monkeypatch):
     fused_ops.rms_norm(x, w, 1e-6)
     fused_ops.add_rms_norm(x, x, w, 1e-6)
     assert calls == ["swiglu", "rms_norm", "add_rms_norm"]
-    monkeypatch.setenv(et.ENV, "0")
+    monkeypatch.setenv("PARALLEL_MODELS_TRITON_ELEMENTWISE", "0")
     fused_ops.swiglu(x)
     fused_ops.rms_norm(x, w, 1e-6)
     fused_ops.add_rms_norm(x, x, w, 1e-6)

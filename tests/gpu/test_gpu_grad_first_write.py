@@ -14,14 +14,13 @@ def _train(path, first_write: str, monkeypatch):
     import os
 
     import parallel_models as pm
-    from parallel_models.utils import grad_first_write
     from parallel_models.utils.optimizer import OptimConfig, build_optimizer, optimizer_step, zero_grads
     from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
 
     if monkeypatch is None:  # a spawned rank
-        os.environ[grad_first_write.ENV] = first_write
+        os.environ["PARALLEL_MODELS_GRAD_FIRST_WRITE"] = first_write
     else:
-        monkeypatch.setenv(grad_first_write.ENV, first_write)
+        monkeypatch.setenv("PARALLEL_MODELS_GRAD_FIRST_WRITE", first_write)
     model = pm.AutoModelForCausalLM.from_pretrained(path, rmpad=True, dtype=torch.bfloat16)
     state = build_optimizer(model, OptimConfig(lr=1e-3, total_steps=2))
     ddp = state.chunks[0]

@@ -28,7 +28,7 @@ def test_ddp_gradients_fused_equal_unfused(gpu_models, single_rank, monkeypatch)
     from parallel_models.utils.optimizer import wrap_for_training
     from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
 
-    monkeypatch.setenv(wgrad_fusion.ENV, "1")
+    monkeypatch.setenv("PARALLEL_MODELS_WGRAD_FUSION", "1")
     [model] = wrap_for_training(pm.LlamaForCausalLMRmPad.from_pretrained(
         gpu_models["llama"], dtype=torch.bfloat16))
     assert wgrad_fusion.enable([model]) == 3 * 4 + 1  # 3 layers x 4 linears + the LM head

@@ -162,8 +162,7 @@ def check_fused_wgrad_train_steps(path: str, tp: int, pp: int, steps: int) -> di
     """:func:`check_train_steps` with the weight-gradient accumulation fused into the grad
     buffers (``utils/wgrad_fusion.py``, forced on: on the CPU it is off by default), counting the
     fused GEMMs so that a run which silently took the unfused path fails."""
-    import os
-
+    from parallel_models.options import options_override
     from parallel_models.utils import wgrad_fusion
 
     calls = {"n": 0}
@@ -173,11 +172,10 @@ def check_fused_wgrad_train_steps(path: str, tp: int, pp: int, steps: int) -> di
         calls["n"] += 1
         accumulate(total_input, grad_output, main_grad)
 
-    os.environ[wgrad_fusion.ENV] = "1"
     wgrad_fusion.extension.wgrad_gemm_accum_fp32 = counted
     try:
-        out = check_train_steps(path, tp, pp, None, steps)
+        with options_override(wgrad_fusion=True):
+            out = check_train_steps(path, tp, pp, None, steps)
     finally:
-        os.environ.pop(wgrad_fusion.ENV)
         wgrad_fusion.extension.wgrad_gemm_accum_fp32 = accumulate
     return {**out, "fused_gemms": calls["n"]}

@@ -187,11 +187,16 @@ def test_add_rms_norm_matches_eager(shape, dtype, used):
 
 
 def test_switch_and_dispatch_rules(monkeypatch):
-    """The environment switch and the run-time override; CPU tensors never come here."""
+    """The option (and its environment variable) and the run-time override; CPU tensors never
+    come here."""
+    from parallel_models.options import options_override
+
     x = torch.zeros(2, 4)
-    monkeypatch.delenv(et.ENV, raising=False)
+    monkeypatch.delenv("PARALLEL_MODELS_TRITON_ELEMENTWISE", raising=False)
     assert not et.enabled(), "opt-in"
-    monkeypatch.setenv(et.ENV, "0")
+    with options_override(triton_elementwise=True):
+        assert et.enabled()
+    monkeypatch.setenv("PARALLEL_MODELS_TRITON_ELEMENTWISE", "0")
     assert not et.enabled()
     et.set_enabled(True)
     try:
@@ -199,17 +204,30 @@ def test_switch_and_dispatch_rules(monkeypatch):
         assert not et.use_for(x)  # CPU: fused_ops keeps the eager reference
     finally:
         et.set_enabled(None)
-    monkeypatch.setenv(et.ENV, "1")
+    monkeypatch.setenv("PARALLEL_MODELS_TRITON_ELEMENTWISE", "1")
     assert et.enabled() and et.available()
 
 
-def test_launch_config_from_env(monkeypatch):
-    monkeypatch.setenv(et.LAUNCH_ENV, "norm_tile=8192, swiglu_block=512")
-    config = et.LaunchConfig.from_env()
+def test_launch_config_from_options(monkeypatch):
+    import dataclasses
+    import typing
+
+    from parallel_models.errors import ConfigError
+    from parallel_models.options import ElementwiseLaunchField, options_override
+
+    # the option names exactly the launch config's fields
+    assert set(typing.get_args(ElementwiseLaunchField)) == \
+        {f.name for f in dataclasses.fields(et.LaunchConfig)}
+    monkeypatch.delenv("PARALLEL_MODELS_ELEMENTWISE_LAUNCH", raising=False)
+    assert et.launch_config() == et.LaunchConfig()
+    with options_override(elementwise_launch={"norm_tile": 8192}):
+        assert et.launch_config() == et.LaunchConfig(norm_tile=8192)
+    monkeypatch.setenv("PARALLEL_MODELS_ELEMENTWISE_LAUNCH", "norm_tile=8192, swiglu_block=512")
+    config = et.LaunchConfig.from_options()
     assert (config.norm_tile, config.swiglu_block, config.swiglu_warps) == (8192, 512, 4)
-    monkeypatch.setenv(et.LAUNCH_ENV, "tile=1")
-    with pytest.raises(ValueError, match="unknown field"):
-        et.LaunchConfig.from_env()
+    monkeypatch.setenv("PARALLEL_MODELS_ELEMENTWISE_LAUNCH", "tile=1")
+    with pytest.raises(ConfigError, match="PARALLEL_MODELS_ELEMENTWISE_LAUNCH='tile=1'"):
+        et.LaunchConfig.from_options()
     monkeypatch.setattr(et, "CONFIG", et.LaunchConfig(norm_tile=3000))
     assert et._norm_tile(100) == (16, 128, 4)  # 3000 // 128 = 23 rows -> 16 (a power of two)
 

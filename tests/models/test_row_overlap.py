@@ -67,10 +67,19 @@ def test_chunked_row_parallel_equals_plain(sequence_parallel, tokens):
 
 
 def test_env_switch_rejects_bad_values(monkeypatch):
+    from parallel_models.errors import ConfigError
     from parallel_models.llama.layers import row_overlap
+    from parallel_models.options import options_override
 
-    monkeypatch.setenv(row_overlap.ENV_VAR, "two")
-    with pytest.raises(ValueError, match=row_overlap.ENV_VAR):
-        row_overlap.overlap_chunks_from_env()
-    monkeypatch.setenv(row_overlap.ENV_VAR, "4")
-    assert row_overlap.overlap_chunks_from_env() == 4
+    monkeypatch.setenv("PARALLEL_MODELS_TP_OVERLAP_CHUNKS", "two")
+    with pytest.raises(ConfigError, match="PARALLEL_MODELS_TP_OVERLAP_CHUNKS='two'"):
+        row_overlap.configured_overlap_chunks()
+    monkeypatch.setenv("PARALLEL_MODELS_TP_OVERLAP_CHUNKS", "4")
+    assert row_overlap.configured_overlap_chunks() == 4
+    monkeypatch.delenv("PARALLEL_MODELS_TP_OVERLAP_CHUNKS")
+    assert row_overlap.configured_overlap_chunks() == 0
+    with options_override(tp_overlap_chunks=3):
+        assert row_overlap.configured_overlap_chunks() == 3
+    with pytest.raises(ConfigError, match="tp_overlap_chunks"):
+        with options_override(tp_overlap_chunks=-1):
+            pass

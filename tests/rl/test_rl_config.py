@@ -214,6 +214,7 @@ def test_config_sections_are_documented_in_module():
                     "offload", "loggers", "save_hf_at_end", "max_checkpoints", "test_freq",
                     "val_before_train", "val_greedy", "val_samples_logged", "project_name",
                     "experiment_name"},
+        "kernels": {"compile", "cuda_graphs", "decode_attention", "fused_draw", "wgrad_fusion"},
     }
     have = PPOConfig().to_dict()
     assert set(have) == set(want) == set(rlcfg.SECTIONS)

@@ -1,10 +1,14 @@
 """``parallel-models-serve``: start the rollout server.
 
     parallel-models-serve --model PATH [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+                          [--option cuda_graphs=false ...]
     torchrun --nproc_per_node 2 -m parallel_models.inference.server --model PATH --tp 2
 
 Every rank loads its TP shard; rank 0 serves HTTP, the others follow its commands. The API key
-may also come from the environment variable ``PARALLEL_MODELS_API_KEY``.
+may also come from the environment variable ``PARALLEL_MODELS_API_KEY`` (a secret: it is not one
+of the kernel options). ``--option name=value`` sets the kernel and engine options of
+:mod:`parallel_models.options` (``PARALLEL_MODELS_<NAME>`` environment variables still override
+them, as everywhere).
 """
 
 from __future__ import annotations
@@ -80,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body, in bytes")
     p.add_argument("--request-timeout", type=float, default=300.0,
                    help="seconds a request may wait for its results")
+    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="a kernel / engine option of parallel_models.options (repeatable), "
+                   "e.g. cuda_graphs=false, decode_attention=aten; "
+                   "PARALLEL_MODELS_<NAME> environment variables override them")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="log level of the server and uvicorn (the URL and start-up notes are "
@@ -189,6 +197,16 @@ def main(argv: list[str] | None = None) -> int:
     problem = _startup_problem(args)
     if problem:
         return error_exit(PROG, problem)
+    from parallel_models.errors import ConfigError
+    from parallel_models.options import parse_assignments, set_options
+
+    try:  # every rank: the options of its engine (environment overrides validated here too)
+        options = set_options(parse_assignments(args.option, "--option"), "--option")
+    except ConfigError as err:
+        return error_exit(PROG, err)
+    changed = options.model_dump(mode="json", exclude_defaults=True)
+    if changed:
+        log.info("kernel / engine options: %s", changed)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("serving on %s without --api-key: anyone who can reach it can generate, "
                     "load weights from server paths and shut it down", args.host)

@@ -1,6 +1,7 @@
 """Causal attention over packed (variable-length) sequences, best kernel first.
 
-1. flash-attn's ``flash_attn_varlen_func`` when it is installed (CUDA, fp16/bf16);
+1. flash-attn's ``flash_attn_varlen_func`` when it is installed (CUDA, fp16/bf16) and the option
+   ``disable_flash_attn`` is off (``PARALLEL_MODELS_DISABLE_FLASH_ATTN``; read at first use);
 2. CUDA fp16/bf16 without it, PyTorch's own kernels (bench/attention_bench.py measures them):
    - every sequence of the same length (a full batch): one batched SDPA call (cuDNN on Hopper);
    - ragged: PyTorch's varlen flash kernel, called with the KV heads as they are (GQA);
@@ -12,17 +13,17 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 import torch
 import torch.nn.functional as F
 
 from parallel_models.llama.layers import exact
+from parallel_models.options import option
 
 
 @functools.cache
 def _flash_attn_varlen():
-    if os.environ.get("PARALLEL_MODELS_DISABLE_FLASH_ATTN"):
+    if option("disable_flash_attn"):
         return None
     try:
         from flash_attn import flash_attn_varlen_func

@@ -17,13 +17,14 @@ the input dtype where eager rounds them, so bf16 forwards match eager's bits up 
 last dim is not contiguous), any width (masked), bfloat16 / float16 / float32 (others keep the
 compiled path); outputs come back contiguous in the input's shape.
 
-Switch: opt-in, ``PARALLEL_MODELS_TRITON_ELEMENTWISE=1`` (:func:`set_enabled` does the same at
-run time). Measured on an H100 (docs/PERFORMANCE.md, "Triton SwiGLU / RMSNorm kernels") the
-kernels reach their byte floors and save 2.4 ms of a 378 ms Llama-3-8B step. They stay off by
-default for two reasons. In the same session the 0.89B uniform training case ran slower with
-them and spread more across rounds (cause not found). And Qwen3-MoE decode no longer gave the
-same tokens in CUDA graphs as eagerly: the dispatch keeps strided inputs on the compiled kernels,
-so graph and eager steps can round a norm differently and flip a near-tied route.
+Switch: opt-in, the option ``triton_elementwise`` (``parallel_models.options``; env
+``PARALLEL_MODELS_TRITON_ELEMENTWISE=1``; :func:`set_enabled` forces it at run time). Measured on an
+H100 (docs/PERFORMANCE.md, "Triton SwiGLU / RMSNorm kernels") the kernels reach their byte floors
+and save 2.4 ms of a 378 ms Llama-3-8B step. They stay off by default for two reasons. In the same
+session the 0.89B uniform training case ran slower with them and spread more across rounds (cause
+not found). And Qwen3-MoE decode no longer gave the same tokens in CUDA graphs as eagerly: the
+dispatch keeps strided inputs on the compiled kernels, so graph and eager steps can round a norm
+differently and flip a near-tied route.
 ``gpu_compile.set_compilation(False)`` (exact mode, the benches' eager baselines) switches these
 kernels off as well: they replace the compiled pieces. Set ``TRITON_INTERPRET=1`` before
 importing triton to run them on the CPU (tests); ``fused_ops`` only sends CUDA tensors here.
@@ -32,17 +33,15 @@ importing triton to run them on the CPU (tests); ``fused_ops`` only sends CUDA t
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from dataclasses import dataclass
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from parallel_models.options import option
 from parallel_models.utils import gpu_compile
 
-ENV = "PARALLEL_MODELS_TRITON_ELEMENTWISE"
-LAUNCH_ENV = "PARALLEL_MODELS_ELEMENTWISE_LAUNCH"
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _OVERRIDE: bool | None = None
 
@@ -55,8 +54,9 @@ class LaunchConfig:
     ``max(1, norm_tile // next_pow2(N))`` of them (``norm_warps``: warps per ``norm_tile``
     elements, 4..16); the backward runs ``norm_programs_per_sm`` programs per SM (each keeps one
     fp32 partial weight gradient; at hidden 4096 a program of 8 warps needs ~120 registers a
-    thread, so two fit on an SM). ``PARALLEL_MODELS_ELEMENTWISE_LAUNCH="norm_tile=8192,..."``
-    overrides fields (tuning without code changes)."""
+    thread, so two fit on an SM). The option ``elementwise_launch`` (env
+    ``PARALLEL_MODELS_ELEMENTWISE_LAUNCH="norm_tile=8192,..."``) overrides fields (tuning
+    without code changes)."""
 
     swiglu_block: int = 1024
     swiglu_warps: int = 4
@@ -64,22 +64,26 @@ class LaunchConfig:
     norm_programs_per_sm: int = 2
 
     @classmethod
-    def from_env(cls) -> LaunchConfig:
-        config = cls()
-        for item in filter(None, os.environ.get(LAUNCH_ENV, "").split(",")):
-            key, _, value = item.partition("=")
-            if key.strip() not in cls.__dataclass_fields__:
-                raise ValueError(f"{LAUNCH_ENV}: unknown field {key!r} (fields: "
-                                 f"{', '.join(cls.__dataclass_fields__)})")
-            setattr(config, key.strip(), int(value))
-        return config
+    def from_options(cls) -> LaunchConfig:
+        """The defaults with the option ``elementwise_launch``'s fields over them."""
+        return _configured(tuple(sorted(option("elementwise_launch").items())))
 
 
-CONFIG = LaunchConfig.from_env()
+@functools.cache
+def _configured(fields: tuple) -> LaunchConfig:
+    return LaunchConfig(**dict(fields))
+
+
+CONFIG: LaunchConfig | None = None  # set: used instead of the options (the bench's sweep)
+
+
+def launch_config() -> LaunchConfig:
+    """:data:`CONFIG` when set, else :meth:`LaunchConfig.from_options` (read at each call)."""
+    return CONFIG or LaunchConfig.from_options()
 
 
 def set_enabled(enabled: bool | None) -> None:
-    """Force the kernels on / off at run time (``None``: back to the environment variable)."""
+    """Force the kernels on / off at run time (``None``: back to the option)."""
     global _OVERRIDE
     _OVERRIDE = enabled
 
@@ -87,7 +91,7 @@ def set_enabled(enabled: bool | None) -> None:
 def enabled() -> bool:
     if _OVERRIDE is not None:
         return _OVERRIDE
-    return os.environ.get(ENV, "0") == "1"
+    return option("triton_elementwise")
 
 
 @functools.cache
@@ -131,9 +135,9 @@ def use_for(*tensors: torch.Tensor) -> bool:
     exact mode), not inside a ``torch.compile`` trace, supported dtypes, triton loads, and
     rows without a copy (e.g. Qwen3's q / k heads, strided views of the qkv output, keep the
     compiled kernels, which read them in place)."""
-    return (tensors[0].is_cuda and enabled() and gpu_compile.compilation_enabled()
-            and all(t.dtype in DTYPES and flat_rows(t) for t in tensors)
-            and not torch.compiler.is_compiling() and available())
+    return (tensors[0].is_cuda and not torch.compiler.is_compiling() and enabled()
+            and gpu_compile.compilation_enabled()
+            and all(t.dtype in DTYPES and flat_rows(t) for t in tensors) and available())
 
 
 @functools.cache
@@ -155,11 +159,12 @@ def _pow2(n: int) -> int:
 
 # ------------------------------------------------------------------------------------ SwiGLU
 def _swiglu_launch(kernel, rows: int, inter: int, *args) -> None:
-    block = min(_pow2(CONFIG.swiglu_block), _pow2(inter))
+    config = launch_config()
+    block = min(_pow2(config.swiglu_block), _pow2(inter))
     col_blocks = -(-inter // block)
     if rows and inter:
         kernel[(rows * col_blocks,)](*args, col_blocks, BLOCK=block,
-                                     num_warps=CONFIG.swiglu_warps)
+                                     num_warps=config.swiglu_warps)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -201,7 +206,8 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 def _norm_tile(n: int) -> tuple[int, int, int]:
     """(rows per tile, padded row length, warps) for rows of ``n`` elements."""
     block_n = _pow2(n)
-    block_m = _pow2(max(1, CONFIG.norm_tile // block_n) + 1) // 2  # a power of two, rounded down
+    tile = launch_config().norm_tile
+    block_m = _pow2(max(1, tile // block_n) + 1) // 2  # a power of two, rounded down
     warps = min(16, max(4, block_m * block_n // 512))
     return block_m, block_n, warps
 
@@ -253,7 +259,7 @@ def _norm_backward(x, weight, rstd, d_total, d_y, need_dw: bool):
     dx = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block_m, block_n, warps = _norm_tile(n)
     tiles = -(-rows // block_m)
-    programs = max(1, min(tiles, _sm_count(x.device) * CONFIG.norm_programs_per_sm))
+    programs = max(1, min(tiles, _sm_count(x.device) * launch_config().norm_programs_per_sm))
     partial = torch.empty((programs, n), dtype=torch.float32, device=x.device)
     if rows and n:
         dt_arg = dt if dt is not None else dy

@@ -4,11 +4,13 @@ Each op is written once, in eager PyTorch, with the arithmetic transformers uses
 the reference). On CUDA the same function runs through ``torch.compile``, which turns each one
 into one Triton kernel forward and one backward instead of 5-10 elementwise passes over the
 activations (in eager mode those passes took ~40% of a training step: bench/train_bench.py
---profile). ``PARALLEL_MODELS_COMPILE=0`` switches compilation off (utils/gpu_compile.py).
+--profile). The option ``compile`` off (``PARALLEL_MODELS_COMPILE=0``) switches compilation off
+(utils/gpu_compile.py).
 
-With ``PARALLEL_MODELS_TRITON_ELEMENTWISE=1`` SwiGLU and the two RMSNorms go to hand-written
-Triton kernels on CUDA instead (``elementwise_triton``: one pass each way, where inductor's
-backwards read their inputs twice; opt-in, see there why). Exact mode keeps its own kernels.
+With the option ``triton_elementwise`` on (``PARALLEL_MODELS_TRITON_ELEMENTWISE=1``) SwiGLU and
+the two RMSNorms go to hand-written Triton kernels on CUDA instead (``elementwise_triton``: one
+pass each way, where inductor's backwards read their inputs twice; opt-in, see there why). Exact
+mode keeps its own kernels.
 """
 
 from __future__ import annotations

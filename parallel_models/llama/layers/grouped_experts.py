@@ -15,33 +15,30 @@ exactly as megatron's expert MLP does (probabilities applied after the activatio
 A forward with autograd stacks the local experts' weights (one copy per projection, freed after
 the backward); one without reads them in place, packed once into a tensor per projection that
 the expert parameters are views of (``GroupedGemmExperts.stacked_weights``). Used when
-``use_grouped_gemm()`` says so: by default on CUDA devices of compute capability 9.0+ (Hopper) with bf16 activations; ``PARALLEL_MODELS_MOE_GROUPED_GEMM=1`` forces it
-(e.g. to test it on the CPU), ``=0`` turns it off.
+``use_grouped_gemm()`` says so: by default on CUDA devices of compute capability 9.0+ (Hopper)
+with bf16 activations; the option ``moe_grouped_gemm`` (``parallel_models.options``; env
+``PARALLEL_MODELS_MOE_GROUPED_GEMM``) true forces it (e.g. to test it on the CPU), false turns
+it off; ``moe_packed_experts`` false stacks the weights in every forward instead of packing.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
 from parallel_models.llama.layers import exact
+from parallel_models.options import option
 
-ENV = "PARALLEL_MODELS_MOE_GROUPED_GEMM"
-PACKED_ENV = "PARALLEL_MODELS_MOE_PACKED_EXPERTS"  # =0: stack the weights in every forward
 
 
 def use_grouped_gemm(hidden: torch.Tensor) -> bool:
     """Whether to run the experts as grouped GEMMs for activations ``hidden``."""
     if exact.enabled():  # exact mode's grouped kernel (layers/exact) takes any device and dtype
         return True
-    setting = os.environ.get(ENV, "auto")
-    if setting not in ("auto", "0", "1"):
-        raise ValueError(f"{ENV}={setting!r}: use 1 (on), 0 (off) or leave it unset (auto)")
+    setting = option("moe_grouped_gemm")  # "auto" | True | False
     if setting != "auto" or not hasattr(torch, "_grouped_mm"):
-        return setting == "1" and hasattr(torch, "_grouped_mm")
+        return setting is True and hasattr(torch, "_grouped_mm")
     return (hidden.is_cuda and hidden.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(hidden.device) >= (9, 0))
 
@@ -106,7 +103,7 @@ class GroupedGemmExperts(SequentialMLP):
         every expert's weights first (3x the weight traffic of an MoE decode step)."""
         weights = [getattr(e, attr).weight for e in self.local_experts]
         if (torch.is_grad_enabled() and weights[0].requires_grad) or \
-                os.environ.get(PACKED_ENV, "1") == "0":
+                not option("moe_packed_experts"):
             return torch.stack(weights)
         packed = packed_view(weights)
         if packed is None and _may_pack(weights):

@@ -15,7 +15,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
 from parallel_models.llama.layers.row_overlap import (ChunkedRowParallelMatmul,
-                                                      overlap_chunks_from_env)
+                                                      configured_overlap_chunks)
 
 
 def _mark_tensor_parallel(module: torch.nn.Module, partition_dim: int) -> None:
@@ -81,7 +81,7 @@ class ParallelRowLinear(RowParallelLinear):
             # gradient is partial per rank and must be summed like the norms'.
             self.bias.sequence_parallel = config.sequence_parallel
         # k > 1: the output reduction overlaps the GEMM in k token chunks (row_overlap.py)
-        self.overlap_chunks = overlap_chunks_from_env()
+        self.overlap_chunks = configured_overlap_chunks()
         self.tp_world_size = (torch.distributed.get_world_size(self.tp_group)
                               if torch.distributed.is_initialized() else 1)
 

@@ -9,24 +9,25 @@ the same permutation, expert call and combine as megatron-core's (its ``unpermut
 tokens sorted expert-major, token order within an expert, as its ``permute`` sorts them) with
 fixed shapes (``tokens x top-k`` routed rows) and the counts left on the device. Same values
 bit for bit, so exact mode's training forward (megatron's dispatcher, autograd on) and its
-rollout (this path) still agree. ``PARALLEL_MODELS_MOE_DEVICE_DISPATCH=0`` keeps megatron-core's
-dispatcher everywhere (benchmarks compare).
+rollout (this path) still agree. The option ``moe_device_dispatch`` off
+(``PARALLEL_MODELS_MOE_DEVICE_DISPATCH=0``) keeps megatron-core's dispatcher everywhere
+(benchmarks compare).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.transformer.moe.moe_utils import unpermute
+
+from parallel_models.options import option
 
 
 def applies(moe, hidden: torch.Tensor) -> bool:
     """Whether ``moe`` (a megatron-core ``MoELayer``) can run :func:`forward` on ``hidden``:
     no autograd, experts neither expert- nor tensor-parallel, dropless, no latent projection."""
     cfg = moe.config
-    if os.environ.get("PARALLEL_MODELS_MOE_DEVICE_DISPATCH", "1") == "0":
+    if not option("moe_device_dispatch"):
         return False
     if torch.is_grad_enabled() and hidden.requires_grad:
         return False

@@ -7,31 +7,22 @@ with the wgrad GEMM, ``LinearWithGradAccumulationAndAsyncCommunication``.) Here 
 split into ``k`` chunks: chunk ``i``'s collective runs (``async_op=True``, NCCL's own stream)
 while chunk ``i+1``'s GEMM runs; each GEMM writes straight into its slice of the output.
 The backward is the plain row-parallel backward (sequence parallel: all-gather the output
-gradient first). Switch: ``PARALLEL_MODELS_TP_OVERLAP_CHUNKS=k`` (read when a layer is built;
-0/1 = off, the default) or :func:`set_tp_overlap_chunks` on a built model.
+gradient first). Switch: the option ``tp_overlap_chunks`` (``parallel_models.options``; env
+``PARALLEL_MODELS_TP_OVERLAP_CHUNKS=k``; read when a layer is built; 0/1 = off, the default)
+or :func:`set_tp_overlap_chunks` on a built model.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 
-ENV_VAR = "PARALLEL_MODELS_TP_OVERLAP_CHUNKS"
+from parallel_models.options import option
 
 
-def overlap_chunks_from_env() -> int:
-    """``k`` from :data:`ENV_VAR` (0 when unset); a clear error for a bad value."""
-    raw = os.environ.get(ENV_VAR, "0").strip() or "0"
-    try:
-        k = int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_VAR}={raw!r}: expected an integer number of chunks "
-                         "(0/1 = off)") from None
-    if k < 0:
-        raise ValueError(f"{ENV_VAR}={k}: must be >= 0 (0/1 = off)")
-    return k
+def configured_overlap_chunks() -> int:
+    """``k`` of the option ``tp_overlap_chunks`` (0 by default; validated there)."""
+    return option("tp_overlap_chunks")
 
 
 def set_tp_overlap_chunks(model: torch.nn.Module, chunks: int) -> int:

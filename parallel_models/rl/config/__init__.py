@@ -14,6 +14,7 @@
 """
 
 from parallel_models.errors import ConfigError
+from parallel_models.options import KernelOptions  # the `kernels` section
 from parallel_models.rl.config.ppo import (PPOConfig, default_config_path, load_config,
                                            parse_override)
 from parallel_models.rl.config.sections import (DATA_SUFFIXES, SECTION_DEFAULTS,

@@ -29,6 +29,7 @@ from parallel_models.rl.config.sections import (SECTION_DEFAULTS, SECTIONS, Acto
                                                 AlgorithmSection, CriticSection, DataSection,
                                                 ModelSection, ParallelSection, RewardSection,
                                                 RolloutSection, TrainerSection)
+from parallel_models.options import KernelOptions
 
 
 def _section(name: str):
@@ -49,6 +50,7 @@ class PPOConfig(BaseModel):
     reward: RewardSection = _section("reward")
     algorithm: AlgorithmSection = _section("algorithm")
     trainer: TrainerSection = _section("trainer")
+    kernels: KernelOptions = _section("kernels")
 
     @model_validator(mode="before")
     @classmethod

@@ -25,6 +25,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from parallel_models.inference.sampling import SamplingFields, SamplingParams
+from parallel_models.options import KernelOptions
 from parallel_models.utils.optimizer_config import Int, Number, OptimizerFields
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
@@ -304,6 +305,7 @@ SECTIONS: dict[str, type[BaseModel]] = {
     "reward": RewardSection,
     "algorithm": AlgorithmSection,
     "trainer": TrainerSection,
+    "kernels": KernelOptions,  # parallel_models.options: set process-wide by rl.train
 }
 
 # defaults of the PPO run that differ from the shared models' own

@@ -1,9 +1,6 @@
 """HTTP front of the rollout server (rank 0): FastAPI app + request batcher.
 
-Endpoints (JSON; with ``--api-key`` every endpoint but ``/health`` needs
-``Authorization: Bearer KEY``; the Host / Origin / content-type checks and the admin endpoints
-``/shutdown``, ``/update_weights*``, ``/weights_group/*`` (off unless an API key is set or
-``--enable-admin`` on loopback): ``security.py``):
+Endpoints (JSON; who may call which, the API key and the admin endpoints: ``security.py``):
 
 - ``GET /health`` -> ``{"status": "ok", "weight_version": v}``
 - ``GET /info`` -> model path, architecture, TP, dtype, vocab size, weight version, limits, stats
@@ -21,8 +18,8 @@ Endpoints (JSON; with ``--api-key`` every endpoint but ``/health`` needs
   ``log_softmax(logits / temperature)`` of the drawn tokens (see ``rl.rollout.generation``).
 - ``POST /update_weights`` body ``{"path": folder}`` (HF safetensors or megatron-core checkpoint)
   -> ``{"weight_version": v, ...}``; a folder whose config.json or tensors do not match the
-  served model is refused first (400 naming the field, ``weight_folder.py``); runs between batches, so requests already batched finish on
-  the old weights and the version moves by exactly one. Atomic: if loading fails on any rank
+  served model is refused first (400 naming the field, ``weight_folder.py``); runs between
+  batches, so requests already batched finish on the old weights and the version moves by one. Atomic: if loading fails on any rank
   (read error, out of memory, mismatch), the old weights stay bit-identical, the version does
   not move and the answer is 400 with the cause.
 - ``POST /update_weights_stream`` body: the weights as a stream of frames

@@ -273,6 +273,9 @@ def security_checks(paths: list[str], bad: dict, prompt: list[int]) -> dict:
             "Origin": "http://127.0.0.1:8000"}))
         r = c.post("/generate", json=greedy, headers={"Origin": "http://app.example"})
         res["allowed_origin"] = (*answer(r), r.headers.get("access-control-allow-origin"))
+        r = c.options("/update_weights", headers={"Origin": "http://app.example",
+                                                  "Access-Control-Request-Method": "POST"})
+        res["preflight"] = (r.status_code, r.headers.get("access-control-allow-origin"))
         res["v1_text_plain"] = answer(c.post("/v1/completions", content=b'{"model": "m", '
                                              b'"prompt": "hi"}', headers={
                                                  "Content-Type": "text/plain"}))

@@ -49,6 +49,7 @@ def test_cross_site_requests_refused(res):
     assert res["rebound_host"][0] == 400 and "Host" in _error(res["rebound_host"])
     assert res["same_origin"][0] == 200
     assert res["allowed_origin"][0] == 200 and res["allowed_origin"][2] == "http://app.example"
+    assert res["preflight"] == (200, "http://app.example")
     assert res["health"]["status"] == "ok"  # nothing above shut it down
 
 
@@ -114,3 +115,14 @@ def test_out_of_range_values_and_empty_prompts(res):
         assert res[f"v1 seed {seed}"][0] == 400, res[f"v1 seed {seed}"]
     a, b, c = res["seeded_draws"]
     assert a != b and a != c and b != c, "distinct seeds gave the same draws"
+
+
+def test_cli_security_flags(tmp_path, capsys):
+    from parallel_models.inference.server import cli
+
+    (tmp_path / "config.json").write_text("{}")
+    for argv, words in ((["--host", "0.0.0.0", "--enable-admin"], "--enable-admin"),
+                        (["--allowed-origins", "app.example"], "--allowed-origins"),
+                        (["--allowed-weight-peers", "host:notaport"], "--allowed-weight-peers")):
+        assert cli.main(["--model", str(tmp_path), *argv]) == 2
+        assert words in capsys.readouterr().err

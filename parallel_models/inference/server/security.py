@@ -192,6 +192,9 @@ class AccessGuard:
         if origin is not None and not sec.origin_allowed(origin.decode("latin-1"), host):
             return error_response(path, 403, f"Origin {origin.decode('latin-1')!r} is not "
                                   "allowed: start the server with --allowed-origins ORIGIN")
+        if (origin is not None and scope.get("method") == "OPTIONS"
+                and b"access-control-request-method" in headers):
+            return None  # an allowed Origin's CORS preflight (CORSMiddleware answers it)
         auth = headers.get(b"authorization")
         if path not in OPEN_PATHS and not auth_ok(auth and auth.decode("latin-1"), sec.api_key):
             return error_response(path, 401, "missing or wrong API key (Authorization: Bearer "

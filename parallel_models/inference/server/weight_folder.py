@@ -47,7 +47,6 @@ def config_mismatches(theirs, ours) -> list[str]:
 def check_weight_folder(path: str, model) -> None:
     """:class:`WeightFolderError` unless the folder ``path`` fits ``model`` (module doc)."""
     from parallel_models.config import ModelConfig
-    from parallel_models.errors import ConfigError
     from parallel_models.inference.server.weight_stream import (WeightStreamError,
                                                                  check_against_model)
     from parallel_models.llama.checkpoint_utils.hf_format import SafetensorsCheckpoint
@@ -57,8 +56,9 @@ def check_weight_folder(path: str, model) -> None:
     if os.path.isfile(os.path.join(path, "config.json")):
         try:
             theirs = ModelConfig.from_hf(path)
-        except (ConfigError, OSError, ValueError) as exc:
-            raise WeightFolderError(f"config.json: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - any config that does not read is refused
+            raise WeightFolderError(f"config.json does not read as a model config: "
+                                    f"{type(exc).__name__}: {exc}") from None
         problems = config_mismatches(theirs, model.config)
         if problems:
             raise WeightFolderError("its config.json is another model than the served one: "

@@ -99,7 +99,10 @@ def atomic_update_http(paths: list[str], prompt: list[int], max_new_tokens: int)
     pm.init_parallel(tensor_parallel_size=1)
     model = pm.AutoModelForCausalLM.from_pretrained(paths[0], rmpad=True, dtype=torch.float32)
     engine = Engine(RolloutEngine(model, eos_token_id=EOS, weights_path=paths[0]), tp=1)
-    asgi, _, _ = create_app(engine, None, ServerLimits())
+    from parallel_models.inference.server.security import ServerSecurity
+
+    asgi, _, _ = create_app(engine, None, ServerLimits(),
+                            security=ServerSecurity(enable_admin=True))
     body = {"prompts": [prompt], "greedy": True, "max_new_tokens": max_new_tokens}
 
     def greedy(client):
@@ -107,7 +110,7 @@ def atomic_update_http(paths: list[str], prompt: list[int], max_new_tokens: int)
         return r["results"][0]["samples"][0]["token_ids"], r["weight_version"]
 
     res: dict = {}
-    with TestClient(asgi) as client:
+    with TestClient(asgi, base_url="http://127.0.0.1") as client:
         res["greedy_before"] = greedy(client)
         before = _weights(model)
         real = engine_module.load_weights
@@ -160,4 +163,185 @@ def atomic_update_tp(paths: list[str], prompt: list[int], max_new_tokens: int,
     res["bit_identical"] = all(torch.equal(before[k], v) for k, v in _weights(model).items())
     res["version"] = engine.version
     res["greedy_after"] = engine.generate_samples([prompt], params)[0]["token_ids"]
+    return res
+
+
+# ---- issue 30: the server's refusals (tests/inference/test_server_security.py) ---------------
+
+def bad_weight_folders(root, good: str) -> dict:
+    """Folders next to ``good`` (a tiny Llama, 2 layers, 4 heads of 16) that must not load into
+    it: 3 layers of the same widths, 8 heads of 8 (the same tensor shapes), an extra tensor, and
+    an index whose shard path leaves the folder."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from parallel_models.testing import save_tiny_hf_model
+    from parallel_models.tokenizer import build_builtin_tokenizer
+
+    out = {}
+    for name, over in (("three_layers", {"num_hidden_layers": 3}),
+                       ("eight_heads", {"num_attention_heads": 8, "num_key_value_heads": 4,
+                                        "head_dim": 8})):
+        out[name] = save_tiny_hf_model(str(root / name), "llama", seed=3, vocab_size=74, **over)
+        build_builtin_tokenizer().save_pretrained(out[name])
+    extra = str(root / "extra_tensor")
+    shutil.copytree(good, extra)
+    tensors = load_file(os.path.join(extra, "model.safetensors"))
+    tensors["model.layers.7.mlp.up_proj.weight"] = torch.zeros(96, 64)
+    save_file(tensors, os.path.join(extra, "model.safetensors"), metadata={"format": "pt"})
+    out["extra_tensor"] = extra
+    escape = root / "escape"
+    escape.mkdir()
+    shutil.copy(os.path.join(good, "config.json"), escape / "config.json")
+    rel = os.path.relpath(os.path.join(good, "model.safetensors"), escape)
+    with open(escape / "model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {}, "weight_map": {k: rel for k in tensors
+                                                  if "layers.7" not in k}}, f)
+    out["escape"] = str(escape)
+    return out
+
+
+def _hanging_listener():
+    """A TCP port that accepts connections and never answers (a peer whose join hangs)."""
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    return sock
+
+
+def security_checks(paths: list[str], bad: dict, prompt: list[int]) -> dict:
+    """TP=1, the real app in-process (Starlette's TestClient): every refusal of issue 30's
+    server items, and the answers that must still work. Returns what each request got."""
+    import time
+
+    from starlette.testclient import TestClient
+
+    import parallel_models as pm
+    from parallel_models.inference.engine import RolloutEngine
+    from parallel_models.inference.server.app import ServerLimits, create_app
+    from parallel_models.inference.server.engine import Engine
+    from parallel_models.inference.server.security import ServerSecurity
+    from parallel_models.tokenizer import load_tokenizer
+
+    pm.init_parallel(tensor_parallel_size=1)
+    model = pm.AutoModelForCausalLM.from_pretrained(paths[0], rmpad=True, dtype=torch.float32)
+    engine = Engine(RolloutEngine(model, eos_token_id=EOS, weights_path=paths[0]), tp=1)
+    tok = load_tokenizer(paths[0])
+    limits = ServerLimits(max_new_tokens=8)
+    res: dict = {}
+
+    def answer(r):
+        try:
+            return r.status_code, r.json()
+        except ValueError:
+            return r.status_code, r.text
+
+    greedy = {"prompts": [prompt], "greedy": True, "max_new_tokens": 6}
+    json_type = {"Content-Type": "application/json"}
+
+    # (1) the default: loopback, no key, admin endpoints off
+    asgi, _, _ = create_app(engine, tok, limits)
+    with TestClient(asgi, base_url="http://127.0.0.1:8000") as c:
+        res["default_generate"] = answer(c.post("/generate", json=greedy))
+        for path, body in (("/shutdown", None), ("/update_weights", {"path": paths[1]}),
+                           ("/weights_group/init", {"master_addr": "127.0.0.1",
+                                                    "master_port": 1, "world_size": 2}),
+                           ("/weights_group/status", None)):
+            method = "GET" if path.endswith("status") else "POST"
+            res[f"default_admin {path}"] = answer(c.request(method, path, json=body))
+    security = ServerSecurity(enable_admin=True, allowed_origins=("http://app.example",))
+    asgi, _, state = create_app(engine, tok, limits, security=security)
+    with TestClient(asgi, base_url="http://127.0.0.1:8000", raise_server_exceptions=False) as c:
+        raw = b'{"prompts": [[1, 5, 6]], "greedy": true, "max_new_tokens": 2}'
+        res["text_plain"] = answer(c.post("/generate", content=raw,
+                                          headers={"Content-Type": "text/plain"}))
+        res["form_shutdown"] = answer(c.post("/shutdown", content=b"a=b", headers={
+            "Content-Type": "application/x-www-form-urlencoded"}))
+        res["no_type_body"] = answer(c.post("/update_weights", content=b'{"path": "/"}'))
+        res["evil_origin_shutdown"] = answer(c.post("/shutdown", headers={
+            "Origin": "http://evil.example"}))
+        res["evil_origin_generate"] = answer(c.post("/generate", json=greedy, headers={
+            "Origin": "http://evil.example"}))
+        res["rebound_host"] = answer(c.post("/generate", json=greedy, headers={
+            "Host": "evil.example:8000"}))
+        res["same_origin"] = answer(c.post("/generate", json=greedy, headers={
+            "Origin": "http://127.0.0.1:8000"}))
+        r = c.post("/generate", json=greedy, headers={"Origin": "http://app.example"})
+        res["allowed_origin"] = (*answer(r), r.headers.get("access-control-allow-origin"))
+        r = c.options("/update_weights", headers={"Origin": "http://app.example",
+                                                  "Access-Control-Request-Method": "POST"})
+        res["preflight"] = (r.status_code, r.headers.get("access-control-allow-origin"))
+        res["v1_text_plain"] = answer(c.post("/v1/completions", content=b'{"model": "m", '
+                                             b'"prompt": "hi"}', headers={
+                                                 "Content-Type": "text/plain"}))
+        # (2) the weights-group join: allowed peers only; off the batcher; timeout_s honoured
+        res["far_peer"] = answer(c.post("/weights_group/init", json={
+            "master_addr": "10.255.255.1", "master_port": 29500, "world_size": 2}))
+        hang = _hanging_listener()
+        try:
+            t0 = time.monotonic()
+            res["join"] = answer(c.post("/weights_group/init", json={
+                "master_addr": "127.0.0.1", "master_port": hang.getsockname()[1],
+                "world_size": 2, "timeout_s": 3}))
+            r = c.post("/generate", json=greedy)
+            res["generate_during_join"] = (r.status_code, time.monotonic() - t0)
+            status = c.get("/weights_group/status").json()
+            while status["joining"] and time.monotonic() - t0 < 60:
+                time.sleep(0.1)
+                status = c.get("/weights_group/status").json()
+            res["join_settled_after"] = time.monotonic() - t0
+            res["join_status"] = status
+        finally:
+            hang.close()
+        # (3) + (4) weights folders of another model, extra tensors, shards outside the folder
+        for name, folder in bad.items():
+            res[f"update {name}"] = answer(c.post("/update_weights", json={"path": folder}))
+        res["update good"] = answer(c.post("/update_weights", json={"path": paths[1]}))
+        # (5) lone surrogates, deep nesting, internal errors
+        for path, body in (
+                ("/generate", b'{"prompts": ["a\\ud800b"]}'),
+                ("/v1/completions", b'{"model": "m", "prompt": "a\\ud800b"}'),
+                ("/v1/chat/completions",
+                 b'{"model": "m", "messages": [{"role": "user", "content": "a\\udc00"}]}'),
+                ("/generate", b'{"prompts": ' + b"[" * 100000 + b"]" * 100000 + b"}"),
+                ("/v1/completions", b"[" * 100000 + b"]" * 100000),
+                ("/weights_group/update", b'{"buckets": ' + b"[" * 100000 + b"]" * 100000
+                 + b"}")):
+            res[f"bad body {path} {body[:30]!r}"] = answer(c.post(path, content=body,
+                                                                   headers=json_type))
+        real = engine.run_generate
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("secret internal detail /etc/passwd")
+
+        engine.run_generate = broken
+        try:
+            res["internal_error"] = answer(c.post("/generate", json=greedy))
+        finally:
+            engine.run_generate = real
+        # (6) out-of-range sampling values, one rule for empty prompts
+        for name, body in (("temperature_inf", b'{"prompts": [[1, 5]], "temperature": Infinity}'),
+                           ("temperature_nan", b'{"prompts": [[1, 5]], "temperature": NaN}'),
+                           ("temperature_1e30", b'{"prompts": [[1, 5]], "temperature": 1e30}'),
+                           ("empty_text", b'{"prompts": [""], "max_new_tokens": 4}'),
+                           ("empty_ids", b'{"prompts": [[]], "max_new_tokens": 4}'),
+                           ("v1_empty_text", b'{"model": "%s", "prompt": ""}' % paths[0].encode())):
+            path = "/v1/completions" if name.startswith("v1") else "/generate"
+            res[f"range {name}"] = answer(c.post(path, content=body, headers=json_type))
+        for seed in (-1, 1 << 62, 1 << 63, 1 << 64, 1 << 100):
+            res[f"seed {seed}"] = answer(c.post("/generate", json={
+                "prompts": [prompt], "max_new_tokens": 4, "seed": seed}))
+            res[f"v1 seed {seed}"] = answer(c.post("/v1/completions", json={
+                "model": paths[0], "prompt": [prompt], "max_tokens": 4, "seed": seed}))
+        draws = [c.post("/generate", json={"prompts": [prompt], "max_new_tokens": 6,
+                                           "n": 4, "seed": s}).json()
+                 for s in (0, 1, (1 << 62) - 1)]
+        res["seeded_draws"] = [[x["token_ids"] for x in d["results"][0]["samples"]]
+                               for d in draws]
+        res["health"] = c.get("/health").json()
     return res

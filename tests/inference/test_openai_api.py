@@ -337,7 +337,8 @@ def test_error_body_shape(served, method, path, body, status):
         assert err["param"] == "bogus"
     # the native API keeps its own shape
     native = httpx.post(served["base"] + "/generate", content=b'{"prompts": [', timeout=30,
-                        headers={"Authorization": f"Bearer {KEY}"})
+                        headers={"Authorization": f"Bearer {KEY}",
+                                 "Content-Type": "application/json"})
     assert native.status_code == 400 and isinstance(native.json()["error"], str)
 
 

@@ -174,8 +174,8 @@ def test_chunked_body_too_large(server, models):
             yield b"x" * 10000
         yield b'"}'
 
-    r = httpx.post(f"http://127.0.0.1:{server['port']}/generate", content=chunks(), headers=AUTH,
-                   timeout=30)
+    r = httpx.post(f"http://127.0.0.1:{server['port']}/generate", content=chunks(),
+                   headers={**AUTH, "Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 413, r.text
     assert "body" in r.json()["error"]
     _check_against(models["ref"][0], 1, _greedy(server["client"], models["prompts"][1]))

@@ -1,7 +1,6 @@
 """HTTP front of the rollout server (rank 0): FastAPI app + request batcher.
 
-Endpoints (JSON; with ``--api-key`` every endpoint but ``/health`` needs
-``Authorization: Bearer KEY``):
+Endpoints (JSON; who may call which, the API key and the admin endpoints: ``security.py``):
 
 - ``GET /health`` -> ``{"status": "ok", "weight_version": v}``
 - ``GET /info`` -> model path, architecture, TP, dtype, vocab size, weight version, limits, stats
@@ -9,7 +8,8 @@ Endpoints (JSON; with ``--api-key`` every endpoint but ``/health`` needs
   the fields of :class:`~parallel_models.inference.sampling.SamplingParams` (``"n": 1,
   "max_new_tokens": 16, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "greedy": false,
   "seed": null, "stop_token_ids": [], "eos_token_id": null, "ignore_eos": false``; EOS defaults
-  to the server tokenizer's) -> ``{"weight_version": v,
+  to the server tokenizer's; ``temperature`` <= 100, ``seed`` in [0, 2^62); an empty prompt,
+  ``""`` or ``[]``, is refused) -> ``{"weight_version": v,
   "results": [{"prompt_token_ids": [...], "samples": [{"token_ids", "log_probs",
   "finish_reason": "stop"|"length", "text"?, "routes"?}] * n}]}``; ``"return_routes": true``
   (MoE models) adds per sample ``routes``: for every prompt and generated token, per MoE layer,
@@ -17,8 +17,9 @@ Endpoints (JSON; with ``--api-key`` every endpoint but ``/health`` needs
   model folder (encoded with its special tokens, e.g. BOS). Log-probs are
   ``log_softmax(logits / temperature)`` of the drawn tokens (see ``rl.rollout.generation``).
 - ``POST /update_weights`` body ``{"path": folder}`` (HF safetensors or megatron-core checkpoint)
-  -> ``{"weight_version": v, ...}``; runs between batches, so requests already batched finish on
-  the old weights and the version moves by exactly one. Atomic: if loading fails on any rank
+  -> ``{"weight_version": v, ...}``; a folder whose config.json or tensors do not match the
+  served model is refused first (400 naming the field, ``weight_folder.py``); runs between
+  batches, so requests already batched finish on the old weights and the version moves by one. Atomic: if loading fails on any rank
   (read error, out of memory, mismatch), the old weights stay bit-identical, the version does
   not move and the answer is 400 with the cause.
 - ``POST /update_weights_stream`` body: the weights as a stream of frames
@@ -32,10 +33,13 @@ Endpoints (JSON; with ``--api-key`` every endpoint but ``/health`` needs
   (everything under ``/v1/``, the 401 / 404 / 413 ones included) have the OpenAI body
   ``{"error": {"message", "type", "param", "code"}}`` and 400 where the native API says 422.
 
-Errors of the native endpoints are ``{"error": message}`` with: 400 malformed JSON / bad path /
-text prompt without a tokenizer, 401 missing or wrong API key, 404/405 unknown route/method, 413 body too large, 422
-wrong types or out-of-range values (prompt too long, n / max_new_tokens / batch rows over the
-limits, token ids outside the vocab), 503 shutting down, 504 request timeout, 500 internal.
+Errors of the native endpoints are ``{"error": message}`` with: 400 malformed JSON (NaN /
+Infinity, lone surrogates, nesting too deep included) / bad path / text prompt without a
+tokenizer / Host not this server, 401 missing or wrong API key, 403 Origin not allowed or admin
+endpoint disabled, 404/405 unknown route/method, 413 body too large, 415 not JSON, 422 wrong
+types or out-of-range values (prompt too long, n / max_new_tokens / batch rows over the limits,
+token ids outside the vocab), 503 shutting down, 504 request timeout, 500 internal (the cause
+is in the server log, never in the answer).
 
 Continuous batching (the server's default, ``continuous_batcher``): requests join the running batch at
 the next decode step and leave it when done (``continuous_batcher``); one that can never fit the
@@ -58,13 +62,18 @@ import time
 from typing import Any, Union
 
 from fastapi import FastAPI, Request
+from typing import Optional
+
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from parallel_models.inference.sampling import SamplingParams
+from parallel_models.inference.sampling import Number, SamplingParams
 from parallel_models.inference.server.engine import Engine, GenCall
-from parallel_models.inference.server.http_guards import (BodyLimit, auth_ok, error_response,
-                                                           is_openai)
-from parallel_models.inference.server.openai_protocol import OpenAIError
+from parallel_models.inference.server.http_guards import (BadBody, BodyLimit, error_response,
+                                                           is_openai, parse_json_body)
+from parallel_models.inference.server.openai_protocol import SEED_LIMIT, OpenAIError
+from parallel_models.inference.server.security import AccessGuard, ServerSecurity, with_cors
+
+MAX_TEMPERATURE = 100.0  # above it any logits give near-uniform draws: a mistake, not a setting
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +96,10 @@ class GenerateRequest(SamplingParams):
     model_config = ConfigDict(extra="forbid")
 
     prompts: list[Union[StrictStr, list[StrictInt]]] = Field(min_length=1)
+    temperature: Number = Field(1.0, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
+    seed: Optional[StrictInt] = Field(None, ge=0, lt=SEED_LIMIT, description="seed of the draws "
+                                      "(distinct seeds give distinct draws); null = the global "
+                                      "generator")
     return_text: StrictBool = True
     return_routes: StrictBool = False  # MoE: per token and MoE layer the top-k experts used
 
@@ -243,13 +256,12 @@ def _stream_hook(sinks: list):
     return hook
 
 
-_OPEN_PATHS = ("/health", "/docs", "/openapi.json")
-
-
 def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | None = None,
-               model_info: dict | None = None, batcher_cls=None):
+               model_info: dict | None = None, batcher_cls=None,
+               security: ServerSecurity | None = None):
     """The FastAPI app over ``engine`` (rank 0). Start its batcher in the lifespan.
-    ``batcher_cls``: :class:`Batcher` (default) or ``continuous_batcher.ContinuousBatcher``."""
+    ``batcher_cls``: :class:`Batcher` (default) or ``continuous_batcher.ContinuousBatcher``;
+    ``security``: who may call what (default: ``ServerSecurity(api_key=api_key)``, loopback)."""
     from contextlib import asynccontextmanager
 
     from fastapi.exceptions import RequestValidationError
@@ -258,6 +270,7 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
     from starlette.exceptions import HTTPException as StarletteHTTPException
     from starlette.responses import JSONResponse
 
+    security = security or ServerSecurity(api_key=api_key)
     batcher = (batcher_cls or Batcher)(engine, limits)
     config = engine.model.config
     vocab_size = int(config.vocab_size)
@@ -305,18 +318,8 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
 
     @app.exception_handler(Exception)
     async def _internal(request, exc):
-        log.exception("internal error")
-        return error_response(request.url.path, 500,
-                              f"internal error: {type(exc).__name__}: {exc}")
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        path = request.url.path
-        if path not in _OPEN_PATHS and not auth_ok(request.headers.get("authorization"), api_key):
-            return error_response(path, 401, "missing or wrong API key (Authorization: Bearer "
-                                  "KEY)", code="invalid_api_key",
-                                  headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+        log.exception("internal error")  # the cause stays in the log, not in the answer
+        return error_response(request.url.path, 500, "internal error (see the server log)")
 
     async def _wait(fut):
         try:
@@ -358,15 +361,12 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
         return list(prompt)
 
     async def _parse(request: Request, model_cls):
-        import json
-
         from pydantic import ValidationError
 
-        raw = await request.body()
         try:
-            data = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            raise ApiError(400, "malformed JSON body") from None
+            data = parse_json_body(await request.body())
+        except BadBody as exc:
+            raise ApiError(400, str(exc)) from None
         try:
             return model_cls.model_validate(data)
         except ValidationError as exc:
@@ -399,7 +399,7 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
                                 f"{req.eos_token_id}")
         encoded = []
         for i, p in enumerate(req.prompts):
-            ids = _encode(p)
+            ids = _encode(p) if p != "" else []  # one rule: "" is as empty as []
             if not ids:
                 raise ApiError(422, f"prompt {i} is empty")
             if len(ids) > limits.max_prompt_tokens:
@@ -433,6 +433,13 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
 
         if not os.path.isdir(req.path):
             raise ApiError(400, f"{req.path!r} is not a folder on the server")
+        from parallel_models.inference.server.weight_folder import (WeightFolderError,
+                                                                     check_weight_folder)
+
+        try:
+            await asyncio.to_thread(check_weight_folder, req.path, engine.model)
+        except WeightFolderError as exc:
+            raise ApiError(400, f"{req.path!r}: {exc}; version {engine.version} kept") from None
         try:
             return await _wait(batcher.submit("update", req.path))
         except ApiError:
@@ -474,7 +481,8 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
 
     from parallel_models.inference.server.weight_group import group_router
 
-    app.include_router(group_router(engine, lambda job: batcher.submit("update", job), state))
+    app.include_router(group_router(engine, lambda job: batcher.submit("update", job), state,
+                                    security))
 
     @app.post("/shutdown")
     async def shutdown():
@@ -484,4 +492,7 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
         server.should_exit = True
         return {"status": "shutting down"}
 
-    return BodyLimit(app, limits.max_body_bytes, ("/update_weights_stream",)), app, state
+    with_cors(app, security)
+    guarded = AccessGuard(BodyLimit(app, limits.max_body_bytes, ("/update_weights_stream",)),
+                          security)
+    return guarded, app, state

@@ -6,9 +6,9 @@
 
 Every rank loads its TP shard; rank 0 serves HTTP, the others follow its commands. The API key
 may also come from the environment variable ``PARALLEL_MODELS_API_KEY`` (a secret: it is not one
-of the kernel options). ``--option name=value`` sets the kernel and engine options of
-:mod:`parallel_models.options` (``PARALLEL_MODELS_<NAME>`` environment variables still override
-them, as everywhere).
+of the kernel options). Access (Host, Origin, admin endpoints, weights peers): ``security.py``.
+``--option name=value`` sets the kernel and engine options of :mod:`parallel_models.options`
+(``PARALLEL_MODELS_<NAME>`` environment variables still override them, as everywhere).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import sys
 from parallel_models.cli_support import (DTYPE_HELP, DefaultsHelpFormatter, add_version_argument,
                                          dtype_or_auto, error_exit, log_optional_pieces,
                                          quiet_third_party)
+from parallel_models.inference.server.security import LOOPBACK_NAMES
 
 PROG = "parallel-models-serve"
 log = logging.getLogger(PROG)
@@ -41,6 +42,10 @@ def _port(value: str) -> int:
     return n
 
 
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG,
                                 description="Serve a parallel CausalLM for rollouts over HTTP.",
@@ -54,6 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (all endpoints but /health); "
                    "default: $PARALLEL_MODELS_API_KEY when set, else no key")
+    p.add_argument("--enable-admin", action="store_true",
+                   help="without --api-key: enable the admin endpoints (/shutdown, "
+                   "/update_weights*, /weights_group/*); only on a loopback --host")
+    p.add_argument("--allowed-hosts", type=_csv, default=(), metavar="HOST,...",
+                   help="Host header values accepted besides the bound address (and the "
+                   "loopback names on a loopback or wildcard bind); '*': any")
+    p.add_argument("--allowed-origins", type=_csv, default=(), metavar="ORIGIN,...",
+                   help="browser Origins (scheme://host[:port]) allowed to call the server, "
+                   "with CORS answers; others get 403 ('*': any)")
+    p.add_argument("--allowed-weight-peers", type=_csv, default=LOOPBACK_NAMES,
+                   metavar="HOST[:PORT],...",
+                   help="addresses /weights_group/init may join (the trainer's store)")
     p.add_argument("--dtype", type=dtype_or_auto, default="auto", metavar="DTYPE",
                    help=f"auto (bfloat16 on GPU, float32 on CPU) | {DTYPE_HELP}")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id; one that does "
@@ -207,9 +224,18 @@ def main(argv: list[str] | None = None) -> int:
     changed = options.model_dump(mode="json", exclude_defaults=True)
     if changed:
         log.info("kernel / engine options: %s", changed)
+    from parallel_models.inference.server.security import ServerSecurity
+
+    try:
+        args.security = ServerSecurity(
+            api_key=args.api_key, bind_host=args.host, enable_admin=args.enable_admin,
+            allowed_hosts=args.allowed_hosts, allowed_origins=args.allowed_origins,
+            allowed_weight_peers=args.allowed_weight_peers)
+    except ConfigError as err:
+        return error_exit(PROG, err)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        log.warning("serving on %s without --api-key: anyone who can reach it can generate, "
-                    "load weights from server paths and shut it down", args.host)
+        log.warning("serving on %s without --api-key: anyone who can reach it can generate "
+                    "(the admin endpoints stay off without a key)", args.host)
     rank = int(os.environ.get("RANK", "0"))
     sock = None
     if rank == 0:
@@ -293,7 +319,7 @@ def _serve(args, sock) -> int:
             from parallel_models.inference.server.continuous_batcher import ContinuousBatcher
 
             batcher_cls = ContinuousBatcher
-        asgi, app, state = create_app(engine, tokenizer, limits, api_key=args.api_key,
+        asgi, app, state = create_app(engine, tokenizer, limits, security=args.security,
                                       model_info={"model": args.model, "architecture": arch,
                                                   "dtype": str(dtype).replace("torch.", "")},
                                       batcher_cls=batcher_cls)

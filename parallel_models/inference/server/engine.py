@@ -50,6 +50,7 @@ class Engine:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.batches = 0
         self.weight_group = None  # the trainer's weights group, once joined (weight_group.py)
+        self.pending_join = None  # a join under way on its own thread (weight_group.py)
 
     @property
     def version(self) -> int:

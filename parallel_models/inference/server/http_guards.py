@@ -1,6 +1,8 @@
 """HTTP guards of the rollout server, in front of both of its APIs: the request-body size limit
-(ASGI middleware), the API-key check, and error answers in the shape of the API a path belongs
-to (``{"error": message}`` for the native endpoints, the OpenAI error body under ``/v1/``).
+(ASGI middleware), the API-key check, the JSON body parser (strict JSON, valid Unicode, bounded
+nesting) and error answers in the shape of the API a path belongs to (``{"error": message}`` for
+the native endpoints, the OpenAI error body under ``/v1/``). Who may call which endpoint:
+``security.py``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,45 @@ def auth_ok(header: str | None, api_key: str | None) -> bool:
     if not header or not header.startswith("Bearer "):
         return False
     return hmac.compare_digest(header[7:].strip().encode(), api_key.encode())
+
+
+class BadBody(ValueError):
+    """A request body that is not the JSON this server reads (the message says why)."""
+
+
+def _no_constant(name: str):
+    raise BadBody(f"malformed JSON body: {name} is not a JSON value")
+
+
+def parse_json_body(raw: bytes):
+    """``raw`` as JSON: strict (no NaN / Infinity), nesting bounded by the parser's recursion
+    limit, every string valid Unicode (no lone surrogate escape such as ``\\ud800``, which no
+    tokenizer can encode); :class:`BadBody` otherwise."""
+    import json
+
+    try:
+        data = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise BadBody("malformed JSON body: nested too deep") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        if isinstance(exc, BadBody):
+            raise
+        raise BadBody("malformed JSON body") from None
+    stack = [data]
+    while stack:  # iterative: the depth is whatever the parser accepted
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadBody("the body has a string with a lone surrogate escape (e.g. "
+                              "\\ud800): not valid Unicode") from None
+    return data
 
 
 class BodyLimit:
@@ -84,4 +125,4 @@ class BodyLimit:
         return await self.app(scope, replay, send)
 
 
-__all__ = ["BodyLimit", "auth_ok", "error_response", "is_openai"]
+__all__ = ["BadBody", "BodyLimit", "auth_ok", "error_response", "is_openai", "parse_json_body"]

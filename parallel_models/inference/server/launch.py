@@ -10,14 +10,18 @@ import time
 
 def start_server(model: str, port: int, *, tp: int = 1, api_key: str | None = None,
                  extra: tuple[str, ...] = (), log_path: str | None = None,
-                 timeout: float = 120.0) -> subprocess.Popen:
-    """Start ``parallel-models-serve`` (torchrun for tp > 1) in its own process group and wait
-    until ``/health`` answers; ``extra`` are more command-line options."""
+                 timeout: float = 120.0, enable_admin: bool = True) -> subprocess.Popen:
+    """Start ``parallel-models-serve`` (torchrun for tp > 1) on 127.0.0.1 in its own process
+    group and wait until ``/health`` answers; ``extra`` are more command-line options.
+    ``enable_admin``: without ``api_key``, pass ``--enable-admin`` (the caller drives the
+    server it started: it pushes weights and shuts it down)."""
     import httpx
 
     args = ["--model", model, "--port", str(port), "--tp", str(tp), *extra]
     if api_key:
         args += ["--api-key", api_key]
+    elif enable_admin:
+        args.append("--enable-admin")
     if tp > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={tp}", "-m", "parallel_models.inference.server", *args]

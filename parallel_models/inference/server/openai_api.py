@@ -29,7 +29,6 @@ field).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import uuid
@@ -39,6 +38,7 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 
 from parallel_models.inference.sampling import SamplingParams
+from parallel_models.inference.server.http_guards import BadBody, parse_json_body
 from parallel_models.inference.server.openai_protocol import (ChatCompletionRequest,
                                                                CompletionRequest, OpenAIError,
                                                                refuse_unsupported)
@@ -50,11 +50,10 @@ GenerateFn = Callable[..., Awaitable[tuple]]
 
 
 async def _parse(request: Request, model_cls):
-    raw = await request.body()
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        raise OpenAIError(400, "the request body is not valid JSON") from None
+        data = parse_json_body(await request.body())
+    except BadBody as exc:
+        raise OpenAIError(400, f"the request body is not valid JSON: {exc}") from None
     data = refuse_unsupported(data)
     try:
         req = model_cls.model_validate(data)
@@ -101,6 +100,8 @@ class OpenAIServing:
 
     def encode(self, prompt, index: int) -> list[int]:
         if isinstance(prompt, str):
+            if not prompt:  # one rule with /generate: "" is as empty as []
+                raise OpenAIError(400, f"prompt {index} is empty", param="prompt")
             if len(prompt) > self.limits.max_prompt_tokens * 64:
                 raise OpenAIError(400, f"prompt {index} is too long", param="prompt")
             ids = list(self.tokenizer(prompt)["input_ids"])

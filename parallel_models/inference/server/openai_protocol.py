@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from parallel_models.inference.sampling import Number, TokenId
 
 MAX_TOP_LOGPROBS = 20
+SEED_LIMIT = 1 << 62  # seeds are in [0, 2^62): the draws' seed mixing is modulo 2^62
 MAX_STOP_STRINGS = 16
 
 
@@ -116,7 +117,7 @@ class _GenerationRequest(BaseModel):
     temperature: Optional[Number] = Field(None, ge=0, le=2)
     top_p: Optional[Number] = Field(None, gt=0, le=1)
     stop: Optional[StopStrings] = None
-    seed: Optional[StrictInt] = None
+    seed: Optional[StrictInt] = Field(None, ge=0, lt=SEED_LIMIT)
     stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[StrictStr] = None  # an end-user id (accepted, not used)
@@ -206,5 +207,5 @@ class ChatCompletionRequest(_GenerationRequest):
             self.max_tokens
 
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "OpenAIError",
+__all__ = ["SEED_LIMIT", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "OpenAIError",
            "StreamOptions", "error_body", "refuse_unsupported"]

@@ -127,10 +127,11 @@ async def stream_response(serving, prompts: list[list[int]], req, max_tokens: in
                     yield event
             samples, version = result.result()
         except Exception as exc:  # noqa: BLE001 - the answer has begun: report in the stream
-            status = getattr(exc, "status", 500)
-            if status == 500:
+            status = getattr(exc, "status", 422 if isinstance(exc, ValueError) else 500)
+            message = getattr(exc, "message", None) or str(exc)
+            if status >= 500:  # the log has the cause; the answer never carries exception text
                 log.exception("streamed generation failed")
-            message = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+                message = getattr(exc, "message", None) or "internal error (see the server log)"
             yield sse(error_body(400 if status == 422 else status, message))
             yield sse("[DONE]")
             return

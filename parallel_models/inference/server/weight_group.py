@@ -5,8 +5,10 @@ Endpoints (JSON; the push's bytes never go through HTTP):
 
 - ``POST /weights_group/init`` ``{"master_addr", "master_port", "world_size", "transport":
   "auto", "timeout_s"}`` -> 202 ``{"status": "joining", "world_size"}`` at once; the server's
-  ranks then join the trainer's group (between batches) and the transport is agreed there.
-  ``world_size`` must be 1 + the server's ranks.
+  ranks then join the trainer's group, each on a thread of its own (generation goes on
+  meanwhile), and the transport is agreed there; a join not done in ``timeout_s`` fails
+  (``/weights_group/status``). ``world_size`` must be 1 + the server's ranks; ``master_addr``
+  (and port) must be one of ``--allowed-weight-peers`` (default: loopback), else 403.
 - ``POST /weights_group/update`` the manifest ``{"buckets": [{"tensors": [[name, dtype, shape],
   ...], "nbytes": n}, ...], "ipc": {...} | null, "push_id"}`` -> 400 at once if it does not
   fit the model (every HF tensor of the weight map, right shapes, nothing else), 409 if no
@@ -14,7 +16,7 @@ Endpoints (JSON; the push's bytes never go through HTTP):
   receives the buckets into staging buffers (on the GPU for nccl / ipc, host memory for gloo),
   checks them finite, and only when every rank has them all and all are finite, loads them (no
   snapshot needed: nothing can fail any more) and bumps the version.
-- ``GET /weights_group/status`` -> ``{"joined", "transport", "weight_version", "last",
+- ``GET /weights_group/status`` -> ``{"joined", "joining", "transport", "weight_version", "last",
   "last_push"}``: the last join / push job's result or error, and the last push's outcome as
   the server reported it to the trainer (what the trainer reads after a push that failed).
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from typing import Literal, Optional
 
@@ -98,26 +101,95 @@ def _server_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+class PendingJoin:
+    """This rank joining the trainer's group on a thread of its own, bounded by ``timeout_s``:
+    the group is installed as ``engine.weight_group`` when the join ends in time; a join still
+    hanging at the deadline is abandoned (its group, if it ever comes, closed)."""
+
+    def __init__(self, req: GroupInit, engine):
+        self.req, self.engine = req, engine
+        self.deadline = time.monotonic() + req.timeout_s
+        self.outcome: dict | None = None  # {"joined": True, ...} or {"error": message}
+        self._lock = threading.Lock()
+        self._settled = threading.Event()
+        self._callbacks: list = []
+        engine.pending_join = self  # before the threads start: _settle installs the group
+        threading.Thread(target=self._join, name="weights-group-join", daemon=True).start()
+        threading.Thread(target=self._watch, name="weights-group-deadline", daemon=True).start()
+
+    def _join(self) -> None:
+        from parallel_models.inference.server.side_group import SideGroup
+
+        req = self.req
+        try:
+            side = SideGroup(req.master_addr, req.master_port, 1 + _server_rank(),
+                             req.world_size, self.engine.rollout.device, req.timeout_s,
+                             req.transport)
+        except Exception as exc:  # noqa: BLE001 - reported in /weights_group/status
+            self._settle({"error": f"joining the weights group failed: {type(exc).__name__}: "
+                                   f"{exc}"})
+            return
+        if not self._settle({"joined": True, "transport": side.transport,
+                             "world_size": side.world_size}, side):
+            side.close()  # too late: the join was abandoned at its deadline
+            return
+        log.info("joined the weights group (%s, rank %d of %d)", side.transport, side.rank,
+                 side.world_size)
+
+    def _watch(self) -> None:
+        if not self._settled.wait(max(0.0, self.deadline - time.monotonic())):
+            self._settle({"error": f"joining the weights group at {self.req.master_addr}:"
+                                   f"{self.req.master_port} timed out after "
+                                   f"{self.req.timeout_s:g} s"})
+
+    def _settle(self, outcome: dict, side=None) -> bool:
+        with self._lock:
+            if self._settled.is_set():
+                return False
+            if side is not None and self.engine.pending_join is self:
+                self.engine.weight_group = side
+            self.outcome = outcome
+            self._settled.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(outcome)
+        return True
+
+    def on_settled(self, fn) -> None:
+        """Call ``fn(outcome)`` once the join ends (now if it has)."""
+        with self._lock:
+            if not self._settled.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self.outcome)
+
+    def wait(self) -> dict:
+        """The outcome, waiting at most until the deadline."""
+        self._settled.wait(max(0.0, self.deadline - time.monotonic()) + 1.0)
+        return self.outcome or {"error": "joining the weights group timed out"}
+
+    def abandon(self) -> None:
+        self._settle({"error": "the join was replaced or dropped"})
+
+
 @dataclasses.dataclass
 class JoinJob:
-    """Every server rank joins the trainer's group (run through the engine's command mirror)."""
+    """Every server rank starts joining the trainer's group (run through the engine's command
+    mirror; the join itself runs on a :class:`PendingJoin` thread, off the batcher)."""
 
     init: dict
 
     def run_on_every_rank(self, engine) -> dict:
-        from parallel_models.inference.server.side_group import SideGroup
-
         drop_group(engine)
-        req = GroupInit.model_validate(self.init)
-        side = SideGroup(req.master_addr, req.master_port, 1 + _server_rank(), req.world_size,
-                         engine.rollout.device, req.timeout_s, req.transport)
-        engine.weight_group = side
-        log.info("joined the weights group (%s, rank %d of %d)", side.transport, side.rank,
-                 side.world_size)
-        return {"joined": True, "transport": side.transport, "world_size": side.world_size}
+        PendingJoin(GroupInit.model_validate(self.init), engine)
+        return {"joining": True}
 
 
 def drop_group(engine) -> None:
+    pending = getattr(engine, "pending_join", None)
+    engine.pending_join = None
+    if pending is not None:
+        pending.abandon()
     side = getattr(engine, "weight_group", None)
     if side is not None:
         side.close()
@@ -157,6 +229,9 @@ class PushJob:
     manifest: dict
 
     def run_on_every_rank(self, engine) -> dict:
+        pending = getattr(engine, "pending_join", None)
+        if pending is not None:  # the push was queued behind a join still under way
+            pending.wait()
         side = getattr(engine, "weight_group", None)
         if side is None:
             raise WeightStreamError("no weights group joined: POST /weights_group/init first")
@@ -236,15 +311,18 @@ class PushJob:
         return tensors
 
 
-def group_router(engine, submit, state: dict):
+def group_router(engine, submit, state: dict, security=None):
     """The ``/weights_group/*`` routes; ``submit(payload)`` queues a job between batches (the
-    batcher's ``update`` jobs: ``Engine.update_weights`` runs it on every rank) -> a future."""
+    batcher's ``update`` jobs: ``Engine.update_weights`` runs it on every rank) -> a future;
+    ``security``: its ``allowed_weight_peers`` (default: loopback only)."""
+    from parallel_models.inference.server.security import ServerSecurity
     from fastapi import APIRouter
     from fastapi.responses import JSONResponse
     from pydantic import ValidationError
 
     router = APIRouter()
     status = state.setdefault("weights_group", {"last": None})
+    security = security or ServerSecurity()
 
     def _record(kind, push_id=None):
         def done(fut):
@@ -275,9 +353,26 @@ def group_router(engine, submit, state: dict):
         if req.world_size != 1 + engine.world:
             return _error(400, f"world_size {req.world_size}: the group is the trainer's rank 0 "
                                f"+ this server's {engine.world} rank(s) = {1 + engine.world}")
+        if not security.peer_allowed(req.master_addr, req.master_port):
+            return _error(403, f"master_addr {req.master_addr}:{req.master_port} is not an "
+                               "allowed weights peer: start the server with "
+                               "--allowed-weight-peers HOST[:PORT] (default: loopback only)")
         status["joining"] = True  # a push may be queued behind the join (the queue is FIFO)
-        submit(JoinJob(req.model_dump())).add_done_callback(_record("join"))
+
+        def started(fut):  # the join runs on every rank's own thread: record how it ends
+            pending = getattr(engine, "pending_join", None)
+            if fut.exception() is not None or pending is None:
+                return _record("join")(fut)
+            pending.on_settled(_record_join)
+
+        submit(JoinJob(req.model_dump())).add_done_callback(started)
         return JSONResponse({"status": "joining", "world_size": req.world_size}, 202)
+
+    def _record_join(outcome: dict):
+        status["joining"] = False
+        status["last"] = ({"kind": "join", "push_id": None, "ok": True, **outcome}
+                          if "error" not in outcome else
+                          {"kind": "join", "push_id": None, "ok": False, **outcome})
 
     @router.post("/weights_group/update")
     async def update(request: Request):
@@ -294,7 +389,8 @@ def group_router(engine, submit, state: dict):
     @router.get("/weights_group/status")
     async def get_status():
         side = getattr(engine, "weight_group", None)
-        return {"joined": side is not None, "transport": getattr(side, "transport", None),
+        return {"joined": side is not None, "joining": bool(status.get("joining")),
+                "transport": getattr(side, "transport", None),
                 "weight_version": engine.version, "last": status["last"],
                 "last_push": getattr(engine, "last_group_push", None)}
 

@@ -88,6 +88,10 @@ class SafetensorsCheckpoint:
                     weight_map = json.load(f)["weight_map"]
             except (json.JSONDecodeError, KeyError) as err:
                 raise CheckpointError(f"{index_path}: not a valid safetensors index ({err})") from err
+            for fname in sorted(set(weight_map.values())):  # a shard outside the folder: never
+                rel = os.path.normpath(str(fname))  # (symlinks inside it, as in the HF cache, ok)
+                if os.path.isabs(rel) or rel == ".." or rel.startswith(".." + os.sep):
+                    raise CheckpointError(f"{index_path}: shard path {fname!r} leaves the folder")
             self.files = {name: os.path.join(folder, fname) for name, fname in weight_map.items()}
             for fname in sorted(set(self.files.values())):
                 if not os.path.isfile(fname):

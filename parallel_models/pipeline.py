@@ -20,6 +20,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from parallel_models import cpu_shim
 from parallel_models.config import ConfigError
+from parallel_models.distributed import layout_or_training
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +78,11 @@ def format_pipeline_layout(num_layers: int, pp_size: int, vpp_size: int | None =
 
 
 def stage_of_this_rank(num_layers: int, vpp_chunk: int | None = None,
-                       layers_per_stage: list[int] | None = None) -> Stage:
-    pp = mpu.get_pipeline_model_parallel_world_size()
-    vpp = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
+                       layers_per_stage: list[int] | None = None, layout=None) -> Stage:
+    """This rank's stage (chunk ``vpp_chunk``) in ``layout`` (default: the training layout)."""
+    layout = layout_or_training(layout)
+    pp = layout.pipeline_parallel_size
+    vpp = layout.virtual_pipeline_parallel_size or 1
     chunk = 0 if vpp_chunk is None else vpp_chunk
     if not 0 <= chunk < vpp:
         raise ConfigError(f"vpp_chunk={vpp_chunk} out of range for virtual_pipeline_parallel_size {vpp}")
@@ -87,7 +90,7 @@ def stage_of_this_rank(num_layers: int, vpp_chunk: int | None = None,
         raise ConfigError("virtual pipeline parallel is on: build each chunk with vpp_chunk=i, or "
                           "use parallel_models.pipeline.build_pipeline_chunks")
     return pipeline_layout(num_layers, pp, vpp, layers_per_stage)[
-        mpu.get_pipeline_model_parallel_rank()][chunk]
+        layout.pipeline_parallel_rank][chunk]
 
 
 def build_pipeline_chunks(cls, path: str, **kwargs) -> list[torch.nn.Module]:

@@ -30,7 +30,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from parallel_models.inference.generation import GenerationOutput, generate
+from parallel_models.inference.generation import (GenerationOutput, check_generation_layout,
+                                                  generate)
 from parallel_models.inference.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,9 @@ class RolloutEngine:
             raise TypeError(f"{type(model).__name__} has no LM head; a rollout engine needs a "
                             "CausalLM")
         self.model = model
+        # the layout the model was built in (training, or the hybrid engine's TP'): generation
+        # communicates over its TP group only
+        self.parallel_layout = check_generation_layout(model)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.weights_path = weights_path

@@ -30,8 +30,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from parallel_models.inference.generation import (GenerationOutput, check_generation_layout,
-                                                  generate)
+from parallel_models.inference.generation import GenerationOutput, generate
 from parallel_models.inference.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -91,8 +90,8 @@ class RolloutEngine:
                             "CausalLM")
         self.model = model
         # the layout the model was built in (training, or the hybrid engine's TP'): generation
-        # communicates over its TP group only
-        self.parallel_layout = check_generation_layout(model)
+        # communicates over its TP group only (and refuses PP > 1 when asked to generate)
+        self.parallel_layout = model.parallel_layout
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.weights_path = weights_path

@@ -2,29 +2,35 @@
 rollout layout of another TP built as a second ``ParallelLayout``. megatron-core's globals stay
 the same objects while the rollout layout is built, its model loaded and generating; a rollout
 generate between two training forwards changes neither (and vice versa); both models agree with
-transformers."""
+transformers. The MoE case runs megatron-core's MoE layer on the rollout layout's groups
+(``pg_collection``) beside an expert-parallel training layout."""
 
 import pytest
 import torch
 
-from parallel_models.testing import run_distributed_jobs
+from parallel_models.testing import run_distributed_jobs, save_tiny_hf_model
 from tests.helpers import parallel_layout_checks
 
-CASES = [(1, 2), (2, 1)]  # (training TP, rollout TP') on 2 ranks
+# (family, training TP, training EP, rollout TP') on 2 ranks
+CASES = [("qwen2", 1, 1, 2), ("qwen2", 2, 1, 1), ("qwen3_moe", 1, 2, 2)]
 
 
 @pytest.fixture(scope="module")
-def results(hf_models):
-    path = hf_models[("qwen2", "causal_lm")]  # qkv bias, tied embeddings
-    jobs = [(parallel_layout_checks.two_layouts, (path, tp, rtp)) for tp, rtp in CASES]
-    return dict(zip(CASES, run_distributed_jobs(jobs, 2, timeout=300)))
+def results(hf_models, tmp_path_factory):
+    paths = {"qwen2": hf_models[("qwen2", "causal_lm")],  # qkv bias, tied embeddings
+             "qwen3_moe": save_tiny_hf_model(str(tmp_path_factory.mktemp("moe") / "m"),
+                                             "qwen3_moe", seed=1, router_scale=25.0)}
+    jobs = [(parallel_layout_checks.two_layouts, (paths[fam], tp, rtp, ep))
+            for fam, tp, ep, rtp in CASES]
+    return dict(zip(CASES, run_distributed_jobs(jobs, 2, timeout=400)))
 
 
-@pytest.mark.parametrize("tp,rollout_tp", CASES)
-def test_two_layouts_interleaved(results, tp, rollout_tp):
-    ranks = results[(tp, rollout_tp)]
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-tp{c[1]}-ep{c[2]}-to-tp{c[3]}")
+def test_two_layouts_interleaved(results, case):
+    _, tp, _, rollout_tp = case
+    ranks = results[case]
     for rank, r in enumerate(ranks):
-        where = f"rank {rank}, TP={tp} -> TP'={rollout_tp}"
+        where = f"rank {rank}, {case}"
         assert r["changed_by_build"] == [], (where, r["changed_by_build"])
         assert r["changed_by_load"] == [], (where, r["changed_by_load"])
         assert r["changed_during_generate"] == [], (where, r["changed_during_generate"])

@@ -21,14 +21,14 @@ def _changed(before: dict) -> list[str]:
     return sorted(n for n in set(before) | set(now) if now.get(n, None) is not before.get(n, None))
 
 
-def two_layouts(path: str, train_tp: int, rollout_tp: int) -> dict:
+def two_layouts(path: str, train_tp: int, rollout_tp: int, train_ep: int = 1) -> dict:
     import parallel_models as pm
     from transformers import AutoModelForCausalLM
 
     from parallel_models.inference.generation import SamplingParams, generate
     from parallel_models.inference.rollout_layout import build_rollout_layout
 
-    pm.init_parallel(tensor_parallel_size=train_tp)
+    pm.init_parallel(tensor_parallel_size=train_tp, expert_model_parallel_size=train_ep)
     before = _megatron_globals()
     training = pm.training_layout()
     rollout = build_rollout_layout(rollout_tp)

@@ -182,9 +182,8 @@ def layout_of(model) -> ParallelLayout:
     """The layout ``model`` (one chunk, or a list of chunks) was built with."""
     if isinstance(model, (list, tuple)):
         model = model[0]
-    model = getattr(model, "module", model)  # megatron DDP / Float16Module wrappers
     while not hasattr(model, "parallel_layout") and hasattr(model, "module"):
-        model = model.module
+        model = model.module  # megatron DDP / Float16Module wrappers
     return model.parallel_layout
 
 

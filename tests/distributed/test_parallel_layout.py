@@ -22,7 +22,15 @@ def results(hf_models, tmp_path_factory):
                                              "qwen3_moe", seed=1, router_scale=25.0)}
     jobs = [(parallel_layout_checks.two_layouts, (paths[fam], tp, rtp, ep))
             for fam, tp, ep, rtp in CASES]
-    return dict(zip(CASES, run_distributed_jobs(jobs, 2, timeout=400)))
+    jobs.append((parallel_layout_checks.bad_rollout_sizes, ()))
+    return dict(zip(CASES + ["bad"], run_distributed_jobs(jobs, 2, timeout=400)))
+
+
+def test_bad_rollout_size_is_named(results):
+    for messages in results["bad"]:
+        assert len(messages) == 2, messages
+        assert all("rollout.tensor_parallel_size" in m and "world size (2)" in m
+                   for m in messages), messages
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-tp{c[1]}-ep{c[2]}-to-tp{c[3]}")

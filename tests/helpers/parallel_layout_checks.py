@@ -21,6 +21,22 @@ def _changed(before: dict) -> list[str]:
     return sorted(n for n in set(before) | set(now) if now.get(n, None) is not before.get(n, None))
 
 
+def bad_rollout_sizes() -> list[str]:
+    """The errors of rollout layouts that cannot fit the 2-rank world."""
+    import parallel_models as pm
+    from parallel_models.errors import ConfigError
+    from parallel_models.inference.rollout_layout import build_rollout_layout
+
+    pm.init_parallel()
+    messages = []
+    for tp in (3, 0):
+        try:
+            build_rollout_layout(tp)
+        except ConfigError as err:
+            messages.append(str(err))
+    return messages
+
+
 def two_layouts(path: str, train_tp: int, rollout_tp: int, train_ep: int = 1) -> dict:
     import parallel_models as pm
     from transformers import AutoModelForCausalLM

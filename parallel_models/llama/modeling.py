@@ -58,10 +58,10 @@ def build_megatron_config(config: ModelConfig, dtype: torch.dtype, sequence_para
     A ``TransformerConfig`` (not just a ``ModelParallelConfig``) because the pipeline schedules
     read ``hidden_size`` and the loss/grad settings from it.
     """
-    settings = layout_or_training(layout)
-    tp = settings.tensor_parallel_size
+    layout = layout_or_training(layout)
+    tp = layout.tensor_parallel_size
     config.check_tensor_parallel(tp)
-    config.check_expert_parallel(settings.expert_parallel_size)
+    config.check_expert_parallel(layout.expert_parallel_size)
     if config.is_moe and tp > 1:
         # megatron-core's MoE layer refuses to train with TP but without sequence parallel
         sequence_parallel = True
@@ -75,8 +75,8 @@ def build_megatron_config(config: ModelConfig, dtype: torch.dtype, sequence_para
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=settings.pipeline_parallel_size,
-        virtual_pipeline_model_parallel_size=settings.virtual_pipeline_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_parallel_size,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_parallel_size,
         sequence_parallel=sequence_parallel and tp > 1,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -85,7 +85,7 @@ def build_megatron_config(config: ModelConfig, dtype: torch.dtype, sequence_para
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=False,  # weights are loaded or initialized by us
         gradient_accumulation_fusion=False,
-        expert_model_parallel_size=settings.expert_parallel_size,
+        expert_model_parallel_size=layout.expert_parallel_size,
         **moe_megatron_settings(config),
         qk_layernorm=config.qk_norm,  # finalize_model_grads sums q/k_layernorm grads over TP
     )

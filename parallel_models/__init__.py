@@ -34,6 +34,8 @@ _LAZY = {
     "destroy_parallel": "parallel_models.distributed",
     "get_parallel_settings": "parallel_models.distributed",
     "compute_device": "parallel_models.distributed",
+    "training_layout": "parallel_models.distributed",
+    "ParallelLayout": "parallel_models.parallel_layout",
     "ParallelModel": "parallel_models.llama.modeling",
     "CausalLMOutput": "parallel_models.llama.modeling",
     "ValueOutput": "parallel_models.llama.modeling",

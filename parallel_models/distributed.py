@@ -2,7 +2,10 @@
 
 ``init_parallel`` is the one call a program makes before building models. It starts
 torch.distributed from the torchrun environment (or as a single process when there is none), nccl
-with CUDA and gloo without, then builds megatron-core's tensor/pipeline/data-parallel groups.
+with CUDA and gloo without, then builds megatron-core's tensor/pipeline/data-parallel groups and
+records them as the *training layout* (:func:`training_layout`, a
+:class:`~parallel_models.parallel_layout.ParallelLayout`): the layout models are built in unless
+they are given another one.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from parallel_models import cpu_shim
+from parallel_models.parallel_layout import ParallelLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +34,7 @@ class ParallelSettings:
 
 
 _SETTINGS: ParallelSettings | None = None
+_TRAINING_LAYOUT: ParallelLayout | None = None
 
 
 def free_port() -> int:
@@ -72,7 +77,7 @@ def init_parallel(
     expert groups over the same ranks as the dense layers' data-parallel (x TP) ranks, so the
     world must be a multiple of TP * PP and of EP * PP (experts' TP equals the dense TP).
     """
-    global _SETTINGS
+    global _SETTINGS, _TRAINING_LAYOUT
     for name, value in (("tensor_parallel_size", tensor_parallel_size),
                         ("pipeline_parallel_size", pipeline_parallel_size),
                         ("expert_model_parallel_size", expert_model_parallel_size)):
@@ -118,6 +123,8 @@ def init_parallel(
         sequence_parallel=sequence_parallel,
         expert_parallel_size=ep,
     )
+    _TRAINING_LAYOUT = ParallelLayout.from_parallel_state(
+        sequence_parallel=sequence_parallel, virtual_pipeline_parallel_size=vpp)
     return _SETTINGS
 
 
@@ -128,18 +135,33 @@ def get_parallel_settings() -> ParallelSettings:
     return _SETTINGS
 
 
+def training_layout() -> ParallelLayout:
+    """The training layout ``init_parallel`` built (megatron-core's groups, as a value): what
+    models are built in when they are not given a layout."""
+    if _TRAINING_LAYOUT is None or not mpu.model_parallel_is_initialized():
+        raise RuntimeError("parallel groups are not initialized: call "
+                           "parallel_models.init_parallel(...) first")
+    return _TRAINING_LAYOUT
+
+
+def layout_or_training(layout: ParallelLayout | None) -> ParallelLayout:
+    """``layout``, or the training layout when it is None (the default of every builder)."""
+    return training_layout() if layout is None else layout
+
+
 def is_initialized() -> bool:
     return _SETTINGS is not None and mpu.model_parallel_is_initialized()
 
 
 def destroy_parallel() -> None:
     """Tear down megatron-core groups and the default process group."""
-    global _SETTINGS
+    global _SETTINGS, _TRAINING_LAYOUT
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
     _SETTINGS = None
+    _TRAINING_LAYOUT = None
 
 
 def compute_device() -> torch.device:

@@ -4,6 +4,10 @@ megatron-core's schedules (1F1B, interleaved 1F1B with virtual chunks).
 Virtual stage ``v = chunk * pp_size + pp_rank`` owns the ``v``-th run of consecutive layers,
 as megatron-core's interleaved schedule expects: with PP=2, VPP=2 and 8 layers, rank 0 holds
 layers 0-1 and 4-5, rank 1 holds 2-3 and 6-7.
+
+Stages and groups are those of the chunks' ``ParallelLayout``. megatron-core's schedules (and its
+DDP's grad finalization) read its own globals, i.e. the training layout: a model built in another
+layout runs through them only without pipeline stages and, to train, not at all.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from parallel_models import cpu_shim
 from parallel_models.config import ConfigError
+from parallel_models.distributed import layout_or_training, training_layout
+from parallel_models.parallel_layout import layout_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +82,11 @@ def format_pipeline_layout(num_layers: int, pp_size: int, vpp_size: int | None =
 
 
 def stage_of_this_rank(num_layers: int, vpp_chunk: int | None = None,
-                       layers_per_stage: list[int] | None = None) -> Stage:
-    pp = mpu.get_pipeline_model_parallel_world_size()
-    vpp = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
+                       layers_per_stage: list[int] | None = None, layout=None) -> Stage:
+    """This rank's stage (chunk ``vpp_chunk``) in ``layout`` (default: the training layout)."""
+    layout = layout_or_training(layout)
+    pp = layout.pipeline_parallel_size
+    vpp = layout.virtual_pipeline_parallel_size or 1
     chunk = 0 if vpp_chunk is None else vpp_chunk
     if not 0 <= chunk < vpp:
         raise ConfigError(f"vpp_chunk={vpp_chunk} out of range for virtual_pipeline_parallel_size {vpp}")
@@ -87,7 +94,7 @@ def stage_of_this_rank(num_layers: int, vpp_chunk: int | None = None,
         raise ConfigError("virtual pipeline parallel is on: build each chunk with vpp_chunk=i, or "
                           "use parallel_models.pipeline.build_pipeline_chunks")
     return pipeline_layout(num_layers, pp, vpp, layers_per_stage)[
-        mpu.get_pipeline_model_parallel_rank()][chunk]
+        layout.pipeline_parallel_rank][chunk]
 
 
 def build_pipeline_chunks(cls, path: str, **kwargs) -> list[torch.nn.Module]:
@@ -95,7 +102,7 @@ def build_pipeline_chunks(cls, path: str, **kwargs) -> list[torch.nn.Module]:
 
     ``cls`` is a PP variant class, e.g. ``LlamaForCausalLMRmPadPP``.
     """
-    vpp = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
+    vpp = layout_or_training(kwargs.get("layout")).virtual_pipeline_parallel_size or 1
     return [cls.from_pretrained(path, vpp_chunk=c if vpp > 1 else None, **kwargs) for c in range(vpp)]
 
 
@@ -197,6 +204,12 @@ def _run(chunks, microbatches, fn, forward_only: bool, with_loss: bool, extra_ke
         config.finalize_model_grads_func = None
     n_tokens = max(_token_count(mb) for mb in microbatches)
     models = [_unwrap(c) for c in chunks]
+    layout = models[0].parallel_layout
+    if layout is not training_layout() and (layout.pipeline_parallel_size > 1
+                                            or not forward_only):
+        raise ValueError(f"a model built in {layout} runs through megatron-core's schedules, "
+                         "which use the training layout's groups: only forward-only without "
+                         "pipeline stages")
     interleaved = len(chunks) > 1
     if interleaved:
         # megatron's interleaved schedule mixes forward and backward p2p in one call, which
@@ -247,9 +260,9 @@ def _finalize_plain(model, num_tokens=None, *args, **kwargs):
         allreduce_sequence_parallel_grads(c)
     allreduce_tied_embedding_grads(chunks)
     if num_tokens is not None:
-        pp_group = mpu.get_pipeline_model_parallel_group()
-        dist.broadcast(num_tokens, src=mpu.get_pipeline_model_parallel_last_rank(), group=pp_group)
-        dist.all_reduce(num_tokens, group=mpu.get_data_parallel_group())
+        layout = chunks[0].parallel_layout
+        dist.broadcast(num_tokens, src=layout.pipeline_last_rank, group=layout.pp_group)
+        dist.all_reduce(num_tokens, group=layout.dp_group)
         scale = 1.0 / max(int(num_tokens), 1)
         for c in chunks:
             for p in c.parameters():
@@ -269,7 +282,8 @@ def forward_backward(chunks, microbatches: list[dict], loss_fn: Callable, *,
     """
     results = _run(chunks, microbatches, loss_fn, forward_only, with_loss=True,
                    extra_keys=extra_keys)
-    return broadcast_from_last_stage(results if mpu.is_pipeline_last_stage() else None)
+    layout = layout_of(chunks)
+    return broadcast_from_last_stage(results if layout.is_pipeline_last_stage() else None, layout)
 
 
 def forward_only(chunks, microbatches: list[dict], output_fn: Callable | None = None, *,
@@ -282,20 +296,23 @@ def forward_only(chunks, microbatches: list[dict], output_fn: Callable | None = 
     with torch.no_grad():
         results = _run(chunks, microbatches, fn, forward_only=True, with_loss=False,
                        extra_keys=extra_keys)
-    local = [r["output"] for r in results] if mpu.is_pipeline_last_stage() else None
-    return broadcast_from_last_stage(local)
+    layout = layout_of(chunks)
+    local = [r["output"] for r in results] if layout.is_pipeline_last_stage() else None
+    return broadcast_from_last_stage(local, layout)
 
 
-def broadcast_from_last_stage(obj):
-    """Send a (nested list/dict of) tensors from the last pipeline stage to the whole PP group."""
-    if mpu.get_pipeline_model_parallel_world_size() == 1:
+def broadcast_from_last_stage(obj, layout=None):
+    """Send a (nested list/dict of) tensors from the last pipeline stage to the whole PP group
+    (of ``layout``, default the training layout)."""
+    layout = layout_or_training(layout)
+    if layout.pipeline_parallel_size == 1:
         return obj
-    group = mpu.get_pipeline_model_parallel_group()
-    src = mpu.get_pipeline_model_parallel_last_rank()
+    group = layout.pp_group
+    src = layout.pipeline_last_rank
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
         torch.device("cpu")
     leaves, spec = [], None
-    if mpu.is_pipeline_last_stage():
+    if layout.is_pipeline_last_stage():
         flat, spec = torch.utils._pytree.tree_flatten(obj)
         leaves = flat
         meta = [(tuple(t.shape), t.dtype) if torch.is_tensor(t) else ("obj", t) for t in flat]

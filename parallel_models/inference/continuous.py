@@ -28,10 +28,10 @@ import dataclasses
 from typing import Callable, Sequence
 
 import torch
-from megatron.core import parallel_state as mpu
 
 from parallel_models.inference.bucket_step import BucketStep, bucket_sizes
-from parallel_models.inference.generation import _broadcast_in_tp_group, sequence_parallel_off
+from parallel_models.inference.generation import (_broadcast_in_tp_group,
+                                                  check_generation_layout, sequence_parallel_off)
 from parallel_models.inference.pool_cache import DecodeRows, PoolKVCache
 from parallel_models.inference.prefix_cache import PrefixCache
 from parallel_models.inference.row_sampling import draw, row_seed
@@ -125,9 +125,7 @@ class ContinuousEngine:
                  max_prefill_tokens: int = 16384, pipeline: bool | None = None):
         if model.head_kind != "causal_lm":
             raise TypeError(f"{type(model).__name__} has no LM head; generation needs a CausalLM")
-        if mpu.get_pipeline_model_parallel_world_size() > 1:
-            raise NotImplementedError("generation with pipeline_parallel_size > 1 is not "
-                                      "supported; build the rollout model with PP=1 (TP only)")
+        self.parallel_layout = check_generation_layout(model)  # the model's (its TP group)
         self.model = model
         self.device = model.device
         self.max_prefill_tokens = max_prefill_tokens
@@ -350,9 +348,9 @@ class ContinuousEngine:
     def _draw(self, rows: list[_Row], logits: torch.Tensor, lay: _Layout) -> _Drawn:
         """Queue the draw of ``rows``' next tokens and their copy to the host."""
         tokens, logp, top = draw(logits, lay.seeds, lay.steps, lay.spec, lay.k_max)
-        tokens, logp = _broadcast_in_tp_group(tokens, logp)
+        tokens, logp = _broadcast_in_tp_group(self.parallel_layout, tokens, logp)
         if top is not None:
-            top = _broadcast_in_tp_group(*top)
+            top = _broadcast_in_tp_group(self.parallel_layout, *top)
         self._last_tokens = tokens
         both = torch.stack([tokens.double(), logp.double()])
         ready = None

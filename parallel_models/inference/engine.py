@@ -89,6 +89,9 @@ class RolloutEngine:
             raise TypeError(f"{type(model).__name__} has no LM head; a rollout engine needs a "
                             "CausalLM")
         self.model = model
+        # the layout the model was built in (training, or the hybrid engine's TP'): generation
+        # communicates over its TP group only (and refuses PP > 1 when asked to generate)
+        self.parallel_layout = model.parallel_layout
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.weights_path = weights_path

@@ -3,8 +3,10 @@
 Prompts of different lengths are packed for the prefill and each keeps its own cache row, so no
 compute is spent on padding. Every TP rank runs the model on its heads; the next-token logits
 are gathered over the vocab and the tokens drawn on TP rank 0 are broadcast, so all ranks of a
-TP group continue with the same tokens. Pipeline parallel is not supported here (clear error):
-build the rollout model with PP=1, or serve it with the rollout server.
+TP group continue with the same tokens. The TP group is that of the model's own
+``ParallelLayout`` (``model.parallel_layout``: the training layout, or the rollout engine's TP'
+layout). Pipeline parallel is not supported here (clear error): build the rollout model with
+PP=1, or serve it with the rollout server.
 
 On CUDA the decode step (all layers and the LM head, fixed batch) is captured once per call in
 a CUDA graph and replayed: a step is then a single launch instead of hundreds of small kernels
@@ -30,7 +32,6 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 
 from parallel_models.llama.layers import exact
 from parallel_models.inference.kv_cache import KVCache
@@ -117,13 +118,23 @@ def _next_tokens(logits: torch.Tensor, params: SamplingParams, generator=None, t
     return tokens, log_probs, top
 
 
-def _broadcast_in_tp_group(*tensors):
-    if mpu.get_tensor_model_parallel_world_size() == 1:
+def _broadcast_in_tp_group(layout, *tensors):
+    """``tensors`` from TP rank 0 of ``layout``'s TP group to the others (in place)."""
+    if layout.tensor_parallel_size == 1:
         return tensors
-    src = mpu.get_tensor_model_parallel_src_rank()
+    src = layout.tensor_parallel_src_rank
     for t in tensors:
-        dist.broadcast(t, src=src, group=mpu.get_tensor_model_parallel_group())
+        dist.broadcast(t, src=src, group=layout.tp_group)
     return tensors
+
+
+def check_generation_layout(model):
+    """``model``'s layout, after checking the decoding engines can run it (PP = 1)."""
+    layout = model.parallel_layout
+    if layout.pipeline_parallel_size > 1:
+        raise NotImplementedError("generation with pipeline_parallel_size > 1 is not supported; "
+                                  "build the rollout model with PP=1 (TP only)")
+    return layout
 
 
 def _last_token_logits(model, hidden, last_index):
@@ -215,9 +226,7 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
                          "or use RolloutEngine.generate")
     if model.head_kind != "causal_lm":
         raise TypeError(f"{type(model).__name__} has no LM head; generation needs a CausalLM")
-    if mpu.get_pipeline_model_parallel_world_size() > 1:
-        raise NotImplementedError("generation with pipeline_parallel_size > 1 is not supported; "
-                                  "build the rollout model with PP=1 (TP only)")
+    layout = check_generation_layout(model)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt, and no empty prompt")
     device = model.device
@@ -255,9 +264,9 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
         decode_step = _DecodeStep(model, cache, batch, device)
         for step in range(params.max_new_tokens):
             tokens, logp, top = _next_tokens(logits, params, generator, top_logprobs)
-            tokens, logp = _broadcast_in_tp_group(tokens, logp)
+            tokens, logp = _broadcast_in_tp_group(layout, tokens, logp)
             if top is not None:
-                top_out.append(_broadcast_in_tp_group(*top))
+                top_out.append(_broadcast_in_tp_group(layout, *top))
             tokens = torch.where(alive, tokens, torch.full_like(tokens, pad_token_id))
             tokens_out.append(tokens)
             logp_out.append(torch.where(alive, logp, torch.zeros_like(logp)))

@@ -1,5 +1,7 @@
 """Weight sync from the training layout (TP x PP x EP, each DP replica on its own) into the rollout
-engine's model (TP' only, :mod:`rollout_layout`), in-process and bucketed.
+engine's model (TP' only, :mod:`rollout_layout`), in-process and bucketed. The gather runs over
+the groups of the actor's ``ParallelLayout``, the scatter cuts the rollout model's shards by its
+own layout's TP' rank; no process-wide state is switched.
 
 For each bucket of HF tensors (consecutive entries of the weight map's ``global_jobs``, all on
 one pipeline stage, at most ``bucket_bytes`` unless one tensor alone is larger):
@@ -28,11 +30,11 @@ import time
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 
 from parallel_models.llama.checkpoint_utils.collective_save import device_of, weight_map_of
 from parallel_models.llama.checkpoint_utils.saver import StagePlacement
 from parallel_models.llama.checkpoint_utils.weight_map import WeightMapping
+from parallel_models.parallel_layout import layout_of
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 
@@ -81,7 +83,7 @@ class BucketGatherer:
     """The actor's weights as HF tensors, bucket by bucket, on every rank of each training
     model-parallel group (steps 1 and 2 above). ``for bucket, tensors in gatherer.buckets_iter()``
     on every rank together; ``tensors``: HF name -> view of the reused bucket buffer, valid
-    until the next bucket. Build it in the training layout."""
+    until the next bucket. Groups: those of the layout the chunks were built in."""
 
     def __init__(self, chunks, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
@@ -94,17 +96,16 @@ class BucketGatherer:
         self.device = device_of(chunks)
         self.weight_map = weight_map_of(chunks)
         self.placement = StagePlacement(chunks, self.config, self.device)
-        self.tp = mpu.get_tensor_model_parallel_world_size()
-        self.tp_group = mpu.get_tensor_model_parallel_group()
-        self.pp_group = mpu.get_pipeline_model_parallel_group()
+        layout = self.layout = layout_of(chunks)
+        self.tp = layout.tensor_parallel_size
+        self.tp_group = layout.tp_group
+        self.pp_group = layout.pp_group
         # MoE: a routed expert lives on one EP rank, split over its expert-TP group
-        self.ep = mpu.get_expert_model_parallel_world_size()
-        self.ep_rank = mpu.get_expert_model_parallel_rank()
-        self.etp = mpu.get_expert_tensor_parallel_world_size() if self.config.is_moe else 1
-        self.etp_group = (mpu.get_expert_tensor_parallel_group(check_initialized=False)
-                          if self.config.is_moe else None)
-        self.ep_group = (mpu.get_expert_model_parallel_group(check_initialized=False)
-                         if self.ep > 1 else None)
+        self.ep = layout.expert_parallel_size
+        self.ep_rank = layout.expert_parallel_rank
+        self.etp = layout.expert_tensor_parallel_size if self.config.is_moe else 1
+        self.etp_group = layout.expert_tp_group if self.config.is_moe else None
+        self.ep_group = layout.ep_group if self.ep > 1 else None
         self.buckets = self._plan(self.weight_map.global_jobs(self.config, self.head_kind))
         self._bucket_buf: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
@@ -225,8 +226,9 @@ class BucketGatherer:
 
 class WeightSync:
     """``WeightSync(actor_chunks, rollout_model, layout, bucket_bytes)``; :meth:`sync` (every
-    rank together, in the training layout) copies the actor's current weights into
-    ``rollout_model`` (built under ``layout.active()``)."""
+    rank together) copies the actor's current weights into ``rollout_model`` (built in
+    ``layout``, a ``ParallelLayout``: its TP' size and rank cut the
+    shards)."""
 
     def __init__(self, chunks, rollout_model, layout, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.gatherer = BucketGatherer(chunks, bucket_bytes)

@@ -9,6 +9,9 @@ Variants are compositions, not copies:
 Hidden states travel as ``[tokens, 1, hidden]`` (megatron's ``[s, b, h]``), split over the TP ranks
 along tokens under sequence parallel. While the MoE load-balancing loss is recorded, a stage's
 pipeline message has a few more rows: the router totals so far (``layers/moe_aux_carry.py``).
+A model is built in one :class:`~parallel_models.parallel_layout.ParallelLayout` (``layout=``,
+default the training layout of ``init_parallel``), kept as ``model.parallel_layout``: its layers
+communicate over that layout's groups only.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from megatron.core.enums import ModelType
 from megatron.core.transformer import TransformerConfig
 
 from parallel_models.config import ConfigError, ModelConfig, resolve_dtype
-from parallel_models.distributed import get_parallel_settings
+from parallel_models.distributed import layout_or_training
 from parallel_models.heads import ParallelLMHead, ValueHead
 from parallel_models.llama import checkpoint_utils as ckpt_io
 from parallel_models.llama.layers import ParallelDecoderLayer, RMSNorm, RotaryEmbedding
@@ -47,17 +50,18 @@ class ValueOutput:
     values: torch.Tensor
 
 
-def build_megatron_config(config: ModelConfig, dtype: torch.dtype, sequence_parallel: bool
-                          ) -> TransformerConfig:
-    """The megatron-core config our parallel layers and megatron's schedules/DDP read.
+def build_megatron_config(config: ModelConfig, dtype: torch.dtype, sequence_parallel: bool,
+                          layout=None) -> TransformerConfig:
+    """The megatron-core config our parallel layers and megatron's schedules/DDP read, for a
+    model in ``layout`` (default: the training layout).
 
     A ``TransformerConfig`` (not just a ``ModelParallelConfig``) because the pipeline schedules
     read ``hidden_size`` and the loss/grad settings from it.
     """
-    settings = get_parallel_settings()
-    tp = settings.tensor_parallel_size
+    layout = layout_or_training(layout)
+    tp = layout.tensor_parallel_size
     config.check_tensor_parallel(tp)
-    config.check_expert_parallel(settings.expert_parallel_size)
+    config.check_expert_parallel(layout.expert_parallel_size)
     if config.is_moe and tp > 1:
         # megatron-core's MoE layer refuses to train with TP but without sequence parallel
         sequence_parallel = True
@@ -71,8 +75,8 @@ def build_megatron_config(config: ModelConfig, dtype: torch.dtype, sequence_para
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=settings.pipeline_parallel_size,
-        virtual_pipeline_model_parallel_size=settings.virtual_pipeline_parallel_size,
+        pipeline_model_parallel_size=layout.pipeline_parallel_size,
+        virtual_pipeline_model_parallel_size=layout.virtual_pipeline_parallel_size,
         sequence_parallel=sequence_parallel and tp > 1,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -81,7 +85,7 @@ def build_megatron_config(config: ModelConfig, dtype: torch.dtype, sequence_para
         use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=False,  # weights are loaded or initialized by us
         gradient_accumulation_fusion=False,
-        expert_model_parallel_size=settings.expert_parallel_size,
+        expert_model_parallel_size=layout.expert_parallel_size,
         **moe_megatron_settings(config),
         qk_layernorm=config.qk_norm,  # finalize_model_grads sums q/k_layernorm grads over TP
     )
@@ -106,8 +110,9 @@ class ParallelDecoder(torch.nn.Module):
     """Embedding (first stage) -> decoder layers of this stage -> final norm (last stage)."""
 
     def __init__(self, config: ModelConfig, mp_config: ModelParallelConfig, layer_ids: list[int],
-                 pre_process: bool = True, post_process: bool = True):
+                 pre_process: bool = True, post_process: bool = True, layout=None):
         super().__init__()
+        layout = layout_or_training(layout)
         self.config = config
         self.pre_process = pre_process
         self.post_process = post_process
@@ -118,12 +123,13 @@ class ParallelDecoder(torch.nn.Module):
             self.embed_tokens = VocabParallelEmbedding(
                 config.padded_vocab_size(self.tp), config.hidden_size,
                 init_method=lambda w: torch.nn.init.normal_(w, 0.0, std),
-                reduce_scatter_embeddings=self.sequence_parallel, config=mp_config)
+                reduce_scatter_embeddings=self.sequence_parallel, config=mp_config,
+                tp_group=layout.tp_group)
             self.embed_tokens.weight.tensor_model_parallel = True
             self.embed_tokens.weight.partition_dim = 0
             self.embed_tokens.weight.partition_stride = 1
         self.layers = torch.nn.ModuleList(
-            ParallelDecoderLayer(config, mp_config, layer_id) for layer_id in layer_ids)
+            ParallelDecoderLayer(config, mp_config, layer_id, layout) for layer_id in layer_ids)
         if post_process:
             device = "cpu" if mp_config.use_cpu_initialization else torch.cuda.current_device()
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
@@ -186,24 +192,25 @@ class ParallelModel(torch.nn.Module):
     def __init__(self, config: ModelConfig, *, dtype=None, sequence_parallel: bool | None = None,
                  pre_process: bool | None = None, post_process: bool | None = None,
                  layer_ids: list[int] | None = None, vpp_chunk: int | None = None,
-                 layers_per_stage: list[int] | None = None):
+                 layers_per_stage: list[int] | None = None, layout=None):
         super().__init__()
-        settings = get_parallel_settings()
-        if settings.pipeline_parallel_size > 1 and not self.pipeline_stage:
+        layout = layout_or_training(layout)
+        self.parallel_layout = layout  # the layout this model was built in (its groups)
+        if layout.pipeline_parallel_size > 1 and not self.pipeline_stage:
             raise ValueError(
-                f"pipeline_parallel_size={settings.pipeline_parallel_size}: use the PP variant "
+                f"pipeline_parallel_size={layout.pipeline_parallel_size}: use the PP variant "
                 f"({type(self).__name__}PP) or parallel_models.pipeline.build_pipeline_chunks")
         self.config = config
         self.dtype = resolve_dtype(dtype, resolve_dtype(config.torch_dtype))
         if sequence_parallel is None:
-            sequence_parallel = settings.sequence_parallel
-        self.mp_config = build_megatron_config(config, self.dtype, sequence_parallel)
+            sequence_parallel = layout.sequence_parallel
+        self.mp_config = build_megatron_config(config, self.dtype, sequence_parallel, layout)
         self.sequence_parallel = self.mp_config.sequence_parallel
-        self.tp = settings.tensor_parallel_size
+        self.tp = layout.tensor_parallel_size
         if self.pipeline_stage:
             from parallel_models.pipeline import stage_of_this_rank
 
-            stage = stage_of_this_rank(config.num_layers, vpp_chunk, layers_per_stage)
+            stage = stage_of_this_rank(config.num_layers, vpp_chunk, layers_per_stage, layout)
             pre_process = stage.pre_process if pre_process is None else pre_process
             post_process = stage.post_process if post_process is None else post_process
             layer_ids = stage.layer_ids if layer_ids is None else layer_ids
@@ -212,7 +219,8 @@ class ParallelModel(torch.nn.Module):
         self.post_process = True if post_process is None else post_process
         pre_process, post_process = self.pre_process, self.post_process
         layer_ids = list(range(config.num_layers)) if layer_ids is None else list(layer_ids)
-        self.model = ParallelDecoder(config, self.mp_config, layer_ids, pre_process, post_process)
+        self.model = ParallelDecoder(config, self.mp_config, layer_ids, pre_process, post_process,
+                                     layout)
         device = "cpu" if self.mp_config.use_cpu_initialization else torch.cuda.current_device()
         self.share_embeddings_and_output_weights = (
             config.tie_word_embeddings and self.head_kind == "causal_lm")
@@ -223,7 +231,8 @@ class ParallelModel(torch.nn.Module):
                 tied_here = self.share_embeddings_and_output_weights and pre_process
                 self.lm_head = ParallelLMHead(
                     config.hidden_size, config.vocab_size, config.padded_vocab_size(self.tp),
-                    mp_config=self.mp_config, tied=tied_here, init_std=config.initializer_range)
+                    mp_config=self.mp_config, tied=tied_here, init_std=config.initializer_range,
+                    layout=layout)
                 if self.share_embeddings_and_output_weights and not pre_process:
                     # the last stage's copy of the tied embedding: its gradient is summed with
                     # the first stage's, and grad norms count the pair once (megatron's flags)
@@ -233,7 +242,7 @@ class ParallelModel(torch.nn.Module):
                 self.value_head = ValueHead(config.hidden_size, sequence_parallel=self.sequence_parallel,
                                             dtype=self.dtype, device=device)
         if device != "cpu":
-            # megatron-core builds a few weights on the host whatever its settings (the MoE
+            # megatron-core builds a few weights on the host whatever its layout (the MoE
             # router, which it moves on first use, and the shared-expert gate, which it never
             # moves: Qwen2-MoE failed on the GPU with "mat2 is on cpu")
             for t in (*self.parameters(), *self.buffers()):
@@ -382,13 +391,14 @@ class ParallelModel(torch.nn.Module):
                         pre_process: bool | None = None, post_process: bool | None = None,
                         layer_ids: list[int] | None = None, vpp_chunk: int | None = None,
                         layers_per_stage: list[int] | None = None, value_head_seed: int = 0,
-                        strict: bool = True):
+                        strict: bool = True, layout=None):
         """Build this rank's shard and fill it from an HF folder (or hub id) or a megatron-core
         dist checkpoint (the format is told from the folder, once).
 
         Each rank reads only its own slices of the checkpoint (PP variants: only the layers of
         their stage / virtual chunk ``vpp_chunk``). Value variants take ``score.weight`` of a
-        ``*ForSequenceClassification`` checkpoint, or a fresh head.
+        ``*ForSequenceClassification`` checkpoint, or a fresh head. ``layout``: the
+        ``ParallelLayout`` to build in (default: the training layout).
         """
         if cls.weight_map is None:
             raise ConfigError(f"{cls.__name__} has no weight map: load through a named class "
@@ -398,7 +408,7 @@ class ParallelModel(torch.nn.Module):
         reader = ckpt_io.open_checkpoint(path, cls.weight_map, config)
         model = cls(config, dtype=dtype, sequence_parallel=sequence_parallel,
                     pre_process=pre_process, post_process=post_process, layer_ids=layer_ids,
-                    vpp_chunk=vpp_chunk, layers_per_stage=layers_per_stage)
+                    vpp_chunk=vpp_chunk, layers_per_stage=layers_per_stage, layout=layout)
         model.load_report = ckpt_io.load_weights(model, reader, cls.weight_map,
                                                  value_head_seed=value_head_seed, strict=strict)
         model.name_or_path = path

@@ -21,7 +21,9 @@ and ``finfo.min`` logits get probability 0 and gradient 0 (no NaN/inf). Labels m
 ``[0, vocab_size)``: a label no rank owns (e.g. -100) yields a meaningless finite value, so mask
 such positions yourself (the RmPad helper below does).
 
-``group`` defaults to megatron-core's tensor-model-parallel group. With ``group=None`` and
+``group`` defaults to the TP group of the training layout (``init_parallel``'s, megatron-core's
+tensor-model-parallel group); pass a model's own (``model.parallel_layout.tp_group``) for a
+model built in another layout. With ``group=None`` and
 torch.distributed not initialized (or a group of one rank) the plain local math is used, so
 everything works at TP=1 in a single process.
 
@@ -63,13 +65,13 @@ def _resolve_group(group):
     if group is None:
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        from megatron.core import parallel_state as mpu
+        from parallel_models import distributed as pm_dist
 
-        if not mpu.model_parallel_is_initialized():
+        if not pm_dist.is_initialized():
             raise RuntimeError(
                 "torch.distributed is initialized but megatron-core's model-parallel groups are "
                 "not: call parallel_models.init_parallel(...) or pass group= explicitly")
-        group = mpu.get_tensor_model_parallel_group()
+        group = pm_dist.training_layout().tp_group
     if dist.get_world_size(group) == 1:
         return None
     return group

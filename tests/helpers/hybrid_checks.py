@@ -121,9 +121,8 @@ def sync_matches_fresh_load(model_path: str, out_dir: str, tp: int, pp: int,
                 out["buffers_reused"] = kept == sync._bucket_buf.data_ptr()
             folder = os.path.join(out_dir, f"actor_tp{rollout_tp}_{step}")
             save_pretrained(actor, folder, overwrite=True)
-            with hybrid.layout.active():
-                fresh = pm.get_model_class(arch, "causal_lm", rmpad=True).from_pretrained(
-                    folder, dtype=torch.float32)
+            fresh = pm.get_model_class(arch, "causal_lm", rmpad=True).from_pretrained(
+                folder, dtype=torch.float32, layout=hybrid.layout)
             mine = dict(target.named_parameters())
             for name, p in fresh.named_parameters():
                 if not torch.equal(p, mine[name]):

@@ -14,7 +14,6 @@ import logging
 from typing import Iterable, Protocol
 
 import torch
-from megatron.core import parallel_state as mpu
 
 from parallel_models.llama.checkpoint_utils.errors import CheckpointError
 from parallel_models.llama.checkpoint_utils.hf_format import (SafetensorsCheckpoint,
@@ -77,8 +76,9 @@ def load_weights(model, ckpt: WeightReader, weight_map: WeightMap, *, value_head
     """
     config = model.config
     folder = ckpt.folder
-    tp = mpu.get_tensor_model_parallel_world_size()
-    rank = mpu.get_tensor_model_parallel_rank()
+    layout = model.parallel_layout  # the layout the model was built in: its shards
+    tp = layout.tensor_parallel_size
+    rank = layout.tensor_parallel_rank
     params = dict(model.named_parameters())
     local_layers = [layer.layer_id for layer in model.model.layers]
     used, missing, initialized = set(), [], []
@@ -89,8 +89,7 @@ def load_weights(model, ckpt: WeightReader, weight_map: WeightMap, *, value_head
             local_expert = None
             if mapping.expert is not None:  # a routed expert: only this EP rank's experts
                 local_expert = mapping.local_expert(
-                    config, mpu.get_expert_model_parallel_world_size(),
-                    mpu.get_expert_model_parallel_rank())
+                    config, layout.expert_parallel_size, layout.expert_parallel_rank)
                 if local_expert is None:
                     continue
             jobs += [(mapping, mapping.ours_name(li, local_expert), mapping.hf_names(gi))
@@ -110,8 +109,8 @@ def load_weights(model, ckpt: WeightReader, weight_map: WeightMap, *, value_head
             continue
         if mapping.expert is not None:  # experts are split over the expert-TP group
             shard = mapping.rule.shard(ckpt, hf_names, config,
-                                       mpu.get_expert_tensor_parallel_world_size(),
-                                       mpu.get_expert_tensor_parallel_rank())
+                                       layout.expert_tensor_parallel_size,
+                                       layout.expert_tensor_parallel_rank)
         else:
             shard = mapping.rule.shard(ckpt, hf_names, config, tp, rank)
         param = params[ours]

@@ -14,15 +14,15 @@ from parallel_models.llama.layers.norm import RMSNorm
 
 
 class ParallelAttention(torch.nn.Module):
-    def __init__(self, config: ModelConfig, mp_config: ModelParallelConfig):
+    def __init__(self, config: ModelConfig, mp_config: ModelParallelConfig, layout=None):
         super().__init__()
         std = config.initializer_range
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-            config.head_dim, bias=config.qkv_bias, config=mp_config, init_std=std)
+            config.head_dim, bias=config.qkv_bias, config=mp_config, init_std=std, layout=layout)
         self.o_proj = ParallelRowLinear(
             config.num_attention_heads * config.head_dim, config.hidden_size,
-            bias=config.o_bias, config=mp_config, init_std=std)
+            bias=config.o_bias, config=mp_config, init_std=std, layout=layout)
         self.scale = config.head_dim ** -0.5
         self.qk_norm = config.qk_norm
         if config.qk_norm:

@@ -15,16 +15,17 @@ from parallel_models.llama.layers.norm import RMSNorm
 
 
 class ParallelDecoderLayer(torch.nn.Module):
-    def __init__(self, config: ModelConfig, mp_config: ModelParallelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, mp_config: ModelParallelConfig, layer_id: int,
+                 layout=None):
         super().__init__()
         self.layer_id = layer_id  # global index (differs from the local one under PP)
         sp = mp_config.sequence_parallel
         kw = dict(sequence_parallel=sp, dtype=mp_config.params_dtype, device=_param_device(mp_config))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
-        self.self_attn = ParallelAttention(config, mp_config)
+        self.self_attn = ParallelAttention(config, mp_config, layout)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
-        self.mlp = (ParallelMoE(config, mp_config, layer_id) if config.is_moe_layer(layer_id)
-                    else ParallelMLP(config, mp_config))
+        self.mlp = (ParallelMoE(config, mp_config, layer_id, layout)
+                    if config.is_moe_layer(layer_id) else ParallelMLP(config, mp_config, layout))
 
     def forward(self, hidden, cos, sin, cu_seqlens, max_seqlen, kv_cache=None, layer_index=0):
         residual, mlp_out = self.forward_parts(hidden, self.input_layernorm(hidden), cos, sin,

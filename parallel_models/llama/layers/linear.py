@@ -5,6 +5,8 @@ Local layouts (what one TP rank holds, rows of the weight):
   ranks each rank holds one KV head, shared (replicated) by ``tp // num_kv_heads`` ranks.
 - gate-up: ``[gate rows of this rank; up rows of this rank]``.
 The checkpoint weight map (checkpoint_utils/weight_map.py) knows these layouts.
+Each linear runs over the TP group of the ``ParallelLayout`` it is built in (``layout=``, default
+the training layout).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from megatron.core import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
+from parallel_models.distributed import layout_or_training
 from parallel_models.llama.layers.row_overlap import (ChunkedRowParallelMatmul,
                                                       configured_overlap_chunks)
 
@@ -37,14 +40,15 @@ class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection, split by heads; KV heads replicated when num_kv_heads < TP."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                 bias: bool, config: ModelParallelConfig, init_std: float = 0.02):
-        tp = config.tensor_model_parallel_size
+                 bias: bool, config: ModelParallelConfig, init_std: float = 0.02, layout=None):
+        layout = layout_or_training(layout)
+        tp = layout.tensor_parallel_size
         self.num_heads_per_rank = num_heads // tp
         self.num_kv_heads_per_rank = max(num_kv_heads // tp, 1)
         self.head_dim = head_dim
         local_out = (self.num_heads_per_rank + 2 * self.num_kv_heads_per_rank) * head_dim
         super().__init__(hidden_size, local_out * tp, config=config, init_method=_init_normal(init_std),
-                         bias=bias, gather_output=False)
+                         bias=bias, gather_output=False, tp_group=layout.tp_group)
         _mark_tensor_parallel(self, 0)
         self.q_size = self.num_heads_per_rank * head_dim
         self.kv_size = self.num_kv_heads_per_rank * head_dim
@@ -62,9 +66,10 @@ class GateUpParallelLinear(ColumnParallelLinear):
     """Fused gate and up projections of a SwiGLU MLP; each rank holds [gate_local; up_local]."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool,
-                 config: ModelParallelConfig, init_std: float = 0.02):
+                 config: ModelParallelConfig, init_std: float = 0.02, layout=None):
         super().__init__(hidden_size, 2 * intermediate_size, config=config,
-                         init_method=_init_normal(init_std), bias=bias, gather_output=False)
+                         init_method=_init_normal(init_std), bias=bias, gather_output=False,
+                         tp_group=layout_or_training(layout).tp_group)
         _mark_tensor_parallel(self, 0)
 
 
@@ -72,9 +77,10 @@ class ParallelRowLinear(RowParallelLinear):
     """Row-parallel output projection (o_proj, down_proj): input split, output reduced."""
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool,
-                 config: ModelParallelConfig, init_std: float = 0.02):
+                 config: ModelParallelConfig, init_std: float = 0.02, layout=None):
         super().__init__(input_size, output_size, config=config, init_method=_init_normal(init_std),
-                         bias=bias, input_is_parallel=True, skip_bias_add=False)
+                         bias=bias, input_is_parallel=True, skip_bias_add=False,
+                         tp_group=layout_or_training(layout).tp_group)
         _mark_tensor_parallel(self, 1)
         if self.bias is not None:
             # the bias is added after the reduction: replicated; with sequence parallel its

@@ -11,14 +11,15 @@ from parallel_models.llama.layers.linear import GateUpParallelLinear, ParallelRo
 
 
 class ParallelMLP(torch.nn.Module):
-    def __init__(self, config: ModelConfig, mp_config: ModelParallelConfig):
+    def __init__(self, config: ModelConfig, mp_config: ModelParallelConfig, layout=None):
         super().__init__()
         std = config.initializer_range
         self.gate_up_proj = GateUpParallelLinear(config.hidden_size, config.intermediate_size,
                                                  bias=config.mlp_bias, config=mp_config,
-                                                 init_std=std)
+                                                 init_std=std, layout=layout)
         self.down_proj = ParallelRowLinear(config.intermediate_size, config.hidden_size,
-                                           bias=config.mlp_bias, config=mp_config, init_std=std)
+                                           bias=config.mlp_bias, config=mp_config, init_std=std,
+                                           layout=layout)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate_up, _ = self.gate_up_proj(hidden)

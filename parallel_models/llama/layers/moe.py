@@ -34,6 +34,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 from parallel_models import megatron_fixes
 from parallel_models.config import ConfigError, ModelConfig
+from parallel_models.distributed import layout_or_training
 from parallel_models.llama.layers import exact, moe_local_dispatch, router_replay
 from parallel_models.llama.layers.grouped_experts import GroupedGemmExperts
 
@@ -98,7 +99,8 @@ def _exact_gating(router: TopKRouter, input: torch.Tensor) -> torch.Tensor:
 class ParallelMoE(MoELayer):
     """megatron-core's MoE layer on ``[tokens, 1, hidden]``; returns the output only."""
 
-    def __init__(self, config: ModelConfig, mp_config: TransformerConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, mp_config: TransformerConfig, layer_id: int,
+                 layout=None):
         if not config.is_moe_layer(layer_id):
             raise ValueError(f"layer {layer_id} is not an MoE layer of {config.architecture} "
                              f"(moe_layer_ids: {list(config.moe_layer_ids)})")
@@ -117,9 +119,12 @@ class ParallelMoE(MoELayer):
                                                    **experts.keywords)
         else:
             experts.module = GroupedGemmExperts
-        super().__init__(mp_config, submodules, layer_number=layer_id + 1)
+        layout = layout_or_training(layout)
+        super().__init__(mp_config, submodules, layer_number=layer_id + 1,
+                         pg_collection=layout.moe_groups())
+        self.parallel_layout = layout
         router_replay.attach(self.router, list(config.moe_layer_ids).index(layer_id),
-                             mp_config.sequence_parallel)
+                             mp_config.sequence_parallel, layout)
         _mark_expert_parallel(self)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]

@@ -30,9 +30,9 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 
 from parallel_models.llama.layers.moe import RecordingTopKRouter
+from parallel_models.parallel_layout import ParallelLayout, layout_of
 
 
 @dataclasses.dataclass
@@ -99,7 +99,7 @@ def _fold(routers, totals: RouterTotals, valid_tokens: int | None, tp_rank: int,
 
 
 def _tp_rank(model) -> int:
-    return mpu.get_tensor_model_parallel_rank() if model.sequence_parallel else 0
+    return layout_of(model).tensor_parallel_rank if model.sequence_parallel else 0
 
 
 def collect(model, incoming: RouterTotals | None = None) -> RouterTotals:
@@ -130,7 +130,7 @@ def load_balancing_loss(model, valid_tokens: int | None = None) -> torch.Tensor:
     pending = [c.moe_aux_totals for c in chunks if c.moe_aux_totals is not None]
     for c in chunks:
         c.moe_aux_totals = None
-    if not pending and mpu.get_pipeline_model_parallel_world_size() > 1 and \
+    if not pending and layout_of(first).pipeline_parallel_size > 1 and \
             not any(c.post_process for c in chunks):
         raise RuntimeError("load_balancing_loss: with pipeline parallel the loss is computed on "
                            "the last stage (the earlier stages' totals travel to it with the "
@@ -142,17 +142,18 @@ def load_balancing_loss(model, valid_tokens: int | None = None) -> torch.Tensor:
     if valid_tokens is None:
         valid_tokens = getattr(first, "last_token_count", None)
     totals = _fold(routers, totals, valid_tokens, _tp_rank(first), first.config.moe_top_k)
-    return _loss(totals, num_experts, first.sequence_parallel)
+    return _loss(totals, num_experts, first.sequence_parallel, layout_of(first))
 
 
-def _loss(totals: RouterTotals, num_experts: int, sequence_parallel: bool) -> torch.Tensor:
+def _loss(totals: RouterTotals, num_experts: int, sequence_parallel: bool,
+          layout: ParallelLayout) -> torch.Tensor:
     """The loss of whole-model totals (this TP rank's share under sequence parallel): its value
     is that of the totals summed over the TP group; its gradient reaches this rank's ``probs``
     as E * C / R^2 (C, R of the whole group)."""
     probs = totals.probs
     summed = torch.cat([totals.counts.double(), probs.detach().double(), totals.rows.double()])
-    if sequence_parallel and mpu.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(summed, group=mpu.get_tensor_model_parallel_group())
+    if sequence_parallel and layout.tensor_parallel_size > 1:
+        dist.all_reduce(summed, group=layout.tp_group)
     counts_all, probs_all, rows_all = summed.float().split([num_experts, num_experts, 1])
     rows_all = rows_all.clamp_min(1.0)
     value = num_experts * (counts_all / rows_all * probs_all / rows_all).sum()

@@ -17,7 +17,6 @@ rollout (this path) still agree. The option ``moe_device_dispatch`` off
 from __future__ import annotations
 
 import torch
-from megatron.core import parallel_state as mpu
 from megatron.core.transformer.moe.moe_utils import unpermute
 
 from parallel_models.options import option
@@ -36,8 +35,8 @@ def applies(moe, hidden: torch.Tensor) -> bool:
     if cfg.moe_expert_capacity_factor is not None or cfg.moe_pad_expert_input_to_capacity:
         return False
     return (moe.num_local_experts == cfg.num_moe_experts
-            and mpu.get_tensor_model_parallel_world_size() == 1
-            and mpu.get_expert_tensor_parallel_world_size() == 1)
+            and moe.parallel_layout.tensor_parallel_size == 1
+            and moe.parallel_layout.expert_tensor_parallel_size == 1)
 
 
 def forward(moe, hidden: torch.Tensor) -> torch.Tensor:

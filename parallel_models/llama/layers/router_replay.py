@@ -25,7 +25,8 @@ Token layout: a route record of one forward is packed ``[tokens, moe_layers, k]`
 model's packed token order. Under sequence parallel each TP rank routes rows
 ``[rank * n, (rank + 1) * n)`` of the padded token sequence; the hook cuts its rows itself,
 and recorded routes are gathered over the TP group. A pipeline stage only has its own layers:
-it replays their columns and records missing routes (-1) for the others.
+it replays their columns and records missing routes (-1) for the others. The TP and pipeline
+groups are those of the ``ParallelLayout`` the model was built in.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 from megatron.core.transformer.moe.router_replay import RouterReplay
+
+from parallel_models.parallel_layout import ParallelLayout, layout_of
 
 from parallel_models.utils.routes import MISSING, expand
 
@@ -45,13 +47,14 @@ from parallel_models.utils.routes import MISSING, expand
 class RouteHook(RouterReplay):
     """The replay object of one router (one MoE layer, ``moe_index`` among the model's)."""
 
-    def __init__(self, moe_index: int, sequence_parallel: bool):
+    def __init__(self, moe_index: int, sequence_parallel: bool, layout: ParallelLayout):
         super().__init__()
         # megatron keeps every instance in a process-global list for its static API; we address
         # routers per model, and a global list would keep dead models' records alive
         RouterReplay.global_router_replay_instances.remove(self)
         self.moe_index = moe_index
         self.sequence_parallel = sequence_parallel
+        self.layout = layout
         self.targets: collections.deque = collections.deque()  # per forward: [tokens, k] int64
         self.replay = False
         self.kept: list[torch.Tensor] | None = None  # per forward: the routes used (local rows)
@@ -60,8 +63,8 @@ class RouteHook(RouterReplay):
         self.compared = 0
 
     def _local_rows(self, target: torch.Tensor, rows: int) -> torch.Tensor:
-        tp = mpu.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1
-        start = mpu.get_tensor_model_parallel_rank() * rows if tp > 1 else 0
+        tp = self.layout.tensor_parallel_size if self.sequence_parallel else 1
+        start = self.layout.tensor_parallel_rank * rows if tp > 1 else 0
         padded = rows * tp
         if target.shape[0] < padded:
             target = torch.cat([target, target.new_full((padded - target.shape[0],
@@ -93,9 +96,9 @@ class RouteHook(RouterReplay):
         return probs, used
 
 
-def attach(router, moe_index: int, sequence_parallel: bool) -> RouteHook:
+def attach(router, moe_index: int, sequence_parallel: bool, layout: ParallelLayout) -> RouteHook:
     """Give ``router`` (a megatron ``TopKRouter``) its hook; called once per MoE layer."""
-    hook = RouteHook(moe_index, sequence_parallel)
+    hook = RouteHook(moe_index, sequence_parallel, layout)
     router.router_replay = hook
     return hook
 
@@ -141,21 +144,23 @@ class RouteSession:
         return self.differing / self.compared if self.compared else None
 
 
-def _gather_rows(rows: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
-    tp = mpu.get_tensor_model_parallel_world_size()
+def _gather_rows(rows: torch.Tensor, sequence_parallel: bool,
+                 layout: ParallelLayout) -> torch.Tensor:
+    tp = layout.tensor_parallel_size
     if not sequence_parallel or tp == 1:
         return rows
     parts = [torch.empty_like(rows) for _ in range(tp)]
-    dist.all_gather(parts, rows.contiguous(), group=mpu.get_tensor_model_parallel_group())
+    dist.all_gather(parts, rows.contiguous(), group=layout.tp_group)
     return torch.cat(parts)
 
 
-def _sum_over_model_parallel(values: list[int], sequence_parallel: bool, device) -> list[int]:
+def _sum_over_model_parallel(values: list[int], sequence_parallel: bool, device,
+                             layout: ParallelLayout) -> list[int]:
     t = torch.stack([torch.as_tensor(v, device=device) for v in values]).double()
-    if sequence_parallel and mpu.get_tensor_model_parallel_world_size() > 1:
-        dist.all_reduce(t, group=mpu.get_tensor_model_parallel_group())
-    if mpu.get_pipeline_model_parallel_world_size() > 1:
-        dist.all_reduce(t, group=mpu.get_pipeline_model_parallel_group())
+    if sequence_parallel and layout.tensor_parallel_size > 1:
+        dist.all_reduce(t, group=layout.tp_group)
+    if layout.pipeline_parallel_size > 1:
+        dist.all_reduce(t, group=layout.pp_group)
     return [int(v) for v in t.tolist()]
 
 
@@ -179,6 +184,7 @@ def routing(model, routes: list[torch.Tensor | None] | None, token_counts: list[
         yield session
         return
     sp = first.sequence_parallel  # (a pipeline stage may hold no MoE layer: it still counts)
+    layout = layout_of(first)
     if routes is not None and len(routes) != len(token_counts):
         raise ValueError(f"router replay: {len(routes)} route records for {len(token_counts)} "
                          "microbatches")
@@ -206,14 +212,14 @@ def routing(model, routes: list[torch.Tensor | None] | None, token_counts: list[
                                "there were microbatches")
         device = next(first.parameters()).device
         session.differing, session.compared = _sum_over_model_parallel(
-            [sum(h.differing for h in hs), sum(h.compared for h in hs)], sp, device)
+            [sum(h.differing for h in hs), sum(h.compared for h in hs)], sp, device, layout)
         if record:
             layers = len(first.config.moe_layer_ids)
             session.recorded = []
             for i, n in enumerate(token_counts):
                 out = torch.full((n, layers, first.config.moe_top_k), MISSING, dtype=torch.long)
                 for h in hs:
-                    out[:, h.moe_index] = _gather_rows(h.kept[i], sp)[:n].cpu()
+                    out[:, h.moe_index] = _gather_rows(h.kept[i], sp, layout)[:n].cpu()
                 session.recorded.append(out)
     finally:
         for h in hs:

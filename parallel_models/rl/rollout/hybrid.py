@@ -1,8 +1,8 @@
 """The hybrid engine: the actor trains in its layout (TP x PP x DP) and rolls out in the rollout
 engine's TP' layout, in the same processes.
 
-:class:`HybridRollout` owns the rollout layout (:mod:`rollout_layout`), the rollout model (TP'
-only, built once) and the :class:`~weight_sync.WeightSync` that refreshes it from the actor
+:class:`HybridRollout` owns the rollout layout (:mod:`rollout_layout`: a second
+``ParallelLayout`` with its own TP' groups), the rollout model (TP' only, built once in that layout) and the :class:`~weight_sync.WeightSync` that refreshes it from the actor
 before a rollout when the actor changed. When the layouts are equal (PP = 1, TP' = TP) the
 rollout engine runs on the actor's own weights: nothing is copied.
 
@@ -17,21 +17,21 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
 
 from parallel_models.inference.engine import RolloutEngine
-from parallel_models.inference.rollout_layout import RolloutLayout, share_of
+from parallel_models.inference.rollout_layout import (build_rollout_layout, same_as_training,
+                                                      share_of)
 from parallel_models.inference.server.rollout import batch_from_response
 from parallel_models.inference.weight_sync import DEFAULT_BUCKET_BYTES, WeightSync
+from parallel_models.parallel_layout import ParallelLayout, layout_of
 
 
-def build_rollout_model(actor, layout: RolloutLayout):
+def build_rollout_model(actor, layout: ParallelLayout):
     """An empty (unfilled) CausalLM like ``actor`` in the rollout layout: TP', PP = 1, no SP."""
     from parallel_models import registry
 
     cls = registry.get_model_class(actor.architecture, "causal_lm", rmpad=True)
-    with layout.active():
-        model = cls(actor.config, dtype=actor.dtype, sequence_parallel=False)
+    model = cls(actor.config, dtype=actor.dtype, sequence_parallel=False, layout=layout)
     model.requires_grad_(False)
     model.name_or_path = getattr(actor, "name_or_path", None)
     return model
@@ -50,12 +50,13 @@ class HybridRollout:
                  offload: bool = False, engine_options: dict | None = None):
         chunks = list(actor_chunks) if isinstance(actor_chunks, (list, tuple)) else [actor_chunks]
         actor = chunks[0]
-        tp = tensor_parallel_size or mpu.get_tensor_model_parallel_world_size()
-        self.layout = RolloutLayout(tp)
-        self.training_dp_rank = mpu.get_data_parallel_rank()
+        training = layout_of(actor)  # the training layout the actor was built in
+        tp = tensor_parallel_size or training.tensor_parallel_size
+        self.layout = build_rollout_layout(tp)
+        self.training_dp_rank = training.data_parallel_rank
         # share_weights=None: share the actor's weights when the layouts are equal; False: a
         # copy anyway (benches, tests of the copy path on one GPU)
-        can_share = self.layout.same_as_training() and len(chunks) == 1
+        can_share = same_as_training(self.layout, training) and len(chunks) == 1
         if share_weights and not can_share:
             raise ValueError("share_weights=True needs the rollout layout equal to the training "
                              "one (TP' = TP, PP = 1)")
@@ -125,10 +126,9 @@ class HybridRollout:
         samples: list[dict] = []
         if mine:
             mine_caps = [c for *_, c in mine]  # all None unless the trainer passed caps
-            with layout.active():
-                samples = self.engine.generate_samples(
-                    [p for _, _, p, _ in mine], sampling, record_routes=num_experts is not None,
-                    max_new_tokens=None if None in mine_caps else mine_caps)
+            samples = self.engine.generate_samples(
+                [p for _, _, p, _ in mine], sampling, record_routes=num_experts is not None,
+                max_new_tokens=None if None in mine_caps else mine_caps)
         n = sampling.n
         answers = {}
         if layout.tensor_parallel_rank == 0:

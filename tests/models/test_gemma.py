@@ -56,8 +56,9 @@ def test_gemma_gradients_match_transformers(worlds, tp, sp):
 
 
 def test_gemma_bf16_forward_matches_transformers(tmp_path):
-    """bf16 at TP=1 in-process: the norm's fp32 (1 + w) and the embedding scale's cast to bf16
-    round as transformers' do (the logits agree far inside bf16's noise)."""
+    """bf16 at TP=1 in-process: the scaled embedding equals transformers' bit for bit (the scale
+    cast to bf16 as HF does); the logits agree to a few bf16 steps (max abs <= 1e-2 on logits
+    of size ~1.5; the matmuls' summation order differs)."""
     import parallel_models as pm
     from transformers import AutoModelForCausalLM
 
@@ -75,6 +76,9 @@ def test_gemma_bf16_forward_matches_transformers(tmp_path):
             ours = model(ids, attention_mask=mask, full_vocab=True).logits.float()
             ref = hf(input_ids=ids, attention_mask=mask).logits.float()
         err = (ours - ref).abs().max().item()
-        assert err <= 2e-2 * ref.abs().max().item(), f"bf16 max abs error {err:.3e}"
+        assert err <= 1e-2, f"bf16 max abs error {err:.3e}"
+        with torch.no_grad():
+            emb = model.model.embed(ids[0]).squeeze(1)
+            assert torch.equal(emb, hf.model.embed_tokens(ids[:1])[0])
     finally:
         pm.destroy_parallel()

@@ -60,18 +60,19 @@ class Family:
 
     def check_hf_config(self, hf_config) -> None:
         """Raise a ConfigError for settings of this family that are not implemented."""
+        model_type = getattr(hf_config, "model_type", None) or self.model_type
         layer_types = getattr(hf_config, "layer_types", None) or []
         window = getattr(hf_config, "sliding_window", None)
         sliding = "sliding_attention" in layer_types or bool(
             self.sliding_window_on_every_layer and window)
         if sliding:
             raise ConfigError(
-                f"{self.model_type}: sliding-window attention (sliding_window={window}, "
+                f"{model_type}: sliding-window attention (sliding_window={window}, "
                 f"use_sliding_window={getattr(hf_config, 'use_sliding_window', None)}) is not "
                 "supported; only full causal attention is")
         act = getattr(hf_config, "hidden_act", "silu")
         if act not in self.hidden_acts:
-            raise ConfigError(f"{self.model_type}: hidden_act={act!r} is not supported (this "
+            raise ConfigError(f"{model_type}: hidden_act={act!r} is not supported (this "
                               f"family's MLP uses {' / '.join(map(repr, self.hidden_acts))})")
 
     # -- Megatron-LM / Megatron-Bridge settings (megatron_hf_config) -----------------------------

@@ -4,8 +4,12 @@ bf16, Bridge and Megatron-LM layouts), the megatron settings name what Gemma nee
 ``GemmaModelProvider`` for the embedding scale, Megatron-LM's ``apply_layernorm_1p`` /
 ``openai_gelu``), and a checkpoint without config.json reads back as Gemma from those settings.
 
-megatron-core's own GPTModel cannot reproduce Gemma's logits: it has no embedding scale (Bridge's
-provider patches the embedding after building the model), so no megatron-core logit test here."""
+megatron-core's own GPTModel cannot reproduce Gemma's logits here, for two concrete reasons: it has
+no embedding scale (Megatron-Bridge's GemmaModelProvider patches the embedding after building the
+model), and megatron-core 0.16's local spec refuses ``layernorm_zero_centered_gamma``
+(``WrappedTorchNorm``: "zero_centered_gamma not supported by torch LayerNorm"; the transformer-engine
+spec supports it, and transformer-engine is not installed on the CPU test host). So no megatron-core
+logit test for Gemma: the round trip and the settings are what is tested."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ from parallel_models.config import ConfigError
 from parallel_models.llama.checkpoint_utils.errors import CheckpointError
 from parallel_models.llama.checkpoint_utils.megatron_format import (COMMON_FILE, TRACKER_FILE,
                                                                    YARN_ATTRIBUTES)
-from parallel_models.llama.families.registry import GPT_PROVIDER  # noqa: F401  (the default)
+from parallel_models.llama.families.registry import GPT_PROVIDER
 
 FORMATS = ("flat", "megatron-lm", "bridge")
 DEFAULT_FORMAT = "bridge"  # Megatron-LM reads its args, Bridge its run_config.yaml

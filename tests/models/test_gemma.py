@@ -3,17 +3,20 @@ transformers' GemmaForCausalLM / GemmaForSequenceClassification on the same weig
 RMSNorm in fp32, gated GELU-tanh MLP, embeddings scaled by sqrt(hidden) in the hidden dtype, tied
 embeddings, head_dim 24 != hidden / heads. fp32 logits and values at TP=1, TP=2 and TP=2 + SP,
 padded and RmPad, left and right padding (max abs <= 1e-4); gradients of one cross-entropy
-backward at TP=2 and TP=2 + SP (relative <= 1e-4); a bf16 forward at TP=1 (the dtype casts)."""
+backward at TP=2 and TP=2 + SP (relative <= 1e-4); greedy generation with the KV cache (the
+decode path fuses each residual add into the next (1 + w) norm) == transformers.generate at TP=1
+and TP=2 + SP; a bf16 forward at TP=1 (the dtype casts)."""
 
 import pytest
 import torch
 
 from parallel_models.testing import run_named_jobs, save_tiny_hf_model
-from tests.helpers import model_checks
+from tests.helpers import generation_checks, model_checks
 
 FWD_TOL = 1e-4
 SETTINGS = {"tp1": (1, False, 1), "tp2": (2, False, 2), "tp2_sp": (2, True, 2)}
 GRADIENTS = [(2, False), (2, True)]
+GENERATION = [(1, False), (2, True)]
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +33,9 @@ def worlds(gemma_models):
     named += [(("gradients", tp, sp), tp,
                (model_checks.check_gradients, (gemma_models, tp, sp), dict(families=("gemma",))))
               for tp, sp in GRADIENTS]
+    named += [(("generation", tp, sp), tp, (generation_checks.check_generation,
+                                            (gemma_models[("gemma", "causal_lm")], tp, sp)))
+              for tp, sp in GENERATION]
     return run_named_jobs(named, timeout=900)
 
 
@@ -53,6 +59,16 @@ def test_gemma_gradients_match_transformers(worlds, tp, sp):
     for rank, res in enumerate(worlds[("gradients", tp, sp)]):
         assert res["gemma"]["worst_rel"] <= 1e-4, (
             f"rank {rank}: grad rel error {res['gemma']['worst_rel']:.3e}")
+
+
+@pytest.mark.parametrize("tp,sp", GENERATION)
+def test_gemma_generation_matches_transformers(worlds, tp, sp):
+    ranks = worlds[("generation", tp, sp)]
+    for r in ranks:
+        assert r["greedy_mismatches"] == [], \
+            f"greedy differs from transformers for prompts {r['greedy_mismatches']}"
+        assert r["logp_err"] <= 1e-4, f"sampling log-probs vs fresh forward: {r['logp_err']:.2e}"
+        assert torch.equal(r["responses"], ranks[0]["responses"]), "TP ranks drew different tokens"
 
 
 def test_gemma_bf16_forward_matches_transformers(tmp_path):

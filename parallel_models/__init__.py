@@ -1,4 +1,5 @@
-"""parallel-models: tensor/sequence/pipeline-parallel Llama and Qwen2 on megatron-core.
+"""parallel-models: tensor/sequence/pipeline-parallel Llama-family models (Llama, Qwen2, Qwen3, their
+MoE versions, Mixtral, Gemma: parallel_models/llama/families/) on megatron-core.
 
 The public names load on first use (PEP 562): ``import parallel_models`` and the light
 submodules (``parallel_models.rl.config``, the console scripts' argument parsing) do not import

@@ -1,7 +1,9 @@
 """One validated model configuration built from an HF config.
 
-Llama, Qwen2, Qwen3 (per-head q/k RMSNorm, explicit head_dim), Qwen2-MoE, Qwen3-MoE and Mixtral
-are all read into the one ``ModelConfig``; the defaults of the newer fields mean "dense Llama".
+Every registered family (``parallel_models.llama.families``: Llama, Qwen2, Qwen3, Qwen2-MoE,
+Qwen3-MoE, Mixtral, Gemma) is read into the one ``ModelConfig``; what a family reads differently
+(attention biases, q/k norm, MoE fields, layer options) its family object says. The defaults of
+the newer fields mean "dense Llama".
 """
 
 from __future__ import annotations
@@ -14,15 +16,12 @@ from typing import Any
 import torch
 
 from parallel_models.errors import ConfigError  # noqa: F401  (defined without torch, re-exported)
+from parallel_models.llama.families import family_of_model_type
 
 
 _SUPPORTED_ROPE = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # rope types whose frequencies depend on the longest position of the batch
 _LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
-# HF model types whose attention applies a per-head RMSNorm to q and k before rotary
-_QK_NORM_TYPES = ("qwen3", "qwen3_moe")
-# HF model types with a mixture-of-experts MLP (on the layers `moe_layer_ids` lists)
-_MOE_TYPES = ("qwen2_moe", "qwen3_moe", "mixtral")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -71,6 +70,13 @@ class ModelConfig:
     moe_layer_ids: tuple[int, ...] = ()  # global layer indices with an MoE MLP (others dense)
     router_aux_loss_coef: float = 0.0  # the HF config's load-balancing weight (the trainer's
     # switch decides whether it is used; the router always runs its softmax in fp32)
+    # the gated MLP's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GELU-tanh, Gemma)
+    hidden_act: str = "silu"
+    # RMSNorm scales by (1 + w) computed in fp32 before the cast back (Gemma; megatron-core's
+    # layernorm_zero_centered_gamma); False: w times the normalized input cast back (Llama)
+    norm_unit_offset: bool = False
+    # the embedding output times this, as a tensor of the hidden dtype (Gemma: sqrt(hidden))
+    embedding_multiplier: float = 1.0
     hf_config: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
@@ -101,9 +107,6 @@ class ModelConfig:
         get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
         archs = get("architectures") or []
         arch = archs[0] if archs else f"{type(hf_config).__name__.replace('Config', '')}ForCausalLM"
-        act = get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ConfigError(f"hidden_act={act!r} is not supported (SwiGLU models use 'silu')")
         heads = get("num_attention_heads")
         hidden = get("hidden_size")
         head_dim = get("head_dim") or hidden // heads
@@ -123,14 +126,10 @@ class ModelConfig:
             if rtype == "default":
                 rope_scaling = None
         model_type = get("model_type", "llama")
-        _check_attention_window(hf_config, model_type)
-        attention_bias = bool(get("attention_bias", False))
-        if model_type == "qwen2":
-            qkv_bias, o_bias = True, False
-        elif model_type == "qwen2_moe":  # its own switch; o_proj never has a bias
-            qkv_bias, o_bias = bool(get("qkv_bias", True)), False
-        else:
-            qkv_bias, o_bias = attention_bias, attention_bias
+        family = family_of_model_type(model_type)  # an unknown one reads as Llama
+        family.check_hf_config(hf_config)  # activation, sliding window, ...
+        qkv_bias, o_bias = family.attention_biases(hf_config)
+        act = get("hidden_act", "silu")
         dtype = get("dtype", None) or get("torch_dtype", None)
         cfg = cls(
             architecture=arch,
@@ -153,8 +152,10 @@ class ModelConfig:
             initializer_range=get("initializer_range", 0.02),
             torch_dtype=str(dtype).replace("torch.", "") if dtype is not None else None,
             hf_config=hf_config,
-            qk_norm=model_type in _QK_NORM_TYPES,
-            **_moe_fields(hf_config, model_type),
+            qk_norm=family.qk_norm,
+            hidden_act="silu" if act == "swish" else act,
+            **family.layer_fields(hf_config),
+            **family.moe_fields(hf_config),
         )
         cfg.validate()
         return cfg
@@ -233,54 +234,6 @@ class ModelConfig:
         if self.num_key_value_heads >= tp:
             return tp_rank * self.num_key_value_heads // tp
         return tp_rank // (tp // self.num_key_value_heads)
-
-
-def _check_attention_window(hf_config, model_type: str) -> None:
-    """Sliding-window attention is not implemented: refuse configs whose layers use it."""
-    layer_types = getattr(hf_config, "layer_types", None) or []
-    window = getattr(hf_config, "sliding_window", None)
-    sliding = "sliding_attention" in layer_types
-    if model_type in ("mixtral", "qwen3_moe") and window:  # these apply it to every layer
-        sliding = True
-    if sliding:
-        raise ConfigError(f"{model_type}: sliding-window attention (sliding_window={window}, "
-                          f"use_sliding_window={getattr(hf_config, 'use_sliding_window', None)}) is "
-                          "not supported; only full causal attention is")
-
-
-def _moe_fields(hf_config, model_type: str) -> dict:
-    """The MoE fields of ModelConfig from an HF Qwen2-MoE / Qwen3-MoE / Mixtral config, with the
-    MoE layers chosen exactly as transformers does (``decoder_sparse_step``, ``mlp_only_layers``)."""
-    if model_type not in _MOE_TYPES:
-        return {}
-    get = lambda name, default=None: getattr(hf_config, name, default)  # noqa: E731
-    layers = get("num_hidden_layers")
-    top_k = get("num_experts_per_tok")
-    if model_type == "mixtral":
-        jitter = get("router_jitter_noise", 0.0) or 0.0
-        if jitter:
-            raise ConfigError(f"mixtral: router_jitter_noise={jitter} is not supported (set it to "
-                              "0.0; the router here is deterministic)")
-        experts = get("num_local_experts")
-        return dict(num_experts=experts, moe_top_k=top_k,
-                    moe_intermediate_size=get("intermediate_size"), norm_topk_prob=True,
-                    moe_layer_ids=tuple(range(layers)) if experts else (),
-                    router_aux_loss_coef=float(get("router_aux_loss_coef", 0.0)))
-    experts = get("num_experts") or 0
-    step = get("decoder_sparse_step", 1)
-    if experts and (not isinstance(step, int) or step < 1):
-        raise ConfigError(f"{model_type}: decoder_sparse_step must be a positive integer, got "
-                          f"{step!r}")
-    mlp_only = set(get("mlp_only_layers") or ())
-    moe_layers = tuple(i for i in range(layers)
-                       if i not in mlp_only and experts > 0 and (i + 1) % step == 0)
-    shared = (get("shared_expert_intermediate_size") or 0) if model_type == "qwen2_moe" else 0
-    return dict(num_experts=experts, moe_top_k=top_k or 0,
-                moe_intermediate_size=get("moe_intermediate_size") or 0,
-                norm_topk_prob=bool(get("norm_topk_prob", False)),
-                shared_expert_intermediate_size=shared, shared_expert_gate=shared > 0,
-                moe_layer_ids=moe_layers,
-                router_aux_loss_coef=float(get("router_aux_loss_coef", 0.0)))
 
 
 def load_hf_config(path: str | os.PathLike):

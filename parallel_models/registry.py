@@ -2,9 +2,11 @@
 
 Every family is the one Llama-style decoder (``parallel_models.llama.modeling``) under another
 name: the differences (qkv bias, tied embeddings, rope scaling, Qwen3's per-head q/k norm and
-explicit head_dim, mixture-of-experts MLPs) come from the HF config (``ModelConfig.from_hf``).
-The families are those of ``checkpoint_utils.WEIGHT_MAPS`` (Llama, Qwen2, Qwen3, ...); class
-names follow ``{Family}For{CausalLM|Value}[RmPad][PP]``, e.g. ``Qwen3ForValueRmPadPP``.
+explicit head_dim, mixture-of-experts MLPs, Gemma's norm / activation / embedding scale) come
+from the HF config as the family reads it (``ModelConfig.from_hf``). The families are the
+registered ones (``parallel_models.llama.families``), each with its weight map
+(``checkpoint_utils.WEIGHT_MAPS``); class names follow ``{Family}For{CausalLM|Value}[RmPad][PP]``,
+e.g. ``Qwen3ForValueRmPadPP``.
 """
 
 from __future__ import annotations

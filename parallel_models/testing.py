@@ -268,50 +268,24 @@ def start_main(target: str, argv: list, env: dict | None = None, log_dir: str | 
 
 _TINY_COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                     max_position_embeddings=256, rms_norm_eps=1e-6)
-# family -> (transformers config class name, its tiny settings); vocab sizes are odd so that they
-# are never divisible by TP, head_dim differs from hidden/heads where the family allows it, and
-# the MoE families have a dense layer among their MoE layers where transformers allows one.
-_TINY = {
-    "llama": ("LlamaConfig", dict(
-        vocab_size=257, intermediate_size=96, num_hidden_layers=2, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
-        rope_theta=10000.0, architectures=["LlamaForCausalLM"])),
-    "qwen2": ("Qwen2Config", dict(
-        vocab_size=251, intermediate_size=96, num_hidden_layers=2, tie_word_embeddings=True,
-        rope_theta=1000000.0, architectures=["Qwen2ForCausalLM"])),
-    "qwen3": ("Qwen3Config", dict(
-        vocab_size=253, intermediate_size=96, num_hidden_layers=2, head_dim=24,
-        tie_word_embeddings=True, rope_theta=1000000.0, architectures=["Qwen3ForCausalLM"])),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(
-        vocab_size=253, intermediate_size=96, num_hidden_layers=3, head_dim=24,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False,
-        rope_theta=1000000.0, architectures=["Qwen3MoeForCausalLM"])),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(
-        vocab_size=251, intermediate_size=96, num_hidden_layers=3, num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1],
-        tie_word_embeddings=False, rope_theta=1000000.0, architectures=["Qwen2MoeForCausalLM"])),
-    "mixtral": ("MixtralConfig", dict(
-        vocab_size=257, intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
-        num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1000000.0,
-        architectures=["MixtralForCausalLM"])),
-}
 
 
 def tiny_hf_config(family: str = "llama", **overrides):
-    """A small transformers config of a family: ``llama`` (GQA, llama3 rope), ``qwen2`` (qkv
-    bias, tied), ``qwen3`` (qk-norm, head_dim 24 != 64/4, tied), ``qwen3_moe`` (4 experts top-2,
-    layer 1 dense), ``qwen2_moe`` (+ gated shared expert, layer 1 dense) or ``mixtral``."""
+    """A small transformers config of a registered family, by HF model_type: its tiny settings
+    (``Family.tiny``; vocab sizes are odd so that they are never divisible by TP, head_dim
+    differs from hidden/heads where the family allows it, the MoE families have a dense layer
+    among their MoE layers where transformers allows one): ``llama`` (GQA, llama3 rope),
+    ``qwen2`` (qkv bias, tied), ``qwen3`` (qk-norm, head_dim 24 != 64/4, tied), ``qwen3_moe``
+    (4 experts top-2, layer 1 dense), ``qwen2_moe`` (+ gated shared expert, layer 1 dense),
+    ``mixtral``, ``gemma`` ((1 + w) norms, GELU-tanh, scaled embeddings)."""
     import transformers
 
-    if family not in _TINY:
-        raise ValueError(f"unknown family {family!r}; use one of {sorted(_TINY)}")
-    class_name, settings = _TINY[family]
-    kw = dict(_TINY_COMMON, **settings)
+    from parallel_models.llama.families import family_of_model_type
+
+    fam = family_of_model_type(family, default=None)  # ConfigError (a ValueError) when unknown
+    kw = dict(_TINY_COMMON, **fam.tiny, architectures=[f"{fam.name}ForCausalLM"])
     kw.update(overrides)
-    return getattr(transformers, class_name)(**kw)
+    return getattr(transformers, fam.hf_config_class)(**kw)
 
 
 def save_tiny_hf_model(path: str, family: str = "llama", *, head: str = "causal_lm",

@@ -1,5 +1,6 @@
 """House rules checked on the source: no import cycle among the modules of ``parallel_models`` and
-``conversion``, and no file in ``parallel_models`` over 600 lines.
+``conversion``, no file in ``parallel_models`` over 600 lines, and no branch on an HF
+``model_type`` outside the family modules (``parallel_models/llama/families/``).
 
 Imports are collected with ``ast`` (no module is imported). Which imports count:
 - top-level imports (module body, including ``if`` / ``try`` / ``with`` blocks there) must form
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 
 import pytest
 
@@ -215,3 +217,43 @@ def test_lower_layers_do_not_import_higher_ones(prefix, forbidden):
         seen = _reachable(graph, mod)
         bad += [_chain(seen, f) for f in forbidden if f in seen]
     assert not bad, "layering broken:\n  " + "\n  ".join(bad[:10])
+
+
+# a comparison of a model_type string (``model_type ==`` / ``!=`` / ``in`` / ``not in``): what
+# differs between families is asked of the family object (parallel_models/llama/families/)
+_MODEL_TYPE_BRANCH = re.compile(r"model_type\s*(==|!=|\bin\b|\bnot\s+in\b)")
+FAMILIES_DIR = os.path.join("parallel_models", "llama", "families")
+
+
+def _model_type_branches(root: str) -> list[str]:
+    hits = []
+    for dirpath, dirnames, filenames in os.walk(os.path.join(root, "parallel_models")):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        rel_dir = os.path.relpath(dirpath, root)
+        if rel_dir == FAMILIES_DIR or rel_dir.startswith(FAMILIES_DIR + os.sep):
+            continue
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            with open(os.path.join(dirpath, name)) as f:
+                for n, line in enumerate(f, 1):
+                    if _MODEL_TYPE_BRANCH.search(line):
+                        hits.append(f"{os.path.join(rel_dir, name)}:{n}: {line.strip()}")
+    return hits
+
+
+def test_no_model_type_branch_outside_the_families():
+    hits = _model_type_branches(ROOT)
+    assert not hits, ("branch on model_type outside parallel_models/llama/families/ (give the "
+                      "family a hook instead):\n  " + "\n  ".join(hits))
+
+
+def test_model_type_branch_finder_finds_a_planted_branch(tmp_path):
+    pkg = tmp_path / "parallel_models" / "rl"
+    pkg.mkdir(parents=True)
+    (pkg / "x.py").write_text("if cfg.model_type == 'qwen2':\n    pass\nok = 'model_type'\n")
+    fam = tmp_path / FAMILIES_DIR
+    fam.mkdir(parents=True)
+    (fam / "y.py").write_text("if family.model_type in names:\n    pass\n")
+    assert _model_type_branches(str(tmp_path)) == [
+        os.path.join("parallel_models", "rl", "x.py") + ":1: if cfg.model_type == 'qwen2':"]

@@ -134,7 +134,8 @@ class ParallelDecoder(torch.nn.Module):
             device = "cpu" if mp_config.use_cpu_initialization else torch.cuda.current_device()
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
                                 sequence_parallel=self.sequence_parallel,
-                                dtype=mp_config.params_dtype, device=device)
+                                dtype=mp_config.params_dtype, device=device,
+                                unit_offset=config.norm_unit_offset)
         self.rotary_emb = RotaryEmbedding(config)
         if not mp_config.use_cpu_initialization:  # keep inv_freq beside the weights (no H2D per step)
             self.rotary_emb.to(torch.cuda.current_device())
@@ -143,6 +144,9 @@ class ParallelDecoder(torch.nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[tokens] -> [tokens(/tp under SP), 1, hidden]."""
         hidden = self.embed_tokens(input_ids.unsqueeze(0))  # [1, tokens, h] (or [t/tp, 1, h])
+        if self.config.embedding_multiplier != 1.0:  # Gemma: as HF, the scale in the hidden dtype
+            scale = torch.tensor(self.config.embedding_multiplier, dtype=torch.float32)
+            hidden = hidden * scale.to(device=hidden.device, dtype=hidden.dtype)
         if not self.sequence_parallel:
             # a view, not transpose(): the same strides as every later [t, 1, h] activation (the
             # fused kernels would compile once more for the transposed layout)
@@ -172,7 +176,8 @@ class ParallelDecoder(torch.nn.Module):
             residual, mlp_out = layer.forward_parts(hidden, normed, cos, sin, cu_seqlens,
                                                     max_seqlen, kv_cache, i)
             norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            hidden, normed = add_rms_norm(mlp_out, residual, norm.weight, norm.eps)
+            hidden, normed = add_rms_norm(mlp_out, residual, norm.weight, norm.eps,
+                                          norm.unit_offset)
         return normed
 
 

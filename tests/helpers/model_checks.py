@@ -57,13 +57,14 @@ def ours_and_reference(model, path: str, head: str, rmpad: bool, ids, mask):
 def check_forward(folders: dict, tp: int, sp: bool) -> dict:
     """Max abs error vs transformers for every family x head x padding x layout."""
     import parallel_models as pm
+    from parallel_models.llama.families import family_of_model_type
 
     pm.init_parallel(tensor_parallel_size=tp, sequence_parallel=sp)
     results, values = {}, {}
     for (family, head), path in folders.items():
         for rmpad in (False, True):
-            cls = pm.get_model_class(f"{'Llama' if family == 'llama' else 'Qwen2'}ForCausalLM",
-                                     head, rmpad)
+            cls = pm.get_model_class(f"{family_of_model_type(family).name}ForCausalLM", head,
+                                     rmpad)
             model = cls.from_pretrained(path, dtype=torch.float32)
             for side in ("left", "right"):
                 ids, mask = _batch(model.config.vocab_size, side)
@@ -83,8 +84,8 @@ def check_forward(folders: dict, tp: int, sp: bool) -> dict:
     return {"errors": results, "values": values}
 
 
-def check_gradients(folders: dict, tp: int, sp: bool) -> dict:
-    """Relative gradient error vs transformers after one cross-entropy backward."""
+def check_gradients(folders: dict, tp: int, sp: bool, families=("llama", "qwen2")) -> dict:
+    """Relative gradient error vs transformers after one cross-entropy backward, per family."""
     import parallel_models as pm
     from megatron.core import parallel_state as mpu
     from transformers import AutoModelForCausalLM
@@ -95,7 +96,7 @@ def check_gradients(folders: dict, tp: int, sp: bool) -> dict:
 
     pm.init_parallel(tensor_parallel_size=tp, sequence_parallel=sp)
     out = {}
-    for family in ("llama", "qwen2"):
+    for family in families:
         path = folders[(family, "causal_lm")]
         model = pm.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -23,6 +23,8 @@ import torch
 from parallel_models.config import ConfigError, ModelConfig
 from parallel_models.llama.checkpoint_utils.dcp import DCP_METADATA
 from parallel_models.llama.checkpoint_utils.errors import CheckpointError
+from parallel_models.llama.families import family_of_model_type
+from parallel_models.llama.families.registry import GPT_PROVIDER
 
 MCORE_CONFIG_FILE = "mcore_config.json"  # our JSON of TransformerConfig / GPTModel arguments
 TRACKER_FILE = "latest_checkpointed_iteration.txt"  # Megatron-LM's tracker (Bridge writes it too)
@@ -168,6 +170,23 @@ def write_megatron_files(folder: str, common: dict | None = None) -> None:
         os.fsync(f.fileno())
 
 
+# ModelConfig.hidden_act -> the name of megatron's function for it (mcore_config.json's
+# activation_func; megatron.core.activations.fast_gelu is the tanh approximation of GELU)
+MEGATRON_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "fast_gelu"}
+
+
+def megatron_activation(name: str):
+    """The function of an ``activation_func`` name of mcore_config.json."""
+    if name == "silu":
+        return torch.nn.functional.silu
+    if name == "fast_gelu":
+        from megatron.core.activations import fast_gelu
+
+        return fast_gelu
+    raise ConfigError(f"activation {name!r} is not supported; known: "
+                      f"{', '.join(MEGATRON_ACTIVATIONS.values())}")
+
+
 def check_megatron_compatible(config: ModelConfig) -> None:
     """Raise a ConfigError for models megatron-core's GPTModel cannot express."""
     if config.o_bias != config.mlp_bias or (config.o_bias and not config.qkv_bias):
@@ -175,6 +194,9 @@ def check_megatron_compatible(config: ModelConfig) -> None:
             f"attention_bias={config.o_bias}, mlp_bias={config.mlp_bias}: megatron-core's "
             "add_bias_linear puts a bias on every linear (qkv, proj, fc1, fc2) and add_qkv_bias on "
             "qkv only; this combination has no GPTModel equivalent")
+    if config.hidden_act not in MEGATRON_ACTIVATIONS:
+        raise ConfigError(f"hidden_act={config.hidden_act!r} has no megatron-core activation here "
+                          f"(known: {', '.join(MEGATRON_ACTIVATIONS)})")
 
 
 # YaRN settings megatron-core's GPTModel reads from its config with getattr (not TransformerConfig
@@ -272,6 +294,7 @@ def mcore_config_dict(config: ModelConfig, *, head_kind: str, dtype: torch.dtype
     """The JSON written next to a dist checkpoint: megatron-core ``TransformerConfig`` and
     ``GPTModel`` arguments that reproduce the model (plus what is not expressible, in notes)."""
     check_megatron_compatible(config)
+    family = family_of_model_type(config.model_type)
     rope, yarn, notes = _rope_args(config)
     dname = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype]
     tc = {
@@ -284,7 +307,7 @@ def mcore_config_dict(config: ModelConfig, *, head_kind: str, dtype: torch.dtype
         "normalization": "RMSNorm",
         "layernorm_epsilon": config.rms_norm_eps,
         "gated_linear_unit": True,
-        "activation_func": "silu",
+        "activation_func": MEGATRON_ACTIVATIONS[config.hidden_act],
         "add_bias_linear": bool(config.o_bias),
         "add_qkv_bias": bool(config.qkv_bias),
         "qk_layernorm": bool(config.qk_norm),  # per-head RMSNorm of q and k (kv_channels wide)
@@ -297,6 +320,8 @@ def mcore_config_dict(config: ModelConfig, *, head_kind: str, dtype: torch.dtype
         **yarn,
         **_moe_args(config),
     }
+    if config.norm_unit_offset:  # megatron-core's RMSNorm then scales by (1 + w), as HF's Gemma
+        tc["layernorm_zero_centered_gamma"] = True
     gpt = {
         "vocab_size": config.vocab_size,
         "max_sequence_length": config.max_position_embeddings,
@@ -304,10 +329,14 @@ def mcore_config_dict(config: ModelConfig, *, head_kind: str, dtype: torch.dtype
                                                     and head_kind == "causal_lm"),
         **rope,
     }
+    if config.embedding_multiplier != 1.0:
+        notes.append(f"embeddings are scaled by {config.embedding_multiplier!r}: not a "
+                     "megatron-core GPTModel setting (Megatron-Bridge's provider "
+                     f"{family.bridge_provider} applies it); a bare GPTModel's outputs differ")
     if head_kind == "value":
         notes.append("value model: output_layer.weight is [1, hidden] (the value head, as verl's "
                      "critic); build GPTModel with an output layer of size 1")
-    return {
+    out = {
         "format": FORMAT,
         "layer_spec": layer_spec,
         "value_head": head_kind == "value",
@@ -319,6 +348,9 @@ def mcore_config_dict(config: ModelConfig, *, head_kind: str, dtype: torch.dtype
                       "(e.g. to a multiple of 128 x TP) and loads the stored rows into it",
         "notes": notes,
     }
+    if family.bridge_provider != GPT_PROVIDER:  # a family with its own Bridge provider class
+        out["bridge_provider"] = family.bridge_provider
+    return out
 
 
 # settings of mcore_config.json that must agree with the HF config a checkpoint is read with
@@ -327,6 +359,7 @@ _CHECKED = {"transformer_config": ("num_layers", "hidden_size", "ffn_hidden_size
                                    "moe_layer_freq", "moe_shared_expert_intermediate_size",
                                    "num_attention_heads", "num_query_groups", "kv_channels",
                                    "qk_layernorm", "add_qkv_bias", "add_bias_linear",
+                                   "activation_func", "layernorm_zero_centered_gamma",
                                    *YARN_ATTRIBUTES),
             "gpt_model": ("vocab_size", "position_embedding_type", "rotary_base", "rope_scaling",
                           "seq_len_interpolation_factor")}
@@ -379,10 +412,7 @@ def build_gpt_model(mcore_json: dict | str, *, layer_spec="local",
         with open(path) as f:
             mcore_json = json.load(f)
     tc = dict(mcore_json["transformer_config"])
-    act = tc.pop("activation_func")
-    if act != "silu":
-        raise ConfigError(f"activation {act!r} is not supported")
-    tc["activation_func"] = torch.nn.functional.silu
+    tc["activation_func"] = megatron_activation(tc.pop("activation_func"))
     tc["params_dtype"] = getattr(torch, tc["params_dtype"])
     tp = mpu.get_tensor_model_parallel_world_size()
     tc.update(tensor_model_parallel_size=tp,

@@ -5,9 +5,10 @@ The model's settings come from Bridge's ``run_config.yaml`` (the ``model`` secti
 ``GPTModelProvider``'s fields, megatron-core ``TransformerConfig`` names) or else from Megatron-LM's
 ``args`` in the common state (Megatron-LM's argument names); both are first put under the
 ``TransformerConfig`` names, then mapped to a transformers config. The family is read from the
-layout (megatron-core saves no HF architecture): q/k norms -> Qwen3 (Qwen3-MoE with experts),
-experts with a shared expert -> Qwen2-MoE, other experts -> Mixtral, a bias on qkv only -> Qwen2,
-else Llama. The vocab is the embedding's stored rows when known (Megatron-LM pads it).
+settings (megatron-core saves no HF architecture): each registered family says whether the
+settings match it (``Family.matches_megatron``; e.g. q/k norms -> Qwen3, Qwen3-MoE with experts;
+a bias on qkv only -> Qwen2; zero-centered norms -> Gemma; else Llama) and adds its own HF
+arguments. The vocab is the embedding's stored rows when known (Megatron-LM pads it).
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from parallel_models.llama.checkpoint_utils.megatron_format import COMMON_FILE
 from parallel_models.llama.checkpoint_utils.megatron_layout import (RUN_CONFIG_FILE,
                                                                     read_megatron_lm_args,
                                                                     read_run_config)
+from parallel_models.llama.families import family_from_megatron
 
 # TransformerConfig / GPTModelProvider name -> Megatron-LM argument name, where they differ
 _ARG_NAMES = {"layernorm_epsilon": "norm_epsilon", "num_moe_experts": "num_experts",
               "rope_scaling": "use_rope_scaling",
               "seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor",
-              "seq_length": "max_position_embeddings"}
+              "seq_length": "max_position_embeddings",
+              "layernorm_zero_centered_gamma": "apply_layernorm_1p"}
 _REQUIRED = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")
 _OPTIONAL = ("num_query_groups", "kv_channels", "layernorm_epsilon", "add_bias_linear",
              "add_qkv_bias", "qk_layernorm", "init_method_std", "vocab_size", "seq_length",
@@ -35,7 +38,11 @@ _OPTIONAL = ("num_query_groups", "kv_channels", "layernorm_epsilon", "add_bias_l
              "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
              "yarn_rotary_scaling_factor", "yarn_original_max_position_embeddings",
              "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim",
-             "yarn_correction_range_round_to_int")
+             "yarn_correction_range_round_to_int", "layernorm_zero_centered_gamma")
+# the gated MLP's activation: megatron's function name -> HF hidden_act
+# (Bridge writes megatron.core.activations.fast_gelu, Megatron-LM has --openai-gelu: both GELU-tanh)
+_ACTIVATIONS = {"silu": "silu", "fast_gelu": "gelu_pytorch_tanh",
+                "openai_gelu": "gelu_pytorch_tanh"}
 
 
 def _fields_from_run_config(run: dict) -> dict:
@@ -56,8 +63,10 @@ def _fields_from_args(args) -> dict:
     out["seq_length"] = get("seq_length") or getattr(args, "seq_length", None)
     out["share_embeddings_and_output_weights"] = not getattr(
         args, "untie_embeddings_and_output_weights", False)
-    out["gated_linear_unit"] = bool(getattr(args, "swiglu", False))
-    out["activation"] = "silu" if out["gated_linear_unit"] else "other"
+    swiglu = bool(getattr(args, "swiglu", False))
+    out["gated_linear_unit"] = swiglu or bool(getattr(args, "gated_linear_unit", False))
+    out["activation"] = ("silu" if swiglu else "openai_gelu" if getattr(args, "openai_gelu", False)
+                         else "other")
     if not getattr(args, "group_query_attention", False):
         out["num_query_groups"] = None
     out["vocab_size"] = getattr(args, "padded_vocab_size", None) or get("vocab_size")
@@ -67,19 +76,12 @@ def _fields_from_args(args) -> dict:
     return out
 
 
-def _family(f: dict) -> tuple[str, str]:
-    """(model_type, architecture) from the layout."""
-    if f["num_moe_experts"]:
-        if f["qk_layernorm"]:
-            return "qwen3_moe", "Qwen3MoeForCausalLM"
-        if f["moe_shared_expert_intermediate_size"]:
-            return "qwen2_moe", "Qwen2MoeForCausalLM"
-        return "mixtral", "MixtralForCausalLM"
-    if f["qk_layernorm"]:
-        return "qwen3", "Qwen3ForCausalLM"
-    if f["add_qkv_bias"] and not f["add_bias_linear"]:
-        return "qwen2", "Qwen2ForCausalLM"
-    return "llama", "LlamaForCausalLM"
+def _activation(f: dict) -> str | None:
+    """The HF hidden_act of the settings' gated MLP (None: not a gated MLP we implement)."""
+    if f.get("gated_linear_unit") is False:
+        return None
+    name = str(f.get("activation", "silu")).rpartition(".")[2]
+    return _ACTIVATIONS.get(name)
 
 
 def _rope_scaling(f: dict) -> dict | None:
@@ -121,15 +123,17 @@ def hf_config_from_fields(f: dict, source: str, vocab_rows: int | None = None):
     unsupported = []
     if (f.get("normalization") or "RMSNorm") != "RMSNorm":
         unsupported.append(f"normalization={f['normalization']!r} (RMSNorm only)")
-    if f.get("gated_linear_unit") is False or "silu" not in f.get("activation", "silu"):
-        unsupported.append("an MLP other than SwiGLU (gated_linear_unit with silu)")
+    act = _activation(f)
+    if act is None:
+        unsupported.append(f"an MLP other than a gated one with {' / '.join(_ACTIVATIONS)} "
+                           f"(activation {f.get('activation')!r})")
     if (f.get("position_embedding_type") or "rope") not in ("rope", "yarn"):
         unsupported.append(f"position_embedding_type={f['position_embedding_type']!r}")
     if unsupported:
         raise CheckpointError(f"{source}: not a Llama/Qwen model: {'; '.join(unsupported)}")
-    model_type, arch = _family(f)
+    family = family_from_megatron(f)
     heads = f["num_attention_heads"]
-    kw = dict(architectures=[arch], hidden_size=f["hidden_size"],
+    kw = dict(architectures=[f"{family.name}ForCausalLM"], hidden_size=f["hidden_size"],
               num_hidden_layers=f["num_layers"], num_attention_heads=heads,
               num_key_value_heads=f["num_query_groups"] or heads,
               head_dim=f["kv_channels"] or f["hidden_size"] // heads,
@@ -139,27 +143,13 @@ def hf_config_from_fields(f: dict, source: str, vocab_rows: int | None = None):
               rms_norm_eps=f["layernorm_epsilon"] if f["layernorm_epsilon"] is not None else 1e-5,
               rope_theta=float(f["rotary_base"] or 10000),
               tie_word_embeddings=bool(f["share_embeddings_and_output_weights"]),
-              initializer_range=f["init_method_std"] or 0.02, hidden_act="silu",
+              initializer_range=f["init_method_std"] or 0.02, hidden_act=act,
               dtype=f.get("dtype") or "float32")
     rope = _rope_scaling(f)
     if rope is not None:
         kw["rope_scaling"] = rope
-    if model_type == "llama":
-        kw.update(attention_bias=bool(f["add_bias_linear"]), mlp_bias=bool(f["add_bias_linear"]))
-    if f["num_moe_experts"]:
-        freq = list(f["moe_layer_freq"] or [1] * f["num_layers"])
-        if isinstance(f["moe_layer_freq"], int):
-            freq = [1 if i % f["moe_layer_freq"] == 0 else 0 for i in range(f["num_layers"])]
-        kw.update(num_experts_per_tok=f["moe_router_topk"],
-                  norm_topk_prob=not f["moe_router_pre_softmax"])
-        if model_type == "mixtral":
-            kw.update(num_local_experts=f["num_moe_experts"], intermediate_size=f["moe_ffn_hidden_size"])
-        else:
-            kw.update(num_experts=f["num_moe_experts"], moe_intermediate_size=f["moe_ffn_hidden_size"],
-                      decoder_sparse_step=1, mlp_only_layers=[i for i, m in enumerate(freq) if not m])
-        if model_type == "qwen2_moe":
-            kw["shared_expert_intermediate_size"] = f["moe_shared_expert_intermediate_size"]
-    return AutoConfig.for_model(model_type, **kw)
+    kw.update(family.hf_kwargs_from_megatron(f))
+    return AutoConfig.for_model(family.model_type, **kw)
 
 
 def hf_config_from_megatron(folder: str, vocab_rows: int | None = None):

@@ -33,14 +33,17 @@ from parallel_models.config import ConfigError
 from parallel_models.llama.checkpoint_utils.errors import CheckpointError
 from parallel_models.llama.checkpoint_utils.megatron_format import (COMMON_FILE, TRACKER_FILE,
                                                                    YARN_ATTRIBUTES)
+from parallel_models.llama.families.registry import GPT_PROVIDER
 
 FORMATS = ("flat", "megatron-lm", "bridge")
 DEFAULT_FORMAT = "bridge"  # Megatron-LM reads its args, Bridge its run_config.yaml
 RUN_CONFIG_FILE = "run_config.yaml"  # Megatron-Bridge's ConfigContainer
 CHECKPOINT_VERSION = 3.0  # what Megatron-LM and Bridge write into the common state
-GPT_PROVIDER = "megatron.bridge.models.gpt_provider.GPTModelProvider"
 TOKENIZER_CONFIG = "megatron.bridge.training.tokenizers.config.TokenizerConfig"
 CHECKPOINT_CONFIG = "megatron.bridge.training.config.CheckpointConfig"
+# mcore_config.json's activation_func -> the function Bridge's run config names
+_ACTIVATION_TARGETS = {"silu": "torch.nn.functional.silu",
+                       "fast_gelu": "megatron.core.activations.fast_gelu"}
 
 
 def check_format(fmt: str) -> None:
@@ -89,9 +92,11 @@ def megatron_lm_args(info: dict, tokenizer: str | None = None) -> argparse.Names
         rotary_seq_len_interpolation_factor=gpt["seq_len_interpolation_factor"],
         use_rope_scaling=gpt["rope_scaling"], rope_scaling_factor=gpt["rope_scaling_factor"],
         add_bias_linear=tc["add_bias_linear"], add_qkv_bias=tc["add_qkv_bias"],
-        qk_layernorm=tc["qk_layernorm"], swiglu=True, squared_relu=False,
+        qk_layernorm=tc["qk_layernorm"], swiglu=tc["activation_func"] == "silu",
+        openai_gelu=tc["activation_func"] == "fast_gelu", gated_linear_unit=True,
+        squared_relu=False,
         untie_embeddings_and_output_weights=not gpt["share_embeddings_and_output_weights"],
-        normalization="RMSNorm", norm_epsilon=tc["layernorm_epsilon"], apply_layernorm_1p=False,
+        normalization="RMSNorm", norm_epsilon=tc["layernorm_epsilon"], apply_layernorm_1p=bool(tc.get("layernorm_zero_centered_gamma", False)),
         apply_query_key_layer_scaling=False, attention_dropout=0.0, hidden_dropout=0.0,
         init_method_std=tc["init_method_std"],
         vocab_size=gpt["vocab_size"], padded_vocab_size=gpt["vocab_size"],
@@ -126,9 +131,9 @@ def bridge_run_config(info: dict, tokenizer: str | None = None) -> dict:
     ``mcore_config_dict`` ``info``: a ``GPTModelProvider`` that builds the same ``GPTModel``."""
     tc, gpt = dict(info["transformer_config"]), info["gpt_model"]
     dtype = tc.pop("params_dtype")
-    tc.pop("activation_func")
-    model = {"_target_": GPT_PROVIDER, **tc,
-             "activation_func": {"_target_": "torch.nn.functional.silu", "_call_": False},
+    act = tc.pop("activation_func")
+    model = {"_target_": info.get("bridge_provider", GPT_PROVIDER), **tc,
+             "activation_func": {"_target_": _ACTIVATION_TARGETS[act], "_call_": False},
              "params_dtype": {"_target_": f"torch.{dtype}", "_call_": False},
              "vocab_size": gpt["vocab_size"], "should_pad_vocab": False,
              "make_vocab_size_divisible_by": 128, "seq_length": gpt["max_sequence_length"],

@@ -6,11 +6,12 @@ to the MoE layers only (``layers="moe"``), and each routed-expert mapping names 
 (``expert=e``): our parameter is ``local_experts.{e}`` with ``e`` the index within this rank's
 experts (expert parallel), filled in by whoever builds the parameter name.
 
-HF names (as ``save_pretrained`` of transformers 5 writes them, one tensor per expert):
-- Qwen2-MoE / Qwen3-MoE: ``mlp.gate.weight``, ``mlp.experts.{e}.{gate,up,down}_proj.weight``,
-  Qwen2-MoE also ``mlp.shared_expert.{gate,up,down}_proj.weight`` and ``mlp.shared_expert_gate``;
-- Mixtral: ``block_sparse_moe.gate.weight``, ``block_sparse_moe.experts.{e}.w1`` (gate),
-  ``w3`` (up), ``w2`` (down).
+HF names (as ``save_pretrained`` of transformers 5 writes them, one tensor per expert) come from
+the family's ``moe_hf_names`` (``parallel_models.llama.families``): ``(block, (gate, up, down))``
+gives ``{block}.gate.weight`` (router), ``{block}.experts.{e}.{gate}.weight`` ... and, with a
+shared expert, ``{block}.shared_expert.{gate,up,down}.weight`` and ``{block}.shared_expert_gate``;
+e.g. Qwen2-MoE / Qwen3-MoE ``("mlp", ("gate_proj", "up_proj", "down_proj"))``, Mixtral
+``("block_sparse_moe", ("w1", "w3", "w2"))``.
 megatron-core keys are those its MoE layer's ``sharded_state_dict`` writes (local spec,
 ``SequentialMLP``): ``mlp.router.weight``, ``mlp.experts.experts.linear_fc1.weight`` ([gate; up])
 / ``linear_fc2.weight`` with a leading expert axis (our ``local_experts.{e}`` is one slice of it),
@@ -25,19 +26,16 @@ from typing import Callable
 from parallel_models.config import ModelConfig
 from parallel_models.llama.checkpoint_utils.weight_rules import (FusedGateUp, Replicated, RowSplit)
 
-# style -> (HF module of the MoE block, expert gate / up / down projection names)
-_HF_STYLES = {
-    "qwen": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
-}
+# the HF names of a family that declares none (Qwen's): (MoE block module, gate / up / down)
+DEFAULT_MOE_HF_NAMES = ("mlp", ("gate_proj", "up_proj", "down_proj"))
 
 
-def add_moe_mappings(config: ModelConfig, style: str, layer: Callable) -> None:
+def add_moe_mappings(config: ModelConfig, hf_names: tuple[str, tuple[str, str, str]],
+                     layer: Callable) -> None:
     """Add the MoE mappings through ``layer(ours, hf, mcore, rule, layers=, expert=)`` (the
-    per-layer adder of ``llama_mappings``; names are relative to ``model.layers.{i}.``)."""
-    if style not in _HF_STYLES:
-        raise ValueError(f"unknown MoE naming style {style!r}; known: {', '.join(_HF_STYLES)}")
-    block, (gate, up, down) = _HF_STYLES[style]
+    per-layer adder of ``llama_mappings``; names are relative to ``model.layers.{i}.``);
+    ``hf_names``: (HF module of the MoE block, its experts' gate / up / down names)."""
+    block, (gate, up, down) = hf_names
     layer("mlp.router.weight", (f"{block}.gate.weight",), "mlp.router.weight",
           Replicated("experts", "hidden"), layers="moe")
     for e in range(config.num_experts):

@@ -2,7 +2,8 @@
 fused into one parameter) to our parameter and to a megatron-core key, with the rule
 (``weight_rules``) that shards / fuses / lays it out. The loader, both savers, ``hf2mcore`` and
 ``mcore2hf`` all read this one table, through a :class:`WeightMap` they are handed (the registry
-picks it per family; nothing here knows the model classes).
+picks it per family; nothing here knows the model classes). One WeightMap per registered family
+(``parallel_models.llama.families``) is made from the family's names.
 
 megatron-core keys are those of 0.16's ``GPTModel.sharded_state_dict()``. Per-layer keys are
 stacked: one tensor with a leading layer axis (``decoder.layers.self_attention.linear_qkv.weight``
@@ -14,18 +15,18 @@ megatron-core's local spec also saves under (its ``sharded_state_dict_keys_map``
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Callable
 
 import torch
 
 from parallel_models.config import ModelConfig
 from parallel_models.llama.checkpoint_utils.megatron_format import (LOCAL_SPEC_NAMES,
                                                                    MCORE_LAYER_PREFIX)
-from parallel_models.llama.checkpoint_utils.moe_weight_map import add_moe_mappings
+from parallel_models.llama.checkpoint_utils.moe_weight_map import (DEFAULT_MOE_HF_NAMES,
+                                                                   add_moe_mappings)
 from parallel_models.llama.checkpoint_utils.weight_rules import (FusedGateUp, FusedQKV, Replicated,
                                                                 RowSplit, SliceReader, VocabSplit,
                                                                 WeightRule)
+from parallel_models.llama.families import Family, all_families
 
 @dataclasses.dataclass(frozen=True)
 class WeightMapping:
@@ -106,9 +107,10 @@ class WeightMapping:
 
 
 def llama_mappings(config: ModelConfig, head_kind: str, *, pre_process: bool = True,
-                   post_process: bool = True, moe_style: str = "qwen") -> list[WeightMapping]:
-    """The Llama-style decoder (Llama, Qwen2, Qwen3): mappings of one (pipeline stage of a) model with a
-    CausalLM or Value head."""
+                   post_process: bool = True,
+                   moe_hf_names: tuple = DEFAULT_MOE_HF_NAMES) -> list[WeightMapping]:
+    """The Llama-style decoder (every family): mappings of one (pipeline stage of a) model with a
+    CausalLM or Value head; ``moe_hf_names``: the family's HF names of the MoE tensors."""
     L = "model.layers.{i}."
     M = MCORE_LAYER_PREFIX
     out: list[WeightMapping] = []
@@ -136,7 +138,7 @@ def llama_mappings(config: ModelConfig, head_kind: str, *, pre_process: bool = T
     layer("mlp.down_proj.weight", ("mlp.down_proj.weight",), "mlp.linear_fc2.weight",
           RowSplit("hidden", "ffn"), layers=mlp_layers)
     if config.is_moe:
-        add_moe_mappings(config, moe_style, layer)
+        add_moe_mappings(config, moe_hf_names, layer)
     if config.qk_norm:  # Qwen3: one RMSNorm weight over head_dim for all q (and all k) heads
         layer("self_attn.q_layernorm.weight", ("self_attn.q_norm.weight",),
               "self_attention.q_layernorm.weight", Replicated("head_dim"))
@@ -175,17 +177,23 @@ def llama_mappings(config: ModelConfig, head_kind: str, *, pre_process: bool = T
 @dataclasses.dataclass(frozen=True)
 class WeightMap:
     """A family's weight map: its name (the prefix of its HF architecture strings), the HF
-    architectures it serves and the function listing its mappings."""
+    architectures it serves and the HF names of its MoE tensors (None: dense / Qwen's)."""
 
     family: str
     architectures: tuple[str, ...]
-    build: Callable[..., list[WeightMapping]] = llama_mappings
+    moe_hf_names: tuple | None = None
+
+    @classmethod
+    def of_family(cls, family: Family) -> "WeightMap":
+        return cls(family.name, family.architectures, family.moe_hf_names)
 
     def mappings(self, config: ModelConfig, head_kind: str, *, pre_process: bool = True,
                  post_process: bool = True) -> list[WeightMapping]:
         if head_kind not in ("causal_lm", "value"):
             raise ValueError(f"head_kind must be 'causal_lm' or 'value', got {head_kind!r}")
-        return self.build(config, head_kind, pre_process=pre_process, post_process=post_process)
+        return llama_mappings(config, head_kind, pre_process=pre_process,
+                              post_process=post_process,
+                              moe_hf_names=self.moe_hf_names or DEFAULT_MOE_HF_NAMES)
 
     def architecture(self, head_kind: str) -> str:
         """The HF architecture string a saved model of this family declares."""
@@ -202,18 +210,15 @@ class WeightMap:
                 + [(m, None) for m in maps if m.place == "post"])
 
 
-LLAMA = WeightMap("Llama", ("LlamaForCausalLM", "LlamaForSequenceClassification", "LlamaModel"))
-QWEN2 = WeightMap("Qwen2", ("Qwen2ForCausalLM", "Qwen2ForSequenceClassification", "Qwen2Model"))
-QWEN3 = WeightMap("Qwen3", ("Qwen3ForCausalLM", "Qwen3ForSequenceClassification", "Qwen3Model"))
-QWEN2_MOE = WeightMap("Qwen2Moe", ("Qwen2MoeForCausalLM", "Qwen2MoeForSequenceClassification",
-                                   "Qwen2MoeModel"))
-QWEN3_MOE = WeightMap("Qwen3Moe", ("Qwen3MoeForCausalLM", "Qwen3MoeForSequenceClassification",
-                                   "Qwen3MoeModel"))
-MIXTRAL = WeightMap("Mixtral", ("MixtralForCausalLM", "MixtralForSequenceClassification",
-                                "MixtralModel"),
-                    functools.partial(llama_mappings, moe_style="mixtral"))
-WEIGHT_MAPS = (LLAMA, QWEN2, QWEN3, QWEN2_MOE, QWEN3_MOE, MIXTRAL)
-
+# one weight map per registered family, by family name ("Llama", "Qwen3Moe", ...)
+WEIGHT_MAPS = tuple(WeightMap.of_family(f) for f in all_families())
+WEIGHT_MAPS_BY_FAMILY = {wm.family: wm for wm in WEIGHT_MAPS}
+LLAMA = WEIGHT_MAPS_BY_FAMILY["Llama"]
+QWEN2 = WEIGHT_MAPS_BY_FAMILY["Qwen2"]
+QWEN3 = WEIGHT_MAPS_BY_FAMILY["Qwen3"]
+QWEN2_MOE = WEIGHT_MAPS_BY_FAMILY["Qwen2Moe"]
+QWEN3_MOE = WEIGHT_MAPS_BY_FAMILY["Qwen3Moe"]
+MIXTRAL = WEIGHT_MAPS_BY_FAMILY["Mixtral"]
 
 # ---- shorthands kept for callers of the Llama layout (tests, model checks) ------------------------------
 def weight_rules(config: ModelConfig, head_kind: str, *, pre_process: bool = True,
@@ -235,5 +240,5 @@ def merge_to_hf(mapping: WeightMapping, shards: list[torch.Tensor], config: Mode
 
 
 __all__ = ["WeightMapping", "WeightMap", "LLAMA", "QWEN2", "QWEN3", "QWEN2_MOE", "QWEN3_MOE",
-           "MIXTRAL", "WEIGHT_MAPS", "llama_mappings",
+           "MIXTRAL", "WEIGHT_MAPS", "WEIGHT_MAPS_BY_FAMILY", "llama_mappings",
            "weight_rules", "shard_from_hf", "merge_to_hf"]

@@ -20,7 +20,8 @@ class ParallelDecoderLayer(torch.nn.Module):
         super().__init__()
         self.layer_id = layer_id  # global index (differs from the local one under PP)
         sp = mp_config.sequence_parallel
-        kw = dict(sequence_parallel=sp, dtype=mp_config.params_dtype, device=_param_device(mp_config))
+        kw = dict(sequence_parallel=sp, dtype=mp_config.params_dtype,
+                  device=_param_device(mp_config), unit_offset=config.norm_unit_offset)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.self_attn = ParallelAttention(config, mp_config, layout)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
@@ -39,7 +40,8 @@ class ParallelDecoderLayer(torch.nn.Module):
         (``ParallelDecoder`` does when decoding with a KV cache)."""
         attn = self.self_attn(normed, cos, sin, cu_seqlens, max_seqlen, kv_cache, layer_index)
         norm = self.post_attention_layernorm
-        hidden, normed = add_rms_norm(attn, hidden, norm.weight, norm.eps)  # one fused pass
+        hidden, normed = add_rms_norm(attn, hidden, norm.weight, norm.eps,  # one fused pass
+                                      norm.unit_offset)
         return hidden, self.mlp(normed)
 
 

@@ -1,5 +1,9 @@
 """Elementwise parts of the decoder (RMSNorm, residual add + RMSNorm, rotary, SwiGLU), fused on GPU.
 
+Two variants a config can switch on (Gemma): RMSNorm scaling by ``(1 + w)`` in fp32 before the
+cast back (``unit_offset=True``) and the gated GELU-tanh MLP (:func:`gated_activation`); these
+always take the compiled (GPU) / eager path, never the hand-written Triton or exact kernels.
+
 Each op is written once, in eager PyTorch, with the arithmetic transformers uses (the CPU path and
 the reference). On CUDA the same function runs through ``torch.compile``, which turns each one
 into one Triton kernel forward and one backward instead of 5-10 elementwise passes over the
@@ -30,10 +34,22 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * h.to(dtype)
 
 
+def _rms_norm_unit_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: the normalized input times ``(1 + w)``, both in fp32, then cast back."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.to(torch.float32))).to(x.dtype)
+
+
 def _add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """(x + residual, rms_norm(x + residual)): the pre-norm layer's residual add and next norm."""
     total = x + residual
     return total, _rms_norm(total, weight, eps)
+
+
+def _add_rms_norm_unit_offset(x, residual, weight, eps):
+    total = x + residual
+    return total, _rms_norm_unit_offset(total, weight, eps)
 
 
 def _rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -47,12 +63,24 @@ def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _geglu_tanh(gate_up: torch.Tensor) -> torch.Tensor:
+    """``[..., 2 * inter]`` holding [gate; up] -> gelu_tanh(gate) * up (HF gelu_pytorch_tanh)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 _compiled_rms_norm = compiled_on_gpu(_rms_norm)
 _compiled_add_rms_norm = compiled_on_gpu(_add_rms_norm)
+_compiled_rms_norm_unit_offset = compiled_on_gpu(_rms_norm_unit_offset)
+_compiled_add_rms_norm_unit_offset = compiled_on_gpu(_add_rms_norm_unit_offset)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim (the batch-invariant kernel in exact mode: layers/exact)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
+             ) -> torch.Tensor:
+    """RMSNorm over the last dim (the batch-invariant kernel in exact mode: layers/exact);
+    ``unit_offset``: scale by ``(1 + w)`` in fp32 (Gemma)."""
+    if unit_offset:
+        return _compiled_rms_norm_unit_offset(x, weight, eps)
     if exact.enabled():
         from parallel_models.llama.layers.exact import ops
 
@@ -62,8 +90,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _compiled_rms_norm(x, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 unit_offset: bool = False):
     """(x + residual, rms_norm(x + residual))."""
+    if unit_offset:
+        return _compiled_add_rms_norm_unit_offset(x, residual, weight, eps)
     if exact.enabled():
         total = x + residual
         return total, rms_norm(total, weight, eps)
@@ -81,3 +112,15 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     if not exact.enabled() and elementwise_triton.use_for(gate_up):
         return elementwise_triton.swiglu(gate_up)
     return _compiled_swiglu(gate_up)
+
+
+_compiled_geglu_tanh = compiled_on_gpu(_geglu_tanh)
+
+
+def gated_activation(gate_up: torch.Tensor, hidden_act: str) -> torch.Tensor:
+    """The gated MLP's ``act(gate) * up`` for ModelConfig.hidden_act (silu: :func:`swiglu`)."""
+    if hidden_act == "silu":
+        return swiglu(gate_up)
+    if hidden_act == "gelu_pytorch_tanh":
+        return _compiled_geglu_tanh(gate_up)
+    raise ValueError(f"hidden_act {hidden_act!r} has no gated MLP here")

@@ -1,4 +1,5 @@
-"""SwiGLU MLP: fused gate-up column-parallel, down row-parallel."""
+"""Gated MLP (SwiGLU, or GELU-tanh for Gemma: ``config.hidden_act``): fused gate-up
+column-parallel, down row-parallel."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 from megatron.core import ModelParallelConfig
 
 from parallel_models.config import ModelConfig
-from parallel_models.llama.layers.fused_ops import swiglu
+from parallel_models.llama.layers.fused_ops import gated_activation
 from parallel_models.llama.layers.linear import GateUpParallelLinear, ParallelRowLinear
 
 
@@ -14,6 +15,7 @@ class ParallelMLP(torch.nn.Module):
     def __init__(self, config: ModelConfig, mp_config: ModelParallelConfig, layout=None):
         super().__init__()
         std = config.initializer_range
+        self.hidden_act = config.hidden_act
         self.gate_up_proj = GateUpParallelLinear(config.hidden_size, config.intermediate_size,
                                                  bias=config.mlp_bias, config=mp_config,
                                                  init_std=std, layout=layout)
@@ -23,5 +25,5 @@ class ParallelMLP(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         gate_up, _ = self.gate_up_proj(hidden)
-        out, _ = self.down_proj(swiglu(gate_up))
+        out, _ = self.down_proj(gated_activation(gate_up, self.hidden_act))
         return out

@@ -6,8 +6,8 @@ come from the training backend of ``parallel.backend`` (``rl/backends/registry.p
 :class:`~parallel_models.rl.backends.roles.Roles`: actor, reference, critic and reward follow one
 protocol (``rl/roles/model_roles.py``), the rollout the rollout interface
 (``rl/rollout/interface.py``; ``rollout.backend``: in-process, the hybrid engine, the HTTP
-server...). With ``trainer.offload`` on CUDA only the role a phase uses sits on the GPU. The batch travels between phases as a
-:class:`~parallel_models.rl.data.batch.RolloutBatch`. Each data-parallel rank takes its share of every
+server...). With ``trainer.offload`` on CUDA only the role a phase uses sits on the GPU. The
+batch travels between phases as a :class:`~parallel_models.rl.data.batch.RolloutBatch`. Each data-parallel rank takes its share of every
 prompt batch (prompts are dealt before they are repeated ``rollout.n`` times, so a grpo / rloo
 group never straddles ranks); batch statistics are global over the ranks (``rl/observe/dp_stats.py``).
 """
@@ -81,8 +81,9 @@ class PPOTrainer:
 
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or model_path, what="actor tokenizer")
         self.roles = self.backend.build_roles(cfg, self.tokenizer, model_path)
-        self.actor, self.ref, self.critic = self.roles.actor, self.roles.reference, \
-            self.roles.critic
+        # the phases' names for the roles
+        self.actor, self.ref, self.critic = (self.roles.actor, self.roles.reference,
+                                             self.roles.critic)
         self.reward, self.rollout = self.roles.reward, self.roles.rollout
         alg = cfg.algorithm
         if alg.kl_ctrl == "adaptive":

@@ -150,9 +150,10 @@ def ppo_metrics(output_dir: str, overrides: list[str], report_engine: bool = Fal
     cfg.validate()
     trainer = PPOTrainer(cfg)
     rows = trainer.fit()
-    engine = trainer.rollout.engine  # the in-process or the hybrid engine
     for row in rows if report_engine else []:  # how the rollout ran (tests/hybrid_ppo_runs.metrics_at takes it out)
-        row["_rollout_continuous"] = bool(engine.continuous)
+        # the in-process or the hybrid engine (the server backend has none here: False)
+        engine = getattr(trainer.rollout, "engine", None)
+        row["_rollout_continuous"] = bool(getattr(engine, "continuous", False))
     return rows
 
 

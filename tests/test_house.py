@@ -257,3 +257,48 @@ def test_model_type_branch_finder_finds_a_planted_branch(tmp_path):
     (fam / "y.py").write_text("if family.model_type in names:\n    pass\n")
     assert _model_type_branches(str(tmp_path)) == [
         os.path.join("parallel_models", "rl", "x.py") + ":1: if cfg.model_type == 'qwen2':"]
+
+
+def _deep_imports(graph, prefix: str, package: str) -> list[str]:
+    """Imports by modules under ``prefix`` of a module *inside* ``package`` (not the package
+    itself), as ``importer -> imported``."""
+    return [f"{mod} -> {target}" for mod in sorted(graph)
+            if mod == prefix or mod.startswith(prefix + ".")
+            for target in sorted(graph[mod]) if target.startswith(package + ".")]
+
+
+def test_rl_uses_the_inference_engine_through_its_package_only():
+    """RL imports the inference engine only as ``parallel_models.inference`` (its public names,
+    ``parallel_models/inference/__init__.py``), never one of its modules; and the engine never
+    imports RL. Local imports count."""
+    graph, _ = _graph(top_only=False)
+    deep = _deep_imports(graph, "parallel_models.rl", "parallel_models.inference")
+    assert not deep, "rl/ imports inference modules directly:\n  " + "\n  ".join(deep)
+    back = _deep_imports(graph, "parallel_models.inference", "parallel_models.rl") + [
+        f"{m} -> parallel_models.rl" for m in sorted(graph)
+        if m.startswith("parallel_models.inference") and "parallel_models.rl" in graph[m]]
+    assert not back, "the inference engine imports RL:\n  " + "\n  ".join(back)
+
+
+def test_deep_inference_imports_are_found(tmp_path):
+    """The rule's checker: ``from parallel_models.inference.engine import X`` under rl/ is found,
+    ``from parallel_models.inference import X`` is not."""
+    pkg = tmp_path / "parallel_models"
+    (pkg / "inference").mkdir(parents=True)
+    (pkg / "rl").mkdir()
+    for f in ("__init__.py", "inference/__init__.py", "inference/engine.py", "rl/__init__.py"):
+        (pkg / f).write_text("")
+    (pkg / "rl" / "good.py").write_text("from parallel_models.inference import RolloutEngine\n")
+    (pkg / "rl" / "bad.py").write_text(
+        "def f():\n    from parallel_models.inference.engine import RolloutEngine\n")
+    modules = {"parallel_models": pkg / "__init__.py",
+               "parallel_models.inference": pkg / "inference" / "__init__.py",
+               "parallel_models.inference.engine": pkg / "inference" / "engine.py",
+               "parallel_models.rl": pkg / "rl" / "__init__.py",
+               "parallel_models.rl.good": pkg / "rl" / "good.py",
+               "parallel_models.rl.bad": pkg / "rl" / "bad.py"}
+    modules = {k: str(v) for k, v in modules.items()}
+    graph = {m: {t: line for t, (line, _) in _imports(m, p, modules).items()}
+             for m, p in modules.items()}
+    assert _deep_imports(graph, "parallel_models.rl", "parallel_models.inference") == [
+        "parallel_models.rl.bad -> parallel_models.inference.engine"]

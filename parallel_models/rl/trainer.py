@@ -1,11 +1,13 @@
 """The PPO loop: one step is a list of timed phases (rollout -> score -> advantages -> critic
 update -> actor update -> metrics), with checkpoints and exact resume.
 
-All roles live on the same ranks (TP x PP inside a model, data parallel across replicas; with PP
-or ``rollout.tensor_parallel_size`` other than TP the actor rolls out through the hybrid engine,
-``rollout/hybrid.py``) and follow one protocol (``rl/roles/model_roles.py``); with ``trainer.offload`` on CUDA only
-the role a phase uses sits on the GPU. The batch travels between phases as a
-:class:`~parallel_models.rl.data.batch.RolloutBatch`. Each data-parallel rank takes its share of every
+All roles live on the same ranks (TP x PP inside a model, data parallel across replicas) and
+come from the training backend of ``parallel.backend`` (``rl/backends/registry.py``) as one
+:class:`~parallel_models.rl.backends.roles.Roles`: actor, reference, critic and reward follow one
+protocol (``rl/roles/model_roles.py``), the rollout the rollout interface
+(``rl/rollout/interface.py``; ``rollout.backend``: in-process, the hybrid engine, the HTTP
+server...). With ``trainer.offload`` on CUDA only the role a phase uses sits on the GPU. The
+batch travels between phases as a :class:`~parallel_models.rl.data.batch.RolloutBatch`. Each data-parallel rank takes its share of every
 prompt batch (prompts are dealt before they are repeated ``rollout.n`` times, so a grpo / rloo
 group never straddles ranks); batch statistics are global over the ranks (``rl/observe/dp_stats.py``).
 """
@@ -25,20 +27,17 @@ from megatron.core import parallel_state as mpu
 from tqdm import tqdm
 
 import parallel_models as pm
-from parallel_models.config import ConfigError
 from parallel_models.llama.layers.exact import exact_mode
 from parallel_models.rl.algorithms import core as algos
-from parallel_models.rl.backends.builtin_model import (BUILTIN_MOE, build_builtin_model,  # noqa: F401
-                                              builtin_model_config)
-from parallel_models.tokenizer import builtin_vocab
-from parallel_models.rl.observe import dp_stats
-from parallel_models.rl.backends import megatron as megatron_backend
 from parallel_models.rl.algorithms.advantages import compute_advantages
+from parallel_models.rl.algorithms.mismatch import rollout_mismatch_metrics
+from parallel_models.rl.backends.builtin_model import BUILTIN_MOE, build_builtin_model
+from parallel_models.rl.backends.registry import training_backend
+from parallel_models.rl.backends.roles import offload_enabled
 from parallel_models.rl.data.batch import RolloutBatch
 from parallel_models.rl.data.prompts import prompt_caps
+from parallel_models.rl.observe import dp_stats
 from parallel_models.rl.observe.metrics import Timer
-from parallel_models.rl.algorithms.mismatch import rollout_mismatch_metrics
-from parallel_models.rl.roles.model_roles import RuleReward
 
 logger = logging.getLogger(__name__)
 
@@ -50,16 +49,6 @@ def _rank() -> int:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def _check_megatron_family(path: str) -> None:
-    """The megatron backend needs a family of our registry; others train with fsdp."""
-    arch = pm.registry.architecture_of(path)
-    if arch not in pm.registry.supported_architectures():
-        raise ConfigError(f"{path}: architecture {arch!r} is not supported by the megatron "
-                          f"backend (supported: {', '.join(pm.registry.supported_architectures())})"
-                          "; train it with parallel.backend=fsdp (any transformers "
-                          "AutoModelForCausalLM)")
 
 
 def summary_line(metrics: dict) -> str:
@@ -76,16 +65,8 @@ class PPOTrainer:
 
         self.cfg = cfg
         par = cfg.parallel
-        rollout_tp = cfg.rollout.tensor_parallel_size or par.tensor_parallel_size
-        builtin = cfg.model.path in (None, BUILTIN_MOE)
-        if not builtin and par.backend == "megatron":
-            _check_megatron_family(cfg.model.path)
-        if par.backend == "megatron":  # fail before starting processes when the model cannot be split
-            model_config = pm.ModelConfig.from_hf(builtin_model_config(
-                len(builtin_vocab()), moe=cfg.model.path == BUILTIN_MOE) if builtin
-                else cfg.model.path)
-            model_config.check_tensor_parallel(par.tensor_parallel_size)
-            model_config.check_tensor_parallel(rollout_tp)
+        self.backend = training_backend(par.backend)
+        self.backend.check_model(cfg)  # fail before the process groups when the model cannot run
         pm.init_parallel(tensor_parallel_size=par.tensor_parallel_size,
                          pipeline_parallel_size=par.pipeline_parallel_size,
                          sequence_parallel=par.sequence_parallel,
@@ -99,13 +80,11 @@ class PPOTrainer:
         from parallel_models.tokenizer import load_tokenizer
 
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or model_path, what="actor tokenizer")
-        if par.backend == "fsdp":
-            from parallel_models.rl.backends.fsdp.factory import build_fsdp_roles
-
-            build_fsdp_roles(self, model_path)  # actor, ref, critic, actor_model, rollout_engine
-        else:
-            megatron_backend.build_roles(self, model_path)
-        self.reward = self._build_reward()
+        self.roles = self.backend.build_roles(cfg, self.tokenizer, model_path)
+        # the phases' names for the roles
+        self.actor, self.ref, self.critic = (self.roles.actor, self.roles.reference,
+                                             self.roles.critic)
+        self.reward, self.rollout = self.roles.reward, self.roles.rollout
         alg = cfg.algorithm
         if alg.kl_ctrl == "adaptive":
             self.kl_ctrl = algos.AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon)
@@ -132,24 +111,11 @@ class PPOTrainer:
         self.metrics = MetricsLogger(tcfg.output_dir, tensorboard="tensorboard" in tcfg.loggers,
                                      trackers=trackers)
         self.step_index = 0
-        r = cfg.rollout
-        self.sampling = r.sampling_params()
-        # an MoE actor (megatron backend): the rollout records routes (router replay, metrics)
-        self._moe = par.backend == "megatron" and self.actor_model.config.is_moe
-        self.hybrid = None  # the actor rolls out in another layout (TP' or PP > 1)
-        if par.backend == "megatron":
-            megatron_backend.build_rollout(self, rollout_tp)
-        self.rollout_client = None
-        if r.backend == "server":
-            from parallel_models.inference.server import RolloutClient
-
-            # the bearer token, if the server wants one, comes from the environment
-            self.rollout_client = RolloutClient(r.server_url,
-                                                api_key=os.environ.get("PARALLEL_MODELS_API_KEY"))
+        self.sampling = cfg.rollout.sampling_params()
         if tcfg.resume:
             self.resume()
-        if self.rollout_client is not None:
-            self._push_weights()  # the server starts from the trainer's (possibly resumed) actor
+        # the rollout starts from the trainer's (possibly resumed) actor
+        self._update_rollout_weights()
         self._offload_all()  # each phase brings what it needs to the GPU
 
     # ---- set-up helpers -------------------------------------------------------------------------
@@ -173,28 +139,9 @@ class PPOTrainer:
         _barrier()
         return folder
 
-    def _build_reward(self):
-        r = self.cfg.reward
-        if r.type == "rule":
-            from parallel_models.rl.config.sections import reward_function_path
-            from parallel_models.rl.rewards.rules import load_reward_function
-
-            return RuleReward(load_reward_function(reward_function_path(self.cfg)), self.tokenizer)
-        from parallel_models.rl.rewards.model import RewardModel  # issue: reward model role
-
-        if self.cfg.parallel.backend == "fsdp":  # any *ForSequenceClassification, sharded
-            from parallel_models.rl.backends.fsdp.reward import FSDPRewardModel
-
-            return FSDPRewardModel.from_config(r, self.tokenizer, dtype=self.cfg.model.dtype,
-                                               replicate=self.cfg.parallel.fsdp_replicate_size)
-        return RewardModel.from_config(r, self.tokenizer)
-
     # ---- offload (CUDA): only the role a phase uses stays on the GPU ---------------------------------
     def _offload_enabled(self) -> bool:
-        return bool(self.cfg.trainer.offload) and torch.cuda.is_available()
-
-    def _roles(self) -> list:
-        return [r for r in (self.actor, self.ref, self.critic, self.reward) if r is not None]
+        return offload_enabled(self.cfg)
 
     def _use(self, role, with_optimizer: bool = False):
         """``role`` (and its optimizer states) on the device for a phase, when offloading."""
@@ -206,17 +153,16 @@ class PPOTrainer:
         """Every role to host memory (trainer.offload on CUDA); returns the bytes moved."""
         if not self._offload_enabled():
             return 0
-        return sum(role.offload() for role in self._roles())
+        self.rollout.release_memory()
+        return sum(role.offload() for role in self.roles.resident())
 
-    def _push_weights(self) -> None:
-        """rollout.backend=server: stream the actor to the server (rollout.weight_push), the
-        HF folder as fallback."""
-        from parallel_models.inference.server.rollout import push_actor_weights
-
-        folder = os.path.join(self.cfg.trainer.output_dir, "rollout_weights")
-        with self._use(self.actor):
-            push_actor_weights(self.actor_model, self.rollout_client, folder,
-                               self.cfg.rollout.weight_push)
+    def _update_rollout_weights(self) -> None:
+        """Tell the rollout the actor's weights changed (``version``: the step index). A rollout
+        that moves them now (``pushes_weights``: the HTTP server) gets the actor on the device;
+        the others only mark their copy stale (see ``rl/rollout/interface.py``)."""
+        pushing = self.rollout.pushes_weights
+        with self._use(self.actor) if pushing else contextlib.nullcontext():
+            self.rollout.update_weights(self.step_index)
 
     # ---- one PPO step: the phases --------------------------------------------------------------
     def step(self) -> dict:
@@ -235,8 +181,10 @@ class PPOTrainer:
         train.update(phase("train_actor", self.actor_update_phase, minibatches))
         metrics = phase("metrics", self.metrics_phase, batch, metrics, train)
         self.step_index += 1
-        if self.rollout_client is not None:
-            phase("sync", self._push_weights)
+        if self.rollout.pushes_weights:  # the weights move now: a phase of its own
+            phase("sync", self._update_rollout_weights)
+        else:  # a copy refilled inside the next rollout ("gen"), or nothing to move
+            self._update_rollout_weights()
         metrics.update({f"timing/{k}_s": v for k, v in timings.items()})
         metrics["timing/step_s"] = sum(timings.values())
         metrics.update({f"memory/{k}_peak_gib": v for k, v in memory.items()})
@@ -265,43 +213,14 @@ class PPOTrainer:
 
     def _rollout(self, prompt_ids: list[list[int]], sampling=None,
                  max_new_tokens: list[int] | None = None) -> RolloutBatch:
-        sampling = sampling or self.sampling
-        n = sampling.n
-        if self.rollout_client is not None:
-            from parallel_models.inference.server.rollout import server_rollout
-
-            seed = (self.cfg.trainer.seed * 1_000_003 + self.step_index) * 1009 + self.dp_rank
-            out = server_rollout(self.rollout_client, prompt_ids, sampling, seed=seed,
-                                 device=self.actor_model.device,
-                                 eos_token_id=self.rollout_engine.eos_token_id,
-                                 pad_token_id=self.rollout_engine.pad_token_id,
-                                 num_experts=self._num_experts())
-            out.pop("weight_version", None)  # rollout_log_probs stay: mismatch metrics, TIS
-            return RolloutBatch.from_dict(out)
-        if self.hybrid is not None:  # weights resharded into the rollout layout when stale
-            out = self.hybrid.rollout(prompt_ids, sampling, version=self.step_index,
-                                      num_experts=self._num_experts(),
-                                      max_new_tokens=max_new_tokens)
-            out.pop("weight_version", None)  # rollout_log_probs stay: mismatch metrics, TIS
-            return RolloutBatch.from_dict(out)
-        extra = {"record_routes": True} if self._moe else {}  # (the fsdp engine has neither)
-        if max_new_tokens is not None:  # per-prompt caps (megatron backend: config checks)
-            extra["max_new_tokens"] = max_new_tokens
-        out = self.rollout_engine.generate(prompt_ids, sampling, **extra)
-        return RolloutBatch(sequences=out.sequences, attention_mask=out.attention_mask,
-                            prompt_lengths=out.prompt_mask.sum(-1),
-                            response_mask=out.response_mask,
-                            group_index=torch.arange(len(prompt_ids)).repeat_interleave(n),
-                            rollout_log_probs=out.log_probs, routes=out.routes)
-
-    def _num_experts(self) -> int | None:
-        """An MoE actor's expert count (its rollouts return routes), else None."""
-        return self.actor_model.config.num_experts if self._moe else None
+        return self.rollout.generate(prompt_ids, sampling or self.sampling,
+                                     max_new_tokens=max_new_tokens)
 
     def score_phase(self, batch: RolloutBatch) -> dict:
         """Old log-probs (actor), reference log-probs, values (critic) and scores (reward)."""
         replay = self.cfg.actor.router_replay  # MoE only (config check)
-        routing = dict(replay=replay == "R3", record=replay == "R2") if self._moe else {}
+        moe = self.roles.num_experts is not None
+        routing = dict(replay=replay == "R3", record=replay == "R2") if moe else {}
         with self._use(self.actor):  # R3 replays the rollout's routes, R2 records its own
             batch.old_log_probs = self.actor.log_probs(batch, **routing)
         mismatch = rollout_mismatch_metrics(batch, getattr(self.actor, "route_session", None))
@@ -432,17 +351,8 @@ class PPOTrainer:
             for role in (self.actor, self.critic):
                 if role is not None:
                     role.onload()
-        if tcfg.save_hf_at_end and self.cfg.parallel.backend == "fsdp":
-            from parallel_models.rl.backends.fsdp.factory import export_roles_hf
-
-            export_roles_hf(self, tcfg.output_dir)
-        elif tcfg.save_hf_at_end:
-            # the final weights replace those of an earlier (resumed or repeated) run
-            self.actor_model.save_pretrained(os.path.join(tcfg.output_dir, "actor_hf"),
-                                             overwrite=True)
-            if self.critic is not None:
-                self.critic.model.save_pretrained(os.path.join(tcfg.output_dir, "critic_hf"),
-                                                  overwrite=True)
+        if tcfg.save_hf_at_end:  # actor_hf/ (and critic_hf/), the backend's way
+            self.backend.export_hf(self.roles, tcfg.output_dir, self.tokenizer)
         return history
 
     # ---- checkpoints -----------------------------------------------------------------------------
@@ -452,10 +362,7 @@ class PPOTrainer:
         return checkpointing.checkpoint_root(self.cfg.trainer.output_dir)
 
     def _trainable(self):
-        roles = {"actor": self.actor}
-        if self.critic is not None:
-            roles["critic"] = self.critic
-        return roles
+        return self.roles.trainable()
 
     def save_checkpoint(self) -> str:
         """Models and optimizer states (megatron-core dist checkpoint, reshardable), trainer state,

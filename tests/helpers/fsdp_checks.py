@@ -123,7 +123,7 @@ def fsdp_ppo_run(output_dir: str, model_path: str, steps: int) -> list[dict]:
                              "rollout.max_new_tokens=8", "actor.lr=1e-2", "critic.lr=1e-2"])
     cfg.validate()
     trainer = PPOTrainer(cfg)
-    kind = type(trainer.rollout_engine).__name__
+    kind = type(trainer.rollout.engine).__name__  # the engine behind the rollout adapter
     return [{**m, "engine": kind} for m in trainer.fit()]
 
 

@@ -149,9 +149,10 @@ def ppo_metrics(output_dir: str, overrides: list[str], report_engine: bool = Fal
     cfg.validate()
     trainer = PPOTrainer(cfg)
     rows = trainer.fit()
-    engine = trainer.hybrid.engine if trainer.hybrid is not None else trainer.rollout_engine
     for row in rows if report_engine else []:  # how the rollout ran (tests/hybrid_ppo_runs.metrics_at takes it out)
-        row["_rollout_continuous"] = bool(engine.continuous)
+        # the in-process or the hybrid engine (the server backend has none here: False)
+        engine = getattr(trainer.rollout, "engine", None)
+        row["_rollout_continuous"] = bool(getattr(engine, "continuous", False))
     return rows
 
 
@@ -164,7 +165,7 @@ def push_from_layout(model_path: str, url: str, tp: int, pp: int, fallback_folde
 
     import parallel_models as pm
     from parallel_models.inference.server.client import RolloutClient
-    from parallel_models.inference.server.rollout import push_actor_weights
+    from parallel_models.inference import push_actor_weights
     from parallel_models.inference.server.weight_stream import push_weight_stream
 
     pm.init_parallel(tensor_parallel_size=tp, pipeline_parallel_size=pp)

@@ -32,7 +32,7 @@ def push_group(model_path: str, url: str, tp: int = 1, pp: int = 1, *, pushes: i
 
     from parallel_models.inference.server import weight_group_push
     from parallel_models.inference.server.client import RolloutClient
-    from parallel_models.inference.server.rollout import push_actor_weights
+    from parallel_models.inference import push_actor_weights
 
     actor = _actor(model_path, tp, pp)
     if poison:

@@ -38,7 +38,7 @@ def moe_server(moe_model, tmp_path_factory, request):
 def test_server_rollout_returns_the_routes_the_engine_records(moe_server):
     from parallel_models.inference.sampling import SamplingParams
     from parallel_models.inference.server import RolloutClient
-    from parallel_models.inference.server.rollout import server_rollout
+    from parallel_models.rl.rollout.server import server_rollout
 
     ref = moe_server["ref"]
     with RolloutClient(moe_server["url"]) as client:

@@ -1,38 +1,67 @@
-"""The megatron backend's side of the trainer's set-up: the actor, reference and critic roles
-over our parallel models, and the in-process rollout engines (on the actor's weights, or the
-hybrid engine's copy in the rollout layout). The fsdp backend's counterpart is
-``rl/backends/fsdp/factory.py``."""
+"""The megatron training backend (``parallel.backend=megatron``, ``registry.TRAINING_BACKENDS``):
+the actor, reference and critic roles over our parallel models (TP x PP x EP), the reward, and
+the in-process rollout: the engine on the actor's own weights, or, when the rollout layout
+differs from the training one (TP' != TP, PP or EP > 1), the hybrid engine on a copy resharded
+into TP' that holds every layer and expert. The fsdp backend's counterpart is
+``rl/backends/fsdp/factory.py``.
+"""
 
 from __future__ import annotations
 
+import os
+
 import parallel_models as pm
-from parallel_models.rl.roles.model_roles import CriticRole, PolicyRole
-from parallel_models.inference.engine import RolloutEngine
-from parallel_models.utils.optimizer import build_optimizer
+from parallel_models.config import ConfigError
+from parallel_models.rl.backends.builtin_model import BUILTIN_MOE, builtin_model_config
+from parallel_models.rl.backends.roles import Roles, offload_enabled, rule_reward, special_tokens
 
 
-def build_roles(trainer, model_path: str) -> None:
-    """``trainer``'s actor (and its ``actor_model``), reference and critic roles over our
-    parallel models."""
-    cfg, tcfg, a = trainer.cfg, trainer.cfg.trainer, trainer.cfg.actor
+def check_model(cfg) -> None:
+    """Before the process groups exist: the model is of a family in our registry, and its heads
+    split over the training and the rollout TP."""
+    par = cfg.parallel
+    builtin = cfg.model.path in (None, BUILTIN_MOE)
+    if not builtin:
+        arch = pm.registry.architecture_of(cfg.model.path)
+        if arch not in pm.registry.supported_architectures():
+            raise ConfigError(
+                f"{cfg.model.path}: architecture {arch!r} is not supported by the megatron "
+                f"backend (supported: {', '.join(pm.registry.supported_architectures())}); "
+                "train it with parallel.backend=fsdp (any transformers AutoModelForCausalLM)")
+    from parallel_models.tokenizer import builtin_vocab
+
+    model_config = pm.ModelConfig.from_hf(builtin_model_config(
+        len(builtin_vocab()), moe=cfg.model.path == BUILTIN_MOE) if builtin else cfg.model.path)
+    model_config.check_tensor_parallel(par.tensor_parallel_size)
+    model_config.check_tensor_parallel(_rollout_tp(cfg))
+
+
+def _rollout_tp(cfg) -> int:
+    return cfg.rollout.tensor_parallel_size or cfg.parallel.tensor_parallel_size
+
+
+def build_roles(cfg, tokenizer, model_path: str) -> Roles:
+    """The actor, reference, critic (over our parallel models), reward and rollout."""
+    from parallel_models.rl.roles.model_roles import CriticRole, PolicyRole
+    from parallel_models.utils.optimizer import build_optimizer
+
+    tcfg, a = cfg.trainer, cfg.actor
     dtype = cfg.model.dtype
     arch = pm.registry.architecture_of(model_path)
     pp = cfg.parallel.pipeline_parallel_size > 1  # PP variants: this rank's pipeline stage
     actor_cls = pm.get_model_class(arch, "causal_lm", rmpad=True, pp=pp)
-    trainer.actor_model = actor_cls.from_pretrained(model_path, dtype=dtype)
+    actor_model = actor_cls.from_pretrained(model_path, dtype=dtype)
     budget = a.micro_batch_tokens
-    state = build_optimizer([trainer.actor_model], a.optim_config(tcfg.total_steps))
-    trainer.actor = PolicyRole(trainer.actor_model, state,
-                               temperature=cfg.rollout.temperature if not cfg.rollout.greedy
-                               else 1.0, max_tokens=budget, cfg=a)
+    state = build_optimizer([actor_model], a.optim_config(tcfg.total_steps))
+    actor = PolicyRole(actor_model, state, temperature=cfg.rollout.temperature
+                       if not cfg.rollout.greedy else 1.0, max_tokens=budget, cfg=a)
     alg = cfg.algorithm
-    trainer.ref = None
+    ref = None
     if alg.kl_in_reward or a.use_kl_loss:
         ref_model = actor_cls.from_pretrained(model_path, dtype=dtype)
         ref_model.requires_grad_(False)
-        trainer.ref = PolicyRole(ref_model, None, temperature=trainer.actor.temperature,
-                                 max_tokens=budget)
-    trainer.critic = None
+        ref = PolicyRole(ref_model, None, temperature=actor.temperature, max_tokens=budget)
+    critic = None
     from parallel_models.rl.algorithms.estimators import needs_critic
     if needs_critic(cfg):
         c = cfg.critic
@@ -42,24 +71,59 @@ def build_roles(trainer, model_path: str) -> None:
         critic_model = critic_cls.from_pretrained(critic_path, dtype=dtype,
                                                   value_head_seed=tcfg.seed)
         critic_state = build_optimizer([critic_model], c.optim_config(tcfg.total_steps))
-        trainer.critic = CriticRole(critic_model, critic_state, max_tokens=budget, cfg=c,
-                                    loss_agg_mode=a.loss_agg_mode)
+        critic = CriticRole(critic_model, critic_state, max_tokens=budget, cfg=c,
+                            loss_agg_mode=a.loss_agg_mode)
+    reward = rule_reward(cfg, tokenizer)
+    if reward is None:
+        from parallel_models.rl.rewards.model import RewardModel  # issue: reward model role
+
+        reward = RewardModel.from_config(cfg.reward, tokenizer)
+    # an MoE actor: the rollout records routes (router replay, metrics)
+    num_experts = actor_model.config.num_experts if actor_model.config.is_moe else None
+    rollout = _build_rollout(cfg, tokenizer, actor, actor_model, num_experts)
+    return Roles(actor=actor, reference=ref, critic=critic, reward=reward, rollout=rollout,
+                 num_experts=num_experts, model=actor_model)
 
 
-def build_rollout(trainer, rollout_tp: int) -> None:
-    """``trainer.rollout_engine`` on the actor's weights and, when the rollout layout differs
-    from the training one (TP' != TP, PP or EP > 1, in-process), ``trainer.hybrid``: the
-    engine on a copy resharded into TP' that holds every layer and expert."""
-    par, r = trainer.cfg.parallel, trainer.cfg.rollout
-    pad = trainer.tokenizer.pad_token_id
-    special = dict(eos_token_id=trainer.tokenizer.eos_token_id,
-                   pad_token_id=pad if pad is not None else 0)
-    trainer.rollout_engine = RolloutEngine(trainer.actor_model, **special, **r.engine_options())
-    other_layout = (par.pipeline_parallel_size > 1 or par.expert_parallel_size > 1
-                    or rollout_tp != par.tensor_parallel_size)
-    if r.backend == "inprocess" and other_layout:
-        from parallel_models.rl.rollout.hybrid import HybridRollout
+def _build_rollout(cfg, tokenizer, actor, actor_model, num_experts):
+    """The rollout of ``rollout.backend``; in-process, the engine on the actor's weights or,
+    in another layout, the hybrid engine."""
+    from megatron.core import parallel_state as mpu
 
-        trainer.hybrid = HybridRollout(trainer.actor_model, rollout_tp, **special,
-                                       offload=trainer._offload_enabled(),
-                                       engine_options=r.engine_options())
+    from parallel_models.rl.rollout.registry import RolloutContext, build_rollout
+
+    par, r = cfg.parallel, cfg.rollout
+    special = special_tokens(tokenizer)
+
+    def inprocess():
+        other_layout = (par.pipeline_parallel_size > 1 or par.expert_parallel_size > 1
+                        or _rollout_tp(cfg) != par.tensor_parallel_size)
+        if other_layout:
+            from parallel_models.rl.rollout.hybrid import HybridRollout
+            from parallel_models.rl.rollout.hybrid_adapter import HybridEngineRollout
+
+            hybrid = HybridRollout(actor_model, _rollout_tp(cfg), **special,
+                                   offload=offload_enabled(cfg),
+                                   engine_options=r.engine_options())
+            return HybridEngineRollout(hybrid, num_experts=num_experts)
+        from parallel_models.inference import RolloutEngine
+        from parallel_models.rl.rollout.inprocess import InProcessRollout
+
+        return InProcessRollout(RolloutEngine(actor_model, **special, **r.engine_options()),
+                                num_experts=num_experts)
+
+    return build_rollout(RolloutContext(
+        cfg=cfg, actor=actor, model=actor_model, **special, device=actor_model.device,
+        data_parallel_rank=mpu.get_data_parallel_rank(), num_experts=num_experts,
+        inprocess=inprocess))
+
+
+def export_hf(roles: Roles, output_dir: str, tokenizer) -> None:
+    """``actor_hf/`` and ``critic_hf/``; the final weights replace those of an earlier (resumed
+    or repeated) run."""
+    roles.model.save_pretrained(os.path.join(output_dir, "actor_hf"), overwrite=True)
+    if roles.critic is not None:
+        roles.critic.model.save_pretrained(os.path.join(output_dir, "critic_hf"), overwrite=True)
+
+
+__all__ = ["build_roles", "check_model", "export_hf"]

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from parallel_models.inference.sampling import SamplingFields, SamplingParams
+from parallel_models.inference import SamplingFields, SamplingParams
 from parallel_models.options import KernelOptions
 from parallel_models.utils.optimizer_config import Int, Number, OptimizerFields
 
@@ -60,7 +60,7 @@ class ParallelSection(BaseModel):
     expert_parallel_size: Int = Field(1, ge=1, description="MoE: ranks the experts of each MoE "
                                       "layer are split over (inside the data-parallel group; "
                                       "divides num_experts)")
-    backend: Literal["megatron", "fsdp"] = Field(
+    backend: str = Field(
         "megatron", description="megatron (our parallel models; TP/PP/EP) | fsdp (any HF "
                                 "causal LM, torch FSDP2 over data-parallel ranks; TP=PP=1)")
     fsdp_replicate_size: Int = Field(1, ge=1, description="fsdp: HSDP replicas (2-D mesh "
@@ -70,6 +70,16 @@ class ParallelSection(BaseModel):
     fsdp_packed: StrictBool = Field(True, description="fsdp: packed sequences through "
                                     "position_ids (transformers' packed masks / flash varlen); "
                                     "false = padded batches")
+
+    @field_validator("backend")
+    @classmethod
+    def _registered_backend(cls, name: str) -> str:  # rl/backends/registry.py
+        from parallel_models.rl.backends.registry import TRAINING_BACKENDS
+
+        problem = TRAINING_BACKENDS.problem(name)
+        if problem:
+            raise ValueError(problem)
+        return name
 
 
 class DataSection(BaseModel):
@@ -109,7 +119,7 @@ class RolloutSection(SamplingFields):
 
     model_config = SECTION_CONFIG
 
-    backend: Literal["inprocess", "server"] = Field(
+    backend: str = Field(
         "inprocess", description="inprocess | server (parallel-models-serve at server_url)")
     server_url: Optional[str] = Field(None, description="rollout.backend=server: the server's "
                                                         "base URL")
@@ -129,6 +139,16 @@ class RolloutSection(SamplingFields):
     exact: StrictBool = Field(False, description="batch-invariant kernels (needs Triton): rollout "
                               "log-probs == training log-probs bit for bit (megatron backend, "
                               "inprocess rollout)")
+
+    @field_validator("backend")
+    @classmethod
+    def _registered_backend(cls, name: str) -> str:  # rl/rollout/registry.py
+        from parallel_models.rl.rollout.registry import ROLLOUT_BACKENDS
+
+        problem = ROLLOUT_BACKENDS.problem(name)
+        if problem:
+            raise ValueError(problem)
+        return name
 
     def sampling_params(self, seed: int | None = None) -> SamplingParams:
         """The :class:`SamplingParams` of this section (with ``seed``)."""

@@ -10,7 +10,7 @@ rollout engine runs on the actor's own weights: nothing is copied.
 the prompts. The prompts of all training DP ranks are pooled, dealt round robin over the rollout
 DP ranks (each TP' group generates its share), and the samples go back to the training layout:
 every rank gets the rows of its own training DP share, in order, as the trainer's rollout dict
-(the server backend's format, ``server/rollout.batch_from_response``).
+(the server backend's format, ``samples_batch.batch_from_response``).
 """
 
 from __future__ import annotations
@@ -18,12 +18,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel_models.inference.engine import RolloutEngine
-from parallel_models.inference.rollout_layout import (build_rollout_layout, same_as_training,
-                                                      share_of)
-from parallel_models.inference.server.rollout import batch_from_response
-from parallel_models.inference.weight_sync import DEFAULT_BUCKET_BYTES, WeightSync
+from parallel_models.inference import (DEFAULT_BUCKET_BYTES, RolloutEngine, WeightSync,
+                                       build_rollout_layout, same_as_training, share_of)
 from parallel_models.parallel_layout import ParallelLayout, layout_of
+from parallel_models.rl.rollout.samples_batch import batch_from_response
 
 
 def build_rollout_model(actor, layout: ParallelLayout):

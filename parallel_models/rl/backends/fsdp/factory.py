@@ -1,10 +1,10 @@
-"""What the PPO trainer builds for ``parallel.backend=fsdp``: the actor, reference and critic
-roles over FSDP2-sharded transformers models, and the rollout engine.
+"""The fsdp training backend (``parallel.backend=fsdp``, ``rl/backends/registry.py``): the actor,
+reference and critic roles over FSDP2-sharded transformers models, the reward, and the rollout.
 
 Rollout: for a family in our registry, our parallel CausalLM (TP=1) generates, refilled from the
-FSDP actor layer by layer (``rollout_sync``) whenever the actor has taken an optimizer step since
-the last fill; for other families the sharded HF actor generates itself (``hf_rollout``,
-transformers' ``generate`` with ``synced_gpus``).
+FSDP actor layer by layer (``rollout_sync``) at the first rollout after the actor changed
+(``rl/rollout/inprocess.py``); for other families the sharded HF actor generates itself
+(``hf_rollout``, transformers' ``generate`` with ``synced_gpus``; ``rl/rollout/hf_generate.py``).
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 
 from parallel_models.rl.backends.fsdp import models as fm
-from parallel_models.rl.backends.fsdp.checkpoint import export_hf
+from parallel_models.rl.backends.fsdp.checkpoint import export_hf as export_sharded_hf
 from parallel_models.rl.backends.fsdp.forward import packed_sequences_supported
 from parallel_models.rl.backends.fsdp.optim import build_fsdp_optimizer
 from parallel_models.rl.backends.fsdp.roles import FSDPCriticRole, FSDPPolicyRole
+from parallel_models.rl.backends.roles import Roles, rule_reward, special_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -33,44 +34,44 @@ def registry_family(path: str) -> str | None:
         return None
 
 
-class SyncedRolloutEngine:
-    """The rollout engine of a registry family: ``generate`` first refills its model from the
-    FSDP actor when the actor has changed (``actor.version``)."""
-
-    def __init__(self, engine, actor):
-        self.engine, self.actor = engine, actor
-        self.synced_version = None
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def sync(self) -> None:
-        from parallel_models.rl.backends.fsdp.rollout_sync import sync_rollout_model
-
-        if self.synced_version != self.actor.version:
-            sync_rollout_model(self.actor.model, self.engine.model)
-            self.synced_version = self.actor.version
-
-    def generate(self, prompts, params, **kwargs):
-        self.sync()
-        return self.engine.generate(prompts, params, **kwargs)
+def check_model(cfg) -> None:
+    """Any transformers causal LM trains here (the config checks hold the layout rules)."""
 
 
-def build_fsdp_roles(trainer, model_path: str) -> None:
-    """Set ``trainer.actor`` / ``ref`` / ``critic`` / ``actor_model`` / ``rollout_engine``."""
+def build_roles(cfg, tokenizer, model_path: str) -> Roles:
+    """The actor, reference, critic (FSDP2-sharded transformers models), reward and rollout."""
     import torch
 
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     # the draws of transformers' weight init (score heads, ...) must not move the run's RNG
     with torch.random.fork_rng(devices=cuda):
-        _build(trainer, model_path)
+        actor, ref, critic, model, inprocess = _build(cfg, tokenizer, model_path)
+    reward = rule_reward(cfg, tokenizer)
+    if reward is None:  # any *ForSequenceClassification, sharded
+        from parallel_models.rl.backends.fsdp.reward import FSDPRewardModel
+
+        reward = FSDPRewardModel.from_config(cfg.reward, tokenizer, dtype=cfg.model.dtype,
+                                             replicate=cfg.parallel.fsdp_replicate_size)
+    from parallel_models.rl.backends.fsdp.models import compute_device
+    from parallel_models.rl.rollout.registry import RolloutContext, build_rollout
+
+    rollout = build_rollout(RolloutContext(
+        cfg=cfg, actor=actor, model=None, **special_tokens(tokenizer), device=compute_device(),
+        data_parallel_rank=_data_parallel_rank(), num_experts=None, inprocess=inprocess))
+    return Roles(actor=actor, reference=ref, critic=critic, reward=reward, rollout=rollout,
+                 model=model)
 
 
-def _build(trainer, model_path: str) -> None:
+def _data_parallel_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _build(cfg, tokenizer, model_path: str):
+    """(actor, reference, critic, the rollout copy or None, the in-process rollout's maker)."""
     import parallel_models as pm
-    from parallel_models.inference.engine import RolloutEngine
 
-    cfg = trainer.cfg
     par, a, tcfg = cfg.parallel, cfg.actor, cfg.trainer
     mesh = fm.device_mesh(par.fsdp_replicate_size)
     dtype = cfg.model.dtype
@@ -80,54 +81,58 @@ def _build(trainer, model_path: str) -> None:
                               activation_checkpointing=par.activation_checkpointing)
 
     temperature = cfg.rollout.temperature if not cfg.rollout.greedy else 1.0
-    actor = shard(fm.load_causal_lm(model_path))
-    packed = par.fsdp_packed and packed_sequences_supported(actor)
+    actor_model = shard(fm.load_causal_lm(model_path))
+    packed = par.fsdp_packed and packed_sequences_supported(actor_model)
     if par.fsdp_packed and not packed:
         logger.warning("fsdp backend: %s's attention (%s) does not honour packed position ids "
                        "in this transformers version; using padded microbatches", model_path,
-                       actor.config._attn_implementation)
+                       actor_model.config._attn_implementation)
     common = dict(max_tokens=a.micro_batch_tokens, packed=packed)
-    trainer.actor = FSDPPolicyRole(actor, build_fsdp_optimizer(actor,
-                                                               a.optim_config(tcfg.total_steps)),
-                                   temperature=temperature, cfg=a, **common)
+    actor = FSDPPolicyRole(actor_model, build_fsdp_optimizer(
+        actor_model, a.optim_config(tcfg.total_steps)), temperature=temperature, cfg=a, **common)
     alg = cfg.algorithm
-    trainer.ref = None
+    ref = None
     if alg.kl_in_reward or a.use_kl_loss:
-        trainer.ref = FSDPPolicyRole(shard(fm.load_causal_lm(model_path), trainable=False),
-                                     temperature=temperature, **common)
-    trainer.critic = None
+        ref = FSDPPolicyRole(shard(fm.load_causal_lm(model_path), trainable=False),
+                             temperature=temperature, **common)
+    critic = None
     from parallel_models.rl.algorithms.estimators import needs_critic
     if needs_critic(cfg):
         c = cfg.critic
-        critic = shard(fm.load_value_model(c.path or model_path, seed=tcfg.seed))
-        trainer.critic = FSDPCriticRole(critic, build_fsdp_optimizer(
-            critic, c.optim_config(tcfg.total_steps)), cfg=c, loss_agg_mode=a.loss_agg_mode,
+        critic_model = shard(fm.load_value_model(c.path or model_path, seed=tcfg.seed))
+        critic = FSDPCriticRole(critic_model, build_fsdp_optimizer(
+            critic_model, c.optim_config(tcfg.total_steps)), cfg=c, loss_agg_mode=a.loss_agg_mode,
             **common)
-    pad = trainer.tokenizer.pad_token_id
-    special = dict(eos_token_id=trainer.tokenizer.eos_token_id,
-                   pad_token_id=pad if pad is not None else 0)
+    special = special_tokens(tokenizer)
     arch = registry_family(model_path)
-    if arch is not None:
-        cls = pm.get_model_class(arch, "causal_lm", rmpad=True)
-        trainer.actor_model = cls.from_pretrained(model_path, dtype=dtype)
-        trainer.actor_model.requires_grad_(False)
-        trainer.rollout_engine = SyncedRolloutEngine(
-            RolloutEngine(trainer.actor_model, **special, **cfg.rollout.engine_options()),
-            trainer.actor)
-        logger.info("fsdp backend: rollout with %s, refilled from the FSDP actor", cls.__name__)
-    else:
+    if arch is None:
         from parallel_models.rl.backends.fsdp.hf_rollout import HFRolloutEngine
+        from parallel_models.rl.rollout.hf_generate import HFGenerateRollout
 
-        trainer.actor_model = None
-        trainer.rollout_engine = HFRolloutEngine(actor, **special)
         logger.info("fsdp backend: %s is not in the registry; rollout with transformers' "
                     "generate on the sharded actor", model_path)
+        return actor, ref, critic, None, lambda: HFGenerateRollout(
+            HFRolloutEngine(actor_model, **special))
+    from parallel_models.inference import RolloutEngine
+    from parallel_models.rl.backends.fsdp.rollout_sync import sync_rollout_model
+    from parallel_models.rl.rollout.inprocess import InProcessRollout
+
+    cls = pm.get_model_class(arch, "causal_lm", rmpad=True)
+    model = cls.from_pretrained(model_path, dtype=dtype)
+    model.requires_grad_(False)
+    engine = RolloutEngine(model, **special, **cfg.rollout.engine_options())
+    logger.info("fsdp backend: rollout with %s, refilled from the FSDP actor", cls.__name__)
+    return actor, ref, critic, model, lambda: InProcessRollout(
+        engine, refill=lambda: sync_rollout_model(actor_model, model))
 
 
-def export_roles_hf(trainer, output_dir: str) -> None:
+def export_hf(roles: Roles, output_dir: str, tokenizer) -> None:
     """``actor_hf/`` (with the tokenizer) and ``critic_hf/`` from the sharded models."""
     import os
 
-    export_hf(trainer.actor.model, os.path.join(output_dir, "actor_hf"), trainer.tokenizer)
-    if trainer.critic is not None:
-        export_hf(trainer.critic.model, os.path.join(output_dir, "critic_hf"))
+    export_sharded_hf(roles.actor.model, os.path.join(output_dir, "actor_hf"), tokenizer)
+    if roles.critic is not None:
+        export_sharded_hf(roles.critic.model, os.path.join(output_dir, "critic_hf"))
+
+
+__all__ = ["build_roles", "check_model", "export_hf", "registry_family"]

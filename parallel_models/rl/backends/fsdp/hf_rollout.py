@@ -11,12 +11,11 @@ from typing import Sequence
 
 import torch
 
-from parallel_models.inference.generation import GenerationOutput
-from parallel_models.inference.sampling import SamplingParams
+from parallel_models.inference import GenerationOutput, SamplingParams
 
 
 class HFRolloutEngine:
-    """``generate(prompts, params)`` like ``rollout.engine.RolloutEngine`` over an HF model."""
+    """``generate(prompts, params)`` like ``parallel_models.inference.RolloutEngine`` over an HF model."""
 
     def __init__(self, model, *, eos_token_id=None, pad_token_id: int = 0):
         self.model = model

@@ -33,7 +33,7 @@ def sync_rollout_model(fsdp_model, rollout_model) -> int:
     """Copy ``fsdp_model`` (a sharded HF causal LM) into ``rollout_model`` (our CausalLM);
     collective. Returns the number of tensors copied."""
     from parallel_models.llama.checkpoint_utils.loader import load_weights
-    from parallel_models.inference.weight_sync import TensorReader
+    from parallel_models.inference import TensorReader
 
     copied = 0
     for unit in _units(fsdp_model):

@@ -1,0 +1,2 @@
+"""Shared training utilities: vocab-parallel log-probs, microbatching, padding, offload, the
+optimizer and gradient buffers, compiled GPU pieces."""

@@ -1,0 +1,2 @@
+"""Watching a run: metrics (JSONL, TensorBoard, trackers), plots, data-parallel statistics and
+validation."""

@@ -67,7 +67,7 @@ case "${1:-gpu}" in
   exact)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
     timeout 240 python3 -m pytest -q -p no:cacheprovider -s tests/gpu/test_exact_mode.py \
-        tests/test_exact_kernels.py 2>&1 | tee "$OUT/exact_gpu_tests.log" | tail -25
+        tests/models/test_exact_kernels.py 2>&1 | tee "$OUT/exact_gpu_tests.log" | tail -25
     timeout 240 python3 bench/exact_mode_bench.py --out "$OUT/exact_mode.json" 2>&1 \
         | tee "$OUT/exact_mode.log" | grep -v '^[ {}]' | tail -15
     ;;
@@ -107,7 +107,7 @@ case "${1:-gpu}" in
     # sweep), then the 8B shape at TP=1: kernels (default) vs compiled, rounds alternated
     nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_elementwise_kernels.py \
-        tests/test_elementwise_kernels.py 2>&1 | tee "$OUT/elementwise_tests.log" | tail -12
+        tests/models/test_elementwise_kernels.py 2>&1 | tee "$OUT/elementwise_tests.log" | tail -12
     timeout 150 python3 bench/elementwise_bench.py --sweep --out "$OUT/elementwise.json" \
         > /tmp/elementwise_bench.log 2>&1; grep -v '^[] {}]' /tmp/elementwise_bench.log | tail -8
     timeout 420 torchrun --standalone --nproc-per-node 1 bench/tp_bench.py --tp 1 \
@@ -128,13 +128,23 @@ case "${1:-gpu}" in
       echo "buffer kernel $kernel:"; grep -hE '"(step_s|zeroed_buffers_step_s|share_of_matmul_peak)"' \
           /tmp/tp1_first_write.log | head -3; done
     CUDA_VISIBLE_DEVICES= timeout 420 python3 -m pytest -q -p no:cacheprovider -n 8 \
-        tests/test_grad_first_write.py tests/test_moe_aux_loss_pp.py tests/test_moe_aux_loss.py \
-        tests/test_moe_expert_parallel_ppo.py tests/test_wgrad_fusion.py 2>&1 \
+        tests/distributed/test_grad_first_write.py tests/models/test_moe_aux_loss_pp.py tests/rl/test_moe_aux_loss.py \
+        tests/rl/test_moe_expert_parallel_ppo.py tests/distributed/test_wgrad_fusion.py 2>&1 \
         | tee "$OUT/mcore019_new_tests.log" | tail -8
     ;;
   mcore)
     CUDA_VISIBLE_DEVICES= timeout 540 python3 -m pytest -q -p no:cacheprovider -n 8 \
-        tests/test_moe.py tests/test_qwen3.py tests/test_trainer_checkpoint.py tests/test_house.py \
+        tests/models/test_moe.py tests/models/test_qwen3.py tests/rl/test_trainer_checkpoint.py tests/test_house.py \
         2>&1 | tee "$OUT/mcore019_tests.log" | tail -25
+    ;;
+  house)
+    # the house refactor (issue 29) on the GPU host: tests/gpu, then the layout / families /
+    # rollout-interface CPU tests on megatron-core 0.19 (GPU hidden: gloo on the CPU)
+    nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
+    timeout 300 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+    CUDA_VISIBLE_DEVICES= timeout 240 python3 -m pytest -q -p no:cacheprovider \
+        tests/distributed/test_parallel_layout.py tests/models/test_gemma.py \
+        tests/models/test_family_registry.py tests/rl/test_rollout_interface.py tests/test_options.py \
+        2>&1 | tee "$OUT/mcore019_house.log" | tail -15
     ;;
 esac

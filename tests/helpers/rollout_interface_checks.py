@@ -114,7 +114,7 @@ def ppo_with_rollout_backend(output_dir: str, backend: str, overrides: list) -> 
     from parallel_models.rl.trainer import PPOTrainer
 
     calls: list = []
-    ROLLOUT_BACKENDS.register("recording",
+    ROLLOUT_BACKENDS.add("recording",
                               lambda context: RecordingRollout(context.inprocess(), calls))
     cfg = load_config(None, [f"trainer.output_dir={output_dir}", "trainer.total_steps=2",
                              "trainer.save_every=0", "trainer.loggers=[jsonl]",

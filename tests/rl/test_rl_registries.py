@@ -1,4 +1,4 @@
-"""Registries of what users extend (rl/algorithms/registry.py): built-in names, did-you-mean
+"""Registries of what users extend (rl/registry.py): built-in names, did-you-mean
 errors, a user's functions from a file outside the package (loaded once, checked for their
 signature, errors naming the config key), needs_critic / critic.enable agreement, and a short PPO
 job whose advantage estimator and policy loss come from user files and give the built-ins'
@@ -13,7 +13,7 @@ from parallel_models.errors import ConfigError
 from parallel_models.rl.algorithms import core as algos
 from parallel_models.rl.algorithms.estimators import ADVANTAGE_ESTIMATORS, needs_critic
 from parallel_models.rl.algorithms.losses import POLICY_LOSSES, compute_policy_loss
-from parallel_models.rl.algorithms.registry import Registry
+from parallel_models.rl.registry import Registry
 from parallel_models.rl.config import load_config
 from parallel_models.rl.rewards.rules import REWARD_FUNCTIONS, math_reward
 from tests.helpers.ppo_runs import run_metrics, run_ppo
@@ -225,3 +225,19 @@ def test_ppo_job_with_a_users_estimator_and_loss_matches_the_builtins(tmp_path):
         for key in a:
             if not key.startswith("timing/"):
                 assert b[key] == a[key], (a["step"], key, a[key], b[key])
+
+
+def test_backend_style_registry_lazy_entries_and_names_only():
+    """``add`` takes an object or a lazy ``module[:attr]`` reference (imported on first get);
+    a registry with ``user_functions=False`` refuses ``file.py:fn`` and names its config key."""
+    reg = Registry("thing", key="section.thing", user_functions=False, home="tests.REG")
+    reg.add("join", "os.path:join")
+    reg.add("obj", len)
+    assert reg.names() == ["join", "obj"] and reg.problem("obj") is None
+    assert reg._entries["join"] == "os.path:join"  # nothing imported yet
+    import os.path
+    assert reg.get("join") is os.path.join and reg.get("obj") is len
+    assert "did you mean 'join'" in reg.problem("jion")
+    assert "add your own with tests.REG.add" in reg.problem("my.py:fn")
+    with pytest.raises(ConfigError, match=r"section\.thing='my\.py:fn': unknown thing"):
+        reg.get("my.py:fn")

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from parallel_models.rl.algorithms.registry import Registry
+from parallel_models.rl.registry import Registry
 
 __all__ = [
     "masked_sum",

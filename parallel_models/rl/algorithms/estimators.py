@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from parallel_models.rl.algorithms import core as algos
-from parallel_models.rl.algorithms.registry import Registry
+from parallel_models.rl.registry import Registry
 
 ADVANTAGE_ESTIMATORS = Registry(
     "advantage estimator",

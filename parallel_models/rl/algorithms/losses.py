@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from parallel_models.rl.algorithms.core import as_bool_mask, masked_mean, masked_sum
-from parallel_models.rl.algorithms.registry import Registry
+from parallel_models.rl.registry import Registry
 
 __all__ = [
     "LOSS_AGG_MODES",

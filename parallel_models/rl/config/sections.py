@@ -15,7 +15,7 @@ strings accept numbers; ``null`` only where a field says so.
 What users extend is named, not enumerated: ``algorithm.adv_estimator``, ``actor.policy_loss``,
 ``algorithm.kl_penalty``, ``actor.kl_loss_type`` (and ``reward.function``) take a registered name
 or ``path/to/file.py:function``; the config check (``checks.py``) resolves them against their
-registries (``parallel_models.rl.algorithms.registry``), loading users' files there.
+registries (``parallel_models.rl.registry``), loading users' files there.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from parallel_models.config import ConfigError
-from parallel_models.rl.algorithms.registry import Registry, load_function
+from parallel_models.rl.registry import Registry, load_function
 
 RewardFn = Callable[..., Sequence[float]]
 

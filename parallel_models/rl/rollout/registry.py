@@ -8,7 +8,7 @@ refilled engine or HF generation) and ``server`` (the HTTP rollout server,
 ``rl/rollout/server.py``). A user adds one before the config is loaded::
 
     from parallel_models.rl.rollout.registry import ROLLOUT_BACKENDS
-    ROLLOUT_BACKENDS.register("mine", my_factory)   # my_factory(context) -> a Rollout
+    ROLLOUT_BACKENDS.add("mine", my_factory)   # my_factory(context) -> a Rollout
 
 ``rollout.backend`` is checked against this registry when the config is loaded.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from parallel_models.rl.backends.registry import Registry
+from parallel_models.rl.registry import Registry
 
 
 @dataclasses.dataclass
@@ -41,10 +41,10 @@ def inprocess_rollout(context: RolloutContext):
     return context.inprocess()
 
 
-ROLLOUT_BACKENDS = Registry("rollout backend", "rollout.backend",
-                            "parallel_models.rl.rollout.registry.ROLLOUT_BACKENDS")
-ROLLOUT_BACKENDS.register("inprocess", inprocess_rollout)
-ROLLOUT_BACKENDS.register("server", "parallel_models.rl.rollout.server:server_from_context")
+ROLLOUT_BACKENDS = Registry("rollout backend", key="rollout.backend", user_functions=False,
+                            home="parallel_models.rl.rollout.registry.ROLLOUT_BACKENDS")
+ROLLOUT_BACKENDS.add("inprocess", inprocess_rollout)
+ROLLOUT_BACKENDS.add("server", "parallel_models.rl.rollout.server:server_from_context")
 
 
 def build_rollout(context: RolloutContext):

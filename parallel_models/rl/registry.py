@@ -1,26 +1,33 @@
-"""Registries by name for the parts of the RL stack that users extend, and the loading of a
-user's own function from a Python file.
-
-Four registries use this helper, each next to its built-ins:
+"""Registries by name for what users extend in the RL stack, and the loading of a user's own
+function from a Python file. One class serves them all:
 
 * advantage estimators (``algorithm.adv_estimator``): ``rl/algorithms/estimators.py``;
 * policy losses (``actor.policy_loss``): ``rl/algorithms/losses.py``;
 * KL estimators (``algorithm.kl_penalty``, ``actor.kl_loss_type``): ``rl/algorithms/core.py``;
-* rule reward functions (``reward.function``): ``rl/rewards/rules.py``.
+* rule reward functions (``reward.function``): ``rl/rewards/rules.py``;
+* rollout backends (``rollout.backend``): ``rl/rollout/registry.py``;
+* training backends (``parallel.backend``): ``rl/backends/registry.py``.
 
-A built-in registers itself with a decorator, with the attributes the caller reads::
+A built-in function registers itself with a decorator, with the attributes the caller reads::
 
     @ADVANTAGE_ESTIMATORS.register("gae", needs_critic=True)
     def gae(token_level_rewards, response_mask, values, group_index, config): ...
 
-A config value is either a registered name or ``path/to/file.py:function`` (also
-``package.module:function``): :meth:`Registry.get` resolves both. A user's file is loaded once
-per process (the config check loads it in every rank; later look-ups reuse it), its function is
-checked against the call signature of the registry, and every problem (no such file, the file
-raises, no such function, a signature that does not take the arguments) is a
-:class:`~parallel_models.errors.ConfigError` saying what is wrong. The attributes a built-in
-gets at registration (``needs_critic``, ...) a user's function sets itself
+Other entries are added directly, as an object or as a lazy reference (``"package.module"``,
+``"package.module:name"``) imported on first use, so that listing and checking names imports
+nothing heavy::
+
+    TRAINING_BACKENDS.add("mine", "my_package.my_backend")
+
+A config value of a function registry is either a registered name or
+``path/to/file.py:function`` (also ``package.module:function``): :meth:`Registry.get` resolves
+both. A user's file is loaded once per process (the config check loads it in every rank; later
+look-ups reuse it), its function is checked against the call signature of the registry, and every
+problem (no such file, the file raises, no such function, a signature that does not take the
+arguments) is a :class:`~parallel_models.errors.ConfigError` saying what is wrong. The attributes a
+built-in gets at registration (``needs_critic``, ...) a user's function sets itself
 (``fn.needs_critic = True``); :meth:`Registry.attribute` reads them with the registry's defaults.
+Backend registries (``user_functions=False``) take registered names only.
 
 This module imports nothing heavy (no torch), so config code can import it.
 """
@@ -48,17 +55,21 @@ def is_user_spec(spec: str) -> bool:
 
 
 class Registry:
-    """Functions of one kind by name. ``kind`` names them in messages ("advantage estimator");
+    """Entries of one kind by name. ``kind`` names them in messages ("advantage estimator");
     ``params`` are the keyword arguments every function of the kind is called with (None: no
     check); ``defaults`` are the registration attributes and their values for functions that
-    do not set them."""
+    do not set them; ``key`` is the config key whose values name entries (messages start with
+    ``key=value``); ``home`` is where the registry lives (messages say how to add an entry);
+    ``user_functions``: whether ``file.py:function`` specs are accepted besides names."""
 
     def __init__(self, kind: str, params: tuple[str, ...] | None = None,
-                 defaults: dict[str, Any] | None = None):
+                 defaults: dict[str, Any] | None = None, *, key: str | None = None,
+                 home: str | None = None, user_functions: bool = True):
         self.kind = kind
         self.params = params
         self.defaults = dict(defaults or {})
-        self._entries: dict[str, Callable] = {}
+        self.key, self.home, self.user_functions = key, home, user_functions
+        self._entries: dict[str, Any] = {}
         self._checked: dict[str, Callable] = {}  # users' functions, loaded and checked
 
     def register(self, name: str, *aliases: str, **attributes: Any) -> Callable:
@@ -80,8 +91,24 @@ class Registry:
 
         return decorate
 
+    def add(self, name: str, entry: Any) -> Any:
+        """Add ``entry`` (an object, or a lazy ``"module"`` / ``"module:attr"`` reference) under
+        ``name``, replacing an earlier entry of that name. Returns ``entry``."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a {self.kind} needs a non-empty name, got {name!r}")
+        self._entries[name] = entry
+        return entry
+
     def names(self) -> list[str]:
         return sorted(self._entries)
+
+    def problem(self, name: str) -> str | None:
+        """Why ``name`` is not a valid value (None when it is registered, or is a user's
+        function spec where those are accepted: :meth:`get` checks the file)."""
+        if name in self._entries or (self.user_functions and isinstance(name, str)
+                                     and is_user_spec(name)):
+            return None
+        return self.unknown_message(str(name))
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries
@@ -94,11 +121,15 @@ class Registry:
                               " or path/to/file.py:function")
         spec = spec.strip()
         if spec in self._entries:
-            return self._entries[spec]
+            entry = self._entries[spec]
+            if isinstance(entry, str):  # a lazy reference: import it now, once
+                entry = self._entries[spec] = _resolve(entry)
+            return entry
         if spec in self._checked:
             return self._checked[spec]
-        if not is_user_spec(spec):
-            raise ConfigError(self.unknown_message(spec))
+        if not (self.user_functions and is_user_spec(spec)):
+            where = f"{self.key}={spec!r}: " if self.key else ""
+            raise ConfigError(where + self.unknown_message(spec))
         fn = load_function(spec, self.kind)
         if self.params is not None:
             check_signature(fn, self.params, spec, self.kind)
@@ -112,8 +143,17 @@ class Registry:
     def unknown_message(self, name: str) -> str:
         close = difflib.get_close_matches(name, self.names(), n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
+        own = ("or your own as path/to/file.py:function" if self.user_functions else
+               f"add your own with {self.home or 'this registry'}.add(name, entry)")
         return (f"unknown {self.kind} {name!r}{hint}; registered: {', '.join(self.names())}; "
-                "or your own as path/to/file.py:function")
+                f"{own}")
+
+
+def _resolve(reference: str) -> Any:
+    """``"package.module"`` -> the module, ``"package.module:name"`` -> that attribute."""
+    module, _, attr = reference.partition(":")
+    value = importlib.import_module(module)
+    return getattr(value, attr) if attr else value
 
 
 def check_signature(fn: Callable, params: tuple[str, ...], spec: str, kind: str) -> None:

@@ -1,4 +1,5 @@
-"""Demo: a tiny Llama built on the spot, loaded tensor-parallel, checked against transformers.
+"""Demo: a tiny model of a registered family (default Llama) built on the spot, loaded
+tensor-parallel, checked against transformers.
 
     torchrun --nproc-per-node 2 -m parallel_models.demo   (or plain `python -m ...` for TP=1)
 """
@@ -16,7 +17,10 @@ def main(argv=None) -> None:
     quiet_third_party()
     parser = argparse.ArgumentParser(prog="python -m parallel_models.demo", description=__doc__,
                                      formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--family", choices=["llama", "qwen2"], default="llama")
+    from parallel_models.llama.families import all_families  # light: no torch
+
+    parser.add_argument("--family", choices=[f.model_type for f in all_families()],
+                        default="llama", help="an HF model_type of a registered family")
     parser.add_argument("--sequence-parallel", action="store_true")
     add_version_argument(parser)
     args = parser.parse_args(argv)

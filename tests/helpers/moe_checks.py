@@ -49,12 +49,10 @@ def check_moe_forward(folders: dict, tp: int, ep: int, sp: bool, grouped: bool =
     """Max abs error vs transformers for every MoE family x head x padding x layout, at TP x EP
     (world = TP x EP: the dense layers run data parallel over the EP ranks). ``grouped``: the
     experts as grouped GEMMs (``torch._grouped_mm``, forced on the CPU)."""
-    import os
-
     import parallel_models as pm
-    from parallel_models.llama.layers.grouped_experts import ENV
+    from parallel_models.options import set_options
 
-    os.environ[ENV] = "1" if grouped else "0"
+    set_options({"moe_grouped_gemm": bool(grouped)})
 
     pm.init_parallel(tensor_parallel_size=tp, sequence_parallel=sp, expert_model_parallel_size=ep)
     errors, margins = {}, {}
@@ -87,11 +85,9 @@ def check_moe_gradients(folders: dict, tp: int, ep: int, grouped: bool = False) 
     from parallel_models.utils.grads import allreduce_sequence_parallel_grads
     from parallel_models.utils.padding import position_ids_from_attention_mask
 
-    import os
+    from parallel_models.options import set_options
 
-    from parallel_models.llama.layers.grouped_experts import ENV
-
-    os.environ[ENV] = "1" if grouped else "0"
+    set_options({"moe_grouped_gemm": bool(grouped)})
     pm.init_parallel(tensor_parallel_size=tp, expert_model_parallel_size=ep)
     dp, dp_rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
     out = {}

@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Sequence
 
 from parallel_models.rl.data.batch import RolloutBatch
-from parallel_models.rl.rollout.interface import batch_from_generation
+from parallel_models.rl.rollout.interface import EngineTokens, batch_from_generation
 
 
-class HFGenerateRollout:
+class HFGenerateRollout(EngineTokens):
     """``HFGenerateRollout(engine)`` over an ``HFRolloutEngine`` (the sharded actor's model)."""
 
     pushes_weights = False
@@ -22,14 +22,6 @@ class HFGenerateRollout:
     def __init__(self, engine):
         self.engine = engine
         self.version: object = None
-
-    @property
-    def eos_token_id(self):
-        return self.engine.eos_token_id
-
-    @property
-    def pad_token_id(self):
-        return self.engine.pad_token_id
 
     def update_weights(self, version) -> None:
         """Nothing to copy: the engine generates with the actor's own (sharded) weights."""

@@ -13,12 +13,12 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from parallel_models.rl.data.batch import RolloutBatch
-from parallel_models.rl.rollout.interface import batch_from_generation
+from parallel_models.rl.rollout.interface import EngineTokens, batch_from_generation
 
 _NEVER = object()  # the version of a copy never filled
 
 
-class InProcessRollout:
+class InProcessRollout(EngineTokens):
     """``InProcessRollout(engine, num_experts=None, refill=None)``. ``num_experts`` (an MoE
     actor): the rows carry the routes the engine records. ``refill``: a callable that fills the
     engine's model from the actor (its own copy); None when the engine runs on the actor's
@@ -33,14 +33,6 @@ class InProcessRollout:
         self.refill = refill
         self.version: object = None  # the actor's weights, as last told by update_weights
         self._filled: object = _NEVER
-
-    @property
-    def eos_token_id(self):
-        return self.engine.eos_token_id
-
-    @property
-    def pad_token_id(self):
-        return self.engine.pad_token_id
 
     def update_weights(self, version) -> None:
         """The actor now holds ``version``: a copy is refilled at the next ``generate``."""

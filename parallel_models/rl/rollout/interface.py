@@ -56,6 +56,20 @@ class Rollout(Protocol):
         ...
 
 
+class EngineTokens:
+    """The special tokens of an adapter over an engine (``self.engine``), read from it."""
+
+    engine: object
+
+    @property
+    def eos_token_id(self):
+        return self.engine.eos_token_id
+
+    @property
+    def pad_token_id(self):
+        return self.engine.pad_token_id
+
+
 def batch_from_generation(out, prompts: int, n: int) -> RolloutBatch:
     """The trainer's batch from a :class:`~parallel_models.inference.GenerationOutput` of
     ``prompts`` prompts with ``n`` samples each (rows prompt-major)."""
@@ -73,4 +87,4 @@ def batch_from_dict(out: dict) -> RolloutBatch:
     return RolloutBatch.from_dict(out)
 
 
-__all__ = ["Rollout", "batch_from_dict", "batch_from_generation"]
+__all__ = ["EngineTokens", "Rollout", "batch_from_dict", "batch_from_generation"]

@@ -89,11 +89,15 @@ def hf2mcore_parser() -> argparse.ArgumentParser:
                    "complete)")
     p.add_argument("--dtype", type=dtype_name, default=None, metavar="DTYPE",
                    help=f"cast the weights: {DTYPE_HELP} (default: keep the checkpoint's dtype)")
-    p.add_argument("--layer-spec", choices=["te", "local"], default="te",
-                   help="norm key names: 'te' = transformer-engine names (linear_qkv."
-                   "layer_norm_weight, linear_fc1.layer_norm_weight), which megatron-core 0.16's "
-                   "GPTModel uses with either spec; 'local' = input_layernorm / pre_mlp_layernorm "
-                   "(a local spec without the key map). Default: te")
+    p.add_argument("--layer-spec", choices=["te", "mcore-local", "local"], default="te",
+                   help="the key names of the layer spec that will load it: 'te' = "
+                   "transformer-engine's (Megatron-LM's and Megatron-Bridge's default): norms "
+                   "fused into linear_qkv / linear_fc1 (layer_norm_weight), an MoE layer's "
+                   "pre-MLP norm as pre_mlp_layernorm.weight; 'mcore-local' = megatron-core's "
+                   "local spec (get_gpt_layer_local_spec; its keys map gives every norm the fused "
+                   "name, MoE layers too; for a dense model the same as 'te'); 'local' = "
+                   "input_layernorm / pre_mlp_layernorm (a local spec without the key map). "
+                   "mcore2hf and from_pretrained read all three. Default: te")
     p.add_argument("--value", action="store_true",
                    help="a value model (critic / reward): score.weight -> output_layer.weight "
                    "[1, hidden]; *ForSequenceClassification inputs are value models anyway")

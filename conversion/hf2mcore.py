@@ -46,7 +46,7 @@ with quiet_megatron_import():  # megatron-core warns about optional GPU extras o
                                                                  resolve_model_path,
                                                                  write_hf_config)
     from parallel_models.llama.checkpoint_utils.megatron_format import (
-        MCORE_CONFIG_FILE, check_megatron_compatible, extra_state_items, mcore_config_dict,
+        LAYER_SPECS, MCORE_CONFIG_FILE, check_megatron_compatible, extra_state_items, mcore_config_dict,
         write_megatron_files)
     from parallel_models.llama.checkpoint_utils.megatron_layout import (DEFAULT_FORMAT,
                                                                         check_format, common_state,
@@ -118,8 +118,9 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
     ConfigError on bad input before anything is written. ``format``: the folder layout
     (``megatron_layout.FORMATS``)."""
     start = time.perf_counter()
-    if layer_spec not in ("te", "local"):
-        raise ConfigError(f"--layer-spec must be 'te' or 'local', got {layer_spec!r}")
+    if layer_spec not in LAYER_SPECS:
+        raise ConfigError(f"--layer-spec must be one of {', '.join(LAYER_SPECS)}, got "
+                          f"{layer_spec!r}")
     check_format(format)
     check_output_dir(output, overwrite)
     path = resolve_model_path(hf_path)

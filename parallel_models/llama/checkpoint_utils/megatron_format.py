@@ -39,6 +39,12 @@ LOCAL_SPEC_NAMES = {
     "decoder.layers.self_attention.linear_qkv.layer_norm_weight": "decoder.layers.input_layernorm.weight",
     "decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight",
 }
+# the key names of a layer spec (``WeightMapping.mcore_key``): transformer-engine's (Megatron-LM's
+# and Bridge's default), megatron-core's local spec (with its keys map), a local spec without it
+LAYER_SPECS = ("te", "mcore-local", "local")
+# under the transformer-engine spec an MoE layer's pre-MLP norm is a module of its own
+# (``pre_mlp_layernorm``, gpt_layer_specs.py: no fused linear_fc1 to hold it), saved by its name
+TE_MOE_LAYER_NAMES = ("decoder.layers.mlp.linear_fc1.layer_norm_weight",)
 # the linears of a layer: megatron-core saves an ``_extra_state`` object for each, and its default
 # (strict) load asks for them
 MCORE_EXTRA_STATE_KEYS = tuple(

@@ -17,6 +17,10 @@ class Mixtral(Family):
     hf_config_class = "MixtralConfig"
     sliding_window_on_every_layer = True
     moe_hf_names = ("block_sparse_moe", ("w1", "w3", "w2"))
+    # as Bridge's MixtralModelProvider sets them (its MixtralBridge takes moe_aux_loss_coeff from
+    # the HF router_aux_loss_coef, as we do; its load balancing is off)
+    megatron_moe_training = dict(moe_router_load_balancing_type="none", moe_grouped_gemm=True,
+                                 moe_permute_fusion=True)
     megatron_priority = 10
     tiny = dict(vocab_size=257, intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
                 num_experts_per_tok=2, tie_word_embeddings=False, rope_theta=1000000.0)

@@ -1,7 +1,9 @@
-"""hf2mcore: an HF Llama / Qwen2 folder (or hub id) -> a megatron-core ``GPTModel`` dist checkpoint.
+"""hf2mcore: an HF folder (or hub id) of a supported family -> a megatron-core ``GPTModel`` dist
+checkpoint. The families (from ``parallel_models.llama.families``, the registry) are listed at the
+end of this docstring and in ``--help``.
 
     hf2mcore --hf-path DIR_OR_HUB_ID --output DIR [--overwrite] [--dtype bfloat16|float16|float32]
-             [--layer-spec te|local] [--value] [--format bridge|megatron-lm|flat]
+             [--layer-spec te|mcore-local|local] [--value] [--format bridge|megatron-lm|flat]
 
 ``--format`` (``checkpoint_utils.megatron_layout``): ``bridge`` (default) writes Megatron-LM's
 iteration layout (``latest_checkpointed_iteration.txt``, ``iter_0000000/`` with Megatron-LM's args,
@@ -30,7 +32,12 @@ import time
 
 import torch
 
-from conversion._cli import fsync_small_files, quiet_megatron_import
+from conversion._cli import (family_list, fsync_small_files, hf_input_problem,
+                             quiet_megatron_import)
+
+__doc__ += f"""
+Families: {family_list()}.
+"""
 
 with quiet_megatron_import():  # megatron-core warns about optional GPU extras on import
     # every conversion reads an HF config: import transformers' config classes with the other
@@ -123,6 +130,9 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
                           f"{layer_spec!r}")
     check_format(format)
     check_output_dir(output, overwrite)
+    problem = hf_input_problem(hf_path)  # a megatron checkpoint, a file, a missing folder
+    if problem:
+        raise CheckpointError(problem)
     path = resolve_model_path(hf_path)
     config = ModelConfig.from_hf(path)
     weight_map = weight_map_of(config.architecture)  # unknown architecture -> ConfigError

@@ -220,14 +220,14 @@ class McoreCheckpoint:
                                       f"bytes; {index.fqn} ends at {info.offset + info.length})")
 
     # -- chunk reading --
-    def read_region(self, key: str, lead: tuple[int, ...], r0: int, r1: int,
+    def read_region(self, key: str, lead: tuple[int, ...] | int | None, r0: int, r1: int,
                     cols: tuple[int, int] | None = None) -> torch.Tensor:
         """Rows ``[r0, r1)`` (and columns ``cols``) of ``key`` at the leading indices ``lead``
-        (a layer and / or an expert; () for a tensor without leading axes), assembled from the
-        chunks that overlap them."""
+        (a layer and / or an expert: a tuple, or one int; None or () for a tensor without
+        leading axes), assembled from the chunks that overlap them."""
         md = self.tensors[key]
         size = tuple(md.size)
-        lead = tuple(lead)
+        lead = () if lead is None else (lead,) if isinstance(lead, int) else tuple(lead)
         nlead = len(lead)
         inner = size[nlead:]
         c0, c1 = cols if cols is not None else (0, inner[1] if len(inner) > 1 else None)

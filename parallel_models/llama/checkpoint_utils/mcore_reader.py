@@ -7,6 +7,14 @@ of an HF tensor, read from only the chunks that hold them and turned into the HF
 weight map's rules. The loader uses it to fill a model at any TP/PP (``from_pretrained`` on an
 mcore folder) and ``mcore2hf`` to write HF files (``byte_ranges`` lets it copy contiguous rows
 verbatim). Metadata is unpickled by an allow-list unpickler, chunks by torch's weights-only one.
+
+Each tensor is looked up where megatron-core may have put it (:func:`mcore_candidates`): layers
+stacked under one key with a leading layer axis (dense models; MoE models whose layers are all
+MoE, saved with an integer ``moe_layer_freq`` by megatron-core, Megatron-LM or Megatron-Bridge:
+routed experts then ``[layer, expert, ...]``) or one key per layer (``decoder.layers.{i}.``: our
+MoE writes, a list ``moe_layer_freq``), under the norm names of any layer spec (``te``: an MoE
+layer's ``pre_mlp_layernorm``; ``mcore-local``; ``local``). The chunks may split any axis (TP,
+EP), so a checkpoint saved at one TP/EP reads at another.
 """
 
 from __future__ import annotations

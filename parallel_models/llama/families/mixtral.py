@@ -6,7 +6,7 @@ names ``block_sparse_moe.experts.{e}.w1/w3/w2``; a set ``sliding_window`` applie
 from __future__ import annotations
 
 from parallel_models.errors import ConfigError
-from parallel_models.llama.families.moe import common_moe_hf_kwargs
+from parallel_models.llama.families.moe import common_moe_hf_kwargs, moe_layer_flags
 from parallel_models.llama.families.registry import Family, register_family
 
 
@@ -42,5 +42,10 @@ class Mixtral(Family):
         return bool(fields["num_moe_experts"])
 
     def hf_kwargs_from_megatron(self, fields: dict) -> dict:
+        flags = moe_layer_flags(fields)
+        if not all(flags):
+            raise ConfigError(f"moe_layer_freq={fields['moe_layer_freq']!r} makes layers "
+                              f"{[i for i, m in enumerate(flags) if not m]} dense: Mixtral has "
+                              "experts on every layer (no HF family here matches these settings)")
         return dict(common_moe_hf_kwargs(fields), num_local_experts=fields["num_moe_experts"],
                     intermediate_size=fields["moe_ffn_hidden_size"])

@@ -202,12 +202,13 @@ def output_problem(output: str, overwrite: bool) -> str | None:
 def convert_main(prog: str, parser: argparse.ArgumentParser, argv,
                  convert: Callable[[argparse.Namespace], dict]) -> int:
     """A converter's ``main``: parse (nothing heavy imported yet), refuse an output folder in
-    use, then :func:`run` ``convert(args)``."""
+    use, then an input that is missing or of the other converter, then :func:`run`
+    ``convert(args)``."""
     quiet_third_party()
     args = parser.parse_args(argv)
-    problem = (hf_input_problem(args.hf_path) if prog == "hf2mcore" else
-               mcore_input_problem(args.mcore_path) if prog == "mcore2hf" else None)
-    problem = problem or output_problem(args.output, args.overwrite)
+    problem = output_problem(args.output, args.overwrite) or (
+        hf_input_problem(args.hf_path) if prog == "hf2mcore" else
+        mcore_input_problem(args.mcore_path) if prog == "mcore2hf" else None)
     if problem:
         print(f"{prog}: error: {problem}", file=sys.stderr)
         return 1

@@ -116,8 +116,11 @@ class McoreCheckpoint:
         self.head_kind = head_kind
         te = "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
         local = LOCAL_SPEC_NAMES[te]
-        first = f"{MCORE_LAYER_PREFIX}0."  # per-layer keys: look at layer 0
-        has = lambda k: k in self.tensors or k.replace(MCORE_LAYER_PREFIX, first, 1) in self.tensors  # noqa: E731
+
+        def has(key):  # stacked, or per layer (then look at layer 0)
+            return key in self.tensors or key.replace(
+                MCORE_LAYER_PREFIX, f"{MCORE_LAYER_PREFIX}0.", 1) in self.tensors
+
         self.layer_spec = "local" if (not has(te) and has(local)) else "te"
         self.sources: dict[str, _Source] = {}
         self.weight_map = weight_map

@@ -308,7 +308,8 @@ def megatron_training_args(config: ModelConfig) -> dict:
     if not config.is_moe:
         return {}
     family = family_of_model_type(config.model_type)
-    return {**family.megatron_moe_training, "moe_aux_loss_coeff": float(config.router_aux_loss_coef)}
+    return {**family.megatron_moe_training,
+            "moe_aux_loss_coeff": float(config.router_aux_loss_coef)}
 
 
 def mcore_config_dict(config: ModelConfig, *, head_kind: str, dtype: torch.dtype,

@@ -77,9 +77,10 @@ class WeightMapping:
         layer axis); MoE models are saved per layer (``decoder.layers.{i}.``: megatron-core's
         non-homogeneous layout, which its GPTModel uses when ``moe_layer_freq`` is a list, as we
         write it) with a leading expert axis for the routed experts. Leading index None: no
-        leading axis. ``layer_spec``: the key names (:meth:`mcore_key`); the default, megatron-core's
-        local spec, is what the trainer's own checkpoints use. (``mcore_reader`` also reads the
-        stacked MoE layout megatron-core saves for an integer ``moe_layer_freq``.)"""
+        leading axis. ``layer_spec``: the key names (:meth:`mcore_key`); the default,
+        megatron-core's local spec, is what the trainer's own checkpoints use. (``mcore_reader``
+        also reads the stacked MoE layout megatron-core saves for an integer
+        ``moe_layer_freq``.)"""
         key = self.mcore_key(layer_spec, moe_layer=layer is not None and config.is_moe_layer(layer))
         if layer is None:
             return key, None, 0

@@ -2,19 +2,26 @@
 process). Runs where ``megatron.bridge`` imports (Python 3.12; bench/bridge_crosscheck.sh installs
 the wheels and runs it on the GPU host). Independent oracle: Bridge's own conversion code.
 
-For each tiny model (Llama GQA + llama3 RoPE, Qwen2 with tied embeddings and qkv bias), fp32 and
+For each tiny model (Llama GQA + llama3 RoPE, Qwen2 with tied embeddings and qkv bias, and the MoE
+families: Qwen3-MoE, Qwen2-MoE with its gated shared expert, Mixtral, every layer MoE), fp32 and
 bf16:
 1. HF -> mcore: our ``hf2mcore`` (default layout) vs Bridge's ``to_megatron_model`` +
    ``save_megatron_model``; every tensor of the two dist checkpoints read with torch DCP
-   (``dcp_to_torch_save``, not our reader) and compared bit by bit.
+   (``dcp_to_torch_save``, not our reader) and compared bit by bit. MoE: Bridge saves the layers
+   stacked under one key (its integer ``moe_layer_freq``), we write one key per layer (a list):
+   ours are stacked along a new leading axis (``stack_layers``) before the comparison; we write
+   the norm names of the layer spec Bridge's model uses (``te``, or ``mcore-local`` without
+   transformer-engine).
 2. Bridge opens ours: ``AutoBridge.load_megatron_model``'s steps on our folder (its latest
    ``iter_*``; ``load_model_config`` reads our ``run_config.yaml``, ``build_and_load_model`` loads
    the weights); its weights equal those of Bridge's own import, tensor by tensor, and the
    architecture settings it reads equal those of its own provider for the HF model.
 Without transformer-engine (the GPU host has none) Bridge's providers are switched to Bridge's own
 local layer spec and unfused kernels (``without_te``); the weights' layout is the same.
-3. mcore -> HF: our ``mcore2hf`` on Bridge's checkpoint, and Bridge's ``export_hf_weights`` of
-   the model it loaded from ours, both bit-exact against the source safetensors.
+3. mcore -> HF: our ``mcore2hf`` on Bridge's checkpoint (for MoE: its stacked layout), with
+   ``--hf-config`` and from Bridge's ``run_config.yaml`` alone, and Bridge's
+   ``export_hf_weights`` of the model it loaded from ours, all bit-exact against the source
+   safetensors.
 
     PYTHONPATH=. python bench/bridge_crosscheck.py [--out DIR]
 
@@ -40,7 +47,11 @@ import torch
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 8192}
 MODELS = {"llama": {"rope_scaling": LLAMA3, "max_position_embeddings": 16384},
-          "qwen2": {}}
+          "qwen2": {},
+          # every layer MoE: Bridge's integer moe_layer_freq (its stacked layout)
+          "qwen3_moe": {"mlp_only_layers": []}, "qwen2_moe": {"mlp_only_layers": []},
+          "mixtral": {}}
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 # Bridge modules that import transformer-engine at the top only for their TE-fused variants (the
@@ -143,6 +154,14 @@ SETTINGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads
             "qk_layernorm", "vocab_size", "seq_length", "share_embeddings_and_output_weights",
             "position_embedding_type", "rotary_base", "rotary_percent", "rope_scaling",
             "rope_scaling_factor", "seq_len_interpolation_factor", "params_dtype", "bf16", "fp16")
+MOE_SETTINGS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+                "moe_router_pre_softmax", "moe_router_score_function",
+                "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_grouped_gemm",
+                "moe_permute_fusion", "moe_token_dispatcher_type")
+# where we differ from Bridge on purpose (reported, not failed): the router in fp32 as
+# transformers and our MoE layer compute it (Bridge: the params dtype)
+MOE_REPORTED = ("moe_router_dtype",)
 FUSIONS = ("apply_rope_fusion", "bias_activation_fusion", "bias_dropout_fusion",
            "masked_softmax_fusion", "persist_layer_norm", "gradient_accumulation_fusion",
            "cross_entropy_loss_fusion")
@@ -156,10 +175,41 @@ def without_te(provider):
         from megatron.bridge.models.gpt_provider import local_layer_spec
 
         provider.transformer_layer_spec = local_layer_spec
-        for name in FUSIONS:
-            if hasattr(provider, name):
+        for name in FUSIONS + ("moe_permute_fusion", "moe_grouped_gemm"):  # TE kernels; the
+            if hasattr(provider, name):                                  # keys are the same
                 setattr(provider, name, False)
     return provider
+
+
+def layer_spec_of_bridge() -> str:
+    """The norm names of the spec Bridge's providers build here (``hf2mcore --layer-spec``)."""
+    return "te" if importlib.util.find_spec("transformer_engine") is not None else "mcore-local"
+
+
+def stack_layers(tensors: dict, num_layers: int) -> dict:
+    """Per-layer keys (``decoder.layers.{i}.X``) stacked along a new leading axis under
+    ``decoder.layers.X``, megatron-core's layout for homogeneous layers (an every-layer MoE model
+    with an integer ``moe_layer_freq``); other keys as they are."""
+    import re
+
+    out, per = {}, {}
+    for key, t in tensors.items():
+        m = re.match(r"decoder\.layers\.(\d+)\.(.*)$", key)
+        if m:
+            per.setdefault(m.group(2), {})[int(m.group(1))] = t
+        else:
+            out[key] = t
+    for rest, by_layer in per.items():
+        if sorted(by_layer) != list(range(num_layers)):
+            raise ValueError(f"decoder.layers.*.{rest}: layers {sorted(by_layer)} of {num_layers}")
+        out[f"decoder.layers.{rest}"] = torch.stack([by_layer[i] for i in range(num_layers)])
+    return out
+
+
+def moe_flags(freq, num_layers: int) -> list[int]:
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(num_layers)]
+    return list(freq)
 
 
 def init_dist() -> None:
@@ -235,7 +285,9 @@ def run_case(name: str, family: str, dtype, root: str, results: dict) -> None:
     src = save_tiny_hf_model(os.path.join(root, f"{name}.hf"), family, seed=5, dtype=dtype,
                              **MODELS[family])
     ours = os.path.join(root, f"{name}.ours")
-    convert_hf_to_mcore(src, ours, progress=False)
+    moe = family in MOE
+    convert_hf_to_mcore(src, ours, progress=False,
+                        layer_spec=layer_spec_of_bridge() if moe else "te")
 
     def check(label, fn):
         try:
@@ -255,14 +307,20 @@ def run_case(name: str, family: str, dtype, root: str, results: dict) -> None:
     state: dict = {}
 
     def bridge_import():  # what AutoBridge.to_megatron_model does, TE settings aside
-        provider = without_te(bridge.to_megatron_provider(load_weights=True))
+        provider = bridge.to_megatron_provider(load_weights=True)
+        state["moe_settings"] = {f: getattr(provider, f, None)
+                                 for f in MOE_SETTINGS + MOE_REPORTED + ("moe_layer_freq",)}
+        provider = without_te(provider)
         state["provider"] = provider
         provider.finalize()
         model = provider.provide_distributed_model(wrap_with_ddp=False,
                                                    use_cpu_initialization=True)
         state["imported"] = model_weights(model)
         bridge.save_megatron_model(model, theirs)  # (the tiny models have no tokenizer)
-        return compare(dcp_tensors(iteration_dir(ours)), dcp_tensors(iteration_dir(theirs)))
+        mine = dcp_tensors(iteration_dir(ours))
+        if moe:  # Bridge's MoE layers are stacked (its integer moe_layer_freq), ours per layer
+            mine = stack_layers(mine, provider.num_layers)
+        return compare(mine, dcp_tensors(iteration_dir(theirs)))
 
     check("hf2mcore_vs_bridge_import", bridge_import)
 
@@ -294,8 +352,20 @@ def run_case(name: str, family: str, dtype, root: str, results: dict) -> None:
         theirs_cfg = state["provider"]
         diff = {f: (getattr(ours_cfg, f, None), getattr(theirs_cfg, f, None)) for f in SETTINGS
                 if getattr(ours_cfg, f, None) != getattr(theirs_cfg, f, None)}
+        reported = {}
+        if moe:  # Bridge's provider before the host's TE settings; moe_layer_freq as flags
+            theirs_moe = state["moe_settings"]
+            diff.update({f: (getattr(ours_cfg, f, None), theirs_moe[f]) for f in MOE_SETTINGS
+                         if getattr(ours_cfg, f, None) != theirs_moe[f]})
+            layers = theirs_cfg.num_layers
+            if moe_flags(ours_cfg.moe_layer_freq, layers) != moe_flags(
+                    theirs_moe["moe_layer_freq"], layers):
+                diff["moe_layer_freq"] = (ours_cfg.moe_layer_freq, theirs_moe["moe_layer_freq"])
+            reported = {f: {"ours": getattr(ours_cfg, f, None), "bridge": theirs_moe[f]}
+                        for f in MOE_REPORTED}
         return {"differ": [f"{k}: ours {a!r}, Bridge's {b!r}" for k, (a, b) in diff.items()],
-                "compared": len(SETTINGS)}
+                "compared": len(SETTINGS) + (len(MOE_SETTINGS) + 1 if moe else 0),
+                "reported": reported}
 
     check("bridge_run_config_settings_of_ours", bridge_reads_our_settings)
 

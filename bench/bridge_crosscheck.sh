@@ -3,7 +3,8 @@
 # transformers but no Megatron: installs the carried wheels (.whl/bridge: megatron-bridge 0.6.2,
 # megatron-core 0.19.2, nvidia-modelopt + pulp, omegaconf, pydantic and its parts, datasets +
 # dill + multiprocess) with --no-deps into
-# /tmp/site and runs the check on the CPU (tiny models, gloo; the GPU is hidden).
+# /tmp/site and runs the check on the CPU (tiny models, gloo; the GPU is hidden): Llama, Qwen2 and
+# the MoE families (Qwen3-MoE, Qwen2-MoE, Mixtral: Bridge's stacked MoE layout -> our mcore2hf).
 #   bash bench/bridge_crosscheck.sh            (from the repo root; $OUT receives the JSON)
 set -euo pipefail
 WHL=${WHL:-.whl/bridge}

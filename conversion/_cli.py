@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 import warnings
 from typing import Callable
@@ -77,11 +78,60 @@ def fsync_small_files(folder: str, streamed: tuple[str, ...] = (".distcp", ".saf
             os.close(fd)
 
 
+def family_list() -> str:
+    """The model families the converters handle, from the family registry (a light import)."""
+    from parallel_models.llama.families import all_families
+
+    return ", ".join(f"{f.name} ({f.model_type})" for f in all_families())
+
+
+# files only a megatron-core / Megatron-LM / Megatron-Bridge checkpoint folder has (torch DCP's
+# index, megatron-core's metadata.json, Megatron-LM's tracker)
+_MEGATRON_MARKERS = (".metadata", "metadata.json", "latest_checkpointed_iteration.txt")
+# an HF hub id: "name" or "org/name" (anything else that is not a local folder is a missing path)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def is_megatron_folder(path: str) -> bool:
+    return os.path.isdir(path) and any(os.path.exists(os.path.join(path, m))
+                                       for m in _MEGATRON_MARKERS)
+
+
+def hf_input_problem(path: str) -> str | None:
+    """Why ``path`` cannot be hf2mcore's input, found without heavy imports or the network: a
+    megatron checkpoint (mcore2hf converts those), a file, or a path that is neither a folder
+    nor a hub id. None: a folder, or a hub id to fetch."""
+    if is_megatron_folder(path):
+        return (f"{path}: is a megatron-core dist checkpoint (Megatron-LM / Megatron-Bridge / "
+                "hf2mcore output), not an HF model folder; convert it with "
+                f"mcore2hf --mcore-path {path} --output DIR")
+    if os.path.isdir(path):
+        return None
+    if os.path.exists(path):
+        return f"{path}: expected a model folder, got a file"
+    if not _HUB_ID.match(path) or os.path.isabs(path) or path.startswith(("./", "../", "~")):
+        return f"{path}: no such folder (and not a Hugging Face Hub id such as 'org/name')"
+    return None
+
+
+def mcore_input_problem(path: str) -> str | None:
+    """Why ``path`` cannot be mcore2hf's input (checked before the heavy imports), or None."""
+    if not os.path.isdir(path):
+        return (f"{path}: no such folder" if not os.path.exists(path) else
+                f"{path}: expected a dist checkpoint folder, got a file")
+    if not is_megatron_folder(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return (f"{path}: is an HF model folder, not a megatron-core dist checkpoint; convert it "
+                f"with hf2mcore --hf-path {path} --output DIR")
+    return None
+
+
 def hf2mcore_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="hf2mcore", description="Convert an HF Llama/Qwen2 checkpoint (safetensors) to a "
-        "megatron-core GPTModel dist checkpoint (torch_dist) loadable at any TP/PP.")
-    p.add_argument("--hf-path", required=True, help="HF model folder or hub id")
+        prog="hf2mcore", description="Convert an HF checkpoint (safetensors) of a supported "
+        f"family - {family_list()} - to a megatron-core GPTModel dist checkpoint (torch_dist) "
+        "loadable at any TP/PP/EP.")
+    p.add_argument("--hf-path", required=True,
+                   help="HF model folder or hub id, of a family listed above")
     p.add_argument("--output", required=True,
                    help="new (or empty) output folder; an existing one needs --overwrite")
     p.add_argument("--overwrite", action="store_true",
@@ -89,11 +139,15 @@ def hf2mcore_parser() -> argparse.ArgumentParser:
                    "complete)")
     p.add_argument("--dtype", type=dtype_name, default=None, metavar="DTYPE",
                    help=f"cast the weights: {DTYPE_HELP} (default: keep the checkpoint's dtype)")
-    p.add_argument("--layer-spec", choices=["te", "local"], default="te",
-                   help="norm key names: 'te' = transformer-engine names (linear_qkv."
-                   "layer_norm_weight, linear_fc1.layer_norm_weight), which megatron-core 0.16's "
-                   "GPTModel uses with either spec; 'local' = input_layernorm / pre_mlp_layernorm "
-                   "(a local spec without the key map). Default: te")
+    p.add_argument("--layer-spec", choices=["te", "mcore-local", "local"], default="te",
+                   help="the key names of the layer spec that will load it: 'te' = "
+                   "transformer-engine's (Megatron-LM's and Megatron-Bridge's default): norms "
+                   "fused into linear_qkv / linear_fc1 (layer_norm_weight), an MoE layer's "
+                   "pre-MLP norm as pre_mlp_layernorm.weight; 'mcore-local' = megatron-core's "
+                   "local spec (get_gpt_layer_local_spec; its keys map gives every norm the fused "
+                   "name, MoE layers too; for a dense model the same as 'te'); 'local' = "
+                   "input_layernorm / pre_mlp_layernorm (a local spec without the key map). "
+                   "mcore2hf and from_pretrained read all three. Default: te")
     p.add_argument("--value", action="store_true",
                    help="a value model (critic / reward): score.weight -> output_layer.weight "
                    "[1, hidden]; *ForSequenceClassification inputs are value models anyway")
@@ -114,7 +168,9 @@ def hf2mcore_parser() -> argparse.ArgumentParser:
 def mcore2hf_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mcore2hf", description="Convert a megatron-core GPTModel dist checkpoint (torch_dist, "
-        "any TP/PP) to an HF folder (safetensors shards + index + config.json).")
+        "any TP/PP/EP, per-layer or stacked MoE layers; written by hf2mcore, megatron-core, "
+        f"Megatron-LM or Megatron-Bridge) of a supported family - {family_list()} - to an HF "
+        "folder (safetensors shards + index + config.json).")
     p.add_argument("--mcore-path", required=True,
                    help="dist checkpoint folder (or a Megatron-LM run folder)")
     p.add_argument("--output", required=True,
@@ -146,10 +202,13 @@ def output_problem(output: str, overwrite: bool) -> str | None:
 def convert_main(prog: str, parser: argparse.ArgumentParser, argv,
                  convert: Callable[[argparse.Namespace], dict]) -> int:
     """A converter's ``main``: parse (nothing heavy imported yet), refuse an output folder in
-    use, then :func:`run` ``convert(args)``."""
+    use, then an input that is missing or of the other converter, then :func:`run`
+    ``convert(args)``."""
     quiet_third_party()
     args = parser.parse_args(argv)
-    problem = output_problem(args.output, args.overwrite)
+    problem = output_problem(args.output, args.overwrite) or (
+        hf_input_problem(args.hf_path) if prog == "hf2mcore" else
+        mcore_input_problem(args.mcore_path) if prog == "mcore2hf" else None)
     if problem:
         print(f"{prog}: error: {problem}", file=sys.stderr)
         return 1

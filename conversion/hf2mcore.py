@@ -1,7 +1,9 @@
-"""hf2mcore: an HF Llama / Qwen2 folder (or hub id) -> a megatron-core ``GPTModel`` dist checkpoint.
+"""hf2mcore: an HF folder (or hub id) of a supported family -> a megatron-core ``GPTModel`` dist
+checkpoint. The families (from ``parallel_models.llama.families``, the registry) are listed at the
+end of this docstring and in ``--help``.
 
     hf2mcore --hf-path DIR_OR_HUB_ID --output DIR [--overwrite] [--dtype bfloat16|float16|float32]
-             [--layer-spec te|local] [--value] [--format bridge|megatron-lm|flat]
+             [--layer-spec te|mcore-local|local] [--value] [--format bridge|megatron-lm|flat]
 
 ``--format`` (``checkpoint_utils.megatron_layout``): ``bridge`` (default) writes Megatron-LM's
 iteration layout (``latest_checkpointed_iteration.txt``, ``iter_0000000/`` with Megatron-LM's args,
@@ -30,7 +32,12 @@ import time
 
 import torch
 
-from conversion._cli import fsync_small_files, quiet_megatron_import
+from conversion._cli import (family_list, fsync_small_files, hf_input_problem,
+                             quiet_megatron_import)
+
+__doc__ += f"""
+Families: {family_list()}.
+"""
 
 with quiet_megatron_import():  # megatron-core warns about optional GPU extras on import
     # every conversion reads an HF config: import transformers' config classes with the other
@@ -46,7 +53,7 @@ with quiet_megatron_import():  # megatron-core warns about optional GPU extras o
                                                                  resolve_model_path,
                                                                  write_hf_config)
     from parallel_models.llama.checkpoint_utils.megatron_format import (
-        MCORE_CONFIG_FILE, check_megatron_compatible, extra_state_items, mcore_config_dict,
+        LAYER_SPECS, MCORE_CONFIG_FILE, check_megatron_compatible, extra_state_items, mcore_config_dict,
         write_megatron_files)
     from parallel_models.llama.checkpoint_utils.megatron_layout import (DEFAULT_FORMAT,
                                                                         check_format, common_state,
@@ -118,10 +125,14 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
     ConfigError on bad input before anything is written. ``format``: the folder layout
     (``megatron_layout.FORMATS``)."""
     start = time.perf_counter()
-    if layer_spec not in ("te", "local"):
-        raise ConfigError(f"--layer-spec must be 'te' or 'local', got {layer_spec!r}")
+    if layer_spec not in LAYER_SPECS:
+        raise ConfigError(f"--layer-spec must be one of {', '.join(LAYER_SPECS)}, got "
+                          f"{layer_spec!r}")
     check_format(format)
     check_output_dir(output, overwrite)
+    problem = hf_input_problem(hf_path)  # a megatron checkpoint, a file, a missing folder
+    if problem:
+        raise CheckpointError(problem)
     path = resolve_model_path(hf_path)
     config = ModelConfig.from_hf(path)
     weight_map = weight_map_of(config.architecture)  # unknown architecture -> ConfigError

@@ -9,8 +9,10 @@ megatron-core, Megatron-LM, ``hf2mcore`` or ``save_mcore``) -> an HF folder that
 too). Without it: the ``config.json`` next to the dist checkpoint, else the HF config rebuilt from
 Megatron-Bridge's ``run_config.yaml`` or the Megatron-LM ``args`` in the common state
 (``megatron_hf_config``). A Megatron-LM / Bridge run folder (with
-``latest_checkpointed_iteration.txt``) resolves to its latest iteration. Either norm
-naming (transformer-engine or local spec) is read. Each HF tensor is assembled from the chunks
+``latest_checkpointed_iteration.txt``) resolves to its latest iteration. Every norm naming
+(transformer-engine, megatron-core's local spec, module names) and both layer layouts (stacked
+under one key, as megatron-core and Megatron-Bridge save an every-layer MoE model, or one key per
+layer) are read, at any TP / PP / EP. Each HF tensor is assembled from the chunks
 that hold it and streamed into size-limited safetensors shards; everything goes to a temporary
 folder renamed at the end. Tensors whose rows lie whole in contiguously stored chunks (hf2mcore's
 output, megatron-core's at TP=1) are copied straight from the chunk files into the output's write

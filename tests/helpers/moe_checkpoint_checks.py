@@ -62,7 +62,9 @@ def convert_round_trip(folders: dict, out_root: str) -> dict:
 
 def check_mcore_loads(cases: dict, tp: int, ep: int) -> dict:
     """Each case family -> (hf folder, mcore folder): (1) megatron-core's own GPTModel (MoE block
-    spec, local) at TP x EP loads the dist checkpoint and its logits match transformers';
+    spec, local, saving its norms under the transformer-engine spec's names as hf2mcore's default
+    ``--layer-spec te`` writes them: ``moe_spec_names.rename_norms``) at TP x EP loads the dist
+    checkpoint and its logits match transformers';
     (2) our model loads it (``from_pretrained`` on the mcore folder) and matches too."""
     from megatron.core import dist_checkpointing
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -71,6 +73,7 @@ def check_mcore_loads(cases: dict, tp: int, ep: int) -> dict:
     from parallel_models import cpu_shim
     from parallel_models.llama.checkpoint_utils import build_gpt_model
     from tests.helpers.checkpoint_checks import _megatron_logits, hf_logits, token_batch
+    from tests.helpers.moe_spec_names import rename_norms
 
     pm.init_parallel(tensor_parallel_size=tp, expert_model_parallel_size=ep,
                      sequence_parallel=tp > 1)
@@ -86,7 +89,7 @@ def check_mcore_loads(cases: dict, tp: int, ep: int) -> dict:
                                                         "expert_model_parallel_size": ep})
             # (eval mode: megatron's MoE layer asks for SP only when training, and its local
             # spec's torch norms refuse SP)
-            model.eval()
+            rename_norms(model.eval(), "te")
             loaded = dist_checkpointing.load(model.sharded_state_dict(), mcore)
             model.load_state_dict(loaded)
             got = _megatron_logits(model, ids, cfg.vocab_size)

@@ -7,6 +7,14 @@ of an HF tensor, read from only the chunks that hold them and turned into the HF
 weight map's rules. The loader uses it to fill a model at any TP/PP (``from_pretrained`` on an
 mcore folder) and ``mcore2hf`` to write HF files (``byte_ranges`` lets it copy contiguous rows
 verbatim). Metadata is unpickled by an allow-list unpickler, chunks by torch's weights-only one.
+
+Each tensor is looked up where megatron-core may have put it (:func:`mcore_candidates`): layers
+stacked under one key with a leading layer axis (dense models; MoE models whose layers are all
+MoE, saved with an integer ``moe_layer_freq`` by megatron-core, Megatron-LM or Megatron-Bridge:
+routed experts then ``[layer, expert, ...]``) or one key per layer (``decoder.layers.{i}.``: our
+MoE writes, a list ``moe_layer_freq``), under the norm names of any layer spec (``te``: an MoE
+layer's ``pre_mlp_layernorm``; ``mcore-local``; ``local``). The chunks may split any axis (TP,
+EP), so a checkpoint saved at one TP/EP reads at another.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from parallel_models.llama.checkpoint_utils.direct_io import RangeReader
 from parallel_models.llama.checkpoint_utils.errors import CheckpointError
 from parallel_models.llama.checkpoint_utils.megatron_hf_config import hf_config_from_megatron
 from parallel_models.llama.checkpoint_utils.megatron_format import (LOCAL_SPEC_NAMES,
+                                                                   MCORE_LAYER_PREFIX,
                                                                    check_mcore_json,
                                                                    read_mcore_json,
                                                                    resolve_mcore_dir, side_file)
@@ -49,9 +58,32 @@ def config_of_mcore_dir(folder: str, metadata=None) -> ModelConfig:
 class _Source:
     mapping: WeightMapping
     key: str
-    layer: int | None  # the index along the leading axis (a layer, or an MoE layer's expert)
+    lead: tuple[int, ...]  # indices along the leading axes (layer and / or expert), outermost first
     component: int
-    lead_size: int = 0  # the size of that axis
+    lead_sizes: tuple[int, ...] = ()  # the sizes of those axes
+
+
+def _base_keys(mapping: WeightMapping) -> list[str]:
+    """The names a mapping's tensor has under every layer spec (``LAYER_SPECS``), stacked form."""
+    return list(dict.fromkeys([mapping.mcore, LOCAL_SPEC_NAMES.get(mapping.mcore, mapping.mcore)]))
+
+
+def mcore_candidates(mapping: WeightMapping, config: ModelConfig, layer: int | None
+                     ) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """Where a dist checkpoint may hold ``mapping``'s tensor of global layer ``layer``, as
+    (key, leading indices, leading sizes), the layout we write first: megatron-core saves the
+    layers either stacked under one key with a leading layer axis (homogeneous layers: a dense
+    model, or every layer MoE with an integer ``moe_layer_freq``; Megatron-Bridge's MoE saves)
+    or one key per layer (``decoder.layers.{i}.``: ``moe_layer_freq`` a list or an integer > 1);
+    routed experts add an expert axis; each under the names of every layer spec."""
+    if layer is None:
+        return [(mapping.mcore, (), ())]
+    experts = ((mapping.expert,), (config.num_experts,)) if mapping.expert is not None else ((), ())
+    stacked = [(k, (layer, *experts[0]), (config.num_layers, *experts[1]))
+               for k in _base_keys(mapping)]
+    per_layer = [(k.replace(MCORE_LAYER_PREFIX, f"{MCORE_LAYER_PREFIX}{layer}.", 1), *experts)
+                 for k in _base_keys(mapping)]
+    return per_layer + stacked if config.is_moe else stacked + per_layer
 
 
 class McoreCheckpoint:
@@ -84,23 +116,36 @@ class McoreCheckpoint:
         self.head_kind = head_kind
         te = "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
         local = LOCAL_SPEC_NAMES[te]
-        if config.is_moe:  # saved per layer: look at layer 0
-            te, local = (k.replace("decoder.layers.", "decoder.layers.0.", 1) for k in (te, local))
-        self.layer_spec = "local" if (te not in self.tensors and local in self.tensors) else "te"
+
+        def has(key):  # stacked, or per layer (then look at layer 0)
+            return key in self.tensors or key.replace(
+                MCORE_LAYER_PREFIX, f"{MCORE_LAYER_PREFIX}0.", 1) in self.tensors
+
+        self.layer_spec = "local" if (not has(te) and has(local)) else "te"
         self.sources: dict[str, _Source] = {}
         self.weight_map = weight_map
         for mapping in weight_map.mappings(config, head_kind):
             for layer in (range(config.num_layers) if mapping.per_layer else [None]):
                 if not mapping.applies_to(config, layer):
                     continue
-                key, lead, lead_size = mapping.mcore_location(config, layer, self.layer_spec)
+                key, lead, sizes = self._locate(mapping, layer)
                 for comp, hf in enumerate(mapping.hf_names(layer)):
-                    self.sources[hf] = _Source(mapping, key, lead, comp, lead_size)
+                    self.sources[hf] = _Source(mapping, key, lead, comp, sizes)
         self._files: dict[str, Any] = {}
         self._cache: dict[tuple, torch.Tensor] = {}
         self._cache_scope: tuple | None = None
         self._starts: dict[tuple, tuple[str, int] | None] = {}
         self.bytes_read = 0
+
+    def _locate(self, mapping: WeightMapping, layer: int | None):
+        """The first of :func:`mcore_candidates` the checkpoint holds with those leading sizes
+        (else the first one: ``validate`` names it as missing)."""
+        options = mcore_candidates(mapping, self.config, layer)
+        for key, lead, sizes in options:
+            md = self.tensors.get(key)
+            if md is not None and tuple(md.size)[:len(sizes)] == sizes:
+                return key, lead, sizes
+        return options[0]
 
     # -- interface of SafetensorsCheckpoint --
     def keys(self):
@@ -124,7 +169,7 @@ class McoreCheckpoint:
         cols = (start, end) if dim == 1 else None
         if dim not in (None, 0, 1):
             raise ValueError(f"slicing along dim {dim} is not supported")
-        parts = [self.read_region(src.key, src.layer, a, b, cols)
+        parts = [self.read_region(src.key, src.lead, a, b, cols)
                  for a, b in src.mapping.rule.mcore_rows(src.component, r0, r1, self.config)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
@@ -155,10 +200,10 @@ class McoreCheckpoint:
         for key, src in keys.items():
             md = self.tensors[key]
             inner = src.mapping.rule.mcore_shape(self.config)
-            want = (src.lead_size, *inner) if src.layer is not None else inner
+            want = (*src.lead_sizes, *inner)
             got = tuple(md.size)
-            lead_ok = src.layer is None or got[:1] == (src.lead_size,)
-            if not (lead_ok and src.mapping.rule.mcore_shape_ok(got[len(want) - len(inner):],
+            lead_ok = got[:len(src.lead_sizes)] == src.lead_sizes
+            if not (lead_ok and src.mapping.rule.mcore_shape_ok(got[len(src.lead_sizes):],
                                                                  inner)):
                 bad.append(f"{key}: shape {got}, the config gives {want}")
             volume = sum(int(torch.Size(c.sizes).numel()) for c in md.chunks)
@@ -186,18 +231,20 @@ class McoreCheckpoint:
                                       f"bytes; {index.fqn} ends at {info.offset + info.length})")
 
     # -- chunk reading --
-    def read_region(self, key: str, layer: int | None, r0: int, r1: int,
+    def read_region(self, key: str, lead: tuple[int, ...] | int | None, r0: int, r1: int,
                     cols: tuple[int, int] | None = None) -> torch.Tensor:
-        """Rows ``[r0, r1)`` (and columns ``cols``) of one layer of ``key`` (or of the whole
-        tensor when ``layer`` is None), assembled from the chunks that overlap them."""
+        """Rows ``[r0, r1)`` (and columns ``cols``) of ``key`` at the leading indices ``lead``
+        (a layer and / or an expert: a tuple, or one int; None or () for a tensor without
+        leading axes), assembled from the chunks that overlap them."""
         md = self.tensors[key]
         size = tuple(md.size)
-        lead = 1 if layer is not None else 0
-        inner = size[lead:]
+        lead = () if lead is None else (lead,) if isinstance(lead, int) else tuple(lead)
+        nlead = len(lead)
+        inner = size[nlead:]
         c0, c1 = cols if cols is not None else (0, inner[1] if len(inner) > 1 else None)
-        lo = ([layer] if lead else []) + [r0] + ([c0] if len(inner) > 1 else [])
-        hi = ([layer + 1] if lead else []) + [r1] + ([c1] if len(inner) > 1 else [])
-        scope = (key, layer)
+        lo = list(lead) + [r0] + ([c0] if len(inner) > 1 else [])
+        hi = [i + 1 for i in lead] + [r1] + ([c1] if len(inner) > 1 else [])
+        scope = (key, lead)
         if scope != self._cache_scope:
             self._cache.clear()
             self._cache_scope = scope
@@ -207,7 +254,7 @@ class McoreCheckpoint:
                 src = self._chunk(key, chunk)
                 for d, (l, h) in enumerate(zip(lo, hi)):
                     src = src.narrow(d, l - off[d], h - l)
-                return src[0] if lead else src
+                return src.reshape(src.shape[nlead:])
         out = torch.empty([h - l for l, h in zip(lo, hi)], dtype=md.properties.dtype)
         covered = 0
         for chunk in md.chunks:
@@ -227,8 +274,8 @@ class McoreCheckpoint:
         if covered != out.numel():
             raise CheckpointError(f"{self.folder}: chunks of {key} cover {covered} of the "
                                   f"{out.numel()} elements asked for (rows {r0}:{r1}"
-                                  + (f" of layer {layer}" if layer is not None else "") + ")")
-        return out[0] if lead else out
+                                  + (f" at leading index {lead}" if lead else "") + ")")
+        return out.reshape(out.shape[nlead:])
 
     def _chunk(self, key: str, chunk) -> torch.Tensor:
         from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -284,7 +331,7 @@ class McoreCheckpoint:
         src = self._source(name)
         md = self.tensors[src.key]
         size = tuple(md.size)
-        lead = 1 if src.layer is not None else 0
+        lead = len(src.lead)
         inner = size[lead:]
         row_bytes = int(torch.Size(inner[1:]).numel()) * torch.empty(
             (), dtype=md.properties.dtype).element_size()
@@ -295,7 +342,7 @@ class McoreCheckpoint:
             while r < b:
                 for chunk in md.chunks:
                     off, sz = tuple(chunk.offsets), tuple(chunk.sizes)
-                    if (lead and not off[0] <= src.layer < off[0] + sz[0]) or \
+                    if any(not o <= i < o + n for i, o, n in zip(src.lead, off, sz)) or \
                             not off[lead] <= r < off[lead] + sz[lead]:
                         continue
                     if any(off[lead + 1:]) or sz[lead + 1:] != inner[1:]:
@@ -308,7 +355,10 @@ class McoreCheckpoint:
                     return None
                 path, base = start
                 stop = min(b, off[lead] + sz[lead])
-                row = ((src.layer - off[0]) * sz[lead] if lead else 0) + r - off[lead]
+                row = 0  # rows before ours in the chunk: its leading axes, row-major
+                for i, o, n in zip(src.lead, off, sz):
+                    row = row * n + (i - o)
+                row = row * sz[lead] + r - off[lead]
                 seg = (path, base + row * row_bytes, (stop - r) * row_bytes)
                 if out and out[-1][0] == path and out[-1][1] + out[-1][2] == seg[1]:
                     seg = (path, out[-1][1], out[-1][2] + seg[2])

@@ -39,6 +39,12 @@ LOCAL_SPEC_NAMES = {
     "decoder.layers.self_attention.linear_qkv.layer_norm_weight": "decoder.layers.input_layernorm.weight",
     "decoder.layers.mlp.linear_fc1.layer_norm_weight": "decoder.layers.pre_mlp_layernorm.weight",
 }
+# the key names of a layer spec (``WeightMapping.mcore_key``): transformer-engine's (Megatron-LM's
+# and Bridge's default), megatron-core's local spec (with its keys map), a local spec without it
+LAYER_SPECS = ("te", "mcore-local", "local")
+# under the transformer-engine spec an MoE layer's pre-MLP norm is a module of its own
+# (``pre_mlp_layernorm``, gpt_layer_specs.py: no fused linear_fc1 to hold it), saved by its name
+TE_MOE_LAYER_NAMES = ("decoder.layers.mlp.linear_fc1.layer_norm_weight",)
 # the linears of a layer: megatron-core saves an ``_extra_state`` object for each, and its default
 # (strict) load asks for them
 MCORE_EXTRA_STATE_KEYS = tuple(
@@ -274,7 +280,9 @@ def _rope_args(config: ModelConfig) -> tuple[dict, dict, list[str]]:
 
 def _moe_args(config: ModelConfig) -> dict:
     """The TransformerConfig MoE settings of an MoE model (``moe_layer_freq`` as a list: which
-    layers are MoE; megatron-core then saves the layers one by one, as we do)."""
+    layers are MoE; megatron-core then saves the layers one by one, as we do). The router runs in
+    fp32 (``moe_router_dtype``), as transformers computes its softmax and as our MoE layer does:
+    Bridge leaves it unset (the params dtype), on purpose we do not."""
     if not config.is_moe:
         return {}
     return {"num_moe_experts": config.num_experts, "moe_router_topk": config.moe_top_k,
@@ -287,6 +295,21 @@ def _moe_args(config: ModelConfig) -> dict:
             "moe_token_dispatcher_type": "alltoall",
             "moe_shared_expert_intermediate_size": config.shared_expert_intermediate_size or None,
             "moe_shared_expert_gate": bool(config.shared_expert_gate)}
+
+
+def megatron_training_args(config: ModelConfig) -> dict:
+    """The MoE training settings a Megatron user starts from, written into Bridge's
+    ``run_config.yaml`` and Megatron-LM's ``args`` over ``transformer_config`` (which stays the
+    portable GPTModel ``build_gpt_model`` makes: no grouped GEMM or fused permutation, which need
+    transformer-engine, no auxiliary loss): the family's Bridge settings
+    (``Family.megatron_moe_training``: load-balancing type, ``moe_grouped_gemm``,
+    ``moe_permute_fusion``) and the HF config's ``router_aux_loss_coef`` as ``moe_aux_loss_coeff``.
+    None of them changes a weight."""
+    if not config.is_moe:
+        return {}
+    family = family_of_model_type(config.model_type)
+    return {**family.megatron_moe_training,
+            "moe_aux_loss_coeff": float(config.router_aux_loss_coef)}
 
 
 def mcore_config_dict(config: ModelConfig, *, head_kind: str, dtype: torch.dtype,
@@ -344,6 +367,7 @@ def mcore_config_dict(config: ModelConfig, *, head_kind: str, dtype: torch.dtype
         "hf_architecture": config.architecture,
         "transformer_config": tc,
         "gpt_model": gpt,
+        "megatron_training": megatron_training_args(config),
         "vocab_note": "the checkpoint holds the true vocab rows; megatron-core pads the vocab "
                       "(e.g. to a multiple of 128 x TP) and loads the stored rows into it",
         "notes": notes,

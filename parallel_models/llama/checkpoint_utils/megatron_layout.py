@@ -74,13 +74,34 @@ def _dtype_name(info: dict) -> str:
     return info["transformer_config"]["params_dtype"]
 
 
+# Megatron-LM arguments read without a default, with their Megatron-LM default values, that the
+# architecture does not set: by Megatron-LM's ``load_checkpoint`` / ``check_checkpoint_args``
+# (megatron/training/checkpointing.py) and by Megatron-Bridge's Megatron-LM compatibility path
+# (``mlm_compat/arguments.py::_transformer_config_from_args``, ``mlm_compat/model.py::
+# _gpt_provider``), which reads e.g. ``args.multi_latent_attention`` unconditionally.
+MEGATRON_LM_DEFAULTS = dict(
+    multi_latent_attention=False, heterogeneous_layers_config_path=None,
+    heterogeneous_layers_config_encoded_json=None, no_persist_layer_norm=False,
+    overlap_p2p_comm=False, decoder_first_pipeline_num_layers=None,
+    decoder_last_pipeline_num_layers=None, fp8_param_gather=False, bias_swiglu_fusion=True,
+    bias_gelu_fusion=True, init_method_xavier_uniform=False, config_logger_dir="",
+    cp_comm_type=["p2p"], is_hybrid_model=False, qk_l2_norm=False, mtp_num_layers=None,
+    fp16_lm_cross_entropy=False, init_model_with_meta_device=False, add_position_embedding=True,
+    data_parallel_random_init=False, consumed_valid_samples=0, skipped_train_samples=0,
+    spec=None, moe_grouped_gemm=False, experimental_attention_variant=None)
+
+
 def megatron_lm_args(info: dict, tokenizer: str | None = None) -> argparse.Namespace:
     """The architecture as Megatron-LM's arguments (the names ``load_args_from_checkpoint`` and
-    ``core_transformer_config_from_args`` read), from the ``mcore_config_dict`` ``info``;
-    parallel sizes 1 (the checkpoint loads at any)."""
+    ``core_transformer_config_from_args`` read, Bridge's ``mlm_compat`` too), from the
+    ``mcore_config_dict`` ``info``; parallel sizes 1 (the checkpoint loads at any);
+    ``transformer_impl`` the spec whose key names were written; ``no_save_optim`` /
+    ``no_save_rng``: the checkpoint holds neither, so Megatron-LM's ``load_checkpoint`` loads
+    the model alone; the other arguments Megatron-LM's defaults (``MEGATRON_LM_DEFAULTS``)."""
     tc, gpt = info["transformer_config"], info["gpt_model"]
     dtype = _dtype_name(info)
-    args = dict(
+    args = dict(MEGATRON_LM_DEFAULTS)
+    args.update(
         num_layers=tc["num_layers"], hidden_size=tc["hidden_size"],
         ffn_hidden_size=tc["ffn_hidden_size"], num_attention_heads=tc["num_attention_heads"],
         group_query_attention=tc["num_query_groups"] != tc["num_attention_heads"],
@@ -96,7 +117,8 @@ def megatron_lm_args(info: dict, tokenizer: str | None = None) -> argparse.Names
         openai_gelu=tc["activation_func"] == "fast_gelu", gated_linear_unit=True,
         squared_relu=False,
         untie_embeddings_and_output_weights=not gpt["share_embeddings_and_output_weights"],
-        normalization="RMSNorm", norm_epsilon=tc["layernorm_epsilon"], apply_layernorm_1p=bool(tc.get("layernorm_zero_centered_gamma", False)),
+        normalization="RMSNorm", norm_epsilon=tc["layernorm_epsilon"],
+        apply_layernorm_1p=bool(tc.get("layernorm_zero_centered_gamma", False)),
         apply_query_key_layer_scaling=False, attention_dropout=0.0, hidden_dropout=0.0,
         init_method_std=tc["init_method_std"],
         vocab_size=gpt["vocab_size"], padded_vocab_size=gpt["vocab_size"],
@@ -107,6 +129,8 @@ def megatron_lm_args(info: dict, tokenizer: str | None = None) -> argparse.Names
         virtual_pipeline_model_parallel_size=None, context_parallel_size=1,
         expert_model_parallel_size=1, expert_tensor_parallel_size=1,
         sequence_parallel=False, use_dist_ckpt=True, ckpt_format="torch_dist",
+        transformer_impl="transformer_engine" if info.get("layer_spec", "te") == "te" else "local",
+        no_save_optim=True, no_save_rng=True,
         num_experts=tc.get("num_moe_experts"), iteration=0, consumed_train_samples=0)
     for key in YARN_ATTRIBUTES:
         if key in tc:
@@ -117,11 +141,13 @@ def megatron_lm_args(info: dict, tokenizer: str | None = None) -> argparse.Names
                     moe_layer_freq=list(tc["moe_layer_freq"]),
                     moe_router_pre_softmax=tc["moe_router_pre_softmax"],
                     moe_router_score_function=tc["moe_router_score_function"],
+                    moe_router_dtype=tc.get("moe_router_dtype"),
                     moe_shared_expert_intermediate_size=tc["moe_shared_expert_intermediate_size"],
                     moe_shared_expert_gate=tc["moe_shared_expert_gate"],
                     moe_token_dispatcher_type=tc["moe_token_dispatcher_type"],
-                    moe_grouped_gemm=False, moe_aux_loss_coeff=0.0,
-                    moe_router_load_balancing_type="none")
+                    moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",
+                    moe_permute_fusion=False)
+        args.update(info.get("megatron_training") or {})  # Bridge's settings for the family
     return argparse.Namespace(**args)
 
 
@@ -133,6 +159,7 @@ def bridge_run_config(info: dict, tokenizer: str | None = None) -> dict:
     dtype = tc.pop("params_dtype")
     act = tc.pop("activation_func")
     model = {"_target_": info.get("bridge_provider", GPT_PROVIDER), **tc,
+             **(info.get("megatron_training") or {}),
              "activation_func": {"_target_": _ACTIVATION_TARGETS[act], "_call_": False},
              "params_dtype": {"_target_": f"torch.{dtype}", "_call_": False},
              "vocab_size": gpt["vocab_size"], "should_pad_vocab": False,

@@ -19,8 +19,10 @@ import dataclasses
 import torch
 
 from parallel_models.config import ModelConfig
-from parallel_models.llama.checkpoint_utils.megatron_format import (LOCAL_SPEC_NAMES,
-                                                                   MCORE_LAYER_PREFIX)
+from parallel_models.llama.checkpoint_utils.megatron_format import (LAYER_SPECS,
+                                                                   LOCAL_SPEC_NAMES,
+                                                                   MCORE_LAYER_PREFIX,
+                                                                   TE_MOE_LAYER_NAMES)
 from parallel_models.llama.checkpoint_utils.moe_weight_map import (DEFAULT_MOE_HF_NAMES,
                                                                    add_moe_mappings)
 from parallel_models.llama.checkpoint_utils.weight_rules import (FusedGateUp, FusedQKV, Replicated,
@@ -68,14 +70,18 @@ class WeightMapping:
             return self.ours.format(i=local_layer)
         return self.ours.format(i=local_layer, e=local_expert)
 
-    def mcore_location(self, config: ModelConfig, layer: int | None, layer_spec: str = "te"
-                       ) -> tuple[str, int | None, int]:
+    def mcore_location(self, config: ModelConfig, layer: int | None,
+                       layer_spec: str = "mcore-local") -> tuple[str, int | None, int]:
         """(key, leading index, leading size) of this mapping's megatron-core tensor in global
-        layer ``layer``. Dense models stack the layers under one key (a leading layer axis); MoE
-        models are saved per layer (``decoder.layers.{i}.``: megatron-core's non-homogeneous
-        layout, which its GPTModel uses when ``moe_layer_freq`` is a list, as we write it) with a
-        leading expert axis for the routed experts. Leading index None: no leading axis."""
-        key = self.mcore_key(layer_spec)
+        layer ``layer``, as we write it. Dense models stack the layers under one key (a leading
+        layer axis); MoE models are saved per layer (``decoder.layers.{i}.``: megatron-core's
+        non-homogeneous layout, which its GPTModel uses when ``moe_layer_freq`` is a list, as we
+        write it) with a leading expert axis for the routed experts. Leading index None: no
+        leading axis. ``layer_spec``: the key names (:meth:`mcore_key`); the default,
+        megatron-core's local spec, is what the trainer's own checkpoints use. (``mcore_reader``
+        also reads the stacked MoE layout megatron-core saves for an integer
+        ``moe_layer_freq``.)"""
+        key = self.mcore_key(layer_spec, moe_layer=layer is not None and config.is_moe_layer(layer))
         if layer is None:
             return key, None, 0
         if not config.is_moe:
@@ -99,11 +105,20 @@ class WeightMapping:
         """The HF names for global layer ``layer`` (None for non-layer tensors)."""
         return tuple(n.format(i=layer) for n in self.hf) if layer is not None else self.hf
 
-    def mcore_key(self, layer_spec: str = "te") -> str:
-        """The megatron-core key under the ``te`` (default) or ``local`` naming."""
-        if layer_spec not in ("te", "local"):
-            raise ValueError(f"layer_spec must be 'te' or 'local', got {layer_spec!r}")
-        return LOCAL_SPEC_NAMES.get(self.mcore, self.mcore) if layer_spec == "local" else self.mcore
+    def mcore_key(self, layer_spec: str = "mcore-local", moe_layer: bool = False) -> str:
+        """The megatron-core key under a layer spec's naming (``LAYER_SPECS``): ``te`` (the
+        transformer-engine spec: norms fused into the next linear, except an MoE layer's pre-MLP
+        norm, a separate ``pre_mlp_layernorm``), ``mcore-local`` (megatron-core's local spec,
+        whose ``sharded_state_dict_keys_map`` saves every norm under the fused names, MoE layers
+        included) or ``local`` (a local spec without that map: the norms' module names).
+        ``moe_layer``: the key of a tensor in an MoE layer."""
+        if layer_spec not in LAYER_SPECS:
+            raise ValueError(f"layer_spec must be one of {', '.join(LAYER_SPECS)}, got "
+                             f"{layer_spec!r}")
+        if layer_spec == "local" or (layer_spec == "te" and moe_layer
+                                     and self.mcore in TE_MOE_LAYER_NAMES):
+            return LOCAL_SPEC_NAMES.get(self.mcore, self.mcore)
+        return self.mcore
 
 
 def llama_mappings(config: ModelConfig, head_kind: str, *, pre_process: bool = True,

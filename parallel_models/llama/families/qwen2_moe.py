@@ -15,6 +15,10 @@ class Qwen2Moe(Family):
     model_type = "qwen2_moe"
     hf_config_class = "Qwen2MoeConfig"
     moe_hf_names = QWEN_MOE_HF_NAMES
+    # the Qwen MoE settings of Bridge's Qwen3MoEBridge.provider_bridge (see qwen3_moe.py; the
+    # coefficient comes from the HF config)
+    megatron_moe_training = dict(moe_router_load_balancing_type="aux_loss", moe_grouped_gemm=True,
+                                 moe_permute_fusion=True)
     megatron_priority = 20
     tiny = dict(vocab_size=251, intermediate_size=96, num_hidden_layers=3, num_experts=4,
                 num_experts_per_tok=2, moe_intermediate_size=32,

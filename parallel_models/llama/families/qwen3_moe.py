@@ -17,6 +17,10 @@ class Qwen3Moe(Family):
     qk_norm = True
     sliding_window_on_every_layer = True
     moe_hf_names = QWEN_MOE_HF_NAMES
+    # as Bridge's Qwen3MoEBridge.provider_bridge sets them (its coefficient, a fixed 1e-3, is
+    # Qwen3-MoE's HF default router_aux_loss_coef: ours comes from the HF config)
+    megatron_moe_training = dict(moe_router_load_balancing_type="aux_loss", moe_grouped_gemm=True,
+                                 moe_permute_fusion=True)
     megatron_priority = 30
     tiny = dict(vocab_size=253, intermediate_size=96, num_hidden_layers=3, head_dim=24,
                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

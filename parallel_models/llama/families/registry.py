@@ -35,6 +35,10 @@ class Family:
     moe_hf_names: tuple[str, tuple[str, str, str]] | None = None
     bridge_provider: str = GPT_PROVIDER  # Megatron-Bridge's model provider class
     megatron_priority: int = 0  # which matching family wins when reading Megatron settings
+    # MoE families: the training settings Megatron-Bridge's provider for the family sets (beyond
+    # the weights: load balancing, grouped GEMM, fused permutation), written into Bridge's
+    # run_config.yaml and Megatron-LM's args; moe_aux_loss_coeff comes from the HF config
+    megatron_moe_training: dict = {}
     tiny: dict = {}  # the tiny test model's settings (testing.tiny_hf_config)
     tiny_note: str = ""  # what the tiny model exercises
 

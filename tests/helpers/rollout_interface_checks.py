@@ -91,9 +91,10 @@ class RecordingRollout:
     def __init__(self, inner, calls: list):
         self.inner, self.calls = inner, calls
 
-    def generate(self, prompt_ids, sampling, *, max_new_tokens=None):
+    def generate(self, prompt_ids, sampling, *, max_new_tokens=None, prompt_seeds=None):
         self.calls.append(("generate", len(prompt_ids), sampling.n))
-        return self.inner.generate(prompt_ids, sampling, max_new_tokens=max_new_tokens)
+        return self.inner.generate(prompt_ids, sampling, max_new_tokens=max_new_tokens,
+                                   prompt_seeds=prompt_seeds)
 
     def update_weights(self, version) -> None:
         self.calls.append(("update_weights", version))

@@ -220,7 +220,7 @@ class PPOTrainer:
         any layout and after a resume elsewhere (``row_sampling.prompt_seed``); None when greedy."""
         if self.sampling.greedy:
             return None
-        from parallel_models.inference.row_sampling import prompt_seed
+        from parallel_models.inference import prompt_seed
 
         return [prompt_seed(self.cfg.trainer.seed, self.step_index, i) for i in indices]
 

@@ -110,6 +110,18 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int,
     return -torch.log(-torch.log(u))
 
 
+def seeded_noise_logits(logits: torch.Tensor, params, row_seeds: torch.Tensor,
+                        step: int) -> torch.Tensor:
+    """``logits`` ``[B, vocab]`` at ``params``' temperature, top-k / top-p filtered, plus the
+    Gumbel noise of (row seed, ``step``): their argmax is :func:`draw`'s token, so an engine that
+    decodes greedily over these (transformers' ``generate`` with a logits processor) samples the
+    very tokens of ours."""
+    scaled = logits.float() / params.temperature
+    filtered = filter_logits(scaled, params.top_k, params.top_p)
+    steps = torch.full_like(row_seeds, int(step))
+    return filtered + gumbel_noise(row_seeds, steps, logits.shape[-1])
+
+
 def _greedy_pick(logits: torch.Tensor):
     x = logits.float()
     tokens = x.argmax(-1)
@@ -209,4 +221,5 @@ def draw(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, groups,
 
 
 __all__ = ["SEED_BITS", "draw", "filter_logits", "fused_draw_enabled", "golden_tensor",
-           "greedy_pick", "gumbel_noise", "prompt_seed", "row_seed", "sampled_pick"]
+           "greedy_pick", "gumbel_noise", "prompt_seed", "row_seed", "sampled_pick",
+           "seeded_noise_logits"]

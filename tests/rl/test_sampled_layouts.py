@@ -1,0 +1,60 @@
+"""Sampled rollouts do not depend on the layout (issue 30, item 11): each sample is drawn with
+noise seeded by (trainer.seed, step, the prompt's place in the global batch, sample index), so 3
+sampled PPO steps at TP=2, PP=2 with rollout TP'=2, DP=2 (continuous batching) and through the
+rollout server draw the very tokens of the PP=1, TP=1 run on one rank, and their metrics agree
+within rel 1e-5; a run saved at one layout and resumed at another draws the same samples."""
+
+import pytest
+
+from parallel_models.testing import run_distributed_jobs
+from tests.helpers import sampled_ppo_runs as runs
+from tests.helpers.hybrid_ppo_runs import assert_same_metrics
+
+LAYOUTS = {
+    "tp2": ["parallel.tensor_parallel_size=2"],
+    "pp2_rollout_tp2": ["parallel.pipeline_parallel_size=2", "rollout.tensor_parallel_size=2"],
+    "dp2_continuous": ["rollout.kv_budget_tokens=96", "rollout.max_batch_rows=3"],
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """The 1-rank reference (saving after step 2), the 2-rank layouts and a 2-rank (DP=2)
+    resume of the reference's step-2 checkpoint."""
+    tmp = tmp_path_factory.mktemp("sampled")
+    ref = run_distributed_jobs([(runs.sampled_run, (str(tmp / "ref"), []), {"save_after": 2})],
+                               1, timeout=600)[0]
+    model = f"model.path={tmp / 'ref' / 'builtin_model'}"
+    jobs = [(runs.sampled_run, (str(tmp / name), layout), {}) for name, layout in LAYOUTS.items()]
+    jobs.append((runs.sampled_run, (str(tmp / "resume"), []),
+                 {"steps": 1, "resume_from": ref[0]["checkpoint"], "extra": (model,)}))
+    out = dict(zip([*LAYOUTS, "resume"], run_distributed_jobs(jobs, 2, timeout=1200)))
+    out["ref"] = ref
+    return out
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_sampled_layout_draws_the_reference_tokens(results, name):
+    want = runs.merged_tokens(results["ref"])
+    got = runs.merged_tokens(results[name])
+    assert [sorted(s) for s in want] == [[0, 1, 2, 3]] * 3
+    assert got == want, f"{name}: other samples drawn than at PP=1, TP=1"
+    assert results[name][0]["continuous"] == (name == "dp2_continuous")
+    assert_same_metrics(results[name][0]["metrics"], results["ref"][0]["metrics"], name)
+
+
+def test_samples_differ_across_steps_prompts_and_samples(results):
+    """The seeds really vary: the two samples of a prompt differ, and step 1 is not step 2."""
+    steps = runs.merged_tokens(results["ref"])
+    assert any(rows[0] != rows[1] for s in steps for rows in s.values())
+    assert steps[0] != steps[1]
+
+
+def test_resume_at_another_layout_draws_the_same_samples(results):
+    """Saved after step 2 on one rank, resumed at DP=2: step 3 draws the reference's tokens."""
+    assert results["resume"][0]["step"] == 3
+    got = runs.merged_tokens(results["resume"])
+    assert got == runs.merged_tokens(results["ref"])[2:]
+    want, have = results["ref"][0]["metrics"][2], results["resume"][0]["metrics"][0]
+    for k in ("reward/mean", "response_length/mean", "actor/pg_loss", "critic/vf_loss"):
+        assert abs(want[k] - have[k]) <= 1e-5 * max(abs(want[k]), 1.0), (k, want[k], have[k])

@@ -214,15 +214,17 @@ class PPOTrainer:
             batch["messages"] = [m for m in msgs for _ in range(self.cfg.rollout.n)]
         return batch
 
-    def prompt_seeds(self, indices: list[int]) -> list[int] | None:
+    def prompt_seeds(self, indices: list[int], step: int | None = None) -> list[int] | None:
         """The draw seeds of the step's prompts at ``indices`` (their places in the global
         batch): a function of (trainer.seed, step, index) only, so the samples are the same at
-        any layout and after a resume elsewhere (``row_sampling.prompt_seed``); None when greedy."""
-        if self.sampling.greedy:
+        any layout and after a resume elsewhere (``row_sampling.prompt_seed``); None when greedy.
+        ``step``: another stream than the current step's (validation)."""
+        if self.sampling.greedy and step is None:
             return None
         from parallel_models.inference import prompt_seed
 
-        return [prompt_seed(self.cfg.trainer.seed, self.step_index, i) for i in indices]
+        step = self.step_index if step is None else step
+        return [prompt_seed(self.cfg.trainer.seed, step, i) for i in indices]
 
     def _rollout(self, prompt_ids: list[list[int]], sampling=None,
                  max_new_tokens: list[int] | None = None,
@@ -259,10 +261,16 @@ class PPOTrainer:
         """Roll out the validation set (greedy unless trainer.val_greedy=false; one response per
         prompt), score it with the training reward, log sample generations; ``val/...`` metrics."""
         params = self.sampling.model_copy(update={"n": 1, "greedy": self.cfg.trainer.val_greedy})
+        # sampled validation: prompt seeds of (seed, -(step + 1), index in the validation set),
+        # a stream apart from the training steps'; the validator hands out its prompts in order
+        mine, done = self.validator.my_indices(), [0]
 
         def rollout(prompt_ids, records):
+            indices = mine[done[0]:done[0] + len(prompt_ids)]
+            done[0] += len(prompt_ids)
+            seeds = None if params.greedy else self.prompt_seeds(indices, -(self.step_index + 1))
             with self._use(self.actor):
-                batch = self._rollout(prompt_ids, params)
+                batch = self._rollout(prompt_ids, params, prompt_seeds=seeds)
             batch["records"] = list(records)
             return batch
 

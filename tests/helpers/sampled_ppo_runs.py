@@ -31,10 +31,12 @@ def _record_tokens(trainer, tokens: list) -> None:
 
 
 def sampled_run(output_dir: str, layout: list[str], steps: int = 3, save_after: int = 0,
-                resume_from: str | None = None, extra: tuple = ()) -> dict:
+                resume_from: str | None = None, extra: tuple = (),
+                validate: bool = False) -> dict:
     """``steps`` PPO steps (after resuming ``resume_from``, if given) at ``layout``:
     ``{"metrics": [...], "tokens": [...], "checkpoint": path | None, "continuous": bool}``;
-    ``save_after``: save a checkpoint after that many steps."""
+    ``save_after``: save a checkpoint after that many steps; ``validate``: then a validation
+    pass too (``"validation"``: its metrics and logged samples)."""
     from parallel_models.rl.config import load_config
     from parallel_models.rl.trainer import PPOTrainer
 
@@ -51,8 +53,16 @@ def sampled_run(output_dir: str, layout: list[str], steps: int = 3, save_after: 
         metrics.append({k: v for k, v in m.items() if not k.startswith(("timing/", "memory/"))})
         if save_after and trainer.step_index == save_after:
             checkpoint = trainer.save_checkpoint()
+    validation = None
+    if validate:
+        logged: list = []
+        trainer.metrics.log_samples = lambda step, rows: logged.extend(rows)
+        val = trainer.validate_phase()
+        validation = {"metrics": {k: v for k, v in val.items() if not k.startswith("timing/")},
+                      "samples": logged}
     engine = getattr(trainer.rollout, "engine", None)
     return {"metrics": metrics, "tokens": tokens, "checkpoint": checkpoint,
+            "validation": validation,
             "step": trainer.step_index, "continuous": bool(getattr(engine, "continuous", False))}
 
 

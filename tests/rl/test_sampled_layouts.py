@@ -2,7 +2,8 @@
 noise seeded by (trainer.seed, step, the prompt's place in the global batch, sample index), so 3
 sampled PPO steps at TP=2, PP=2 with rollout TP'=2, DP=2 (continuous batching) and through the
 rollout server draw the very tokens of the PP=1, TP=1 run on one rank, and their metrics agree
-within rel 1e-5; a run saved at one layout and resumed at another draws the same samples."""
+within rel 1e-5; a run saved at one layout and resumed at another draws the same samples; a
+sampled validation pass (trainer.val_greedy=false) at DP=2 gives the one-rank pass's results."""
 
 import pytest
 
@@ -24,12 +25,18 @@ def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sampled")
     ref = run_distributed_jobs([(runs.sampled_run, (str(tmp / "ref"), []), {"save_after": 2})],
                                1, timeout=600)[0]
+    val = ("data.task=add_mod10", "trainer.val_greedy=false", "data.val_batch_size=3")
+    ref_val = run_distributed_jobs([(runs.sampled_run, (str(tmp / "val_ref"), []),
+                                     {"steps": 1, "extra": val, "validate": True})],
+                                   1, timeout=600)[0]
     model = f"model.path={tmp / 'ref' / 'builtin_model'}"
     jobs = [(runs.sampled_run, (str(tmp / name), layout), {}) for name, layout in LAYOUTS.items()]
     jobs.append((runs.sampled_run, (str(tmp / "resume"), []),
                  {"steps": 1, "resume_from": ref[0]["checkpoint"], "extra": (model,)}))
-    out = dict(zip([*LAYOUTS, "resume"], run_distributed_jobs(jobs, 2, timeout=1200)))
-    out["ref"] = ref
+    jobs.append((runs.sampled_run, (str(tmp / "val_dp2"), []),
+                 {"steps": 1, "extra": val, "validate": True}))
+    out = dict(zip([*LAYOUTS, "resume", "val_dp2"], run_distributed_jobs(jobs, 2, timeout=1200)))
+    out["ref"], out["val_ref"] = ref, ref_val
     return out
 
 
@@ -58,3 +65,16 @@ def test_resume_at_another_layout_draws_the_same_samples(results):
     want, have = results["ref"][0]["metrics"][2], results["resume"][0]["metrics"][0]
     for k in ("reward/mean", "response_length/mean", "actor/pg_loss", "critic/vf_loss"):
         assert abs(want[k] - have[k]) <= 1e-5 * max(abs(want[k]), 1.0), (k, want[k], have[k])
+
+
+def test_sampled_validation_at_dp2_equals_one_rank(results):
+    want, got = results["val_ref"][0]["validation"], results["val_dp2"][0]["validation"]
+    assert runs.merged_tokens(results["val_dp2"]) == runs.merged_tokens(results["val_ref"])
+    assert want["metrics"].keys() == got["metrics"].keys()
+    for k, v in want["metrics"].items():
+        assert abs(got["metrics"][k] - v) <= 1e-5 * max(abs(v), 1.0), (k, v, got["metrics"][k])
+    # each DP rank logs its own first samples: those the one-rank pass logged too are equal
+    logged = {r["prompt"]: r for r in want["samples"]}
+    shared = [r for rank in results["val_dp2"] for r in rank["validation"]["samples"]
+              if r["prompt"] in logged]
+    assert len(shared) >= 2 and all(r == logged[r["prompt"]] for r in shared)

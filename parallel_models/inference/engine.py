@@ -13,9 +13,9 @@ rollout server (``server/engine.py``) wraps it and mirrors its commands to the o
   prefill; at most ``kv_budget_tokens`` KV positions and ``max_rows`` rows at once). Each prompt
   i gets its own draw seed (``params.seed`` mixed with i, else one from ``generator`` / the global
   generator), so a seeded call is reproducible whatever else runs; ``prompt_seeds`` (the PPO
-  trainer's, one per prompt) give each sample its own noise in both batchers (the same tokens). ``keep_kv=True`` (the
-  server) keeps the KV pool and the captured decode graphs between calls; otherwise they are
-  freed after each call (the trainer trains between rollouts).
+  trainer's, one per prompt) give each sample its own noise in both batchers (the same tokens).
+  ``keep_kv=True`` (the server) keeps the KV pool and the captured decode graphs between calls;
+  otherwise they are freed after each call (the trainer trains between rollouts).
 - :meth:`RolloutEngine.update_weights` loads an HF folder (or megatron-core checkpoint) into the
   model **atomically**: a copy of the current weights is taken first and written back if
   anything fails while loading (read error, out of memory, shape mismatch) on any rank of

@@ -10,7 +10,8 @@ server...). With ``trainer.offload`` on CUDA only the role a phase uses sits on 
 batch travels between phases as a :class:`~parallel_models.rl.data.batch.RolloutBatch`. Each data-parallel rank takes its share of every
 prompt batch (prompts are dealt before they are repeated ``rollout.n`` times, so a grpo / rloo
 group never straddles ranks) with draw seeds of (trainer.seed, step, place in the global batch),
-so sampled rollouts do not depend on the layout; batch statistics are global over the ranks (``rl/observe/dp_stats.py``).
+so sampled rollouts do not depend on the layout; batch statistics are global over the ranks
+(``rl/observe/dp_stats.py``).
 """
 
 from __future__ import annotations

@@ -47,8 +47,8 @@ the next decode step and leave it when done (``continuous_batcher``); one that c
 KV budget gets 422 (OpenAI routes: 400) at once. With ``--static-batching``: requests arriving
 within ``batch_window_ms`` of the first queued one are generated
 together, up to ``max_batch`` rows (prompts x n). Rows with the same sampling params share one
-``generate`` call; a request with a ``seed`` or ``prompt_seeds`` gets its own call (and generator), so its samples
-are reproducible. ``generate`` is row-independent, so greedy results do not depend on the batch.
+``generate`` call; a request with a ``seed`` or ``prompt_seeds`` gets its own call (and
+generator), so its samples are reproducible. ``generate`` is row-independent, so greedy results do not depend on the batch.
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass
 class GenCall:
     """One generate call: token-id rows (one sample each) sharing sampling params; a seeded
-    call's params carry its seed, a call with ``prompt_seeds`` one seed per prompt. ``top_logprobs=k`` asks for the k most likely tokens per
+    call's params carry its seed, a call with ``prompt_seeds`` one seed per prompt (its rows
+    are prompts x n). ``top_logprobs=k`` asks for the k most likely tokens per
     step (the OpenAI API's ``logprobs``); ``record_routes`` adds each sample's MoE routes."""
 
     rows: list[list[int]]

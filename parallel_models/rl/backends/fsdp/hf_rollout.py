@@ -2,7 +2,9 @@
 CausalLM to fill): transformers' ``generate`` on the sharded model, with ``synced_gpus=True`` so
 that every rank keeps running forwards (each all-gathers the layers) until all ranks have
 finished their rows. Returns the rollout engine's :class:`GenerationOutput` (left-padded prompts,
-right-padded responses with the stop token included).
+right-padded responses with the stop token included). With the trainer's prompt seeds it decodes
+greedily over seeded noisy logits (``seeded_noise_logits``, a logits processor): the samples our
+engine draws, whatever the rank or batch.
 """
 
 from __future__ import annotations

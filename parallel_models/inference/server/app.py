@@ -48,7 +48,8 @@ KV budget gets 422 (OpenAI routes: 400) at once. With ``--static-batching``: req
 within ``batch_window_ms`` of the first queued one are generated
 together, up to ``max_batch`` rows (prompts x n). Rows with the same sampling params share one
 ``generate`` call; a request with a ``seed`` or ``prompt_seeds`` gets its own call (and
-generator), so its samples are reproducible. ``generate`` is row-independent, so greedy results do not depend on the batch.
+generator), so its samples are reproducible. ``generate`` is row-independent, so greedy results
+do not depend on the batch.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ that satisfies :class:`Rollout`:
   RolloutBatch``: this rank's prompts (its data-parallel share; every rank calls together),
   ``sampling.n`` samples each, rows prompt-major. The batch holds ``sequences`` (left-padded
   prompt + right-padded response), ``attention_mask``, ``prompt_lengths``, ``response_mask``,
-  ``group_index`` (the prompt of each row), the sampler's ``rollout_log_probs`` and, for an MoE actor whose rollout
-  records them, ``routes``; on the device of the actor. ``max_new_tokens``: per prompt, a cap on
+  ``group_index`` (the prompt of each row), the sampler's ``rollout_log_probs`` and, for an
+  MoE actor whose rollout records them, ``routes``; on the device of the actor. ``max_new_tokens``: per prompt, a cap on
   its samples' new tokens (where the backend supports caps: the config checks say which).
   ``prompt_seeds``: per prompt, the seed of its samples' draws (the trainer's
   ``row_sampling.prompt_seed`` of run seed, step and the prompt's place in the global batch):

@@ -8,8 +8,9 @@ that satisfies :class:`Rollout`:
   ``sampling.n`` samples each, rows prompt-major. The batch holds ``sequences`` (left-padded
   prompt + right-padded response), ``attention_mask``, ``prompt_lengths``, ``response_mask``,
   ``group_index`` (the prompt of each row), the sampler's ``rollout_log_probs`` and, for an
-  MoE actor whose rollout records them, ``routes``; on the device of the actor. ``max_new_tokens``: per prompt, a cap on
-  its samples' new tokens (where the backend supports caps: the config checks say which).
+  MoE actor whose rollout records them, ``routes``; on the device of the actor.
+  ``max_new_tokens``: per prompt, a cap on its samples' new tokens (where the backend supports
+  caps: the config checks say which).
   ``prompt_seeds``: per prompt, the seed of its samples' draws (the trainer's
   ``row_sampling.prompt_seed`` of run seed, step and the prompt's place in the global batch):
   sample j draws with ``row_seed(seed, j)``'s noise, so the tokens do not depend on the layout,

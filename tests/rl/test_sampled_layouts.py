@@ -3,7 +3,8 @@ noise seeded by (trainer.seed, step, the prompt's place in the global batch, sam
 sampled PPO steps at TP=2, PP=2 with rollout TP'=2, DP=2 (continuous batching) and through the
 rollout server draw the very tokens of the PP=1, TP=1 run on one rank, and their metrics agree
 within rel 1e-5; a run saved at one layout and resumed at another draws the same samples; a
-sampled validation pass (trainer.val_greedy=false) at DP=2 gives the one-rank pass's results."""
+sampled validation pass (trainer.val_greedy=false) at DP=2 gives the one-rank pass's results;
+the tiny MoE at expert parallel 2 (the rollout records routes) draws its one-rank tokens."""
 
 import pytest
 
@@ -26,17 +27,24 @@ def results(tmp_path_factory):
     ref = run_distributed_jobs([(runs.sampled_run, (str(tmp / "ref"), []), {"save_after": 2})],
                                1, timeout=600)[0]
     val = ("data.task=add_mod10", "trainer.val_greedy=false", "data.val_batch_size=3")
-    ref_val = run_distributed_jobs([(runs.sampled_run, (str(tmp / "val_ref"), []),
-                                     {"steps": 1, "extra": val, "validate": True})],
-                                   1, timeout=600)[0]
+    # no load-balancing loss: its statistic is per data-parallel rank (1 rank vs DP=2 differ)
+    moe = ("model.path=builtin-moe", "actor.moe_aux_loss_coef=0.0")
+    ref_val, ref_moe = run_distributed_jobs([
+        (runs.sampled_run, (str(tmp / "val_ref"), []), {"steps": 1, "extra": val,
+                                                        "validate": True}),
+        (runs.sampled_run, (str(tmp / "moe_ref"), []), {"steps": 2, "extra": moe})],
+        1, timeout=600)
     model = f"model.path={tmp / 'ref' / 'builtin_model'}"
     jobs = [(runs.sampled_run, (str(tmp / name), layout), {}) for name, layout in LAYOUTS.items()]
     jobs.append((runs.sampled_run, (str(tmp / "resume"), []),
                  {"steps": 1, "resume_from": ref[0]["checkpoint"], "extra": (model,)}))
     jobs.append((runs.sampled_run, (str(tmp / "val_dp2"), []),
                  {"steps": 1, "extra": val, "validate": True}))
-    out = dict(zip([*LAYOUTS, "resume", "val_dp2"], run_distributed_jobs(jobs, 2, timeout=1200)))
-    out["ref"], out["val_ref"] = ref, ref_val
+    jobs.append((runs.sampled_run, (str(tmp / "moe_ep2"), ["parallel.expert_parallel_size=2"]),
+                 {"steps": 2, "extra": moe}))
+    out = dict(zip([*LAYOUTS, "resume", "val_dp2", "moe_ep2"],
+                   run_distributed_jobs(jobs, 2, timeout=1200)))
+    out["ref"], out["val_ref"], out["moe_ref"] = ref, ref_val, ref_moe
     return out
 
 
@@ -78,3 +86,13 @@ def test_sampled_validation_at_dp2_equals_one_rank(results):
     shared = [r for rank in results["val_dp2"] for r in rank["validation"]["samples"]
               if r["prompt"] in logged]
     assert len(shared) >= 2 and all(r == logged[r["prompt"]] for r in shared)
+
+
+def test_sampled_moe_at_ep2_draws_the_one_rank_tokens(results):
+    want, got = results["moe_ref"], results["moe_ep2"]
+    assert runs.merged_tokens(got) == runs.merged_tokens(want)
+    for step, (g, w) in enumerate(zip(got[0]["metrics"], want[0]["metrics"])):
+        assert g.keys() == w.keys()
+        for k in set(w) - {"actor/moe_aux_loss"}:  # a per-rank statistic (reported, not used)
+            tol = 1e-5 * max(abs(w[k]), abs(g[k])) + 1e-6
+            assert abs(g[k] - w[k]) <= tol, f"EP=2 step {step + 1} {k}: {g[k]} vs {w[k]}"

@@ -3,7 +3,9 @@
 
 - generation: :class:`RolloutEngine` (prompts + :class:`SamplingParams` -> samples, atomic weight
   swaps), :class:`ContinuousEngine` (continuous batching), :func:`generate` and its
-  :class:`GenerationOutput`, :class:`SamplingFields` (the sampling knobs as config fields);
+  :class:`GenerationOutput`, :class:`SamplingFields` (the sampling knobs as config fields),
+  :func:`prompt_seed` (a prompt's draw seed of run seed, step and place in the global batch),
+  :func:`seeded_noise_logits` (the same draws through another engine's argmax);
 - the rollout layout: :func:`build_rollout_layout` (the engine's TP' layout, a second
   :class:`~parallel_models.parallel_layout.ParallelLayout` beside the training one),
   :func:`same_as_training` and :func:`share_of`;
@@ -29,6 +31,8 @@ _EXPORTS = {
     "ContinuousEngine": "continuous", "KVBudgetError": "continuous",
     "GenerationOutput": "generation", "generate": "generation",
     "SamplingParams": "sampling", "SamplingFields": "sampling",
+    "prompt_seed": "row_sampling", "row_seed": "row_sampling",
+    "seeded_noise_logits": "row_sampling",
     "build_rollout_layout": "rollout_layout", "same_as_training": "rollout_layout",
     "share_of": "rollout_layout",
     "WeightSync": "weight_sync", "TensorReader": "weight_sync",

@@ -12,9 +12,10 @@ rollout server (``server/engine.py``) wraps it and mirrors its commands to the o
   rows leave when done, waiting prompts take their place, the n samples of a prompt share one
   prefill; at most ``kv_budget_tokens`` KV positions and ``max_rows`` rows at once). Each prompt
   i gets its own draw seed (``params.seed`` mixed with i, else one from ``generator`` / the global
-  generator), so a seeded call is reproducible whatever else runs. ``keep_kv=True`` (the
-  server) keeps the KV pool and the captured decode graphs between calls; otherwise they are
-  freed after each call (the trainer trains between rollouts).
+  generator), so a seeded call is reproducible whatever else runs; ``prompt_seeds`` (the PPO
+  trainer's, one per prompt) give each sample its own noise in both batchers (the same tokens).
+  ``keep_kv=True`` (the server) keeps the KV pool and the captured decode graphs between calls;
+  otherwise they are freed after each call (the trainer trains between rollouts).
 - :meth:`RolloutEngine.update_weights` loads an HF folder (or megatron-core checkpoint) into the
   model **atomically**: a copy of the current weights is taken first and written back if
   anything fails while loading (read error, out of memory, shape mismatch) on any rank of
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from parallel_models.inference.generation import GenerationOutput, generate
+from parallel_models.inference.row_sampling import SEED_BITS, row_seed
 from parallel_models.inference.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,18 @@ def _prompt_caps(caps, prompts: int, limit: int) -> list[int] | None:
         raise ValueError(f"max_new_tokens: caps must be in 1..{limit} (the sampling "
                          f"max_new_tokens), got {bad[:5]}")
     return caps
+
+
+def _prompt_seeds(seeds, prompts: int) -> list[int] | None:
+    """Per-prompt draw seeds, checked (None: none)."""
+    if seeds is None:
+        return None
+    seeds = [int(s) for s in seeds]
+    if len(seeds) != prompts:
+        raise ValueError(f"prompt_seeds: {len(seeds)} seeds for {prompts} prompts")
+    if any(not 0 <= s < (1 << SEED_BITS) for s in seeds):
+        raise ValueError(f"prompt_seeds: seeds must be in [0, 2^{SEED_BITS})")
+    return seeds
 
 
 class RolloutEngine:
@@ -134,17 +148,25 @@ class RolloutEngine:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                  generator: torch.Generator | None = None, top_logprobs: int = 0,
                  on_step=None, record_routes: bool = False,
-                 max_new_tokens: Sequence[int] | None = None) -> GenerationOutput:
+                 max_new_tokens: Sequence[int] | None = None,
+                 prompt_seeds: Sequence[int] | None = None) -> GenerationOutput:
         """``params.n`` samples of each prompt (rows prompt-major). A ``params.seed`` seeds a
         generator of its own unless ``generator`` is given. ``top_logprobs=k`` also returns the
         k most likely tokens per step; ``on_step`` sees each step's tokens as they are drawn
         (``generation.generate``); ``record_routes`` (MoE) also returns the experts every token
         was routed to (``GenerationOutput.routes``; recorded by the static batcher).
         ``max_new_tokens``: per prompt, a cap on its samples' new tokens (each in
-        1..``params.max_new_tokens``)."""
+        1..``params.max_new_tokens``). ``prompt_seeds``: one seed per prompt (e.g.
+        ``row_sampling.prompt_seed``); sample j of prompt i then draws with the noise of
+        ``row_seed(prompt_seeds[i], j)``, the same tokens in the static and the continuous
+        batcher, whatever else is in the batch (``params.seed`` and ``generator`` unused)."""
         caps = _prompt_caps(max_new_tokens, len(prompts), params.max_new_tokens)
+        seeds = _prompt_seeds(prompt_seeds, len(prompts))
+        if params.greedy:  # no noise to draw: the greedy path as without seeds
+            seeds = None
         if self.continuous and on_step is None and not record_routes:
-            return self._generate_continuous(prompts, params, generator, top_logprobs, caps)
+            return self._generate_continuous(prompts, params, generator, top_logprobs, caps,
+                                             seeds)
         rows = [list(p) for p in prompts for _ in range(params.n)]
         update = {"n": 1} if caps is None else {"n": 1, "max_new_tokens": max(caps)}
         one_each = params.model_copy(update=update)  # (a seed makes generate's generator)
@@ -152,11 +174,14 @@ class RolloutEngine:
                        stop_token_ids=self.stop_ids(params), pad_token_id=self.pad_token_id,
                        top_logprobs=top_logprobs, on_step=on_step, record_routes=record_routes,
                        row_limits=None if caps is None else
-                       [c for c in caps for _ in range(params.n)])
+                       [c for c in caps for _ in range(params.n)],
+                       row_seeds=None if seeds is None else
+                       [row_seed(s, j) for s in seeds for j in range(params.n)])
         self.generated_tokens += int(out.response_mask.sum())
         return out
 
-    def _generate_continuous(self, prompts, params, generator, top_logprobs, caps=None):
+    def _generate_continuous(self, prompts, params, generator, top_logprobs, caps=None,
+                             seeds=None):
         from parallel_models.inference.continuous import generation_output, request_seed
 
         engine = self.continuous_engine()
@@ -164,10 +189,13 @@ class RolloutEngine:
         try:
             requests = []
             for i, p in enumerate(prompts):
-                seed = params.seed
-                if seed is None and not params.greedy:
-                    seed = int(torch.randint(0, 1 << 62, (1,), generator=generator))
-                update = {"seed": request_seed(seed, i)}
+                if seeds is not None:  # the prompt's own seed (row_seed(seed, j) per sample)
+                    update = {"seed": seeds[i]}
+                else:
+                    seed = params.seed
+                    if seed is None and not params.greedy:
+                        seed = int(torch.randint(0, 1 << 62, (1,), generator=generator))
+                    update = {"seed": request_seed(seed, i)}
                 if caps is not None:
                     update["max_new_tokens"] = caps[i]
                 one = params.model_copy(update=update)
@@ -183,14 +211,16 @@ class RolloutEngine:
 
     def generate_samples(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                          top_logprobs: int = 0, on_step=None, record_routes: bool = False,
-                         max_new_tokens: Sequence[int] | None = None) -> list[dict]:
+                         max_new_tokens: Sequence[int] | None = None,
+                         prompt_seeds: Sequence[int] | None = None) -> list[dict]:
         """Like :meth:`generate`, as one ``{"token_ids", "log_probs", "finish_reason"}`` dict per
         row (``"stop"`` when the last token is a stop id, else ``"length"``); ``top_logprobs=k``
         adds ``"top_logprobs"``: per token a list of k ``[token_id, log_prob]``, most likely
         first; ``record_routes`` (MoE) adds ``"routes"``: per prompt and generated token, per MoE
         layer, the k experts used (-1 where none: the last generated token)."""
         out = self.generate(prompts, params, top_logprobs=top_logprobs, on_step=on_step,
-                            record_routes=record_routes, max_new_tokens=max_new_tokens)
+                            record_routes=record_routes, max_new_tokens=max_new_tokens,
+                            prompt_seeds=prompt_seeds)
         stops = set(self.stop_ids(params))
         mask, toks = out.response_mask.cpu(), out.responses.cpu()
         logps = out.log_probs.float().cpu()

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from parallel_models.llama.layers import exact
 from parallel_models.inference.kv_cache import KVCache
 from parallel_models.inference.route_collector import RouteCollector
+from parallel_models.inference.row_sampling import draw, filter_logits
 from parallel_models.inference.sampling import SamplingParams
 from parallel_models.options import option
 
@@ -80,20 +81,6 @@ def sequence_parallel_off(model):
             setattr(m, attr, True)
 
 
-def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the mass before it already reaches top_p (the top one always stays)
-        drop = probs.cumsum(-1) - probs >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return logits
-
-
 def _next_tokens(logits: torch.Tensor, params: SamplingParams, generator=None, top_logprobs=0):
     """Draw the next tokens; -> (tokens, their log-probs, (top ids, top log-probs) or None)."""
     raw, logits = logits, logits.float()  # raw: exact mode's log-prob reads the model's dtype
@@ -102,7 +89,7 @@ def _next_tokens(logits: torch.Tensor, params: SamplingParams, generator=None, t
         scaled = logits
     else:
         scaled = logits / params.temperature
-        filtered = _filter_logits(scaled, params.top_k, params.top_p)
+        filtered = filter_logits(scaled, params.top_k, params.top_p)
         tokens = torch.multinomial(torch.softmax(filtered, -1), 1, generator=generator).squeeze(-1)
     all_log_probs = torch.log_softmax(scaled, -1)
     log_probs = all_log_probs.gather(-1, tokens[:, None]).squeeze(-1)
@@ -205,7 +192,8 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
              stop_token_ids: Sequence[int] | None = None,
              pad_token_id: int = 0, top_logprobs: int = 0,
              on_step: Callable | None = None, record_routes: bool = False,
-             row_limits: Sequence[int] | None = None) -> GenerationOutput:
+             row_limits: Sequence[int] | None = None,
+             row_seeds: Sequence[int] | None = None) -> GenerationOutput:
     """Sample one continuation of each of ``prompts`` (token-id lists) with ``model`` (a
     parallel CausalLM); ``params.n`` must be 1 here (``RolloutEngine.generate`` repeats rows).
 
@@ -219,6 +207,9 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
     None); pass it on one rank only. ``record_routes`` (MoE models) also returns the top-k
     experts of every prompt and generated token per MoE layer (``rollout/route_collector.py``).
     ``row_limits``: a cap on each row's new tokens (<= ``params.max_new_tokens``).
+    ``row_seeds``: one seed per row; each row then draws with its own counter-based noise
+    (``row_sampling.draw``, the continuous batcher's draws), so its tokens depend on its seed and
+    logits only, not on the batch, the rank or ``generator``.
     """
     params.validate()
     if params.n != 1:
@@ -243,6 +234,11 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
     stop = torch.tensor(list(stop_token_ids) or [-1], device=device)
     if generator is None and params.seed is not None and not params.greedy:
         generator = torch.Generator(device=device).manual_seed(int(params.seed))
+    seeds = None
+    if row_seeds is not None:
+        if len(row_seeds) != batch:
+            raise ValueError(f"row_seeds: {len(row_seeds)} seeds for {batch} rows")
+        seeds = torch.tensor([int(s) for s in row_seeds], dtype=torch.long, device=device)
 
     if top_logprobs < 0:
         raise ValueError(f"top_logprobs must be >= 0, got {top_logprobs}")
@@ -263,7 +259,11 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
         logits = _last_token_logits(model, hidden, (cu[1:] - 1).long())
         decode_step = _DecodeStep(model, cache, batch, device)
         for step in range(params.max_new_tokens):
-            tokens, logp, top = _next_tokens(logits, params, generator, top_logprobs)
+            if seeds is None:
+                tokens, logp, top = _next_tokens(logits, params, generator, top_logprobs)
+            else:  # per-row noise of (row seed, step, vocab id)
+                tokens, logp, top = draw(logits, seeds, torch.full_like(seeds, step),
+                                         [(None, params)], top_logprobs)
             tokens, logp = _broadcast_in_tp_group(layout, tokens, logp)
             if top is not None:
                 top_out.append(_broadcast_in_tp_group(layout, *top))

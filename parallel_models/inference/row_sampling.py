@@ -1,4 +1,5 @@
-"""Per-row reproducible sampling for continuous batching.
+"""Per-row reproducible sampling: for continuous batching, and for rollouts whose samples must not
+depend on the layout (the static batcher with per-row seeds, ``generation.generate``).
 
 In a continuous batch the rows next to a sample change from step to step, so drawing from one
 generator for the whole batch would make a seeded request's samples depend on the traffic. Here
@@ -6,6 +7,10 @@ every row draws with counter-based noise: the uniform for (row seed, step, vocab
 (splitmix64) of those three integers, and the token is the Gumbel-max of the filtered logits,
 i.e. a draw from ``softmax(filtered logits / temperature)``. A request's samples are therefore
 the same whatever else runs, on any device, and a step needs no generator state (graph-safe).
+
+A PPO step seeds prompt i of its global batch with :func:`prompt_seed` (run seed, step, i) and
+sample j of it with :func:`row_seed` (prompt seed, j): the tokens are then the same at any TP /
+PP / DP layout, rollout TP', static or continuous batching, and after a resume elsewhere.
 
 Log-probs and top log-probs are those of ``generation._next_tokens``: ``log_softmax(logits /
 temperature)`` of the drawn token (greedy: of the raw logits).
@@ -27,13 +32,27 @@ import warnings
 import torch
 
 from parallel_models.llama.layers import exact
-from parallel_models.inference.generation import _filter_logits
 from parallel_models.options import option
 from parallel_models.utils.gpu_compile import compiled_on_gpu
 
 _C1 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _C2 = 0x94D049BB133111EB - (1 << 64)
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """``logits`` with the tokens outside the top-k / top-p set at -inf (0 / 1.0: no filter)."""
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p (the top one always stays)
+        drop = probs.cumsum(-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
 
 
 def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
@@ -52,6 +71,20 @@ def row_seed(seed: int, sample: int) -> int:
     """The noise seed of sample ``sample`` of a request seeded with ``seed`` (a Python int)."""
     x = torch.tensor([(seed * 1_000_003 + sample) & ((1 << 63) - 1)], dtype=torch.long)
     return int(_mix(_mix(x) + _GOLDEN))
+
+
+SEED_BITS = 62  # prompt seeds are in [0, 2^62): the server's seed range
+
+
+def prompt_seed(run_seed: int, step: int, index: int) -> int:
+    """The seed of prompt ``index`` (its place in the step's global batch) of step ``step`` of a
+    run seeded with ``run_seed``: splitmix64 over the three integers, in [0, 2^62). A rollout
+    draws sample ``j`` of the prompt with :func:`row_seed` ``(prompt_seed, j)``, so which rank,
+    TP / PP / DP layout or rollout engine generates it does not change its tokens."""
+    x = torch.tensor([int(run_seed) & ((1 << 63) - 1)], dtype=torch.long)
+    for value in (step, index):
+        x = _mix(x + _GOLDEN) ^ (int(value) & ((1 << 63) - 1))
+    return int(_mix(x + _GOLDEN)) & ((1 << SEED_BITS) - 1)
 
 
 def golden_tensor(device) -> torch.Tensor:
@@ -75,6 +108,18 @@ def gumbel_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int,
     bits = _mix(base[:, None] + ids[None, :])
     u = (_shr(bits, 40).float() + 0.5) * (1.0 / (1 << 24))  # (0, 1), 24 bits
     return -torch.log(-torch.log(u))
+
+
+def seeded_noise_logits(logits: torch.Tensor, params, row_seeds: torch.Tensor,
+                        step: int) -> torch.Tensor:
+    """``logits`` ``[B, vocab]`` at ``params``' temperature, top-k / top-p filtered, plus the
+    Gumbel noise of (row seed, ``step``): their argmax is :func:`draw`'s token, so an engine that
+    decodes greedily over these (transformers' ``generate`` with a logits processor) samples the
+    very tokens of ours."""
+    scaled = logits.float() / params.temperature
+    filtered = filter_logits(scaled, params.top_k, params.top_p)
+    steps = torch.full_like(row_seeds, int(step))
+    return filtered + gumbel_noise(row_seeds, steps, logits.shape[-1])
 
 
 def _greedy_pick(logits: torch.Tensor):
@@ -150,7 +195,7 @@ def draw(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, groups,
             chosen = sub.argmax(-1)
         else:
             scaled = sub / params.temperature
-            filtered = _filter_logits(scaled, params.top_k, params.top_p)
+            filtered = filter_logits(scaled, params.top_k, params.top_p)
             s = seeds if rows is None else seeds[rows]
             t = steps if rows is None else steps[rows]
             chosen = (filtered + gumbel_noise(s, t, vocab)).argmax(-1)
@@ -175,5 +220,6 @@ def draw(logits: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, groups,
     return tokens, logp, top
 
 
-__all__ = ["draw", "fused_draw_enabled", "golden_tensor", "greedy_pick", "gumbel_noise",
-           "row_seed", "sampled_pick"]
+__all__ = ["SEED_BITS", "draw", "filter_logits", "fused_draw_enabled", "golden_tensor",
+           "greedy_pick", "gumbel_noise", "prompt_seed", "row_seed", "sampled_pick",
+           "seeded_noise_logits"]

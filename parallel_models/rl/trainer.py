@@ -9,7 +9,9 @@ protocol (``rl/roles/model_roles.py``), the rollout the rollout interface
 server...). With ``trainer.offload`` on CUDA only the role a phase uses sits on the GPU. The
 batch travels between phases as a :class:`~parallel_models.rl.data.batch.RolloutBatch`. Each data-parallel rank takes its share of every
 prompt batch (prompts are dealt before they are repeated ``rollout.n`` times, so a grpo / rloo
-group never straddles ranks); batch statistics are global over the ranks (``rl/observe/dp_stats.py``).
+group never straddles ranks) with draw seeds of (trainer.seed, step, place in the global batch),
+so sampled rollouts do not depend on the layout; batch statistics are global over the ranks
+(``rl/observe/dp_stats.py``).
 """
 
 from __future__ import annotations
@@ -120,7 +122,8 @@ class PPOTrainer:
 
     # ---- set-up helpers -------------------------------------------------------------------------
     def _seed_everything(self, seed: int) -> None:
-        # sampling differs across data-parallel replicas, agrees within a TP group
+        # differs across data-parallel replicas, agrees within a TP group (the rollout's draws
+        # do not use it: each prompt has a seed of its own, see prompt_seeds)
         s = seed + 1000 * self.dp_rank
         random.seed(s)
         np.random.seed(s % 2**32)
@@ -200,7 +203,8 @@ class PPOTrainer:
         if self.cfg.data.max_new_tokens_key:  # per-prompt response caps from the dataset
             caps = prompt_caps(records, mine, self.cfg.data, self.cfg.rollout.max_new_tokens)
         with self._use(self.actor):
-            batch = self._rollout([prompt_ids[i] for i in mine], max_new_tokens=caps)
+            batch = self._rollout([prompt_ids[i] for i in mine], max_new_tokens=caps,
+                                  prompt_seeds=self.prompt_seeds(mine))
         if isinstance(records, dict) and "records" in records:
             # each response carries its prompt's dataset record (reward functions read its fields)
             batch["records"] = [records["records"][i] for i in mine for _ in range(self.cfg.rollout.n)]
@@ -211,10 +215,23 @@ class PPOTrainer:
             batch["messages"] = [m for m in msgs for _ in range(self.cfg.rollout.n)]
         return batch
 
+    def prompt_seeds(self, indices: list[int], step: int | None = None) -> list[int] | None:
+        """The draw seeds of the step's prompts at ``indices`` (their places in the global
+        batch): a function of (trainer.seed, step, index) only, so the samples are the same at
+        any layout and after a resume elsewhere (``row_sampling.prompt_seed``); None when greedy.
+        ``step``: another stream than the current step's (validation)."""
+        if self.sampling.greedy and step is None:
+            return None
+        from parallel_models.inference import prompt_seed
+
+        step = self.step_index if step is None else step
+        return [prompt_seed(self.cfg.trainer.seed, step, i) for i in indices]
+
     def _rollout(self, prompt_ids: list[list[int]], sampling=None,
-                 max_new_tokens: list[int] | None = None) -> RolloutBatch:
+                 max_new_tokens: list[int] | None = None,
+                 prompt_seeds: list[int] | None = None) -> RolloutBatch:
         return self.rollout.generate(prompt_ids, sampling or self.sampling,
-                                     max_new_tokens=max_new_tokens)
+                                     max_new_tokens=max_new_tokens, prompt_seeds=prompt_seeds)
 
     def score_phase(self, batch: RolloutBatch) -> dict:
         """Old log-probs (actor), reference log-probs, values (critic) and scores (reward)."""
@@ -245,10 +262,16 @@ class PPOTrainer:
         """Roll out the validation set (greedy unless trainer.val_greedy=false; one response per
         prompt), score it with the training reward, log sample generations; ``val/...`` metrics."""
         params = self.sampling.model_copy(update={"n": 1, "greedy": self.cfg.trainer.val_greedy})
+        # sampled validation: prompt seeds of (seed, -(step + 1), index in the validation set),
+        # a stream apart from the training steps'; the validator hands out its prompts in order
+        mine, done = self.validator.my_indices(), [0]
 
         def rollout(prompt_ids, records):
+            indices = mine[done[0]:done[0] + len(prompt_ids)]
+            done[0] += len(prompt_ids)
+            seeds = None if params.greedy else self.prompt_seeds(indices, -(self.step_index + 1))
             with self._use(self.actor):
-                batch = self._rollout(prompt_ids, params)
+                batch = self._rollout(prompt_ids, params, prompt_seeds=seeds)
             batch["records"] = list(records)
             return batch
 

@@ -76,9 +76,33 @@ def adapters_generate(path: str, folder: str) -> dict:
         out[name] = _rows(adapter.generate(PROMPTS, params))
         adapter.release_memory()
         adapter.resume_memory()
+    out["seeded"] = _seeded_samples(adapters, model)
     out["reference"] = _reference(hf, PROMPTS)
     out["reference_log_probs"] = [_hf_log_probs(hf, p, r)
                                   for p, r in zip(PROMPTS, out["reference"])]
+    return out
+
+
+def _seeded_samples(adapters, model) -> dict:
+    """Sampled rows (top-k 20, temperature 0.8, 3 per prompt) with per-prompt seeds, through each
+    adapter and the continuous engine, all prompts at once and each alone: name -> responses."""
+    from parallel_models.inference import RolloutEngine, SamplingParams, prompt_seed
+    from parallel_models.rl.rollout.inprocess import InProcessRollout
+
+    params = SamplingParams(n=3, max_new_tokens=NEW, temperature=0.8, top_k=20, ignore_eos=True)
+    seeds = [prompt_seed(7, 1, i) for i in range(len(PROMPTS))]
+    runs = dict(adapters, continuous=InProcessRollout(
+        RolloutEngine(model, pad_token_id=0, kv_budget_tokens=64, max_rows=4)))
+    out = {}
+    for name in ("inprocess", "continuous", "hybrid", "hf_generate"):
+        adapter = runs[name]
+        rows = _rows(adapter.generate(PROMPTS, params, prompt_seeds=seeds))["rows"]
+        out[name] = [r["response"] for r in rows]
+        alone = []
+        for p, s in zip(PROMPTS, seeds):  # another batch: the same samples
+            alone += [r["response"] for r in _rows(adapter.generate([p], params,
+                                                                    prompt_seeds=[s]))["rows"]]
+        out[name + "_alone"] = alone
     return out
 
 
@@ -91,9 +115,10 @@ class RecordingRollout:
     def __init__(self, inner, calls: list):
         self.inner, self.calls = inner, calls
 
-    def generate(self, prompt_ids, sampling, *, max_new_tokens=None):
+    def generate(self, prompt_ids, sampling, *, max_new_tokens=None, prompt_seeds=None):
         self.calls.append(("generate", len(prompt_ids), sampling.n))
-        return self.inner.generate(prompt_ids, sampling, max_new_tokens=max_new_tokens)
+        return self.inner.generate(prompt_ids, sampling, max_new_tokens=max_new_tokens,
+                                   prompt_seeds=prompt_seeds)
 
     def update_weights(self, version) -> None:
         self.calls.append(("update_weights", version))

@@ -50,6 +50,19 @@ def test_sampler_log_probs_match_transformers(generated, name):
     assert all(v == 0.0 for r in generated["hf_generate"]["rows"] for v in r["log_probs"])
 
 
+def test_seeded_samples_are_the_same_through_every_adapter(generated):
+    """Per-prompt seeds (issue 30, item 11): the static and continuous in-process engine, the
+    hybrid engine and transformers' generate (the fsdp fallback) draw the same sampled tokens,
+    and a prompt generated alone draws what it draws among the others."""
+    seeded = generated["seeded"]
+    want = seeded["inprocess"]
+    assert len(want) == 3 * len(checks.PROMPTS)
+    assert len({tuple(r) for r in want[:3]}) > 1, "the samples of a prompt are all equal"
+    for name in ("inprocess", "continuous", "hybrid", "hf_generate"):
+        assert seeded[name] == want, name
+        assert seeded[name + "_alone"] == want, f"{name}: the batch changed the samples"
+
+
 def test_registries_check_names_and_suggest():
     from parallel_models.rl.backends.registry import TRAINING_BACKENDS, training_backend
     from parallel_models.rl.config import load_config

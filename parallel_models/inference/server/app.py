@@ -8,7 +8,8 @@ Endpoints (JSON; who may call which, the API key and the admin endpoints: ``secu
   the fields of :class:`~parallel_models.inference.sampling.SamplingParams` (``"n": 1,
   "max_new_tokens": 16, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "greedy": false,
   "seed": null, "stop_token_ids": [], "eos_token_id": null, "ignore_eos": false``; EOS defaults
-  to the server tokenizer's; ``temperature`` <= 100, ``seed`` in [0, 2^62); an empty prompt,
+  to the server tokenizer's; ``temperature`` <= 100, ``seed`` in [0, 2^62); ``"prompt_seeds":
+  [s, ...]`` seeds each prompt's samples on their own (``native_protocol.py``); an empty prompt,
   ``""`` or ``[]``, is refused) -> ``{"weight_version": v,
   "results": [{"prompt_token_ids": [...], "samples": [{"token_ids", "log_probs",
   "finish_reason": "stop"|"length", "text"?, "routes"?}] * n}]}``; ``"return_routes": true``
@@ -46,8 +47,9 @@ the next decode step and leave it when done (``continuous_batcher``); one that c
 KV budget gets 422 (OpenAI routes: 400) at once. With ``--static-batching``: requests arriving
 within ``batch_window_ms`` of the first queued one are generated
 together, up to ``max_batch`` rows (prompts x n). Rows with the same sampling params share one
-``generate`` call; a request with a ``seed`` gets its own call (and generator), so its samples
-are reproducible. ``generate`` is row-independent, so greedy results do not depend on the batch.
+``generate`` call; a request with a ``seed`` or ``prompt_seeds`` gets its own call (and
+generator), so its samples are reproducible. ``generate`` is row-independent, so greedy results
+do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -59,21 +61,17 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Union
+from typing import Any
 
 from fastapi import FastAPI, Request
-from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
-
-from parallel_models.inference.sampling import Number, SamplingParams
 from parallel_models.inference.server.engine import Engine, GenCall
 from parallel_models.inference.server.http_guards import (BadBody, BodyLimit, error_response,
                                                            is_openai, parse_json_body)
-from parallel_models.inference.server.openai_protocol import SEED_LIMIT, OpenAIError
+from parallel_models.inference.server.native_protocol import (  # noqa: F401 - re-exported
+    MAX_TEMPERATURE, GenerateRequest, UpdateWeightsRequest)
+from parallel_models.inference.server.openai_protocol import OpenAIError
 from parallel_models.inference.server.security import AccessGuard, ServerSecurity, with_cors
-
-MAX_TEMPERATURE = 100.0  # above it any logits give near-uniform draws: a mistake, not a setting
 
 log = logging.getLogger(__name__)
 
@@ -88,30 +86,6 @@ class ServerLimits:
     max_prompts: int = 64
     max_body_bytes: int = 4 << 20
     request_timeout_s: float = 300.0
-
-
-class GenerateRequest(SamplingParams):
-    """The /generate body: prompts, whether to decode text, and the sampling params."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    prompts: list[Union[StrictStr, list[StrictInt]]] = Field(min_length=1)
-    temperature: Number = Field(1.0, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False)
-    seed: Optional[StrictInt] = Field(None, ge=0, lt=SEED_LIMIT, description="seed of the draws "
-                                      "(distinct seeds give distinct draws); null = the global "
-                                      "generator")
-    return_text: StrictBool = True
-    return_routes: StrictBool = False  # MoE: per token and MoE layer the top-k experts used
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams.model_validate(self.model_dump(
-            exclude={"prompts", "return_text", "return_routes"}))
-
-
-class UpdateWeightsRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    path: StrictStr = Field(min_length=1)
 
 
 class ApiError(Exception):
@@ -215,9 +189,10 @@ class Batcher:
         by_key: dict = {}
         sinks: dict[int, list] = {}  # call -> [(start, count, sink)] of streamed jobs
         for job in batch:
-            rows, params, top_k, sink, *routes = job.payload  # params: one sample per row (n=1)
-            routes = bool(routes and routes[0])  # /generate's return_routes
-            if params.seed is None:
+            rows, params, top_k, sink, *extra = job.payload  # params: one sample per row (n=1)
+            routes = bool(extra and extra[0])  # /generate's return_routes
+            seeds = extra[1] if len(extra) > 1 else None  # /generate's prompt_seeds
+            if params.seed is None and seeds is None:
                 key = (params.sampling_key(), top_k, routes)
                 if key not in by_key:
                     by_key[key] = len(calls)
@@ -225,7 +200,7 @@ class Batcher:
                 ci = by_key[key]
             else:
                 ci = len(calls)
-                calls.append(GenCall([], params, top_k, routes))
+                calls.append(GenCall([], params, top_k, routes, seeds))
             where.append((ci, len(calls[ci].rows), len(rows)))
             if sink is not None:
                 sinks.setdefault(ci, []).append((len(calls[ci].rows), len(rows), sink))
@@ -415,7 +390,7 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
         params = req.sampling().model_copy(update={"n": 1})
         rows = [ids for ids in encoded for _ in range(req.n)]
         samples, version = await _wait(batcher.submit(
-            "generate", (rows, params, 0, None, req.return_routes), len(rows)))
+            "generate", (rows, params, 0, None, req.return_routes, req.prompt_seeds), len(rows)))
         results = []
         for i, ids in enumerate(encoded):
             group = samples[i * req.n:(i + 1) * req.n]

@@ -65,11 +65,13 @@ class RolloutClient:
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | None = None, *, return_text: bool = True,
-                 return_routes: bool = False, **sampling: Any) -> dict:
+                 return_routes: bool = False, prompt_seeds: Sequence[int] | None = None,
+                 **sampling: Any) -> dict:
         """POST /generate with ``params`` (or the :class:`SamplingParams` fields as keywords:
         ``n=4, max_new_tokens=32, temperature=0.7, seed=1, ...``; checked here first); returns
         ``{"weight_version", "results": [{"prompt_token_ids", "samples": [{"token_ids",
-        "log_probs", "finish_reason", "text"?}]}]}``."""
+        "log_probs", "finish_reason", "text"?}]}]}``. ``prompt_seeds``: one seed per prompt, its
+        samples' draws (``server/native_protocol.py``)."""
         if params is None:
             params = SamplingParams(**sampling)
         elif sampling:
@@ -79,6 +81,8 @@ class RolloutClient:
                 **params.model_dump(), "return_text": return_text}
         if return_routes:  # MoE: each sample's "routes" (per token, per MoE layer, k experts)
             body["return_routes"] = True
+        if prompt_seeds is not None:
+            body["prompt_seeds"] = [int(s) for s in prompt_seeds]
         return self._call("POST", "/generate", body)
 
     def update_weights(self, path: str) -> dict:

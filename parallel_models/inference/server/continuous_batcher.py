@@ -97,14 +97,20 @@ class ContinuousBatcher(Batcher):
 
     def _requests_of(self, job) -> list:
         rows, params, top_k, sink = job.payload[:4]
+        seeds = job.payload[5] if len(job.payload) > 5 else None  # /generate's prompt_seeds
         if params.seed is None and not params.greedy:  # rank 0 picks it: every rank the same
             params = params.model_copy(update={"seed": random.getrandbits(62)})
-        groups = _groups(rows)
+        if seeds is not None:  # n rows per prompt, each prompt its own seed
+            n = len(rows) // len(seeds)
+            groups = [(rows[i * n], n) for i in range(len(seeds))]
+        else:
+            groups = _groups(rows)
         state = _Running(job, [None] * len(groups), len(groups))
         self._active.append(state)
         subs, start = [], 0
         for i, (prompt, n) in enumerate(groups):
-            p = params.model_copy(update={"n": n, "seed": request_seed(params.seed, i)})
+            seed = request_seed(params.seed, i) if seeds is None else seeds[i]
+            p = params.model_copy(update={"n": n, "seed": seed})
             subs.append(((prompt, p, top_k), self._hooks(state, i, start, len(rows), sink)))
             start += n
         return subs

@@ -29,13 +29,24 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass
 class GenCall:
     """One generate call: token-id rows (one sample each) sharing sampling params; a seeded
-    call's params carry its seed. ``top_logprobs=k`` asks for the k most likely tokens per
+    call's params carry its seed, a call with ``prompt_seeds`` one seed per prompt (its rows
+    are prompts x n). ``top_logprobs=k`` asks for the k most likely tokens per
     step (the OpenAI API's ``logprobs``); ``record_routes`` adds each sample's MoE routes."""
 
     rows: list[list[int]]
     params: SamplingParams
     top_logprobs: int = 0
     record_routes: bool = False
+    prompt_seeds: list[int] | None = None  # the rows are prompts x n, each prompt seeded
+
+    def generate_samples(self, rollout: RolloutEngine, on_step=None) -> list[dict]:
+        """The call's samples, one per row, from ``rollout``."""
+        rows, params, seeds = self.rows, self.params, self.prompt_seeds
+        if seeds is not None:  # n rows per prompt: its samples 0..n-1 (row_seed(seed, j))
+            n = len(rows) // len(seeds)
+            rows, params = rows[::n], params.model_copy(update={"n": n})
+        return rollout.generate_samples(rows, params, self.top_logprobs, on_step,
+                                        record_routes=self.record_routes, prompt_seeds=seeds)
 
 
 class Engine:
@@ -127,9 +138,7 @@ class Engine:
                      ) -> list[list[dict]]:
         self.model.eval()
         on_step = on_step or [None] * len(calls)
-        outs = [self.rollout.generate_samples(call.rows, call.params, call.top_logprobs, hook,
-                                              record_routes=call.record_routes)
-                for call, hook in zip(calls, on_step)]
+        outs = [call.generate_samples(self.rollout, hook) for call, hook in zip(calls, on_step)]
         self.batches += 1
         return outs
 

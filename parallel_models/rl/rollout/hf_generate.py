@@ -3,7 +3,8 @@ CausalLM to fill), the sharded HF actor generates itself with transformers' ``ge
 (``rl/backends/fsdp/hf_rollout.py``: ``synced_gpus``, every rank runs forwards until all are done).
 It generates with the actor's current weights, so there is nothing to sync and nothing of its own
 to offload (the actor role's offload covers its weights). Its ``rollout_log_probs`` are zeros
-(transformers' generate does not return the sampler's log-probs here).
+(transformers' generate does not return the sampler's log-probs here). The trainer's prompt seeds
+make it draw our engine's tokens (greedy decoding over seeded noisy logits).
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ class HFGenerateRollout(EngineTokens):
         """Nothing of its own to move (see :meth:`release_memory`)."""
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling, *,
-                 max_new_tokens: Sequence[int] | None = None) -> RolloutBatch:
+                 max_new_tokens: Sequence[int] | None = None,
+                 prompt_seeds: Sequence[int] | None = None) -> RolloutBatch:
         if max_new_tokens is not None:
             raise ValueError("per-prompt max_new_tokens caps need our rollout engine "
                              "(data.max_new_tokens_key: parallel.backend=megatron)")
-        out = self.engine.generate(prompt_ids, sampling)
+        out = self.engine.generate(prompt_ids, sampling, prompt_seeds=prompt_seeds)
         return batch_from_generation(out, len(prompt_ids), sampling.n)
 
 

@@ -101,37 +101,43 @@ class HybridRollout:
         return seconds
 
     def rollout(self, prompt_ids: list[list[int]], sampling, version=None,
-                num_experts: int | None = None, max_new_tokens: list[int] | None = None) -> dict:
+                num_experts: int | None = None, max_new_tokens: list[int] | None = None,
+                prompt_seeds: list[int] | None = None) -> dict:
         """This rank's training-DP share of prompts -> its rows (``sampling.n`` per prompt), as
         the trainer's rollout dict. Every rank calls this together. ``num_experts`` (an MoE
         actor): the rows carry their routes too. ``max_new_tokens``: per prompt, a cap on its
-        samples' new tokens."""
+        samples' new tokens. ``prompt_seeds``: per prompt, the seed of its samples' draws (they
+        travel with the prompt to whichever rollout rank generates it)."""
         with self._on_device():
-            return self._rollout(prompt_ids, sampling, version, num_experts, max_new_tokens)
+            return self._rollout(prompt_ids, sampling, version, num_experts, max_new_tokens,
+                                 prompt_seeds)
 
-    def _rollout(self, prompt_ids, sampling, version, num_experts, caps) -> dict:
+    def _rollout(self, prompt_ids, sampling, version, num_experts, caps, seeds) -> dict:
         self.sync(version)
         prompt_ids = [list(map(int, p)) for p in prompt_ids]
         caps = [None] * len(prompt_ids) if caps is None else list(caps)
+        seeds = [None] * len(prompt_ids) if seeds is None else [int(s) for s in seeds]
         layout = self.layout
         pooled: list = [None] * dist.get_world_size()
-        dist.all_gather_object(pooled, (self.training_dp_rank, prompt_ids, caps))
-        by_dp = {d: (p, c) for d, p, c in pooled}
-        items = [(d, i, p, by_dp[d][1][i]) for d in sorted(by_dp)
+        dist.all_gather_object(pooled, (self.training_dp_rank, prompt_ids, caps, seeds))
+        by_dp = {d: (p, c, s) for d, p, c, s in pooled}
+        items = [(d, i, p, by_dp[d][1][i], by_dp[d][2][i]) for d in sorted(by_dp)
                  for i, p in enumerate(by_dp[d][0])]
         mine = [items[j] for j in share_of(items, layout.data_parallel_rank,
                                            layout.data_parallel_size)]
         samples: list[dict] = []
         if mine:
-            mine_caps = [c for *_, c in mine]  # all None unless the trainer passed caps
+            mine_caps = [c for *_, c, _ in mine]  # all None unless the trainer passed caps
+            mine_seeds = [s for *_, s in mine]  # all None unless the trainer passed seeds
             samples = self.engine.generate_samples(
-                [p for _, _, p, _ in mine], sampling, record_routes=num_experts is not None,
-                max_new_tokens=None if None in mine_caps else mine_caps)
+                [p for _, _, p, _, _ in mine], sampling, record_routes=num_experts is not None,
+                max_new_tokens=None if None in mine_caps else mine_caps,
+                prompt_seeds=None if None in mine_seeds else mine_seeds)
         n = sampling.n
         answers = {}
         if layout.tensor_parallel_rank == 0:
             answers = {(d, i): samples[k * n:(k + 1) * n]
-                       for k, (d, i, _, _) in enumerate(mine)}
+                       for k, (d, i, *_) in enumerate(mine)}
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, answers)
         for part in gathered:

@@ -55,9 +55,11 @@ class HybridEngineRollout:
             self.hybrid.offloader.onload()
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling, *,
-                 max_new_tokens: Sequence[int] | None = None) -> RolloutBatch:
+                 max_new_tokens: Sequence[int] | None = None,
+                 prompt_seeds: Sequence[int] | None = None) -> RolloutBatch:
         out = self.hybrid.rollout(prompt_ids, sampling, version=self.version,
-                                  num_experts=self.num_experts, max_new_tokens=max_new_tokens)
+                                  num_experts=self.num_experts, max_new_tokens=max_new_tokens,
+                                  prompt_seeds=prompt_seeds)
         return batch_from_dict(out)
 
 

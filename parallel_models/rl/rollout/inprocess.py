@@ -46,13 +46,16 @@ class InProcessRollout(EngineTokens):
         """Nothing to move (see :meth:`release_memory`)."""
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling, *,
-                 max_new_tokens: Sequence[int] | None = None) -> RolloutBatch:
+                 max_new_tokens: Sequence[int] | None = None,
+                 prompt_seeds: Sequence[int] | None = None) -> RolloutBatch:
         if self.refill is not None and self._filled != self.version:
             self.refill()
             self._filled = self.version
         extra = {"record_routes": True} if self.num_experts is not None else {}
         if max_new_tokens is not None:  # per-prompt caps (the config checks where they work)
             extra["max_new_tokens"] = max_new_tokens
+        if prompt_seeds is not None:  # per-sample draws of their own (layout-independent)
+            extra["prompt_seeds"] = prompt_seeds
         out = self.engine.generate(prompt_ids, sampling, **extra)
         return batch_from_generation(out, len(prompt_ids), sampling.n)
 

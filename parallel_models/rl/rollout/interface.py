@@ -3,13 +3,18 @@
 Every rollout backend (``rollout.backend``, see ``registry.py``) hands the trainer an object
 that satisfies :class:`Rollout`:
 
-- ``generate(prompt_ids, sampling, *, max_new_tokens=None) -> RolloutBatch``: this rank's
-  prompts (its data-parallel share; every rank calls together), ``sampling.n`` samples each,
-  rows prompt-major. The batch holds ``sequences`` (left-padded prompt + right-padded
-  response), ``attention_mask``, ``prompt_lengths``, ``response_mask``, ``group_index`` (the
-  prompt of each row), the sampler's ``rollout_log_probs`` and, for an MoE actor whose rollout
-  records them, ``routes``; on the device of the actor. ``max_new_tokens``: per prompt, a cap on
-  its samples' new tokens (where the backend supports caps: the config checks say which).
+- ``generate(prompt_ids, sampling, *, max_new_tokens=None, prompt_seeds=None) ->
+  RolloutBatch``: this rank's prompts (its data-parallel share; every rank calls together),
+  ``sampling.n`` samples each, rows prompt-major. The batch holds ``sequences`` (left-padded
+  prompt + right-padded response), ``attention_mask``, ``prompt_lengths``, ``response_mask``,
+  ``group_index`` (the prompt of each row), the sampler's ``rollout_log_probs`` and, for an
+  MoE actor whose rollout records them, ``routes``; on the device of the actor.
+  ``max_new_tokens``: per prompt, a cap on its samples' new tokens (where the backend supports
+  caps: the config checks say which).
+  ``prompt_seeds``: per prompt, the seed of its samples' draws (the trainer's
+  ``row_sampling.prompt_seed`` of run seed, step and the prompt's place in the global batch):
+  sample j draws with ``row_seed(seed, j)``'s noise, so the tokens do not depend on the layout,
+  the rank that generates them or the backend's batching (every built-in backend honours them).
 - ``update_weights(version)``: the actor's weights changed (``version`` names them: the trainer
   passes its step index, after a resume and after every update). What that means is the
   backend's: the engine on the actor's own weights has nothing to do; a rollout copy (the hybrid
@@ -43,7 +48,8 @@ class Rollout(Protocol):
     pushes_weights: bool
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling, *,
-                 max_new_tokens: Sequence[int] | None = None) -> RolloutBatch:
+                 max_new_tokens: Sequence[int] | None = None,
+                 prompt_seeds: Sequence[int] | None = None) -> RolloutBatch:
         ...
 
     def update_weights(self, version) -> None:

@@ -6,8 +6,10 @@ process group with the server, or an HF folder the server loads; the folder is a
 :func:`server_rollout` asks the server for one rank's prompts: only the first rank of each
 model-parallel group (TP x PP: one training DP replica) talks to the server, and the batch is
 broadcast to the group's other ranks. The trainer's EOS travels as stop ids (the server's
-tokenizer may differ). Each request carries a seed of its own (the trainer's seed, the weights'
-version and the DP rank), so a seeded run is reproducible whatever else the server serves.
+tokenizer may differ). Each prompt carries the trainer's draw seed (``prompt_seeds``: run seed,
+step, place in the global batch), so the samples are those the in-process engine draws, at any
+layout, whatever else the server serves; without them a request has a seed of its own (the
+trainer's seed, the weights' version and the DP rank).
 """
 
 from __future__ import annotations
@@ -37,26 +39,30 @@ def _replica_info():
     return size, dist.get_rank(group), dist.get_global_rank(group, 0), group
 
 
-def _request(client, prompt_ids, params, seed: int | None, eos_token_id, routes: bool) -> dict:
+def _request(client, prompt_ids, params, seed: int | None, eos_token_id, routes: bool,
+             prompt_seeds=None) -> dict:
     # the trainer's EOS travels as stop ids (the server's tokenizer may differ)
     wire = params.model_copy(update=dict(
         stop_token_ids=params.stop_ids(eos_token_id), eos_token_id=None, ignore_eos=True,
         seed=None if params.greedy else seed))
+    seeds = None if params.greedy or prompt_seeds is None else list(prompt_seeds)
     return client.generate([list(map(int, p)) for p in prompt_ids], wire, return_text=False,
-                           return_routes=routes)
+                           return_routes=routes, prompt_seeds=seeds)
 
 
 def server_rollout(client, prompt_ids, params, seed: int | None = None, device=None, *,
                    eos_token_id: int | list[int] | None = None, pad_token_id: int = 0,
-                   num_experts: int | None = None) -> dict:
+                   num_experts: int | None = None, prompt_seeds=None) -> dict:
     """Generate ``params.n`` samples of each prompt on the server with ``params`` (a
     SamplingParams; its EOS, else ``eos_token_id``, and its stop ids are sent as
     ``stop_token_ids``); ``pad_token_id`` pads the batch. ``num_experts`` (an MoE actor): the
-    server also returns the routes (``routes``, compact for that many experts)."""
+    server also returns the routes (``routes``, compact for that many experts).
+    ``prompt_seeds``: one seed per prompt, its samples' draws (else ``seed`` for the request)."""
     size, rank, src, group = _replica_info()
     batch = None
     if rank == 0:
-        resp = _request(client, prompt_ids, params, seed, eos_token_id, num_experts is not None)
+        resp = _request(client, prompt_ids, params, seed, eos_token_id, num_experts is not None,
+                        prompt_seeds)
         batch = batch_from_response(resp, params.n, pad_token_id, num_experts)
     if size > 1:
         obj = [batch]
@@ -107,13 +113,15 @@ class ServerRollout:
         return (self.seed * 1_000_003 + int(self.version)) * 1009 + self.data_parallel_rank
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling, *,
-                 max_new_tokens: Sequence[int] | None = None) -> RolloutBatch:
+                 max_new_tokens: Sequence[int] | None = None,
+                 prompt_seeds: Sequence[int] | None = None) -> RolloutBatch:
         if max_new_tokens is not None:
             raise ValueError("per-prompt max_new_tokens caps are not sent to the rollout server "
                              "(data.max_new_tokens_key needs rollout.backend=inprocess)")
         out = server_rollout(self.client, prompt_ids, sampling, seed=self.request_seed(),
                              device=self.device, eos_token_id=self.eos_token_id,
-                             pad_token_id=self.pad_token_id, num_experts=self.num_experts)
+                             pad_token_id=self.pad_token_id, num_experts=self.num_experts,
+                             prompt_seeds=prompt_seeds)
         return batch_from_dict(out)
 
 

@@ -95,9 +95,7 @@ def check_usable(path: str) -> dict:
     try:
         verify_manifest(path)
     except ChecksumMismatch as err:
-        raise TrainerCheckpointError(
-            f"{err}; the checkpoint {path} is damaged: resume another step folder "
-            "(--resume-fallback takes the newest usable one)") from err
+        raise TrainerCheckpointError(f"{path} is damaged: {err}") from err
     return state
 
 
@@ -153,9 +151,9 @@ def latest_checkpoint(root: str, fallback: bool = False) -> str | None:
         except TrainerCheckpointError as err:
             if not fallback:
                 raise TrainerCheckpointError(
-                    f"cannot resume {path}, the latest checkpoint of {root}: {err}. Nothing was "
-                    "loaded; --resume-fallback (trainer.resume_fallback=true) resumes the newest "
-                    "usable older step instead") from err
+                    f"cannot resume the latest checkpoint: {err}. Nothing was loaded; "
+                    "--resume-fallback (trainer.resume_fallback=true) resumes the newest usable "
+                    "older step instead") from err
             skipped.append(f"{path} ({err})")
             continue
         if skipped or (first is None and os.path.isfile(os.path.join(root, LATEST_FILE))):

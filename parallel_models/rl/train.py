@@ -44,8 +44,6 @@ def main(argv: list[str] | None = None) -> int:
                              "with the run's saved config.yaml and the overrides given now "
                              "(no checkpoint: exit code 2); --resume=auto: resume if there is a "
                              "checkpoint, else start a new run")
-    parser.add_argument("--resume=auto", dest="resume", action="store_const", const="auto",
-                        help=argparse.SUPPRESS)  # argparse takes "--resume=auto" as this flag
     parser.add_argument("--overwrite", action="store_true",
                         help="start a new run in trainer.output_dir even if it holds another "
                              "run, removing that run's checkpoints, metrics and exports first")
@@ -58,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted config overrides, e.g. trainer.total_steps=20")
     add_version_argument(parser)
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    auto = "--resume=auto" in argv  # a const flag with one optional value, not a positional
+    args = parser.parse_args(["--resume" if a == "--resume=auto" else a for a in argv])
+    if auto:
+        args.resume = "auto"
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     from parallel_models.errors import ConfigError

@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     add_version_argument(parser)
     argv = list(sys.argv[1:] if argv is None else argv)
     auto = "--resume=auto" in argv  # a const flag with one optional value, not a positional
-    args = parser.parse_args(["--resume" if a == "--resume=auto" else a for a in argv])
+    args = parser.parse_intermixed_args(["--resume" if a == "--resume=auto" else a
+                                         for a in argv])  # options anywhere among key=value
     if auto:
         args.resume = "auto"
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -7,10 +7,23 @@ of the export) exports again instead of answering "finished" with no ``actor_hf`
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import shutil
 
 EXPORT_RECORD = "final_export.json"
+EXPORT_FOLDERS = ("actor_hf", "critic_hf")
+
+
+def remove_stale_exports(output_dir: str) -> list[str]:
+    """The hidden temporary folders of exports that were killed (one run per folder, so none is
+    being written now); returns the removed paths."""
+    stale = [p for name in EXPORT_FOLDERS
+             for p in glob.glob(os.path.join(glob.escape(output_dir), f".{name}.tmp-*"))]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
 def export_done(output_dir: str, step: int) -> bool:
@@ -26,7 +39,7 @@ def export_done(output_dir: str, step: int) -> bool:
 
 def record_export(output_dir: str, step: int) -> str:
     """Write the record (atomically) after the export of ``step``; returns its path."""
-    folders = [d for d in ("actor_hf", "critic_hf") if os.path.isdir(os.path.join(output_dir, d))]
+    folders = [d for d in EXPORT_FOLDERS if os.path.isdir(os.path.join(output_dir, d))]
     path = os.path.join(output_dir, EXPORT_RECORD)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:

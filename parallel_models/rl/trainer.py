@@ -36,7 +36,7 @@ from parallel_models.rl.backends.registry import training_backend
 from parallel_models.rl.backends.roles import offload_enabled
 from parallel_models.rl.data.batch import RolloutBatch
 from parallel_models.rl.data.prompts import prompt_caps
-from parallel_models.rl.final_export import export_done, record_export
+from parallel_models.rl.final_export import export_done, record_export, remove_stale_exports
 from parallel_models.rl.observe import dp_stats
 from parallel_models.rl.observe.metrics import Timer
 
@@ -361,6 +361,9 @@ class PPOTrainer:
             for role in (self.actor, self.critic):
                 if role is not None:
                     role.onload()
+        if _rank() == 0:
+            remove_stale_exports(self.cfg.trainer.output_dir)
+        _barrier()
         self.backend.export_hf(self.roles, self.cfg.trainer.output_dir, self.tokenizer)
         _barrier()
         if _rank() == 0:

@@ -188,24 +188,54 @@ def choose_checkpoint(root: str, path: str | None, fallback: bool) -> str | None
     return choice[0]
 
 
-def _file_of(err: BaseException) -> str | None:
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.filename:
-            return str(err.filename)
-        err = err.__cause__ or err.__context__
-    return None
+def _causes(err: BaseException):
+    """``err``, its causes and contexts, and the per-rank failures a torch.distributed.checkpoint
+    ``CheckpointException`` carries."""
+    todo, seen = [err], set()
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        todo += [pair[0] for pair in (getattr(e, "failures", None) or {}).values()
+                 if isinstance(pair, tuple) and pair]
+
+
+def _write_probe(folder: str, size: int = 4 << 20) -> str | None:
+    """Why writing ``size`` bytes into ``folder`` fails now (a full disk, a size limit), or None.
+    A failed write inside torch's zip writer loses the OSError; this finds the reason again."""
+    path = os.path.join(folder, f".write-probe-{os.getpid()}")
+    try:
+        with open(path, "wb") as f:
+            for _ in range(size >> 20):
+                f.write(bytes(1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+        return None
+    except OSError as err:
+        return err.strerror or str(err)
+    finally:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
 
 
 def save_failed(final: str, tmp: str, err: BaseException) -> TrainerCheckpointError:
     """A failed save as one message: which file (or folder), why, what to do."""
     if isinstance(err, TrainerCheckpointError):
         return err
-    where = _file_of(err) or tmp
-    reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).strip()
-    reason = reason.splitlines()[0] if reason else type(err).__name__
+    causes = list(_causes(err))
+    oserror = next((e for e in causes if isinstance(e, OSError) and e.strerror), None)
+    where = next((str(e.filename) for e in causes if isinstance(e, OSError) and e.filename), tmp)
+    reason = oserror.strerror if oserror is not None else _write_probe(os.path.dirname(final))
+    if reason is None:
+        root = causes[-1] if len(causes) > 1 else err
+        text = str(root).strip().splitlines()
+        reason = f"{type(root).__name__}: {text[-1] if text else ''}"
     return TrainerCheckpointError(
-        f"saving the checkpoint {final} failed: {where}: {reason}. Nothing was saved (the "
-        "temporary folder is removed; the previous checkpoint is intact): free disk space or "
-        "fix the folder, then continue with --resume")
+        f"saving the checkpoint {final} failed while writing {where}: {reason}. Nothing was "
+        "saved (the partial files are removed; the previous checkpoint is intact): free disk "
+        "space or fix the folder, then continue with --resume")

@@ -189,7 +189,9 @@ def save_trainer_checkpoint(trainer) -> str:
             failure = err
     try:
         publish_or_raise(tmp, final, True, failure, device, rank, "trainer checkpoint")
-    except Exception as err:  # noqa: BLE001  (disk full, a failed write: one clear message)
+    except BaseException as err:  # noqa: BLE001  (disk full, a failed write: one clear message)
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
         raise save_failed(final, tmp, err) from err
     if rank == 0:
         _write_json(os.path.join(root, LATEST_FILE), {"latest": os.path.basename(final),

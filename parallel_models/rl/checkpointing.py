@@ -10,9 +10,14 @@ A checkpoint is a folder ``<output_dir>/checkpoints/step_NNNNNN/``:
   position, the layout and the model shapes it was saved with. No pickles.
 - ``rng/rank_NNNNN.json``: each rank's torch / CUDA / numpy / Python RNG states.
 - ``config.yaml``: the resolved run config.
+- ``checksums.json``: size and CRC32 of every file (``rl/checkpoint_manifest.py``), verified
+  before a resume loads anything.
 
-Saves are atomic: every rank writes into a hidden temporary sibling, which rank 0 renames once all
-ranks have finished; then the ``latest`` file of ``checkpoints/`` names the new folder. A resume
+Finding and checking the folder to resume (``latest``, ``--resume-fallback``):
+``rl/checkpoint_lookup.py``.
+
+Saves are atomic: every rank writes into a hidden temporary sibling, which rank 0 renames once
+all ranks have finished; then the ``latest`` file of ``checkpoints/`` names the new folder. A resume
 checks the folder (complete, ours, the same model shapes) on every rank before it loads anything,
 loads into fresh tensors, and only then replaces the weights, optimizer states and trainer state.
 """
@@ -33,27 +38,16 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from parallel_models.config import ConfigError
-from parallel_models.llama.checkpoint_utils import CheckpointError
+from parallel_models.rl.checkpoint_lookup import (  # noqa: F401  (re-exported)
+    CONFIG_FILE, DIST_DIR, FORMAT, LATEST_FILE, RNG_DIR, STATE_FILE, TrainerCheckpointError, checkpoint_root,
+    choose_checkpoint, latest_checkpoint, newest_checkpoint_candidate, read_checkpoint_state,
+    save_failed)
+from parallel_models.rl.checkpoint_manifest import write_manifest
 from parallel_models.rl.roles import sharded_state
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "parallel_models.trainer_checkpoint/1"
-STATE_FILE = "trainer_state.json"
-CONFIG_FILE = "config.yaml"
-LATEST_FILE = "latest"
-DIST_DIR = "dist"
-RNG_DIR = "rng"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-class TrainerCheckpointError(CheckpointError, ConfigError):
-    """A folder cannot be resumed from (names the folder and what is wrong)."""
-
-
-def checkpoint_root(output_dir: str) -> str:
-    return os.path.join(output_dir, "checkpoints")
 
 
 def _rank() -> int:
@@ -189,10 +183,16 @@ def save_trainer_checkpoint(trainer) -> str:
         failure = err
     if sharded_state.all_ranks_ok(failure is None) and rank == 0:  # every rank has written
         try:
+            write_manifest(tmp)
             _make_readable(tmp)
         except OSError as err:
             failure = err
-    publish_or_raise(tmp, final, True, failure, device, rank, "trainer checkpoint")
+    try:
+        publish_or_raise(tmp, final, True, failure, device, rank, "trainer checkpoint")
+    except BaseException as err:  # noqa: BLE001  (disk full, a failed write: one clear message)
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise save_failed(final, tmp, err) from err
     if rank == 0:
         _write_json(os.path.join(root, LATEST_FILE), {"latest": os.path.basename(final),
                                                       "step": trainer.step_index})
@@ -213,64 +213,6 @@ def prune_checkpoints(root: str, max_checkpoints: int | None, keep: str) -> list
     for d in doomed:
         shutil.rmtree(d, ignore_errors=True)
     return doomed
-
-
-def latest_checkpoint(root: str) -> str | None:
-    """The folder ``root/latest`` names, else the highest complete ``step_N`` (temporary folders of
-    unfinished saves are ignored); None when there is none."""
-    pointer = os.path.join(root, LATEST_FILE)
-    if os.path.isfile(pointer):
-        try:
-            with open(pointer) as f:
-                name = json.load(f)["latest"]
-            if os.path.isfile(os.path.join(root, name, STATE_FILE)):
-                return os.path.join(root, name)
-        except (OSError, ValueError, KeyError, TypeError):
-            logger.warning("%s is unreadable; looking for step_* folders", pointer)
-    steps = [(int(m.group(1)), d) for d in glob.glob(os.path.join(root, "step_*"))
-             if (m := _STEP_DIR.match(os.path.basename(d)))
-             and os.path.isfile(os.path.join(d, STATE_FILE))]
-    return max(steps)[1] if steps else None
-
-
-def read_checkpoint_state(path: str) -> dict:
-    """Check that ``path`` is a complete trainer checkpoint; returns its trainer state."""
-    from parallel_models.llama.checkpoint_utils.dcp import read_dcp_metadata
-    from parallel_models.llama.checkpoint_utils.megatron_format import MEGATRON_METADATA
-
-    if not os.path.isdir(path):
-        raise TrainerCheckpointError(f"{path}: no such checkpoint folder")
-    base = os.path.basename(os.path.normpath(path))
-    if ".tmp" in base:
-        raise TrainerCheckpointError(
-            f"{path}: a temporary folder of a checkpoint save that did not finish (partial); "
-            "resume from a complete step_N folder")
-    state_file = os.path.join(path, STATE_FILE)
-    if not os.path.isfile(state_file):
-        raise TrainerCheckpointError(f"{path}: not a trainer checkpoint (no {STATE_FILE})")
-    try:
-        with open(state_file) as f:
-            state = json.load(f)
-    except (OSError, ValueError) as err:
-        raise TrainerCheckpointError(f"{state_file}: unreadable ({err})") from err
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise TrainerCheckpointError(
-            f"{state_file}: not a {FORMAT} checkpoint (format "
-            f"{state.get('format') if isinstance(state, dict) else None!r}); checkpoints of "
-            "older versions (per-rank files) cannot be resumed")
-    dist_dir = os.path.join(path, DIST_DIR)
-    needs = [".metadata"] + ([MEGATRON_METADATA] if state.get("backend", "megatron") == "megatron"
-                             else [])
-    for needed in (os.path.join(dist_dir, name) for name in needs):
-        if not os.path.isfile(needed):
-            raise TrainerCheckpointError(f"{path}: incomplete checkpoint, {needed} is missing")
-    try:
-        state["_tensors"] = {k: tuple(v.size) for k, v in
-                             read_dcp_metadata(dist_dir).state_dict_metadata.items()
-                             if hasattr(v, "size")}
-    except CheckpointError as err:
-        raise TrainerCheckpointError(f"{path}: {err}") from err
-    return state
 
 
 def _check_compatible(path: str, state: dict, trainer, sharded: dict | None) -> None:
@@ -375,7 +317,7 @@ def resume_trainer(trainer, path: str | None = None) -> str | None:
     """Load ``path`` (default: the latest checkpoint) into ``trainer`` on every rank; returns the
     folder, or None when there is no checkpoint (a fresh start)."""
     root = checkpoint_root(trainer.cfg.trainer.output_dir)
-    path = path or latest_checkpoint(root)
+    path = choose_checkpoint(root, path, getattr(trainer.cfg.trainer, "resume_fallback", False))
     if path is None:
         logger.warning("resume requested but no checkpoint in %s; starting fresh", root)
         return None

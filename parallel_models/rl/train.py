@@ -1,6 +1,6 @@
 """PPO training entrypoint.
 
-    parallel-models-ppo [--config FILE.yaml] [--resume] [key=value ...]
+    parallel-models-ppo [--config FILE.yaml] [--resume[=auto] | --overwrite] [key=value ...]
     python -m parallel_models.rl.train ...            (same)
     torchrun --nproc-per-node N -m parallel_models.rl.train parallel.tensor_parallel_size=2 ...
 
@@ -12,6 +12,12 @@ config models). Problems are reported together, each naming the key, and the exi
 The ``kernels`` section (kernel and engine options, :mod:`parallel_models.options`) becomes the
 process's options in every rank, with ``PARALLEL_MODELS_<NAME>`` environment variables over it;
 the run's ``config.yaml`` records the values that ran.
+
+One run per output folder: a new run into a folder that holds another run stops unless
+``--overwrite`` (remove the old run's outputs) or ``--resume`` (continue it, with its own saved
+settings; overrides given now apply on top, those that change the model, data, reward or
+algorithm only with ``--force-override``); ``--resume=auto`` resumes when there is a checkpoint,
+else starts. See ``parallel_models/rl/run_folder.py``.
 """
 
 from __future__ import annotations
@@ -33,21 +39,38 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config file (default: the built-in default run)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest checkpoint in trainer.output_dir")
+    parser.add_argument("--resume", action="store_const", const="on", default="off",
+                        help="continue the run in trainer.output_dir from its latest checkpoint, "
+                             "with the run's saved config.yaml and the overrides given now "
+                             "(no checkpoint: exit code 2); --resume=auto: resume if there is a "
+                             "checkpoint, else start a new run")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start a new run in trainer.output_dir even if it holds another "
+                             "run, removing that run's checkpoints, metrics and exports first")
+    parser.add_argument("--force-override", action="store_true",
+                        help="with --resume: apply overrides that change what the run is "
+                             "(model.*, data.*, reward.*, algorithm.*)")
+    parser.add_argument("--resume-fallback", action="store_true",
+                        help="with --resume: if the latest checkpoint is damaged, resume the "
+                             "newest usable older one (with a warning) instead of stopping")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted config overrides, e.g. trainer.total_steps=20")
     add_version_argument(parser)
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    auto = "--resume=auto" in argv  # a const flag with one optional value, not a positional
+    args = parser.parse_intermixed_args(["--resume" if a == "--resume=auto" else a
+                                         for a in argv])  # options anywhere among key=value
+    if auto:
+        args.resume = "auto"
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
     from parallel_models.errors import ConfigError
-    from parallel_models.rl.config import load_config
+    from parallel_models.rl.run_folder import prepare_run
 
     try:
-        cfg = load_config(args.config, args.overrides)
-        if args.resume:
-            cfg.trainer.resume = True
+        cfg = prepare_run(args.config, args.overrides, resume=args.resume,
+                          overwrite=args.overwrite, force_override=args.force_override,
+                          resume_fallback=args.resume_fallback)
         cfg.validate()
         from parallel_models.options import set_options
 

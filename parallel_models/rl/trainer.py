@@ -38,6 +38,7 @@ from parallel_models.rl.backends.registry import training_backend
 from parallel_models.rl.backends.roles import offload_enabled
 from parallel_models.rl.data.batch import RolloutBatch
 from parallel_models.rl.data.prompts import prompt_caps
+from parallel_models.rl.final_export import export_done, record_export, remove_stale_exports
 from parallel_models.rl.observe import dp_stats
 from parallel_models.rl.observe.metrics import Timer
 
@@ -338,6 +339,9 @@ class PPOTrainer:
 
         finished = checkpointing.finished_run_summary(self)
         if finished is not None:  # --resume of a run that already reached total_steps
+            if tcfg.save_hf_at_end and not export_done(tcfg.output_dir, self.step_index):
+                self._export_final()  # it was killed before its export finished
+                finished["exported"] = True
             if _rank() == 0:
                 print(json.dumps(finished))
             return []
@@ -370,13 +374,23 @@ class PPOTrainer:
 
             plot_training_curves(os.path.join(tcfg.output_dir, "metrics.jsonl"),
                                  os.path.join(tcfg.output_dir, "reward_curve.png"))
+        if tcfg.save_hf_at_end:
+            self._export_final()
+        return history
+
+    def _export_final(self) -> None:
+        """``actor_hf/`` (and ``critic_hf/``), the backend's way, then ``final_export.json``."""
         if self._offload_enabled():
             for role in (self.actor, self.critic):
                 if role is not None:
                     role.onload()
-        if tcfg.save_hf_at_end:  # actor_hf/ (and critic_hf/), the backend's way
-            self.backend.export_hf(self.roles, tcfg.output_dir, self.tokenizer)
-        return history
+        if _rank() == 0:
+            remove_stale_exports(self.cfg.trainer.output_dir)
+        _barrier()
+        self.backend.export_hf(self.roles, self.cfg.trainer.output_dir, self.tokenizer)
+        _barrier()
+        if _rank() == 0:
+            record_export(self.cfg.trainer.output_dir, self.step_index)
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def _ckpt_root(self) -> str:

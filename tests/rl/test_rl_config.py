@@ -291,7 +291,13 @@ def test_entrypoint_help_and_resume_flag(capsys, monkeypatch, tmp_path):
             return []
 
     monkeypatch.setattr(trainer, "PPOTrainer", Recorder)
-    saved = load_config(None, ["trainer.total_steps=3"]).save(tmp_path / "run.yaml")
+    out = tmp_path / "run"
+    saved = load_config(None, ["trainer.total_steps=3", f"trainer.output_dir={out}"]).save(
+        tmp_path / "run.yaml")
+    step = out / "checkpoints" / "step_000002"  # what --resume looks for (run's state, config)
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text("{}")
+    load_config(saved).save(step / "config.yaml")
     assert main(["--config", saved, "--resume", "actor.lr=5e-4"]) == 0
     cfg = seen["cfg"]
     assert cfg.trainer.resume and cfg.trainer.total_steps == 3 and cfg.actor.lr == 5e-4

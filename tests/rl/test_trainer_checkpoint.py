@@ -2,6 +2,7 @@
 state): exact resume after a kill, resume at another TP layout, the final checkpoint, --resume of
 a finished run, clear errors for folders that cannot be resumed."""
 
+import glob
 import json
 import os
 import stat
@@ -10,14 +11,40 @@ import pytest
 import torch
 
 from parallel_models.testing import run_distributed_jobs
-from tests.helpers.ppo_runs import assert_same_trainer_state, resume_after_kill_matches
+from tests.helpers.chaos_runs import chaos_resume_matches
+from tests.helpers.ppo_runs import assert_same_trainer_state, run_metrics as _metrics
 from tests.helpers.ppo_runs import load_folder as _load_folder, run_ppo as _run
 from tests.helpers import trainer_checkpoint_checks as checks
 
-def test_resume_after_kill_continues_exactly(tmp_path):
-    resume_after_kill_matches(tmp_path, ["trainer.total_steps=6", "trainer.save_every=2",
-                                         "trainer.save_hf_at_end=false", "trainer.loggers=[jsonl]"],
-                              steps=6)
+def test_chaos_kills_resume_exactly_and_damage_is_refused(tmp_path):
+    """>= 10 seeded SIGKILLs (start-up, mid-step, during saves, in the export window), each
+    followed by --resume=auto: the metrics have no gap or duplicate and equal an uninterrupted
+    run's, the final actor_hf / critic_hf are bit-identical. Then bit flips in the final
+    checkpoint: --resume stops with one line naming the file (exit 2); --resume-fallback
+    resumes the step before, redoes the last step and ends with the same weights."""
+    steps = 5
+    common = ["trainer.total_steps=5", "trainer.save_every=1", "trainer.max_checkpoints=3",
+              *[a for a in checks.TINY if "save_hf_at_end" not in a]]
+    runs = chaos_resume_matches(tmp_path, common, steps=steps, kills=10, seed=30)
+    out = runs["out"]
+    data = sorted(glob.glob(os.path.join(out, "checkpoints", "step_000005", "dist", "*.distcp")))[0]
+    raw = bytearray(open(data, "rb").read())
+    for i in range(20):  # 20 bit flips inside the step's data, as the issue's
+        raw[(len(raw) // 23) * (i + 1)] ^= 1 << (i % 8)
+    with open(data, "wb") as f:
+        f.write(raw)
+    os.remove(os.path.join(out, "final_export.json"))  # so the resume has work to do
+    proc = _run([f"trainer.output_dir={out}", *common, "--resume"], check=False)
+    lines = [x for x in proc.stderr.splitlines() if "error:" in x]
+    assert proc.returncode == 2 and len(lines) == 1 and data in lines[0], proc.stderr[-3000:]
+    assert "--resume-fallback" in lines[0] and "Traceback" not in proc.stderr
+    proc = _run([f"trainer.output_dir={out}", *common, "--resume", "--resume-fallback"])
+    assert "--resume-fallback" in proc.stderr and "step_000004" in proc.stderr
+    assert [m["step"] for m in _metrics(out)] == list(range(1, steps + 1))
+    for folder in ("actor_hf", "critic_hf"):
+        want = _load_folder(os.path.join(runs["ref"], folder))
+        got = _load_folder(os.path.join(out, folder))
+        assert all(torch.equal(want[k], got[k]) for k in want), folder
 
 
 def test_final_checkpoint_layout_and_finished_resume(tmp_path):

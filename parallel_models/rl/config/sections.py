@@ -282,7 +282,11 @@ class TrainerSection(BaseModel):
                                                   "step); 0 = never")
     max_checkpoints: Optional[Int] = Field(None, ge=1, description="keep the newest K "
                                                                   "checkpoints; null = all")
-    resume: StrictBool = Field(False, description="continue from the latest checkpoint")
+    resume: StrictBool = Field(False, description="continue from the latest checkpoint "
+                                                  "(the CLI's --resume)")
+    resume_fallback: StrictBool = Field(
+        False, description="when the latest checkpoint cannot be resumed, resume the newest "
+                           "usable older one (with a warning) instead of stopping")
     offload: StrictBool = Field(False, description="CUDA only: idle models / optimizer states "
                                                    "to CPU")
     loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(

@@ -346,7 +346,8 @@ class PPOTrainer:
             from parallel_models.rl.observe.plots import plot_training_curves
 
             plot_training_curves(os.path.join(tcfg.output_dir, "metrics.jsonl"),
-                                 os.path.join(tcfg.output_dir, "reward_curve.png"))
+                                 os.path.join(tcfg.output_dir, "reward_curve.png"),
+                                 title=tcfg.experiment_name or tcfg.output_dir)
         if self._offload_enabled():
             for role in (self.actor, self.critic):
                 if role is not None:

@@ -77,6 +77,21 @@ def build_builtin_tokenizer(model_max_length: int = 512):
         clean_up_tokenization_spaces=False, padding_side="left")
 
 
+def builtin_tokenizer_note(texts, source: str) -> str | None:
+    """A line saying that the built-in tokenizer changes ``texts`` (user prompts from
+    ``source``): how many of them its normalizer rewrites (lowercased, accents stripped) and how
+    to keep them as written; None when it rewrites none."""
+    normalizer = build_builtin_tokenizer().backend_tokenizer.normalizer
+    changed = [t for t in texts if normalizer.normalize_str(t) != t]
+    if not changed:
+        return None
+    example = next((t for t in changed), "")[:40]
+    return (f"{source}: the built-in character tokenizer lowercases text and strips accents, "
+            f"so {len(changed)} of {len(texts)} prompts reach the model changed (e.g. "
+            f"{example!r} -> {normalizer.normalize_str(example)!r}); set model.path (or "
+            "model.tokenizer) to a model whose tokenizer keeps case")
+
+
 # ---- loading a saved tokenizer ----------------------------------------------------------------
 # mixed case, digits, punctuation, runs of spaces, a tab and a newline, accents, CJK and an emoji:
 # the parts of the text that normalizers, pre-tokenizers and byte fallbacks treat differently
@@ -189,6 +204,6 @@ def check_matches_tokenizer_json(tok, tokenizer_json: str, path: str,
             "tokenizer.json as it is), or pass the tokenizer object")
 
 
-__all__ = ["build_builtin_tokenizer", "builtin_vocab", "load_tokenizer", "has_tokenizer_files",
+__all__ = ["build_builtin_tokenizer", "builtin_vocab", "builtin_tokenizer_note", "load_tokenizer", "has_tokenizer_files",
            "check_matches_tokenizer_json", "PROBE_TEXT", "PROBE_TEXTS", "CHARACTERS", "SPECIAL_TOKENS",
            "CHAT_TEMPLATE"]

@@ -45,7 +45,9 @@ class ModelSection(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] = Field(
         "float32", description="float32 | bfloat16 | float16")
     tokenizer: Optional[str] = Field(None, description="null = the tokenizer of model.path (or "
-                                                       "the built-in one)")
+                                                       "the built-in one: one token per "
+                                                       "character, text lowercased and accents "
+                                                       "stripped)")
 
 
 class ParallelSection(BaseModel):

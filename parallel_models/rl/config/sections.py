@@ -289,8 +289,8 @@ class TrainerSection(BaseModel):
                                                    "to CPU")
     loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
         ["jsonl", "tensorboard"], description="where metrics go: jsonl | tensorboard | wandb | "
-                                              "mlflow (the last two: pip install "
-                                              "'parallel-models[trackers]')")
+                                              "mlflow (the last two: pip install -e "
+                                              "'.[trackers]' in a clone)")
     project_name: str = Field("parallel-models", min_length=1, description="wandb project / "
                                                                           "mlflow experiment")
     experiment_name: Optional[str] = Field(None, description="run name in the trackers; null = "

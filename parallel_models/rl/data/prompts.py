@@ -132,8 +132,8 @@ def check_record(where: str, rec: dict, prompt_key: str = "prompt",
         return
     prompt = rec.get(prompt_key)
     if prompt is None:
-        raise DataError(f"{where}: record has neither {prompt_key!r} (data.prompt_key) nor "
-                        f"{messages_key!r} (data.messages_key); its keys: {sorted(rec)}")
+        raise DataError(f"{where}: record has neither {prompt_key!r} nor {messages_key!r} "
+                        f"(data.prompt_key / data.messages_key); its keys: {sorted(rec)}")
     if not isinstance(prompt, str):
         raise DataError(f"{where}: {prompt_key!r} must be a string, got {type(prompt).__name__}")
 

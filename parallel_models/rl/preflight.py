@@ -31,13 +31,13 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def _fetchable(repo_id: str, filename: str) -> str | None:
-    """None when the local hub cache holds ``filename`` of ``repo_id`` or the hub lists it; else
-    why not (one request, no retries: the run fetches the model itself later)."""
+def _fetchable(repo_id: str, filenames: tuple[str, ...]) -> str | None:
+    """None when the local hub cache holds one of ``filenames`` of ``repo_id`` or the hub lists
+    one; else why not (one request, no retries: the run fetches the model itself later)."""
     from huggingface_hub import HfApi, constants, try_to_load_from_cache
 
     try:
-        if isinstance(try_to_load_from_cache(repo_id, filename), str):
+        if any(isinstance(try_to_load_from_cache(repo_id, f), str) for f in filenames):
             return None
         if constants.HF_HUB_OFFLINE:
             return "not in the local cache and HF_HUB_OFFLINE is set"
@@ -45,8 +45,8 @@ def _fetchable(repo_id: str, filename: str) -> str | None:
     except Exception as err:  # noqa: BLE001 - offline, unknown repo, bad id, gated, ...
         return _first_line(err)
     files = {s.rfilename for s in (info.siblings or [])}
-    if info.siblings is not None and filename not in files:
-        return f"the repository has no {filename}"
+    if info.siblings is not None and not files.intersection(filenames):
+        return f"the repository has no {' / '.join(filenames)}"
     return None
 
 
@@ -69,7 +69,9 @@ def model_path_problem(key: str, path: str | None, needs: str = "config.json") -
         return f"{key}: {path!r} is a file; give an HF model folder or a hub id"
     if os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1:
         return f"{key}: {path!r}: no such folder"
-    why = _fetchable(path, "tokenizer_config.json" if needs == "tokenizer" else needs)
+    from parallel_models.tokenizer import TOKENIZER_FILES
+
+    why = _fetchable(path, TOKENIZER_FILES if needs == "tokenizer" else (needs,))
     if why is None:
         return None
     return (f"{key}: {path!r} is not a local folder and could not be fetched from the Hugging "

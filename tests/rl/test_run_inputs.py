@@ -77,3 +77,32 @@ def test_resume_with_other_data_is_a_user_error():
         loader.load_state_dict(saved)
     assert is_user_error(err.value)
     assert not is_user_error(RuntimeError("a bug"))
+
+
+def test_model_path_problems(tmp_path, monkeypatch):
+    """Each model key: a local folder needs its config.json (a tokenizer folder: tokenizer
+    files), a file or a missing absolute path is named, a hub id is asked once (offline here:
+    the cache only)."""
+    from parallel_models.rl.preflight import model_path_problem
+    from parallel_models.tokenizer import build_builtin_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "file.txt").write_text("x")
+    tok = tmp_path / "tok"
+    build_builtin_tokenizer().save_pretrained(tok)
+    assert model_path_problem("model.path", None) is None
+    assert model_path_problem("model.path", "builtin-moe") is None
+    assert "holds no config.json" in model_path_problem("critic.path", str(empty))
+    assert model_path_problem("model.tokenizer", str(tok), "tokenizer") is None
+    assert "holds no tokenizer files" in model_path_problem("model.tokenizer", str(empty),
+                                                             "tokenizer")
+    assert "is a file" in model_path_problem("model.path", str(tmp_path / "file.txt"))
+    assert "no such folder" in model_path_problem("model.path", str(tmp_path / "nope"))
+    line = model_path_problem("reward.model_path", "no-such-org/no-such-model")
+    assert line.startswith("reward.model_path: 'no-such-org/no-such-model' is not a local")
+    assert "HF_HUB_OFFLINE" in line and "\n" not in line

@@ -204,6 +204,6 @@ def check_matches_tokenizer_json(tok, tokenizer_json: str, path: str,
             "tokenizer.json as it is), or pass the tokenizer object")
 
 
-__all__ = ["build_builtin_tokenizer", "builtin_vocab", "builtin_tokenizer_note", "load_tokenizer", "has_tokenizer_files",
-           "check_matches_tokenizer_json", "PROBE_TEXT", "PROBE_TEXTS", "CHARACTERS", "SPECIAL_TOKENS",
-           "CHAT_TEMPLATE"]
+__all__ = ["build_builtin_tokenizer", "builtin_vocab", "builtin_tokenizer_note", "load_tokenizer",
+           "has_tokenizer_files", "check_matches_tokenizer_json", "PROBE_TEXT", "PROBE_TEXTS",
+           "CHARACTERS", "SPECIAL_TOKENS", "CHAT_TEMPLATE"]

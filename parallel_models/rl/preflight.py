@@ -60,8 +60,10 @@ def model_path_problem(key: str, path: str | None, needs: str = "config.json") -
         if needs == "tokenizer":
             from parallel_models.tokenizer import has_tokenizer_files
 
-            return None if has_tokenizer_files(local) else \
-                f"{key}: {path!r} holds no tokenizer files (tokenizer.json, tokenizer_config.json, ...)"
+            if has_tokenizer_files(local):
+                return None
+            return (f"{key}: {path!r} holds no tokenizer files (tokenizer.json, "
+                    "tokenizer_config.json, ...)")
         if not os.path.isfile(os.path.join(local, needs)):
             return f"{key}: {path!r} holds no {needs} (an HF model folder has one)"
         return None

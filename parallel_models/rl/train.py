@@ -6,8 +6,8 @@
 
 With no config at all it runs the built-in default: a tiny Llama and a character tokenizer made
 on the spot (it lowercases text and strips accents), built-in prompts and a rule-based reward
-that PPO visibly raises in its 20 steps (about half a minute on two CPU cores). Overrides are dotted keys (``actor.lr=1e-5``, ``trainer.total_steps=50``); every
-key, its default and meaning: ``parallel_models/rl/configs/default.yaml`` (rendered from the
+that PPO visibly raises in its 20 steps (about half a minute on two CPU cores). Overrides are
+dotted keys (``actor.lr=1e-5``, ``trainer.total_steps=50``); every key, its default and meaning: ``parallel_models/rl/configs/default.yaml`` (rendered from the
 config models). Problems are reported together, each naming the key, and the exit code is 2;
 the prompt files and model paths are checked (``rl/preflight.py``) before anything is written
 into ``trainer.output_dir``. Every user error (config, data, model path, checkpoint) is one

@@ -136,8 +136,8 @@ class PPOTrainer:
             if ds is None:
                 continue
             key, mkey = ds.prompt_key, ds.messages_key
-            texts = [rec[key] if rec.get(mkey) is None else " ".join(m["content"] for m in rec[mkey])
-                     for rec in ds.records]
+            texts = [rec[key] if rec.get(mkey) is None else
+                     " ".join(m["content"] for m in rec[mkey]) for rec in ds.records]
             note = builtin_tokenizer_note(texts, ds.path or "the prompts")
             if note:
                 logger.warning(note)

@@ -130,4 +130,5 @@ def _save(fig, png_path) -> str:
     return png_path
 
 
-__all__ = ["plot_reward_curve", "plot_training_curves", "training_curves_figure", "moving_average", "OVERVIEW_PANELS"]
+__all__ = ["plot_reward_curve", "plot_training_curves", "training_curves_figure", "moving_average",
+           "OVERVIEW_PANELS"]

@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from parallel_models.rl.config import load_config
 
+    checked = False  # the config and inputs: the same on every rank, so rank 0 reports them
     try:
         cfg = load_config(args.config, args.overrides)
         if args.resume:
@@ -78,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         from parallel_models.rl.preflight import check_run_inputs
 
         check_run_inputs(cfg)  # before anything is written into trainer.output_dir
+        checked = True
         from parallel_models.options import set_options
 
         cfg.kernels = set_options(cfg.kernels, "kernels")  # with the environment's overrides
@@ -90,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         if debug_wanted(args) or not is_user_error(err):
             raise
-        return error_exit(PROG, err)
+        if rank0 or checked:  # later problems may be one rank's own
+            error_exit(PROG, err)
+        return 2
     import torch.distributed as dist
 
     if history and (not dist.is_initialized() or dist.get_rank() == 0):

@@ -13,15 +13,19 @@ from __future__ import annotations
 import argparse
 import os
 
-import torch
-import torch.distributed as dist
+from parallel_models.cli_support import quiet_third_party
 
-import parallel_models as pm
-from parallel_models.pipeline import train_step
-from parallel_models.testing import save_tiny_hf_model
-from parallel_models.utils.optimizer import OptimConfig, build_optimizer
-from parallel_models.utils.padding import pack_padded_batch
-from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
+quiet_third_party()  # before megatron-core's import-time notes about optional GPU extras
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import parallel_models as pm  # noqa: E402
+from parallel_models.pipeline import train_step  # noqa: E402
+from parallel_models.testing import save_tiny_hf_model  # noqa: E402
+from parallel_models.utils.optimizer import OptimConfig, build_optimizer  # noqa: E402
+from parallel_models.utils.padding import pack_padded_batch  # noqa: E402
+from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits  # noqa: E402
 
 
 def next_token_loss(out, mb):

@@ -40,6 +40,10 @@ _QUIET_MESSAGES = (
     r".*apex.*",  # megatron-core / transformer-engine: apex fallbacks
     r"full scope is deprecated",  # megatron-core 0.16 TransformerConfig: cuda_graph_scope
 )
+# deprecation notes torch emits from calls that pass through our code (the CPU shim's torch
+# function mode), so the module filter below does not see them: megatron-core's dist checkpoints
+# are made of ShardedTensors, nothing a user can change
+_QUIET_DEPRECATIONS = (r"Please use DTensor instead and we are deprecating ShardedTensor",)
 _THIRD_PARTY = r"(megatron|transformer_engine|apex|transformers|torch|torchvision|pydantic)(\.|$)"
 _installed = False
 
@@ -55,6 +59,8 @@ def quiet_third_party() -> None:
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
     for category in (DeprecationWarning, FutureWarning, PendingDeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module=_THIRD_PARTY)
+        for message in _QUIET_DEPRECATIONS:
+            warnings.filterwarnings("ignore", message=message, category=category)
     # transformers' advisory notes (logged, not warned); a user's own setting wins
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -77,6 +77,12 @@ def apply() -> bool:
         import megatron.core.tensor_parallel.random as mrandom
 
         mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+        # megatron's advice to set CUDA_DEVICE_MAX_CONNECTIONS=1 (for sequence parallelism and
+        # async grad all-reduce) is about CUDA streams: on the CPU there is nothing to set
+        from megatron.core.tensor_parallel.layers import \
+            linear_with_grad_accumulation_and_async_allreduce as tp_linear
+
+        tp_linear.warned = True
         mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
         _patch_moe_token_counts()
         _patch_uneven_first_dim_collectives()

@@ -9,8 +9,10 @@ Loading
     with its own tokenizer is then fed other ids, without an error. ``load_tokenizer`` loads what
     was saved instead: the class that ``tokenizer_config.json`` names, else the saved
     ``tokenizer.json`` as a ``PreTrainedTokenizerFast``, else ``AutoTokenizer``; and where a
-    ``tokenizer.json`` exists it checks that the loaded tokenizer encodes and decodes a probe text
-    exactly as that file does (a ``ConfigError`` naming the folder otherwise).
+    ``tokenizer.json`` exists it checks that the loaded tokenizer encodes and decodes probe texts
+    (mixed case, accents composed and decomposed, compatibility forms, whitespace runs: what
+    normalizers change) exactly as ``tokenizers.Tokenizer.from_file`` of that file does (a
+    ``ConfigError`` naming the folder otherwise).
 
 Built-in tokenizer
 
@@ -75,11 +77,38 @@ def build_builtin_tokenizer(model_max_length: int = 512):
         clean_up_tokenization_spaces=False, padding_side="left")
 
 
+def builtin_tokenizer_note(texts, source: str) -> str | None:
+    """A line saying that the built-in tokenizer changes ``texts`` (user prompts from
+    ``source``): how many of them its normalizer rewrites (lowercased, accents stripped) and how
+    to keep them as written; None when it rewrites none."""
+    normalizer = build_builtin_tokenizer().backend_tokenizer.normalizer
+    changed = [t for t in texts if normalizer.normalize_str(t) != t]
+    if not changed:
+        return None
+    example = next((t for t in changed), "")[:40]
+    return (f"{source}: the built-in character tokenizer lowercases text and strips accents, "
+            f"so {len(changed)} of {len(texts)} prompts reach the model changed (e.g. "
+            f"{example!r} -> {normalizer.normalize_str(example)!r}); set model.path (or "
+            "model.tokenizer) to a model whose tokenizer keeps case")
+
+
 # ---- loading a saved tokenizer ----------------------------------------------------------------
 # mixed case, digits, punctuation, runs of spaces, a tab and a newline, accents, CJK and an emoji:
 # the parts of the text that normalizers, pre-tokenizers and byte fallbacks treat differently
 PROBE_TEXT = ("Hello World! The QUICK brown fox, 12 + 345 = 357.\n\tcafé naïve Über  spaces   "
               "end; 日本語 🙂 <tag> x=y_z")
+# what the check encodes (each alone, with and without the special tokens): PROBE_TEXT, then text
+# aimed at the normalizer: composed and decomposed accents (NFC / NFD), compatibility forms that
+# NFKC / NFKD fold (full-width letters, a ligature, superscripts, an ideographic space), case
+# pairs that change length when lowercased (ß, İ), leading and trailing whitespace, non-breaking
+# spaces, CRLF and whitespace runs of every kind
+PROBE_TEXTS = (
+    PROBE_TEXT,
+    "  Leading and trailing  ",
+    "ÀÉÎÕÜ àéîõü Ça Ñandú e\u0301te\u0301 A\u0300",
+    "ＨＥＬＬＯ ｗｏｒｌｄ ﬁne ﬂow x² ①\u3000Straße İstanbul ǅemal",
+    "tab\tand\t\ttabs\r\nCRLF\u00a0nbsp\u2003em   three\n\n\nnewlines ",
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
                    "vocab.txt", "spiece.model")
 
@@ -104,7 +133,7 @@ def load_tokenizer(path: str, what: str = "tokenizer"):
 
     The class named in ``tokenizer_config.json`` (``tokenizer_class``); without one, the saved
     ``tokenizer.json`` as a ``PreTrainedTokenizerFast``; with neither, ``AutoTokenizer``. When
-    a ``tokenizer.json`` exists the loaded tokenizer must encode :data:`PROBE_TEXT` to the same
+    a ``tokenizer.json`` exists the loaded tokenizer must encode :data:`PROBE_TEXTS` to the same
     ids and decode them to the same text as that file does; ``ConfigError`` (naming ``path``)
     otherwise, and when nothing loads. ``what`` names the tokenizer in errors.
     """
@@ -141,21 +170,32 @@ def load_tokenizer(path: str, what: str = "tokenizer"):
 
 def check_matches_tokenizer_json(tok, tokenizer_json: str, path: str,
                                  what: str = "tokenizer") -> None:
-    """``ConfigError`` unless ``tok`` encodes :data:`PROBE_TEXT` (no special tokens added) to the
-    ids the saved ``tokenizer_json`` gives, and decodes those ids to the same text."""
+    """``ConfigError`` unless ``tok`` encodes each of :data:`PROBE_TEXTS` (with and without the
+    special tokens) to the ids ``tokenizers.Tokenizer.from_file(tokenizer_json)`` gives, and
+    decodes those ids to the same text."""
     from tokenizers import Tokenizer
 
     saved = Tokenizer.from_file(tokenizer_json)
-    want = saved.encode(PROBE_TEXT, add_special_tokens=False).ids
-    got = list(tok(PROBE_TEXT, add_special_tokens=False)["input_ids"])
     problem = None
-    if got != want:
-        problem = f"encodes the probe text to {got[:12]} where it gives {want[:12]} (first 12)"
-    else:
+    for text in PROBE_TEXTS:
+        for specials in (False, True):
+            want = saved.encode(text, add_special_tokens=specials).ids
+            got = list(tok(text, add_special_tokens=specials)["input_ids"])
+            if got != want:
+                first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
+                             min(len(got), len(want)))
+                problem = (f"encodes the probe text {text!r} "
+                           f"({'with' if specials else 'without'} special tokens) to "
+                           f"{got[first:first + 8]} where it gives {want[first:first + 8]} (from "
+                           f"token {first})")
+                break
+        if problem:
+            break
         want_text = saved.decode(want, skip_special_tokens=False)
-        got_text = tok.decode(got, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        got_text = tok.decode(want, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         if got_text != want_text:
             problem = f"decodes the probe ids to {got_text!r} where it gives {want_text!r}"
+            break
     if problem:
         raise ConfigError(
             f"{path}: the {what} transformers loads ({type(tok).__name__}) does not match the "
@@ -164,6 +204,6 @@ def check_matches_tokenizer_json(tok, tokenizer_json: str, path: str,
             "tokenizer.json as it is), or pass the tokenizer object")
 
 
-__all__ = ["build_builtin_tokenizer", "builtin_vocab", "load_tokenizer", "has_tokenizer_files",
-           "check_matches_tokenizer_json", "PROBE_TEXT", "CHARACTERS", "SPECIAL_TOKENS",
-           "CHAT_TEMPLATE"]
+__all__ = ["build_builtin_tokenizer", "builtin_vocab", "builtin_tokenizer_note", "load_tokenizer",
+           "has_tokenizer_files", "check_matches_tokenizer_json", "PROBE_TEXT", "PROBE_TEXTS",
+           "CHARACTERS", "SPECIAL_TOKENS", "CHAT_TEMPLATE"]

@@ -172,9 +172,17 @@ def prepare_run(config_file: str | None, overrides: list[str], *, resume: str = 
         raise ConfigError(
             f"trainer.output_dir={out} holds another run ({', '.join(markers)}); add --resume "
             "to continue it, --overwrite to replace it, or choose another trainer.output_dir")
-    if markers and _is_rank0():
-        removed = remove_run_outputs(out)
-        logger.warning("%s: removed the outputs of the previous run there (%s)", out,
-                       ", ".join(removed))
     now.trainer.resume = False
     return now
+
+
+def clear_previous_run(cfg) -> None:
+    """Remove the outputs of the run a new run replaces (``--overwrite``, or ``--resume=auto``
+    over a run that never reached a checkpoint), on rank 0; called once the config and inputs
+    are checked, so that a bad command line removes nothing."""
+    out = cfg.trainer.output_dir
+    if cfg.trainer.resume or not run_markers(out) or not _is_rank0():
+        return
+    removed = remove_run_outputs(out)
+    logger.warning("%s: removed the outputs of the previous run there (%s)", out,
+                   ", ".join(removed))

@@ -97,6 +97,8 @@ class PPOTrainer:
         self.dataset, val_dataset = prompt_datasets(d, self.tokenizer)
         self.loader = PromptLoader(self.dataset, batch_size=d.batch_size, shuffle=d.shuffle,
                                    seed=d.seed)
+        if _rank() == 0 and not cfg.model.tokenizer and cfg.model.path in (None, BUILTIN_MOE):
+            self._note_builtin_tokenizer(self.dataset, val_dataset)
         self.validator = None
         if val_dataset is not None:
             from parallel_models.rl.observe.evaluation import Validator
@@ -129,6 +131,20 @@ class PPOTrainer:
         random.seed(s)
         np.random.seed(s % 2**32)
         torch.manual_seed(s)
+
+    def _note_builtin_tokenizer(self, *datasets) -> None:
+        """Warn when the built-in tokenizer rewrites the run's prompts (lowercase, no accents)."""
+        from parallel_models.tokenizer import builtin_tokenizer_note
+
+        for ds in datasets:
+            if ds is None:
+                continue
+            key, mkey = ds.prompt_key, ds.messages_key
+            texts = [rec[key] if rec.get(mkey) is None else
+                     " ".join(m["content"] for m in rec[mkey]) for rec in ds.records]
+            note = builtin_tokenizer_note(texts, ds.path or "the prompts")
+            if note:
+                logger.warning(note)
 
     def _model_path(self) -> str:
         moe = self.cfg.model.path == BUILTIN_MOE
@@ -373,7 +389,8 @@ class PPOTrainer:
             from parallel_models.rl.observe.plots import plot_training_curves
 
             plot_training_curves(os.path.join(tcfg.output_dir, "metrics.jsonl"),
-                                 os.path.join(tcfg.output_dir, "reward_curve.png"))
+                                 os.path.join(tcfg.output_dir, "reward_curve.png"),
+                                 title=tcfg.experiment_name or tcfg.output_dir)
         if tcfg.save_hf_at_end:
             self._export_final()
         return history

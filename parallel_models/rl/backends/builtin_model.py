@@ -34,16 +34,29 @@ def builtin_model_config(vocab_size: int, tokenizer=None, moe: bool = False):
 
 def build_builtin_model(folder: str, tokenizer, seed: int = 0, moe: bool = False) -> str:
     """The default job's tiny Llama (or Qwen3-MoE; random weights) and its tokenizer, saved as
-    an HF folder."""
+    an HF folder.
+
+    The weights come from their own random stream, seeded by ``seed`` alone: the process's
+    random state (torch, and so the trainer's sampling and value-head draws after it) is the
+    same after this call as before, so a run does not depend on whether its folder already
+    held the built-in model."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     config = builtin_model_config(len(tokenizer), tokenizer, moe=moe)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    with torch.random.fork_rng(devices=[]):  # the process's torch RNG is restored on exit
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
     tmp = folder + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a one-shard "Writing model shards" bar says nothing
+    try:
+        model.save_pretrained(tmp)
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)

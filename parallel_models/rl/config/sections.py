@@ -45,7 +45,9 @@ class ModelSection(BaseModel):
     dtype: Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] = Field(
         "float32", description="float32 | bfloat16 | float16")
     tokenizer: Optional[str] = Field(None, description="null = the tokenizer of model.path (or "
-                                                       "the built-in one)")
+                                                       "the built-in one: one token per "
+                                                       "character, text lowercased and accents "
+                                                       "stripped)")
 
 
 class ParallelSection(BaseModel):
@@ -291,8 +293,8 @@ class TrainerSection(BaseModel):
                                                    "to CPU")
     loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
         ["jsonl", "tensorboard"], description="where metrics go: jsonl | tensorboard | wandb | "
-                                              "mlflow (the last two: pip install "
-                                              "'parallel-models[trackers]')")
+                                              "mlflow (the last two: pip install -e "
+                                              "'.[trackers]' in a clone)")
     project_name: str = Field("parallel-models", min_length=1, description="wandb project / "
                                                                           "mlflow experiment")
     experiment_name: Optional[str] = Field(None, description="run name in the trackers; null = "

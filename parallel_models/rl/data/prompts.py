@@ -115,6 +115,29 @@ def read_records(path: str | os.PathLike) -> list[tuple[str, dict]]:
     raise DataError(f"{path}: unsupported prompt file type; use .jsonl, .json or .parquet")
 
 
+def check_record(where: str, rec: dict, prompt_key: str = "prompt",
+                 messages_key: str = "messages") -> None:
+    """:class:`DataError` naming ``where`` unless ``rec`` has well-formed chat ``messages_key``
+    (a non-empty list of ``{"role", "content"}`` strings) or a string ``prompt_key``."""
+    messages = rec.get(messages_key)
+    if messages is not None:
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise DataError(f"{where}: {messages_key!r} must be a non-empty list of "
+                            f"{{'role', 'content'}} objects, got {messages!r:.80}")
+        for j, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
+                    or not isinstance(m.get("content"), str):
+                raise DataError(f"{where}: {messages_key}[{j}] must be an object with "
+                                f"string 'role' and 'content', got {m!r:.80}")
+        return
+    prompt = rec.get(prompt_key)
+    if prompt is None:
+        raise DataError(f"{where}: record has neither {prompt_key!r} nor {messages_key!r} "
+                        f"(data.prompt_key / data.messages_key); its keys: {sorted(rec)}")
+    if not isinstance(prompt, str):
+        raise DataError(f"{where}: {prompt_key!r} must be a string, got {type(prompt).__name__}")
+
+
 # ---- dataset -----------------------------------------------------------------------------------
 class PromptDataset:
     """Tokenized prompts. ``ds[i]`` is ``{"input_ids": list[int], "record": dict}``.
@@ -176,36 +199,20 @@ class PromptDataset:
     # -- encoding --
     def _encode(self, where: str, rec: dict) -> list[int]:
         tok = self.tokenizer
+        check_record(where, rec, self.prompt_key, self.messages_key)
         messages = rec.get(self.messages_key)
         if messages is not None:
-            self._check_messages(where, messages)
             if not getattr(tok, "chat_template", None):
                 raise DataError(f"{where}: chat {self.messages_key!r} need a tokenizer with a "
                                 "chat template, and this tokenizer has none")
             text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             return list(tok(text, add_special_tokens=False)["input_ids"])
-        prompt = rec.get(self.prompt_key)
-        if prompt is None:
-            raise DataError(f"{where}: record has neither {self.prompt_key!r} nor "
-                            f"{self.messages_key!r}; its keys: {sorted(rec)}")
-        if not isinstance(prompt, str):
-            raise DataError(f"{where}: {self.prompt_key!r} must be a string, got "
-                            f"{type(prompt).__name__}")
+        prompt = rec[self.prompt_key]
         if self.chat_template and getattr(tok, "chat_template", None):
             text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
                                            add_generation_prompt=True)
             return list(tok(text, add_special_tokens=False)["input_ids"])
         return list(tok(prompt)["input_ids"])
-
-    def _check_messages(self, where: str, messages: Any) -> None:
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise DataError(f"{where}: {self.messages_key!r} must be a non-empty list of "
-                            f"{{'role', 'content'}} objects, got {messages!r:.80}")
-        for j, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
-                    or not isinstance(m.get("content"), str):
-                raise DataError(f"{where}: {self.messages_key}[{j}] must be an object with "
-                                f"string 'role' and 'content', got {m!r:.80}")
 
     def _truncate_left(self, ids: list[int], limit: int) -> list[int]:
         bos = getattr(self.tokenizer, "bos_token_id", None)
@@ -302,9 +309,11 @@ class PromptLoader:
         for key, mine in (("seed", self.seed), ("shuffle", self.shuffle),
                           ("dataset_size", len(self.dataset))):
             if key in state and state[key] != mine:
-                raise ValueError(f"PromptLoader state was saved with {key}={state[key]!r}, this "
-                                 f"loader has {key}={mine!r}; the resumed run would not see the "
-                                 "same prompts (use the same data settings)")
+                raise DataError(f"the checkpoint's prompt loader was saved with {key}="
+                                f"{state[key]!r}, this run's data has {key}={mine!r}: the resumed "
+                                "run would not see the same prompts (resume with the data "
+                                "settings of the run: data.path, data.task, data.seed, "
+                                "data.shuffle)")
         if not 0 <= int(state["position"]) < len(self.dataset):
             raise ValueError(f"PromptLoader state: position {state['position']} is outside the "
                              f"dataset of {len(self.dataset)} prompts")
@@ -333,7 +342,7 @@ def prompt_caps(batch: dict, rows: Sequence[int], data_cfg, limit: int) -> list[
 
 
 __all__ = ["PromptDataset", "PromptLoader", "DataError", "builtin_prompts", "prompt_caps",
-           "read_records"]
+           "read_records", "check_record"]
 
 
 def prompt_datasets(data_cfg, tokenizer) -> tuple[PromptDataset, PromptDataset | None]:

@@ -2,7 +2,7 @@
 
 ``trainer.loggers`` names where metrics go: ``jsonl`` and ``tensorboard`` are written by
 :class:`parallel_models.rl.observe.metrics.MetricsLogger` itself; ``wandb`` and ``mlflow`` are the
-trackers here (optional extras: ``pip install 'parallel-models[trackers]'``). Each tracker takes
+trackers here (optional extras: ``pip install -e '.[trackers]'`` in a clone). Each tracker takes
 scalars per step, sample generations as a table, and the run's resolved config once.
 
 * wandb: ``wandb.init(project=trainer.project_name, name=trainer.experiment_name, dir=output_dir,
@@ -37,7 +37,7 @@ class Tracker(Protocol):
 
 def _missing(name: str, err: ImportError) -> ImportError:
     return ImportError(f"trainer.loggers includes {name!r} but {name} is not installed "
-                       f"({err}); pip install 'parallel-models[trackers]' or {name}")
+                       f"({err}); pip install -e '.[trackers]' in a clone (or pip install {name})")
 
 
 class WandbTracker:

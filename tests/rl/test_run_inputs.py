@@ -1,0 +1,133 @@
+"""``parallel-models-ppo`` keeps its promises on bad input (issue 31 items 4 and 5): every user
+error is one ``parallel-models-ppo: error: ...`` line and exit code 2 (a traceback only with
+``--debug``), and the prompt files, the model path and the reward function are checked before
+anything is written into ``trainer.output_dir``."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.ppo_runs import ENV, run_ppo
+
+PROG = "parallel-models-ppo"
+
+
+def _one_line_error(proc) -> str:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    assert len(lines) == 1 and lines[0].startswith(f"{PROG}: error: "), proc.stderr[-3000:]
+    return lines[0]
+
+
+def _bad_inputs(tmp_path):
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "one"}\n{"prompt": "two"\n')
+    other_key = tmp_path / "other_key.jsonl"
+    other_key.write_text('{"question": "one"}\n{"question": "two"}\n')
+    return {
+        "broken JSONL line": ([f"data.path={broken}"], f"{broken}:2: invalid JSON"),
+        "wrong data.prompt_key": ([f"data.path={other_key}"], "data.prompt_key"),
+        "prompt key set right, file still checked": (
+            [f"data.path={other_key}", "data.prompt_key=text"], "'question'"),
+        "hub model that cannot be fetched": (
+            ["model.path=no-such-org/no-such-model"],
+            "model.path: 'no-such-org/no-such-model' is not a local folder and could not be "
+            "fetched"),
+        "missing reward function file": ([f"reward.function={tmp_path}/nope.py:score"],
+                                         "reward.function"),
+    }
+
+
+CASES = ("broken JSONL line", "wrong data.prompt_key", "prompt key set right, file still checked",
+         "hub model that cannot be fetched", "missing reward function file")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path, case):
+    args, names = _bad_inputs(tmp_path)[case]
+    out = tmp_path / "out"
+    env = {**ENV, "HF_HUB_OFFLINE": "1"}  # no network in tests: the cache is all there is
+    proc = run_ppo([*args, f"trainer.output_dir={out}", "trainer.total_steps=1"], check=False,
+                   env=env, timeout=120)
+    line = _one_line_error(proc)
+    assert names in line, line
+    assert not out.exists(), sorted(p.name for p in out.iterdir())  # nothing written
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    bad = tmp_path / "broken.jsonl"
+    bad.write_text("{oops\n")
+    args = [f"data.path={bad}", f"trainer.output_dir={tmp_path / 'out'}"]
+    proc = run_ppo([*args, "--debug"], check=False, timeout=120)
+    assert proc.returncode != 0 and "Traceback" in proc.stderr and "ConfigError" in proc.stderr
+    proc = run_ppo(args, check=False, timeout=120, env={**ENV, "PARALLEL_MODELS_DEBUG": "1"})
+    assert "Traceback" in proc.stderr
+
+
+def test_resume_with_other_data_is_a_user_error():
+    """The prompt loader of a checkpoint refuses other data as a ConfigError (one line, exit 2
+    in the CLI), naming the settings to resume with."""
+    from parallel_models.errors import ConfigError
+    from parallel_models.rl.data.prompts import PromptLoader
+    from parallel_models.rl.train import is_user_error
+
+    saved = PromptLoader([{"prompt": str(i)} for i in range(32)], batch_size=4).state_dict()
+    loader = PromptLoader([{"prompt": str(i)} for i in range(8)], batch_size=4)
+    with pytest.raises(ConfigError, match="dataset_size=32.*dataset_size=8.*data.path") as err:
+        loader.load_state_dict(saved)
+    assert is_user_error(err.value)
+    assert not is_user_error(RuntimeError("a bug"))
+
+
+def test_model_path_problems(tmp_path, monkeypatch):
+    """Each model key: a local folder needs its config.json (a tokenizer folder: tokenizer
+    files), a file or a missing absolute path is named, a hub id is asked once (offline here:
+    the cache only)."""
+    from parallel_models.rl.preflight import model_path_problem
+    from parallel_models.tokenizer import build_builtin_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "file.txt").write_text("x")
+    tok = tmp_path / "tok"
+    build_builtin_tokenizer().save_pretrained(tok)
+    assert model_path_problem("model.path", None) is None
+    assert model_path_problem("model.path", "builtin-moe") is None
+    assert "holds no config.json" in model_path_problem("critic.path", str(empty))
+    assert model_path_problem("model.tokenizer", str(tok), "tokenizer") is None
+    assert "holds no tokenizer files" in model_path_problem("model.tokenizer", str(empty),
+                                                             "tokenizer")
+    assert "is a file" in model_path_problem("model.path", str(tmp_path / "file.txt"))
+    assert "no such folder" in model_path_problem("model.path", str(tmp_path / "nope"))
+    line = model_path_problem("reward.model_path", "no-such-org/no-such-model")
+    assert line.startswith("reward.model_path: 'no-such-org/no-such-model' is not a local")
+    assert "HF_HUB_OFFLINE" in line and "\n" not in line
+
+
+def test_torchrun_reports_an_input_error_once(tmp_path):
+    """Under torchrun every rank finds the same bad input; rank 0 says it, every rank exits 2."""
+    import os
+    import subprocess
+    import sys
+
+    from parallel_models.distributed import free_port
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    bad = tmp_path / "broken.jsonl"
+    bad.write_text("{oops\n")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = {**ENV, "PYTHONPATH": os.pathsep.join(filter(None, [root, ENV.get("PYTHONPATH")]))}
+    proc = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()),
+                           "-m", "parallel_models.rl.train", f"data.path={bad}",
+                           f"trainer.output_dir={tmp_path / 'out'}"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith(f"{PROG}: error: ")]
+    assert len(errors) == 1 and f"{bad}:1: invalid JSON" in errors[0], proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr or "exit code 2" in proc.stderr or \
+        "exitcode: 2" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "out").exists()

@@ -43,6 +43,8 @@ with quiet_megatron_import():  # megatron-core warns about optional GPU extras o
                                                                     config_of_mcore_dir)
     from parallel_models.llama.checkpoint_utils.megatron_format import (layout_root,
                                                                        resolve_mcore_dir)
+    from parallel_models.llama.checkpoint_utils.checksums import (ChecksumMismatch,
+                                                                   verify_manifest, write_manifest)
     from parallel_models.llama.checkpoint_utils.output_dir import AtomicOutputDir, check_output_dir
     from parallel_models.registry import weight_map_of
 
@@ -97,6 +99,12 @@ def convert_mcore_to_hf(mcore_path: str, output: str, *, hf_config: str | None =
     start = time.perf_counter()
     check_output_dir(output, overwrite)
     folder = resolve_mcore_dir(mcore_path)
+    for root in {os.path.abspath(mcore_path), os.path.abspath(folder)}:
+        try:  # hf2mcore's checksums.json (where present): damaged data is refused, named
+            verify_manifest(root)
+        except ChecksumMismatch as err:
+            raise CheckpointError(f"{err}; the checkpoint is damaged: convert or copy it "
+                                  "again") from None
     if hf_config is not None:
         if not os.path.isdir(hf_config):
             raise CheckpointError(f"--hf-config {hf_config}: not a folder (give the folder that "
@@ -142,6 +150,7 @@ def convert_mcore_to_hf(mcore_path: str, output: str, *, hf_config: str | None =
             if hf_config is not None:
                 copy_extra_files(hf_config, tmp)
             fsync_small_files(tmp)
+            write_manifest(tmp)  # this folder's own (replaces one copied with the extra files)
     finally:
         if bar is not None:
             bar.close()

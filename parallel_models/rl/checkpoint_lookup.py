@@ -3,7 +3,7 @@
 - :func:`read_checkpoint_state`: is a folder a complete trainer checkpoint (its state file, the
   dist checkpoint's index)? returns its trainer state;
 - :func:`latest_checkpoint`: the folder ``checkpoints/latest`` names, checked (complete, and its
-  files' checksums, :mod:`~parallel_models.rl.checkpoint_manifest`). When that folder cannot be
+  files' checksums, :mod:`~parallel_models.llama.checkpoint_utils.checksums`). When that folder cannot be
   resumed it is an error naming the folder, unless ``fallback`` (``--resume-fallback`` /
   ``trainer.resume_fallback``) asks for the newest usable older step, with a loud warning naming
   the steps that are dropped;
@@ -21,7 +21,7 @@ import re
 
 from parallel_models.config import ConfigError
 from parallel_models.llama.checkpoint_utils.errors import CheckpointError
-from parallel_models.rl.checkpoint_manifest import ChecksumMismatch, verify_manifest
+from parallel_models.llama.checkpoint_utils.checksums import ChecksumMismatch, verify_manifest
 
 logger = logging.getLogger(__name__)
 

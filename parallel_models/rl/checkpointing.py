@@ -10,7 +10,7 @@ A checkpoint is a folder ``<output_dir>/checkpoints/step_NNNNNN/``:
   position, the layout and the model shapes it was saved with. No pickles.
 - ``rng/rank_NNNNN.json``: each rank's torch / CUDA / numpy / Python RNG states.
 - ``config.yaml``: the resolved run config.
-- ``checksums.json``: size and CRC32 of every file (``rl/checkpoint_manifest.py``), verified
+- ``checksums.json``: size and CRC32 of every file (``llama/checkpoint_utils/checksums.py``), verified
   before a resume loads anything.
 
 Finding and checking the folder to resume (``latest``, ``--resume-fallback``):
@@ -42,7 +42,7 @@ from parallel_models.rl.checkpoint_lookup import (  # noqa: F401  (re-exported)
     CONFIG_FILE, DIST_DIR, FORMAT, LATEST_FILE, RNG_DIR, STATE_FILE, TrainerCheckpointError, checkpoint_root,
     choose_checkpoint, latest_checkpoint, newest_checkpoint_candidate, read_checkpoint_state,
     save_failed)
-from parallel_models.rl.checkpoint_manifest import write_manifest
+from parallel_models.llama.checkpoint_utils.checksums import write_manifest
 from parallel_models.rl.roles import sharded_state
 
 logger = logging.getLogger(__name__)

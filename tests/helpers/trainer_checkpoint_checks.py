@@ -153,7 +153,7 @@ def bad_checkpoints(output_dir: str) -> dict:
         shape["intermediate_size"] = 96
     with open(os.path.join(forged, STATE_FILE), "w") as f:
         json.dump(state, f)
-    from parallel_models.rl.checkpoint_manifest import write_manifest
+    from parallel_models.llama.checkpoint_utils.checksums import write_manifest
 
     write_manifest(forged)  # the forgery's checksums agree too
     messages["tensor"] = _expect_error(other, forged, "linear_fc1.weight", "[2, 256, 64]",

@@ -116,7 +116,7 @@ def test_resume_of_a_finished_run_completes_its_export(tmp_path):
 
 @pytest.mark.parametrize("damage", ["flip", "zero", "truncate"])
 def test_checksum_manifest_names_the_damaged_file(tmp_path, damage):
-    from parallel_models.rl.checkpoint_manifest import (ChecksumMismatch, verify_manifest,
+    from parallel_models.llama.checkpoint_utils.checksums import (ChecksumMismatch, verify_manifest,
                                                         write_manifest)
 
     folder = tmp_path / "step"

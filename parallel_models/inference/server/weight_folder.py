@@ -53,6 +53,13 @@ def check_weight_folder(path: str, model) -> None:
     from parallel_models.llama.checkpoint_utils.errors import CheckpointError
     from parallel_models.llama.checkpoint_utils.megatron_format import is_mcore_checkpoint
 
+    from parallel_models.llama.checkpoint_utils.checksums import (ChecksumMismatch,
+                                                                   verify_manifest)
+
+    try:  # a checksums.json (hf2mcore / mcore2hf / the trainer write one): damaged data refused
+        verify_manifest(path)
+    except ChecksumMismatch as exc:
+        raise WeightFolderError(str(exc)) from None
     if os.path.isfile(os.path.join(path, "config.json")):
         try:
             theirs = ModelConfig.from_hf(path)

@@ -1,10 +1,12 @@
-"""Checksums of a trainer checkpoint's files: ``checksums.json`` in each ``step_N`` folder.
+"""Checksums of a checkpoint folder's files: ``checksums.json``, the size and CRC32 of every file.
 
-At save, once every rank has written its files, rank 0 records the size and CRC32 of every file
-of the folder (ISA-L's CRC32 through ``isal``, several GB/s; zlib's where no isal wheel exists);
-a resume verifies them before anything is loaded, so flipped bits, truncated or zeroed data end
-in one error naming the file instead of a changed run. Checkpoints saved before checksums
-existed (no ``checksums.json``) are read unchecked.
+Written by the trainer into each ``step_N`` folder (once every rank has written its files) and by
+``hf2mcore`` / ``mcore2hf`` into their output folders; verified before anything is loaded by a
+resume, by ``mcore2hf`` on its input and by the rollout server on a weight folder it is asked to
+load, so flipped bits, truncated or zeroed data end in one error naming the file instead of a
+changed run. CRC32 through ISA-L (``isal``, several GB/s; zlib's where no isal wheel exists).
+Folders without ``checksums.json`` (saved before checksums existed, or by other tools) are read
+unchecked.
 """
 
 from __future__ import annotations

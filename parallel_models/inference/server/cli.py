@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Serve a parallel CausalLM for rollouts over HTTP.",
                                 formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", required=True, help="HF folder (or megatron-core checkpoint with "
-                   "an HF config) of a Llama/Qwen2 CausalLM")
+                   "an HF config) of a CausalLM of a registered family (Llama, Qwen2, Qwen3, "
+                   "Gemma, Qwen3-MoE, Qwen2-MoE, Mixtral)")
     p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size (= world size; "
                    "use torchrun for > 1)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")

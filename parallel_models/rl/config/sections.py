@@ -275,7 +275,9 @@ class TrainerSection(BaseModel):
     model_config = SECTION_CONFIG
 
     total_steps: Int = Field(20, ge=0, description="PPO steps")
-    seed: Int = Field(0, description="seeds sampling, value-head init and data order")
+    seed: Int = Field(0, description="seeds sampling (each sample drawn from (seed, step, "
+                      "prompt index, sample index): the same at any layout), value-head init and "
+                      "data order")
     output_dir: str = Field("outputs/ppo", min_length=1, description="metrics, checkpoints, "
                                                                      "final models")
     log_every: Int = Field(1, ge=1, description="a metrics line in the log every N steps (the "

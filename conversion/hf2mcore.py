@@ -60,7 +60,7 @@ with quiet_megatron_import():  # megatron-core warns about optional GPU extras o
                                                                         tokenizer_source,
                                                                         weights_dir,
                                                                         write_layout_files)
-    from parallel_models.llama.checkpoint_utils.checksums import write_manifest
+    from parallel_models.llama.checkpoint_utils.checksums import TENSOR_DATA, write_manifest
     from parallel_models.llama.checkpoint_utils.output_dir import AtomicOutputDir, check_output_dir
     from parallel_models.registry import weight_map_of
 
@@ -247,7 +247,7 @@ def convert_hf_to_mcore(hf_path: str, output: str, *, dtype=None, layer_spec: st
             fsync_small_files(tmp)
             if tmp != root:
                 fsync_small_files(root)
-            write_manifest(root)  # checksums.json: mcore2hf / the server verify it
+            write_manifest(root, TENSOR_DATA)  # checksums.json: mcore2hf / the server verify it
     finally:
         reader.close()
         if bar is not None:

@@ -43,7 +43,7 @@ with quiet_megatron_import():  # megatron-core warns about optional GPU extras o
                                                                     config_of_mcore_dir)
     from parallel_models.llama.checkpoint_utils.megatron_format import (layout_root,
                                                                        resolve_mcore_dir)
-    from parallel_models.llama.checkpoint_utils.checksums import (ChecksumMismatch,
+    from parallel_models.llama.checkpoint_utils.checksums import (TENSOR_DATA, ChecksumMismatch,
                                                                    verify_manifest, write_manifest)
     from parallel_models.llama.checkpoint_utils.output_dir import AtomicOutputDir, check_output_dir
     from parallel_models.registry import weight_map_of
@@ -150,7 +150,7 @@ def convert_mcore_to_hf(mcore_path: str, output: str, *, hf_config: str | None =
             if hf_config is not None:
                 copy_extra_files(hf_config, tmp)
             fsync_small_files(tmp)
-            write_manifest(tmp)  # this folder's own (replaces one copied with the extra files)
+            write_manifest(tmp, TENSOR_DATA)  # this folder's own (replaces a copied one)
     finally:
         if bar is not None:
             bar.close()

@@ -47,6 +47,9 @@ def test_converter_outputs_carry_verified_checksums(converted):
         listed = set(json.load(f)["files"])
     assert any(name.endswith(".safetensors") for name in listed)
     assert not any(name.endswith(".distcp") for name in listed)
+    # only tensor data is recorded: the small text files beside it stay editable by hand
+    with open(os.path.join(converted["mcore"], MANIFEST_FILE)) as f:
+        assert all(name.endswith((".distcp", ".safetensors")) for name in json.load(f)["files"])
 
 
 def test_mcore2hf_refuses_damaged_data_naming_the_file(converted, tmp_path):

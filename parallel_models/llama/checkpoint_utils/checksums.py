@@ -1,7 +1,8 @@
 """Checksums of a checkpoint folder's files: ``checksums.json``, the size and CRC32 of every file.
 
-Written by the trainer into each ``step_N`` folder (once every rank has written its files) and by
-``hf2mcore`` / ``mcore2hf`` into their output folders; verified before anything is loaded by a
+Written by the trainer into each ``step_N`` folder (every file, once every rank has written its
+files) and by ``hf2mcore`` / ``mcore2hf`` into their output folders (the tensor data files:
+:data:`TENSOR_DATA`; the small text files stay editable); verified before anything is loaded by a
 resume, by ``mcore2hf`` on its input and by the rollout server on a weight folder it is asked to
 load, so flipped bits, truncated or zeroed data end in one error naming the file instead of a
 changed run. CRC32 through ISA-L (``isal``, several GB/s; zlib's where no isal wheel exists).
@@ -45,11 +46,17 @@ def _files(folder: str) -> list[str]:
     return sorted(p for p in out if p != MANIFEST_FILE)
 
 
-def write_manifest(folder: str) -> str:
-    """Record the size and CRC32 of every file under ``folder``; returns the manifest's path."""
+#: the tensor data of a converter's output (what ``hf2mcore`` / ``mcore2hf`` record): the small
+#: text files beside it (config.json, run_config.yaml, tokenizer files) stay editable by hand
+TENSOR_DATA = (".distcp", ".safetensors")
+
+
+def write_manifest(folder: str, suffixes: tuple[str, ...] | None = None) -> str:
+    """Record the size and CRC32 of every file under ``folder`` (only those ending in one of
+    ``suffixes`` when given); returns the manifest's path."""
     files = {rel: {"size": os.path.getsize(os.path.join(folder, rel)),
                    "crc32": f"{file_crc32(os.path.join(folder, rel)):08x}"}
-             for rel in _files(folder)}
+             for rel in _files(folder) if suffixes is None or rel.endswith(suffixes)}
     path = os.path.join(folder, MANIFEST_FILE)
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:

@@ -15,10 +15,7 @@ from __future__ import annotations
 import json
 import os
 
-try:  # ISA-L's CRC32 (PCLMUL); same polynomial and values as zlib's
-    from isal.isal_zlib import crc32
-except ImportError:  # platforms without an isal wheel
-    from zlib import crc32
+from parallel_models.llama.checkpoint_utils.direct_io import crc32  # ISA-L's, else zlib's
 
 MANIFEST_FILE = "checksums.json"
 FORMAT = "parallel_models.checksums/1"

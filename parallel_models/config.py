@@ -130,7 +130,9 @@ class ModelConfig:
         family.check_hf_config(hf_config)  # activation, sliding window, ...
         qkv_bias, o_bias = family.attention_biases(hf_config)
         act = get("hidden_act", "silu")
-        dtype = get("dtype", None) or get("torch_dtype", None)
+        # transformers >= 4.56 names it `dtype` (`torch_dtype` is a property that warns);
+        # older configs store `torch_dtype` as a plain attribute
+        dtype = get("dtype", None) or vars(hf_config).get("torch_dtype")
         cfg = cls(
             architecture=arch,
             model_type=model_type,

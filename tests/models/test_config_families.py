@@ -143,3 +143,17 @@ def test_unsupported_router_and_attention_options_are_named():
     # a window switched on for no layer is full attention, which is what runs
     ModelConfig.from_hf(tiny_hf_config("qwen2_moe", use_sliding_window=True, sliding_window=64,
                                        max_window_layers=0))
+
+
+def test_reading_a_config_without_dtype_touches_no_deprecated_attribute(capfd):
+    """transformers >= 4.56 names it ``dtype``; reading ``torch_dtype`` warns on stderr, which
+    the main job must not print (tests/test_quiet_runs.py)."""
+    from transformers import LlamaConfig
+
+    from parallel_models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(LlamaConfig(num_attention_heads=4, hidden_size=64))
+    assert cfg.torch_dtype is None
+    assert "deprecated" not in capfd.readouterr().err
+    assert ModelConfig.from_hf(LlamaConfig(num_attention_heads=4, hidden_size=64,
+                                           dtype="bfloat16")).torch_dtype == "bfloat16"

@@ -336,10 +336,13 @@ class PPOTrainer:
         return metrics
 
     def advantage_phase(self, batch: RolloutBatch) -> dict:
-        """Rollout correction first (``actor.rollout_correction``: its weights, and rejected
-        responses out of ``response_mask``), then the advantages."""
-        metrics = apply_rollout_correction(batch, self.cfg.actor)
+        """The advantages, with the rollout correction (``actor.rollout_correction``): its
+        weights into the batch, and its rejected responses out of ``response_mask`` after the
+        advantages (their rewards still count in their groups' baselines)."""
+        metrics, kept_mask = apply_rollout_correction(batch, self.cfg.actor)
         metrics.update(compute_advantages(batch, self.cfg.algorithm, self.kl_ctrl))
+        if kept_mask is not None:
+            batch.response_mask = kept_mask
         return metrics
 
     def minibatches(self, batch: RolloutBatch) -> list[RolloutBatch]:

@@ -217,3 +217,36 @@ def test_each_mode_trains_and_logs(tmp_path, run):
                     "chi2_seq_after"):
             assert math.isfinite(r[f"rollout_corr/{key}"]), (key, r)
         assert 0.0 <= r["rollout_corr/weight_min"] <= r["rollout_corr/weight_max"]
+
+
+def test_rejected_responses_stop_training_but_keep_their_group_baseline():
+    """The advantage phase with a rejection: the rejected rows' masks are zeroed after the
+    advantages, so the kept rows' GRPO advantages are those of the run without rejection."""
+    from types import SimpleNamespace
+
+    from parallel_models.rl.config.ppo import load_config
+    from parallel_models.rl.data.batch import RolloutBatch
+    from parallel_models.rl.trainer import PPOTrainer
+
+    old, rollout, mask = _inputs(torch.float32, empty_rows=False, seed=7)
+    B, R = mask.shape
+    batch = lambda: RolloutBatch(  # noqa: E731
+        sequences=torch.zeros(B, R + 2, dtype=torch.long),
+        attention_mask=torch.ones(B, R + 2, dtype=torch.long), prompt_lengths=torch.full((B,), 2),
+        response_mask=mask.long(), group_index=torch.arange(B) // 4,
+        old_log_probs=old, rollout_log_probs=rollout, scores=torch.linspace(0, 1, B))
+    base = ["algorithm.adv_estimator=grpo", "algorithm.kl_in_reward=false"]
+    reject = ["actor.rollout_correction.reject=seq_mean_k2",
+              "actor.rollout_correction.reject_threshold=0.04"]
+    runs = {}
+    for name, extra in (("plain", []), ("reject", reject)):
+        trainer = SimpleNamespace(cfg=load_config(overrides=base + extra), kl_ctrl=None)
+        b = batch()
+        metrics = PPOTrainer.advantage_phase(trainer, b)
+        runs[name] = (b, metrics)
+    (plain, _), (rejected, metrics) = runs["plain"], runs["reject"]
+    gone = rejected.response_mask.sum(-1) == 0
+    assert 0 < int(gone.sum()) < B and metrics["rollout_corr/rejected_seq_share"] > 0
+    kept = ~gone
+    assert torch.equal(rejected.advantages[kept], plain.advantages[kept])
+    assert torch.equal(rejected.response_mask[kept], plain.response_mask[kept])

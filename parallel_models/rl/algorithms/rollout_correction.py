@@ -16,8 +16,10 @@ to +-20 before any exp, as verl), ``actor.rollout_correction`` sets
   gradient (they stay in the loss's denominators, as verl's IcePop);
 * ``reject`` / ``reject_threshold``: responses whose mismatch statistic (verl's rejection
   options ``seq_{sum,mean,max}_k{2,3}``, with ``k2 = l^2 / 2``, ``k3 = exp(l) - 1 - l``) exceeds
-  the threshold leave the batch: their ``response_mask`` becomes 0 before the advantages (as
-  verl's rollout rejection sampling, Liu et al. 2025, "When speed kills stability").
+  the threshold stop training: their ``response_mask`` becomes 0 (verl's rollout rejection
+  sampling, Liu et al. 2025, "When speed kills stability"). The trainer zeroes it after the
+  advantages, so a rejected response's reward still counts in its group's baseline (verl's group
+  estimators read the rewards, not the mask; unlike verl, GAE's batch whitening also sees it).
 
 ``actor.tis_cap = C`` (the older key) is ``level=token, mode=truncate, hi=C``.
 
@@ -186,12 +188,15 @@ def correct(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
     return weights, new_mask, metrics
 
 
-def apply_rollout_correction(batch, actor_cfg) -> dict[str, float]:
-    """Put the correction of ``actor_cfg`` into ``batch`` (``rollout_is_weights``, and the
-    rejection in ``response_mask``); returns its metrics ({} when off)."""
+def apply_rollout_correction(batch, actor_cfg) -> tuple[dict[str, float], torch.Tensor | None]:
+    """Put the weights of ``actor_cfg``'s correction into ``batch`` (``rollout_is_weights``);
+    returns its metrics ({} when off) and the response mask with the rejected responses zeroed
+    (None without rejection), which the trainer sets after the advantages (a rejected response
+    still counts in its group's baseline, as in verl, whose group estimators read the rewards,
+    not the mask)."""
     settings = settings_from_config(actor_cfg)
     if settings is None:
-        return {}
+        return {}, None
     rollout = batch.get("rollout_log_probs")
     if rollout is None:
         key = "actor.tis_cap" if getattr(actor_cfg, "tis_cap", None) is not None else \
@@ -203,8 +208,7 @@ def apply_rollout_correction(batch, actor_cfg) -> dict[str, float]:
                                      settings)
     if weights is not None:
         batch[WEIGHTS_KEY] = weights
-    batch["response_mask"] = mask
-    return metrics
+    return metrics, (mask if settings.reject is not None else None)
 
 
 __all__ = ["CorrectionSettings", "settings_from_config", "log_ratio", "level_log_ratio",

@@ -19,7 +19,8 @@ batch drawn, and each extra batch's draw seeds are those of global prompt indice
 the same samples.
 
 Metrics: ``rollout/dynamic_generated`` (groups generated this step), ``rollout/dynamic_dropped``
-(of those, the constant ones), ``rollout/dynamic_gen_batches`` (prompt batches drawn).
+(of those, the constant ones), ``rollout/dynamic_gen_batches`` (prompt batches drawn); the
+step's other metrics (``reward/mean``, ...) are over the kept groups.
 """
 
 from __future__ import annotations

@@ -113,7 +113,8 @@ MODEL_INPUT_KEYS = ("input_ids", "cu_seqlens", "position_ids", "max_seqlen", "at
 # given only to the loss/output function: the per-sample tensors of a PPO batch
 # (parallel_models.rl.roles.model_roles) that the package's losses and output functions read
 LOSS_DATA_KEYS = ("sequences", "prompt_lengths", "response_mask", "old_log_probs",
-                  "ref_log_probs", "advantages", "returns", "values", "rollout_log_probs")
+                  "ref_log_probs", "advantages", "returns", "values", "rollout_log_probs",
+                  "rollout_is_weights")
 
 
 def check_microbatch_keys(microbatches, extra_keys=()) -> None:

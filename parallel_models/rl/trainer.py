@@ -33,6 +33,7 @@ from parallel_models.llama.layers.exact import exact_mode
 from parallel_models.rl.algorithms import core as algos
 from parallel_models.rl.algorithms.advantages import compute_advantages
 from parallel_models.rl.algorithms.mismatch import rollout_mismatch_metrics
+from parallel_models.rl.algorithms.rollout_correction import apply_rollout_correction
 from parallel_models.rl.backends.builtin_model import BUILTIN_MOE, build_builtin_model
 from parallel_models.rl.backends.registry import training_backend
 from parallel_models.rl.backends.roles import offload_enabled
@@ -41,6 +42,7 @@ from parallel_models.rl.data.prompts import prompt_caps
 from parallel_models.rl.final_export import export_done, record_export, remove_stale_exports
 from parallel_models.rl.observe import dp_stats
 from parallel_models.rl.observe.metrics import Timer
+from parallel_models.rl.rewards.overlong import overlong_metrics, shape_overlong
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +197,7 @@ class PPOTrainer:
 
         batch = phase("gen", self.rollout_phase)
         metrics = phase("score", self.score_phase, batch)
+        metrics.update(self.rollout_metrics)  # dynamic sampling's counts
         metrics.update(phase("adv", self.advantage_phase, batch))
         minibatches = self.minibatches(batch)
         train = phase("train_critic", self.critic_update_phase, minibatches)
@@ -210,8 +213,33 @@ class PPOTrainer:
         metrics.update({f"memory/{k}_peak_gib": v for k, v in memory.items()})
         return metrics
 
+    rollout_metrics: dict = {}
+
     def rollout_phase(self) -> RolloutBatch:
-        """This rank's prompts of the next batch, each sampled ``rollout.n`` times."""
+        """This rank's prompts of the next batch, each sampled ``rollout.n`` times; with
+        ``algorithm.dynamic_sampling`` the groups whose rewards differ of as many prompt batches
+        as it takes (``rl/data/dynamic_sampling.py``), already scored."""
+        alg = self.cfg.algorithm
+        if not alg.dynamic_sampling:
+            self.rollout_metrics = {}
+            return self._draw_rollout()[0]
+        from parallel_models.rl.data.dynamic_sampling import collect_groups
+
+        def draw(round_index: int):
+            batch, mine = self._draw_rollout(round_index)
+            batch.scores = self._score_rewards(batch)
+            return batch, mine
+
+        batch, self.rollout_metrics = collect_groups(
+            draw, self.cfg.data.batch_size, alg.max_gen_batches, self.dp_rank, self.dp_size,
+            mpu.get_data_parallel_group() if self.dp_size > 1 else None)
+        self._global_batch_rows = self.cfg.data.batch_size * self.cfg.rollout.n
+        return batch
+
+    def _draw_rollout(self, round_index: int = 0) -> tuple[RolloutBatch, list[int]]:
+        """This rank's share of the next prompt batch rolled out, and the prompts' places in the
+        global batch; ``round_index`` > 0 (dynamic sampling's extra batches of a step): draw
+        seeds of global indices ``round_index * batch size + i``."""
         records = self.loader.next_batch()
         prompt_ids = records["input_ids"] if isinstance(records, dict) else records[0]
         self._global_batch_rows = len(prompt_ids) * self.cfg.rollout.n
@@ -219,9 +247,10 @@ class PPOTrainer:
         caps = None
         if self.cfg.data.max_new_tokens_key:  # per-prompt response caps from the dataset
             caps = prompt_caps(records, mine, self.cfg.data, self.cfg.rollout.max_new_tokens)
+        offset = round_index * len(prompt_ids)
         with self._use(self.actor):
             batch = self._rollout([prompt_ids[i] for i in mine], max_new_tokens=caps,
-                                  prompt_seeds=self.prompt_seeds(mine))
+                                  prompt_seeds=self.prompt_seeds([offset + i for i in mine]))
         if isinstance(records, dict) and "records" in records:
             # each response carries its prompt's dataset record (reward functions read its fields)
             batch["records"] = [records["records"][i] for i in mine for _ in range(self.cfg.rollout.n)]
@@ -230,7 +259,12 @@ class PPOTrainer:
             key = self.cfg.data.messages_key
             msgs = [records["records"][i].get(key) for i in mine]
             batch["messages"] = [m for m in msgs for _ in range(self.cfg.rollout.n)]
-        return batch
+        return batch, [offset + i for i in mine]
+
+    def _score_rewards(self, batch: RolloutBatch) -> torch.Tensor:
+        """The training rewards: the reward's scores plus the overlong shaping
+        (``reward.overlong_buffer``, ``rl/rewards/overlong.py``)."""
+        return shape_overlong(self.reward.score(batch), batch.response_mask, self.cfg)
 
     def prompt_seeds(self, indices: list[int], step: int | None = None) -> list[int] | None:
         """The draw seeds of the step's prompts at ``indices`` (their places in the global
@@ -267,8 +301,10 @@ class PPOTrainer:
         if self.critic is not None:
             with self._use(self.critic):
                 batch.values = self.critic.values(batch)
-        batch.scores = self.reward.score(batch)  # a reward model brings itself to the device
+        if batch.scores is None:  # (dynamic sampling scored its rollouts already)
+            batch.scores = self._score_rewards(batch)  # a reward model brings itself to the device
         metrics = dp_stats.data_parallel_mean(dict(getattr(self.reward, "metrics", None) or {}))
+        metrics.update(overlong_metrics(batch.response_mask, self.cfg))
         metrics.update(mismatch)
         records = batch.get("records") or []
         metrics.update(dp_stats.grouped_means(batch.scores.tolist(),
@@ -300,7 +336,14 @@ class PPOTrainer:
         return metrics
 
     def advantage_phase(self, batch: RolloutBatch) -> dict:
-        return compute_advantages(batch, self.cfg.algorithm, self.kl_ctrl)
+        """The advantages, with the rollout correction (``actor.rollout_correction``): its
+        weights into the batch, and its rejected responses out of ``response_mask`` after the
+        advantages (their rewards still count in their groups' baselines)."""
+        metrics, kept_mask = apply_rollout_correction(batch, self.cfg.actor)
+        metrics.update(compute_advantages(batch, self.cfg.algorithm, self.kl_ctrl))
+        if kept_mask is not None:
+            batch.response_mask = kept_mask
+        return metrics
 
     def minibatches(self, batch: RolloutBatch) -> list[RolloutBatch]:
         """Every PPO epoch's shuffled minibatches of this rank's rows, in order."""

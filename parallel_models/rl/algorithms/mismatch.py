@@ -8,6 +8,9 @@ training forward would have chosen differently from the rollout (counted before 
 - ``rollout/k3_kl``: K3 estimate of KL(rollout || old) on the rollout's samples,
   ``exp(old - rollout) - (old - rollout) - 1`` averaged over response tokens;
 - ``router/route_mismatch``: differing / compared routes (MoE with routes only).
+
+Correcting for the mismatch (importance weights, rejection) and its ``rollout_corr/...``
+metrics: :mod:`parallel_models.rl.algorithms.rollout_correction`.
 """
 
 from __future__ import annotations

@@ -220,9 +220,28 @@ def _roles_problems(cfg) -> list[str]:
             errors.append(f"reward.{key}={value}: in this version the reward model shares the "
                           f"actor's model-parallel groups, so it must equal parallel.{key} "
                           f"({getattr(par, key)}) or be left unset")
+    errors += _dapo_problems(cfg)
     if alg.kl_ctrl == "adaptive" and not alg.kl_in_reward:
         errors.append("algorithm.kl_ctrl=adaptive adjusts the in-reward KL coefficient: it "
                       "needs algorithm.kl_in_reward=true")
+    return errors
+
+
+def _dapo_problems(cfg) -> list[str]:
+    """Dynamic sampling, overlong shaping and rollout correction against the rest."""
+    errors = []
+    if cfg.algorithm.dynamic_sampling and cfg.rollout.n < 2:
+        errors.append("algorithm.dynamic_sampling drops prompts whose samples' rewards all "
+                      f"agree: it needs rollout.n >= 2, got {cfg.rollout.n}")
+    ob = cfg.reward.overlong_buffer
+    if ob.enable and ob.len > cfg.rollout.max_new_tokens:
+        errors.append(f"reward.overlong_buffer.len ({ob.len}) must be <= rollout.max_new_tokens "
+                      f"({cfg.rollout.max_new_tokens})")
+    rc = cfg.actor.rollout_correction
+    if cfg.actor.tis_cap is not None and (rc.level is not None or rc.reject is not None):
+        errors.append("actor.tis_cap and actor.rollout_correction both correct the rollout "
+                      "mismatch: set one (tis_cap=C is rollout_correction level=token, "
+                      "mode=truncate, hi=C)")
     return errors
 
 

@@ -67,12 +67,21 @@ def bounds_text(metadata: list) -> str | None:
     return None
 
 
+def _is_model(tp) -> bool:
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
+
+
 def _field(model: type[BaseModel], section: str, key: str):
-    section_model = model.model_fields[section].annotation if section in model.model_fields \
+    """The field ``key`` of ``section`` (``key.sub``: a field of a nested group) and its model."""
+    current = model.model_fields[section].annotation if section in model.model_fields \
         else None
-    if isinstance(section_model, type) and issubclass(section_model, BaseModel):
-        return section_model.model_fields.get(key), section_model
-    return None, None
+    field = owner = None
+    for part in key.split("."):
+        if not _is_model(current):
+            return None, None
+        owner, field = current, current.model_fields.get(part)
+        current = field.annotation if field is not None else None
+    return field, owner
 
 
 def _section_message(e: dict, model: type[BaseModel], section: str, source: str) -> str:
@@ -92,7 +101,8 @@ def _key_message(e: dict, model: type[BaseModel], section: str, key: str, where:
     full = f"{section}.{key}"
     if kind == "extra_forbidden":
         valid = list(section_model.model_fields) if section_model else []
-        return unknown_key(full, key, valid, f"section {section!r}", source)
+        owner = section if "." not in key else f"{section}.{key.rsplit('.', 1)[0]}"
+        return unknown_key(full, key.rsplit(".", 1)[-1], valid, f"section {owner!r}", source)
     whole_field = field is not None and where == full  # not an item of a list
     if kind in _BOUND_ERRORS and whole_field:
         rng = bounds_text(field.metadata) or e.get("msg")
@@ -123,13 +133,18 @@ def messages(err: ValidationError, model: type[BaseModel], sources: dict[str, st
             continue
         section = str(loc[0])
         key = str(loc[1]) if len(loc) > 1 else None
+        rest = 2
+        while key and rest < len(loc) and isinstance(loc[rest], str) and \
+                _is_model(getattr(_field(model, section, key)[0], "annotation", None)):
+            key, rest = f"{key}.{loc[rest]}", rest + 1  # a field of a nested group
         full = f"{section}.{key}" if key else section
         # the value's path: section.key then list positions (union member names are dropped)
-        where = full + "".join(f"[{p}]" for p in loc[2:] if isinstance(p, int))
+        where = full + "".join(f"[{p}]" for p in loc[rest:] if isinstance(p, int))
         if where in seen:
             continue
         seen.add(where)
-        source = sources.get(full, sources.get(section, default_source))
+        top = f"{section}.{key.split('.')[0]}" if key else section
+        source = sources.get(full, sources.get(top, sources.get(section, default_source)))
         out.append(_section_message(e, model, section, source) if key is None
                    else _key_message(e, model, section, key, where, source))
     return out

@@ -185,13 +185,18 @@ def _merge_mapping(merged: dict, sources: dict[str, str], data: Any, source: str
 def _set_dotted(merged: dict, sources: dict[str, str], dotted: str, value: Any,
                 source: str) -> None:
     parts = str(dotted).split(".")
-    if len(parts) != 2 or not all(parts):
+    if len(parts) < 2 or not all(parts):
         raise ConfigError(f"{source}: {dotted!r} is not a 'section.key' name; sections: "
                           f"{', '.join(SECTIONS)}")
-    section, key = parts
+    section, key, *sub = parts
     _check_section(section, source)
-    merged.setdefault(section, {})[key] = value
-    sources[dotted] = source
+    target = merged.setdefault(section, {})
+    for name in [key, *sub][:-1]:  # section.key.sub: a field of a nested group
+        if not isinstance(target.get(name), dict):
+            target[name] = {}
+        target = target[name]
+    target[parts[-1]] = value
+    sources[".".join(parts[:2])] = source
 
 
 def default_config_path() -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from parallel_models.inference import SamplingFields, SamplingParams
 from parallel_models.options import KernelOptions
@@ -163,6 +163,51 @@ class RolloutSection(SamplingFields):
         return {"kv_budget_tokens": self.kv_budget_tokens or None, "max_rows": self.max_batch_rows}
 
 
+class RolloutCorrectionFields(BaseModel):
+    """``actor.rollout_correction``: importance weights / rejection for the training-inference
+    mismatch (rl/algorithms/rollout_correction.py; docs/ALGORITHMS.md)."""
+
+    model_config = SECTION_CONFIG
+
+    level: Optional[Literal["token", "sequence", "geometric"]] = Field(
+        None, description="token | sequence | geometric; null = no importance weights")
+    mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="truncate (weight capped at hi) | mask (weight 0 outside "
+                                "[lo, hi])")
+    hi: Number = Field(2.0, gt=0, description="upper bound of the weights")
+    lo: Optional[Number] = Field(None, gt=0, description="mask: lower bound; null = 1 / hi")
+    reject: Optional[Literal[
+        "seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_mean_k3", "seq_max_k2",
+        "seq_max_k3"]] = Field(None, description="drop responses whose mismatch statistic "
+                                                 "exceeds reject_threshold; null = off")
+    reject_threshold: Optional[Number] = Field(None, gt=0, description="the bound of reject")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RolloutCorrectionFields":
+        name = "actor.rollout_correction"
+        if self.lo is not None and self.mode != "mask":
+            raise ValueError(f"{name}.lo is a bound of mode=mask (mode={self.mode} caps at hi "
+                             "only); leave it null")
+        if self.lo is not None and self.lo > self.hi:
+            raise ValueError(f"{name}.lo ({self.lo}) must be <= {name}.hi ({self.hi})")
+        if (self.reject is None) != (self.reject_threshold is None):
+            raise ValueError(f"{name}.reject and {name}.reject_threshold go together (set both "
+                             "or neither)")
+        return self
+
+
+class OverlongBufferFields(BaseModel):
+    """``reward.overlong_buffer``: DAPO's soft overlong punishment (rl/rewards/overlong.py)."""
+
+    model_config = SECTION_CONFIG
+
+    enable: StrictBool = Field(False, description="add the length penalty to the reward")
+    len: Int = Field(4, ge=1, description="the last len tokens before rollout.max_new_tokens "
+                                          "are the buffer")
+    penalty_factor: Number = Field(1.0, ge=0, description="penalty at rollout.max_new_tokens "
+                                                          "(linear from 0 at the buffer's start)")
+
+
 class ActorSection(OptimizerFields):
     """The policy and its PPO loss (the optimizer knobs are those of OptimConfig)."""
 
@@ -196,7 +241,12 @@ class ActorSection(OptimizerFields):
                                                 "null = the model's router_aux_loss_coef, 0 = off")
     tis_cap: Optional[Number] = Field(None, gt=0, description="truncated importance sampling: "
                                       "policy loss x min(exp(old - rollout log-prob), cap); "
-                                      "null = off")
+                                      "null = off (= rollout_correction level token, mode "
+                                      "truncate, hi cap)")
+    rollout_correction: RolloutCorrectionFields = Field(
+        default_factory=RolloutCorrectionFields, description="training-inference mismatch: "
+        "level (token | sequence | geometric), mode (truncate | mask), hi, lo, reject "
+        "(seq_{sum,mean,max}_k{2,3}), reject_threshold")
 
 
 class CriticSection(OptimizerFields):
@@ -242,6 +292,9 @@ class RewardSection(BaseModel):
         None, description="layers per pipeline stage, e.g. [3, 2] (null = an even split)")
     same_tokenizer: Optional[StrictBool] = Field(
         None, description="null = detect; true = score the actor's ids as they are")
+    overlong_buffer: OverlongBufferFields = Field(
+        default_factory=OverlongBufferFields, description="DAPO overlong shaping: enable, len "
+        "(buffer tokens before rollout.max_new_tokens), penalty_factor")
 
 
 class AlgorithmSection(BaseModel):
@@ -263,6 +316,11 @@ class AlgorithmSection(BaseModel):
     kl_target: Number = Field(0.1, gt=0, description="adaptive: target KL per token (responses' "
                                                      "token-mean KL, averaged; verl)")
     kl_horizon: Int = Field(10000, gt=0, description="adaptive controller: horizon")
+    dynamic_sampling: StrictBool = Field(False, description="DAPO: drop groups whose rewards "
+                                         "all agree and draw more prompt batches until "
+                                         "data.batch_size groups are kept")
+    max_gen_batches: Int = Field(10, ge=0, description="dynamic_sampling: prompt batches drawn "
+                                 "per step at most (then the run stops); 0 = no limit")
     whiten_advantages: Optional[StrictBool] = Field(
         None, description="whiten the final advantages over the global batch; null = the "
                           "estimator's default (gae: true, grpo / rloo: false, as verl; a "

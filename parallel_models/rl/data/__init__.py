@@ -1,2 +1,2 @@
-"""The RL data: prompt sets and their resumable loader, built-in verifiable tasks, and the batch
-that travels between a step's phases."""
+"""The RL data: prompt sets and their resumable loader, built-in verifiable tasks, the batch
+that travels between a step's phases, and DAPO's dynamic sampling of groups."""

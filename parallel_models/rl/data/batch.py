@@ -24,7 +24,8 @@ from parallel_models.utils import routes as route_utils
 
 #: fields with one value per response token, ``[N, R]``
 TOKEN_FIELDS = ("response_mask", "old_log_probs", "ref_log_probs", "values",
-                "token_level_rewards", "advantages", "returns", "rollout_log_probs")
+                "token_level_rewards", "advantages", "returns", "rollout_log_probs",
+                "rollout_is_weights")
 #: fields with one value per row, ``[N]``
 ROW_FIELDS = ("prompt_lengths", "group_index", "scores")
 #: fields over the whole sequence (prompt + response), ``[N, P+R]``
@@ -56,6 +57,7 @@ class RolloutBatch:
     advantages: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     rollout_log_probs: torch.Tensor | None = None  # the sampler's log-probs (in-process engine)
+    rollout_is_weights: torch.Tensor | None = None  # rollout correction (algorithms/rollout_correction.py)
     routes: torch.Tensor | None = None  # MoE: experts each token was routed to
     columns: dict[str, list] = dataclasses.field(default_factory=dict)  # e.g. "messages"
 

@@ -67,7 +67,7 @@ class TrainableRole(Role, Protocol):
 
 PER_SAMPLE_KEYS = ("sequences", "attention_mask", "prompt_lengths", "response_mask",
                    "old_log_probs", "ref_log_probs", "advantages", "returns", "values",
-                   "rollout_log_probs", "routes")
+                   "rollout_log_probs", "rollout_is_weights", "routes")
 
 
 def make_microbatches(batch: dict, max_tokens: int, routes: bool = True
@@ -110,12 +110,9 @@ def policy_loss(logits, mb, cfg, temperature: float):
     mode = cfg.loss_agg_mode
     logp, ent = _response_log_probs(logits, mb, temperature, True)
     mask = mb["response_mask"]
-    tis = None
-    if getattr(cfg, "tis_cap", None) is not None:  # truncated importance sampling
-        if "rollout_log_probs" not in mb:
-            raise ValueError("actor.tis_cap is set but the batch has no rollout log-probs")
-        tis = losses.truncated_is_weights(mb["old_log_probs"], mb["rollout_log_probs"],
-                                          cfg.tis_cap)
+    # rollout correction (actor.rollout_correction / tis_cap): the batch's importance weights,
+    # made once per step by rl/algorithms/rollout_correction.py, reach every policy loss here
+    tis = mb.get("rollout_is_weights")
     loss_name = getattr(cfg, "policy_loss", "ppo")
     loss_fn = losses.POLICY_LOSSES.get(loss_name)
     pg_loss, m = loss_fn(log_probs=logp, old_log_probs=mb["old_log_probs"],

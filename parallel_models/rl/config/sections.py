@@ -20,7 +20,7 @@ registries (``parallel_models.rl.registry``), loading users' files there.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
@@ -133,14 +133,29 @@ class RolloutSection(SamplingFields):
     tensor_parallel_size: Optional[Int] = Field(
         None, ge=1, description="in-process rollout engine's TP (null = the actor's); differs "
                                 "from it or PP > 1: weights resharded before each rollout")
-    kv_budget_tokens: Int = Field(0, ge=0, description="inprocess: continuous batching with this "
-                                  "many KV positions for all running samples (rows leave when "
-                                  "done, the n samples share one prefill); 0 = static batches")
+    kv_budget_tokens: Union[Literal["auto"], Int] = Field(
+        0, description="inprocess: continuous batching with this many KV positions for all "
+                       "running samples (rows leave when done, the n samples share one "
+                       "prefill); auto = planned from the device memory left at "
+                       "gpu_memory_utilization (CPU: every row at once); 0 = static batches")
+    gpu_memory_utilization: Number = Field(
+        0.9, gt=0, le=1, description="continuous batching on CUDA: share of the device the "
+                                     "rollout engine may use for weights + KV + activations "
+                                     "(vLLM's meaning); sizes the KV pool (kv_budget_tokens="
+                                     "auto) and the prefill chunk; a plan that cannot fit is "
+                                     "refused before generating")
     max_batch_rows: Int = Field(256, ge=1, description="continuous batching: samples decoding "
                                                        "at once at most")
     exact: StrictBool = Field(False, description="batch-invariant kernels (needs Triton): rollout "
                               "log-probs == training log-probs bit for bit (megatron backend, "
                               "inprocess rollout)")
+
+    @field_validator("kv_budget_tokens")
+    @classmethod
+    def _budget_not_negative(cls, value):
+        if value != "auto" and value < 0:
+            raise ValueError("kv_budget_tokens must be >= 0 or auto")
+        return value
 
     @field_validator("backend")
     @classmethod
@@ -160,7 +175,8 @@ class RolloutSection(SamplingFields):
     def engine_options(self) -> dict:
         """The in-process rollout engine's batching settings (``RolloutEngine`` keywords), the
         same for the engine on the actor's weights, the hybrid engine's and the fsdp backend's."""
-        return {"kv_budget_tokens": self.kv_budget_tokens or None, "max_rows": self.max_batch_rows}
+        return {"kv_budget_tokens": self.kv_budget_tokens or None, "max_rows": self.max_batch_rows,
+                "gpu_memory_utilization": self.gpu_memory_utilization}
 
 
 class ActorSection(OptimizerFields):

@@ -28,6 +28,10 @@ from parallel_models.inference import SamplingFields, SamplingParams
 from parallel_models.options import KernelOptions
 from parallel_models.utils.optimizer_config import Int, Number, OptimizerFields
 
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE_HELP = ("megatron backend, activation recomputation in the backward: none | selective "
+                  "(core attention, megatron-core's selective granularity) | full (each decoder "
+                  "layer; not for MoE)")
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -213,6 +217,8 @@ class ActorSection(OptimizerFields):
     tis_cap: Optional[Number] = Field(None, gt=0, description="truncated importance sampling: "
                                       "policy loss x min(exp(old - rollout log-prob), cap); "
                                       "null = off")
+    recompute: Recompute = Field("none", description=RECOMPUTE_HELP + "; the reference runs "
+                                 "no backward: nothing to recompute")
 
 
 class CriticSection(OptimizerFields):
@@ -226,6 +232,7 @@ class CriticSection(OptimizerFields):
     path: Optional[str] = Field(None, description="null = initialize from the actor with a new "
                                                   "value head")
     cliprange_value: Number = Field(0.5, gt=0, description="value clipping")
+    recompute: Recompute = Field("none", description=RECOMPUTE_HELP)
 
 
 class RewardSection(BaseModel):

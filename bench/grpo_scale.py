@@ -323,13 +323,16 @@ def main():
                    help="rollout.gpu_memory_utilization (default: the config's)")
     p.add_argument("--actor", dest="actor_options", type=actor_option, nargs="*", default=[],
                    help="extra actor settings, e.g. recompute=full optimizer_offload_fraction=1")
+    p.add_argument("--no-trainer-offload", action="store_true",
+                   help="trainer.offload=false (needed with the distributed optimizer / "
+                        "actor optimizer_offload_fraction: the offloader refuses its buffers)")
     p.add_argument("--root", default=None, help="folder for the model, data and runs")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available through NVML:
     cuda = torch.cuda.is_available()  # no CUDA context in this process, the runs get it all
     args.dtype = "bfloat16" if cuda else "float32"
-    args.offload = cuda
+    args.offload = cuda and not args.no_trainer_offload
     args.matmul_peak = None
     root = args.root or tempfile.mkdtemp(prefix="grpo_scale_")
     shape = SHAPES[args.shape]

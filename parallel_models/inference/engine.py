@@ -159,10 +159,11 @@ class RolloutEngine:
         from parallel_models.inference.memory_plan import plan_for_model
 
         explicit = None if self.kv_budget_tokens == "auto" else int(self.kv_budget_tokens)
-        if longest_row is None:
-            longest_row = int(getattr(self.model.config, "max_position_embeddings", 0)
-                              or explicit or DEFAULT_MAX_PREFILL_TOKENS)
-            longest_prompt = longest_row - 1
+        if longest_row is None:  # (the server: requests unknown) a row as long as allowed
+            positions = int(getattr(self.model.config, "max_position_embeddings", 0)
+                            or explicit or DEFAULT_MAX_PREFILL_TOKENS)
+            longest_row = min(positions, explicit or positions)
+            longest_prompt = min(longest_row - 1, DEFAULT_MAX_PREFILL_TOKENS)
         rows = min(self.max_rows, rows or self.max_rows)
         plan = plan_for_model(self.model, utilization=self.gpu_memory_utilization,
                               longest_prompt=longest_prompt, longest_row=longest_row, rows=rows,

@@ -11,6 +11,11 @@ What runs (each layout: ``torchrun --nproc-per-node 2 -m parallel_models.rl.trai
   drawn on the GPU (no transformers model is built); ``--shape tiny`` for the CPU;
 - tokenizer: a word-level one over the same 128256 ids (``t0`` ... plus specials), built on the
   spot, so 512-token prompts and random responses round-trip as text;
+- the bench's own process never holds GPU memory while the run goes: the model is written and the
+  matmul peak measured in a spawned child process (``gpu_setup``), whose CUDA context and cached
+  blocks go with it;
+- rollout KV: ``rollout.kv_budget_tokens=auto`` (``--kv-budget``), planned from the memory left
+  at ``rollout.gpu_memory_utilization`` (``--gpu-memory-utilization``; default: the config's);
 - data: 64 prompts per step of exactly 512 tokens, each with a response cap drawn long-tailed
   (lognormal, median 300, sigma 0.8, clipped to 16..1024) in the record field the trainer reads
   (``data.max_new_tokens_key``); ``rollout.ignore_eos``, so every response is as long as its cap;
@@ -133,7 +138,9 @@ def overrides(args, layout: str, model: str, data: str, out: str, prompt_len: in
               new_tokens: int) -> list[str]:
     samples = args.prompts * args.n
     engines = 1 if layout == "tp2" else 2  # pp2: two rollout engines (TP'=1, one per GPU)
-    kv_budget = samples // engines * (prompt_len + new_tokens)
+    kv_budget = args.kv_budget
+    if kv_budget == "all":  # every sample's region at once (the pre-planner setting)
+        kv_budget = samples // engines * (prompt_len + new_tokens)
     o = [f"model.path={model}", f"model.dtype={args.dtype}", f"data.path={data}",
          f"data.max_prompt_length={prompt_len}", f"data.batch_size={args.prompts}",
          "data.shuffle=false", "data.max_new_tokens_key=budget", f"rollout.n={args.n}",
@@ -144,6 +151,9 @@ def overrides(args, layout: str, model: str, data: str, out: str, prompt_len: in
          f"trainer.total_steps={args.steps}", "trainer.save_every=0",
          "trainer.save_hf_at_end=false", "trainer.loggers=[jsonl]", f"trainer.output_dir={out}",
          f"trainer.offload={str(args.offload).lower()}"]
+    if args.gpu_memory_utilization is not None:
+        o.append(f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}")
+    o += [f"actor.{k}={v}" for k, v in args.actor_options]
     o += (["parallel.tensor_parallel_size=2"] if layout == "tp2" else
           ["parallel.pipeline_parallel_size=2"])
     if args.critic:
@@ -249,6 +259,49 @@ def print_table(result: dict) -> None:
               f"{fmt('mfu_h200_dense', '.1%')} |")
 
 
+def gpu_setup(folder: str | None, shape: dict) -> dict:
+    """The GPU work before the runs, in this (child) process: the model written to ``folder``
+    (when given), the device's name and measured bf16 matmul peak."""
+    if folder:
+        log(f"writing the model to {folder}")
+        build_model(folder, shape, "cuda")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import matmul_peak_tflops
+
+    return {"device": torch.cuda.get_device_name(),
+            "matmul_peak": matmul_peak_tflops(torch.device("cuda"))}
+
+
+def in_child(fn, *args):
+    """``fn(*args)`` in a spawned process (its CUDA context and memory leave with it)."""
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
+def gpu_memory_in_use(pid: int) -> int:
+    """MiB of GPU memory process ``pid`` holds (nvidia-smi; 0 when it has none or no
+    nvidia-smi)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    rows = [line.split(",") for line in out.splitlines() if line.strip()]
+    return sum(int(m) for p, m in rows if p.strip() == str(pid) and m.strip().isdigit())
+
+
+def actor_option(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--actor takes key=value, got {text!r}")
+    return key, value
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--layout", nargs="+", choices=["tp2", "pp2"], default=["tp2"])
@@ -263,24 +316,37 @@ def main():
     p.add_argument("--micro-tokens", type=int, default=8192)
     p.add_argument("--timeout", type=int, nargs="+", default=[560],
                    help="seconds per layout (one value, or one per --layout)")
+    p.add_argument("--kv-budget", default="auto",
+                   help="rollout.kv_budget_tokens: auto (planned) | all (every sample at once) "
+                        "| a token count")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="rollout.gpu_memory_utilization (default: the config's)")
+    p.add_argument("--actor", dest="actor_options", type=actor_option, nargs="*", default=[],
+                   help="extra actor settings, e.g. recompute=full optimizer_offload_fraction=1")
+    p.add_argument("--no-trainer-offload", action="store_true",
+                   help="trainer.offload=false (needed with the distributed optimizer / "
+                        "actor optimizer_offload_fraction: the offloader refuses its buffers)")
     p.add_argument("--root", default=None, help="folder for the model, data and runs")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    cuda = torch.cuda.is_available()
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available through NVML:
+    cuda = torch.cuda.is_available()  # no CUDA context in this process, the runs get it all
     args.dtype = "bfloat16" if cuda else "float32"
-    args.offload = cuda
+    args.offload = cuda and not args.no_trainer_offload
     args.matmul_peak = None
-    if cuda:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from common import matmul_peak_tflops
-
-        args.matmul_peak = matmul_peak_tflops(torch.device("cuda"))
     root = args.root or tempfile.mkdtemp(prefix="grpo_scale_")
     shape = SHAPES[args.shape]
     model, data = os.path.join(root, "model"), os.path.join(root, "prompts.jsonl")
-    if not os.path.isfile(os.path.join(model, "config.json")):
+    missing = not os.path.isfile(os.path.join(model, "config.json"))
+    device_name, held = "cpu", 0
+    if cuda:  # the model and the matmul peak in a child process: its GPU memory leaves with it
+        info = in_child(gpu_setup, model if missing else None, shape)
+        args.matmul_peak, device_name = info["matmul_peak"], info["device"]
+        held = gpu_memory_in_use(os.getpid())
+        log(f"GPU memory held by the bench's own process: {held} MiB")
+    elif missing:
         log(f"writing the {args.shape} model to {model}")
-        build_model(model, shape, "cuda" if cuda else "cpu")
+        build_model(model, shape, "cpu")
     caps = build_data(data, args.prompts * args.steps, args.prompt_len, shape["vocab_size"],
                       args.max_new)
     srt = sorted(caps)
@@ -289,7 +355,7 @@ def main():
     log(f"data: {len(caps)} prompts x {args.prompt_len} tokens, response caps {dist_info}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
-    results = {"device": torch.cuda.get_device_name() if cuda else "cpu",
+    results = {"device": device_name, "bench_process_gpu_mib": held,
                "torch": torch.__version__, "args": vars(args), "response_caps": dist_info,
                "nemo_rl_definition": "tokens/sec/GPU = total tokens processed / (stage time x "
                                      "GPUs); docs.nvidia.com/nemo/rl/latest/about/"

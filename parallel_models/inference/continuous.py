@@ -39,6 +39,7 @@ from parallel_models.inference.sampling import SamplingParams
 from parallel_models.inference.scheduler import KVBudgetError, Scheduler
 from parallel_models.options import option
 
+DEFAULT_MAX_PREFILL_TOKENS = 16384  # prompt tokens per prefill pack (the memory plan may lower it)
 
 @dataclasses.dataclass
 class Sample:
@@ -122,7 +123,7 @@ class ContinuousEngine:
 
     def __init__(self, model, kv_budget_tokens: int, *, max_rows: int = 64,
                  max_row_tokens: int | None = None, prefix_cache_tokens: int = 0,
-                 max_prefill_tokens: int = 16384, pipeline: bool | None = None):
+                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, pipeline: bool | None = None):
         if model.head_kind != "causal_lm":
             raise TypeError(f"{type(model).__name__} has no LM head; generation needs a CausalLM")
         self.parallel_layout = check_generation_layout(model)  # the model's (its TP group)

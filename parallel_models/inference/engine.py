@@ -10,7 +10,11 @@ rollout server (``server/engine.py``) wraps it and mirrors its commands to the o
   ``"top_logprobs"``: per generated token the k most likely ``[token_id, log_prob]`` pairs.
 - With ``kv_budget_tokens`` the engine batches continuously (``continuous.ContinuousEngine``:
   rows leave when done, waiting prompts take their place, the n samples of a prompt share one
-  prefill; at most ``kv_budget_tokens`` KV positions and ``max_rows`` rows at once). Each prompt
+  prefill; at most ``kv_budget_tokens`` KV positions and ``max_rows`` rows at once;
+  ``kv_budget_tokens="auto"``: on CUDA the KV pool and the prefill chunk are planned from the
+  device memory left at ``gpu_memory_utilization`` when a generate starts (``memory_plan``; an
+  explicit budget keeps its size and only the prefill chunk is planned; a plan that cannot fit
+  raises ``MemoryPlanError`` before generating); off CUDA "auto" = every row at once). Each prompt
   i gets its own draw seed (``params.seed`` mixed with i, else one from ``generator`` / the global
   generator), so a seeded call is reproducible whatever else runs; ``prompt_seeds`` (the PPO
   trainer's, one per prompt) give each sample its own noise in both batchers (the same tokens).
@@ -32,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from parallel_models.inference.generation import GenerationOutput, generate
+from parallel_models.inference.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION
 from parallel_models.inference.row_sampling import SEED_BITS, row_seed
 from parallel_models.inference.sampling import SamplingParams
 
@@ -93,12 +98,15 @@ def _prompt_seeds(seeds, prompts: int) -> list[int] | None:
 
 class RolloutEngine:
     """``RolloutEngine(model, eos_token_id=None, pad_token_id=0, weights_path=None,
-    kv_budget_tokens=None, max_rows=64, prefix_cache_tokens=0, keep_kv=False)``."""
+    kv_budget_tokens=None, max_rows=64, prefix_cache_tokens=0, keep_kv=False,
+    gpu_memory_utilization=0.9)``; ``kv_budget_tokens``: None (static batches), a KV size in
+    tokens, or ``"auto"`` (planned, see the module docstring)."""
 
     def __init__(self, model, *, eos_token_id: int | list[int] | None = None,
                  pad_token_id: int = 0, weights_path: str | None = None,
-                 kv_budget_tokens: int | None = None, max_rows: int = 64,
-                 prefix_cache_tokens: int = 0, keep_kv: bool = False):
+                 kv_budget_tokens: int | str | None = None, max_rows: int = 64,
+                 prefix_cache_tokens: int = 0, keep_kv: bool = False,
+                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION):
         if model.head_kind != "causal_lm":
             raise TypeError(f"{type(model).__name__} has no LM head; a rollout engine needs a "
                             "CausalLM")
@@ -112,7 +120,12 @@ class RolloutEngine:
         self.version = 0
         self.generated_tokens = 0
         self.batches = 0
+        if isinstance(kv_budget_tokens, str) and kv_budget_tokens != "auto":
+            raise ValueError(f"kv_budget_tokens must be a token count or 'auto', got "
+                             f"{kv_budget_tokens!r}")
         self.kv_budget_tokens = kv_budget_tokens
+        self.gpu_memory_utilization = gpu_memory_utilization
+        self.memory_plan = None  # the last plan (CUDA), for logs and metrics
         self.max_rows = max_rows
         self.prefix_cache_tokens = prefix_cache_tokens
         self.keep_kv = keep_kv
@@ -122,17 +135,45 @@ class RolloutEngine:
     def continuous(self) -> bool:
         return bool(self.kv_budget_tokens)
 
-    def continuous_engine(self):
+    def continuous_engine(self, longest_prompt: int | None = None,
+                          longest_row: int | None = None, rows: int | None = None):
         """The :class:`~parallel_models.inference.continuous.ContinuousEngine` (made on first
-        use; continuous mode only)."""
+        use; continuous mode only), its KV pool and prefill chunk planned for requests whose
+        longest prompt / row (prompt + new tokens) are given (default: the model's positions)
+        and ``rows`` samples (default ``max_rows``)."""
         if self._continuous is None:
             from parallel_models.inference.continuous import ContinuousEngine
 
+            budget, chunk = self._plan(longest_prompt, longest_row, rows)
             self._continuous = ContinuousEngine(
-                self.model, int(self.kv_budget_tokens), max_rows=self.max_rows,
-                prefix_cache_tokens=self.prefix_cache_tokens)
+                self.model, budget, max_rows=self.max_rows,
+                prefix_cache_tokens=self.prefix_cache_tokens, max_prefill_tokens=chunk)
             self._continuous.on_tokens = self._count_tokens
         return self._continuous
+
+    def _plan(self, longest_prompt, longest_row, rows) -> tuple[int, int]:
+        """(KV tokens, prefill chunk) of the continuous engine: the memory plan on CUDA
+        (``memory_plan.plan_for_model``), else the explicit budget (``"auto"``: every row at
+        once) and the default chunk."""
+        from parallel_models.inference.continuous import DEFAULT_MAX_PREFILL_TOKENS
+        from parallel_models.inference.memory_plan import plan_for_model
+
+        explicit = None if self.kv_budget_tokens == "auto" else int(self.kv_budget_tokens)
+        if longest_row is None:  # (the server: requests unknown) a row as long as allowed
+            positions = int(getattr(self.model.config, "max_position_embeddings", 0)
+                            or explicit or DEFAULT_MAX_PREFILL_TOKENS)
+            longest_row = min(positions, explicit or positions)
+            longest_prompt = min(longest_row - 1, DEFAULT_MAX_PREFILL_TOKENS)
+        rows = min(self.max_rows, rows or self.max_rows)
+        plan = plan_for_model(self.model, utilization=self.gpu_memory_utilization,
+                              longest_prompt=longest_prompt, longest_row=longest_row, rows=rows,
+                              max_prefill_tokens=DEFAULT_MAX_PREFILL_TOKENS,
+                              kv_budget_tokens=explicit)
+        if plan is None:  # no device memory to plan (CPU)
+            return explicit or rows * longest_row, DEFAULT_MAX_PREFILL_TOKENS
+        self.memory_plan = plan
+        log.info("rollout memory plan: %s", plan.describe())
+        return plan.kv_tokens, plan.prefill_tokens
 
     def _count_tokens(self, count: int) -> None:
         self.generated_tokens += count
@@ -184,7 +225,11 @@ class RolloutEngine:
                              seeds=None):
         from parallel_models.inference.continuous import generation_output, request_seed
 
-        engine = self.continuous_engine()
+        lengths = [len(p) for p in prompts]
+        longest = max((len(p) + (params.max_new_tokens if caps is None else c)
+                       for p, c in zip(prompts, caps or [None] * len(prompts))), default=2)
+        engine = self.continuous_engine(max(lengths, default=1), longest,
+                                        len(prompts) * params.n)
         stop = self.stop_ids(params)
         try:
             requests = []

@@ -30,7 +30,7 @@ from parallel_models.distributed import layout_or_training
 from parallel_models.heads import ParallelLMHead, ValueHead
 from parallel_models.llama import checkpoint_utils as ckpt_io
 from parallel_models.llama.layers import ParallelDecoderLayer, RMSNorm, RotaryEmbedding
-from parallel_models.llama.layers import moe_aux_carry, moe_aux_loss
+from parallel_models.llama.layers import moe_aux_carry, moe_aux_loss, recompute
 from parallel_models.llama.layers.fused_ops import add_rms_norm
 from parallel_models.llama.layers.moe import moe_megatron_settings
 from parallel_models.options import option
@@ -109,6 +109,8 @@ def fuse_residual_norm() -> bool:
 class ParallelDecoder(torch.nn.Module):
     """Embedding (first stage) -> decoder layers of this stage -> final norm (last stage)."""
 
+    recompute = "none"  # activation recomputation (layers/recompute.py: set_recompute)
+
     def __init__(self, config: ModelConfig, mp_config: ModelParallelConfig, layer_ids: list[int],
                  pre_process: bool = True, post_process: bool = True, layout=None):
         super().__init__()
@@ -161,11 +163,20 @@ class ParallelDecoder(torch.nn.Module):
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
         if kv_cache is not None and self.post_process and fuse_residual_norm():
             return self._forward_fused(hidden, cos, sin, cu_seqlens, max_seqlen, kv_cache)
+        if self.recompute == "full" and kv_cache is None and torch.is_grad_enabled():
+            return self._forward_recomputed(hidden, cos, sin, cu_seqlens, max_seqlen)
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos, sin, cu_seqlens, max_seqlen, kv_cache, i)
         if self.post_process:
             hidden = self.norm(hidden)
         return hidden
+
+    def _forward_recomputed(self, hidden, cos, sin, cu_seqlens, max_seqlen):
+        """The layers with full activation recomputation (``layers/recompute.py``): only each
+        layer's input is kept for the backward."""
+        for layer in self.layers:
+            hidden = recompute.decoder_layer(layer, hidden, cos, sin, cu_seqlens, max_seqlen)
+        return self.norm(hidden) if self.post_process else hidden
 
     def _forward_fused(self, hidden, cos, sin, cu_seqlens, max_seqlen, kv_cache):
         """The layers with each residual sum fused into the next norm (one kernel instead of

@@ -3,7 +3,9 @@
 ``build_optimizer(chunks, OptimConfig(...))`` wraps each model chunk in megatron-core's
 ``DistributedDataParallel`` (grad buffers, data-parallel reduction, ``finalize_model_grads``),
 builds the megatron optimizer (Adam; bf16/fp16 params keep fp32 master weights; optional
-distributed optimizer) and an ``OptimizerParamScheduler``; with the option ``wgrad_fusion``
+distributed optimizer; ``optimizer_offload_fraction``: megatron-core's CPU offload of the
+optimizer states and their step, :func:`megatron_optimizer_config`) and an
+``OptimizerParamScheduler``; with the option ``wgrad_fusion``
 (``PARALLEL_MODELS_WGRAD_FUSION=1``) the linears' weight gradients accumulate straight into
 DDP's fp32 buffers (``utils/wgrad_fusion.py``; off by default: slower on an H100); otherwise a
 step's first backward writes the buffers instead of zeroing and adding
@@ -90,18 +92,46 @@ def wrap_for_training(chunks, use_distributed_optimizer: bool = False) -> list:
 def build_optimizer(chunks, config: OptimConfig) -> TrainState:
     """Wrap ``chunks`` (one model or this rank's pipeline chunks) for training."""
     config.validate()
-    wrapped = wrap_for_training(chunks, config.use_distributed_optimizer)
-    dtype = wrapped[0].module.dtype
+    cuda = torch.cuda.is_available()
+    opt_config = megatron_optimizer_config(config, chunks_dtype(chunks), cuda)
+    wrapped = wrap_for_training(chunks, opt_config.use_distributed_optimizer)
     with cpu_shim.cuda_to_cpu():
-        opt_config = OptimizerConfig(
-            optimizer="adam", lr=config.lr, min_lr=config.min_lr,
-            weight_decay=config.weight_decay, adam_beta1=config.betas[0],
-            adam_beta2=config.betas[1], adam_eps=config.eps,
-            clip_grad=config.clip_grad if torch.cuda.is_available() else 0.0,
-            bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
-            use_distributed_optimizer=config.use_distributed_optimizer)
         optimizer = get_megatron_optimizer(opt_config, wrapped)
     return TrainState(wrapped, optimizer, lr_scheduler(optimizer, config), config)
+
+
+def chunks_dtype(chunks) -> torch.dtype:
+    return (chunks[0] if isinstance(chunks, (list, tuple)) else chunks).dtype
+
+
+def megatron_optimizer_config(config: OptimConfig, dtype: torch.dtype,
+                              cuda: bool) -> OptimizerConfig:
+    """megatron-core's ``OptimizerConfig`` of ``config`` for weights of ``dtype``. With
+    ``optimizer_offload_fraction`` > 0 on CUDA: megatron-core's CPU offload (its
+    ``HybridDeviceOptimizer`` keeps that share of the fp32 states and runs their step on the
+    host) on top of the distributed optimizer (switched on with it; at DP = 1 it shards
+    nothing). Not the precision-aware path (it needs Transformer Engine). The CPU ignores the
+    fraction: the states already live in host memory."""
+    offload = cuda and config.optimizer_offload_fraction > 0
+    fields = dict(
+        optimizer="adam", lr=config.lr, min_lr=config.min_lr,
+        weight_decay=config.weight_decay, adam_beta1=config.betas[0],
+        adam_beta2=config.betas[1], adam_eps=config.eps,
+        clip_grad=config.clip_grad if cuda else 0.0,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+        use_distributed_optimizer=config.use_distributed_optimizer or offload)
+    if offload:
+        fields.update(optimizer_cpu_offload=True,
+                      optimizer_offload_fraction=config.optimizer_offload_fraction,
+                      overlap_cpu_optimizer_d2h_h2d=True,
+                      pin_cpu_grads=True, pin_cpu_params=True)
+    known = {f.name for f in dataclasses.fields(OptimizerConfig)}
+    missing = sorted(set(fields) - known)
+    if missing:
+        raise ConfigError(f"optimizer_offload_fraction: this megatron-core has no "
+                          f"{', '.join(missing)} (needs megatron-core >= 0.12)")
+    with cpu_shim.cuda_to_cpu():
+        return OptimizerConfig(**fields)
 
 
 def lr_scheduler(optimizer, config) -> OptimizerParamScheduler:

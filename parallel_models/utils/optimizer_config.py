@@ -40,6 +40,11 @@ class OptimizerFields(BaseModel):
         "constant", description="constant | linear | cosine (after warm-up)")
     use_distributed_optimizer: StrictBool = Field(
         False, description="shard optimizer states over data-parallel ranks (megatron-core)")
+    optimizer_offload_fraction: Number = Field(
+        0.0, ge=0, le=1, description="CUDA: share of the optimizer states kept, and stepped, "
+                                     "in host memory (megatron-core's HybridDeviceOptimizer, "
+                                     "with the distributed optimizer); 0 = all on the GPU; "
+                                     "the CPU ignores it (the states are in host memory)")
 
     @field_validator("betas")
     @classmethod

@@ -7,6 +7,7 @@ import torch
 from megatron.core import ModelParallelConfig
 
 from parallel_models.config import ModelConfig
+from parallel_models.llama.layers import recompute
 from parallel_models.llama.layers.attention_kernels import varlen_causal_attention
 from parallel_models.llama.layers.linear import ParallelRowLinear, QKVParallelLinear
 from parallel_models.llama.layers.fused_ops import rms_norm, rotary
@@ -14,6 +15,8 @@ from parallel_models.llama.layers.norm import RMSNorm
 
 
 class ParallelAttention(torch.nn.Module):
+    recompute_core_attention = False  # selective recomputation (layers/recompute.py)
+
     def __init__(self, config: ModelConfig, mp_config: ModelParallelConfig, layout=None):
         super().__init__()
         std = config.initializer_range
@@ -54,6 +57,8 @@ class ParallelAttention(torch.nn.Module):
             out = kv_cache.attend(layer_index, q, k, v, cu_seqlens, max_seqlen, self.scale)
         else:
             q, k = rotary(q, k, cos, sin)
-            out = varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, scale=self.scale)
+            attend = recompute.core_attention if self.recompute_core_attention else \
+                varlen_causal_attention  # (selective recomputation)
+            out = attend(q, k, v, cu_seqlens, max_seqlen, scale=self.scale)
         out, _ = self.o_proj(out.reshape(out.shape[0], 1, -1))
         return out

@@ -42,6 +42,7 @@ def _rollout_tp(cfg) -> int:
 
 def build_roles(cfg, tokenizer, model_path: str) -> Roles:
     """The actor, reference, critic (over our parallel models), reward and rollout."""
+    from parallel_models.llama.layers.recompute import set_recompute
     from parallel_models.rl.roles.model_roles import CriticRole, PolicyRole
     from parallel_models.utils.optimizer import build_optimizer
 
@@ -51,6 +52,7 @@ def build_roles(cfg, tokenizer, model_path: str) -> Roles:
     pp = cfg.parallel.pipeline_parallel_size > 1  # PP variants: this rank's pipeline stage
     actor_cls = pm.get_model_class(arch, "causal_lm", rmpad=True, pp=pp)
     actor_model = actor_cls.from_pretrained(model_path, dtype=dtype)
+    set_recompute(actor_model, a.recompute)
     budget = a.micro_batch_tokens
     state = build_optimizer([actor_model], a.optim_config(tcfg.total_steps))
     actor = PolicyRole(actor_model, state, temperature=cfg.rollout.temperature
@@ -70,6 +72,7 @@ def build_roles(cfg, tokenizer, model_path: str) -> Roles:
                                         rmpad=True, pp=pp)
         critic_model = critic_cls.from_pretrained(critic_path, dtype=dtype,
                                                   value_head_seed=tcfg.seed)
+        set_recompute(critic_model, c.recompute)
         critic_state = build_optimizer([critic_model], c.optim_config(tcfg.total_steps))
         critic = CriticRole(critic_model, critic_state, max_tokens=budget, cfg=c,
                             loss_agg_mode=a.loss_agg_mode)

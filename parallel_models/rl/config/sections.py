@@ -20,7 +20,7 @@ registries (``parallel_models.rl.registry``), loading users' files there.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
@@ -28,6 +28,10 @@ from parallel_models.inference import SamplingFields, SamplingParams
 from parallel_models.options import KernelOptions
 from parallel_models.utils.optimizer_config import Int, Number, OptimizerFields
 
+Recompute = Literal["none", "selective", "full"]
+RECOMPUTE_HELP = ("megatron backend, activation recomputation in the backward: none | selective "
+                  "(core attention, megatron-core's selective granularity) | full (each decoder "
+                  "layer; not for MoE)")
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -133,14 +137,29 @@ class RolloutSection(SamplingFields):
     tensor_parallel_size: Optional[Int] = Field(
         None, ge=1, description="in-process rollout engine's TP (null = the actor's); differs "
                                 "from it or PP > 1: weights resharded before each rollout")
-    kv_budget_tokens: Int = Field(0, ge=0, description="inprocess: continuous batching with this "
-                                  "many KV positions for all running samples (rows leave when "
-                                  "done, the n samples share one prefill); 0 = static batches")
+    kv_budget_tokens: Union[Literal["auto"], Int] = Field(
+        0, description="inprocess: continuous batching with this many KV positions for all "
+                       "running samples (rows leave when done, the n samples share one "
+                       "prefill); auto = planned from the device memory left at "
+                       "gpu_memory_utilization (CPU: every row at once); 0 = static batches")
+    gpu_memory_utilization: Number = Field(
+        0.9, gt=0, le=1, description="continuous batching on CUDA: share of the device the "
+                                     "rollout engine may use for weights + KV + activations "
+                                     "(vLLM's meaning); sizes the KV pool (kv_budget_tokens="
+                                     "auto) and the prefill chunk; a plan that cannot fit is "
+                                     "refused before generating")
     max_batch_rows: Int = Field(256, ge=1, description="continuous batching: samples decoding "
                                                        "at once at most")
     exact: StrictBool = Field(False, description="batch-invariant kernels (needs Triton): rollout "
                               "log-probs == training log-probs bit for bit (megatron backend, "
                               "inprocess rollout)")
+
+    @field_validator("kv_budget_tokens")
+    @classmethod
+    def _budget_not_negative(cls, value):
+        if value != "auto" and value < 0:
+            raise ValueError("kv_budget_tokens must be >= 0 or auto")
+        return value
 
     @field_validator("backend")
     @classmethod
@@ -160,7 +179,8 @@ class RolloutSection(SamplingFields):
     def engine_options(self) -> dict:
         """The in-process rollout engine's batching settings (``RolloutEngine`` keywords), the
         same for the engine on the actor's weights, the hybrid engine's and the fsdp backend's."""
-        return {"kv_budget_tokens": self.kv_budget_tokens or None, "max_rows": self.max_batch_rows}
+        return {"kv_budget_tokens": self.kv_budget_tokens or None, "max_rows": self.max_batch_rows,
+                "gpu_memory_utilization": self.gpu_memory_utilization}
 
 
 class RolloutCorrectionFields(BaseModel):
@@ -247,6 +267,8 @@ class ActorSection(OptimizerFields):
         default_factory=RolloutCorrectionFields, description="training-inference mismatch: "
         "level (token | sequence | geometric), mode (truncate | mask), hi, lo, reject "
         "(seq_{sum,mean,max}_k{2,3}), reject_threshold")
+    recompute: Recompute = Field("none", description=RECOMPUTE_HELP + "; the reference runs "
+                                 "no backward: nothing to recompute")
 
 
 class CriticSection(OptimizerFields):
@@ -260,6 +282,7 @@ class CriticSection(OptimizerFields):
     path: Optional[str] = Field(None, description="null = initialize from the actor with a new "
                                                   "value head")
     cliprange_value: Number = Field(0.5, gt=0, description="value clipping")
+    recompute: Recompute = Field("none", description=RECOMPUTE_HELP)
 
 
 class RewardSection(BaseModel):

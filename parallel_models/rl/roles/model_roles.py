@@ -175,7 +175,15 @@ class _ModelRole(OffloadingRole):
     """Offload plumbing shared by the model-backed roles."""
 
     def _init_offload(self, chunks, optimizer) -> None:
-        self.offloader = Offloader(chunks, optimizer)
+        self._offload_parts, self._offloader = (chunks, optimizer), None
+
+    @property
+    def offloader(self) -> Offloader:
+        """Made on first use (only trainer.offload uses it: a role on the distributed optimizer,
+        whose weights the offloader refuses to move, trains without it)."""
+        if self._offloader is None:
+            self._offloader = Offloader(*self._offload_parts)
+        return self._offloader
 
 
 def _global_update_metrics(out: dict, weighted: dict[str, str], n_microbatches: int,

@@ -39,6 +39,7 @@ from parallel_models.rl.backends.roles import offload_enabled
 from parallel_models.rl.data.batch import RolloutBatch
 from parallel_models.rl.data.prompts import prompt_caps
 from parallel_models.rl.final_export import export_done, record_export, remove_stale_exports
+from parallel_models.rl.greedy_baseline import greedy_baselines, wants_greedy_baseline
 from parallel_models.rl.observe import dp_stats
 from parallel_models.rl.observe.metrics import Timer
 
@@ -230,6 +231,11 @@ class PPOTrainer:
             key = self.cfg.data.messages_key
             msgs = [records["records"][i].get(key) for i in mine]
             batch["messages"] = [m for m in msgs for _ in range(self.cfg.rollout.n)]
+        if wants_greedy_baseline(self.cfg):  # e.g. ReMax: a greedy response per prompt, scored
+            mine_records = ([records["records"][i] for i in mine]
+                            if isinstance(records, dict) and "records" in records else None)
+            batch["reward_baselines"] = greedy_baselines(
+                self, [prompt_ids[i] for i in mine], mine_records, max_new_tokens=caps)
         return batch
 
     def prompt_seeds(self, indices: list[int], step: int | None = None) -> list[int] | None:

@@ -1,7 +1,9 @@
-"""The greedy baseline rollout of estimators that declare ``needs_greedy_baseline`` (ReMax, Li et
-al. 2023, arXiv:2310.10505): one greedy response per prompt, scored by the run's reward; each
-sampled response of the prompt gets that score as its baseline (``batch["reward_baselines"]``,
-read by the advantage phase, logged as ``reward/greedy_baseline_mean``)."""
+"""The greedy baseline rollout of estimators that declare ``needs_greedy_baseline`` (ReMax): one
+greedy response per prompt, scored by the run's reward.
+
+Each sampled response of the prompt gets that score as its baseline (``batch["reward_baselines"]``,
+read by the advantage phase, logged as ``reward/greedy_baseline_mean``); ReMax is Li et al. 2023,
+arXiv:2310.10505."""
 
 from __future__ import annotations
 

@@ -97,7 +97,9 @@ def test_builtins_are_registered_by_name():
 
 def test_unknown_names_and_registration_errors():
     with pytest.raises(ConfigError, match=r"unknown advantage estimator 'gea' \(did you mean "
-                                          r"'gae'\?\); registered: gae, grpo, rloo"):
+                                          r"'gae'\?\); registered: gae, gpg, grpo, opo, "
+                                          r"reinforce_plus_plus, reinforce_plus_plus_baseline, "
+                                          r"remax, rloo;"):
         ADVANTAGE_ESTIMATORS.get("gea")
     message = _error(["actor.policy_loss=ppp"])
     assert "actor.policy_loss" in message and "did you mean 'ppo'" in message

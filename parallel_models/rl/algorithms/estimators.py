@@ -26,7 +26,8 @@ user's function, e.g. ``fn.needs_critic = True``):
 * ``whiten_by_default`` (default False): ``algorithm.whiten_advantages: null`` whitens;
 * ``needs_greedy_baseline`` (default False): the trainer rolls out one greedy response per prompt,
   scores it with the reward, and the estimator gets the keyword ``reward_baselines``, ``[B]``
-  float, each row's prompt's greedy score (ReMax).
+  float, each row's prompt's greedy score (ReMax); give that parameter a default (``=None``),
+  the signature check calls with the common keywords only.
 
 Groups of one (a prompt with a single sample) get advantage 0 from every group estimator here:
 there is no baseline to compare with. verl instead uses a baseline of 0 there (the advantage is

@@ -72,3 +72,25 @@ def test_grpo_and_gspo_raise_the_builtin_jobs_reward(tmp_path, loss):
     assert len(rewards) == 14
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.1, f"{loss}: reward did not rise: {rewards}"
+
+
+@pytest.mark.parametrize("override,words", [
+    ("actor.clip_cov_lb=6", "actor.clip_cov_lb (6.0) must be below actor.clip_cov_ub (5.0)"),
+    ("actor.loss_agg_mode=token-summ", "seq-mean-token-sum-norm"),
+    ("actor.policy_loss=gpsO", "unknown policy loss 'gpsO'"),
+])
+def test_bad_algorithm_settings_name_the_key(override, words):
+    from parallel_models.errors import ConfigError
+    from parallel_models.rl.config import load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert words in str(err.value) and override.split("=")[0].split(".")[-1] in str(err.value)
+
+
+def test_old_configs_name_the_clipped_loss_ppo():
+    from parallel_models.rl.config import load_config
+
+    assert load_config(None, []).actor.policy_loss == "vanilla"
+    assert losses.POLICY_LOSSES.get("ppo") is losses.POLICY_LOSSES.get("vanilla")
+    assert load_config(None, ["actor.policy_loss=ppo"]).actor.policy_loss == "ppo"

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from parallel_models.inference import SamplingFields, SamplingParams
 from parallel_models.options import KernelOptions
@@ -213,6 +213,13 @@ class ActorSection(OptimizerFields):
     tis_cap: Optional[Number] = Field(None, gt=0, description="truncated importance sampling: "
                                       "policy loss x min(exp(old - rollout log-prob), cap); "
                                       "null = off")
+
+    @model_validator(mode="after")
+    def _clip_cov_bounds(self):
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"actor.clip_cov_lb ({self.clip_cov_lb}) must be below "
+                             f"actor.clip_cov_ub ({self.clip_cov_ub})")
+        return self
 
 
 class CriticSection(OptimizerFields):

@@ -60,10 +60,6 @@ def register_adv_est(name_or_enum):
     return lambda fn: fn
 
 
-def deprecated(replacement):
-    return lambda fn: fn
-
-
 # ---- verl/utils/torch_functional.py ----------------------------------------------------------
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | tuple[int, ...] | None = None) -> torch.Tensor:

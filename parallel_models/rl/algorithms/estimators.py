@@ -1,8 +1,8 @@
 """Advantage estimators by name (``algorithm.adv_estimator``): the built-in ``gae``, ``grpo``,
 ``rloo``, ``reinforce_plus_plus``, ``reinforce_plus_plus_baseline``, ``remax``, ``opo`` and
-``gpg`` (docs/ALGORITHMS.md: formulas and papers), a user's own from ``path/to/file.py:function``, and :func:`needs_critic`, the one
-answer to "does this run have a critic" that the config checks, both backends and the advantage
-phase use.
+``gpg`` (docs/ALGORITHMS.md: formulas and papers), a user's own from
+``path/to/file.py:function``, and :func:`needs_critic`, the one answer to "does this run have a
+critic" that the config checks, both backends and the advantage phase use.
 
 The call signature of an estimator (called with keywords)::
 

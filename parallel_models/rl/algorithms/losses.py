@@ -7,9 +7,9 @@ Scaling a microbatch's loss to a global (all microbatches, all data-parallel ran
 the caller's job: :func:`agg_denominator` says what each mode divides by.
 
 Policy losses by name (``actor.policy_loss``, default ``vanilla``, alias ``ppo``; the others
-in :mod:`parallel_models.rl.algorithms.policy_losses`; docs/ALGORITHMS.md lists them all): :data:`POLICY_LOSSES`, or a
-user's own ``path/to/file.py:function``. The call signature (called with keywords, on one
-microbatch)::
+in :mod:`parallel_models.rl.algorithms.policy_losses`; docs/ALGORITHMS.md lists them all):
+:data:`POLICY_LOSSES`, or a user's own ``path/to/file.py:function``. The call signature
+(called with keywords, on one microbatch)::
 
     fn(log_probs, old_log_probs, advantages, response_mask, config, token_weights)
         -> (loss, metrics)

@@ -40,6 +40,7 @@ from parallel_models.rl.backends.roles import offload_enabled
 from parallel_models.rl.data.batch import RolloutBatch
 from parallel_models.rl.data.prompts import prompt_caps
 from parallel_models.rl.final_export import export_done, record_export, remove_stale_exports
+from parallel_models.rl.greedy_baseline import greedy_baselines, wants_greedy_baseline
 from parallel_models.rl.observe import dp_stats
 from parallel_models.rl.observe.metrics import Timer
 from parallel_models.rl.rewards.overlong import overlong_metrics, shape_overlong
@@ -259,6 +260,11 @@ class PPOTrainer:
             key = self.cfg.data.messages_key
             msgs = [records["records"][i].get(key) for i in mine]
             batch["messages"] = [m for m in msgs for _ in range(self.cfg.rollout.n)]
+        if wants_greedy_baseline(self.cfg):  # e.g. ReMax: a greedy response per prompt, scored
+            mine_records = ([records["records"][i] for i in mine]
+                            if isinstance(records, dict) and "records" in records else None)
+            batch["reward_baselines"] = greedy_baselines(
+                self, [prompt_ids[i] for i in mine], mine_records, max_new_tokens=caps)
         return batch, [offset + i for i in mine]
 
     def _score_rewards(self, batch: RolloutBatch) -> torch.Tensor:

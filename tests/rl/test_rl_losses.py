@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from parallel_models.rl.algorithms.losses import (
+    LOSS_AGG_MODES,
     agg_denominator,
     agg_loss,
     compute_entropy_loss,
@@ -50,17 +51,18 @@ def test_agg_loss_matches_loop(mode):
 def test_agg_loss_modes_differ_and_unknown_raises():
     mask = make_mask(26)
     loss = randn(27, B, T).abs()
-    vals = {m: agg_loss(loss, mask, m).item() for m in ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]}
-    assert len({round(v, 9) for v in vals.values()}) == 3
+    vals = {m: agg_loss(loss, mask, m).item() for m in LOSS_AGG_MODES}
+    assert len({round(v, 9) for v in vals.values()}) == len(LOSS_AGG_MODES) == 5
     with pytest.raises(ValueError, match="seq-mean-token-mean"):
-        agg_loss(loss, mask, "token-sum")
+        agg_loss(loss, mask, "token-summ")
     with pytest.raises(ValueError):
         compute_policy_loss(loss, loss, loss, mask, loss_agg_mode="bogus")
     with pytest.raises(ValueError):
         compute_entropy_loss(loss, mask, "bogus")
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
 def test_agg_denominator_splits_a_global_mean(mode):
     """Loss x denominator summed over two halves / summed denominators == the whole batch's loss."""
     mask = make_mask(28)
@@ -71,6 +73,21 @@ def test_agg_denominator_splits_a_global_mean(mode):
     torch.testing.assert_close(total, agg_loss(loss, mask, mode), **TOL)
     with pytest.raises(ValueError, match="token-mean"):
         agg_denominator(mask, "bogus")
+
+
+def test_token_sum_weighs_each_microbatch_sum_once():
+    """token-sum: every microbatch's denominator is 1, so the step's loss is the mean of the
+    microbatches' token sums (with one microbatch: the token sum itself)."""
+    mask = make_mask(30)
+    loss = randn(31, B, T)
+    halves = (slice(0, 3), slice(3, B))
+    parts = [(agg_loss(loss[i], mask[i], "token-sum"), agg_denominator(mask[i], "token-sum"))
+             for i in halves]
+    assert all(int(d) == 1 for _, d in parts)
+    total = sum(l * d for l, d in parts) / sum(d for _, d in parts)
+    torch.testing.assert_close(total, agg_loss(loss, mask, "token-sum") / 2, **TOL)
+    torch.testing.assert_close(agg_loss(loss, mask, "token-sum"),
+                               (loss * (mask > 0)).sum(), **TOL)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])

@@ -97,7 +97,9 @@ def test_builtins_are_registered_by_name():
 
 def test_unknown_names_and_registration_errors():
     with pytest.raises(ConfigError, match=r"unknown advantage estimator 'gea' \(did you mean "
-                                          r"'gae'\?\); registered: gae, grpo, rloo"):
+                                          r"'gae'\?\); registered: gae, gpg, grpo, opo, "
+                                          r"reinforce_plus_plus, reinforce_plus_plus_baseline, "
+                                          r"remax, rloo;"):
         ADVANTAGE_ESTIMATORS.get("gea")
     message = _error(["actor.policy_loss=ppp"])
     assert "actor.policy_loss" in message and "did you mean 'ppo'" in message
@@ -241,3 +243,68 @@ def test_backend_style_registry_lazy_entries_and_names_only():
     assert "add your own with tests.REG.add" in reg.problem("my.py:fn")
     with pytest.raises(ConfigError, match=r"section\.thing='my\.py:fn': unknown thing"):
         reg.get("my.py:fn")
+
+
+# ReMax and CISPO with Dr. GRPO's aggregation written again by a user, from torch only; the
+# estimator declares that it needs the greedy baseline, as the built-in remax does
+USER_REMAX = '''
+import torch
+
+def remax(token_level_rewards, response_mask, values, group_index, config,
+          reward_baselines=None):
+    mask = response_mask > 0
+    zero = torch.zeros((), dtype=token_level_rewards.dtype)
+    rewards = torch.where(mask, token_level_rewards, zero)
+    returns = torch.where(mask, rewards.flip(-1).cumsum(-1).flip(-1), zero)
+    adv = torch.where(mask, returns - reward_baselines.unsqueeze(-1), zero)
+    return adv, returns
+
+remax.needs_greedy_baseline = True
+'''
+
+USER_CISPO = '''
+import torch
+
+def cispo(log_probs, old_log_probs, advantages, response_mask, config, token_weights):
+    assert config.loss_agg_mode == "seq-mean-token-sum-norm" and token_weights is None
+    mask = response_mask > 0
+    zero = torch.zeros((), dtype=log_probs.dtype)
+    log_ratio = torch.where(mask, log_probs - old_log_probs, zero).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, 1 - config.clip_ratio_low, 1 + config.clip_ratio_high)
+    adv = torch.where(mask, advantages.to(log_probs.dtype), zero)
+    per_token = -weight.detach() * adv * torch.where(mask, log_probs, zero)
+    nonempty = mask.any(-1)
+    loss = per_token.sum(-1)[nonempty].sum() / nonempty.sum().clamp_min(1) / mask.shape[-1]
+    n = mask.sum().clamp_min(1)
+    metrics = {"pg_clipfrac": torch.where(mask, (ratio != weight).to(ratio.dtype), zero).sum() / n,
+               "ppo_kl": torch.where(mask, -log_ratio, zero).sum() / n}
+    return loss, {k: v.detach() for k, v in metrics.items()}
+
+cispo.metrics = ("pg_clipfrac", "ppo_kl")
+'''
+
+
+def test_users_remax_and_cispo_get_the_builtins_baseline_aggregation_and_metrics(tmp_path):
+    """A user's estimator that declares needs_greedy_baseline gets the trainer's greedy rollout,
+    and a user's loss is weighed over microbatches by its aggregation's denominator like the
+    built-ins: two steps equal the built-in remax + cispo with seq-mean-token-sum-norm."""
+    est = _write(tmp_path, "est.py", USER_REMAX) + ":remax"
+    loss = _write(tmp_path, "loss.py", USER_CISPO) + ":cispo"
+    common = ["trainer.total_steps=2", "trainer.save_every=0", "trainer.loggers=[jsonl]",
+              "trainer.save_hf_at_end=false", "data.batch_size=4", "actor.mini_batch_size=8",
+              "actor.ppo_epochs=1", "rollout.max_new_tokens=8", "critic.enable=false",
+              "actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.micro_batch_tokens=128"]
+    builtin, user = str(tmp_path / "builtin"), str(tmp_path / "user")
+    run_ppo([f"trainer.output_dir={builtin}", "algorithm.adv_estimator=remax",
+             "actor.policy_loss=cispo", *common])
+    run_ppo([f"trainer.output_dir={user}", f"algorithm.adv_estimator={est}",
+             f"actor.policy_loss={loss}", *common])
+    want, got = run_metrics(builtin), run_metrics(user)
+    assert len(want) == len(got) == 2
+    for a, b in zip(want, got):
+        assert a.keys() == b.keys()
+        assert "reward/greedy_baseline_mean" in a and "actor/pg_clipfrac" in a
+        for key in a:
+            if not key.startswith("timing/"):
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (a["step"], key)

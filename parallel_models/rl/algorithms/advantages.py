@@ -14,10 +14,15 @@ is on, and left as the estimator made them when it is off:
   std; verl's ``norm_adv_by_std_in_grpo``) is part of the estimator and always applied; the
   flag adds batch whitening on top.
 * ``rloo``: the leave-one-out baseline is the estimator; the flag adds batch whitening.
+* ``reinforce_plus_plus`` / ``reinforce_plus_plus_baseline``: the batch whitening *is* the last
+  step of the method (on by default); off leaves the raw (group-centered) returns.
+* ``remax``: the greedy response's reward is the baseline (``batch["reward_baselines"]``, one
+  per row, rolled out by the trainer; logged as ``reward/greedy_baseline_mean``).
 
 Unset (``null``, the default) it takes each estimator's usual setting (its
 ``whiten_by_default``), verl's: on for gae, off for grpo and rloo (their group baseline already
-centers the advantages); off for a user's estimator unless it declares otherwise.
+centers the advantages), on for the REINFORCE++ pair; off for a user's estimator unless it
+declares otherwise.
 
 For grpo / rloo the returns equal the (unwhitened) advantages; they are logged, not trained on.
 Groups never straddle data-parallel ranks: the trainer deals prompts to ranks before it
@@ -63,7 +68,17 @@ def compute_advantages(batch: RolloutBatch, alg, kl_ctrl) -> dict[str, float]:
     else:
         rewards = token_scores
     values = batch["values"] if estimators.declares(alg, "needs_critic") else None
-    adv, ret = estimators.run_estimator(alg, rewards, mask, values, batch.group_index)
+    baselines = None
+    if estimators.declares(alg, "needs_greedy_baseline"):
+        if "reward_baselines" not in batch:
+            raise ValueError(f"algorithm.adv_estimator={alg.adv_estimator!r} needs a greedy "
+                             "baseline per prompt (batch column reward_baselines, filled by the "
+                             "trainer's rollout)")
+        baselines = torch.tensor(batch["reward_baselines"], dtype=torch.float32,
+                                 device=mask.device)
+        metrics["reward/greedy_baseline_mean"] = dp_stats.row_mean(baselines)
+    adv, ret = estimators.run_estimator(alg, rewards, mask, values, batch.group_index,
+                                        reward_baselines=baselines)
     if whitens(alg):
         adv = dp_stats.masked_whiten(adv, mask)
     batch.token_level_rewards = rewards

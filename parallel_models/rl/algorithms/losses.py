@@ -6,9 +6,10 @@ rows, ``torch.where`` masking so padding garbage never reaches a result or a gra
 Scaling a microbatch's loss to a global (all microbatches, all data-parallel ranks) mean is
 the caller's job: :func:`agg_denominator` says what each mode divides by.
 
-Policy losses by name (``actor.policy_loss``, default ``ppo``): :data:`POLICY_LOSSES`, or a
-user's own ``path/to/file.py:function``. The call signature (called with keywords, on one
-microbatch)::
+Policy losses by name (``actor.policy_loss``, default ``vanilla``, alias ``ppo``; the others
+in :mod:`parallel_models.rl.algorithms.policy_losses`; docs/ALGORITHMS.md lists them all):
+:data:`POLICY_LOSSES`, or a user's own ``path/to/file.py:function``. The call signature
+(called with keywords, on one microbatch)::
 
     fn(log_probs, old_log_probs, advantages, response_mask, config, token_weights)
         -> (loss, metrics)
@@ -43,51 +44,81 @@ __all__ = [
     "compute_policy_loss",
     "POLICY_LOSSES",
     "ppo_policy_loss",
+    "aggregate",
     "truncated_is_weights",
     "compute_value_loss",
     "entropy_from_logits",
     "compute_entropy_loss",
 ]
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                  "seq-mean-token-sum-norm")
+_SEQUENCE_MODES = ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+def _unknown_mode(mode: str) -> ValueError:
+    return ValueError(f"unknown loss aggregation mode {mode!r}; expected one of "
+                      f"{', '.join(LOSS_AGG_MODES)}")
+
+
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, mode: str = "token-mean",
+             loss_scale_factor: float | None = None) -> torch.Tensor:
     """Reduce a ``(batch, response_len)`` per-token loss to a scalar.
 
     * ``token-mean``: mean over all valid tokens of the batch (every token weighs
       the same; long responses weigh more).
+    * ``token-sum``: sum over all valid tokens (no normalization at all).
     * ``seq-mean-token-sum``: sum over each response's tokens, mean over responses.
     * ``seq-mean-token-mean``: mean over each response's tokens, mean over
       responses (every response weighs the same; the original GRPO recipe).
+    * ``seq-mean-token-sum-norm``: ``seq-mean-token-sum`` divided by the constant
+      ``loss_scale_factor`` (None: the mask's width, verl's default), Dr. GRPO's unbiased
+      ``1 / (G * L_max)`` normalization (Liu et al. 2025, arXiv:2503.20783).
 
     The sequence modes average over responses that have at least one valid token,
     so all-padding rows do not dilute the mean. A fully empty mask gives 0 with a
     finite (zero) gradient. Scaling across micro-batches / data-parallel ranks is
-    the caller's job.
+    the caller's job (:func:`agg_denominator`).
     """
     m = as_bool_mask(loss_mask, loss_mat)
     if mode == "token-mean":
         return masked_mean(loss_mat, m)
-    if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
-        if mode == "seq-mean-token-sum":
-            seq_losses = masked_sum(loss_mat, m, dim=-1)
-        else:
+    if mode == "token-sum":
+        return masked_sum(loss_mat, m)
+    if mode in _SEQUENCE_MODES:
+        if mode == "seq-mean-token-mean":
             seq_losses = masked_mean(loss_mat, m, dim=-1)
-        return masked_mean(seq_losses, m.any(dim=-1))
-    raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {', '.join(LOSS_AGG_MODES)}")
+        else:
+            seq_losses = masked_sum(loss_mat, m, dim=-1)
+        loss = masked_mean(seq_losses, m.any(dim=-1))
+        if mode == "seq-mean-token-sum-norm":
+            loss = loss / (loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+        return loss
+    raise _unknown_mode(mode)
 
 
 def agg_denominator(loss_mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
-    """What :func:`agg_loss` divides by for ``mode``: valid tokens (``token-mean``) or non-empty
-    responses (the sequence modes). ``agg_loss(...) * agg_denominator(...)`` summed over
-    microbatches and ranks, divided by the summed denominators, is the global loss."""
+    """What :func:`agg_loss` divides by for ``mode``: valid tokens (``token-mean``), non-empty
+    responses (the sequence modes) or 1 (``token-sum``). ``agg_loss(...) * agg_denominator(...)``
+    summed over microbatches and ranks, divided by the summed denominators, is the global loss:
+    the global token / sequence mean, and for ``token-sum`` the mean over microbatches of their
+    token sums (one microbatch per rank and step: the sum over the step's tokens divided by the
+    data-parallel size; verl multiplies by it instead)."""
     m = loss_mask if loss_mask.dtype == torch.bool else loss_mask > 0
     if mode == "token-mean":
         return m.sum()
-    if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+    if mode == "token-sum":
+        return torch.ones((), dtype=torch.long, device=m.device)
+    if mode in _SEQUENCE_MODES:
         return m.any(dim=-1).sum()
-    raise ValueError(f"unknown loss aggregation mode {mode!r}; expected one of {', '.join(LOSS_AGG_MODES)}")
+    raise _unknown_mode(mode)
+
+
+def aggregate(loss_mat: torch.Tensor, loss_mask: torch.Tensor, config) -> torch.Tensor:
+    """:func:`agg_loss` with the ``actor`` section's ``loss_agg_mode`` and ``loss_scale_factor``
+    (what every built-in policy loss aggregates with)."""
+    return agg_loss(loss_mat, loss_mask, config.loss_agg_mode,
+                    loss_scale_factor=getattr(config, "loss_scale_factor", None))
 
 
 def compute_policy_loss(
@@ -100,8 +131,10 @@ def compute_policy_loss(
     clip_ratio_c: float | None = 3.0,
     loss_agg_mode: str = "token-mean",
     token_weights: torch.Tensor | None = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped PPO surrogate loss with dual clip.
+    """Clipped PPO surrogate loss with dual clip (PPO: Schulman et al. 2017, arXiv:1707.06347;
+    dual clip: Ye et al. 2020, arXiv:1912.09729).
 
     Per token, with ``ratio = exp(logprob - old_logprob)``::
 
@@ -152,7 +185,7 @@ def compute_policy_loss(
 
     if token_weights is not None:
         pg_losses = pg_losses * torch.where(m, token_weights.detach().to(pg_losses.dtype), zero)
-    loss = agg_loss(pg_losses, m, loss_agg_mode)
+    loss = agg_loss(pg_losses, m, loss_agg_mode, loss_scale_factor=loss_scale_factor)
     metrics = {
         "pg_clipfrac": pg_clipfrac.detach(),
         "pg_clipfrac_lower": pg_clipfrac_lower.detach(),
@@ -168,16 +201,25 @@ POLICY_LOSSES = Registry(
     defaults={"metrics": ()})
 
 
-@POLICY_LOSSES.register("ppo", metrics=("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"))
+@POLICY_LOSSES.register("vanilla", "ppo",
+                        metrics=("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"))
 def ppo_policy_loss(log_probs, old_log_probs, advantages, response_mask, config,
                     token_weights=None):
-    """The clipped PPO loss with dual clip (:func:`compute_policy_loss`) with the ``actor``
-    section's ``clip_ratio_low`` / ``clip_ratio_high`` / ``clip_ratio_c`` / ``loss_agg_mode``."""
+    """``vanilla`` (alias ``ppo``, the name of older configs): the clipped PPO loss with dual
+    clip (:func:`compute_policy_loss`; Schulman et al. 2017, arXiv:1707.06347, Ye et al. 2020,
+    arXiv:1912.09729) with the ``actor`` section's ``clip_ratio_low`` / ``clip_ratio_high`` /
+    ``clip_ratio_c`` / ``loss_agg_mode`` / ``loss_scale_factor``."""
     return compute_policy_loss(old_log_probs, log_probs, advantages, response_mask,
                                clip_ratio_low=config.clip_ratio_low,
                                clip_ratio_high=config.clip_ratio_high,
                                clip_ratio_c=config.clip_ratio_c,
-                               loss_agg_mode=config.loss_agg_mode, token_weights=token_weights)
+                               loss_agg_mode=config.loss_agg_mode, token_weights=token_weights,
+                               loss_scale_factor=getattr(config, "loss_scale_factor", None))
+
+
+# The other built-in policy losses live in policy_losses.py, imported on first use.
+for _name in ("gspo", "geo_mean", "cispo", "clip_cov", "kl_cov", "gpg"):
+    POLICY_LOSSES.add(_name, f"parallel_models.rl.algorithms.policy_losses:{_name}_policy_loss")
 
 
 def compute_value_loss(

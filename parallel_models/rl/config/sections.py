@@ -32,7 +32,8 @@ Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_HELP = ("megatron backend, activation recomputation in the backward: none | selective "
                   "(core attention, megatron-core's selective granularity) | full (each decoder "
                   "layer; not for MoE)")
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"]
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 SECTION_CONFIG = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
@@ -242,10 +243,25 @@ class ActorSection(OptimizerFields):
     clip_ratio_high: Number = Field(0.2, gt=0, description="PPO clip above 1")
     clip_ratio_c: Number = Field(3.0, gt=1, description="dual-clip bound")
     entropy_coef: Number = Field(0.0, ge=0, description="entropy bonus")
-    loss_agg_mode: LossAggMode = Field("token-mean", description="token-mean | "
-                                       "seq-mean-token-sum | seq-mean-token-mean")
-    policy_loss: str = Field("ppo", min_length=1, description="ppo (clipped, dual clip) | "
-                             "path/to/file.py:function (signature: rl/algorithms/losses.py)")
+    loss_agg_mode: LossAggMode = Field("token-mean", description="token-mean | token-sum | "
+                                       "seq-mean-token-sum | seq-mean-token-mean | "
+                                       "seq-mean-token-sum-norm (docs/ALGORITHMS.md)")
+    loss_scale_factor: Optional[Int] = Field(None, ge=1, description="seq-mean-token-sum-norm "
+                                             "divides by it (Dr. GRPO: the longest response); "
+                                             "null = the response mask's width")
+    policy_loss: str = Field("vanilla", min_length=1, description="vanilla (clipped, dual "
+                             "clip; alias ppo) | gspo | geo_mean | cispo | clip_cov | kl_cov | "
+                             "gpg | path/to/file.py:function (signature: rl/algorithms/"
+                             "losses.py)")
+    clip_cov_ratio: Number = Field(0.0002, gt=0, le=1, description="clip_cov: share of tokens "
+                                   "whose gradient is detached")
+    clip_cov_lb: Number = Field(1.0, description="clip_cov: lower bound of the covariance "
+                                "of the tokens it may detach")
+    clip_cov_ub: Number = Field(5.0, description="clip_cov: upper bound of that covariance")
+    kl_cov_ratio: Number = Field(0.0002, gt=0, le=1, description="kl_cov: share of tokens "
+                                 "(largest covariance) that get the KL penalty")
+    ppo_kl_coef: Number = Field(0.1, ge=0, description="kl_cov: weight of the |log ratio| "
+                                "penalty")
     use_kl_loss: StrictBool = Field(False, description="KL to the reference as a loss term "
                                                        "(GRPO style)")
     kl_loss_coef: Number = Field(0.001, ge=0, description="weight of the KL loss")
@@ -269,6 +285,13 @@ class ActorSection(OptimizerFields):
         "(seq_{sum,mean,max}_k{2,3}), reject_threshold")
     recompute: Recompute = Field("none", description=RECOMPUTE_HELP + "; the reference runs "
                                  "no backward: nothing to recompute")
+
+    @model_validator(mode="after")
+    def _clip_cov_bounds(self):
+        if self.clip_cov_lb >= self.clip_cov_ub:
+            raise ValueError(f"actor.clip_cov_lb ({self.clip_cov_lb}) must be below "
+                             f"actor.clip_cov_ub ({self.clip_cov_ub})")
+        return self
 
 
 class CriticSection(OptimizerFields):
@@ -326,8 +349,9 @@ class AlgorithmSection(BaseModel):
     model_config = SECTION_CONFIG
 
     adv_estimator: str = Field("gae", min_length=1, description="gae | grpo | rloo | "
-                               "path/to/file.py:function (signature: rl/algorithms/"
-                               "estimators.py)")
+                               "reinforce_plus_plus | reinforce_plus_plus_baseline | remax | "
+                               "opo | gpg | path/to/file.py:function (signature: "
+                               "rl/algorithms/estimators.py)")
     gamma: Number = Field(1.0, ge=0, le=1, description="discount")
     lam: Number = Field(0.95, ge=0, le=1, description="GAE lambda")
     kl_penalty: str = Field("k1", min_length=1, description="in-reward KL estimator: k1 | abs "
@@ -344,6 +368,9 @@ class AlgorithmSection(BaseModel):
                                          "data.batch_size groups are kept")
     max_gen_batches: Int = Field(10, ge=0, description="dynamic_sampling: prompt batches drawn "
                                  "per step at most (then the run stops); 0 = no limit")
+    norm_adv_by_std: StrictBool = Field(True, description="grpo: divide by the group's std; "
+                                        "false = Dr. GRPO (with actor.loss_agg_mode "
+                                        "seq-mean-token-sum-norm)")
     whiten_advantages: Optional[StrictBool] = Field(
         None, description="whiten the final advantages over the global batch; null = the "
                           "estimator's default (gae: true, grpo / rloo: false, as verl; a "

@@ -1,11 +1,25 @@
-"""LoRA on the megatron-backend models: settings, TP-aware adapters, PEFT adapter folders."""
+"""LoRA on the megatron-backend models: settings (``config``), TP-aware adapters on our parallel
+linears (``layers``), adding them to a built model (``apply``), PEFT adapter folders
+(``peft_io``), the adapters in trainer checkpoints (``checkpoint``) and the merged weight sync
+(``weight_sync``). Names are imported on first use, so the PPO config can read the settings
+without importing torch."""
 
-from parallel_models.lora.apply import (adapters_disabled, adapters_merged, add_lora, has_lora,
-                                        lora_modules, trainable_parameter_count)
-from parallel_models.lora.config import LoraSettings
-from parallel_models.lora.peft_io import (gather_adapter_tensors, load_adapter,
-                                          load_adapter_tensors, save_adapter)
+import importlib
 
-__all__ = ["LoraSettings", "add_lora", "adapters_disabled", "adapters_merged", "has_lora",
-           "lora_modules", "trainable_parameter_count", "save_adapter", "load_adapter",
-           "load_adapter_tensors", "gather_adapter_tensors"]
+_EXPORTS = {
+    "LoraSettings": "config",
+    "add_lora": "apply", "adapters_disabled": "apply", "adapters_merged": "apply",
+    "has_lora": "apply", "lora_modules": "apply", "trainable_parameter_count": "apply",
+    "save_adapter": "peft_io", "load_adapter": "peft_io", "load_adapter_tensors": "peft_io",
+    "gather_adapter_tensors": "peft_io",
+    "enable_lora": "training", "adapter_parameter_count": "training",
+    "MergedWeightSync": "training",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'parallel_models.lora' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"parallel_models.lora.{_EXPORTS[name]}"), name)

@@ -25,8 +25,15 @@ QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
 
 
-def _chunks(model) -> list[torch.nn.Module]:
-    return list(model) if isinstance(model, (list, tuple)) else [model]
+def _unwrap(chunk) -> torch.nn.Module:
+    """The model inside a DDP (or other ``.module``) wrapper."""
+    while hasattr(chunk, "module") and not hasattr(chunk, "parallel_layout"):
+        chunk = chunk.module
+    return chunk
+
+
+def model_chunks(model) -> list[torch.nn.Module]:
+    return [_unwrap(c) for c in (model if isinstance(model, (list, tuple)) else [model])]
 
 
 def _seed(settings: LoraSettings, layer_id: int, name: str) -> int:
@@ -39,7 +46,7 @@ def _seed(settings: LoraSettings, layer_id: int, name: str) -> int:
 def lora_linears(model) -> Iterator[tuple[int, str, torch.nn.Module]]:
     """``(global layer id, "self_attn.qkv_proj" | ..., linear)`` of every linear that can take
     adapters, over the chunks of ``model``."""
-    for chunk in _chunks(model):
+    for chunk in model_chunks(model):
         for layer in chunk.model.layers:
             attn = layer.self_attn
             yield layer.layer_id, "self_attn.qkv_proj", attn.qkv_proj
@@ -69,7 +76,7 @@ def _check_layout(chunk, settings: LoraSettings) -> None:
 def add_lora(model, settings: LoraSettings) -> int:
     """Add ``settings``' adapters to ``model`` (a model or its pipeline chunks), freeze every
     other parameter; returns the number of trainable (adapter) parameters on this rank."""
-    chunks = _chunks(model)
+    chunks = model_chunks(model)
     if any(hasattr(lin, "lora") for _, _, lin in lora_linears(chunks)):
         raise ConfigError("add_lora: the model already has LoRA adapters")
     for chunk in chunks:
@@ -106,11 +113,11 @@ def add_lora(model, settings: LoraSettings) -> int:
 
 def trainable_parameter_count(model) -> int:
     """Parameters with ``requires_grad`` on this rank (the adapters once LoRA is on)."""
-    return sum(p.numel() for c in _chunks(model) for p in c.parameters() if p.requires_grad)
+    return sum(p.numel() for c in model_chunks(model) for p in c.parameters() if p.requires_grad)
 
 
 def has_lora(model) -> bool:
-    return any(getattr(c, "lora_settings", None) is not None for c in _chunks(model))
+    return any(getattr(c, "lora_settings", None) is not None for c in model_chunks(model))
 
 
 def lora_modules(model) -> Iterator[tuple[int, str, torch.nn.Module]]:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from parallel_models.config import ConfigError
-from parallel_models.lora.apply import add_lora, lora_modules
+from parallel_models.lora.apply import model_chunks, add_lora, lora_modules
 from parallel_models.lora.config import LoraSettings
 from parallel_models.lora.layers import ColumnLora
 
@@ -98,7 +98,7 @@ def save_adapter(model, out_dir: str, base_model_name_or_path: str | None = None
     rank 0 writes). Returns the folder on rank 0."""
     from safetensors.torch import save_file
 
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    chunks = model_chunks(model)
     settings: LoraSettings | None = getattr(chunks[0], "lora_settings", None)
     if settings is None:
         raise ConfigError("save_adapter: the model has no LoRA adapters (add_lora first)")
@@ -153,7 +153,7 @@ def load_adapter(model, folder: str) -> LoraSettings:
         raise ConfigError(f"{folder}: no {ADAPTER_CONFIG} (not a PEFT adapter folder)")
     with open(cfg_path) as f:
         settings = LoraSettings.from_peft_config(json.load(f))
-    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    chunks = model_chunks(model)
     current = getattr(chunks[0], "lora_settings", None)
     if current is None:
         add_lora(chunks, settings)

@@ -190,3 +190,62 @@ def check_init_and_disable(path: str, tp: int) -> dict:
     a = {k: v for k, v in gathered.items() if "lora_A" in k} if gathered is not None else None
     return {"fresh_equal": torch.equal(fresh, base), "disabled_equal": torch.equal(disabled, base),
             "changed": rel(with_b, base), "bounds_ok": bounds_ok, "b_zero": b_zero, "A": a}
+
+
+def check_merged_rollout(path: str, tp: int, rollout_tp: int) -> dict:
+    """The hybrid engine's rollout copy (TP', filled by the merged weight sync the megatron
+    backend installs for a LoRA actor) gives the LoRA actor's logits; the actor's base weights
+    are untouched by the sync."""
+    import parallel_models as pm
+    from parallel_models.lora import LoraSettings, MergedWeightSync, add_lora, lora_modules
+    from parallel_models.rl.rollout.hybrid import HybridRollout
+
+    pm.init_parallel(tensor_parallel_size=tp)
+    cls = pm.get_model_class(pm.registry.architecture_of(path), "causal_lm", rmpad=True)
+    actor = cls.from_pretrained(path, dtype=torch.float32)
+    add_lora(actor, LoraSettings(rank=RANK, alpha=ALPHA))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for _, _, lora in lora_modules(actor):
+            for ad in lora.adapters.values():  # the same full B on every rank, then the slice
+                ad.lora_B.weight.copy_(torch.randn(ad.lora_B.weight.shape, generator=g) * 0.1)
+    hybrid = HybridRollout(actor, rollout_tp, share_weights=False)
+    hybrid.weight_sync = MergedWeightSync(hybrid.weight_sync, actor)
+    before = {n: p.detach().clone() for n, p in actor.named_parameters()}
+    hybrid.sync(version=1)
+    restored = all(torch.equal(before[n], p) for n, p in actor.named_parameters())
+    ids, mask = _batch(actor.config.vocab_size, "right", seed=9)
+    mb = _microbatches_packed(ids, mask, 1)[0]
+    with torch.no_grad():
+        want = actor(mb["input_ids"], mb["cu_seqlens"], full_vocab=True).logits
+        got = hybrid.engine.model(mb["input_ids"], mb["cu_seqlens"], full_vocab=True).logits
+        from parallel_models.lora import adapters_disabled
+
+        with adapters_disabled(actor):
+            base = actor(mb["input_ids"], mb["cu_seqlens"], full_vocab=True).logits
+    return {"rel": rel(got, want), "restored": restored, "lora_effect": rel(base, want),
+            "rollout_has_lora": any(hasattr(m, "lora") for m in hybrid.engine.model.modules())}
+
+
+def count_parameters_in_memory(args: list) -> dict:
+    """Build the PPO trainer of ``args`` (its roles, rollout and all) and count the parameters
+    alive in this process (every ``torch.nn.Parameter``, storages counted once), the actor's
+    base (frozen) and trainable ones."""
+    import gc
+
+    from parallel_models.rl.config.ppo import load_config
+    from parallel_models.rl.trainer import PPOTrainer
+
+    trainer = PPOTrainer(load_config(None, list(args)))
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.nn.Parameter) and obj.data_ptr() not in seen:
+            seen.add(obj.data_ptr())
+            total += obj.numel()
+    actor = trainer.roles.model
+    return {"in_memory": total,
+            "actor_frozen": sum(p.numel() for p in actor.parameters() if not p.requires_grad),
+            "actor_trainable": sum(p.numel() for p in actor.parameters() if p.requires_grad),
+            "actor_total": sum(p.numel() for p in actor.parameters()),
+            "reference": type(trainer.ref).__name__}

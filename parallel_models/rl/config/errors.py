@@ -86,13 +86,16 @@ def _section_message(e: dict, model: type[BaseModel], section: str, source: str)
 
 
 def _key_message(e: dict, model: type[BaseModel], section: str, key: str, where: str,
-                 source: str) -> str:
+                 source: str, prefix: str = "") -> str:
+    """``prefix``: the section of a nested group (``actor.`` for ``actor.lora.rank``, where
+    ``model`` is the section's model and ``section`` the group)."""
     kind, value = e["type"], e.get("input")
     field, section_model = _field(model, section, key)
-    full = f"{section}.{key}"
+    full = f"{prefix}{section}.{key}"
     if kind == "extra_forbidden":
         valid = list(section_model.model_fields) if section_model else []
-        return unknown_key(full, key, valid, f"section {section!r}", source)
+        return unknown_key(full, key, valid, f"{prefix}{section}" if prefix else
+                           f"section {section!r}", source)
     whole_field = field is not None and where == full  # not an item of a list
     if kind in _BOUND_ERRORS and whole_field:
         rng = bounds_text(field.metadata) or e.get("msg")
@@ -109,6 +112,18 @@ def _key_message(e: dict, model: type[BaseModel], section: str, key: str, where:
     return f"{source}: {where}: {e.get('msg')}, got {value!r}"
 
 
+def _nested_group(model: type[BaseModel], section: str, key: str | None, loc: tuple):
+    """The section's model when ``loc`` points into a nested group of keys (a field whose type
+    is a model, e.g. ``actor.lora``), else None."""
+    if key is None or len(loc) < 3 or not isinstance(loc[2], str):
+        return None
+    field, section_model = _field(model, section, key)
+    group = field.annotation if field is not None else None
+    if isinstance(group, type) and issubclass(group, BaseModel):
+        return section_model
+    return None
+
+
 def messages(err: ValidationError, model: type[BaseModel], sources: dict[str, str],
              default_source: str = "config") -> list[str]:
     """One line per problem of ``err`` (from validating ``model``, a model of sections), the
@@ -123,6 +138,16 @@ def messages(err: ValidationError, model: type[BaseModel], sources: dict[str, st
             continue
         section = str(loc[0])
         key = str(loc[1]) if len(loc) > 1 else None
+        group = _nested_group(model, section, key, loc)
+        if group is not None:  # a key of a nested group: actor.lora.rank
+            where = f"{section}.{key}.{loc[2]}" + "".join(f"[{p}]" for p in loc[3:]
+                                                         if isinstance(p, int))
+            if where not in seen:
+                seen.add(where)
+                source = sources.get(f"{section}.{key}", sources.get(section, default_source))
+                out.append(_key_message(e, group, key, str(loc[2]), where, source,
+                                        prefix=f"{section}."))
+            continue
         full = f"{section}.{key}" if key else section
         # the value's path: section.key then list positions (union member names are dropped)
         where = full + "".join(f"[{p}]" for p in loc[2:] if isinstance(p, int))

@@ -133,8 +133,10 @@ class PPOConfig(BaseModel):
         self._replace_with(merged, sources, source)
 
     def get(self, dotted: str) -> Any:
-        section, key = dotted.split(".")
-        return getattr(getattr(self, section), key)
+        value = self
+        for part in dotted.split("."):
+            value = getattr(value, part)
+        return value
 
     # ---- checks ----------------------------------------------------------------------------------
     def check_types(self) -> None:
@@ -185,11 +187,18 @@ def _merge_mapping(merged: dict, sources: dict[str, str], data: Any, source: str
 def _set_dotted(merged: dict, sources: dict[str, str], dotted: str, value: Any,
                 source: str) -> None:
     parts = str(dotted).split(".")
-    if len(parts) != 2 or not all(parts):
+    if len(parts) not in (2, 3) or not all(parts):
         raise ConfigError(f"{source}: {dotted!r} is not a 'section.key' name; sections: "
                           f"{', '.join(SECTIONS)}")
-    section, key = parts
+    section, key = parts[:2]
     _check_section(section, source)
+    if len(parts) == 3:  # a key of a nested group (actor.lora.rank)
+        group = merged.setdefault(section, {}).setdefault(key, {})
+        if not isinstance(group, dict):
+            raise ConfigError(f"{source}: {dotted!r}: {section}.{key} is not a group of keys")
+        group[parts[2]] = value
+        sources[f"{section}.{key}"] = source
+        return
     merged.setdefault(section, {})[key] = value
     sources[dotted] = source
 

@@ -20,7 +20,7 @@ registries (``parallel_models.rl.registry``), loading users' files there.
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
@@ -163,6 +163,36 @@ class RolloutSection(SamplingFields):
         return {"kv_budget_tokens": self.kv_budget_tokens or None, "max_rows": self.max_batch_rows}
 
 
+class LoraSection(BaseModel):
+    """LoRA adapters (PEFT's names and scaling); rank 0 = off (full fine-tuning)."""
+
+    model_config = SECTION_CONFIG
+
+    rank: Int = Field(0, ge=0, description="adapter rank; 0 = off (full fine-tuning)")
+    alpha: Number = Field(16.0, gt=0, description="PEFT's lora_alpha: the scale is alpha / rank")
+    dropout: Number = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: Union[str, list[str]] = Field(
+        "all-linear", description="all-linear | a list of q_proj, k_proj, v_proj, o_proj, "
+                                  "gate_proj, up_proj, down_proj")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_targets(cls, value):
+        from parallel_models.lora.config import resolve_targets
+
+        resolve_targets(value)  # a ConfigError (a ValueError) names the unknown module
+        return value
+
+    def settings(self):
+        """The model-level ``LoraSettings``, None when LoRA is off."""
+        if not self.rank:
+            return None
+        from parallel_models.lora.config import LoraSettings
+
+        return LoraSettings(rank=self.rank, alpha=self.alpha, dropout=self.dropout,
+                            target_modules=self.target_modules)
+
+
 class ActorSection(OptimizerFields):
     """The policy and its PPO loss (the optimizer knobs are those of OptimConfig)."""
 
@@ -197,6 +227,8 @@ class ActorSection(OptimizerFields):
     tis_cap: Optional[Number] = Field(None, gt=0, description="truncated importance sampling: "
                                       "policy loss x min(exp(old - rollout log-prob), cap); "
                                       "null = off")
+    lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapters "
+                              "(megatron backend): actor.lora.rank=8 trains only them")
 
 
 class CriticSection(OptimizerFields):

@@ -1,0 +1,109 @@
+"""LoRA in PPO on the megatron backend: ``parallel-models-ppo actor.lora.rank=8`` raises the
+built-in job's reward, logs the adapters' parameter count, exports ``actor_lora/`` (PEFT reads
+it: the logits of the merged ``actor_hf/``) and checkpoints only the adapters; a run killed after
+its checkpoint resumes exactly; the hybrid engine's rollout copy gets the merged weights; the run
+holds one copy of the base weights (the reference is the actor with its adapters off)."""
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from parallel_models.testing import run_distributed, run_named_jobs
+from tests.helpers import lora_checks
+from tests.helpers.ppo_runs import resume_after_kill_matches, run_metrics, run_ppo
+
+LORA = ["actor.lora.rank=8", "actor.lr=5e-3"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("lora_ppo") / "run")
+    proc = run_ppo([f"trainer.output_dir={out}", "trainer.total_steps=14", "trainer.save_every=7",
+                    *LORA], timeout=900)
+    return out, proc
+
+
+def test_lora_job_raises_reward(lora_run):
+    out, _ = lora_run
+    rewards = [m["reward/mean"] for m in run_metrics(out)]
+    assert len(rewards) == 14
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.05, f"reward did not rise: {rewards}"
+
+
+def test_trainable_count_is_logged_and_is_the_adapters(lora_run):
+    from transformers import AutoConfig
+
+    out, proc = lora_run
+    m = re.search(r"LoRA rank 8 .*: (\d+) trainable parameters", proc.stderr)
+    assert m, proc.stderr[-2000:]
+    cfg = AutoConfig.from_pretrained(os.path.join(out, "builtin_model"))
+    h, d = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
+    q, kv, ffn = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.intermediate_size
+    per_layer = sum(8 * (i + o) for i, o in [(h, q), (h, kv), (h, kv), (q, h), (h, ffn),
+                                              (h, ffn), (ffn, h)])
+    assert int(m.group(1)) == per_layer * cfg.num_hidden_layers
+
+
+def test_exported_adapter_is_read_by_peft_and_equals_the_merged_export(lora_run):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out, _ = lora_run
+    with open(os.path.join(out, "actor_lora", "adapter_config.json")) as f:
+        assert json.load(f)["r"] == 8
+    ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(os.path.join(out, "builtin_model"),
+                                                    dtype=torch.float32)
+        before = base(input_ids=ids).logits
+        peft_logits = PeftModel.from_pretrained(base, os.path.join(out, "actor_lora"))(
+            input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(os.path.join(out, "actor_hf"),
+                                                      dtype=torch.float32)(input_ids=ids).logits
+    assert lora_checks.rel(peft_logits, merged) <= 1e-5
+    assert lora_checks.rel(before, merged) > 1e-4, "training did not change the adapters"
+
+
+def test_checkpoint_holds_only_the_adapters(lora_run):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    out, _ = lora_run
+    folder = os.path.join(out, "checkpoints", "step_000007")
+    keys = list(FileSystemReader(folder).read_metadata().state_dict_metadata)
+    actor = [k for k in keys if k.startswith("actor.")]
+    assert actor and all(".lora." in k for k in actor), actor[:5]
+    assert any(k.startswith("critic.") and ".lora." not in k for k in keys)  # full critic
+
+
+def test_lora_run_resumes_after_kill(tmp_path):
+    resume_after_kill_matches(tmp_path, [*LORA, "algorithm.adv_estimator=grpo",
+                                         "critic.enable=false", "trainer.total_steps=3",
+                                         "trainer.save_every=2", "trainer.save_hf_at_end=false",
+                                         "trainer.loggers=[jsonl]"], steps=3)
+
+
+def test_merged_rollout_logits_equal_the_lora_model(hf_models):
+    path = hf_models[("llama", "causal_lm")]
+    for res in run_distributed(lora_checks.check_merged_rollout, 2, path, 2, 1):
+        assert res["rel"] <= 1e-5, res
+        assert res["restored"] and not res["rollout_has_lora"], res
+        assert res["lora_effect"] > 1e-3, res
+
+
+def test_one_copy_of_the_base_weights(tmp_path):
+    common = ["algorithm.adv_estimator=grpo", "critic.enable=false", "actor.use_kl_loss=true",
+              "algorithm.kl_in_reward=false", "trainer.loggers=[jsonl]"]
+    res = run_named_jobs([
+        ("lora", 1, (lora_checks.count_parameters_in_memory,
+                     ([f"trainer.output_dir={tmp_path / 'lora'}", "actor.lora.rank=8", *common],))),
+        ("full", 1, (lora_checks.count_parameters_in_memory,
+                     ([f"trainer.output_dir={tmp_path / 'full'}", *common],)))])
+    lora, full = res["lora"][0], res["full"][0]
+    assert lora["reference"] == "AdapterFreeReference"
+    assert lora["in_memory"] == lora["actor_frozen"] + lora["actor_trainable"], lora
+    assert lora["actor_frozen"] == full["actor_total"]
+    assert full["in_memory"] == 2 * full["actor_total"], full  # actor + reference copy

@@ -249,3 +249,20 @@ def count_parameters_in_memory(args: list) -> dict:
             "actor_trainable": sum(p.numel() for p in actor.parameters() if p.requires_grad),
             "actor_total": sum(p.numel() for p in actor.parameters()),
             "reference": type(trainer.ref).__name__}
+
+
+def one_lora_ppo_step(output_dir: str, tp: int, sp: bool) -> bool:
+    """One PPO step of the built-in job with LoRA at TP=``tp`` (+SP), then the export."""
+    from parallel_models.rl.config import load_config
+    from parallel_models.rl.trainer import PPOTrainer
+
+    cfg = load_config(None, [f"trainer.output_dir={output_dir}", "trainer.total_steps=1",
+                             f"parallel.tensor_parallel_size={tp}",
+                             f"parallel.sequence_parallel={str(sp).lower()}",
+                             "trainer.save_every=0", "trainer.loggers=[jsonl]",
+                             "actor.ppo_epochs=1", "data.batch_size=4", "rollout.n=2",
+                             "actor.mini_batch_size=8", "rollout.max_new_tokens=8",
+                             "actor.lora.rank=4", "actor.lr=1e-2"])
+    cfg.validate()
+    PPOTrainer(cfg).fit()
+    return True

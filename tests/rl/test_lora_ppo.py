@@ -107,3 +107,30 @@ def test_one_copy_of_the_base_weights(tmp_path):
     assert lora["in_memory"] == lora["actor_frozen"] + lora["actor_trainable"], lora
     assert lora["actor_frozen"] == full["actor_total"]
     assert full["in_memory"] == 2 * full["actor_total"], full  # actor + reference copy
+
+
+def test_lora_ppo_step_tp2_sp_equals_tp1(tmp_path):
+    """One LoRA PPO step (rollout, reference with adapters off, critic, actor update): the
+    exported adapters at TP=2 + SP equal TP=1's."""
+    from tests.helpers.ppo_runs import load_folder
+
+    out1, out2 = str(tmp_path / "tp1"), str(tmp_path / "tp2")
+    run_distributed(lora_checks.one_lora_ppo_step, 1, out1, 1, False)
+    run_distributed(lora_checks.one_lora_ppo_step, 2, out2, 2, True)
+    a1, a2 = (load_folder(os.path.join(out, "actor_lora")) for out in (out1, out2))
+    assert a1.keys() == a2.keys() and a1
+    moved = 0
+    for k in a1:
+        assert lora_checks.rel(a2[k], a1[k]) <= 1e-4, k
+        moved += bool(a1[k].abs().max() > 0) if "lora_B" in k else 0
+    assert moved == sum("lora_B" in k for k in a1), "the update left some B at zero"
+
+
+def test_lora_needs_the_megatron_backend():
+    from parallel_models.errors import ConfigError
+    from parallel_models.rl.config.ppo import load_config
+
+    with pytest.raises(ConfigError, match="actor.lora.rank=8: LoRA runs on parallel.backend"):
+        load_config(None, ["actor.lora.rank=8", "parallel.backend=fsdp"])
+    with pytest.raises(ConfigError, match="actor.lora.rnk"):
+        load_config(None, ["actor.lora.rnk=8"])

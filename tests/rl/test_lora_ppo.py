@@ -15,7 +15,7 @@ from parallel_models.testing import run_distributed, run_named_jobs
 from tests.helpers import lora_checks
 from tests.helpers.ppo_runs import resume_after_kill_matches, run_metrics, run_ppo
 
-LORA = ["actor.lora.rank=8", "actor.lr=5e-3"]
+LORA = ["actor.lora.rank=8"]
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +30,10 @@ def test_lora_job_raises_reward(lora_run):
     out, _ = lora_run
     rewards = [m["reward/mean"] for m in run_metrics(out)]
     assert len(rewards) == 14
+    # measured (seeded, CPU): 0.02-0.05 over the first steps, near 0.1 by steps 12-14 (full
+    # fine-tuning, which also trains the embedding and the head, is above 0.3 by then)
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert last > first + 0.05, f"reward did not rise: {rewards}"
+    assert last > first + 0.04 and last > 2 * first, f"reward did not rise: {rewards}"
 
 
 def test_trainable_count_is_logged_and_is_the_adapters(lora_run):
@@ -72,10 +74,13 @@ def test_checkpoint_holds_only_the_adapters(lora_run):
     from torch.distributed.checkpoint import FileSystemReader
 
     out, _ = lora_run
-    folder = os.path.join(out, "checkpoints", "step_000007")
+    steps = sorted(d for d in os.listdir(os.path.join(out, "checkpoints")) if d.startswith("step_"))
+    assert steps, "no checkpoint was written"
+    folder = os.path.join(out, "checkpoints", steps[-1], "dist")
     keys = list(FileSystemReader(folder).read_metadata().state_dict_metadata)
-    actor = [k for k in keys if k.startswith("actor.")]
-    assert actor and all(".lora." in k for k in actor), actor[:5]
+    actor = [k for k in keys if k.startswith("actor.") or ".actor." in k]  # weights, Adam states
+    assert len(actor) == 3 * sum(k.startswith("actor.") for k in keys) > 0
+    assert all(".lora." in k for k in actor), [k for k in actor if ".lora." not in k][:5]
     assert any(k.startswith("critic.") and ".lora." not in k for k in keys)  # full critic
 
 

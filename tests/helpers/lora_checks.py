@@ -266,3 +266,30 @@ def one_lora_ppo_step(output_dir: str, tp: int, sp: bool) -> bool:
     cfg.validate()
     PPOTrainer(cfg).fit()
     return True
+
+
+def lora_save_then_step(output_dir: str, tp: int, sp: bool) -> dict:
+    """Two LoRA PPO steps at TP=``tp`` (+SP), a trainer checkpoint, the gathered adapters, then
+    one more step: its metrics."""
+    from parallel_models.lora import gather_adapter_tensors
+    from tests.helpers.trainer_checkpoint_checks import _trainer
+
+    trainer = _trainer(output_dir, tp, "actor.lora.rank=4", "actor.lr=1e-2",
+                       f"parallel.sequence_parallel={str(sp).lower()}")
+    trainer.step()
+    trainer.step()
+    path = trainer.save_checkpoint()
+    adapters = gather_adapter_tensors(trainer.roles.model)
+    return {"path": path, "adapters": adapters, "metrics": trainer.step()}
+
+
+def lora_resume_then_step(output_dir: str, checkpoint: str, tp: int, model: str) -> dict:
+    """Resume a LoRA trainer checkpoint at TP=``tp``: the gathered adapters, then one step."""
+    from parallel_models.lora import gather_adapter_tensors
+    from tests.helpers.trainer_checkpoint_checks import _trainer
+
+    trainer = _trainer(output_dir, tp, "actor.lora.rank=4", "actor.lr=1e-2",
+                       f"model.path={model}")
+    trainer.resume(checkpoint)
+    adapters = gather_adapter_tensors(trainer.roles.model)
+    return {"step": trainer.step_index, "adapters": adapters, "metrics": trainer.step()}

@@ -114,21 +114,24 @@ def test_one_copy_of_the_base_weights(tmp_path):
     assert full["in_memory"] == 2 * full["actor_total"], full  # actor + reference copy
 
 
-def test_lora_ppo_step_tp2_sp_equals_tp1(tmp_path):
+def test_lora_ppo_step_tp2_sp_and_pp2_equal_tp1(tmp_path):
     """One LoRA PPO step (rollout, reference with adapters off, critic, actor update): the
-    exported adapters at TP=2 + SP equal TP=1's."""
+    exported adapters at TP=2 + SP and at PP=2 (rollouts from the hybrid engine's merged copy)
+    equal TP=1's."""
     from tests.helpers.ppo_runs import load_folder
 
-    out1, out2 = str(tmp_path / "tp1"), str(tmp_path / "tp2")
-    run_distributed(lora_checks.one_lora_ppo_step, 1, out1, 1, False)
-    run_distributed(lora_checks.one_lora_ppo_step, 2, out2, 2, True)
-    a1, a2 = (load_folder(os.path.join(out, "actor_lora")) for out in (out1, out2))
-    assert a1.keys() == a2.keys() and a1
-    moved = 0
-    for k in a1:
-        assert lora_checks.rel(a2[k], a1[k]) <= 1e-4, k
-        moved += bool(a1[k].abs().max() > 0) if "lora_B" in k else 0
-    assert moved == sum("lora_B" in k for k in a1), "the update left some B at zero"
+    outs = {name: str(tmp_path / name) for name in ("tp1", "tp2", "pp2")}
+    run_distributed(lora_checks.one_lora_ppo_step, 1, outs["tp1"], 1, False)
+    run_distributed(lora_checks.one_lora_ppo_step, 2, outs["tp2"], 2, True)
+    run_distributed(lora_checks.one_lora_ppo_step, 2, outs["pp2"], 1, False, 2)
+    a1 = load_folder(os.path.join(outs["tp1"], "actor_lora"))
+    moved = sum(bool(v.abs().max() > 0) for k, v in a1.items() if "lora_B" in k)
+    assert a1 and moved == sum("lora_B" in k for k in a1), "the update left some B at zero"
+    for name in ("tp2", "pp2"):
+        a2 = load_folder(os.path.join(outs[name], "actor_lora"))
+        assert a1.keys() == a2.keys()
+        for k in a1:
+            assert lora_checks.rel(a2[k], a1[k]) <= 1e-4, (name, k)
 
 
 def test_lora_needs_the_megatron_backend():

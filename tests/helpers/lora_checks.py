@@ -251,13 +251,13 @@ def count_parameters_in_memory(args: list) -> dict:
             "reference": type(trainer.ref).__name__}
 
 
-def one_lora_ppo_step(output_dir: str, tp: int, sp: bool, pp: int = 1) -> bool:
-    """One PPO step of the built-in job with LoRA at TP=``tp`` (+SP) x PP=``pp`` (the hybrid
-    engine's merged weight sync when PP > 1), then the export."""
+def lora_ppo_steps(output_dir: str, tp: int, sp: bool, pp: int = 1, steps: int = 2) -> bool:
+    """``steps`` PPO steps of the built-in job with LoRA at TP=``tp`` (+SP) x PP=``pp`` (the
+    hybrid engine's merged weight sync when PP > 1), then the export."""
     from parallel_models.rl.config import load_config
     from parallel_models.rl.trainer import PPOTrainer
 
-    cfg = load_config(None, [f"trainer.output_dir={output_dir}", "trainer.total_steps=1",
+    cfg = load_config(None, [f"trainer.output_dir={output_dir}", f"trainer.total_steps={steps}",
                              f"parallel.tensor_parallel_size={tp}",
                              f"parallel.sequence_parallel={str(sp).lower()}",
                              f"parallel.pipeline_parallel_size={pp}",

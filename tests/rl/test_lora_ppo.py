@@ -34,6 +34,8 @@ def test_lora_job_raises_reward(lora_run):
     # fine-tuning, which also trains the embedding and the head, is above 0.3 by then)
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.04 and last > 2 * first, f"reward did not rise: {rewards}"
+    # the in-process rollout runs the LoRA model: its log-probs are the training forward's
+    assert max(m["rollout/logprob_diff_max"] for m in run_metrics(out)) <= 1e-5
 
 
 def test_trainable_count_is_logged_and_is_the_adapters(lora_run):
@@ -114,20 +116,23 @@ def test_one_copy_of_the_base_weights(tmp_path):
     assert full["in_memory"] == 2 * full["actor_total"], full  # actor + reference copy
 
 
-def test_lora_ppo_step_tp2_sp_and_pp2_equal_tp1(tmp_path):
-    """One LoRA PPO step (rollout, reference with adapters off, critic, actor update): the
+def test_lora_ppo_steps_tp2_sp_and_pp2_equal_tp1(tmp_path):
+    """Two LoRA PPO steps (rollout, reference with adapters off, critic, actor update): the
     exported adapters at TP=2 + SP and at PP=2 (rollouts from the hybrid engine's merged copy)
-    equal TP=1's."""
+    equal TP=1's, and the second step's rollouts sampled from the trained LoRA policy."""
     from tests.helpers.ppo_runs import load_folder
 
     outs = {name: str(tmp_path / name) for name in ("tp1", "tp2", "pp2")}
-    run_distributed(lora_checks.one_lora_ppo_step, 1, outs["tp1"], 1, False)
-    run_distributed(lora_checks.one_lora_ppo_step, 2, outs["tp2"], 2, True)
-    run_distributed(lora_checks.one_lora_ppo_step, 2, outs["pp2"], 1, False, 2)
+    run_distributed(lora_checks.lora_ppo_steps, 1, outs["tp1"], 1, False)
+    run_distributed(lora_checks.lora_ppo_steps, 2, outs["tp2"], 2, True)
+    run_distributed(lora_checks.lora_ppo_steps, 2, outs["pp2"], 1, False, 2)
     a1 = load_folder(os.path.join(outs["tp1"], "actor_lora"))
     moved = sum(bool(v.abs().max() > 0) for k, v in a1.items() if "lora_B" in k)
     assert a1 and moved == sum("lora_B" in k for k in a1), "the update left some B at zero"
     for name in ("tp2", "pp2"):
+        # step 2's rollout (PP=2: the hybrid engine's merged copy) sampled from the trained
+        # LoRA policy (nonzero B), the one the training forward scores
+        assert run_metrics(outs[name])[1]["rollout/logprob_diff_max"] <= 1e-5, name
         a2 = load_folder(os.path.join(outs[name], "actor_lora"))
         assert a1.keys() == a2.keys()
         for k in a1:

@@ -53,13 +53,22 @@ def build_roles(cfg, tokenizer, model_path: str) -> Roles:
     actor_cls = pm.get_model_class(arch, "causal_lm", rmpad=True, pp=pp)
     actor_model = actor_cls.from_pretrained(model_path, dtype=dtype)
     set_recompute(actor_model, a.recompute)
+    lora = a.lora.settings()  # actor.lora.rank > 0: train the adapters only, base frozen
+    if lora is not None:
+        from parallel_models.lora.training import enable_lora
+
+        enable_lora(actor_model, lora)
     budget = a.micro_batch_tokens
     state = build_optimizer([actor_model], a.optim_config(tcfg.total_steps))
     actor = PolicyRole(actor_model, state, temperature=cfg.rollout.temperature
                        if not cfg.rollout.greedy else 1.0, max_tokens=budget, cfg=a)
     alg = cfg.algorithm
     ref = None
-    if alg.kl_in_reward or a.use_kl_loss:
+    if (alg.kl_in_reward or a.use_kl_loss) and lora is not None:
+        from parallel_models.rl.roles.lora_reference import AdapterFreeReference
+
+        ref = AdapterFreeReference(actor)  # the actor with its adapters off: no second copy
+    elif alg.kl_in_reward or a.use_kl_loss:
         ref_model = actor_cls.from_pretrained(model_path, dtype=dtype)
         ref_model.requires_grad_(False)
         ref = PolicyRole(ref_model, None, temperature=actor.temperature, max_tokens=budget)
@@ -108,6 +117,11 @@ def _build_rollout(cfg, tokenizer, actor, actor_model, num_experts):
             hybrid = HybridRollout(actor_model, _rollout_tp(cfg), **special,
                                    offload=offload_enabled(cfg),
                                    engine_options=r.engine_options())
+            if cfg.actor.lora.rank and hybrid.weight_sync is not None:
+                from parallel_models.lora.training import MergedWeightSync
+
+                # the rollout copy gets the merged weights W + scale * B @ A
+                hybrid.weight_sync = MergedWeightSync(hybrid.weight_sync, actor_model)
             return HybridEngineRollout(hybrid, num_experts=num_experts)
         from parallel_models.inference import RolloutEngine
         from parallel_models.rl.rollout.inprocess import InProcessRollout
@@ -123,8 +137,16 @@ def _build_rollout(cfg, tokenizer, actor, actor_model, num_experts):
 
 def export_hf(roles: Roles, output_dir: str, tokenizer) -> None:
     """``actor_hf/`` and ``critic_hf/``; the final weights replace those of an earlier (resumed
-    or repeated) run."""
-    roles.model.save_pretrained(os.path.join(output_dir, "actor_hf"), overwrite=True)
+    or repeated) run. A LoRA actor: ``actor_hf/`` holds the merged weights and ``actor_lora/``
+    the adapters as a PEFT adapter folder."""
+    if getattr(roles.model, "lora_settings", None) is not None:
+        from parallel_models.lora import adapters_merged, save_adapter
+
+        save_adapter(roles.model, os.path.join(output_dir, "actor_lora"))
+        with adapters_merged(roles.model):
+            roles.model.save_pretrained(os.path.join(output_dir, "actor_hf"), overwrite=True)
+    else:
+        roles.model.save_pretrained(os.path.join(output_dir, "actor_hf"), overwrite=True)
     if roles.critic is not None:
         roles.critic.model.save_pretrained(os.path.join(output_dir, "critic_hf"), overwrite=True)
 

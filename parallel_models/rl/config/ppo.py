@@ -133,8 +133,10 @@ class PPOConfig(BaseModel):
         self._replace_with(merged, sources, source)
 
     def get(self, dotted: str) -> Any:
-        section, key = dotted.split(".")
-        return getattr(getattr(self, section), key)
+        value = self
+        for part in dotted.split("."):
+            value = getattr(value, part)
+        return value
 
     # ---- checks ----------------------------------------------------------------------------------
     def check_types(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 import yaml
+from pydantic import BaseModel
 
 from parallel_models.rl.config.ppo import PPOConfig, default_config_path
 
@@ -30,6 +31,10 @@ def _scalar(value) -> str:
     return text.removesuffix("\n...").removesuffix("...").strip()
 
 
+def _line(text: str, desc: str | None) -> str:
+    return text.ljust(COMMENT_COLUMN - 2) + f"  # {desc}" if desc else text
+
+
 def render_default_yaml(config: PPOConfig | None = None) -> str:
     """The commented YAML of ``config`` (default: the built-in defaults)."""
     config = config or PPOConfig()
@@ -39,11 +44,15 @@ def render_default_yaml(config: PPOConfig | None = None) -> str:
         lines.append(f"{section}:" + (f"  # {field.description}" if field.description else ""))
         section_model = type(getattr(config, section))
         for key, value in data[section].items():
-            line = f"  {key}: {_scalar(value)}"
             desc = section_model.model_fields[key].description
-            if desc:
-                line = line.ljust(COMMENT_COLUMN - 2) + f"  # {desc}"
-            lines.append(line)
+            group_model = type(getattr(getattr(config, section), key))
+            if issubclass(group_model, BaseModel):  # a nested group (actor.lora): one level in
+                lines.append(f"  {key}:" + (f"  # {desc}" if desc else ""))
+                for sub, sub_value in value.items():
+                    lines.append(_line(f"    {sub}: {_scalar(sub_value)}",
+                                       group_model.model_fields[sub].description))
+                continue
+            lines.append(_line(f"  {key}: {_scalar(value)}", desc))
         lines.append("")
     return "\n".join(lines[:-1]) + "\n"
 

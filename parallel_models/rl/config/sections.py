@@ -229,6 +229,36 @@ class OverlongBufferFields(BaseModel):
                                                           "(linear from 0 at the buffer's start)")
 
 
+class LoraSection(BaseModel):
+    """LoRA adapters (PEFT's names and scaling); rank 0 = off (full fine-tuning)."""
+
+    model_config = SECTION_CONFIG
+
+    rank: Int = Field(0, ge=0, description="adapter rank; 0 = off (full fine-tuning)")
+    alpha: Number = Field(16.0, gt=0, description="PEFT's lora_alpha: the scale is alpha / rank")
+    dropout: Number = Field(0.0, ge=0, lt=1, description="dropout on the adapters' input")
+    target_modules: Union[str, list[str]] = Field(
+        "all-linear", description="all-linear | a list of q_proj, k_proj, v_proj, o_proj, "
+                                  "gate_proj, up_proj, down_proj")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_targets(cls, value):
+        from parallel_models.lora.config import resolve_targets
+
+        resolve_targets(value)  # a ConfigError (a ValueError) names the unknown module
+        return value
+
+    def settings(self):
+        """The model-level ``LoraSettings``, None when LoRA is off."""
+        if not self.rank:
+            return None
+        from parallel_models.lora.config import LoraSettings
+
+        return LoraSettings(rank=self.rank, alpha=self.alpha, dropout=self.dropout,
+                            target_modules=self.target_modules)
+
+
 class ActorSection(OptimizerFields):
     """The policy and its PPO loss (the optimizer knobs are those of OptimConfig)."""
 
@@ -285,6 +315,8 @@ class ActorSection(OptimizerFields):
         "(seq_{sum,mean,max}_k{2,3}), reject_threshold")
     recompute: Recompute = Field("none", description=RECOMPUTE_HELP + "; the reference runs "
                                  "no backward: nothing to recompute")
+    lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapters "
+                              "(megatron backend): actor.lora.rank=8 trains only them")
 
     @model_validator(mode="after")
     def _clip_cov_bounds(self):

@@ -116,6 +116,13 @@ def model_sharded_state_dict(chunks, prefix: str, *, clone: bool = False) -> dic
     ``clone``: the factories build their pieces from copies (for loading)."""
     out: dict = {}
     for c, chunk in enumerate(chunks):
+        if getattr(getattr(chunk, "module", chunk), "lora_settings", None) is not None:
+            from parallel_models.lora.checkpoint import adapter_sharded_state_dict
+
+            # LoRA: the adapters only (the frozen base comes from model.path on resume)
+            out.update(adapter_sharded_state_dict(getattr(chunk, "module", chunk), c, prefix,
+                                                  clone=clone))
+            continue
         config = chunk.config
         params = dict(chunk.named_parameters())
         mappings = weight_rules(config, chunk.head_kind, pre_process=chunk.pre_process,
@@ -251,5 +258,7 @@ def load_model_weights(chunks, loaded: dict) -> None:
         params = dict(chunk.named_parameters())
         with torch.no_grad():
             for name, param in params.items():
+                if f"{c}.{name}" not in loaded and not param.requires_grad:
+                    continue  # LoRA's frozen base: not in the checkpoint
                 value = loaded[f"{c}.{name}"]
                 param.copy_(value.to(device=param.device, dtype=param.dtype))

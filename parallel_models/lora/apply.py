@@ -1,0 +1,161 @@
+"""Add LoRA adapters to a built model by PEFT module names, freeze the base, switch them off.
+
+``add_lora(model, settings)`` works on one model or a list of pipeline chunks: each decoder
+layer's attention (``qkv_proj``: ``q_proj``/``k_proj``/``v_proj``; ``o_proj``) and dense MLP
+(``gate_up_proj``: ``gate_proj``/``up_proj``; ``down_proj``) get the targeted adapters, every
+other parameter is frozen (``requires_grad=False``; the base weights stay where they are, no
+copy). MoE layers' experts and routers get none (megatron-core's expert linears; PEFT adapts
+transformers' fused expert tensors only through ``target_parameters``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from parallel_models.config import ConfigError
+from parallel_models.lora.config import LoraSettings
+from parallel_models.lora.layers import ColumnLora, RowLora, attach, init_full_a
+from parallel_models.llama.layers.linear import (GateUpParallelLinear, ParallelRowLinear,
+                                                 QKVParallelLinear)
+
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
+
+
+def _unwrap(chunk) -> torch.nn.Module:
+    """The model inside a DDP (or other ``.module``) wrapper."""
+    while hasattr(chunk, "module") and not hasattr(chunk, "parallel_layout"):
+        chunk = chunk.module
+    return chunk
+
+
+def model_chunks(model) -> list[torch.nn.Module]:
+    return [_unwrap(c) for c in (model if isinstance(model, (list, tuple)) else [model])]
+
+
+def _seed(settings: LoraSettings, layer_id: int, name: str) -> int:
+    """The generator seed of one projection's A: the same on every rank and every layout."""
+    from parallel_models.lora.config import ALL_TARGETS
+
+    return (settings.init_seed * 1_000_003 + layer_id) * 16 + ALL_TARGETS.index(name)
+
+
+def lora_linears(model) -> Iterator[tuple[int, str, torch.nn.Module]]:
+    """``(global layer id, "self_attn.qkv_proj" | ..., linear)`` of every linear that can take
+    adapters, over the chunks of ``model``."""
+    for chunk in model_chunks(model):
+        for layer in chunk.model.layers:
+            attn = layer.self_attn
+            yield layer.layer_id, "self_attn.qkv_proj", attn.qkv_proj
+            yield layer.layer_id, "self_attn.o_proj", attn.o_proj
+            mlp = getattr(layer.mlp, "gate_up_proj", None)
+            if isinstance(mlp, GateUpParallelLinear):
+                yield layer.layer_id, "mlp.gate_up_proj", layer.mlp.gate_up_proj
+                yield layer.layer_id, "mlp.down_proj", layer.mlp.down_proj
+
+
+def _column_blocks(linear) -> list[tuple[str, int]]:
+    if isinstance(linear, QKVParallelLinear):
+        return [("q_proj", linear.q_size), ("k_proj", linear.kv_size), ("v_proj", linear.kv_size)]
+    half = linear.weight.shape[0] // 2
+    return [("gate_proj", half), ("up_proj", half)]
+
+
+def _check_layout(chunk, settings: LoraSettings) -> None:
+    config = chunk.config
+    tp = chunk.tp
+    if tp > config.num_key_value_heads and {"k_proj", "v_proj"} & set(settings.target_modules):
+        raise ConfigError(f"lora target_modules k_proj/v_proj with tensor_parallel_size ({tp}) > "
+                          f"num_key_value_heads ({config.num_key_value_heads}) is not supported "
+                          "(replicated KV heads)")
+
+
+def add_lora(model, settings: LoraSettings) -> int:
+    """Add ``settings``' adapters to ``model`` (a model or its pipeline chunks), freeze every
+    other parameter; returns the number of trainable (adapter) parameters on this rank."""
+    chunks = model_chunks(model)
+    if any(hasattr(lin, "lora") for _, _, lin in lora_linears(chunks)):
+        raise ConfigError("add_lora: the model already has LoRA adapters")
+    for chunk in chunks:
+        _check_layout(chunk, settings)
+        for p in chunk.parameters():
+            p.requires_grad_(False)
+    targets = set(settings.target_modules)
+    for layer_id, where, linear in lora_linears(chunks):
+        if isinstance(linear, ParallelRowLinear):
+            name = "o_proj" if where.endswith("o_proj") else "down_proj"
+            if name not in targets:
+                continue
+            lora = RowLora(linear, name, settings.scale, settings.dropout)
+            attach(linear, lora)
+            tp_rank = torch.distributed.get_group_rank(linear.tp_group, torch.distributed.get_rank()) \
+                if lora.tp > 1 else 0
+            full_in = linear.weight.shape[1] * lora.tp
+            lora.add(name, settings.rank, init_full_a(settings.rank, full_in,
+                                                      _seed(settings, layer_id, name)), tp_rank)
+            continue
+        blocks = _column_blocks(linear)
+        wanted = [n for n, _ in blocks if n in targets]
+        if not wanted:
+            continue
+        lora = ColumnLora(linear, blocks, settings.scale, settings.dropout)
+        attach(linear, lora)
+        for name in wanted:
+            lora.add(name, settings.rank, init_full_a(settings.rank, linear.weight.shape[1],
+                                                      _seed(settings, layer_id, name)))
+    for chunk in chunks:
+        chunk.lora_settings = settings
+    return trainable_parameter_count(chunks)
+
+
+def trainable_parameter_count(model) -> int:
+    """Parameters with ``requires_grad`` on this rank (the adapters once LoRA is on)."""
+    return sum(p.numel() for c in model_chunks(model) for p in c.parameters() if p.requires_grad)
+
+
+def has_lora(model) -> bool:
+    return any(getattr(c, "lora_settings", None) is not None for c in model_chunks(model))
+
+
+def lora_modules(model) -> Iterator[tuple[int, str, torch.nn.Module]]:
+    """``(global layer id, where, ColumnLora | RowLora)`` of every linear with adapters."""
+    for layer_id, where, linear in lora_linears(model):
+        if hasattr(linear, "lora"):
+            yield layer_id, where, linear.lora
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    """Run the base model: every adapter switched off inside the block (the reference policy)."""
+    mods = [m for _, _, m in lora_modules(model)]
+    before = [m.enabled for m in mods]
+    for m in mods:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m, was in zip(mods, before):
+            m.enabled = was
+
+
+@contextlib.contextmanager
+def adapters_merged(model):
+    """Inside the block the base weights hold ``W + scale * B @ A`` and the adapters are off
+    (what an exporter or a rollout engine without LoRA reads); restored exactly on exit. The
+    merged tensors are new ones: the targeted weights exist twice while inside."""
+    linears = [lin for _, _, lin in lora_linears(model) if hasattr(lin, "lora")]
+    saved = []
+    with torch.no_grad():
+        for lin in linears:
+            saved.append((lin, lin.weight.data, lin.lora.enabled))
+            lin.weight.data = lin.weight.data + lin.lora.delta_weight().to(lin.weight.dtype)
+            lin.lora.enabled = False
+    try:
+        yield
+    finally:
+        for lin, data, enabled in saved:
+            lin.weight.data = data
+            lin.lora.enabled = enabled

@@ -1,0 +1,166 @@
+"""PEFT adapter folders: gather our TP/PP-sharded adapters into PEFT's tensors and names, write
+``adapter_config.json`` + ``adapter_model.safetensors``, and load such a folder into a model.
+
+PEFT names a tensor ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` (the
+saved names drop the adapter name ``default``); ``peft.PeftModel.from_pretrained(base, folder)``
+reads what :func:`save_adapter` writes. Gathering (call on every rank): the TP ranks of a stage
+all-gather each adapter's slices (column layers' B rows, row layers' A columns; the replicated
+halves are taken from any rank), then the first TP rank of the first data-parallel replica of
+every pipeline stage sends its layers to global rank 0, which writes. Adapters are small (rank
+x hidden per projection): they travel as one object per stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+import torch.distributed as dist
+
+from parallel_models.config import ConfigError
+from parallel_models.lora.apply import model_chunks, add_lora, lora_modules
+from parallel_models.lora.config import LoraSettings
+from parallel_models.lora.layers import ColumnLora
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PREFIX = "base_model.model.model.layers."
+_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])"
+                   r"\.weight$")
+
+
+def peft_name(layer_id: int, where: str, projection: str, which: str) -> str:
+    """PEFT's saved name of one adapter matrix (``which``: ``"A"`` or ``"B"``)."""
+    parent = where.split(".")[0]
+    return f"{PREFIX}{layer_id}.{parent}.{projection}.lora_{which}.weight"
+
+
+def _split_dims(lora) -> tuple[int | None, int | None]:
+    """(A's TP split dim, B's): column: A whole, B rows; row: A columns, B whole."""
+    return (None, 0) if isinstance(lora, ColumnLora) else (1, None)
+
+
+def _tp_rank(lora) -> int:
+    return dist.get_group_rank(lora.tp_group, dist.get_rank()) if lora.tp > 1 else 0
+
+
+def _data_parallel_rank() -> int:
+    if not dist.is_initialized():
+        return 0
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_data_parallel_rank() if mpu.model_parallel_is_initialized() else 0
+
+
+def gather_adapter_tensors(model, grads: bool = False) -> dict[str, torch.Tensor] | None:
+    """Every adapter matrix (or its gradient: ``grads=True``) at its full size under PEFT's
+    name, on global rank 0 (None elsewhere; a dict on a run without torch.distributed). Call
+    on every rank."""
+    local: dict[str, torch.Tensor] = {}
+    first = True
+    for layer_id, where, lora in lora_modules(model):
+        dims = _split_dims(lora)
+        for proj, ad in lora.adapters.items():
+            for which, lin, dim in (("A", ad.lora_A, dims[0]), ("B", ad.lora_B, dims[1])):
+                t = lin.weight.grad if grads else lin.weight
+                if t is None:
+                    raise ConfigError(f"gather_adapter_tensors: {peft_name(layer_id, where, proj, which)}"
+                                      " has no gradient")
+                t = t.detach()
+                if dim is not None and lora.tp > 1:
+                    parts = [torch.empty_like(t) for _ in range(lora.tp)]
+                    dist.all_gather(parts, t.contiguous(), group=lora.tp_group)
+                    t = torch.cat(parts, dim=dim)
+                first = first and _tp_rank(lora) == 0
+                local[peft_name(layer_id, where, proj, which)] = t.cpu().clone()
+    if not dist.is_initialized():
+        return local
+    sender = first and _data_parallel_rank() == 0
+    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local if sender else {}, parts, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    for p in parts:
+        out.update(p)
+    return dict(sorted(out.items(), key=lambda kv: _sort_key(kv[0])))
+
+
+def _sort_key(name: str):
+    m = _NAME.match(name)
+    return (int(m.group(1)), name) if m else (-1, name)
+
+
+def save_adapter(model, out_dir: str, base_model_name_or_path: str | None = None) -> str | None:
+    """Write ``model``'s adapters as a PEFT adapter folder at ``out_dir`` (call on every rank;
+    rank 0 writes). Returns the folder on rank 0."""
+    from safetensors.torch import save_file
+
+    chunks = model_chunks(model)
+    settings: LoraSettings | None = getattr(chunks[0], "lora_settings", None)
+    if settings is None:
+        raise ConfigError("save_adapter: the model has no LoRA adapters (add_lora first)")
+    tensors = gather_adapter_tensors(chunks)
+    if tensors is None:
+        return None
+    os.makedirs(out_dir, exist_ok=True)
+    cfg = settings.peft_config()
+    cfg["base_model_name_or_path"] = (base_model_name_or_path
+                                      or getattr(chunks[0], "name_or_path", None))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out_dir, ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
+    with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    return out_dir
+
+
+def load_adapter_tensors(model, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy full-size PEFT-named adapter tensors into this rank's slices of ``model``'s
+    adapters. Every adapter of the model must be there; names of layers this rank does not
+    hold are skipped, anything else unknown is a ConfigError."""
+    expected = set()
+    with torch.no_grad():
+        for layer_id, where, lora in lora_modules(model):
+            dims = _split_dims(lora)
+            rank = _tp_rank(lora)
+            for proj, ad in lora.adapters.items():
+                for which, lin, dim in (("A", ad.lora_A, dims[0]), ("B", ad.lora_B, dims[1])):
+                    name = peft_name(layer_id, where, proj, which)
+                    expected.add(name)
+                    if name not in tensors:
+                        raise ConfigError(f"adapter: missing {name}")
+                    t = tensors[name]
+                    if dim is not None and lora.tp > 1:
+                        t = t.chunk(lora.tp, dim=dim)[rank]
+                    if tuple(t.shape) != tuple(lin.weight.shape):
+                        raise ConfigError(f"adapter: {name} has shape {tuple(tensors[name].shape)}, "
+                                          f"the model's slice is {tuple(lin.weight.shape)} "
+                                          f"(TP {lora.tp})")
+                    lin.weight.copy_(t)
+    unknown = [n for n in tensors if not _NAME.match(n)]
+    if unknown:
+        raise ConfigError(f"adapter: tensors with names we do not know: {unknown[:4]}")
+
+
+def load_adapter(model, folder: str) -> LoraSettings:
+    """Load a PEFT adapter folder into ``model`` (adds the adapters first if it has none)."""
+    from safetensors.torch import load_file
+
+    cfg_path = os.path.join(folder, ADAPTER_CONFIG)
+    if not os.path.isfile(cfg_path):
+        raise ConfigError(f"{folder}: no {ADAPTER_CONFIG} (not a PEFT adapter folder)")
+    with open(cfg_path) as f:
+        settings = LoraSettings.from_peft_config(json.load(f))
+    chunks = model_chunks(model)
+    current = getattr(chunks[0], "lora_settings", None)
+    if current is None:
+        add_lora(chunks, settings)
+    elif (current.rank, current.alpha, current.target_modules) != (
+            settings.rank, settings.alpha, settings.target_modules):
+        raise ConfigError(f"{folder}: adapter r={settings.rank} alpha={settings.alpha} targets="
+                          f"{settings.target_modules} differs from the model's r={current.rank} "
+                          f"alpha={current.alpha} targets={current.target_modules}")
+    load_adapter_tensors(chunks, load_file(os.path.join(folder, ADAPTER_WEIGHTS)))
+    return settings

@@ -1,0 +1,60 @@
+"""LoRA in a training run: adding the actor's adapters with the trainable count logged, and the
+merged weight sync of the hybrid engine (the rollout copy gets ``W + scale * B @ A``)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from parallel_models.lora.apply import model_chunks, adapters_merged, add_lora, lora_modules
+from parallel_models.lora.config import LoraSettings
+from parallel_models.lora.layers import ColumnLora
+
+logger = logging.getLogger(__name__)
+
+
+def adapter_parameter_count(model) -> int:
+    """The adapters' parameter count of the whole model (PEFT's count: each matrix at its full
+    size, every layer of every pipeline stage). Call on every rank."""
+    local = 0
+    for _, _, lora in lora_modules(model):
+        for ad in lora.adapters.values():
+            a, b = ad.lora_A.weight.numel(), ad.lora_B.weight.numel()
+            local += a + b * lora.tp if isinstance(lora, ColumnLora) else a * lora.tp + b
+    chunks = model_chunks(model)
+    layout = getattr(chunks[0], "parallel_layout", None)
+    if layout is None or layout.pipeline_parallel_size == 1:
+        return local
+    total = torch.tensor([local], dtype=torch.int64, device=chunks[0].device)
+    dist.all_reduce(total, group=layout.pp_group)
+    return int(total.item())
+
+
+def enable_lora(model, settings: LoraSettings, what: str = "actor") -> int:
+    """Add ``settings``' adapters to ``model`` (base frozen) and log the trainable parameter
+    count (the adapters', whole model) on global rank 0; returns that count."""
+    add_lora(model, settings)
+    count = adapter_parameter_count(model)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        logger.info("%s: LoRA rank %d alpha %g on %s: %d trainable parameters (the adapters)",
+                    what, settings.rank, settings.alpha, ",".join(settings.target_modules), count)
+    return count
+
+
+class MergedWeightSync:
+    """A hybrid engine's ``WeightSync`` that sends the merged weights: each ``sync`` runs inside
+    :func:`~parallel_models.lora.apply.adapters_merged` on the actor (the targeted weights exist
+    twice meanwhile); everything else is the wrapped sync's."""
+
+    def __init__(self, sync, actor_chunks):
+        self.inner = sync
+        self.actor_chunks = actor_chunks
+
+    def sync(self) -> float:
+        with adapters_merged(self.actor_chunks):
+            return self.inner.sync()
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)

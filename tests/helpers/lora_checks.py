@@ -1,0 +1,297 @@
+"""Worker functions of the LoRA tests (run on gloo ranks): our LoRA model against
+``peft.get_peft_model`` on the transformers model with the same weights and adapters."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.helpers.model_checks import _batch
+from tests.helpers.pipeline_checks import _ce_loss_fn, _microbatches_packed
+
+RANK, ALPHA = 4, 8.0
+
+
+def peft_reference(path: str, targets, seed: int = 11):
+    """The transformers model of ``path`` under PEFT LoRA (fp32), with nonzero B (N(0, 0.1)
+    from ``seed``) so that the adapters change the output."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(hf, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                               target_modules=targets))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return peft_model
+
+
+def peft_tensors(peft_model, grads: bool = False) -> dict:
+    """PEFT's saved names -> adapter weights (or their gradients)."""
+    out = {}
+    for name, p in peft_model.named_parameters():
+        if "lora_" in name:
+            out[name.replace(".default", "")] = (p.grad if grads else p).detach().clone()
+    return out
+
+
+def _hf_loss(logits, ids, mask):
+    labels = ids[:, 1:].masked_fill(~mask[:, 1:].bool(), -100)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                             labels.reshape(-1), ignore_index=-100)
+
+
+def rel(a, b) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def build_lora_chunks(path: str, targets, peft_model):
+    """Our PP-variant chunks of ``path`` with LoRA adapters holding ``peft_model``'s."""
+    import parallel_models as pm
+    from parallel_models.lora import LoraSettings, add_lora, load_adapter_tensors
+
+    cls = pm.get_model_class(pm.registry.architecture_of(path), "causal_lm", rmpad=True, pp=True)
+    chunks = pm.build_pipeline_chunks(cls, path, dtype=torch.float32)
+    add_lora(chunks, LoraSettings(rank=RANK, alpha=ALPHA, target_modules=targets))
+    load_adapter_tensors(chunks, peft_tensors(peft_model))
+    return chunks
+
+
+def check_lora_against_peft(path: str, targets, tp: int, sp: bool, pp: int) -> dict:
+    """Logits and adapter gradients of our LoRA model vs PEFT's (relative errors; gradients
+    compared on rank 0 after gathering), and the trainable counts of both."""
+    import parallel_models as pm
+    from parallel_models.lora import gather_adapter_tensors, trainable_parameter_count
+
+    pm.init_parallel(tensor_parallel_size=tp, sequence_parallel=sp, pipeline_parallel_size=pp)
+    peft_model = peft_reference(path, targets)
+    chunks = build_lora_chunks(path, targets, peft_model)
+    ids, mask = _batch(chunks[0].config.vocab_size, "right", seed=3)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    hf_logits = peft_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    _hf_loss(hf_logits, ids, mask).backward()
+    mbs = _microbatches_packed(ids, mask, 2)
+    for mb in mbs:
+        mb["full_vocab"] = True
+    logits = torch.cat(pm.forward_only(chunks, [dict(mb) for mb in mbs]))
+    pm.forward_backward(chunks, mbs, _ce_loss_fn)
+    grads = gather_adapter_tensors(chunks, grads=True)
+    out = {"logits_rel": rel(logits, hf_logits.detach()[mask.bool()]),
+           "trainable": trainable_parameter_count(chunks),
+           "frozen_grads": sum(p.grad is not None for c in chunks for p in c.parameters()
+                               if not p.requires_grad)}
+    if grads is not None:
+        want = peft_tensors(peft_model, grads=True)
+        out["grad_names"] = sorted(grads) == sorted(want)
+        out["grad_rel"] = max(rel(grads[n], want[n]) for n in want)
+        out["peft_trainable"] = sum(t.numel() for t in want.values())
+    return out
+
+
+def check_export(path: str, targets, tp: int, sp: bool, pp: int, out_dir: str) -> dict:
+    """Export from this layout: the PEFT adapter folder (read back by
+    ``peft.PeftModel.from_pretrained`` and by our ``load_adapter`` into a fresh model) and the
+    merged HF folder (``adapters_merged`` + ``save_pretrained``) must give our logits; the base
+    weights must be bit-identical after the merged save."""
+    import os
+
+    import parallel_models as pm
+    from parallel_models.lora import adapters_merged, save_adapter
+
+    pm.init_parallel(tensor_parallel_size=tp, sequence_parallel=sp, pipeline_parallel_size=pp)
+    peft_model = peft_reference(path, targets)
+    chunks = build_lora_chunks(path, targets, peft_model)
+    ids, mask = _batch(chunks[0].config.vocab_size, "left", seed=5)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def ours(model_chunks):
+        mbs = _microbatches_packed(ids, mask, 2)
+        for mb in mbs:
+            mb["full_vocab"] = True
+        return torch.cat(pm.forward_only(model_chunks, mbs))
+
+    logits = ours(chunks)
+    lora_dir, merged_dir = os.path.join(out_dir, "actor_lora"), os.path.join(out_dir, "actor_hf")
+    save_adapter(chunks, lora_dir, base_model_name_or_path=path)
+    before = {n: p.detach().clone() for c in chunks for n, p in c.named_parameters()}
+    with adapters_merged(chunks):
+        merged_logits = ours(chunks)
+        pm.save_pretrained(chunks, merged_dir)
+    after = {n: p.detach() for c in chunks for n, p in c.named_parameters()}
+    restored = all(torch.equal(before[n], after[n]) for n in before)
+    fresh = build_lora_chunks_from_folder(path, lora_dir)
+    out = {"in_memory_merged_rel": rel(merged_logits, logits), "restored": restored,
+           "reloaded_rel": rel(ours(fresh), logits)}
+    if torch.distributed.get_rank() == 0:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        valid = mask.bool()
+        with torch.no_grad():
+            base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            peft_loaded = PeftModel.from_pretrained(base, lora_dir)
+            got = peft_loaded(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+            merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+            got_merged = merged(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        out["peft_loaded_rel"] = rel(logits, got[valid])
+        out["merged_hf_rel"] = rel(logits, got_merged[valid])
+        out["files"] = sorted(os.listdir(lora_dir))
+    return out
+
+
+def build_lora_chunks_from_folder(path: str, lora_dir: str):
+    """Fresh chunks of ``path`` with the adapters of the PEFT folder ``lora_dir``."""
+    import parallel_models as pm
+    from parallel_models.lora import load_adapter
+
+    cls = pm.get_model_class(pm.registry.architecture_of(path), "causal_lm", rmpad=True, pp=True)
+    chunks = pm.build_pipeline_chunks(cls, path, dtype=torch.float32)
+    load_adapter(chunks, lora_dir)
+    return chunks
+
+
+def check_init_and_disable(path: str, tp: int) -> dict:
+    """Fresh adapters (B = 0) leave the logits bit-identical to the model without LoRA;
+    ``adapters_disabled`` gives them back with nonzero B; A is PEFT's kaiming-uniform
+    (|A| <= 1/sqrt(fan_in)) and the same matrix at every TP (gathered A of q_proj)."""
+    import parallel_models as pm
+    from parallel_models.lora import (LoraSettings, adapters_disabled, add_lora,
+                                      gather_adapter_tensors, lora_modules)
+
+    pm.init_parallel(tensor_parallel_size=tp)
+    cls = pm.get_model_class(pm.registry.architecture_of(path), "causal_lm", rmpad=True)
+    model = cls.from_pretrained(path, dtype=torch.float32)
+    ids, mask = _batch(model.config.vocab_size, "right", seed=1)
+    mb = _microbatches_packed(ids, mask, 1)[0]
+
+    def logits():
+        with torch.no_grad():
+            return model(mb["input_ids"], mb["cu_seqlens"], full_vocab=True).logits
+
+    base = logits()
+    add_lora(model, LoraSettings(rank=RANK, alpha=ALPHA))
+    fresh = logits()
+    bounds_ok, b_zero = True, True
+    for _, _, lora in lora_modules(model):
+        for ad in lora.adapters.values():
+            fan_in = ad.lora_A.weight.shape[1] * (lora.tp if type(lora).__name__ == "RowLora" else 1)
+            bounds_ok &= bool(ad.lora_A.weight.abs().max() <= fan_in ** -0.5)
+            b_zero &= bool((ad.lora_B.weight == 0).all())
+            with torch.no_grad():
+                ad.lora_B.weight.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(3))
+    with_b = logits()
+    with adapters_disabled(model):
+        disabled = logits()
+    gathered = gather_adapter_tensors(model)
+    a = {k: v for k, v in gathered.items() if "lora_A" in k} if gathered is not None else None
+    return {"fresh_equal": torch.equal(fresh, base), "disabled_equal": torch.equal(disabled, base),
+            "changed": rel(with_b, base), "bounds_ok": bounds_ok, "b_zero": b_zero, "A": a}
+
+
+def check_merged_rollout(path: str, tp: int, rollout_tp: int) -> dict:
+    """The hybrid engine's rollout copy (TP', filled by the merged weight sync the megatron
+    backend installs for a LoRA actor) gives the LoRA actor's logits; the actor's base weights
+    are untouched by the sync."""
+    import parallel_models as pm
+    from parallel_models.lora import LoraSettings, MergedWeightSync, add_lora, lora_modules
+    from parallel_models.rl.rollout.hybrid import HybridRollout
+
+    pm.init_parallel(tensor_parallel_size=tp)
+    cls = pm.get_model_class(pm.registry.architecture_of(path), "causal_lm", rmpad=True)
+    actor = cls.from_pretrained(path, dtype=torch.float32)
+    add_lora(actor, LoraSettings(rank=RANK, alpha=ALPHA))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for _, _, lora in lora_modules(actor):
+            for ad in lora.adapters.values():  # the same full B on every rank, then the slice
+                ad.lora_B.weight.copy_(torch.randn(ad.lora_B.weight.shape, generator=g) * 0.1)
+    hybrid = HybridRollout(actor, rollout_tp, share_weights=False)
+    hybrid.weight_sync = MergedWeightSync(hybrid.weight_sync, actor)
+    before = {n: p.detach().clone() for n, p in actor.named_parameters()}
+    hybrid.sync(version=1)
+    restored = all(torch.equal(before[n], p) for n, p in actor.named_parameters())
+    ids, mask = _batch(actor.config.vocab_size, "right", seed=9)
+    mb = _microbatches_packed(ids, mask, 1)[0]
+    with torch.no_grad():
+        want = actor(mb["input_ids"], mb["cu_seqlens"], full_vocab=True).logits
+        got = hybrid.engine.model(mb["input_ids"], mb["cu_seqlens"], full_vocab=True).logits
+        from parallel_models.lora import adapters_disabled
+
+        with adapters_disabled(actor):
+            base = actor(mb["input_ids"], mb["cu_seqlens"], full_vocab=True).logits
+    return {"rel": rel(got, want), "restored": restored, "lora_effect": rel(base, want),
+            "rollout_has_lora": any(hasattr(m, "lora") for m in hybrid.engine.model.modules())}
+
+
+def count_parameters_in_memory(args: list) -> dict:
+    """Build the PPO trainer of ``args`` (its roles, rollout and all) and count the parameters
+    alive in this process (every ``torch.nn.Parameter``, storages counted once), the actor's
+    base (frozen) and trainable ones."""
+    import gc
+
+    from parallel_models.rl.config.ppo import load_config
+    from parallel_models.rl.trainer import PPOTrainer
+
+    trainer = PPOTrainer(load_config(None, list(args)))
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.nn.Parameter) and obj.data_ptr() not in seen:
+            seen.add(obj.data_ptr())
+            total += obj.numel()
+    actor = trainer.roles.model
+    return {"in_memory": total,
+            "actor_frozen": sum(p.numel() for p in actor.parameters() if not p.requires_grad),
+            "actor_trainable": sum(p.numel() for p in actor.parameters() if p.requires_grad),
+            "actor_total": sum(p.numel() for p in actor.parameters()),
+            "reference": type(trainer.ref).__name__}
+
+
+def lora_ppo_steps(output_dir: str, tp: int, sp: bool, pp: int = 1, steps: int = 2) -> bool:
+    """``steps`` PPO steps of the built-in job with LoRA at TP=``tp`` (+SP) x PP=``pp`` (the
+    hybrid engine's merged weight sync when PP > 1), then the export."""
+    from parallel_models.rl.config import load_config
+    from parallel_models.rl.trainer import PPOTrainer
+
+    cfg = load_config(None, [f"trainer.output_dir={output_dir}", f"trainer.total_steps={steps}",
+                             f"parallel.tensor_parallel_size={tp}",
+                             f"parallel.sequence_parallel={str(sp).lower()}",
+                             f"parallel.pipeline_parallel_size={pp}",
+                             "trainer.save_every=0", "trainer.loggers=[jsonl]",
+                             "actor.ppo_epochs=1", "data.batch_size=4", "rollout.n=2",
+                             "actor.mini_batch_size=8", "rollout.max_new_tokens=8",
+                             "actor.lora.rank=4", "actor.lr=1e-2"])
+    cfg.validate()
+    PPOTrainer(cfg).fit()
+    return True
+
+
+def lora_save_then_step(output_dir: str, tp: int, sp: bool) -> dict:
+    """Two LoRA PPO steps at TP=``tp`` (+SP), a trainer checkpoint, the gathered adapters, then
+    one more step: its metrics."""
+    from parallel_models.lora import gather_adapter_tensors
+    from tests.helpers.trainer_checkpoint_checks import _trainer
+
+    trainer = _trainer(output_dir, tp, "actor.lora.rank=4", "actor.lr=1e-2",
+                       f"parallel.sequence_parallel={str(sp).lower()}")
+    trainer.step()
+    trainer.step()
+    path = trainer.save_checkpoint()
+    adapters = gather_adapter_tensors(trainer.roles.model)
+    return {"path": path, "adapters": adapters, "metrics": trainer.step()}
+
+
+def lora_resume_then_step(output_dir: str, checkpoint: str, tp: int, model: str) -> dict:
+    """Resume a LoRA trainer checkpoint at TP=``tp``: the gathered adapters, then one step."""
+    from parallel_models.lora import gather_adapter_tensors
+    from tests.helpers.trainer_checkpoint_checks import _trainer
+
+    trainer = _trainer(output_dir, tp, "actor.lora.rank=4", "actor.lr=1e-2",
+                       f"model.path={model}")
+    trainer.resume(checkpoint)
+    adapters = gather_adapter_tensors(trainer.roles.model)
+    return {"step": trainer.step_index, "adapters": adapters, "metrics": trainer.step()}

@@ -1,0 +1,165 @@
+"""LoRA in PPO on the megatron backend: ``parallel-models-ppo actor.lora.rank=8`` raises the
+built-in job's reward, logs the adapters' parameter count, exports ``actor_lora/`` (PEFT reads
+it: the logits of the merged ``actor_hf/``) and checkpoints only the adapters; a run killed after
+its checkpoint resumes exactly; the hybrid engine's rollout copy gets the merged weights; the run
+holds one copy of the base weights (the reference is the actor with its adapters off)."""
+
+import json
+import os
+import re
+
+import pytest
+import torch
+
+from parallel_models.testing import run_distributed, run_named_jobs
+from tests.helpers import lora_checks
+from tests.helpers.ppo_runs import resume_after_kill_matches, run_metrics, run_ppo
+
+LORA = ["actor.lora.rank=8"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("lora_ppo") / "run")
+    proc = run_ppo([f"trainer.output_dir={out}", "trainer.total_steps=14", "trainer.save_every=7",
+                    *LORA], timeout=900)
+    return out, proc
+
+
+def test_lora_job_raises_reward(lora_run):
+    out, _ = lora_run
+    rewards = [m["reward/mean"] for m in run_metrics(out)]
+    assert len(rewards) == 14
+    # measured (seeded, CPU): 0.02-0.05 over the first steps, near 0.1 by steps 12-14 (full
+    # fine-tuning, which also trains the embedding and the head, is above 0.3 by then)
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.04 and last > 2 * first, f"reward did not rise: {rewards}"
+    # the in-process rollout runs the LoRA model: its log-probs are the training forward's
+    assert max(m["rollout/logprob_diff_max"] for m in run_metrics(out)) <= 1e-5
+
+
+def test_trainable_count_is_logged_and_is_the_adapters(lora_run):
+    from transformers import AutoConfig
+
+    out, proc = lora_run
+    m = re.search(r"LoRA rank 8 .*: (\d+) trainable parameters", proc.stderr)
+    assert m, proc.stderr[-2000:]
+    cfg = AutoConfig.from_pretrained(os.path.join(out, "builtin_model"))
+    h, d = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
+    q, kv, ffn = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.intermediate_size
+    per_layer = sum(8 * (i + o) for i, o in [(h, q), (h, kv), (h, kv), (q, h), (h, ffn),
+                                              (h, ffn), (ffn, h)])
+    assert int(m.group(1)) == per_layer * cfg.num_hidden_layers
+
+
+def test_exported_adapter_is_read_by_peft_and_equals_the_merged_export(lora_run):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out, _ = lora_run
+    with open(os.path.join(out, "actor_lora", "adapter_config.json")) as f:
+        assert json.load(f)["r"] == 8
+    ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(os.path.join(out, "builtin_model"),
+                                                    dtype=torch.float32)
+        before = base(input_ids=ids).logits
+        peft_logits = PeftModel.from_pretrained(base, os.path.join(out, "actor_lora"))(
+            input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(os.path.join(out, "actor_hf"),
+                                                      dtype=torch.float32)(input_ids=ids).logits
+    assert lora_checks.rel(peft_logits, merged) <= 1e-5
+    assert lora_checks.rel(before, merged) > 1e-4, "training did not change the adapters"
+
+
+def test_checkpoint_holds_only_the_adapters(lora_run):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    out, _ = lora_run
+    steps = sorted(d for d in os.listdir(os.path.join(out, "checkpoints")) if d.startswith("step_"))
+    assert steps, "no checkpoint was written"
+    folder = os.path.join(out, "checkpoints", steps[-1], "dist")
+    keys = list(FileSystemReader(folder).read_metadata().state_dict_metadata)
+    actor = [k for k in keys if k.startswith("actor.") or ".actor." in k]  # weights, Adam states
+    assert len(actor) == 3 * sum(k.startswith("actor.") for k in keys) > 0
+    assert all(".lora." in k for k in actor), [k for k in actor if ".lora." not in k][:5]
+    assert any(k.startswith("critic.") and ".lora." not in k for k in keys)  # full critic
+
+
+def test_lora_run_resumes_after_kill(tmp_path):
+    resume_after_kill_matches(tmp_path, [*LORA, "algorithm.adv_estimator=grpo",
+                                         "critic.enable=false", "trainer.total_steps=3",
+                                         "trainer.save_every=2", "trainer.save_hf_at_end=false",
+                                         "trainer.loggers=[jsonl]"], steps=3)
+
+
+def test_merged_rollout_logits_equal_the_lora_model(hf_models):
+    path = hf_models[("llama", "causal_lm")]
+    for res in run_distributed(lora_checks.check_merged_rollout, 2, path, 2, 1):
+        assert res["rel"] <= 1e-5, res
+        assert res["restored"] and not res["rollout_has_lora"], res
+        assert res["lora_effect"] > 1e-3, res
+
+
+def test_one_copy_of_the_base_weights(tmp_path):
+    common = ["algorithm.adv_estimator=grpo", "critic.enable=false", "actor.use_kl_loss=true",
+              "algorithm.kl_in_reward=false", "trainer.loggers=[jsonl]"]
+    res = run_named_jobs([
+        ("lora", 1, (lora_checks.count_parameters_in_memory,
+                     ([f"trainer.output_dir={tmp_path / 'lora'}", "actor.lora.rank=8", *common],))),
+        ("full", 1, (lora_checks.count_parameters_in_memory,
+                     ([f"trainer.output_dir={tmp_path / 'full'}", *common],)))])
+    lora, full = res["lora"][0], res["full"][0]
+    assert lora["reference"] == "AdapterFreeReference"
+    assert lora["in_memory"] == lora["actor_frozen"] + lora["actor_trainable"], lora
+    assert lora["actor_frozen"] == full["actor_total"]
+    assert full["in_memory"] == 2 * full["actor_total"], full  # actor + reference copy
+
+
+def test_lora_ppo_steps_tp2_sp_and_pp2_equal_tp1(tmp_path):
+    """Two LoRA PPO steps (rollout, reference with adapters off, critic, actor update): the
+    exported adapters at TP=2 + SP and at PP=2 (rollouts from the hybrid engine's merged copy)
+    equal TP=1's, and the second step's rollouts sampled from the trained LoRA policy."""
+    from tests.helpers.ppo_runs import load_folder
+
+    outs = {name: str(tmp_path / name) for name in ("tp1", "tp2", "pp2")}
+    run_distributed(lora_checks.lora_ppo_steps, 1, outs["tp1"], 1, False)
+    run_distributed(lora_checks.lora_ppo_steps, 2, outs["tp2"], 2, True)
+    run_distributed(lora_checks.lora_ppo_steps, 2, outs["pp2"], 1, False, 2)
+    a1 = load_folder(os.path.join(outs["tp1"], "actor_lora"))
+    moved = sum(bool(v.abs().max() > 0) for k, v in a1.items() if "lora_B" in k)
+    assert a1 and moved == sum("lora_B" in k for k in a1), "the update left some B at zero"
+    for name in ("tp2", "pp2"):
+        # step 2's rollout (PP=2: the hybrid engine's merged copy) sampled from the trained
+        # LoRA policy (nonzero B), the one the training forward scores
+        assert run_metrics(outs[name])[1]["rollout/logprob_diff_max"] <= 1e-5, name
+        a2 = load_folder(os.path.join(outs[name], "actor_lora"))
+        assert a1.keys() == a2.keys()
+        for k in a1:
+            assert lora_checks.rel(a2[k], a1[k]) <= 1e-4, (name, k)
+
+
+def test_lora_needs_the_megatron_backend():
+    from parallel_models.errors import ConfigError
+    from parallel_models.rl.config.ppo import load_config
+
+    with pytest.raises(ConfigError, match="actor.lora.rank=8: LoRA runs on parallel.backend"):
+        load_config(None, ["actor.lora.rank=8", "parallel.backend=fsdp"])
+    with pytest.raises(ConfigError, match="actor.lora.rnk"):
+        load_config(None, ["actor.lora.rnk=8"])
+
+
+def test_lora_checkpoint_saved_at_tp2_sp_resumes_at_tp1(tmp_path):
+    """Adapters and their Adam states saved at TP=2 + SP load at TP=1: the adapters are
+    bit-exact and the next step's losses match the TP=2 run's within 1e-5."""
+    out2, out1 = str(tmp_path / "tp2"), str(tmp_path / "tp1")
+    saved = run_distributed(lora_checks.lora_save_then_step, 2, out2, 2, True)[0]
+    resumed = run_distributed(lora_checks.lora_resume_then_step, 1, out1, saved["path"], 1,
+                              os.path.join(out2, "builtin_model"))[0]
+    assert resumed["step"] == 2
+    assert saved["adapters"].keys() == resumed["adapters"].keys()
+    for k, v in saved["adapters"].items():
+        assert torch.equal(v, resumed["adapters"][k]), k
+    want, got = saved["metrics"], resumed["metrics"]
+    for key in ("actor/pg_loss", "critic/vf_loss", "reward/mean", "kl/actor_ref"):
+        assert abs(want[key] - got[key]) <= 1e-5, f"{key}: TP=2 {want[key]} vs TP=1 {got[key]}"

@@ -41,15 +41,8 @@ def _kill_at(out: str, common: list[str], spec: str) -> None:
         proc.close()
 
 
-def chaos_resume_matches(tmp_path, common: list[str], steps: int, seed: int) -> dict:
-    """A kill at every start-up, step and save point (in a seeded random order, each at its
-    first or, while >= 4 steps are left, a seeded random first or second hit), then at every
-    point of the final export (seeded order), each followed by ``--resume=auto``; then one last
-    ``--resume=auto``. Its metrics (timings aside) and final HF exports equal an uninterrupted
-    run's. ``common`` must save every step and export at the end (with a critic), and ``steps``
-    must leave a step for each mid-run kill. Returns the folders and the kills made."""
-    ref, out = str(tmp_path / "ref"), str(tmp_path / "chaos")
-    run_ppo([f"trainer.output_dir={ref}", *common])
+def _kill_and_resume(out: str, common: list[str], steps: int, seed: int) -> list[str]:
+    """The kills of :func:`chaos_resume_matches` and the last resume; returns the kills."""
     rng = random.Random(seed)
     made: list[str] = []
     for point in rng.sample(MID_RUN, len(MID_RUN)):
@@ -67,6 +60,29 @@ def chaos_resume_matches(tmp_path, common: list[str], steps: int, seed: int) -> 
     proc = run_ppo([f"trainer.output_dir={out}", *common, "--resume=auto"])
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["finished"] and summary.get("exported"), summary
+    return made
+
+
+def chaos_resume_matches(tmp_path, common: list[str], steps: int, seed: int) -> dict:
+    """A kill at every start-up, step and save point (in a seeded random order, each at its
+    first or, while >= 4 steps are left, a seeded random first or second hit), then at every
+    point of the final export (seeded order), each followed by ``--resume=auto``; then one last
+    ``--resume=auto``. Its metrics (timings aside) and final HF exports equal an uninterrupted
+    run's. ``common`` must save every step and export at the end (with a critic), and ``steps``
+    must leave a step for each mid-run kill. The uninterrupted run goes on meanwhile (the runs
+    use one thread each: on a 2-core machine it takes the other core). Returns the folders and
+    the kills made."""
+    ref, out = str(tmp_path / "ref"), str(tmp_path / "chaos")
+    reference = start_ppo([f"trainer.output_dir={ref}", *common])  # runs beside the kills
+    try:
+        made = _kill_and_resume(out, common, steps, seed)
+        code = reference.wait(600)
+        assert code == 0, f"the uninterrupted run: exit {code}\n{reference.stderr[-3000:]}"
+    finally:
+        if reference.poll() is None:  # a failed kill: do not leave it running
+            reference.kill()
+            reference.wait()
+        reference.close()
     want, got = run_metrics(ref), run_metrics(out)
     assert [m["step"] for m in got] == list(range(1, steps + 1)), [m["step"] for m in got]
     for a, b in zip(want, got):

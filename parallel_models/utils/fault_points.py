@@ -65,8 +65,8 @@ def parse_fault(spec: str) -> tuple[str, int]:
 
 
 def fault_point(name: str) -> None:
-    """Pass the point ``name`` (one of :data:`POINTS`); dies here when ``PARALLEL_MODELS_TEST_FAULT``
-    asks for it, else does nothing."""
+    """Pass the point ``name`` (one of :data:`POINTS`); dies here when the environment variable
+    ``PARALLEL_MODELS_TEST_FAULT`` asks for it, else does nothing."""
     spec = os.environ.get(ENV)
     if not spec:
         return

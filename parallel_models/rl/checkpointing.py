@@ -44,6 +44,7 @@ from parallel_models.rl.checkpoint_lookup import (  # noqa: F401  (re-exported)
     save_failed)
 from parallel_models.llama.checkpoint_utils.checksums import write_manifest
 from parallel_models.rl.roles import sharded_state
+from parallel_models.utils.fault_points import fault_point
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,7 @@ def save_trainer_checkpoint(trainer) -> str:
         os.makedirs(os.path.join(tmp, DIST_DIR))
         os.makedirs(os.path.join(tmp, RNG_DIR))
     dist.barrier()
+    fault_point("save:temp_created")
     failure = None
     try:
         if _backend(trainer) == "fsdp":
@@ -165,6 +167,7 @@ def save_trainer_checkpoint(trainer) -> str:
             fsdp_checkpoint.save_roles(os.path.join(tmp, DIST_DIR), trainer._trainable())
         else:
             sharded_state.save_roles(os.path.join(tmp, DIST_DIR), _roles(trainer))
+        fault_point("save:after_tensor_data")
         _write_json(os.path.join(tmp, RNG_DIR, f"rank_{rank:05d}.json"),
                     {**_position(), "rng": rng_state()})
         if rank == 0:
@@ -187,6 +190,7 @@ def save_trainer_checkpoint(trainer) -> str:
             _make_readable(tmp)
         except OSError as err:
             failure = err
+    fault_point("save:before_rename")
     try:
         publish_or_raise(tmp, final, True, failure, device, rank, "trainer checkpoint")
     except BaseException as err:  # noqa: BLE001  (disk full, a failed write: one clear message)
@@ -194,9 +198,11 @@ def save_trainer_checkpoint(trainer) -> str:
             raise
         raise save_failed(final, tmp, err) from err
     if rank == 0:
+        fault_point("save:after_rename_before_latest")
         _write_json(os.path.join(root, LATEST_FILE), {"latest": os.path.basename(final),
                                                       "step": trainer.step_index})
         os.chmod(os.path.join(root, LATEST_FILE), 0o644)
+        fault_point("save:after_latest_before_prune")
         prune_checkpoints(root, trainer.cfg.trainer.max_checkpoints, keep=final)
     dist.barrier()
     return final

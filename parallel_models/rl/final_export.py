@@ -12,6 +12,8 @@ import json
 import os
 import shutil
 
+from parallel_models.utils.fault_points import fault_point
+
 EXPORT_RECORD = "final_export.json"
 EXPORT_FOLDERS = ("actor_hf", "critic_hf")
 
@@ -39,6 +41,7 @@ def export_done(output_dir: str, step: int) -> bool:
 
 def record_export(output_dir: str, step: int) -> str:
     """Write the record (atomically) after the export of ``step``; returns its path."""
+    fault_point("export:before_record")
     folders = [d for d in EXPORT_FOLDERS if os.path.isdir(os.path.join(output_dir, d))]
     path = os.path.join(output_dir, EXPORT_RECORD)
     tmp = f"{path}.tmp{os.getpid()}"

@@ -44,6 +44,7 @@ from parallel_models.rl.greedy_baseline import greedy_baselines, wants_greedy_ba
 from parallel_models.rl.observe import dp_stats
 from parallel_models.rl.observe.metrics import Timer
 from parallel_models.rl.rewards.overlong import overlong_metrics, shape_overlong
+from parallel_models.utils.fault_points import fault_point
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +121,10 @@ class PPOTrainer:
                                      trackers=trackers)
         self.step_index = 0
         self.sampling = cfg.rollout.sampling_params()
+        fault_point("start:before_resume")
         if tcfg.resume:
             self.resume()
+        fault_point("start:after_resume")
         # the rollout starts from the trainer's (possibly resumed) actor
         self._update_rollout_weights()
         self._offload_all()  # each phase brings what it needs to the GPU
@@ -197,11 +200,13 @@ class PPOTrainer:
                 return fn(*args)
 
         batch = phase("gen", self.rollout_phase)
+        fault_point("step:after_rollout")
         metrics = phase("score", self.score_phase, batch)
         metrics.update(self.rollout_metrics)  # dynamic sampling's counts
         metrics.update(phase("adv", self.advantage_phase, batch))
         minibatches = self.minibatches(batch)
         train = phase("train_critic", self.critic_update_phase, minibatches)
+        fault_point("step:mid_update")
         train.update(phase("train_actor", self.actor_update_phase, minibatches))
         metrics = phase("metrics", self.metrics_phase, batch, metrics, train)
         self.step_index += 1
@@ -424,6 +429,7 @@ class PPOTrainer:
                     self.step_index % tcfg.test_freq == 0 or last):
                 metrics.update(self.validate_phase())
             self.metrics.log(self.step_index, metrics)
+            fault_point("step:after_metrics_logged")
             history.append(metrics)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
                             kl=f"{metrics.get('kl/actor_ref', 0.0):.4f}")
@@ -453,6 +459,7 @@ class PPOTrainer:
         if _rank() == 0:
             remove_stale_exports(self.cfg.trainer.output_dir)
         _barrier()
+        fault_point("export:start")
         self.backend.export_hf(self.roles, self.cfg.trainer.output_dir, self.tokenizer)
         _barrier()
         if _rank() == 0:

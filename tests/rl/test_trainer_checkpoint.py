@@ -17,15 +17,19 @@ from tests.helpers.ppo_runs import load_folder as _load_folder, run_ppo as _run
 from tests.helpers import trainer_checkpoint_checks as checks
 
 def test_chaos_kills_resume_exactly_and_damage_is_refused(tmp_path):
-    """>= 10 seeded SIGKILLs (start-up, mid-step, during saves, in the export window), each
-    followed by --resume=auto: the metrics have no gap or duplicate and equal an uninterrupted
-    run's, the final actor_hf / critic_hf are bit-identical. Then bit flips in the final
-    checkpoint: --resume stops with one line naming the file (exit 2); --resume-fallback
-    resumes the step before, redoes the last step and ends with the same weights."""
+    """14 seeded SIGKILLs at fault points (2 in start-up, 3 mid-step, 5 inside checkpoint saves,
+    4 inside the final export), each followed by --resume=auto: the metrics have no gap or
+    duplicate and equal an uninterrupted run's, the final actor_hf / critic_hf are
+    bit-identical. Then bit flips in the final checkpoint: --resume stops with one line naming
+    the file (exit 2); --resume-fallback resumes the step before, redoes the last step and ends
+    with the same weights."""
     steps = 5
     common = ["trainer.total_steps=5", "trainer.save_every=1", "trainer.max_checkpoints=3",
               *[a for a in checks.TINY if "save_hf_at_end" not in a]]
-    runs = chaos_resume_matches(tmp_path, common, steps=steps, kills=10, seed=30)
+    runs = chaos_resume_matches(tmp_path, common, steps=steps, seed=30)
+    kinds = [k.split(":")[0] for k in runs["kills"]]
+    assert len(kinds) >= 10 and kinds.count("save") >= 5 and kinds.count("start") >= 2, kinds
+    assert kinds.count("step") >= 3 and kinds.count("export") + kinds.count("hf_save") >= 4, kinds
     out = runs["out"]
     data = sorted(glob.glob(os.path.join(out, "checkpoints", "step_000005", "dist", "*.distcp")))[0]
     raw = bytearray(open(data, "rb").read())
@@ -45,6 +49,33 @@ def test_chaos_kills_resume_exactly_and_damage_is_refused(tmp_path):
         want = _load_folder(os.path.join(runs["ref"], folder))
         got = _load_folder(os.path.join(out, folder))
         assert all(torch.equal(want[k], got[k]) for k in want), folder
+
+
+def test_fault_points_are_declared_used_and_checked(monkeypatch):
+    """Every fault_point("...") in the package names a declared point and every declared point
+    is passed somewhere; a malformed PARALLEL_MODELS_TEST_FAULT is a ConfigError naming it,
+    unset or naming another point nothing happens."""
+    import re
+
+    from parallel_models.errors import ConfigError
+    from parallel_models.utils import fault_points
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                        "parallel_models")
+    used = []
+    for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True):
+        with open(path) as f:
+            used += re.findall(r'\bfault_point\("([^"]+)"\)', f.read())
+    assert sorted(set(used)) == sorted(fault_points.POINTS) and len(used) == len(set(used)), used
+    monkeypatch.delenv(fault_points.ENV, raising=False)
+    fault_points.fault_point("save:before_rename")  # off: nothing happens
+    monkeypatch.setenv(fault_points.ENV, "save:before_rename@2")
+    fault_points.fault_point("export:start")  # another point: nothing happens
+    assert fault_points.parse_fault("save:before_rename@2") == ("save:before_rename", 2)
+    for bad in ("save:before_renam", "save:before_rename@0", "save:before_rename@x"):
+        monkeypatch.setenv(fault_points.ENV, bad)
+        with pytest.raises(ConfigError, match=fault_points.ENV):
+            fault_points.fault_point("export:start")
 
 
 def test_final_checkpoint_layout_and_finished_resume(tmp_path):

@@ -30,6 +30,7 @@ from parallel_models.llama.checkpoint_utils.hf_format import (ShardedSafetensors
                                                              copy_extra_files, write_hf_config)
 from parallel_models.llama.checkpoint_utils.output_dir import check_output_dir, temp_dir_for
 from parallel_models.llama.checkpoint_utils.weight_map import WeightMap, WeightMapping
+from parallel_models.utils.fault_points import fault_point
 
 
 class _Placement:
@@ -223,6 +224,7 @@ def save_pretrained(model, out_dir: str, *, max_shard_size: int | str = "5GB", d
     finally:
         if bar is not None:
             bar.close()
+    fault_point("hf_save:before_publish")
     publish_or_raise(tmp, out_dir, overwrite, failure, device, rank, "save_pretrained",
                      cleanup=writer.abort if writer is not None else None)
     nbytes = writer.bytes_written if writer is not None else 0

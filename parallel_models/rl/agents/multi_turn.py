@@ -44,7 +44,7 @@ from typing import Any, Sequence
 
 import torch
 
-from parallel_models.inference.row_sampling import row_seed
+from parallel_models.inference import row_seed
 from parallel_models.rl.agents.chat_render import appended_ids, cap_content
 from parallel_models.rl.agents.environment import check_messages, step_result
 from parallel_models.rl.agents.executor import ToolExecutor, tool_messages

@@ -200,6 +200,9 @@ class PPOTrainer:
         train = phase("train_critic", self.critic_update_phase, minibatches)
         train.update(phase("train_actor", self.actor_update_phase, minibatches))
         metrics = phase("metrics", self.metrics_phase, batch, metrics, train)
+        # a multi-turn rollout's turns, tool calls and budget cuts (rollout/...)
+        metrics.update(dp_stats.data_parallel_mean(dict(getattr(self.rollout, "metrics", None)
+                                                        or {})))
         self.step_index += 1
         if self.rollout.pushes_weights:  # the weights move now: a phase of its own
             phase("sync", self._update_rollout_weights)
@@ -219,9 +222,13 @@ class PPOTrainer:
         caps = None
         if self.cfg.data.max_new_tokens_key:  # per-prompt response caps from the dataset
             caps = prompt_caps(records, mine, self.cfg.data, self.cfg.rollout.max_new_tokens)
+        extra = {}
+        if getattr(self.rollout, "takes_records", False):  # multi-turn: environments reset
+            extra["records"] = [records["records"][i] if isinstance(records, dict)
+                                and "records" in records else {} for i in mine]
         with self._use(self.actor):
             batch = self._rollout([prompt_ids[i] for i in mine], max_new_tokens=caps,
-                                  prompt_seeds=self.prompt_seeds(mine))
+                                  prompt_seeds=self.prompt_seeds(mine), **extra)
         if isinstance(records, dict) and "records" in records:
             # each response carries its prompt's dataset record (reward functions read its fields)
             batch["records"] = [records["records"][i] for i in mine for _ in range(self.cfg.rollout.n)]
@@ -230,6 +237,10 @@ class PPOTrainer:
             key = self.cfg.data.messages_key
             msgs = [records["records"][i].get(key) for i in mine]
             batch["messages"] = [m for m in msgs for _ in range(self.cfg.rollout.n)]
+        if "conversation" in batch.columns:  # multi-turn: the reward sees the conversation
+            from parallel_models.rl.agents.reward_inputs import attach_conversations
+
+            attach_conversations(batch)
         return batch
 
     def prompt_seeds(self, indices: list[int], step: int | None = None) -> list[int] | None:
@@ -246,9 +257,10 @@ class PPOTrainer:
 
     def _rollout(self, prompt_ids: list[list[int]], sampling=None,
                  max_new_tokens: list[int] | None = None,
-                 prompt_seeds: list[int] | None = None) -> RolloutBatch:
+                 prompt_seeds: list[int] | None = None, **extra) -> RolloutBatch:
         return self.rollout.generate(prompt_ids, sampling or self.sampling,
-                                     max_new_tokens=max_new_tokens, prompt_seeds=prompt_seeds)
+                                     max_new_tokens=max_new_tokens, prompt_seeds=prompt_seeds,
+                                     **extra)
 
     def score_phase(self, batch: RolloutBatch) -> dict:
         """Old log-probs (actor), reference log-probs, values (critic) and scores (reward)."""
@@ -268,6 +280,10 @@ class PPOTrainer:
             with self._use(self.critic):
                 batch.values = self.critic.values(batch)
         batch.scores = self.reward.score(batch)  # a reward model brings itself to the device
+        if "environment_reward" in batch.columns:  # multi-turn: the environment's rewards
+            from parallel_models.rl.agents.reward_inputs import add_environment_rewards
+
+            batch.scores = add_environment_rewards(batch, batch.scores)
         metrics = dp_stats.data_parallel_mean(dict(getattr(self.reward, "metrics", None) or {}))
         metrics.update(mismatch)
         records = batch.get("records") or []

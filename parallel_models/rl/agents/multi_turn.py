@@ -17,10 +17,12 @@ prompt is a conversation:
    rendered with the chat template (``chat_render``: the text suffix after the turn, tokenized
    alone) and appended; the next turn continues from the whole token stream.
 
-A conversation ends when done, after ``max_turns`` model turns, or when a budget cuts it: a turn
-that reaches ``max_turn_tokens`` without a stop token (``turn_tokens``), a turn or appended
-messages that would pass ``max_total_tokens`` (``total_tokens``: the appended messages are then
-not appended), or ``max_turns`` with tools still called (``max_turns``).
+A conversation ends when done, after ``max_turns`` model turns (counted as a ``max_turns`` cut
+when it was not done), or when ``max_total_tokens`` is spent (``total_tokens``: by a turn, or by
+appended messages that would not fit, which are then not appended). A turn that reaches
+``max_turn_tokens`` (or ``rollout.max_new_tokens``) without a stop token is counted as a
+``turn_tokens`` cut but does not end the conversation: its tools and the environment step run,
+and the chat template closes it (the end-of-turn text is appended, masked 0).
 
 The batch: the prompt as the prompt; the response is every generated and appended id in order,
 ``response_mask`` 1 on generated ids and 0 on appended ones (holes), ``attention_mask`` 1 on
@@ -51,6 +53,7 @@ from parallel_models.rl.agents.executor import ToolExecutor, tool_messages
 from parallel_models.rl.data.batch import RolloutBatch
 from parallel_models.rl.rollout.interface import EngineTokens
 
+_SEED_MASK = (1 << 62) - 1  # the engine's prompt seeds are in [0, 2^62)
 CUTS = ("max_turns", "total_tokens", "turn_tokens", "tool_response")
 
 
@@ -142,7 +145,7 @@ class MultiTurnRollout(EngineTokens):
             turns = self.engine.generate_samples(
                 [c.context for c in live], one, max_new_tokens=caps,
                 prompt_seeds=None if prompt_seeds is None else
-                [row_seed(c.seed, c.turns) for c in live])
+                [row_seed(c.seed, c.turns) & _SEED_MASK for c in live])
             tool_seconds += self._after_turns(live, turns, set(self.engine.stop_ids(one)))
         batch = self._batch(conversations, len(prompt_ids), n)
         self.metrics = self._metrics(conversations, tool_seconds, time.monotonic() - start)
@@ -188,21 +191,21 @@ class MultiTurnRollout(EngineTokens):
             stopped = bool(ids) and ids[-1] in stops
             text = self.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
             c.messages.append({"role": "assistant", "content": text})
-            texts.append((text, stopped))
-        # every turn's tools at once (a turn cut mid-way runs none)
-        futures = [self.executor.submit(text) if self.executor is not None and stopped else None
-                   for text, stopped in texts]
+            texts.append((text, stopped, self._out_of_total(c, 0, at_limit=True)))
+        # every turn's tools at once (a conversation out of budget runs none)
+        futures = [self.executor.submit(text) if self.executor is not None and not spent
+                   else None for text, _, spent in texts]
         seconds = 0.0
-        for c, turn, (text, stopped), future in zip(live, turns, texts, futures):
+        for c, turn, (text, stopped, spent), future in zip(live, turns, texts, futures):
+            if spent:  # the turn used what was left of the total budget
+                c.cuts.add("total_tokens")
+                c.done = True
+                continue
+            if not stopped:  # cut at max_turn_tokens: the template closes it (0-masked)
+                c.cuts.add("turn_tokens")
             records = future.result() if future is not None else []
             seconds += sum(r.seconds for r in records)
             c.tool_trace += [dict(turn=c.turns, **dataclasses.asdict(r)) for r in records]
-            if not stopped:  # the turn ran out of tokens mid-way
-                spent = self.limits.max_total_tokens is not None and \
-                    len(c.response) >= self.limits.max_total_tokens
-                c.cuts.add("total_tokens" if spent else "turn_tokens")
-                c.done = True
-                continue
             new = self._tool_messages(c, records)
             done = not records
             if c.env is not None:
@@ -219,7 +222,7 @@ class MultiTurnRollout(EngineTokens):
                 c.cuts.add("max_turns")
                 c.done = True
                 continue
-            stop_text = self.tokenizer.decode([turn["token_ids"][-1]])
+            stop_text = self.tokenizer.decode([turn["token_ids"][-1]]) if stopped else None
             ids = appended_ids(self.tokenizer, new, stop_text)
             if self._out_of_total(c, len(ids) + 1):
                 c.cuts.add("total_tokens")
@@ -238,9 +241,12 @@ class MultiTurnRollout(EngineTokens):
                 c.cuts.add("tool_response")
         return messages
 
-    def _out_of_total(self, c: Conversation, more: int = 0) -> bool:
+    def _out_of_total(self, c: Conversation, more: int = 0, at_limit: bool = False) -> bool:
+        """Whether ``more`` tokens would pass the total budget (``at_limit``: or reach it)."""
         total = self.limits.max_total_tokens
-        return total is not None and len(c.response) + more > total
+        if total is None:
+            return False
+        return len(c.response) + more >= total if at_limit else len(c.response) + more > total
 
     # ---- the batch and the metrics ------------------------------------------------------------
     def _batch(self, conversations: list[Conversation], prompts: int, n: int) -> RolloutBatch:

@@ -133,8 +133,10 @@ class PPOConfig(BaseModel):
         self._replace_with(merged, sources, source)
 
     def get(self, dotted: str) -> Any:
-        section, key = dotted.split(".")
-        return getattr(getattr(self, section), key)
+        value = self
+        for part in dotted.split("."):
+            value = getattr(value, part)
+        return value
 
     # ---- checks ----------------------------------------------------------------------------------
     def check_types(self) -> None:
@@ -177,7 +179,10 @@ def _merge_mapping(merged: dict, sources: dict[str, str], data: Any, source: str
             continue
         target = merged.setdefault(section, {})
         for key, value in values.items():
-            target[key] = copy.deepcopy(value)
+            if isinstance(value, dict) and isinstance(target.get(key), dict):
+                target[key].update(copy.deepcopy(value))  # a nested section: merge its fields
+            else:
+                target[key] = copy.deepcopy(value)
             sources[f"{section}.{key}"] = source
     errors.raise_problems(problems)
 
@@ -185,12 +190,21 @@ def _merge_mapping(merged: dict, sources: dict[str, str], data: Any, source: str
 def _set_dotted(merged: dict, sources: dict[str, str], dotted: str, value: Any,
                 source: str) -> None:
     parts = str(dotted).split(".")
-    if len(parts) != 2 or not all(parts):
+    # section.key, or section.key.field where the key is a nested section
+    # (rollout.multi_turn.max_turns)
+    if len(parts) not in (2, 3) or not all(parts):
         raise ConfigError(f"{source}: {dotted!r} is not a 'section.key' name; sections: "
                           f"{', '.join(SECTIONS)}")
-    section, key = parts
+    section, key = parts[:2]
     _check_section(section, source)
-    merged.setdefault(section, {})[key] = value
+    if len(parts) == 3:
+        nested = merged.setdefault(section, {}).setdefault(key, {})
+        if not isinstance(nested, dict):
+            raise ConfigError(f"{source}: {dotted!r}: {section}.{key} has no fields (it is "
+                              "not a nested section)")
+        nested[parts[2]] = value
+    else:
+        merged.setdefault(section, {})[key] = value
     sources[dotted] = source
 
 

@@ -25,6 +25,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from parallel_models.inference import SamplingFields, SamplingParams
+from parallel_models.rl.config.multi_turn import MultiTurnSection
 from parallel_models.options import KernelOptions
 from parallel_models.utils.optimizer_config import Int, Number, OptimizerFields
 
@@ -141,6 +142,9 @@ class RolloutSection(SamplingFields):
     exact: StrictBool = Field(False, description="batch-invariant kernels (needs Triton): rollout "
                               "log-probs == training log-probs bit for bit (megatron backend, "
                               "inprocess rollout)")
+    multi_turn: MultiTurnSection = Field(
+        default_factory=MultiTurnSection, description="multi-turn (agentic) rollouts: set "
+        "rollout.multi_turn.KEY (rl/config/multi_turn.py)")
 
     @field_validator("backend")
     @classmethod

@@ -68,11 +68,24 @@ def bounds_text(metadata: list) -> str | None:
 
 
 def _field(model: type[BaseModel], section: str, key: str):
-    section_model = model.model_fields[section].annotation if section in model.model_fields \
-        else None
+    """The field ``key`` of ``section`` (dotted for a nested section: ``rollout.multi_turn``)
+    and the section's model."""
+    section_model = model
+    for part in section.split("."):
+        fields = getattr(section_model, "model_fields", {})
+        section_model = fields[part].annotation if part in fields else None
     if isinstance(section_model, type) and issubclass(section_model, BaseModel):
         return section_model.model_fields.get(key), section_model
     return None, None
+
+
+def _nested(model: type[BaseModel], loc: tuple) -> bool:
+    """Whether ``loc`` points into a nested section (``rollout.multi_turn.max_turns``)."""
+    if len(loc) < 3 or not isinstance(loc[2], str):
+        return False
+    field, _ = _field(model, str(loc[0]), str(loc[1]))
+    return field is not None and isinstance(field.annotation, type) and \
+        issubclass(field.annotation, BaseModel)
 
 
 def _section_message(e: dict, model: type[BaseModel], section: str, source: str) -> str:
@@ -121,6 +134,8 @@ def messages(err: ValidationError, model: type[BaseModel], sources: dict[str, st
             text = str(e.get("msg", "")).removeprefix("Value error, ")
             out += [line for line in text.split("\n") if line]
             continue
+        if _nested(model, loc):  # section.key.field: report it as section "section.key"
+            loc = (f"{loc[0]}.{loc[1]}",) + loc[2:]
         section = str(loc[0])
         key = str(loc[1]) if len(loc) > 1 else None
         full = f"{section}.{key}" if key else section

@@ -238,3 +238,29 @@ def test_environment_messages_rewards_and_the_rendered_prompt():
     assert prompt + batch.sequences[0, P:P + k].tolist() == whole
     assert batch.columns["environment_reward"] == [pytest.approx(0.9)]
     assert mt.metrics["rollout/turns_mean"] == 2
+
+
+class GoOnEnv:
+    """Says "go on" after every turn; never done (max_turns ends it)."""
+
+    def reset(self, record):
+        return []
+
+    def step(self, turn_text, turn_ids):
+        return [{"role": "user", "content": "go on"}], None, False
+
+
+def test_a_turn_cut_by_its_cap_is_closed_by_the_template_and_the_conversation_goes_on():
+    engine = ScriptedEngine({"go": ["z" * 30, "ok"]})
+    mt = MultiTurnRollout(Inner(engine), TOK, MultiTurnLimits(max_turns=2, max_turn_tokens=10),
+                          environment=GoOnEnv)
+    batch = mt.generate([TOK("go")["input_ids"]], SamplingParams(n=1, max_new_tokens=100))
+    prompt, response, mask, _ = stream(batch, 0)
+    closing = TOK("</s>\nuser: go on\nassistant: ", add_special_tokens=False)["input_ids"]
+    ok = TOK("ok", add_special_tokens=False)["input_ids"] + [EOS]
+    z10 = TOK("z" * 10, add_special_tokens=False)["input_ids"]
+    assert response == z10 + closing + ok
+    # the closing EOS is the template's, not the model's: masked 0
+    assert mask == [1] * 10 + [0] * len(closing) + [1] * len(ok)
+    assert mt.metrics["rollout/cut_turn_tokens"] == 1.0 and mt.metrics["rollout/turns_mean"] == 2
+    assert mt.metrics["rollout/cut_max_turns"] == 1.0

@@ -96,7 +96,7 @@ class MultiTurnRollout(EngineTokens):
     """``MultiTurnRollout(inner, tokenizer, limits, executor=None, environment=None)``:
     ``inner`` an in-process rollout (its ``engine``), ``environment`` a class (one instance per
     conversation). ``generate(..., records=...)`` takes the prompts' dataset records (for
-    ``reset``)."""
+    ``reset``; without them an environment gets ``{"prompt": the prompt's text}``)."""
 
     takes_records = True
 
@@ -133,7 +133,11 @@ class MultiTurnRollout(EngineTokens):
         for i, prompt in enumerate(prompt_ids):
             for j in range(n):
                 seed = None if prompt_seeds is None else row_seed(prompt_seeds[i], j)
-                conversations.append(self._start(prompt, seed, records[i] if records else {}))
+                record = records[i] if records else None
+                if record is None:  # e.g. validation prompts: the prompt's text only
+                    record = {"prompt": self.tokenizer.decode(list(prompt),
+                                                              skip_special_tokens=True)}
+                conversations.append(self._start(prompt, seed, record))
         one = sampling.model_copy(update={"n": 1})
         start = time.monotonic()
         tool_seconds = 0.0

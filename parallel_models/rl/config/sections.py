@@ -25,8 +25,8 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from parallel_models.inference import SamplingFields, SamplingParams
-from parallel_models.rl.config.multi_turn import MultiTurnSection
 from parallel_models.options import KernelOptions
+from parallel_models.rl.config.multi_turn import MultiTurnSection
 from parallel_models.utils.optimizer_config import Int, Number, OptimizerFields
 
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]

@@ -200,9 +200,9 @@ class PPOTrainer:
         train = phase("train_critic", self.critic_update_phase, minibatches)
         train.update(phase("train_actor", self.actor_update_phase, minibatches))
         metrics = phase("metrics", self.metrics_phase, batch, metrics, train)
-        # a multi-turn rollout's turns, tool calls and budget cuts (rollout/...)
-        metrics.update(dp_stats.data_parallel_mean(dict(getattr(self.rollout, "metrics", None)
-                                                        or {})))
+        rollout_metrics = getattr(self.rollout, "metrics", None)
+        if rollout_metrics:  # a multi-turn rollout's turns, tool calls and budget cuts
+            metrics.update(dp_stats.data_parallel_mean(dict(rollout_metrics)))
         self.step_index += 1
         if self.rollout.pushes_weights:  # the weights move now: a phase of its own
             phase("sync", self._update_rollout_weights)

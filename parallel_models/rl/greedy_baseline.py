@@ -30,3 +30,16 @@ def greedy_baselines(trainer, prompt_ids: list[list[int]], records: list[dict] |
     scores = trainer.reward.score(greedy)
     n = trainer.cfg.rollout.n
     return [float(s) for s in scores.tolist() for _ in range(n)]
+
+
+def attach_greedy_baselines(trainer, batch, records, prompt_ids: list[list[int]], mine: list[int],
+                            max_new_tokens: list[int] | None = None) -> None:
+    """When the run's estimator wants one: ``batch["reward_baselines"]`` from
+    :func:`greedy_baselines` of this rank's prompts (``mine``: their places in ``prompt_ids``
+    and in the loader's ``records``)."""
+    if not wants_greedy_baseline(trainer.cfg):
+        return
+    has = isinstance(records, dict) and "records" in records
+    batch["reward_baselines"] = greedy_baselines(
+        trainer, [prompt_ids[i] for i in mine], [records["records"][i] for i in mine] if has
+        else None, max_new_tokens=max_new_tokens)

@@ -30,6 +30,8 @@ from tqdm import tqdm
 
 import parallel_models as pm
 from parallel_models.llama.layers.exact import exact_mode
+from parallel_models.rl.agents.reward_inputs import (add_environment_rewards, attach_conversations,
+                                                 rollout_records)
 from parallel_models.rl.algorithms import core as algos
 from parallel_models.rl.algorithms.advantages import compute_advantages
 from parallel_models.rl.algorithms.mismatch import rollout_mismatch_metrics
@@ -40,7 +42,7 @@ from parallel_models.rl.backends.roles import offload_enabled
 from parallel_models.rl.data.batch import RolloutBatch
 from parallel_models.rl.data.prompts import prompt_caps
 from parallel_models.rl.final_export import export_done, record_export, remove_stale_exports
-from parallel_models.rl.greedy_baseline import greedy_baselines, wants_greedy_baseline
+from parallel_models.rl.greedy_baseline import attach_greedy_baselines
 from parallel_models.rl.observe import dp_stats
 from parallel_models.rl.observe.metrics import Timer
 from parallel_models.rl.rewards.overlong import overlong_metrics, shape_overlong
@@ -209,6 +211,9 @@ class PPOTrainer:
         fault_point("step:mid_update")
         train.update(phase("train_actor", self.actor_update_phase, minibatches))
         metrics = phase("metrics", self.metrics_phase, batch, metrics, train)
+        rollout_metrics = getattr(self.rollout, "metrics", None)
+        if rollout_metrics:  # a multi-turn rollout's turns, tool calls and budget cuts
+            metrics.update(dp_stats.data_parallel_mean(dict(rollout_metrics)))
         self.step_index += 1
         if self.rollout.pushes_weights:  # the weights move now: a phase of its own
             phase("sync", self._update_rollout_weights)
@@ -254,9 +259,10 @@ class PPOTrainer:
         if self.cfg.data.max_new_tokens_key:  # per-prompt response caps from the dataset
             caps = prompt_caps(records, mine, self.cfg.data, self.cfg.rollout.max_new_tokens)
         offset = round_index * len(prompt_ids)
-        with self._use(self.actor):
+        with self._use(self.actor):  # (a multi-turn rollout also takes the records)
             batch = self._rollout([prompt_ids[i] for i in mine], max_new_tokens=caps,
-                                  prompt_seeds=self.prompt_seeds([offset + i for i in mine]))
+                                  prompt_seeds=self.prompt_seeds([offset + i for i in mine]),
+                                  **rollout_records(self.rollout, records, mine))
         if isinstance(records, dict) and "records" in records:
             # each response carries its prompt's dataset record (reward functions read its fields)
             batch["records"] = [records["records"][i] for i in mine for _ in range(self.cfg.rollout.n)]
@@ -265,17 +271,16 @@ class PPOTrainer:
             key = self.cfg.data.messages_key
             msgs = [records["records"][i].get(key) for i in mine]
             batch["messages"] = [m for m in msgs for _ in range(self.cfg.rollout.n)]
-        if wants_greedy_baseline(self.cfg):  # e.g. ReMax: a greedy response per prompt, scored
-            mine_records = ([records["records"][i] for i in mine]
-                            if isinstance(records, dict) and "records" in records else None)
-            batch["reward_baselines"] = greedy_baselines(
-                self, [prompt_ids[i] for i in mine], mine_records, max_new_tokens=caps)
+        attach_greedy_baselines(self, batch, records, prompt_ids, mine, caps)  # e.g. ReMax
+        attach_conversations(batch)  # multi-turn: the reward sees the conversation
         return batch, [offset + i for i in mine]
 
     def _score_rewards(self, batch: RolloutBatch) -> torch.Tensor:
-        """The training rewards: the reward's scores plus the overlong shaping
-        (``reward.overlong_buffer``, ``rl/rewards/overlong.py``)."""
-        return shape_overlong(self.reward.score(batch), batch.response_mask, self.cfg)
+        """The training rewards: the reward's scores, plus a multi-turn environment's rewards,
+        plus the overlong shaping (``reward.overlong_buffer``, ``rl/rewards/overlong.py``)."""
+        scores = self.reward.score(batch)  # a reward model brings itself to the device
+        scores = add_environment_rewards(batch, scores)
+        return shape_overlong(scores, batch.response_mask, self.cfg)
 
     def prompt_seeds(self, indices: list[int], step: int | None = None) -> list[int] | None:
         """The draw seeds of the step's prompts at ``indices`` (their places in the global
@@ -291,9 +296,10 @@ class PPOTrainer:
 
     def _rollout(self, prompt_ids: list[list[int]], sampling=None,
                  max_new_tokens: list[int] | None = None,
-                 prompt_seeds: list[int] | None = None) -> RolloutBatch:
+                 prompt_seeds: list[int] | None = None, **extra) -> RolloutBatch:
         return self.rollout.generate(prompt_ids, sampling or self.sampling,
-                                     max_new_tokens=max_new_tokens, prompt_seeds=prompt_seeds)
+                                     max_new_tokens=max_new_tokens, prompt_seeds=prompt_seeds,
+                                     **extra)
 
     def score_phase(self, batch: RolloutBatch) -> dict:
         """Old log-probs (actor), reference log-probs, values (critic) and scores (reward)."""

@@ -132,7 +132,7 @@ def _build_rollout(cfg, tokenizer, actor, actor_model, num_experts):
     return build_rollout(RolloutContext(
         cfg=cfg, actor=actor, model=actor_model, **special, device=actor_model.device,
         data_parallel_rank=mpu.get_data_parallel_rank(), num_experts=num_experts,
-        inprocess=inprocess))
+        inprocess=inprocess, tokenizer=tokenizer))
 
 
 def export_hf(roles: Roles, output_dir: str, tokenizer) -> None:

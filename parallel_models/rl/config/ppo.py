@@ -179,7 +179,10 @@ def _merge_mapping(merged: dict, sources: dict[str, str], data: Any, source: str
             continue
         target = merged.setdefault(section, {})
         for key, value in values.items():
-            target[key] = copy.deepcopy(value)
+            if isinstance(value, dict) and isinstance(target.get(key), dict):
+                target[key].update(copy.deepcopy(value))  # a nested section: merge its fields
+            else:
+                target[key] = copy.deepcopy(value)
             sources[f"{section}.{key}"] = source
     errors.raise_problems(problems)
 

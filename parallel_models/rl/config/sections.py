@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 
 from parallel_models.inference import SamplingFields, SamplingParams
 from parallel_models.options import KernelOptions
+from parallel_models.rl.config.multi_turn import MultiTurnSection
 from parallel_models.utils.optimizer_config import Int, Number, OptimizerFields
 
 Recompute = Literal["none", "selective", "full"]
@@ -154,6 +155,9 @@ class RolloutSection(SamplingFields):
     exact: StrictBool = Field(False, description="batch-invariant kernels (needs Triton): rollout "
                               "log-probs == training log-probs bit for bit (megatron backend, "
                               "inprocess rollout)")
+    multi_turn: MultiTurnSection = Field(
+        default_factory=MultiTurnSection, description="multi-turn (agentic) rollouts: set "
+        "rollout.multi_turn.KEY (rl/config/multi_turn.py)")
 
     @field_validator("kv_budget_tokens")
     @classmethod

@@ -34,6 +34,7 @@ class RolloutContext:
     data_parallel_rank: int
     num_experts: int | None       # an MoE actor whose rollouts carry routes, else None
     inprocess: Callable[[], Any]  # the training backend's own in-process rollout
+    tokenizer: Any = None         # the actor's tokenizer (multi-turn rollouts render with it)
 
 
 def inprocess_rollout(context: RolloutContext):
@@ -53,6 +54,11 @@ def build_rollout(context: RolloutContext):
 
     name = context.cfg.rollout.backend
     rollout = ROLLOUT_BACKENDS.get(name)(context)
+    multi_turn = getattr(context.cfg.rollout, "multi_turn", None)
+    if multi_turn is not None and multi_turn.enabled:  # conversations (rl/agents/)
+        from parallel_models.rl.agents.build import multi_turn_rollout
+
+        rollout = multi_turn_rollout(rollout, context.cfg, context.tokenizer)
     if not isinstance(rollout, Rollout):
         raise TypeError(f"rollout.backend={name!r} built {type(rollout).__name__}, which lacks "
                         "the rollout interface (pushes_weights, generate, update_weights, "

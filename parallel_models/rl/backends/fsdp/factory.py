@@ -57,7 +57,8 @@ def build_roles(cfg, tokenizer, model_path: str) -> Roles:
 
     rollout = build_rollout(RolloutContext(
         cfg=cfg, actor=actor, model=None, **special_tokens(tokenizer), device=compute_device(),
-        data_parallel_rank=_data_parallel_rank(), num_experts=None, inprocess=inprocess))
+        data_parallel_rank=_data_parallel_rank(), num_experts=None, inprocess=inprocess,
+        tokenizer=tokenizer))
     return Roles(actor=actor, reference=ref, critic=critic, reward=reward, rollout=rollout,
                  model=model)
 

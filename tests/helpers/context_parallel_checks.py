@@ -74,3 +74,18 @@ def bad_world(cp: int) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def reward_scores(path: str, cp: int) -> torch.Tensor:
+    """The reward model's scores (``RewardModel.score_ids``, its packed forward through the
+    pipeline schedule) of a few sequences of uneven lengths at CP = ``cp``."""
+    import parallel_models as pm
+    from parallel_models.rl.rewards.model import RewardModel
+    from parallel_models.tokenizer import build_builtin_tokenizer
+
+    pm.init_parallel(context_parallel_size=cp)
+    rm = RewardModel(path, actor_tokenizer=build_builtin_tokenizer(), same_tokenizer=True,
+                     dtype=torch.float32, offload=False, micro_batch_tokens=16)
+    g = torch.Generator().manual_seed(5)
+    ids = [torch.randint(0, rm.config.vocab_size, (n,), generator=g).tolist() for n in LENGTHS]
+    return rm.score_ids(ids)

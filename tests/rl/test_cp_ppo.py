@@ -1,0 +1,36 @@
+"""Context parallelism in the RL stack (``parallel.context_parallel_size=2`` on 2 gloo ranks):
+3 seeded greedy PPO steps (actor, reference and GAE critic all at CP = 2) give the metrics of the
+PP = 1, TP = 1 run on one rank (rel <= 1e-5), and the reward model's scores at CP = 2 equal its
+scores at CP = 1 (fp32, rel <= 1e-5)."""
+
+import pytest
+import torch
+
+from parallel_models.testing import run_distributed_jobs, save_tiny_hf_model
+from tests.helpers import context_parallel_checks, hybrid_checks
+from tests.helpers.hybrid_ppo_runs import SHORT_RUN, assert_same_metrics
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cp")
+    rm = save_tiny_hf_model(str(root / "rm"), "llama", head="value", seed=2)
+    jobs = [(context_parallel_checks.reward_scores, (rm, 1)),
+            (context_parallel_checks.reward_scores, (rm, 2)),
+            (hybrid_checks.ppo_metrics,
+             (str(root / "ppo"), SHORT_RUN + ["parallel.context_parallel_size=2"]))]
+    return run_distributed_jobs(jobs, 2, timeout=900)
+
+
+def test_ppo_at_cp2_equals_one_rank(runs, hybrid_reference):
+    got = [{k: v for k, v in m.items() if not k.startswith(("timing/", "memory/"))}
+           for m in runs[2][0]]
+    assert any(k.startswith("critic/") for k in got[0]), sorted(got[0])
+    assert_same_metrics(got, hybrid_reference, "CP=2 (DP=1)")
+
+
+def test_reward_model_at_cp2_equals_cp1(runs):
+    for cp1, cp2 in zip(runs[0], runs[1]):
+        assert cp1.shape == cp2.shape == (len(context_parallel_checks.LENGTHS),)
+        assert float((cp2 - cp1).abs().max() / cp1.abs().max()) <= 1e-5, (cp1, cp2)
+        assert torch.isfinite(cp1).all()

@@ -108,6 +108,8 @@ class ContextParallelShard:
     kv_order: torch.Tensor       # [padded total] rank-major gathered row of each global token
     gather_index: torch.Tensor   # [real total] rank-major gathered row of each original token
     blocks: tuple[AttentionBlock, ...]
+    next_ids: torch.Tensor       # [local] the next token of each local token (0 where none)
+    has_next: torch.Tensor       # [local] bool: the next token is a real one of the same sequence
 
     def gather_kv(self, x: torch.Tensor) -> torch.Tensor:
         """Local keys or values ``[local, heads, d]`` -> all of them in global padded order."""
@@ -117,6 +119,43 @@ class ContextParallelShard:
         """Per-token outputs ``[local, ...]`` -> ``[original tokens, ...]`` in the original order,
         on every CP rank (backward: see the module docstring)."""
         return _GatherOutputs.apply(x.contiguous(), self.group).index_select(0, self.gather_index)
+
+    def next_token_log_probs(self, local_logits: torch.Tensor, with_entropy: bool = False,
+                             temperature: float = 1.0, group=None):
+        """``log_probs_from_packed_logits`` computed on this rank's vocab-parallel logits
+        ``[local, V_local]`` (the labels of the chunks' last tokens come from the next chunk),
+        then gathered back: float32 ``[original tokens]`` (and the entropy with
+        ``with_entropy``), the same values without gathering the logits. ``group``: the TP
+        group (default the training layout's)."""
+        from parallel_models.utils.vocab_parallel import (vocab_parallel_log_probs,
+                                                          vocab_parallel_log_probs_and_entropy)
+
+        if with_entropy:
+            logp, ent = vocab_parallel_log_probs_and_entropy(local_logits, self.next_ids, group,
+                                                             temperature=temperature)
+        else:
+            logp = vocab_parallel_log_probs(local_logits, self.next_ids, group,
+                                            temperature=temperature)
+        logp = self.gather_outputs(torch.where(self.has_next, logp, torch.zeros_like(logp)))
+        return (logp, self.gather_outputs(ent)) if with_entropy else logp
+
+
+class ShardedCausalLMOutput:
+    """A CausalLM output under CP: this rank's vocab-parallel ``local_logits`` and its ``shard``;
+    ``logits`` (all tokens in the original order, as without CP) are gathered on first use, so
+    a caller that needs only log-probs and entropy (``shard.next_token_log_probs``) never
+    gathers the logits."""
+
+    def __init__(self, local_logits: torch.Tensor, shard: ContextParallelShard, gather_vocab=None):
+        self.local_logits, self.cp_shard, self._gather_vocab = local_logits, shard, gather_vocab
+        self._logits = None
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            logits = self.cp_shard.gather_outputs(self.local_logits)
+            self._logits = logits if self._gather_vocab is None else self._gather_vocab(logits)
+        return self._logits
 
 
 def shard_packed_batch(input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -166,13 +205,20 @@ def shard_packed_batch(input_ids: torch.Tensor, position_ids: torch.Tensor,
     local_lengths = 2 * chunk
     local_cu = torch.cat([local_lengths.new_zeros(1), torch.cumsum(local_lengths, 0)])
     max_position = int(position_ids.max()) + 1 if position_ids.numel() else 0
+    has_next = torch.zeros(total, dtype=torch.bool)
+    has_next[:-1] = real[1:] & (seq[1:] == seq[:-1])
+    next_ids = torch.zeros_like(ids)
+    next_ids[:-1] = ids[1:]
+    has_next = has_next.to(device).index_select(0, local_rows)
     return ContextParallelShard(
         group=group, size=size, rank=rank, input_ids=ids.index_select(0, local_rows),
         position_ids=positions.index_select(0, local_rows),
         cu_seqlens=local_cu.to(device=device, dtype=torch.int32),
         max_seqlen=int(local_lengths.max()) if local_lengths.numel() else 0,
         max_position=max_position, kv_order=kv_order.to(device),
-        gather_index=kv_order[real].to(device), blocks=tuple(blocks))
+        gather_index=kv_order[real].to(device), blocks=tuple(blocks),
+        next_ids=torch.where(has_next, next_ids.index_select(0, local_rows), 0),
+        has_next=has_next)
 
 
 def sharded_forward_hidden(model, input_ids, position_ids, cu_seqlens, kv_cache=None):
@@ -196,5 +242,5 @@ def sharded_forward_hidden(model, input_ids, position_ids, cu_seqlens, kv_cache=
     return hidden, shard
 
 
-__all__ = ["AttentionBlock", "ContextParallelShard", "all_gather_kv", "shard_packed_batch",
-           "sharded_forward_hidden"]
+__all__ = ["AttentionBlock", "ContextParallelShard", "ShardedCausalLMOutput", "all_gather_kv",
+           "shard_packed_batch", "sharded_forward_hidden"]

@@ -181,7 +181,10 @@ def _forward_step(data_iterator, model, *, fn, with_loss: bool):
             loss, num_tokens, metrics = fn(out, batch)
             return loss, num_tokens, metrics
         result = fn(out, batch)
-        zero = (out.logits if hasattr(out, "logits") else out.values).sum() * 0.0
+        head = getattr(out, "local_logits", None)  # under CP: this rank's (no gather)
+        if head is None:
+            head = out.logits if hasattr(out, "logits") else out.values
+        zero = head.sum() * 0.0
         return zero, {"output": result}
 
     return output, loss_func

@@ -340,16 +340,20 @@ class ParallelModel(torch.nn.Module):
 
     def _head(self, hidden, pad, full_vocab):
         """Final hidden -> logits or values of the real tokens (``pad``: the padding count, or
-        the CP shard whose outputs are gathered back to the original order)."""
+        the CP shard whose outputs are gathered back to the original order; the logits then
+        come as a ``ShardedCausalLMOutput``)."""
         cp_shard = None if isinstance(pad, int) else pad
         if self.head_kind == "causal_lm":
             logits = self.lm_head(hidden, weight=self.output_weight() if self.lm_head.tied else None)
             logits = logits.squeeze(1)  # [tokens(+pad), vocab/tp]; SP gathered by the head
-            if cp_shard is not None:
-                logits = cp_shard.gather_outputs(logits)
+            if cp_shard is not None:  # gathered over CP on first use of .logits
+                from parallel_models.context_parallel import ShardedCausalLMOutput
+
+                return ShardedCausalLMOutput(logits, cp_shard,
+                                             self.lm_head.gather if full_vocab else None)
             if full_vocab:
                 logits = self.lm_head.gather(logits)
-            return logits if cp_shard is not None else logits[: logits.shape[0] - pad]
+            return logits[: logits.shape[0] - pad]
         values = self.value_head(hidden)
         if cp_shard is not None:
             return cp_shard.gather_outputs(values)
@@ -364,7 +368,9 @@ class ParallelModel(torch.nn.Module):
         if not self.post_process:
             return hidden
         out = self._head(hidden, pad, full_vocab)
-        return CausalLMOutput(out) if self.head_kind == "causal_lm" else ValueOutput(out)
+        if self.head_kind == "causal_lm":
+            return out if hasattr(out, "cp_shard") else CausalLMOutput(out)
+        return ValueOutput(out)
 
     def forward_padded(self, input_ids, attention_mask=None, position_ids=None,
                        full_vocab: bool = False):

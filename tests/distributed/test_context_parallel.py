@@ -1,6 +1,7 @@
 """Context parallelism (``parallel.context_parallel_size``) equals CP = 1: a packed batch of
 uneven sequences (some shorter than 2 x CP) through the same checkpoint at CP = 1 and CP = 2 in
-the same gloo ranks (fp32); logits (full vocab) or values, the loss, and every weight's gradient
+the same gloo ranks (fp32); logits (full vocab) or values, the next-token log-probs and entropy
+(computed on the CP shards, and from the gathered logits), the loss, and every weight's gradient
 (this rank's TP shard) agree to rel <= 1e-5. CP = 2 alone (2 ranks) and CP = 2 x TP = 2 (4 ranks,
 with and without sequence parallel); the LM head's vocab-parallel log-prob path and the value head
 (critic / reward model) both."""
@@ -44,6 +45,11 @@ def test_context_parallel_equals_cp1(results, case):
         where = f"{name} rank {rank}"
         assert _rel(got["output"], ref["output"]) <= 1e-5, where
         assert _rel(got["loss"], ref["loss"]) <= 1e-5, where
+        for key in ("logp", "entropy", "logp_gathered"):  # the LM cases' per-token paths
+            if key in ref:
+                assert _rel(got[key], ref[key]) <= 1e-5, (where, key)
+        if "logp" in ref:
+            assert _rel(got["logp_gathered"], got["logp"]) <= 1e-5, where
         assert set(got["grads"]) == set(ref["grads"]), where
         for key, want in ref["grads"].items():
             assert want.abs().max() > 0, (where, key)  # every weight takes part in the loss

@@ -3,9 +3,9 @@
 the same gloo ranks; returns both runs' logits (full vocab), loss, and gradients (this rank's TP
 shard of every weight) for the test to compare.
 
-The loss is the sum of the next-token log-probs of the vocab-parallel path
-(``log_probs_from_packed_logits``) plus a weighted sum of the values; under CP every CP rank
-computes it on the gathered outputs, and its gradients (CP x this rank's share, see
+The loss is minus the next-token log-probs plus 0.1 x the entropy (the roles' path, which under
+CP computes them on this rank's logits and gathers them), or a weighted sum of the values; every
+CP rank computes it on the gathered per-token outputs, and its gradients (CP x this rank's share, see
 ``parallel_models/context_parallel.py``) are summed over the CP group and divided by CP, which is
 what megatron's DDP and per-token loss scaling do.
 """
@@ -28,6 +28,7 @@ def _batch(vocab: int):
 def _run(path: str, head: str, tp: int, cp: int, sp: bool) -> dict:
     import parallel_models as pm
     from parallel_models.utils.grads import allreduce_sequence_parallel_grads
+    from parallel_models.rl.roles.model_roles import _packed_log_probs
     from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
 
     pm.init_parallel(tensor_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sp)
@@ -36,16 +37,20 @@ def _run(path: str, head: str, tp: int, cp: int, sp: bool) -> dict:
     model = cls.from_pretrained(path, dtype=torch.float32)
     ids, cu = _batch(model.config.vocab_size)
     if head == "causal_lm":
-        logits = model(ids, cu).logits
-        logp = log_probs_from_packed_logits(logits, ids, cu,
-                                            group=model.parallel_layout.tp_group)
-        loss = -logp.sum()
-        output = model.lm_head.gather(logits.detach())
+        out = model(ids, cu)
+        # the roles' path: under CP on this rank's shard of the logits, then gathered
+        logp, ent = _packed_log_probs(out, {"input_ids": ids, "cu_seqlens": cu}, 0.9, True)
+        loss = -logp.sum() + 0.1 * ent.sum()
+        # the gathered logits (CP: .logits) through the vocab-parallel path give the same
+        check = log_probs_from_packed_logits(out.logits, ids, cu, temperature=0.9)
+        output = model.lm_head.gather(out.logits.detach())
+        extra = {"logp": logp.detach(), "entropy": ent.detach(), "logp_gathered": check.detach()}
     else:
         output = model(ids, cu).values
         weights = torch.linspace(-1.0, 2.0, output.shape[0])
         loss = (output * weights).sum()
         output = output.detach()
+        extra = {}
     loss.backward()
     allreduce_sequence_parallel_grads(model)
     layout = model.parallel_layout
@@ -56,7 +61,8 @@ def _run(path: str, head: str, tp: int, cp: int, sp: bool) -> dict:
             dist.all_reduce(g, group=layout.cp_group)
             g /= cp
         grads[name] = g
-    return {"output": output, "loss": loss.detach(), "grads": grads, "layout": repr(layout)}
+    return {"output": output, "loss": loss.detach(), "grads": grads, "layout": repr(layout),
+            **extra}
 
 
 def parity(path: str, head: str, tp: int, cp: int, sp: bool) -> dict:

@@ -1,7 +1,7 @@
-"""Context parallelism in the RL stack (``parallel.context_parallel_size=2`` on 2 gloo ranks):
+"""Context parallelism in the RL stack (``parallel.context_parallel_size=2``, gloo ranks):
 3 seeded greedy PPO steps (actor, reference and GAE critic all at CP = 2) give the metrics of the
-PP = 1, TP = 1 run on one rank (rel <= 1e-5), and the reward model's scores at CP = 2 equal its
-scores at CP = 1 (fp32, rel <= 1e-5)."""
+PP = 1, TP = 1 run on one rank (rel <= 1e-5) on 2 ranks, and with PP = 2 or TP = 2 (+ SP) on 4;
+the reward model's scores at CP = 2 equal its scores at CP = 1 (fp32, rel <= 1e-5)."""
 
 import pytest
 import torch
@@ -34,3 +34,23 @@ def test_reward_model_at_cp2_equals_cp1(runs):
         assert cp1.shape == cp2.shape == (len(context_parallel_checks.LENGTHS),)
         assert float((cp2 - cp1).abs().max() / cp1.abs().max()) <= 1e-5, (cp1, cp2)
         assert torch.isfinite(cp1).all()
+
+
+FOUR_RANK = {"pp2xcp2": ["parallel.pipeline_parallel_size=2"],
+             "tp2xcp2": ["parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true"]}
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cp4")
+    jobs = [(hybrid_checks.ppo_metrics,
+             (str(root / name), SHORT_RUN + ["parallel.context_parallel_size=2", *layout]))
+            for name, layout in FOUR_RANK.items()]
+    return dict(zip(FOUR_RANK, run_distributed_jobs(jobs, 4, timeout=900)))
+
+
+@pytest.mark.parametrize("name", FOUR_RANK)
+def test_ppo_at_cp2_with_tp_or_pp_equals_one_rank(four_rank_runs, hybrid_reference, name):
+    got = [{k: v for k, v in m.items() if not k.startswith(("timing/", "memory/"))}
+           for m in four_rank_runs[name][0]]
+    assert_same_metrics(got, hybrid_reference, f"{name} on 4 ranks")

@@ -232,8 +232,8 @@ def sharded_forward_hidden(model, input_ids, position_ids, cu_seqlens, kv_cache=
                           "forwards only (no KV-cached decoding, no interleaved pipeline "
                           "schedule: virtual_pipeline_parallel_size)")
     if model.moe_aux_recording and model.config.is_moe:
-        raise ConfigError("the MoE load-balancing loss (router_aux_loss_coef > 0) is not "
-                          "supported with parallel.context_parallel_size > 1")
+        raise ConfigError("the MoE load-balancing loss is not supported with "
+                          "parallel.context_parallel_size > 1: set actor.moe_aux_loss_coef=0")
     layout = model.parallel_layout
     shard = shard_packed_batch(input_ids, position_ids, cu_seqlens, layout.cp_group,
                                model.tp if model.sequence_parallel else 1)

@@ -59,3 +59,16 @@ def test_context_parallel_equals_cp1(results, case):
 def test_world_not_divisible_is_named(results):
     for message in results["bad"]:
         assert "context_parallel_size (4)" in message and "world size 2" in message, message
+
+
+def test_expert_parallel_with_context_parallel_logits(tmp_path):
+    """EP = 2 x CP = 2 on 4 ranks: megatron-core's MoE layer dispatches each CP rank's own
+    tokens; the logits equal EP = 2 at CP = 1 (forward)."""
+    from parallel_models.testing import run_distributed_jobs, save_tiny_hf_model
+
+    path = save_tiny_hf_model(str(tmp_path / "moe"), "qwen3_moe", seed=1, router_scale=25.0)
+    ref, got = run_distributed_jobs([(context_parallel_checks.moe_logits, (path, 2, 1)),
+                                     (context_parallel_checks.moe_logits, (path, 2, 2))], 4,
+                                    timeout=600)
+    for r, g in zip(ref, got):
+        assert _rel(g, r) <= 1e-5

@@ -95,3 +95,16 @@ def reward_scores(path: str, cp: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(5)
     ids = [torch.randint(0, rm.config.vocab_size, (n,), generator=g).tolist() for n in LENGTHS]
     return rm.score_ids(ids)
+
+
+def moe_logits(path: str, ep: int, cp: int) -> torch.Tensor:
+    """Full-vocab logits of the packed batch through an MoE checkpoint at EP = ``ep`` and
+    CP = ``cp`` (megatron-core's MoE layer dispatching each CP rank's own tokens)."""
+    import parallel_models as pm
+
+    pm.init_parallel(expert_model_parallel_size=ep, context_parallel_size=cp)
+    cls = pm.get_model_class(pm.registry.architecture_of(path), "causal_lm", True)
+    model = cls.from_pretrained(path, dtype=torch.float32)
+    ids, cu = _batch(model.config.vocab_size)
+    with torch.no_grad():
+        return model(ids, cu, full_vocab=True).logits

@@ -54,3 +54,33 @@ def test_ppo_at_cp2_with_tp_or_pp_equals_one_rank(four_rank_runs, hybrid_referen
     got = [{k: v for k, v in m.items() if not k.startswith(("timing/", "memory/"))}
            for m in four_rank_runs[name][0]]
     assert_same_metrics(got, hybrid_reference, f"{name} on 4 ranks")
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["parallel.context_parallel_size=2", "parallel.backend=fsdp"],
+     ["parallel.context_parallel_size=2", "parallel.backend=megatron"]),
+    (["parallel.context_parallel_size=2", "rollout.exact=true"],
+     ["parallel.context_parallel_size=2", "rollout.exact"]),
+    (["parallel.context_parallel_size=0"], ["parallel.context_parallel_size"]),
+])
+def test_context_parallel_config_problems_are_named(overrides, words):
+    from parallel_models.errors import ConfigError
+    from parallel_models.rl.config import load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_context_parallel_counts_in_the_world_size():
+    from parallel_models.errors import ConfigError
+    from parallel_models.rl.config import load_config
+
+    cfg = load_config(None, ["parallel.context_parallel_size=2"])
+    cfg.validate(world_size=4)  # DP = 2 divides batch 8 and mini-batch 16
+    with pytest.raises(ConfigError, match="context_parallel_size = 2"):
+        cfg.validate(world_size=3)
+    cfg.data.batch_size = 3
+    with pytest.raises(ConfigError, match=r"data-parallel size \(2 = world size 4 / 2\)"):
+        cfg.validate(world_size=4)

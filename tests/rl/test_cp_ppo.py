@@ -77,7 +77,7 @@ def test_context_parallel_counts_in_the_world_size():
     from parallel_models.errors import ConfigError
     from parallel_models.rl.config import load_config
 
-    cfg = load_config(None, ["parallel.context_parallel_size=2"])
+    cfg = load_config(None, ["parallel.context_parallel_size=2"], validate=False)
     cfg.validate(world_size=4)  # DP = 2 divides batch 8 and mini-batch 16
     with pytest.raises(ConfigError, match="context_parallel_size = 2"):
         cfg.validate(world_size=3)

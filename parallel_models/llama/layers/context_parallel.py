@@ -6,13 +6,14 @@ attends to the prefix of its sequence up to its own end, causally aligned at the
 (query ``i`` of a chunk that starts at position ``p`` sees keys ``0 .. p + i``). Exact: the same
 softmax over the same keys as the CP = 1 kernel. flash-attn's varlen kernel does it in one call
 on the GPU (fp16/bf16; its causal mask is bottom-right aligned when queries are fewer than keys);
-otherwise one ``scaled_dot_product_attention`` per chunk with an explicit mask.
+otherwise one ``scaled_dot_product_attention`` per chunk with torch's lower-right causal bias.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from parallel_models.context_parallel import ContextParallelShard
 from parallel_models.llama.layers.attention_kernels import _flash_attn_varlen, available_backend
@@ -50,9 +51,9 @@ def _sdpa_blocks(q, keys, values, shard, scale):
         if rep > 1:
             ks = ks.repeat_interleave(rep, dim=0)
             vs = vs.repeat_interleave(rep, dim=0)
-        first = b.k_length - b.length  # the position of the chunk's first query
-        q_pos = torch.arange(b.length, device=q.device)[:, None] + first
-        mask = torch.arange(b.k_length, device=q.device)[None, :] <= q_pos
+        # query i of the chunk sits at position k_length - length + i: causal, bottom right
+        # (torch's CausalBias: fused kernels on the GPU, no mask materialized there)
+        mask = causal_lower_right(b.length, b.k_length)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
         outs.append(o.transpose(0, 1))
     if not outs:

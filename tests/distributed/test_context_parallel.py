@@ -72,3 +72,20 @@ def test_expert_parallel_with_context_parallel_logits(tmp_path):
                                     timeout=600)
     for r, g in zip(ref, got):
         assert _rel(g, r) <= 1e-5
+
+
+def test_schedule_reduces_gradients_over_context_parallel(hf_models):
+    """``pipeline.forward_backward`` without DDP sums the CP ranks' gradients itself: CP = 2 x
+    TP = 2 equals CP = 1 x TP = 2 (4 ranks, two microbatches)."""
+    from parallel_models.testing import run_distributed_jobs
+
+    path = hf_models[("llama", "causal_lm")]
+    ref, got = run_distributed_jobs([(context_parallel_checks.schedule_grads, (path, 2, 1)),
+                                     (context_parallel_checks.schedule_grads, (path, 2, 2))], 4,
+                                    timeout=600)
+    for r, g in zip(ref, got):
+        for key in r:
+            # the plain finalize divides by the tokens of all DP ranks but leaves each DP
+            # rank its own data's gradient: CP = 1 runs at DP = 2 here (the same batch on both
+            # replicas), CP = 2 at DP = 1
+            assert _rel(g[key], 2 * r[key]) <= 1e-5, key

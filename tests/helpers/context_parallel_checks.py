@@ -108,3 +108,27 @@ def moe_logits(path: str, ep: int, cp: int) -> torch.Tensor:
     ids, cu = _batch(model.config.vocab_size)
     with torch.no_grad():
         return model(ids, cu, full_vocab=True).logits
+
+
+def schedule_grads(path: str, tp: int, cp: int) -> dict:
+    """Gradients of a token-mean next-token loss through ``pipeline.forward_backward`` (the
+    plain finalize, no DDP) on two microbatches of the packed batch at TP = ``tp``, CP = ``cp``:
+    the schedule's own CP reduction, nothing added here."""
+    import parallel_models as pm
+    from parallel_models import pipeline
+    from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
+
+    pm.init_parallel(tensor_parallel_size=tp, context_parallel_size=cp)
+    cls = pm.get_model_class(pm.registry.architecture_of(path), "causal_lm", True)
+    model = cls.from_pretrained(path, dtype=torch.float32)
+    ids, cu = _batch(model.config.vocab_size)
+    half = int(cu[3])
+    mbs = [{"input_ids": ids[:half], "cu_seqlens": cu[:4]},
+           {"input_ids": ids[half:], "cu_seqlens": cu[3:] - half}]
+
+    def loss_fn(out, mb):
+        logp = log_probs_from_packed_logits(out.logits, mb["input_ids"], mb["cu_seqlens"])
+        return -logp.sum(), torch.tensor(logp.numel(), dtype=torch.int), {}
+
+    pipeline.forward_backward([model], mbs, loss_fn)
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}

@@ -84,3 +84,28 @@ def test_context_parallel_counts_in_the_world_size():
     cfg.data.batch_size = 3
     with pytest.raises(ConfigError, match=r"data-parallel size \(2 = world size 4 / 2\)"):
         cfg.validate(world_size=4)
+
+
+def test_checkpoint_saved_at_cp2_resumes_at_cp1(tmp_path):
+    """A trainer checkpoint saved at CP = 2 (2 ranks) after 2 steps resumes at CP = 1 (1 rank):
+    the gathered weights and Adam states are bit-exact, and the next step's losses match."""
+    import os
+
+    from tests.helpers import trainer_checkpoint_checks as checks
+    from tests.helpers.ppo_runs import assert_same_trainer_state
+
+    out2, dump2 = str(tmp_path / "cp2"), str(tmp_path / "dump_cp2")
+    saved = run_distributed_jobs([(checks.save_at_step2_then_step,
+                                   (out2, dump2, 1, "parallel.context_parallel_size=2"))], 2,
+                                 timeout=900)[0][0]
+    out1, dump1 = str(tmp_path / "cp1"), str(tmp_path / "dump_cp1")
+    resumed = run_distributed_jobs([(checks.resume_then_step,
+                                     (out1, saved["path"], dump1, 1,
+                                      os.path.join(out2, "builtin_model")))], 1,
+                                   timeout=900)[0][0]
+    assert resumed["step"] == 2
+    assert_same_trainer_state(dump2, dump1)
+    want, got = saved["metrics"], resumed["metrics"]
+    for key in ("actor/pg_loss", "critic/vf_loss", "actor/entropy", "reward/mean",
+                "returns/mean", "actor/ppo_kl", "kl/actor_ref"):
+        assert abs(want[key] - got[key]) <= 1e-5, f"{key}: CP=2 {want[key]} vs CP=1 {got[key]}"

@@ -31,6 +31,7 @@ class ParallelSettings:
     data_parallel_size: int
     sequence_parallel: bool
     expert_parallel_size: int = 1
+    context_parallel_size: int = 1
 
 
 _SETTINGS: ParallelSettings | None = None
@@ -69,10 +70,13 @@ def init_parallel(
     sequence_parallel: bool = False,
     timeout_minutes: float = 30.0,
     expert_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
 ) -> ParallelSettings:
     """Start torch.distributed (if needed) and megatron-core's model-parallel groups.
 
-    The data-parallel size is what is left: world_size / (TP * PP). Expert parallel (EP) splits
+    The data-parallel size is what is left: world_size / (TP * CP * PP). Context parallel (CP)
+    splits every packed sequence over ``context_parallel_size`` ranks (megatron's CP groups,
+    ranks next to the TP ones; ``parallel_models/context_parallel.py``). Expert parallel (EP) splits
     the experts of MoE layers over ``expert_model_parallel_size`` ranks; megatron-core lays the
     expert groups over the same ranks as the dense layers' data-parallel (x TP) ranks, so the
     world must be a multiple of TP * PP and of EP * PP (experts' TP equals the dense TP).
@@ -80,7 +84,8 @@ def init_parallel(
     global _SETTINGS, _TRAINING_LAYOUT
     for name, value in (("tensor_parallel_size", tensor_parallel_size),
                         ("pipeline_parallel_size", pipeline_parallel_size),
-                        ("expert_model_parallel_size", expert_model_parallel_size)):
+                        ("expert_model_parallel_size", expert_model_parallel_size),
+                        ("context_parallel_size", context_parallel_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if virtual_pipeline_parallel_size is not None:
@@ -95,10 +100,12 @@ def init_parallel(
     _start_process_group(timeout_minutes)
     cpu_shim.apply()  # no-op with CUDA
     world = dist.get_world_size()
-    if world % (tensor_parallel_size * pipeline_parallel_size):
+    cp = context_parallel_size
+    if world % (tensor_parallel_size * pipeline_parallel_size * cp):
         raise ValueError(
             f"world size {world} is not divisible by tensor_parallel_size ({tensor_parallel_size})"
-            f" x pipeline_parallel_size ({pipeline_parallel_size})")
+            f" x pipeline_parallel_size ({pipeline_parallel_size})"
+            + (f" x context_parallel_size ({cp})" if cp > 1 else ""))
     ep = expert_model_parallel_size
     if (world // pipeline_parallel_size) % (tensor_parallel_size * ep):
         raise ValueError(
@@ -114,14 +121,16 @@ def init_parallel(
         pipeline_model_parallel_size=pipeline_parallel_size,
         virtual_pipeline_model_parallel_size=vpp,
         expert_model_parallel_size=ep,
+        context_parallel_size=cp,
     )
     _SETTINGS = ParallelSettings(
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
         virtual_pipeline_parallel_size=vpp,
-        data_parallel_size=world // (tensor_parallel_size * pipeline_parallel_size),
+        data_parallel_size=world // (tensor_parallel_size * pipeline_parallel_size * cp),
         sequence_parallel=sequence_parallel,
         expert_parallel_size=ep,
+        context_parallel_size=cp,
     )
     _TRAINING_LAYOUT = ParallelLayout.from_parallel_state(
         sequence_parallel=sequence_parallel, virtual_pipeline_parallel_size=vpp)

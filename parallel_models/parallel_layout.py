@@ -65,6 +65,7 @@ class ParallelLayout:
     expert_parallel_size: int
     groups: ProcessGroupCollection
     name: str = "training"
+    context_parallel_size: int = 1  # CP: each sequence split over the ranks of groups.cp
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -73,12 +74,13 @@ class ParallelLayout:
         """The layout of megatron-core's ``parallel_state`` as initialized now (the training
         layout; ``init_parallel`` builds it)."""
         groups = _megatron_groups()
-        tp, pp = groups.tp.size(), groups.pp.size()
+        tp, pp, cp = groups.tp.size(), groups.pp.size(), groups.cp.size()
         return cls(tensor_parallel_size=tp, pipeline_parallel_size=pp,
                    virtual_pipeline_parallel_size=virtual_pipeline_parallel_size,
-                   data_parallel_size=dist.get_world_size() // (tp * pp),
+                   data_parallel_size=dist.get_world_size() // (tp * pp * cp),
                    sequence_parallel=bool(sequence_parallel and tp > 1),
-                   expert_parallel_size=groups.ep.size(), groups=groups, name="training")
+                   expert_parallel_size=groups.ep.size(), groups=groups, name="training",
+                   context_parallel_size=cp)
 
     @classmethod
     def tensor_parallel_only(cls, tensor_parallel_size: int,
@@ -123,6 +125,10 @@ class ParallelLayout:
         return self.groups.ep
 
     @property
+    def cp_group(self):
+        return self.groups.cp
+
+    @property
     def expert_tp_group(self):
         return self.groups.expt_tp
 
@@ -138,6 +144,10 @@ class ParallelLayout:
     @property
     def data_parallel_rank(self) -> int:
         return self.groups.dp.rank()
+
+    @property
+    def context_parallel_rank(self) -> int:
+        return self.groups.cp.rank()
 
     @property
     def expert_parallel_rank(self) -> int:
@@ -175,6 +185,7 @@ class ParallelLayout:
         return (f"ParallelLayout({self.name}: TP={self.tensor_parallel_size}"
                 f"{' (SP)' if self.sequence_parallel else ''} PP={self.pipeline_parallel_size}"
                 f" VPP={self.virtual_pipeline_parallel_size or 1} EP={self.expert_parallel_size}"
+                f"{f' CP={self.context_parallel_size}' if self.context_parallel_size > 1 else ''}"
                 f" DP={self.data_parallel_size})")
 
 

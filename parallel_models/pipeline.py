@@ -182,7 +182,10 @@ def _forward_step(data_iterator, model, *, fn, with_loss: bool):
             loss, num_tokens, metrics = fn(out, batch)
             return loss, num_tokens, metrics
         result = fn(out, batch)
-        zero = (out.logits if hasattr(out, "logits") else out.values).sum() * 0.0
+        head = getattr(out, "local_logits", None)  # under CP: this rank's (no gather)
+        if head is None:
+            head = out.logits if hasattr(out, "logits") else out.values
+        zero = head.sum() * 0.0
         return zero, {"output": result}
 
     return output, loss_func
@@ -260,11 +263,17 @@ def _finalize_plain(model, num_tokens=None, *args, **kwargs):
     for c in chunks:
         allreduce_sequence_parallel_grads(c)
     allreduce_tied_embedding_grads(chunks)
+    layout = chunks[0].parallel_layout
+    cp = layout.context_parallel_size
+    if cp > 1:  # each CP rank holds CP x its tokens' share of one gradient (context_parallel.py)
+        for c in chunks:
+            for p in c.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=layout.cp_group)
     if num_tokens is not None:
-        layout = chunks[0].parallel_layout
         dist.broadcast(num_tokens, src=layout.pipeline_last_rank, group=layout.pp_group)
         dist.all_reduce(num_tokens, group=layout.dp_group)
-        scale = 1.0 / max(int(num_tokens), 1)
+        scale = 1.0 / max(int(num_tokens) * cp, 1)  # every CP rank counted the same tokens
         for c in chunks:
             for p in c.parameters():
                 if p.grad is not None:

@@ -39,11 +39,12 @@ def build_rollout_layout(tensor_parallel_size: int) -> ParallelLayout:
 
 
 def same_as_training(layout: ParallelLayout, training: ParallelLayout | None = None) -> bool:
-    """Whether the rollout ``layout`` equals the training one (TP' = TP, PP = EP = 1, no VPP):
+    """Whether the rollout ``layout`` equals the training one (TP' = TP, PP = EP = CP = 1, no VPP):
     then the rollout engine can run on the actor's own weights (zero copy)."""
     s = pm_dist.training_layout() if training is None else training
     return (s.tensor_parallel_size == layout.tensor_parallel_size
             and s.pipeline_parallel_size == 1 and s.expert_parallel_size == 1
+            and s.context_parallel_size == 1
             and not s.virtual_pipeline_parallel_size)
 
 

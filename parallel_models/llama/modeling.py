@@ -160,7 +160,9 @@ class ParallelDecoder(torch.nn.Module):
             hidden = self.embed(input_ids)
         elif hidden is None:
             hidden = self.input_tensor
-        cos, sin = self.rotary_emb(position_ids, hidden.dtype)
+        # under context parallelism cu_seqlens is this rank's ContextParallelShard
+        cos, sin = self.rotary_emb(position_ids, hidden.dtype,
+                                   getattr(cu_seqlens, "max_position", None))
         if kv_cache is not None and self.post_process and fuse_residual_norm():
             return self._forward_fused(hidden, cos, sin, cu_seqlens, max_seqlen, kv_cache)
         if self.recompute == "full" and kv_cache is None and torch.is_grad_enabled():
@@ -322,6 +324,10 @@ class ParallelModel(torch.nn.Module):
         if position_ids is None:
             position_ids = position_ids_from_cu_seqlens(cu_seqlens)
         self.last_token_count = input_ids.shape[0]  # before padding (MoE aux loss reads it)
+        if self.parallel_layout.context_parallel_size > 1:
+            from parallel_models.context_parallel import sharded_forward_hidden
+
+            return sharded_forward_hidden(self, input_ids, position_ids, cu_seqlens, kv_cache)
         input_ids, position_ids, cu_seqlens, pad = self._pad_for_sequence_parallel(
             input_ids, position_ids, cu_seqlens)
         max_seqlen = max(max_seqlen, pad)
@@ -344,13 +350,24 @@ class ParallelModel(torch.nn.Module):
         return hidden, pad
 
     def _head(self, hidden, pad, full_vocab):
+        """Final hidden -> logits or values of the real tokens (``pad``: the padding count, or
+        the CP shard whose outputs are gathered back to the original order; the logits then
+        come as a ``ShardedCausalLMOutput``)."""
+        cp_shard = None if isinstance(pad, int) else pad
         if self.head_kind == "causal_lm":
             logits = self.lm_head(hidden, weight=self.output_weight() if self.lm_head.tied else None)
             logits = logits.squeeze(1)  # [tokens(+pad), vocab/tp]; SP gathered by the head
+            if cp_shard is not None:  # gathered over CP on first use of .logits
+                from parallel_models.context_parallel import ShardedCausalLMOutput
+
+                return ShardedCausalLMOutput(logits, cp_shard,
+                                             self.lm_head.gather if full_vocab else None)
             if full_vocab:
                 logits = self.lm_head.gather(logits)
             return logits[: logits.shape[0] - pad]
         values = self.value_head(hidden)
+        if cp_shard is not None:
+            return cp_shard.gather_outputs(values)
         return values[: values.shape[0] - pad]
 
     def forward_packed(self, input_ids, cu_seqlens, position_ids=None, max_seqlen=None,
@@ -362,7 +379,9 @@ class ParallelModel(torch.nn.Module):
         if not self.post_process:
             return hidden
         out = self._head(hidden, pad, full_vocab)
-        return CausalLMOutput(out) if self.head_kind == "causal_lm" else ValueOutput(out)
+        if self.head_kind == "causal_lm":
+            return out if hasattr(out, "cp_shard") else CausalLMOutput(out)
+        return ValueOutput(out)
 
     def forward_padded(self, input_ids, attention_mask=None, position_ids=None,
                        full_vocab: bool = False):

@@ -79,7 +79,8 @@ class PPOTrainer:
         pm.init_parallel(tensor_parallel_size=par.tensor_parallel_size,
                          pipeline_parallel_size=par.pipeline_parallel_size,
                          sequence_parallel=par.sequence_parallel,
-                         expert_model_parallel_size=par.expert_parallel_size)
+                         expert_model_parallel_size=par.expert_parallel_size,
+                         context_parallel_size=par.context_parallel_size)
         self.dp_rank = mpu.get_data_parallel_rank()
         self.dp_size = mpu.get_data_parallel_world_size()
         tcfg = cfg.trainer

@@ -1,5 +1,7 @@
 """GQA self-attention: fused QKV column-parallel, optional per-head q/k RMSNorm (Qwen3), rotary,
-varlen causal kernel, row-parallel out."""
+varlen causal kernel, row-parallel out. Under context parallelism ``cu_seqlens`` is this rank's
+:class:`~parallel_models.context_parallel.ContextParallelShard` and the keys of all CP ranks are
+attended to (``layers/context_parallel.py``)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import torch
 from megatron.core import ModelParallelConfig
 
 from parallel_models.config import ModelConfig
+from parallel_models.context_parallel import ContextParallelShard
+from parallel_models.llama.layers.context_parallel import context_parallel_attention
 from parallel_models.llama.layers import recompute
 from parallel_models.llama.layers.attention_kernels import varlen_causal_attention
 from parallel_models.llama.layers.linear import ParallelRowLinear, QKVParallelLinear
@@ -55,6 +59,9 @@ class ParallelAttention(torch.nn.Module):
         elif kv_cache is not None:
             q, k = rotary(q, k, cos, sin)
             out = kv_cache.attend(layer_index, q, k, v, cu_seqlens, max_seqlen, self.scale)
+        elif isinstance(cu_seqlens, ContextParallelShard):
+            q, k = rotary(q, k, cos, sin)
+            out = context_parallel_attention(q, k, v, cu_seqlens, self.scale)
         else:
             q, k = rotary(q, k, cos, sin)
             attend = recompute.core_attention if self.recompute_core_attention else \

@@ -32,12 +32,14 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[cfg.rope_type](cfg.hf_config, None, seq_len=seq_len)
         return inv_freq.float(), float(scaling)
 
-    def _inv_freq_for(self, position_ids: torch.Tensor) -> torch.Tensor:
+    def _inv_freq_for(self, position_ids: torch.Tensor,
+                      max_position: int | None = None) -> torch.Tensor:
         if not self.config.rope_depends_on_length:
             return self.inv_freq
         # dynamic NTK / longrope: the frequencies depend on the longest position of the batch,
-        # as in transformers' dynamic_rope_update
-        seq_len = int(position_ids.max()) + 1
+        # as in transformers' dynamic_rope_update (``max_position``: that of the whole batch
+        # when ``position_ids`` are one context-parallel rank's share)
+        seq_len = int(position_ids.max()) + 1 if max_position is None else max_position
         original = (self.config.rope_scaling or {}).get("original_max_position_embeddings",
                                                         self.config.max_position_embeddings)
         if seq_len <= original:
@@ -49,9 +51,10 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq, _ = self._compute(seq_len)
         return inv_freq.to(self.inv_freq.device)
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype):
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype,
+                max_position: int | None = None):
         """position_ids: any shape -> (cos, sin) of shape position_ids.shape + (head_dim,)."""
-        inv_freq = self._inv_freq_for(position_ids).to(position_ids.device)
+        inv_freq = self._inv_freq_for(position_ids, max_position).to(position_ids.device)
         freqs = position_ids.to(torch.float32)[..., None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = emb.cos() * self.attention_scaling

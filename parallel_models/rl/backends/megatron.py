@@ -1,7 +1,7 @@
 """The megatron training backend (``parallel.backend=megatron``, ``registry.TRAINING_BACKENDS``):
-the actor, reference and critic roles over our parallel models (TP x PP x EP), the reward, and
-the in-process rollout: the engine on the actor's own weights, or, when the rollout layout
-differs from the training one (TP' != TP, PP or EP > 1), the hybrid engine on a copy resharded
+the actor, reference and critic roles over our parallel models (TP x CP x PP x EP), the reward,
+and the in-process rollout: the engine on the actor's own weights, or, when the rollout layout
+differs from the training one (TP' != TP, PP, EP or CP > 1), the hybrid engine on a copy resharded
 into TP' that holds every layer and expert. The fsdp backend's counterpart is
 ``rl/backends/fsdp/factory.py``.
 """
@@ -109,6 +109,7 @@ def _build_rollout(cfg, tokenizer, actor, actor_model, num_experts):
 
     def inprocess():
         other_layout = (par.pipeline_parallel_size > 1 or par.expert_parallel_size > 1
+                        or par.context_parallel_size > 1  # generation runs at CP = 1
                         or _rollout_tp(cfg) != par.tensor_parallel_size)
         if other_layout:
             from parallel_models.rl.rollout.hybrid import HybridRollout

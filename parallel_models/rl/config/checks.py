@@ -54,6 +54,24 @@ def _model_problems(cfg) -> list[str]:
                       "push do not carry adapters yet)")
     errors += _router_replay_problems(cfg)
     errors += _expert_parallel_problems(cfg)
+    errors += _context_parallel_problems(cfg)
+    return errors
+
+
+def _context_parallel_problems(cfg) -> list[str]:
+    """parallel.context_parallel_size > 1 runs the megatron backend's training and scoring
+    forwards (not exact mode's attention kernel)."""
+    par = cfg.parallel
+    cp = par.context_parallel_size
+    if cp == 1:
+        return []
+    key = f"parallel.context_parallel_size={cp}"
+    errors = []
+    if par.backend != "megatron":
+        errors.append(f"{key}: context parallelism needs parallel.backend=megatron")
+    if cfg.rollout.exact:
+        errors.append(f"{key}: rollout.exact=true scores with the rollout's batch-invariant "
+                      "attention kernel, which does not split sequences; set one of them off")
     return errors
 
 
@@ -255,12 +273,17 @@ def _layout_problems(cfg, world_size: int) -> list[str]:
     if world_size % model_par:
         return [f"world size {world_size} is not divisible by tensor_parallel_size * "
                 f"pipeline_parallel_size = {model_par}"]
+    if world_size % (model_par * par.context_parallel_size):
+        return [f"world size {world_size} is not divisible by tensor_parallel_size * "
+                f"pipeline_parallel_size * context_parallel_size = "
+                f"{model_par * par.context_parallel_size}"]
     expert_par = model_par * par.expert_parallel_size  # the experts' TP x EP x PP grid
     if world_size % expert_par:
         return [f"world size {world_size} is not divisible by tensor_parallel_size * "
                 f"pipeline_parallel_size * expert_parallel_size = {expert_par} (experts are "
                 "split over EP inside the data-parallel group)"]
-    dp = world_size // model_par
+    dp = world_size // (model_par * par.context_parallel_size)
+    model_par *= par.context_parallel_size  # for the messages below
     errors = []
     rollout_tp = cfg.rollout.tensor_parallel_size
     if rollout_tp is not None and world_size % rollout_tp:

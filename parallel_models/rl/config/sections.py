@@ -68,8 +68,12 @@ class ParallelSection(BaseModel):
     expert_parallel_size: Int = Field(1, ge=1, description="MoE: ranks the experts of each MoE "
                                       "layer are split over (inside the data-parallel group; "
                                       "divides num_experts)")
+    context_parallel_size: Int = Field(1, ge=1, description="megatron: ranks each packed "
+                                       "sequence of the actor, reference, critic and reward "
+                                       "model forwards is split over (two mirrored chunks per "
+                                       "rank; long sequences)")
     backend: str = Field(
-        "megatron", description="megatron (our parallel models; TP/PP/EP) | fsdp (any HF "
+        "megatron", description="megatron (our parallel models; TP/PP/EP/CP) | fsdp (any HF "
                                 "causal LM, torch FSDP2 over data-parallel ranks; TP=PP=1)")
     fsdp_replicate_size: Int = Field(1, ge=1, description="fsdp: HSDP replicas (2-D mesh "
                                      "replicate x shard); 1 = shard over all ranks")

@@ -89,11 +89,24 @@ def make_microbatches(batch: dict, max_tokens: int, routes: bool = True
     return mbs, indices
 
 
+def _packed_log_probs(logits, mb, temperature: float, with_entropy: bool):
+    """Next-token log-probs (and entropy) of every packed token; ``logits``: the packed
+    vocab-parallel logits or the model's output (under context parallelism computed on this
+    rank's shard of the logits, then gathered: ``ContextParallelShard.next_token_log_probs``)."""
+    shard = getattr(logits, "cp_shard", None)
+    if shard is not None:
+        return shard.next_token_log_probs(logits.local_logits, with_entropy, temperature)
+    logits = getattr(logits, "logits", logits)
+    return log_probs_from_packed_logits(logits, mb["input_ids"], mb["cu_seqlens"],
+                                        with_entropy=with_entropy, temperature=temperature)
+
+
 def _response_log_probs(logits, mb, temperature: float, with_entropy: bool):
+    """``logits``: packed ``[T, V/tp]`` logits or the model output holding them."""
     if exact.enabled():  # rollout.exact: the sampler's own log-prob kernel
-        return exact_response_log_probs(logits, mb, temperature, with_entropy)
-    out = log_probs_from_packed_logits(logits, mb["input_ids"], mb["cu_seqlens"],
-                                       with_entropy=with_entropy, temperature=temperature)
+        return exact_response_log_probs(getattr(logits, "logits", logits), mb, temperature,
+                                        with_entropy)
+    out = _packed_log_probs(logits, mb, temperature, with_entropy)
     R = mb["response_mask"].shape[1]
     if with_entropy:
         logp, ent = out
@@ -103,9 +116,9 @@ def _response_log_probs(logits, mb, temperature: float, with_entropy: bool):
 
 
 def policy_loss(logits, mb, cfg, temperature: float):
-    """The actor's loss on one packed microbatch (``logits [T, V]``): the policy loss
-    (``actor.policy_loss``, default the clipped PPO loss), minus the entropy bonus, plus the KL
-    loss; returned as ``(loss * denom, denom, metrics)`` with the loss-like metrics weighted
+    """The actor's loss on one packed microbatch (``logits [T, V]`` or the model output): the
+    policy loss (``actor.policy_loss``, default the clipped PPO loss), minus the entropy bonus,
+    plus the KL loss; returned as ``(loss * denom, denom, metrics)`` with the loss-like metrics weighted
     (see :func:`_global_update_metrics`). Both training backends use it."""
     mode = cfg.loss_agg_mode
     logp, ent = _response_log_probs(logits, mb, temperature, True)
@@ -228,7 +241,7 @@ class PolicyRole(_ModelRole):
     @torch.no_grad()
     def log_probs(self, batch, replay: bool = False, record: bool = False) -> torch.Tensor:
         mbs, indices = make_microbatches(batch, self.max_tokens)
-        fn = lambda out, mb: _response_log_probs(out.logits, mb, self.temperature, False)[0]  # noqa: E731
+        fn = lambda out, mb: _response_log_probs(out, mb, self.temperature, False)[0]  # noqa: E731
         with routing.routed_forwards(self.chunks, mbs, replay=replay, record=record) as session:
             outs = pipeline.forward_only(self.chunks, mbs, fn)
         self.route_session = session
@@ -245,7 +258,7 @@ class PolicyRole(_ModelRole):
         cfg = self.cfg
 
         def loss_fn(out, mb):
-            return policy_loss(out.logits, mb, cfg, self.temperature)
+            return policy_loss(out, mb, cfg, self.temperature)
 
         mbs, _ = make_microbatches(batch, self.max_tokens)
         replay = getattr(cfg, "router_replay", "off") != "off"

@@ -26,10 +26,22 @@ from parallel_models.distributed import free_port
 
 
 # imported once by the forkserver (started with the caller's environment at its first run);
-# every rank is forked with them loaded. Only third-party modules: ours are imported in the rank
-# after its environment is set (parallel_models' triton_matmul reads one at import)
+# every rank is forked with them loaded. Third-party modules, then those of ours that read no
+# environment variable at import (the Triton kernel modules under llama/layers/exact/ read
+# TRITON_INTERPRET at import: they are imported in the rank, after its environment is set).
+# A rank's or console script's imports otherwise cost it seconds of CPU (the parallel_models
+# models, trainer and server modules ~1 s, matplotlib for the reward curve ~1 s).
 _PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.tensor_parallel",
-            "transformers", "transformers.modeling_utils", "safetensors.torch"]
+            "transformers", "transformers.modeling_utils", "safetensors.torch",
+            "transformers.masking_utils", "transformers.modeling_layers",
+            "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
+            "transformers.models.qwen3.modeling_qwen3",
+            "transformers.models.qwen3_moe.modeling_qwen3_moe",
+            "matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg",
+            "parallel_models.llama.modeling", "parallel_models.rl.config",
+            "parallel_models.rl.trainer", "parallel_models.rl.train",
+            "parallel_models.inference.engine", "parallel_models.inference.server.cli",
+            "parallel_models.inference.server.app", "parallel_models.inference.server.engine"]
 _CTX = None
 
 

@@ -178,13 +178,14 @@ def run_named_jobs(named: list, *, timeout: float = 600.0) -> dict:
 
 
 def _main_process(target: str, argv: list, env: dict, out_path: str, err_path: str,
-                  new_session: bool = False) -> None:
+                  new_session: bool = False, process_group: int | None = None) -> None:
     """A console script's ``main(argv)`` as ``python -m`` would run it, in a forked process:
     the caller's environment (``PYTHONWARNINGS`` applied), stdout / stderr to files (one file
     when both paths are the same), in a session of its own when ``new_session`` (as
-    ``Popen(start_new_session=True)``), the exit code from its return value or ``SystemExit``,
-    an uncaught exception's traceback on stderr and code 1, then what the interpreter's exit
-    does: join non-daemon threads, run the atexit handlers."""
+    ``Popen(start_new_session=True)``) or in the process group ``process_group`` (0: a new one
+    it leads), the exit code from its return value or ``SystemExit``, an uncaught exception's
+    traceback on stderr and code 1, then what the interpreter's exit does: join non-daemon
+    threads, run the atexit handlers."""
     import atexit
     import importlib
     import sys
@@ -192,6 +193,16 @@ def _main_process(target: str, argv: list, env: dict, out_path: str, err_path: s
 
     if new_session:
         os.setsid()
+    elif process_group is not None:
+        deadline = time.monotonic() + 30
+        while True:  # the group's leader may not have made it yet
+            try:
+                os.setpgid(0, process_group)
+                break
+            except PermissionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
     os.environ.clear()
     os.environ.update(env)
     if env.get("PYTHONWARNINGS"):
@@ -230,7 +241,8 @@ class MainProcess:
     ``subprocess``."""
 
     def __init__(self, target: str, argv: list, env: dict, log_dir: str | None,
-                 log_path: str | None = None, new_session: bool = False):
+                 log_path: str | None = None, new_session: bool = False,
+                 process_group: int | None = None):
         import tempfile
 
         self.args = [target, *argv]
@@ -239,7 +251,7 @@ class MainProcess:
             [os.path.join(self._dir, n) for n in ("stdout", "stderr")]
         self._proc = _context().Process(target=_main_process,
                                         args=(target, list(argv), dict(env), *self._paths,
-                                              new_session))
+                                              new_session, process_group))
         self._proc.start()
         self.pid = self._proc.pid
 
@@ -285,15 +297,17 @@ class MainProcess:
 
 
 def start_main(target: str, argv: list, env: dict | None = None, log_dir: str | None = None,
-               *, log_path: str | None = None, new_session: bool = False) -> MainProcess:
+               *, log_path: str | None = None, new_session: bool = False,
+               process_group: int | None = None) -> MainProcess:
     """Start ``main(argv)`` of ``target`` (``"package.module:main"``) in a process forked from
     the forkserver that holds torch / megatron-core / transformers imported: the same run as
     ``python -m package.module *argv`` without paying those imports again (seconds of CPU).
     ``log_path``: stdout and stderr both into that file (else two temporary files, read back
     by ``stdout`` / ``stderr``); ``new_session``: the process leads a process group of its own
-    (``os.killpg(handle.pid, ...)`` reaches it, as after ``Popen(start_new_session=True)``)."""
+    (``os.killpg(handle.pid, ...)`` reaches it, as after ``Popen(start_new_session=True)``);
+    ``process_group``: it joins that process group (0: a new one it leads)."""
     return MainProcess(target, argv, dict(os.environ if env is None else env), log_dir,
-                       log_path, new_session)
+                       log_path, new_session, process_group)
 
 
 _TINY_COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,

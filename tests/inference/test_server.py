@@ -203,8 +203,8 @@ def test_shutdown(server):
 
 def test_tp2_server(models):
     port = free_port()
-    proc = start_server(models["paths"][0], port, tp=2,
-                                      log_path=str(models["root"] / "tp2.log"))
+    proc = start_server(models["paths"][0], port, tp=2, log_path=str(models["root"] / "tp2.log"),
+                        torchrun=True)  # the library's own launcher
     try:
         c = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
         assert c.get("/info").json()["tp"] == 2
@@ -230,9 +230,8 @@ def test_request_timeout_and_sigterm(models):
     import signal
 
     port = free_port()
-    proc = start_server(models["paths"][0], port,
-                                      log_path=str(models["root"] / "term.log"),
-                                      extra=("--request-timeout", "0.001"))
+    proc = start_server(models["paths"][0], port, log_path=str(models["root"] / "term.log"),
+                        extra=("--request-timeout", "0.001"))
     try:
         r = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60,
                        json={"prompts": [[1, 5]], "max_new_tokens": 30})

@@ -37,9 +37,13 @@ _PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.tensor
             "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
             "transformers.models.qwen3.modeling_qwen3",
             "transformers.models.qwen3_moe.modeling_qwen3_moe",
+            "transformers.models.qwen2_moe.modeling_qwen2_moe",
+            "transformers.models.mixtral.modeling_mixtral",
+            "transformers.models.gemma.modeling_gemma", "httpx",
             "matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg",
             "parallel_models.llama.modeling", "parallel_models.rl.config",
             "parallel_models.rl.trainer", "parallel_models.rl.train",
+            "parallel_models.rl.roles.model_roles",
             "parallel_models.inference.engine", "parallel_models.inference.server.cli",
             "parallel_models.inference.server.app", "parallel_models.inference.server.engine"]
 _CTX = None

@@ -26,10 +26,26 @@ from parallel_models.distributed import free_port
 
 
 # imported once by the forkserver (started with the caller's environment at its first run);
-# every rank is forked with them loaded. Only third-party modules: ours are imported in the rank
-# after its environment is set (parallel_models' triton_matmul reads one at import)
+# every rank is forked with them loaded. Third-party modules, then those of ours that read no
+# environment variable at import (the Triton kernel modules under llama/layers/exact/ read
+# TRITON_INTERPRET at import: they are imported in the rank, after its environment is set).
+# A rank's or console script's imports otherwise cost it seconds of CPU (the parallel_models
+# models, trainer and server modules ~1 s, matplotlib for the reward curve ~1 s).
 _PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.tensor_parallel",
-            "transformers", "transformers.modeling_utils", "safetensors.torch"]
+            "transformers", "transformers.modeling_utils", "safetensors.torch",
+            "transformers.masking_utils", "transformers.modeling_layers",
+            "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
+            "transformers.models.qwen3.modeling_qwen3",
+            "transformers.models.qwen3_moe.modeling_qwen3_moe",
+            "transformers.models.qwen2_moe.modeling_qwen2_moe",
+            "transformers.models.mixtral.modeling_mixtral",
+            "transformers.models.gemma.modeling_gemma", "httpx",
+            "matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg",
+            "parallel_models.llama.modeling", "parallel_models.rl.config",
+            "parallel_models.rl.trainer", "parallel_models.rl.train",
+            "parallel_models.rl.roles.model_roles",
+            "parallel_models.inference.engine", "parallel_models.inference.server.cli",
+            "parallel_models.inference.server.app", "parallel_models.inference.server.engine"]
 _CTX = None
 
 
@@ -165,20 +181,41 @@ def run_named_jobs(named: list, *, timeout: float = 600.0) -> dict:
     return out
 
 
-def _main_process(target: str, argv: list, env: dict, out_path: str, err_path: str) -> None:
+def _main_process(target: str, argv: list, env: dict, out_path: str, err_path: str,
+                  new_session: bool = False, process_group: int | None = None) -> None:
     """A console script's ``main(argv)`` as ``python -m`` would run it, in a forked process:
-    the caller's environment, stdout / stderr to files, the exit code from its return value or
-    ``SystemExit``, an uncaught exception's traceback on stderr and code 1, then what the
-    interpreter's exit does: join non-daemon threads, run the atexit handlers."""
+    the caller's environment (``PYTHONWARNINGS`` applied), stdout / stderr to files (one file
+    when both paths are the same), in a session of its own when ``new_session`` (as
+    ``Popen(start_new_session=True)``) or in the process group ``process_group`` (0: a new one
+    it leads), the exit code from its return value or ``SystemExit``, an uncaught exception's
+    traceback on stderr and code 1, then what the interpreter's exit does: join non-daemon
+    threads, run the atexit handlers."""
     import atexit
     import importlib
     import sys
+    import warnings
 
+    if new_session:
+        os.setsid()
+    elif process_group is not None:
+        deadline = time.monotonic() + 30
+        while True:  # the group's leader may not have made it yet
+            try:
+                os.setpgid(0, process_group)
+                break
+            except PermissionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
     os.environ.clear()
     os.environ.update(env)
-    for fd, path in ((1, out_path), (2, err_path)):
+    if env.get("PYTHONWARNINGS"):
+        warnings._processoptions(env["PYTHONWARNINGS"].split(","))
+    for fds, path in (((1, 2), out_path),) if out_path == err_path else \
+            (((1,), out_path), ((2,), err_path)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(f, fd)
+        for fd in fds:
+            os.dup2(f, fd)
         os.close(f)
     module, name = target.split(":")
     try:
@@ -207,14 +244,18 @@ class MainProcess:
     ``poll`` / ``wait`` / ``kill`` / ``returncode`` / ``stdout`` / ``stderr`` as in
     ``subprocess``."""
 
-    def __init__(self, target: str, argv: list, env: dict, log_dir: str):
+    def __init__(self, target: str, argv: list, env: dict, log_dir: str | None,
+                 log_path: str | None = None, new_session: bool = False,
+                 process_group: int | None = None):
         import tempfile
 
         self.args = [target, *argv]
-        self._dir = tempfile.mkdtemp(prefix="main_", dir=log_dir)
-        self._paths = [os.path.join(self._dir, n) for n in ("stdout", "stderr")]
+        self._dir = None if log_path else tempfile.mkdtemp(prefix="main_", dir=log_dir)
+        self._paths = [log_path] * 2 if log_path else \
+            [os.path.join(self._dir, n) for n in ("stdout", "stderr")]
         self._proc = _context().Process(target=_main_process,
-                                        args=(target, list(argv), dict(env), *self._paths))
+                                        args=(target, list(argv), dict(env), *self._paths,
+                                              new_session, process_group))
         self._proc.start()
         self.pid = self._proc.pid
 
@@ -252,18 +293,25 @@ class MainProcess:
         return self._read(1)
 
     def close(self) -> None:
-        """Remove the files that held its stdout / stderr."""
+        """Remove the files that held its stdout / stderr (not a ``log_path`` of the caller's)."""
         import shutil
 
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def start_main(target: str, argv: list, env: dict | None = None, log_dir: str | None = None
-               ) -> MainProcess:
+def start_main(target: str, argv: list, env: dict | None = None, log_dir: str | None = None,
+               *, log_path: str | None = None, new_session: bool = False,
+               process_group: int | None = None) -> MainProcess:
     """Start ``main(argv)`` of ``target`` (``"package.module:main"``) in a process forked from
     the forkserver that holds torch / megatron-core / transformers imported: the same run as
-    ``python -m package.module *argv`` without paying those imports again (seconds of CPU)."""
-    return MainProcess(target, argv, dict(os.environ if env is None else env), log_dir)
+    ``python -m package.module *argv`` without paying those imports again (seconds of CPU).
+    ``log_path``: stdout and stderr both into that file (else two temporary files, read back
+    by ``stdout`` / ``stderr``); ``new_session``: the process leads a process group of its own
+    (``os.killpg(handle.pid, ...)`` reaches it, as after ``Popen(start_new_session=True)``);
+    ``process_group``: it joins that process group (0: a new one it leads)."""
+    return MainProcess(target, argv, dict(os.environ if env is None else env), log_dir,
+                       log_path, new_session, process_group)
 
 
 _TINY_COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,

@@ -5,9 +5,7 @@ command lines end to end (the models: tests/helpers/checkpoint_setup.py)."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -115,9 +113,18 @@ def test_interrupted_conversion_leaves_nothing(env, tmp_path, monkeypatch):
 
 
 # ---- command line ------------------------------------------------------------------------------------------
-def _script(name):
-    exe = shutil.which(name)
-    return [exe] if exe else [sys.executable, "-m", f"conversion.{name}"]
+def _script(name, argv):
+    """The console script ``name``'s ``main(argv)`` as a process of its own, forked from the
+    preloaded forkserver (the installed scripts themselves: tests/test_cli.py); a
+    ``CompletedProcess``."""
+    from parallel_models.testing import start_main
+
+    run = start_main(f"conversion.scripts:{name}", argv)
+    try:
+        run.wait(120)
+        return subprocess.CompletedProcess(run.args, run.returncode, run.stdout, run.stderr)
+    finally:
+        run.close()
 
 
 def test_cli_help():
@@ -134,17 +141,13 @@ def test_cli_help():
 
 def test_cli_end_to_end(env, tmp_path):
     mc, hf = str(tmp_path / "mc"), str(tmp_path / "hf")
-    run = subprocess.run(_script("hf2mcore") + ["--hf-path", env["src"]["qwen2"], "--output", mc,
-                                                "--dtype", "fp32"],
-                         capture_output=True, text=True, timeout=120)
+    run = _script("hf2mcore", ["--hf-path", env["src"]["qwen2"], "--output", mc, "--dtype", "fp32"])
     assert run.returncode == 0, run.stderr
     assert "hf2mcore: 26 tensors" in run.stdout and "GB/s" in run.stdout, run.stdout
     assert "hf2mcore:" in run.stderr  # the tqdm bar
-    run = subprocess.run(_script("mcore2hf") + ["--mcore-path", mc, "--output", hf],
-                         capture_output=True, text=True, timeout=120)
+    run = _script("mcore2hf", ["--mcore-path", mc, "--output", hf])
     assert run.returncode == 0, run.stderr
     assert_bit_exact(env["src"]["qwen2"], hf, upcast=True)
-    run = subprocess.run(_script("mcore2hf") + ["--mcore-path", mc, "--output", hf],
-                         capture_output=True, text=True, timeout=120)
+    run = _script("mcore2hf", ["--mcore-path", mc, "--output", hf])
     assert run.returncode == 1 and "error:" in run.stderr and "not empty" in run.stderr
     assert "Traceback" not in run.stderr

@@ -4,25 +4,18 @@ running process is writing."""
 
 import logging
 import os
-import subprocess
-import sys
 
 from parallel_models.llama.checkpoint_utils.output_dir import AtomicOutputDir
-
-_KILLED_SAVE = """
-import os, signal, sys
-from parallel_models.llama.checkpoint_utils.output_dir import AtomicOutputDir
-with AtomicOutputDir(sys.argv[1]) as tmp:
-    open(os.path.join(tmp, "model.safetensors"), "wb").write(b"x" * 4096)
-    os.kill(os.getpid(), signal.SIGKILL)  # as kill -9 of hf2mcore mid-save
-"""
+from parallel_models.testing import start_main
 
 
 def test_stale_temp_folders_of_killed_saves_are_removed(tmp_path, caplog):
     parent = tmp_path / "models"
-    proc = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(parent / "killed")],
-                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert proc.returncode == -9
+    proc = start_main("tests.helpers.killed_save:main", [str(parent / "killed")])
+    try:
+        assert proc.wait(120) == -9  # SIGKILLed mid-save
+    finally:
+        proc.close()
     stale = [p for p in os.listdir(parent) if p.startswith(".killed.tmp-")]
     assert len(stale) == 1 and not (parent / "killed").exists()
     with caplog.at_level(logging.INFO, logger="parallel_models.llama.checkpoint_utils"), \

@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from parallel_models.distributed import free_port
-from parallel_models.inference.server.launch import start_server, stop_server
 from parallel_models.testing import run_distributed
 from tests.helpers import server_checks
+from tests.helpers.server_launch import start_server, stop_server
 
 BUDGET = 1500
 LONG = 240

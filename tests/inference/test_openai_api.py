@@ -12,7 +12,8 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from parallel_models.distributed import free_port  # noqa: E402
-from parallel_models.inference.server.launch import start_server, stop_server  # noqa: E402
+
+from tests.helpers.server_launch import start_server, stop_server  # noqa: E402
 
 KEY = "openai-test-key"
 MAX_NEW = 8

@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from parallel_models.distributed import free_port
-from parallel_models.inference.server.launch import start_server, stop_server
 from parallel_models.testing import run_distributed
 from tests.helpers import server_checks
+from tests.helpers.server_launch import start_server, stop_server
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -203,8 +203,8 @@ def test_shutdown(server):
 
 def test_tp2_server(models):
     port = free_port()
-    proc = start_server(models["paths"][0], port, tp=2,
-                                      log_path=str(models["root"] / "tp2.log"))
+    proc = start_server(models["paths"][0], port, tp=2, log_path=str(models["root"] / "tp2.log"),
+                        torchrun=True)  # the library's own launcher
     try:
         c = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
         assert c.get("/info").json()["tp"] == 2
@@ -230,9 +230,8 @@ def test_request_timeout_and_sigterm(models):
     import signal
 
     port = free_port()
-    proc = start_server(models["paths"][0], port,
-                                      log_path=str(models["root"] / "term.log"),
-                                      extra=("--request-timeout", "0.001"))
+    proc = start_server(models["paths"][0], port, log_path=str(models["root"] / "term.log"),
+                        extra=("--request-timeout", "0.001"))
     try:
         r = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60,
                        json={"prompts": [[1, 5]], "max_new_tokens": 30})
@@ -250,11 +249,10 @@ def test_ppo_with_server_backend(tmp_path):
     and the reward rises like the in-process default job (tests/rl/test_ppo.py)."""
     import json
     import os
-    import subprocess
-    import sys
 
     from parallel_models.rl import trainer
     from parallel_models.tokenizer import build_builtin_tokenizer
+    from tests.helpers.ppo_runs import run_ppo
 
     model = str(tmp_path / "model")
     trainer.build_builtin_model(model, build_builtin_tokenizer(), seed=0)
@@ -263,13 +261,10 @@ def test_ppo_with_server_backend(tmp_path):
     try:
         out = str(tmp_path / "run")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        run = subprocess.run(
-            [sys.executable, "-m", "parallel_models.rl.train", f"trainer.output_dir={out}",
-             "trainer.total_steps=14", "trainer.save_every=0", "trainer.loggers=[jsonl]",
-             "trainer.save_hf_at_end=false", f"model.path={model}", "rollout.backend=server",
-             f"rollout.server_url=http://127.0.0.1:{port}"],
-            env=env, capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-3000:]
+        run_ppo([f"trainer.output_dir={out}", "trainer.total_steps=14", "trainer.save_every=0",
+                 "trainer.loggers=[jsonl]", "trainer.save_hf_at_end=false", f"model.path={model}",
+                 "rollout.backend=server", f"rollout.server_url=http://127.0.0.1:{port}"],
+                env=env)
         version = httpx.get(f"http://127.0.0.1:{port}/info", timeout=10).json()["weight_version"]
     finally:
         stop_server(proc)

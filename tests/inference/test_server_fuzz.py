@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from parallel_models.distributed import free_port
-from parallel_models.inference.server.launch import start_server, stop_server
 from tests.helpers import server_checks
+from tests.helpers.server_launch import start_server, stop_server
 
 KEY = "fuzz-key"
 REQUESTS = 1050

@@ -8,11 +8,11 @@ import pytest
 
 from parallel_models.distributed import free_port
 from parallel_models.inference.server.client import RolloutClient
-from parallel_models.inference.server.launch import start_server, stop_server
 from parallel_models.inference.server.side_group import pick_transport
 from parallel_models.testing import run_distributed
 from tests.helpers import server_checks
 from tests.helpers import weight_group_checks
+from tests.helpers.server_launch import start_server, stop_server
 
 MAX_NEW = 6
 

@@ -4,9 +4,9 @@ serves after loading the same folder (equal log-probs), and the next push reuses
 
 from parallel_models.distributed import free_port
 from parallel_models.inference.server.client import RolloutClient
-from parallel_models.inference.server.launch import start_server, stop_server
 from parallel_models.testing import run_distributed
 from tests.helpers import weight_group_checks
+from tests.helpers.server_launch import start_server, stop_server
 
 
 def _greedy(client, prompts):

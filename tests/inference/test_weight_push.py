@@ -7,12 +7,12 @@ import pytest
 
 from parallel_models.distributed import free_port
 from parallel_models.inference.server.client import RolloutClient, ServerError
-from parallel_models.inference.server.launch import start_server, stop_server
 from parallel_models.inference.server.weight_stream import bucket_frame, end_frame
 from parallel_models.testing import run_distributed
 from tests.helpers import hybrid_checks
 from tests.helpers import server_checks
 from tests.helpers.ppo_runs import load_folder
+from tests.helpers.server_launch import start_server, stop_server
 
 MAX_NEW = 6
 

@@ -8,9 +8,9 @@ import httpx
 import pytest
 
 from parallel_models.distributed import free_port
-from parallel_models.inference.server.launch import start_server, stop_server
 from parallel_models.testing import run_distributed, save_tiny_hf_model
 from tests.helpers import router_replay_checks as checks
+from tests.helpers.server_launch import start_server, stop_server
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
 MAX_NEW = 6

@@ -5,10 +5,10 @@ the server batches continuously), and their metrics agree within rel 1e-5."""
 import pytest
 
 from parallel_models.distributed import free_port
-from parallel_models.inference.server.launch import start_server, stop_server
 from parallel_models.testing import run_distributed_jobs
 from tests.helpers import sampled_ppo_runs as runs
 from tests.helpers import server_checks
+from tests.helpers.server_launch import start_server, stop_server
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ import pytest
 
 from parallel_models.distributed import free_port
 from parallel_models.inference.server.client import RolloutClient
-from parallel_models.inference.server.launch import start_server, stop_server
 from parallel_models.testing import run_distributed
 from tests.helpers import server_checks
 from tests.helpers import weight_group_checks
+from tests.helpers.server_launch import start_server, stop_server
 
 
 @pytest.fixture(scope="module")

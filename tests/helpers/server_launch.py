@@ -29,8 +29,6 @@ def start_server(model: str, port: int, *, tp: int = 1, api_key: str | None = No
     if torchrun:
         return launch.start_server(model, port, tp=tp, api_key=api_key, extra=extra,
                                    log_path=log_path, timeout=timeout, enable_admin=enable_admin)
-    import httpx
-
     from parallel_models.distributed import free_port
     from parallel_models.testing import start_main
 
@@ -56,19 +54,7 @@ def start_server(model: str, port: int, *, tp: int = 1, api_key: str | None = No
                                                        **rendezvous),
                                     log_path=log, process_group=ranks[0].pid if ranks else 0))
         proc = ForkedRanks(ranks)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = open(log_path).read()[-3000:] if log_path else ""
-            raise RuntimeError(f"server exited with {proc.returncode} during start\n{tail}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    stop_server(proc)
-    raise TimeoutError("server did not answer /health in time")
+    return launch.wait_until_healthy(proc, port, timeout, log_path, poll_s=0.1)
 
 
 class ForkedRanks:

@@ -33,44 +33,9 @@ from typing import Any, Optional
 
 import torch
 
-
-# ---- verl/utils/torch_functional.py (verbatim) -------------------------------------------------
-def masked_sum(values: torch.Tensor, mask: torch.Tensor, axis: int | tuple[int, ...] | None = None) -> torch.Tensor:
-    """Compute sum of tensor values where mask is True.
-
-    NaN values outside the mask are replaced with zeros to prevent
-    contaminating the sum.
-
-    Args:
-        values: Input tensor containing values to sum.
-        mask: Boolean or numeric mask tensor (same shape as values).
-            Non-zero values indicate elements to include.
-        axis: Dimension(s) along which to sum. None sums all elements.
-
-    Returns:
-        torch.Tensor: Sum of masked values, reduced along specified axis.
-    """
-    # If NaNs exist out of mask, replace NaNs in values with a value that
-    # won't affect the sum (e.g., 0 for masked regions)
-    valid_values = torch.where(mask.bool(), values, 0.0)
-    return (valid_values * mask).sum(axis=axis)
-
-
-def masked_mean(values, mask, axis=None):
-    """
-    Compute the mean of `values` over elements selected by `mask`.
-
-    Args:
-        values (Tensor): Input tensor.
-        mask (Tensor): Boolean or numeric mask of the same shape as `values`.
-        axis (int or tuple of int, optional): Dimension(s) along which to compute the mean.
-            Defaults to None (over all elements).
-
-    Returns:
-        Tensor: Masked mean, with shape equal to `values` reduced over `axis`.
-    """
-    s = masked_sum(values, mask, axis)
-    return s / (mask.sum(axis=axis) + 1e-8)
+# verl/utils/torch_functional.py's masked_sum / masked_mean: the verbatim copies in
+# tests/helpers/verl_core_algos.py
+from tests.helpers.verl_core_algos import masked_mean, masked_sum
 
 
 verl_F = types.SimpleNamespace(masked_sum=masked_sum, masked_mean=masked_mean)

@@ -36,6 +36,13 @@ def start_server(model: str, port: int, *, tp: int = 1, api_key: str | None = No
     log = open(log_path, "w") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
+    return wait_until_healthy(proc, port, timeout, log_path)
+
+
+def wait_until_healthy(proc, port: int, timeout: float, log_path: str | None = None,
+                       poll_s: float = 0.3):
+    """``proc`` once the server on ``port`` answers ``/health``; a RuntimeError with the end of
+    its log if it exits first, a TimeoutError (the server stopped) after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -46,7 +53,7 @@ def start_server(model: str, port: int, *, tp: int = 1, api_key: str | None = No
                 return proc
         except httpx.HTTPError:
             pass
-        time.sleep(0.3)
+        time.sleep(poll_s)
     stop_server(proc)
     raise TimeoutError("server did not answer /health in time")
 

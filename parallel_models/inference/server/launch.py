@@ -15,8 +15,6 @@ def start_server(model: str, port: int, *, tp: int = 1, api_key: str | None = No
     group and wait until ``/health`` answers; ``extra`` are more command-line options.
     ``enable_admin``: without ``api_key``, pass ``--enable-admin`` (the caller drives the
     server it started: it pushes weights and shuts it down)."""
-    import httpx
-
     args = ["--model", model, "--port", str(port), "--tp", str(tp), *extra]
     if api_key:
         args += ["--api-key", api_key]
@@ -43,6 +41,8 @@ def wait_until_healthy(proc, port: int, timeout: float, log_path: str | None = N
                        poll_s: float = 0.3):
     """``proc`` once the server on ``port`` answers ``/health``; a RuntimeError with the end of
     its log if it exits first, a TimeoutError (the server stopped) after ``timeout`` s."""
+    import httpx
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -54,7 +54,11 @@ def start_server(model: str, port: int, *, tp: int = 1, api_key: str | None = No
                                                        **rendezvous),
                                     log_path=log, process_group=ranks[0].pid if ranks else 0))
         proc = ForkedRanks(ranks)
-    return launch.wait_until_healthy(proc, port, timeout, log_path, poll_s=0.1)
+    try:
+        return launch.wait_until_healthy(proc, port, timeout, log_path, poll_s=0.1)
+    except BaseException:  # a forked server left running would keep pytest from exiting
+        stop_server(proc)
+        raise
 
 
 class ForkedRanks:

@@ -95,12 +95,10 @@ def _section_message(e: dict, model: type[BaseModel], section: str, source: str)
 
 
 def _key_message(e: dict, model: type[BaseModel], section: str, key: str, where: str,
-                 source: str, prefix: str = "") -> str:
-    """``prefix``: the section of a nested group (``actor.`` for ``actor.lora.rank``, where
-    ``model`` is the section's model and ``section`` the group)."""
+                 source: str) -> str:
     kind, value = e["type"], e.get("input")
     field, section_model = _field(model, section, key)
-    full = f"{prefix}{section}.{key}"
+    full = f"{section}.{key}"
     if kind == "extra_forbidden":
         valid = list(section_model.model_fields) if section_model else []
         owner = section if "." not in key else f"{section}.{key.rsplit('.', 1)[0]}"

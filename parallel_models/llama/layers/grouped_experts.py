@@ -113,7 +113,8 @@ class GroupedGemmExperts(SequentialMLP):
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         x = permuted_local_hidden_states
         if (self.num_local_experts == 1 or self.config.moe_apply_probs_on_input
-                or self.config.fp8 or self.config.fp4 or not use_grouped_gemm(x)):
+                or self.config.fp8 or self.config.fp4 or not use_grouped_gemm(x)
+                or getattr(getattr(self, "fp8_state", None), "active", False)):  # FP8 rollout
             return super().forward(x, tokens_per_expert, permuted_probs)
         counts = torch.as_tensor(tokens_per_expert).to(device=x.device)
         offs = torch.cumsum(counts, dim=0).to(torch.int32)

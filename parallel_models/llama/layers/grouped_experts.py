@@ -19,6 +19,8 @@ the expert parameters are views of (``GroupedGemmExperts.stacked_weights``). Use
 with bf16 activations; the option ``moe_grouped_gemm`` (``parallel_models.options``; env
 ``PARALLEL_MODELS_MOE_GROUPED_GEMM``) true forces it (e.g. to test it on the CPU), false turns
 it off; ``moe_packed_experts`` false stacks the weights in every forward instead of packing.
+While an FP8 rollout is on (``inference/fp8``: ``fp8_state.active``) the experts run one by one
+on their FP8 linears (megatron's ``SequentialMLP`` path).
 """
 
 from __future__ import annotations

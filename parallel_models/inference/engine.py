@@ -99,14 +99,20 @@ def _prompt_seeds(seeds, prompts: int) -> list[int] | None:
 class RolloutEngine:
     """``RolloutEngine(model, eos_token_id=None, pad_token_id=0, weights_path=None,
     kv_budget_tokens=None, max_rows=64, prefix_cache_tokens=0, keep_kv=False,
-    gpu_memory_utilization=0.9)``; ``kv_budget_tokens``: None (static batches), a KV size in
-    tokens, or ``"auto"`` (planned, see the module docstring)."""
+    gpu_memory_utilization=0.9, weight_dtype="bf16", fp8_scales="block",
+    shares_training_weights=False)``; ``kv_budget_tokens``: None (static batches), a KV size in
+    tokens, or ``"auto"`` (planned, see the module docstring). ``weight_dtype="fp8"``: the
+    decoder linears run on FP8 copies of their weights (``inference/fp8``; ``fp8_scales``:
+    block | channel), re-quantized after every load and after :meth:`weights_changed`;
+    ``shares_training_weights``: the model is the actor's (FP8 only inside generate)."""
 
     def __init__(self, model, *, eos_token_id: int | list[int] | None = None,
                  pad_token_id: int = 0, weights_path: str | None = None,
                  kv_budget_tokens: int | str | None = None, max_rows: int = 64,
                  prefix_cache_tokens: int = 0, keep_kv: bool = False,
-                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION):
+                 gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+                 weight_dtype: str = "bf16", fp8_scales: str = "block",
+                 shares_training_weights: bool = False):
         if model.head_kind != "causal_lm":
             raise TypeError(f"{type(model).__name__} has no LM head; a rollout engine needs a "
                             "CausalLM")
@@ -130,6 +136,15 @@ class RolloutEngine:
         self.prefix_cache_tokens = prefix_cache_tokens
         self.keep_kv = keep_kv
         self._continuous = None
+        # weight_dtype="fp8": the linears run on FP8 copies of their weights (inference/fp8),
+        # refreshed after every load / sync; on the actor's own weights only inside generate
+        if weight_dtype not in ("bf16", "fp8"):
+            raise ValueError(f"weight_dtype must be bf16 or fp8, got {weight_dtype!r}")
+        self.fp8 = None
+        if weight_dtype == "fp8":
+            from parallel_models.inference.fp8 import Fp8Linears
+
+            self.fp8 = Fp8Linears(model, fp8_scales, active=not shares_training_weights)
 
     @property
     def continuous(self) -> bool:
@@ -141,6 +156,8 @@ class RolloutEngine:
         use; continuous mode only), its KV pool and prefill chunk planned for requests whose
         longest prompt / row (prompt + new tokens) are given (default: the model's positions)
         and ``rows`` samples (default ``max_rows``)."""
+        if self.fp8 is not None:
+            self.fp8.refresh_if_stale()
         if self._continuous is None:
             from parallel_models.inference.continuous import ContinuousEngine
 
@@ -201,6 +218,15 @@ class RolloutEngine:
         ``row_sampling.prompt_seed``); sample j of prompt i then draws with the noise of
         ``row_seed(prompt_seeds[i], j)``, the same tokens in the static and the continuous
         batcher, whatever else is in the batch (``params.seed`` and ``generator`` unused)."""
+        if self.fp8 is not None:  # (refreshed if the weights changed; on for the call)
+            with self.fp8.enabled():
+                return self._generate(prompts, params, generator, top_logprobs, on_step,
+                                      record_routes, max_new_tokens, prompt_seeds)
+        return self._generate(prompts, params, generator, top_logprobs, on_step, record_routes,
+                              max_new_tokens, prompt_seeds)
+
+    def _generate(self, prompts, params, generator, top_logprobs, on_step, record_routes,
+                  max_new_tokens, prompt_seeds) -> GenerationOutput:
         caps = _prompt_caps(max_new_tokens, len(prompts), params.max_new_tokens)
         seeds = _prompt_seeds(prompt_seeds, len(prompts))
         if params.greedy:  # no noise to draw: the greedy path as without seeds
@@ -291,6 +317,12 @@ class RolloutEngine:
         return samples
 
     # ---- weights -----------------------------------------------------------------------------
+    def weights_changed(self) -> None:
+        """The model's weights were changed from outside (a weight sync, the actor's step): an
+        FP8 rollout re-quantizes them before it generates next."""
+        if self.fp8 is not None:
+            self.fp8.mark_stale()
+
     def _tensors(self) -> list[tuple[str, torch.Tensor]]:
         named = list(self.model.named_parameters()) + list(self.model.named_buffers())
         seen, out = set(), []
@@ -334,6 +366,8 @@ class RolloutEngine:
         failed = torch.tensor([0 if error is None else 1], dtype=torch.int32)
         if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(failed, group=group)
+        if self.fp8 is not None:  # (the restored weights too: the copies follow the weights)
+            self.fp8.mark_stale()
         if int(failed):
             if snapshot is not None:
                 self._restore(snapshot)
@@ -343,6 +377,8 @@ class RolloutEngine:
             raise WeightUpdateError(f"{type(error).__name__}: {error} (the previous weights, "
                                     f"version {self.version}, were kept)") from error
         del snapshot
+        if self.fp8 is not None:  # now: the server's batcher decodes without generate
+            self.fp8.refresh()
         if self._continuous is not None:
             self._continuous.clear_prefixes()  # KV of the old weights
         self.version += 1

@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="addresses /weights_group/init may join (the trainer's store)")
     p.add_argument("--dtype", type=dtype_or_auto, default="auto", metavar="DTYPE",
                    help=f"auto (bfloat16 on GPU, float32 on CPU) | {DTYPE_HELP}")
+    p.add_argument("--quantization", choices=("none", "fp8"), default="none",
+                   help="fp8: the decoder linears on e4m3 copies of their weights (inference/fp8), "
+                        "re-quantized at every weight load or push")
+    p.add_argument("--fp8-scales", choices=("block", "channel"), default="block",
+                   help="--quantization fp8: weight scales per 128x128 block | per out channel")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id; one that does "
                    "not load is an error (default: the --model folder, and when none loads "
                    "there only token-id prompts are served)")
@@ -298,7 +303,9 @@ def _serve(args, sock) -> int:
                                                             args.max_new_tokens)
     rollout = RolloutEngine(model, eos_token_id=eos, pad_token_id=pad, weights_path=args.model,
                             kv_budget_tokens=budget, max_rows=args.max_batch,
-                            prefix_cache_tokens=max(0, args.prefix_cache_tokens), keep_kv=True)
+                            prefix_cache_tokens=max(0, args.prefix_cache_tokens), keep_kv=True,
+                            weight_dtype="fp8" if args.quantization == "fp8" else "bf16",
+                            fp8_scales=args.fp8_scales)
     engine = Engine(rollout, args.tp, group)
     try:
         if rank != 0:

@@ -127,7 +127,8 @@ def _build_rollout(cfg, tokenizer, actor, actor_model, num_experts):
         from parallel_models.inference import RolloutEngine
         from parallel_models.rl.rollout.inprocess import InProcessRollout
 
-        return InProcessRollout(RolloutEngine(actor_model, **special, **r.engine_options()),
+        return InProcessRollout(RolloutEngine(actor_model, **special, **r.engine_options(),
+                                              shares_training_weights=True),
                                 num_experts=num_experts)
 
     return build_rollout(RolloutContext(

@@ -25,6 +25,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 from parallel_models.errors import ConfigError
 from parallel_models.rl.config import errors
 from parallel_models.rl.config.checks import cross_field_problems
+from parallel_models.rl.config.fp8_rollout import fp8_rollout_defaults
 from parallel_models.rl.config.sections import (SECTION_DEFAULTS, SECTIONS, ActorSection,
                                                 AlgorithmSection, CriticSection, DataSection,
                                                 ModelSection, ParallelSection, RewardSection,
@@ -63,6 +64,11 @@ class PPOConfig(BaseModel):
             if isinstance(data.get(name), dict):
                 data[name] = {**defaults, **data[name]}
         return data
+
+    @model_validator(mode="after")
+    def _rollout_dtype_defaults(self) -> "PPOConfig":
+        fp8_rollout_defaults(self)  # rollout.dtype=fp8: rollout correction on unless set
+        return self
 
     @model_validator(mode="after")
     def _cross_field_checks(self, info: ValidationInfo) -> "PPOConfig":

@@ -156,6 +156,10 @@ class RolloutSection(SamplingFields):
                                      "refused before generating")
     max_batch_rows: Int = Field(256, ge=1, description="continuous batching: samples decoding "
                                                        "at once at most")
+    dtype: Literal["bf16", "fp8"] = Field("bf16", description="bf16 = decoder linears in model."
+                                          "dtype (as before) | fp8 = e4m3 copies (inference/fp8)")
+    fp8_scales: Literal["block", "channel"] = Field("block", description="dtype=fp8: weight "
+                                                    "scales per 128x128 block | per out channel")
     exact: StrictBool = Field(False, description="batch-invariant kernels (needs Triton): rollout "
                               "log-probs == training log-probs bit for bit (megatron backend, "
                               "inprocess rollout)")
@@ -189,7 +193,8 @@ class RolloutSection(SamplingFields):
         """The in-process rollout engine's batching settings (``RolloutEngine`` keywords), the
         same for the engine on the actor's weights, the hybrid engine's and the fsdp backend's."""
         return {"kv_budget_tokens": self.kv_budget_tokens or None, "max_rows": self.max_batch_rows,
-                "gpu_memory_utilization": self.gpu_memory_utilization}
+                "gpu_memory_utilization": self.gpu_memory_utilization,
+                "weight_dtype": self.dtype, "fp8_scales": self.fp8_scales}
 
 
 class RolloutCorrectionFields(BaseModel):

@@ -65,6 +65,7 @@ class HybridRollout:
             model = build_rollout_model(actor, self.layout)
             self.weight_sync = WeightSync(chunks, model, self.layout, bucket_bytes)
         self.engine = RolloutEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                                    shares_training_weights=self.zero_copy,
                                     **(engine_options or {}))
         self._synced_version: object = None
         # offload (trainer.offload on CUDA): the rollout copy sits in host memory between
@@ -96,6 +97,7 @@ class HybridRollout:
         if self.weight_sync is None or (version is not None and version == self._synced_version):
             return 0.0
         seconds = self.weight_sync.sync()
+        self.engine.weights_changed()  # (an FP8 rollout re-quantizes)
         self._synced_version = version
         self.engine.version += 1
         return seconds

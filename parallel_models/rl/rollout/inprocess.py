@@ -37,6 +37,12 @@ class InProcessRollout(EngineTokens):
     def update_weights(self, version) -> None:
         """The actor now holds ``version``: a copy is refilled at the next ``generate``."""
         self.version = version
+        self._weights_changed()
+
+    def _weights_changed(self) -> None:
+        notify = getattr(self.engine, "weights_changed", None)  # (an FP8 rollout re-quantizes)
+        if notify is not None:
+            notify()
 
     def release_memory(self) -> None:
         """Nothing to move: the engine frees its KV cache after every generate, its weights are
@@ -51,6 +57,7 @@ class InProcessRollout(EngineTokens):
         if self.refill is not None and self._filled != self.version:
             self.refill()
             self._filled = self.version
+            self._weights_changed()
         extra = {"record_routes": True} if self.num_experts is not None else {}
         if max_new_tokens is not None:  # per-prompt caps (the config checks where they work)
             extra["max_new_tokens"] = max_new_tokens

@@ -1,0 +1,159 @@
+"""FP8 rollout vs bf16: the continuous engine's decode step, alternated in one process.
+
+    python bench/fp8_decode.py [--shapes 0.89b 8b] [--batches 64 256] [--scales block]
+                               [--rounds 3] [--iters 5] [--out fp8.json]
+    python bench/fp8_decode.py --tiny --device cpu       # smoke run (a few seconds on the CPU)
+
+Per shape (``0.89b``, ``8b``: bench/common.py's Llama shapes, random weights drawn on the device
+as ``common.build_random_llama`` does, bf16; ``--tiny``: a 2-layer 64-wide model) and batch size B: one model, two ``ContinuousEngine`` s on it, B rows each (prompt
+``--prompt`` tokens, greedy, EOS ignored), one whose decode runs the bf16 linears and one whose
+linears run on FP8 copies (``inference/fp8``: ``Fp8Linears``, ``--scales`` block | channel).
+Each engine's first step prefills and captures its bucket's CUDA graph (the FP8 one with the
+FP8 linears on, so replaying it runs the FP8 GEMMs whatever the switch says after). Then
+``engine.step()`` of the two engines is timed side by side (``common.alternate``: ``--rounds``
+rounds in rotated order, the median of ``--iters`` steps after ``--warmup``, CUDA events), and
+one JSON line per (shape, batch) is printed: both medians (ms), their spreads
+((max - min) / median over rounds), ``fp8_over_bf16`` and the FP8 GEMM backend used
+(``scaled_mm``, or ``emulated`` where the GPU / torch cannot). ``--out`` also writes every line
+and the run's settings as one JSON file. The 8B shape needs about 45 GiB at B = 256 (weights,
+their FP8 copy, two KV pools).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import types
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import LLAMA3_8B, LLAMA_089B, alternate, build_random_llama  # noqa: E402
+
+SHAPES = {"0.89b": LLAMA_089B, "8b": LLAMA3_8B,
+          "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128, vocab=512)}
+
+
+def _cpu_alternate(contenders: dict, rounds: int, warmup: int, iters: int) -> dict:
+    """``common.alternate`` on the CPU (wall time, no clock log)."""
+    times = {name: [] for name in contenders}
+    names = list(contenders)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = contenders[name]
+            for _ in range(warmup):
+                fn()
+            calls = []
+            for _ in range(iters):
+                t = time.perf_counter()
+                fn()
+                calls.append(time.perf_counter() - t)
+            times[name].append(sorted(calls)[len(calls) // 2])
+    out = {}
+    for name, ts in times.items():
+        med = sorted(ts)[len(ts) // 2]
+        out[name] = {"median_s": med, "spread": (max(ts) - min(ts)) / med, "rounds_s": ts}
+    return out
+
+
+def _engine(model, batch: int, prompt: int, new: int, vocab: int, seed: int):
+    from parallel_models.inference.continuous import ContinuousEngine
+    from parallel_models.inference.sampling import SamplingParams
+
+    row_tokens = prompt + new
+    eng = ContinuousEngine(model, batch * row_tokens, max_rows=batch, max_row_tokens=row_tokens)
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=new)
+    for p in torch.randint(0, vocab, (batch, prompt), generator=g).tolist():
+        eng.submit(p, params)
+    eng.step()  # prefill + first decode step (captures the bucket's graph on CUDA)
+    return eng
+
+
+def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
+    spec = SHAPES[shape]
+    new = 4 + args.rounds * (args.warmup + args.iters)  # rows never finish while timed
+    fp8.active = False
+    bf16_engine = _engine(model, batch, args.prompt, new, spec["vocab"], batch)
+    fp8.active = True
+    fp8_engine = _engine(model, batch, args.prompt, new, spec["vocab"], batch)
+
+    def step(engine, active):
+        fp8.active = active  # (eager parts of a step; the captured graphs hold their GEMMs)
+        engine.step()
+
+    contenders = {"bf16": lambda: step(bf16_engine, False), "fp8": lambda: step(fp8_engine, True)}
+    if dev.type == "cuda":
+        timing = alternate(contenders, rounds=args.rounds, warmup=args.warmup, iters=args.iters,
+                           clock_log_ms=0)
+    else:
+        timing = _cpu_alternate(contenders, args.rounds, args.warmup, args.iters)
+    fp8.active = False
+    backends = sorted({m.fp8_backend for _, m in fp8.modules if m.fp8_backend})
+    row = {"shape": shape, "batch": batch, "prompt": args.prompt, "scales": fp8.granularity,
+           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+           "cuda_graph": any(s.graph is not None for s in fp8_engine._steps.values()),
+           "fp8_gemm": backends}
+    for name in contenders:
+        row[f"{name}_step_ms"] = 1e3 * timing[name]["median_s"]
+        row[f"{name}_spread"] = timing[name]["spread"]
+    row["fp8_over_bf16"] = row["fp8_step_ms"] / row["bf16_step_ms"]
+    del bf16_engine, fp8_engine
+    return row
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["0.89b", "8b"], choices=list(SHAPES))
+    ap.add_argument("--tiny", action="store_true", help="the tiny shape only (smoke run)")
+    ap.add_argument("--batches", type=int, nargs="+", default=None,
+                    help="default 64 256 (--tiny: 4)")
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--scales", choices=("block", "channel"), default="block")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    shapes = ["tiny"] if args.tiny else args.shapes
+    batches = args.batches or ([4] if args.tiny else [64, 256])
+    if args.tiny:
+        args.prompt = min(args.prompt, 8)
+
+    import parallel_models as pm
+    from parallel_models.inference.fp8 import Fp8Linears
+
+    pm.init_parallel()
+    dev = torch.device(args.device)
+    rows = []
+    for shape in shapes:
+        shape_args = types.SimpleNamespace(**SHAPES[shape])
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        model = build_random_llama(shape_args, pm.LlamaForCausalLMRmPad, seed=0)
+        model.requires_grad_(False)
+        fp8 = Fp8Linears(model, args.scales, active=False)
+        with torch.no_grad():
+            for batch in batches:
+                row = run_case(args, shape, model, fp8, dev, batch)
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+        del model, fp8
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "torch": torch.__version__, "cases": rows}, f,
+                      indent=1)
+    pm.destroy_parallel()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""The FP8 GEMM of a rollout linear: ``y = x @ W^T`` with ``W`` an FP8 weight
+(:class:`~parallel_models.inference.fp8.quantize.QuantizedWeight`) and ``x`` quantized per token
+(group) on the fly.
+
+Backends (:func:`gemm_backend`):
+
+- ``"scaled_mm"``: ``torch._scaled_mm`` on CUDA. Block weights (128 x 128) with 1 x 128
+  activation tiles need Hopper (SM 9.x) and cuBLAS 12.9+ (torch's blockwise path: scale_a
+  ``[tokens, in/128]`` token-major in memory, scale_b ``[in/128, out/128]`` with a leading
+  dimension padded to 4, as torch's own tests lay them out) and in/out multiples of 128;
+  channel weights (row-wise: scale_a ``[tokens, 1]``, scale_b ``[1, out]``) need SM 8.9+ and
+  in/out multiples of 16. The output is bf16 (cast to the activation dtype after).
+- ``"emulated"`` (the CPU, and shapes or devices the kernels do not take): the activations are
+  quantized and dequantized with the same recipe, the weight dequantized, and the product taken
+  in the activation dtype, so the emulation carries the FP8 rounding error the GPU path has
+  (up to the accumulation order).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from parallel_models.inference.fp8.quantize import (BLOCK, QuantizedWeight,
+                                                    dequantize_activation, quantize_activation)
+
+log = logging.getLogger(__name__)
+_warned: set = set()
+
+
+def _round_up(a: int, b: int) -> int:
+    return -(-a // b) * b
+
+
+def _cuda_blockwise_supported(device: torch.device) -> bool:
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return torch.cuda.get_device_capability(device)[0] == 9 and cuda >= (12, 9)
+
+
+def gemm_backend(x: torch.Tensor, weight: QuantizedWeight) -> str:
+    """``"scaled_mm"`` when ``torch._scaled_mm`` takes this activation and weight, else
+    ``"emulated"`` (see the module docstring)."""
+    if not x.is_cuda or not hasattr(torch, "_scaled_mm"):
+        return "emulated"
+    out, inp = weight.shape
+    if weight.granularity == "block":
+        ok = _cuda_blockwise_supported(x.device) and out % BLOCK == 0 and inp % BLOCK == 0
+    else:
+        ok = torch.cuda.get_device_capability(x.device) >= (8, 9) and out % 16 == 0 and \
+            inp % 16 == 0
+    if not ok:
+        key = (weight.granularity, tuple(weight.shape), str(x.device))
+        if key not in _warned:
+            _warned.add(key)
+            log.warning("fp8: no FP8 GEMM for a %s-scaled %s weight on %s: emulated "
+                        "(dequantized) instead", weight.granularity, tuple(weight.shape),
+                        torch.cuda.get_device_name(x.device))
+    return "scaled_mm" if ok else "emulated"
+
+
+def block_scale_storage(out: int, inp: int, device=None) -> torch.Tensor:
+    """An fp32 tensor to hold a block weight's scales, ``[ceil(out/128), ceil(in/128)]`` as a
+    view with its row length padded to a multiple of 4 (the layout ``_scaled_mm`` reads)."""
+    nb, kb = -(-out // BLOCK), -(-inp // BLOCK)
+    return torch.ones(nb, _round_up(kb, 4), dtype=torch.float32, device=device)[:, :kb]
+
+
+def _token_major(scale: torch.Tensor) -> torch.Tensor:
+    """``[tokens, groups]`` activation scales stored groups-major (column-major), the token
+    count padded to 4: the 1 x 128 layout of ``_scaled_mm``."""
+    tokens, groups = scale.shape
+    storage = scale.new_empty(groups, _round_up(max(tokens, 1), 4))
+    storage[:, :tokens].copy_(scale.t())
+    return storage[:, :tokens].t()
+
+
+def _scaled_mm(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    xq, xs = quantize_activation(x2, weight.granularity)
+    if weight.granularity == "block":
+        scale_a, scale_b = _token_major(xs), weight.scale.t()
+    else:
+        scale_a, scale_b = xs[:, None].contiguous(), weight.scale[None, :].contiguous()
+    return torch._scaled_mm(xq, weight.data.t(), scale_a=scale_a, scale_b=scale_b,
+                            out_dtype=torch.bfloat16)
+
+
+def emulated_matmul(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """``x2 @ W^T`` with ``x2`` quantized and dequantized per token (group), in its dtype."""
+    xq, xs = quantize_activation(x2, weight.granularity)
+    x_deq = dequantize_activation(xq, xs, weight.granularity, x2.dtype)
+    return x_deq @ weight.dequantize(x2.dtype).t()
+
+
+def fp8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
+               backend: str | None = None) -> torch.Tensor:
+    """``x @ W^T (+ bias)`` for ``x`` ``[..., in]`` in the activation dtype; ``backend``: force
+    ``"scaled_mm"`` or ``"emulated"`` (default: :func:`gemm_backend`)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    backend = backend or gemm_backend(x2, weight)
+    if backend == "scaled_mm":
+        out = _scaled_mm(x2, weight).to(x.dtype)
+    elif backend == "emulated":
+        out = emulated_matmul(x2, weight)
+    else:
+        raise ValueError(f"fp8 GEMM backend must be scaled_mm or emulated, got {backend!r}")
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+__all__ = ["block_scale_storage", "emulated_matmul", "fp8_linear", "gemm_backend"]

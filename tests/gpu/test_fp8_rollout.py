@@ -1,0 +1,110 @@
+"""The FP8 rollout on CUDA (``inference/fp8``): the FP8 GEMM through ``torch._scaled_mm``
+(block-wise 128 x 128 weights with 1 x 128 activation tiles on Hopper, row-wise channel scales on
+any FP8 GPU) against the emulation of the same quantization and against the bf16 product within
+the bound derived from e4m3's rounding; and the FP8 engine vs the bf16 engine on the 0.89B Llama
+shape (random weights): greedy tokens (share identical) and the mean |log-prob difference|,
+printed, with the FP8 engine's CUDA-graph continuous decode giving the log-probs of a fresh FP8
+forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+DEV = "cuda"
+U, SUB = 2.0 ** -4, 2.0 ** -10
+
+
+def _fp8_gpu(granularity: str) -> bool:
+    from parallel_models.inference.fp8.gemm import _cuda_blockwise_supported
+
+    if not torch.cuda.is_available():
+        return False
+    if granularity == "block":
+        return _cuda_blockwise_supported(torch.device(DEV))
+    return torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.parametrize("granularity", ["block", "channel"])
+@pytest.mark.parametrize("tokens", [1, 64, 200])
+def test_scaled_mm_matches_emulation_and_bf16(granularity, tokens):
+    from parallel_models.inference.fp8 import (BLOCK, emulated_matmul, fp8_linear, gemm_backend,
+                                               quantize_activation, quantize_weight)
+
+    if not _fp8_gpu(granularity):
+        pytest.skip(f"no FP8 GEMM for {granularity} scales on this GPU / CUDA")
+    g = torch.Generator(device=DEV).manual_seed(tokens)
+    x = torch.randn(tokens, 2048, device=DEV, generator=g).bfloat16()
+    w = (torch.randn(5632, 2048, device=DEV, generator=g) * 0.02).bfloat16()
+    q = quantize_weight(w, granularity)
+    assert gemm_backend(x, q) == "scaled_mm"
+    got = fp8_linear(x, q).float()
+    emulated = emulated_matmul(x.float(), q)
+    # the same quantized operands: only the accumulation (order, fp32 vs tensor cores) and the
+    # bf16 output rounding differ
+    scale = x.float().abs() @ w.float().abs().t()
+    assert ((got - emulated).abs() <= 2e-3 * scale + 1e-2 * emulated.abs()).all()
+    # vs the bf16 product: the e4m3 bound of both operands (tests/inference/test_fp8_quantize.py)
+    xq, xs = quantize_activation(x.float(), granularity)
+    sx = xs.repeat_interleave(BLOCK, 1)[:, :2048] if granularity == "block" else xs[:, None]
+    ex = torch.maximum(U * x.float().abs(), SUB * sx)
+    sw = (q.scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:5632, :2048]
+          if granularity == "block" else q.scale[:, None])
+    ew = torch.maximum(U * w.float().abs(), SUB * sw)
+    bound = ex @ w.float().abs().t() + x.float().abs() @ ew.t() + ex @ ew.t()
+    ref = x.float() @ w.float().t()
+    assert ((got - ref).abs() <= bound + 1e-2 * ref.abs() + 2e-3 * scale).all()
+
+
+def _random_089b(seed: int = 0):
+    import parallel_models as pm
+    from transformers import LlamaConfig
+
+    from parallel_models.config import ModelConfig
+
+    hf_cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                         num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+                         max_position_embeddings=8192, rope_theta=500000.0,
+                         architectures=["LlamaForCausalLM"])
+    model = pm.LlamaForCausalLMRmPad(ModelConfig.from_hf(hf_cfg), dtype=torch.bfloat16)
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            prm.fill_(1.0) if "norm" in name else prm.normal_(0.0, 0.02, generator=gen)
+    model.requires_grad_(False)
+    return model
+
+
+def test_fp8_engine_vs_bf16_on_089b(single_rank):
+    from parallel_models.inference import RolloutEngine
+    from parallel_models.inference.sampling import SamplingParams
+    from parallel_models.utils.padding import pack_padded_batch, unpack_to_padded
+
+    model = _random_089b()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist()
+               for n in torch.randint(16, 64, (32,), generator=g)]
+    params = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=32)
+    bf16 = RolloutEngine(model, kv_budget_tokens=32 * 96, max_rows=32).generate(prompts, params)
+    engine = RolloutEngine(model, kv_budget_tokens=32 * 96, max_rows=32, weight_dtype="fp8",
+                           shares_training_weights=True)
+    fp8 = engine.generate(prompts, params)
+    backends = sorted({m.fp8_backend for _, m in engine.fp8.modules})
+    mask = fp8.response_mask.bool()
+    same = (fp8.responses == bf16.responses)[mask].float().mean().item()
+    # the first token: the same context, so its log-prob difference is the FP8 error alone
+    first = (fp8.log_probs[:, 0] - bf16.log_probs[:, 0]).abs().mean().item()
+    mean_diff = (fp8.log_probs - bf16.log_probs).abs()[mask].mean().item()
+    print(f"\nfp8 vs bf16, 0.89B shape, 32 prompts x 32 greedy tokens ({backends}): "
+          f"identical tokens {same:.3f}, mean |logprob diff| {mean_diff:.4f} "
+          f"(first token {first:.4f})")
+    assert backends == ["scaled_mm"] or not _fp8_gpu("block")
+    # the FP8 engine's sampled log-probs are its model's: a fresh FP8 forward of the sequences
+    packed = pack_padded_batch(fp8.sequences, fp8.attention_mask)
+    with torch.no_grad(), engine.fp8.enabled():
+        logits = model(packed.input_ids, packed.cu_seqlens, full_vocab=True).logits.float()
+    logp = torch.log_softmax(unpack_to_padded(logits, packed), -1)
+    P = fp8.prompts.shape[1]
+    fresh = logp[:, P - 1:-1].gather(-1, fp8.responses[..., None]).squeeze(-1)
+    assert (fresh - fp8.log_probs)[mask].abs().mean().item() <= 5e-2
+    assert first < 0.1 and same > 0.3

@@ -129,6 +129,8 @@ def main(argv=None) -> list[dict]:
 
     pm.init_parallel()
     dev = torch.device(args.device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     rows = []
     for shape in shapes:
         shape_args = types.SimpleNamespace(**SHAPES[shape])

@@ -6,7 +6,7 @@ Backends (:func:`gemm_backend`):
 
 - ``"scaled_mm"``: ``torch._scaled_mm`` on CUDA. Block weights (128 x 128) with 1 x 128
   activation tiles need Hopper (SM 9.x) and cuBLAS 12.9+ (torch's blockwise path: scale_a
-  ``[tokens, in/128]`` token-major in memory, scale_b ``[in/128, out/128]`` with a leading
+  ``[tokens, in/128]`` token-major in memory, tokens padded to a multiple of 4, scale_b ``[in/128, out/128]`` with a leading
   dimension padded to 4, as torch's own tests lay them out) and in/out multiples of 128;
   channel weights (row-wise: scale_a ``[tokens, 1]``, scale_b ``[1, out]``) need SM 8.9+ and
   in/out multiples of 16. The output is bf16 (cast to the activation dtype after).
@@ -67,22 +67,27 @@ def block_scale_storage(out: int, inp: int, device=None) -> torch.Tensor:
 
 
 def _token_major(scale: torch.Tensor) -> torch.Tensor:
-    """``[tokens, groups]`` activation scales stored groups-major (column-major), the token
-    count padded to 4: the 1 x 128 layout of ``_scaled_mm``."""
-    tokens, groups = scale.shape
-    storage = scale.new_empty(groups, _round_up(max(tokens, 1), 4))
-    storage[:, :tokens].copy_(scale.t())
-    return storage[:, :tokens].t()
+    """``[tokens, groups]`` activation scales stored groups-major (column-major, stride
+    ``(1, tokens)``): the 1 x 128 layout ``_scaled_mm`` checks for (the token count must
+    already be a multiple of 4, see :func:`_scaled_mm`)."""
+    return scale.t().contiguous().t()
 
 
 def _scaled_mm(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    xq, xs = quantize_activation(x2, weight.granularity)
     if weight.granularity == "block":
-        scale_a, scale_b = _token_major(xs), weight.scale.t()
-    else:
-        scale_a, scale_b = xs[:, None].contiguous(), weight.scale[None, :].contiguous()
-    return torch._scaled_mm(xq, weight.data.t(), scale_a=scale_a, scale_b=scale_b,
-                            out_dtype=torch.bfloat16)
+        # torch's 1 x 128 check wants scale_a's stride to be exactly (1, tokens) and cuBLAS a
+        # 16-byte aligned leading dimension: pad the rows to a multiple of 4 (zero rows, cut off)
+        tokens = x2.shape[0]
+        padded = _round_up(max(tokens, 1), 4)
+        if padded != tokens:
+            x2 = torch.nn.functional.pad(x2, (0, 0, 0, padded - tokens))
+        xq, xs = quantize_activation(x2, weight.granularity)
+        out = torch._scaled_mm(xq, weight.data.t(), scale_a=_token_major(xs),
+                               scale_b=weight.scale.t(), out_dtype=torch.bfloat16)
+        return out[:tokens]
+    xq, xs = quantize_activation(x2, weight.granularity)
+    return torch._scaled_mm(xq, weight.data.t(), scale_a=xs[:, None].contiguous(),
+                            scale_b=weight.scale[None, :].contiguous(), out_dtype=torch.bfloat16)
 
 
 def emulated_matmul(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:

@@ -3,7 +3,8 @@ and Qwen2-MoE models, one gloo rank: the quantized linears are the decoder proje
 the LM head), a quantized module's forward equals the quantize / dequantize math of
 ``inference/fp8`` applied to its weight and input; the sampled log-probs equal a fresh FP8
 forward; the actor's own forward is untouched outside generate (shared weights); the FP8 copies
-follow a weight change (``weights_changed``, ``update_weights``); continuous batching (shared
+follow a weight change (``weights_changed``, ``update_weights``, the hybrid engine's weight
+sync); continuous batching (shared
 prefills) gives the static batcher's greedy tokens; the MoE experts (grouped GEMM forced on too)
 run on their FP8 copies."""
 
@@ -81,6 +82,19 @@ def check_fp8_engine(llama: str, other: str, moe: str) -> dict:
     _greedy(engine, prompts[:1])
     res["followed_step"] = torch.equal(
         qkv.fp8_weight.float(), quantize_weight(qkv.weight.detach(), "block").data.float())
+    # the hybrid engine's copy (weight sync from the actor): re-quantized after each sync
+    from parallel_models.rl.rollout.hybrid import HybridRollout
+
+    hybrid = HybridRollout(model, 1, share_weights=False, engine_options={"weight_dtype": "fp8"})
+    hybrid.sync(version=1)
+    _greedy(hybrid.engine, prompts[:1])
+    with torch.no_grad():
+        qkv.weight.mul_(0.5)
+    hybrid.sync(version=2)
+    _greedy(hybrid.engine, prompts[:1])
+    copy_qkv = hybrid.engine.fp8.modules[0][1]
+    res["followed_sync"] = torch.equal(
+        copy_qkv.fp8_weight.float(), quantize_weight(qkv.weight.detach(), "block").data.float())
     # a dedicated rollout model: FP8 always on; loading a folder re-quantizes at once
     rollout = load(llama)
     server = RolloutEngine(rollout, weight_dtype="fp8", kv_budget_tokens=96, max_rows=3)
@@ -139,7 +153,7 @@ def test_sampled_log_probs_are_the_fp8_models(results):
 
 def test_actor_untouched_and_copies_follow_the_weights(results):
     assert results["actor_untouched"], "the shared actor's forward changed outside generate"
-    assert results["followed_step"] and results["followed_load"]
+    assert results["followed_step"] and results["followed_load"] and results["followed_sync"]
 
 
 def test_continuous_batching_same_tokens(results):

@@ -27,6 +27,7 @@ from parallel_models.inference.fp8.quantize import (BLOCK, QuantizedWeight,
 
 log = logging.getLogger(__name__)
 _warned: set = set()
+_probed: dict = {}  # (device, granularity) -> whether _scaled_mm ran and agreed with the emulation
 
 
 def _round_up(a: int, b: int) -> int:
@@ -49,6 +50,9 @@ def gemm_backend(x: torch.Tensor, weight: QuantizedWeight) -> str:
     else:
         ok = torch.cuda.get_device_capability(x.device) >= (8, 9) and out % 16 == 0 and \
             inp % 16 == 0
+    if ok and not (torch.cuda.is_current_stream_capturing() or _probe(x.device,
+                                                                     weight.granularity)):
+        return "emulated"
     if not ok:
         key = (weight.granularity, tuple(weight.shape), str(x.device))
         if key not in _warned:
@@ -57,6 +61,32 @@ def gemm_backend(x: torch.Tensor, weight: QuantizedWeight) -> str:
                         "(dequantized) instead", weight.granularity, tuple(weight.shape),
                         torch.cuda.get_device_name(x.device))
     return "scaled_mm" if ok else "emulated"
+
+
+def _probe(device: torch.device, granularity: str) -> bool:
+    """Once per device and granularity: does ``_scaled_mm`` take our layouts here (this torch /
+    cuBLAS) and agree with the emulation? If not, a warning names the error and the FP8 linears
+    fall back to the emulation."""
+    from parallel_models.inference.fp8.quantize import quantize_weight
+
+    key = (str(device), granularity)
+    if key not in _probed:
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(32, 256, device=device, generator=g, dtype=torch.bfloat16)
+        q = quantize_weight(torch.randn(256, 256, device=device, generator=g), granularity)
+        try:
+            got = _scaled_mm(x, q).float()
+            want = emulated_matmul(x.float(), q)
+            err = float(((got - want).abs() / (want.abs() + 1.0)).max())
+            _probed[key] = err < 0.05
+            problem = f"differs from the emulation by {err:.3g}"
+        except RuntimeError as exc:
+            _probed[key], problem = False, f"{type(exc).__name__}: {exc}"
+        if not _probed[key]:
+            log.warning("fp8: torch._scaled_mm with %s scales on %s %s; the FP8 linears run "
+                        "emulated (dequantized) instead", granularity,
+                        torch.cuda.get_device_name(device), problem)
+    return _probed[key]
 
 
 def block_scale_storage(out: int, inp: int, device=None) -> torch.Tensor:

@@ -16,8 +16,8 @@ rounds in rotated order, the median of ``--iters`` steps after ``--warmup``, CUD
 one JSON line per (shape, batch) is printed: both medians (ms), their spreads
 ((max - min) / median over rounds), ``fp8_over_bf16`` and the FP8 GEMM backend used
 (``scaled_mm``, or ``emulated`` where the GPU / torch cannot). ``--out`` also writes every line
-and the run's settings as one JSON file. The 8B shape needs about 45 GiB at B = 256 (weights,
-their FP8 copy, two KV pools).
+and the run's settings as one JSON file. The 8B shape needs about 35 GiB at B = 256 (weights,
+their FP8 copy, two KV pools of B x (prompt + 25) positions).
 
 ``--grpo`` (first shape only): bench/rollout_bench.py's GRPO-shaped workload (``grpo_case``:
 prompts x n samples, lognormal response lengths, static and continuous batching) once with the

@@ -2,6 +2,7 @@
 
     python bench/fp8_decode.py [--shapes 0.89b 8b] [--batches 64 256] [--scales block]
                                [--rounds 3] [--iters 5] [--out fp8.json]
+    python bench/fp8_decode.py --grpo [--grpo-prompts 64 --grpo-n 8 --grpo-cap 2048]
     python bench/fp8_decode.py --tiny --device cpu       # smoke run (a few seconds on the CPU)
 
 Per shape (``0.89b``, ``8b``: bench/common.py's Llama shapes, random weights drawn on the device
@@ -15,8 +16,12 @@ rounds in rotated order, the median of ``--iters`` steps after ``--warmup``, CUD
 one JSON line per (shape, batch) is printed: both medians (ms), their spreads
 ((max - min) / median over rounds), ``fp8_over_bf16`` and the FP8 GEMM backend used
 (``scaled_mm``, or ``emulated`` where the GPU / torch cannot). ``--out`` also writes every line
-and the run's settings as one JSON file. The 8B shape needs about 45 GiB at B = 256 (weights,
-their FP8 copy, two KV pools).
+and the run's settings as one JSON file. The 8B shape needs about 35 GiB at B = 256 (weights,
+their FP8 copy, two KV pools of B x (prompt + 25) positions).
+
+``--grpo`` (first shape only): bench/rollout_bench.py's GRPO-shaped workload (``grpo_case``:
+prompts x n samples, lognormal response lengths, static and continuous batching) once with the
+bf16 linears and once with the FP8 ones; one JSON line each (useful tokens/s).
 """
 
 from __future__ import annotations
@@ -105,6 +110,22 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
     return row
 
 
+def grpo_both_ways(args, shape: str, model, fp8) -> list[dict]:
+    """rollout_bench's GRPO workload with the bf16 linears, then with the FP8 ones."""
+    from rollout_bench import grpo_case
+
+    cfg = types.SimpleNamespace(vocab_size=SHAPES[shape]["vocab"])
+    out = []
+    for dtype in ("bf16", "fp8"):
+        fp8.active = dtype == "fp8"
+        row = {"shape": shape, "case": "grpo", "weights": dtype,
+               **grpo_case(args, cfg, model)}
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    fp8.active = False
+    return out
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["0.89b", "8b"], choices=list(SHAPES))
@@ -116,6 +137,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--grpo", action="store_true", help="also the GRPO-shaped workload")
+    ap.add_argument("--grpo-prompts", type=int, default=64)
+    ap.add_argument("--grpo-n", type=int, default=8)
+    ap.add_argument("--grpo-cap", type=int, default=2048)
+    ap.add_argument("--static-batch", type=int, default=128)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -146,6 +172,8 @@ def main(argv=None) -> list[dict]:
                 rows.append(row)
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
+            if args.grpo and shape == shapes[0]:
+                rows += grpo_both_ways(args, shape, model, fp8)
         del model, fp8
         if dev.type == "cuda":
             torch.cuda.empty_cache()

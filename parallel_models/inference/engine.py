@@ -145,6 +145,8 @@ class RolloutEngine:
             from parallel_models.inference.fp8 import Fp8Linears
 
             self.fp8 = Fp8Linears(model, fp8_scales, active=not shares_training_weights)
+            log.info("fp8 rollout: %d linears on FP8 copies (%.2f GiB, %s scales)",
+                     len(self.fp8.modules), self.fp8.weight_bytes / 2**30, fp8_scales)
 
     @property
     def continuous(self) -> bool:

@@ -108,3 +108,47 @@ def test_fp8_engine_vs_bf16_on_089b(single_rank):
     fresh = logp[:, P - 1:-1].gather(-1, fp8.responses[..., None]).squeeze(-1)
     assert (fresh - fp8.log_probs)[mask].abs().mean().item() <= 5e-2
     assert first < 0.1 and same > 0.3
+
+
+def test_triton_activation_quantization_matches_torch():
+    from parallel_models.inference.fp8 import gemm
+    from parallel_models.inference.fp8.quantize import quantize_activation
+
+    pytest.importorskip("triton")
+    from parallel_models.inference.fp8.act_quant_kernel import quantize_token_groups
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    for tokens, cols in ((1, 2048), (64, 5632), (37, 300)):
+        x = torch.randn(tokens, cols, device=DEV, generator=g).bfloat16()
+        x[0, :128] = 0
+        q, s = quantize_token_groups(x)
+        q_ref, s_ref = quantize_activation(x, "block")
+        assert s.shape == s_ref.shape and s.stride(0) == 1  # token-major, as _scaled_mm reads
+        torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+        # at most one e4m3 step apart where the division rounds differently
+        assert ((q.float() - q_ref.float()).abs()
+                <= 2.0 ** -3 * q_ref.float().abs() + 2.0 ** -9).all()
+        assert (q.float() == q_ref.float()).float().mean() > 0.999
+    gemm._check_fused_quant(torch.device(DEV))
+    assert gemm._fused_quant[str(torch.device(DEV))], "the engine would not use the kernel"
+
+
+def test_fp8_grouped_experts_gemm_on_hopper():
+    """The MoE experts' FP8 grouped GEMM (``torch._scaled_grouped_mm``, channel scales) runs on
+    Hopper and agrees with its emulation (the same quantized operands)."""
+    from parallel_models.inference.fp8 import grouped_experts as ge
+    from parallel_models.inference.fp8.quantize import quantize_weight
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the FP8 grouped GEMM path is Hopper-only")
+    assert ge._scaled_ok(torch.device(DEV)), "see the warning: the experts would run emulated"
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(300, 2048, device=DEV, generator=g).bfloat16()
+    ws = [quantize_weight(torch.randn(1536, 2048, device=DEV, generator=g) * 0.02, "channel")
+          for _ in range(8)]
+    wq, sc = torch.stack([w.data for w in ws]), torch.stack([w.scale for w in ws])
+    offs = torch.cumsum(torch.tensor([0, 40, 7, 100, 1, 52, 60, 40], device=DEV), 0).int()
+    got = ge._scaled(x, wq, sc, offs).float()
+    want = ge._emulated(x.float(), wq, sc, offs)
+    scale = x.float().abs().mean() * wq.float().abs().mean() * sc.mean() * 2048
+    assert (got - want).abs().max() <= 1e-2 * scale + 1e-2 * want.abs().max()

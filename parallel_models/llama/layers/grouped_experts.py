@@ -19,8 +19,8 @@ the expert parameters are views of (``GroupedGemmExperts.stacked_weights``). Use
 with bf16 activations; the option ``moe_grouped_gemm`` (``parallel_models.options``; env
 ``PARALLEL_MODELS_MOE_GROUPED_GEMM``) true forces it (e.g. to test it on the CPU), false turns
 it off; ``moe_packed_experts`` false stacks the weights in every forward instead of packing.
-While an FP8 rollout is on (``inference/fp8``: ``fp8_state.active``) the experts run one by one
-on their FP8 linears (megatron's ``SequentialMLP`` path).
+While an FP8 rollout is on (``inference/fp8``: ``fp8_state.active``) its ``experts_forward``
+runs instead (FP8 grouped GEMMs on packed FP8 copies).
 """
 
 from __future__ import annotations
@@ -114,9 +114,11 @@ class GroupedGemmExperts(SequentialMLP):
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         x = permuted_local_hidden_states
+        fp8 = getattr(self, "fp8_state", None)  # an FP8 rollout (inference/fp8)
+        if fp8 is not None and fp8.active:
+            return fp8.experts_forward(self, x, tokens_per_expert, permuted_probs)
         if (self.num_local_experts == 1 or self.config.moe_apply_probs_on_input
-                or self.config.fp8 or self.config.fp4 or not use_grouped_gemm(x)
-                or getattr(getattr(self, "fp8_state", None), "active", False)):  # FP8 rollout
+                or self.config.fp8 or self.config.fp4 or not use_grouped_gemm(x)):
             return super().forward(x, tokens_per_expert, permuted_probs)
         counts = torch.as_tensor(tokens_per_expert).to(device=x.device)
         offs = torch.cumsum(counts, dim=0).to(torch.int32)

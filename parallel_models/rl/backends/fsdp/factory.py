@@ -112,6 +112,8 @@ def _build(cfg, tokenizer, model_path: str):
 
         logger.info("fsdp backend: %s is not in the registry; rollout with transformers' "
                     "generate on the sharded actor", model_path)
+        if cfg.rollout.dtype == "fp8":
+            logger.warning("rollout.dtype=fp8: transformers' generate rolls out in %s", dtype)
         return actor, ref, critic, None, lambda: HFGenerateRollout(
             HFRolloutEngine(actor_model, **special))
     from parallel_models.inference import RolloutEngine

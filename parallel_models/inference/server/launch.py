@@ -10,11 +10,13 @@ import time
 
 def start_server(model: str, port: int, *, tp: int = 1, api_key: str | None = None,
                  extra: tuple[str, ...] = (), log_path: str | None = None,
-                 timeout: float = 120.0, enable_admin: bool = True) -> subprocess.Popen:
+                 timeout: float = 120.0, enable_admin: bool = True,
+                 env: dict | None = None) -> subprocess.Popen:
     """Start ``parallel-models-serve`` (torchrun for tp > 1) on 127.0.0.1 in its own process
     group and wait until ``/health`` answers; ``extra`` are more command-line options.
     ``enable_admin``: without ``api_key``, pass ``--enable-admin`` (the caller drives the
-    server it started: it pushes weights and shuts it down)."""
+    server it started: it pushes weights and shuts it down). ``env``: more environment
+    variables (e.g. ``CUDA_VISIBLE_DEVICES``)."""
     args = ["--model", model, "--port", str(port), "--tp", str(tp), *extra]
     if api_key:
         args += ["--api-key", api_key]
@@ -30,7 +32,7 @@ def start_server(model: str, port: int, *, tp: int = 1, api_key: str | None = No
                  if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                               "MASTER_PORT", "GROUP_RANK") and not k.startswith("TORCHELASTIC_")}
     env = dict(inherited, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONWARNINGS="ignore")
+               PYTHONWARNINGS="ignore", **(env or {}))
     log = open(log_path, "w") if log_path else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)

@@ -39,3 +39,23 @@ def ppo_run(output_dir: str, overrides: list[str], steps: int | None = None,
         if close is not None:
             close()
     return {**out, "metrics": metrics, "checkpoint": checkpoint, "step": trainer.step_index}
+
+
+def hold_pushes_until_queued(trainer) -> None:
+    """Slow the trainer down (a test-only hook): each weight push waits until the producer has
+    queued the next ``max_staleness`` steps (or those left), all drawn under older weights, so
+    every step trains on samples exactly ``min(step, k)`` versions old: the bound is reached,
+    never passed."""
+    import time
+
+    rollout = trainer.rollout
+    push, k, total = rollout.inner.update_weights, rollout.max_staleness, trainer.cfg.trainer.total_steps
+
+    def held(version):
+        producer = rollout.producer
+        want = min(k, total - int(version))
+        while producer is not None and producer.queue.qsize() < want:
+            time.sleep(0.005)
+        push(version)
+
+    rollout.inner.update_weights = held

@@ -24,15 +24,20 @@ def runs(tmp_path_factory):
     common = [f"model.path={path}", "data.max_prompt_length=16"]
     port = free_port()  # one server for both async runs (each pushes its weights first)
     fleet = ["trainer.mode=async", f"rollout.server_url=http://127.0.0.1:{port}"]
-    jobs = {
-        "sync": [*common, *CORRECTION],
-        "async_k0": [*common, *fleet, "rollout.max_staleness=0"],
-        "async_k1": [*common, *fleet, "rollout.max_staleness=1"],
+    k0 = str(root / "async_k0")
+    jobs = {  # name: (output folder, overrides, keywords)
+        "sync": (str(root / "sync"), [*common, *CORRECTION], {}),
+        "async_k0": (k0, [*common, *fleet, "rollout.max_staleness=0"], {"save_after": 1}),
+        # the k=0 run again from its step-1 checkpoint: the queue rebuilt from the trainer's cursor
+        "resumed_k0": (k0, [*common, *fleet, "rollout.max_staleness=0"], {"resume": True}),
+        "async_k1": (str(root / "k1"), [*common, *fleet, "rollout.max_staleness=1"], {}),
+        "held_k2": (str(root / "k2"), [*common, *fleet, "rollout.max_staleness=2"],
+                    {"hook": async_runs.hold_pushes_until_queued}),
     }
     proc = start_server(path, port, log_path=str(root / "server.log"))
     try:
         results = run_distributed_jobs(
-            [(async_runs.ppo_run, (str(root / name), over)) for name, over in jobs.items()], 1,
+            [(async_runs.ppo_run, (out, over), kw) for out, over, kw in jobs.values()], 1,
             timeout=600)
     finally:
         stop_server(proc)
@@ -61,3 +66,22 @@ def test_max_staleness_1_trains_no_older_sample(runs):
         assert 0 <= m["async/staleness_mean"] <= m["async/staleness_max"]
         assert m["async/dropped_samples"] == 0 and m["async/partial_samples"] == 0
         assert "rollout_corr/weight_mean" in m  # the decoupled PPO correction, on by default
+
+
+def test_a_slowed_trainer_trains_samples_exactly_k_old_never_older(runs):
+    """The trainer holds each push until the producer has run k = 2 steps ahead."""
+    staleness = [m["async/staleness_max"] for m in runs["held_k2"]["metrics"]]
+    assert staleness == [0, 1, 2]
+    assert [m["async/staleness_mean"] for m in runs["held_k2"]["metrics"]] == [0, 1, 2]
+    assert all(m["async/dropped_samples"] == 0 for m in runs["held_k2"]["metrics"])
+
+
+def test_resumed_async_run_continues_the_uninterrupted_one(runs):
+    """A k = 0 run resumed from its step-1 checkpoint trains steps 2 and 3 on the prompts and
+    samples of the uninterrupted run (the data cursor is the trainer's: none twice, none
+    skipped): the same metrics."""
+    resumed, whole = runs["resumed_k0"], runs["async_k0"]
+    assert whole["checkpoint"] and resumed["step"] == 3 and len(resumed["metrics"]) == 2
+    for step, (got, want) in enumerate(zip(resumed["metrics"], whole["metrics"][1:]), 1):
+        assert got.keys() == want.keys()
+        _same(got, {k: v for k, v in want.items() if not k.endswith("_idle_s")}, step)

@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-tokens", type=int, default=8192,
                    help="continuous batching: prompt tokens whose KV is kept for reuse by "
                    "identical prompts (0: off)")
+    p.add_argument("--partial-rollouts", action="store_true",
+                   help="continuous batching: a weight update lands between decode steps and "
+                   "the requests in flight go on under the new weights (each token's weight "
+                   "version in the answer's weight_versions)")
     p.add_argument("--max-prompt-tokens", type=_positive, default=1024,
                    help="longest prompt accepted, in tokens")
     p.add_argument("--max-new-tokens", type=_positive, default=512,
@@ -300,6 +304,7 @@ def _serve(args, sock) -> int:
                             kv_budget_tokens=budget, max_rows=args.max_batch,
                             prefix_cache_tokens=max(0, args.prefix_cache_tokens), keep_kv=True)
     engine = Engine(rollout, args.tp, group)
+    engine.partial_rollouts = args.partial_rollouts and not args.static_batching
     try:
         if rank != 0:
             worker_loop(engine)

@@ -18,12 +18,13 @@ logger = logging.getLogger(__name__)
 
 
 def server_options(cfg) -> tuple[str, ...]:
-    """Command-line limits of the server that fit every request of the run."""
+    """Command-line limits of the server that fit every request of the run (and
+    ``--partial-rollouts`` with ``rollout.partial``)."""
     rows = cfg.data.batch_size * cfg.rollout.n
     return ("--max-batch", str(max(64, rows)), "--max-n", str(max(16, cfg.rollout.n)),
             "--max-new-tokens", str(cfg.rollout.max_new_tokens),
             "--max-prompt-tokens", str(max(1024, cfg.data.max_prompt_length)),
-            "--dtype", cfg.model.dtype)
+            "--dtype", cfg.model.dtype) + (("--partial-rollouts",) if cfg.rollout.partial else ())
 
 
 class RolloutFleet:

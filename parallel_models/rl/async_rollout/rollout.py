@@ -4,7 +4,9 @@
 - ``generate`` of the step's training prompts takes their samples from the producer's queue
   (``producer.py``); a sample more than ``rollout.max_staleness`` versions behind is
   regenerated under the current weights or dropped from the update (``rollout.stale_policy``);
-  any other call (validation, a greedy baseline) generates now;
+  any other call (validation, a greedy baseline) generates now; the batch carries each token's
+  trainer version (the list column ``token_versions``; with ``rollout.partial`` a sample's tokens
+  may come from two versions or more, its staleness counts the oldest);
 - ``update_weights`` pushes the weights (the server backend's push), then lets the producer ask
   for the steps those weights allow;
 - ``metrics``: ``async/staleness_mean``, ``async/staleness_max``, ``async/queue_size`` (samples
@@ -119,9 +121,9 @@ class AsyncServerRollout:
         resp = _request(self.client, planned.prompt_ids, self.sampling, None, inner.eos_token_id,
                         inner.num_experts is not None, planned.prompt_seeds)
         batch = batch_from_response(resp, self.sampling.n, inner.pad_token_id, inner.num_experts)
-        lengths = batch["response_mask"].sum(-1).tolist()
-        server = resp["weight_version"]
-        token_versions = [[server] * max(int(k), 1) for k in lengths]
+        server = resp["weight_version"]  # (a server without --partial-rollouts: every token)
+        token_versions = [s.get("weight_versions") or [server] * max(len(s["token_ids"]), 1)
+                          for r in resp["results"] for s in r["samples"]]
         return batch, token_versions
 
     def _step_samples(self, planned) -> tuple[dict, dict]:
@@ -141,6 +143,9 @@ class AsyncServerRollout:
         if any(stale):  # (drop; or weights changed under a regeneration: never trained on)
             batch["response_mask"][torch.tensor(stale)] = 0
             dropped = sum(stale)
+        # each token's trainer version (-1: not a push of this run), a column of the batch
+        batch["token_versions"] = [[-1 if v is None else v for v in tokens] for tokens in
+                                   self._trainer_versions(token_versions)]
         kept = [s for s, bad in zip(staleness, stale) if not bad] or [0]
         metrics = {"async/staleness_mean": sum(kept) / len(kept),
                    "async/staleness_max": float(max(kept)),
@@ -151,9 +156,11 @@ class AsyncServerRollout:
                    "async/rollout_idle_s": self.producer.take_idle()}
         return batch, metrics
 
+    def _trainer_versions(self, token_versions) -> list:
+        return [[self.versions.trainer_version(v) for v in tokens] for tokens in token_versions]
+
     def _staleness(self, token_versions) -> list:
-        mapped = [[self.versions.trainer_version(v) for v in tokens] for tokens in token_versions]
-        return sample_staleness(self.version, mapped)
+        return sample_staleness(self.version, self._trainer_versions(token_versions))
 
 
 def _dp_max(value: float) -> float:

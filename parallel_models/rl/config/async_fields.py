@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Literal, Optional
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictBool
 
 from parallel_models.utils.optimizer_config import Int
 
@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 
 class AsyncRolloutFields(BaseModel):
-    """``rollout.max_staleness``, ``rollout.stale_policy``, ``rollout.server_devices``."""
+    """``rollout.max_staleness``, ``rollout.stale_policy``, ``rollout.partial``,
+    ``rollout.server_devices``."""
 
     max_staleness: Int = Field(
         1, ge=0, description="trainer.mode=async: a sample is trained on only if its weights "
@@ -29,6 +30,11 @@ class AsyncRolloutFields(BaseModel):
         "regenerate", description="trainer.mode=async, a sample older than max_staleness: "
                                   "regenerate (its prompt again, current weights) | drop (kept "
                                   "out of the update: response_mask 0)")
+    partial: StrictBool = Field(
+        False, description="trainer.mode=async: partial rollouts: a weight push lands between "
+                           "the server's decode steps and the requests in flight go on under the "
+                           "new weights (each token's version recorded; staleness counts the "
+                           "oldest); false = a push waits for them to finish")
     server_devices: Optional[str] = Field(
         None, description="trainer.mode=async without server_url: CUDA_VISIBLE_DEVICES of the "
                           "rollout server the trainer starts (e.g. \"1\"); null = inherited")
@@ -36,9 +42,10 @@ class AsyncRolloutFields(BaseModel):
 
 def async_problems(cfg) -> list[str]:
     """What an async run (``trainer.mode=async``) cannot combine with."""
+    r = cfg.rollout
     if cfg.trainer.mode != "async":
-        return []
-    errors, r = [], cfg.rollout
+        return ["rollout.partial=true needs trainer.mode=async"] if r.partial else []
+    errors = []
     if r.backend not in ("inprocess", "server"):
         errors.append(f"trainer.mode=async generates on a rollout server; rollout.backend="
                       f"{r.backend} is neither inprocess (the trainer starts the server) nor "
@@ -52,6 +59,9 @@ def async_problems(cfg) -> list[str]:
     if r.multi_turn.max_turns > 1 or r.multi_turn.tools or r.multi_turn.environment:
         errors.append("trainer.mode=async: rollout.multi_turn conversations need "
                       "trainer.mode=sync")
+    if r.partial and r.weight_push == "group":
+        errors.append("rollout.partial=true: the server applies in-flight updates of the stream "
+                      "and folder pushes (rollout.weight_push=stream or folder)")
     if cfg.data.max_new_tokens_key:
         errors.append("trainer.mode=async: data.max_new_tokens_key caps are not sent to the "
                       "rollout server (needs trainer.mode=sync, rollout.backend=inprocess)")

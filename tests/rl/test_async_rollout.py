@@ -42,14 +42,17 @@ def runs(tmp_path_factory):
         results = run_distributed_jobs(
             [(async_runs.ppo_run, (out, over), kw) for out, over, kw in jobs.values()], 1,
             timeout=600)
+        # data parallel: each replica's first rank runs a producer for its share of the prompts
+        dp2 = run_distributed_jobs([(async_runs.ppo_run, (str(root / "dp2"), [
+            *common, *fleet, "rollout.max_staleness=0"]))], 2, timeout=600)[0]
     finally:
         stop_server(proc)
-    return {name: r[0] for name, r in zip(jobs, results)}
+    return {**{name: r[0] for name, r in zip(jobs, results)}, "async_k0_dp2": dp2[0]}
 
 
-def _same(got: dict, want: dict, step: int) -> None:
+def _same(got: dict, want: dict, step: int, floor: float = ABS_FLOOR) -> None:
     for k in want:
-        tol = REL * max(abs(want[k]), abs(got[k])) + ABS_FLOOR
+        tol = REL * max(abs(want[k]), abs(got[k])) + floor
         assert abs(got[k] - want[k]) <= tol, f"step {step + 1} {k}: {got[k]} vs {want[k]}"
 
 
@@ -61,6 +64,14 @@ def test_max_staleness_0_greedy_is_the_sync_run(runs):
         assert got.keys() - extra == want.keys(), sorted((got.keys() - extra) ^ want.keys())
         _same({k: got[k] for k in want}, want, step)
         assert got["async/staleness_max"] == 0 and got["async/dropped_samples"] == 0
+
+
+def test_async_at_dp2_is_the_sync_run(runs):
+    """(the mismatch statistics that are zero up to rounding, chi2 ~ 1e-7, are summed over two
+    ranks here: an absolute floor of 1e-5)"""
+    for step, (got, want) in enumerate(zip(runs["async_k0_dp2"]["metrics"],
+                                           runs["sync"]["metrics"])):
+        _same({k: got[k] for k in want}, want, step, floor=1e-5)
 
 
 def test_max_staleness_1_trains_no_older_sample(runs):

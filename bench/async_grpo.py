@@ -106,13 +106,16 @@ def overrides(args, mode: str, model: str, data: str, out: str) -> list[str]:
          "rollout.stop_token_ids=[" + ",".join(map(str, args.stop_ids)) + "]",
          "algorithm.adv_estimator=grpo", "critic.enable=false", "actor.use_kl_loss=true",
          "algorithm.kl_in_reward=false", "actor.ppo_epochs=1",
-         f"actor.mini_batch_size={args.mini_batch}", f"actor.micro_batch_tokens={args.micro_tokens}",
+         f"actor.mini_batch_size={args.mini_batch}",
+         f"actor.micro_batch_tokens={args.micro_tokens}",
          "actor.lr=1e-6", f"trainer.total_steps={args.steps}", "trainer.save_every=0",
          "trainer.save_hf_at_end=false", "trainer.loggers=[jsonl]", f"trainer.output_dir={out}"]
     if mode == "sync":
         o += ["rollout.kv_budget_tokens=auto", f"trainer.offload={str(cuda).lower()}"]
     else:
-        o += ["trainer.mode=async", f"rollout.max_staleness={args.staleness}"]
+        o += ["trainer.mode=async", f"rollout.max_staleness={args.staleness}",
+              f"rollout.partial={str(args.partial).lower()}",
+              f"rollout.weight_push={args.weight_push}"]
         if cuda:
             o.append(f"rollout.server_devices={args.server_gpu}")
     return o
@@ -168,8 +171,8 @@ def summary(args, mode: str, rows: list[dict], returncode: int, wall: float) -> 
            "step_s": spread(step_s),
            "response_length_mean": spread([m["response_length/mean"] for m in kept])}
     if mode == "async":
-        out["max_staleness"] = args.staleness
-        for key in ("staleness_max", "trainer_idle_s", "rollout_idle_s"):
+        out["max_staleness"], out["partial"] = args.staleness, args.partial
+        for key in ("staleness_max", "partial_samples", "trainer_idle_s", "rollout_idle_s"):
             out[key] = spread([m.get(f"async/{key}", float("nan")) for m in kept])
     return out
 
@@ -181,6 +184,10 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the numbers")
     p.add_argument("--staleness", type=int, default=1, help="async: rollout.max_staleness")
+    p.add_argument("--partial", action="store_true", help="async: rollout.partial=true")
+    p.add_argument("--weight-push", choices=["stream", "group", "folder"], default="stream",
+                   help="async: rollout.weight_push (group: NCCL between the GPUs; not with "
+                        "--partial)")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=256)

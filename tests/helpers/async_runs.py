@@ -29,7 +29,8 @@ def ppo_run(output_dir: str, overrides: list[str], steps: int | None = None,
         if hook is not None:
             out["hook"] = hook(trainer)
         metrics, checkpoint = [], None
-        for _ in range(steps if steps is not None else cfg.trainer.total_steps - trainer.step_index):
+        left = cfg.trainer.total_steps - trainer.step_index
+        for _ in range(steps if steps is not None else left):
             m = trainer.step()
             metrics.append({k: v for k, v in m.items() if not k.startswith(("timing/", "memory/"))})
             if save_after and trainer.step_index == save_after:
@@ -49,7 +50,8 @@ def hold_pushes_until_queued(trainer) -> None:
     import time
 
     rollout = trainer.rollout
-    push, k, total = rollout.inner.update_weights, rollout.max_staleness, trainer.cfg.trainer.total_steps
+    push, k = rollout.inner.update_weights, rollout.max_staleness
+    total = trainer.cfg.trainer.total_steps
 
     def held(version):
         producer = rollout.producer

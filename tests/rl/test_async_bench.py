@@ -17,7 +17,7 @@ def test_tiny_sync_and_async_report_throughput(tmp_path):
     proc = subprocess.run([sys.executable, BENCH, "--mode", "both", "--shape", "tiny",
                            "--steps", "3", "--warmup", "1", "--prompts", "4", "--n", "2",
                            "--prompt-len", "8", "--max-new", "8", "--mini-batch", "8",
-                           "--micro-tokens", "64", "--stop-share", "0.05",
+                           "--micro-tokens", "64", "--stop-share", "0.05", "--partial",
                            "--root", str(tmp_path)],
                           capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

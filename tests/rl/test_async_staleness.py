@@ -41,7 +41,8 @@ def _rollout(policy: str, token_versions, fresh_versions):
 
     def request(planned):
         r.requests.append(planned.step)
-        return {"response_mask": torch.ones(len(fresh_versions), 2, dtype=torch.long)}, fresh_versions
+        fresh = {"response_mask": torch.ones(len(fresh_versions), 2, dtype=torch.long)}
+        return fresh, fresh_versions
 
     r._request = request
     return r

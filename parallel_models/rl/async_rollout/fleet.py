@@ -44,7 +44,8 @@ class RolloutFleet:
 def rollout_fleet(cfg, model_path: str | None) -> RolloutFleet:
     """Every rank calls: the fleet at ``rollout.server_url``, or a server rank 0 starts on
     ``model_path`` (its log: ``trainer.output_dir/rollout_server.log``; on CUDA the devices of
-    ``rollout.server_devices``), its URL shared with every rank."""
+    ``rollout.server_devices``; it goes when this process does, killed or not), its URL shared
+    with every rank."""
     if cfg.rollout.server_url:
         return RolloutFleet(cfg.rollout.server_url)
     from parallel_models.distributed import free_port
@@ -60,9 +61,10 @@ def rollout_fleet(cfg, model_path: str | None) -> RolloutFleet:
         if cfg.rollout.server_devices is not None:
             extra["env"] = {"CUDA_VISIBLE_DEVICES": cfg.rollout.server_devices}
         log_path = os.path.join(cfg.trainer.output_dir, "rollout_server.log")
-        process = inference.start_server(model_path, port, extra=server_options(cfg), log_path=log_path,
-                               api_key=os.environ.get("PARALLEL_MODELS_API_KEY"),
-                               timeout=600.0, **extra)
+        process = inference.start_server(
+            model_path, port, extra=server_options(cfg), log_path=log_path,
+            api_key=os.environ.get("PARALLEL_MODELS_API_KEY"), timeout=600.0,
+            die_with_parent=True, **extra)
         url = f"http://127.0.0.1:{port}"
         logger.info("trainer.mode=async: rollout server at %s (log %s)", url, log_path)
     if dist.is_initialized() and dist.get_world_size() > 1:

@@ -1,7 +1,8 @@
 """The rollout of an async run, as the trainer sees it (the rollout interface,
 ``rl/rollout/interface.py``), over a :class:`~parallel_models.rl.rollout.server.ServerRollout`:
 
-- ``generate`` of the step's training prompts takes their samples from the producer's queue
+- ``generate`` of the step's training prompts (the first call of the trainer's rollout phase
+  with the planned prompts, seeds and sampling) takes their samples from the producer's queue
   (``producer.py``); a sample more than ``rollout.max_staleness`` versions behind is
   regenerated under the current weights or dropped from the update (``rollout.stale_policy``);
   any other call (validation, a greedy baseline) generates now; the batch carries each token's
@@ -56,6 +57,8 @@ class AsyncServerRollout:
         self.plan: StepPlan | None = None      # the trainer's steps (every rank)
         self.producer: Producer | None = None  # the first rank of a replica
         self.metrics: dict = {}
+        self._drawing = False   # inside the trainer's rollout phase
+        self._consumed = -1     # the last step whose queued samples were handed out
 
     # ---- the rollout interface ---------------------------------------------------------------
     def start_producer(self, trainer) -> None:
@@ -67,6 +70,16 @@ class AsyncServerRollout:
                             greedy=self.sampling.greedy)
 
         self.plan = plan()
+        draw = trainer.rollout_phase
+
+        def rollout_phase():  # only the training draw takes queued samples (not validation)
+            self._drawing = True
+            try:
+                return draw()
+            finally:
+                self._drawing = False
+
+        trainer.rollout_phase = rollout_phase
         if self.rank == 0:
             self.producer = Producer(plan(), self.versions, self._request, self.max_staleness,
                                      self.cfg.trainer.total_steps)
@@ -83,10 +96,11 @@ class AsyncServerRollout:
 
     def generate(self, prompt_ids, sampling, *, max_new_tokens=None, prompt_seeds=None):
         planned = self.plan.at(self.version) if self.plan is not None else None
-        if planned is None or planned.key(self.sampling) != request_key(prompt_ids, sampling,
-                                                                        prompt_seeds):
+        if (planned is None or not self._drawing or planned.step == self._consumed
+                or planned.key(self.sampling) != request_key(prompt_ids, sampling, prompt_seeds)):
             return self.inner.generate(prompt_ids, sampling, max_new_tokens=max_new_tokens,
                                        prompt_seeds=prompt_seeds)
+        self._consumed = planned.step  # (a greedy baseline of the same prompts: generated now)
         out = self._step_samples(planned) if self.rank == 0 else None
         if self.size > 1:
             box = [out]

@@ -91,9 +91,7 @@ class PPOTrainer:
 
         self.tokenizer = load_tokenizer(cfg.model.tokenizer or model_path, what="actor tokenizer")
         self.roles = self.backend.build_roles(cfg, self.tokenizer, model_path)
-        # the phases' names for the roles
-        self.actor, self.ref, self.critic = (self.roles.actor, self.roles.reference,
-                                             self.roles.critic)
+        self.actor, self.ref, self.critic = self.roles.actor, self.roles.reference, self.roles.critic
         self.reward, self.rollout = self.roles.reward, self.roles.rollout
         alg = cfg.algorithm
         if alg.kl_ctrl == "adaptive":
@@ -128,6 +126,8 @@ class PPOTrainer:
         if tcfg.resume:
             self.resume()
         fault_point("start:after_resume")
+        if hasattr(self.rollout, "start_producer"):  # trainer.mode=async (rl/async_rollout/)
+            self.rollout.start_producer(self)
         # the rollout starts from the trainer's (possibly resumed) actor
         self._update_rollout_weights()
         self._offload_all()  # each phase brings what it needs to the GPU

@@ -97,6 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-tokens", type=int, default=8192,
                    help="continuous batching: prompt tokens whose KV is kept for reuse by "
                    "identical prompts (0: off)")
+    p.add_argument("--partial-rollouts", action="store_true",
+                   help="continuous batching: a weight update lands between decode steps and "
+                   "the requests in flight go on under the new weights (each token's weight "
+                   "version in the answer's weight_versions)")
     p.add_argument("--max-prompt-tokens", type=_positive, default=1024,
                    help="longest prompt accepted, in tokens")
     p.add_argument("--max-new-tokens", type=_positive, default=512,
@@ -307,6 +311,7 @@ def _serve(args, sock) -> int:
                             weight_dtype="fp8" if args.quantization == "fp8" else "bf16",
                             fp8_scales=args.fp8_scales)
     engine = Engine(rollout, args.tp, group)
+    engine.partial_rollouts = args.partial_rollouts and not args.static_batching
     try:
         if rank != 0:
             worker_loop(engine)

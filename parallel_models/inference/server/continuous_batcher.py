@@ -7,7 +7,9 @@ rank (``Engine.run_cstep`` broadcasts the new requests with the step). A job's f
 when its last sample finishes; a streamed job's sink sees each token as it is drawn. A request
 that can never fit the KV budget is refused in :meth:`submit` (the HTTP handler answers 4xx at
 once). A weight update waits until the running rows finish (they keep the old weights), then
-runs; jobs queued behind it start on the new weights. A request for MoE routes
+runs; jobs queued behind it start on the new weights. With ``--partial-rollouts`` it runs at
+once, between two steps, and the running rows go on under the new weights, each token's
+version recorded (``server/partial_rollout.py``). A request for MoE routes
 (``return_routes``) runs the same way, alone through the static ``generate`` that records them.
 """
 
@@ -21,6 +23,7 @@ import random
 from parallel_models.inference.continuous import request_seed
 from parallel_models.inference.scheduler import KVBudgetError
 from parallel_models.inference.server.app import ApiError, Batcher
+from parallel_models.inference.server.partial_rollout import TokenVersions
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,7 @@ class _Running:
     job: object
     requests: list = dataclasses.field(default_factory=list)
     left: int = 0
+    versions: list = dataclasses.field(default_factory=list)  # partial rollouts: TokenVersions
 
 
 class ContinuousBatcher(Batcher):
@@ -81,8 +85,9 @@ class ContinuousBatcher(Batcher):
                 if job.kind == "update" or _wants_routes(job):
                     self._step(subs)
                     subs = []
-                    while self.continuous.has_work:  # running rows finish on the old weights
-                        self._step([])
+                    in_flight = job.kind == "update" and self.engine.partial_rollouts
+                    while self.continuous.has_work and not in_flight:  # rows end on the old
+                        self._step([])                                  # weights
                     if job.kind == "update":
                         self._finish([job], lambda: [self.engine.update_weights(job.payload)])
                     else:  # MoE routes are recorded by the static generate: run it alone
@@ -105,17 +110,17 @@ class ContinuousBatcher(Batcher):
             groups = [(rows[i * n], n) for i in range(len(seeds))]
         else:
             groups = _groups(rows)
-        state = _Running(job, [None] * len(groups), len(groups))
+        state = _Running(job, [None] * len(groups), len(groups), [None] * len(groups))
         self._active.append(state)
         subs, start = [], 0
         for i, (prompt, n) in enumerate(groups):
             seed = request_seed(params.seed, i) if seeds is None else seeds[i]
             p = params.model_copy(update={"n": n, "seed": seed})
-            subs.append(((prompt, p, top_k), self._hooks(state, i, start, len(rows), sink)))
+            subs.append(((prompt, p, top_k), self._hooks(state, i, start, len(rows), sink, n)))
             start += n
         return subs
 
-    def _hooks(self, state: _Running, i: int, start: int, total: int, sink):
+    def _hooks(self, state: _Running, i: int, start: int, total: int, sink, n: int):
         on_token = None
         if sink is not None:
             def on_token(index, token, logp, top):
@@ -126,12 +131,17 @@ class ContinuousBatcher(Batcher):
                 except Exception:  # noqa: BLE001
                     log.debug("a stream listener failed", exc_info=True)
 
+        if self.engine.partial_rollouts:  # each token's weight version (partial_rollout.py)
+            state.versions[i] = TokenVersions(n, lambda: self.engine.version, on_token)
+            on_token = state.versions[i].record
+
         def on_done(request):
             state.requests[i] = request
             state.left -= 1
             if state.left == 0:
                 self._active.remove(state)
-                state.job.future.set_result((_samples(state.requests), self.engine.version))
+                state.job.future.set_result((_samples(state.requests, state.versions),
+                                             self.engine.version))
 
         return on_token, on_done
 
@@ -152,12 +162,14 @@ def _wants_routes(job) -> bool:
     return job.kind == "generate" and len(job.payload) > 4 and bool(job.payload[4])
 
 
-def _samples(requests) -> list[dict]:
+def _samples(requests, versions) -> list[dict]:
     out = []
-    for req in requests:
-        for s in req.samples:
+    for req, token_versions in zip(requests, versions):
+        for j, s in enumerate(req.samples):
             d = {"token_ids": s.token_ids, "log_probs": s.log_probs,
                  "finish_reason": s.finish_reason}
+            if token_versions is not None:
+                d["weight_versions"] = token_versions.versions[j]
             if s.top_logprobs is not None:
                 d["top_logprobs"] = s.top_logprobs
             out.append(d)

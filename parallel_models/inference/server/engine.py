@@ -9,7 +9,8 @@ already in a batch finish on the old weights, later ones see the new ones. Weigh
 atomic across the ranks (the engine's ``update_weights`` with the control group): if any rank
 fails to load, every rank keeps its old shard and the version does not move. In continuous mode
 (the rollout engine has a KV budget) the command is ``cstep``: new requests + one engine step
-(``server/continuous_batcher.py``).
+(``server/continuous_batcher.py``); with ``--partial-rollouts`` an update lands between two of
+its steps and the running rows go on under the new weights (``server/partial_rollout.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch.distributed as dist
 
 from parallel_models.inference.engine import RolloutEngine
 from parallel_models.inference.sampling import SamplingParams
+from parallel_models.inference.server.partial_rollout import (read_queued_step,
+                                                              recompute_running_kv)
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,7 @@ class Engine:
         self.batches = 0
         self.weight_group = None  # the trainer's weights group, once joined (weight_group.py)
         self.pending_join = None  # a join under way on its own thread (weight_group.py)
+        self.partial_rollouts = False  # --partial-rollouts: updates land between decode steps
 
     @property
     def version(self) -> int:
@@ -155,7 +159,13 @@ class Engine:
 
     def _do_update(self, path: str) -> dict:
         group = self.group if self.world > 1 else None
-        return self.rollout.update_weights(path, group=group)
+        running = self.rollout._continuous if self.partial_rollouts else None
+        if running is not None:  # partial rollouts: the rows in flight go on (partial_rollout.py)
+            read_queued_step(running)
+        answer = self.rollout.update_weights(path, group=group)
+        if running is not None:
+            recompute_running_kv(running)
+        return answer
 
     def execute(self, cmd):
         kind = cmd[0]

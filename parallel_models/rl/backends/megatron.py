@@ -92,12 +92,12 @@ def build_roles(cfg, tokenizer, model_path: str) -> Roles:
         reward = RewardModel.from_config(cfg.reward, tokenizer)
     # an MoE actor: the rollout records routes (router replay, metrics)
     num_experts = actor_model.config.num_experts if actor_model.config.is_moe else None
-    rollout = _build_rollout(cfg, tokenizer, actor, actor_model, num_experts)
+    rollout = _build_rollout(cfg, tokenizer, actor, actor_model, num_experts, model_path)
     return Roles(actor=actor, reference=ref, critic=critic, reward=reward, rollout=rollout,
                  num_experts=num_experts, model=actor_model)
 
 
-def _build_rollout(cfg, tokenizer, actor, actor_model, num_experts):
+def _build_rollout(cfg, tokenizer, actor, actor_model, num_experts, model_path=None):
     """The rollout of ``rollout.backend``; in-process, the engine on the actor's weights or,
     in another layout, the hybrid engine."""
     from megatron.core import parallel_state as mpu
@@ -134,7 +134,7 @@ def _build_rollout(cfg, tokenizer, actor, actor_model, num_experts):
     return build_rollout(RolloutContext(
         cfg=cfg, actor=actor, model=actor_model, **special, device=actor_model.device,
         data_parallel_rank=mpu.get_data_parallel_rank(), num_experts=num_experts,
-        inprocess=inprocess, tokenizer=tokenizer))
+        inprocess=inprocess, tokenizer=tokenizer, model_path=model_path))
 
 
 def export_hf(roles: Roles, output_dir: str, tokenizer) -> None:

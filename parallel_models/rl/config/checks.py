@@ -11,6 +11,7 @@ import os
 
 from parallel_models.errors import ConfigError
 from parallel_models.rl.backends.builtin_model import BUILTIN_MOE, builtin_model_config
+from parallel_models.rl.config.async_fields import async_problems
 from parallel_models.rl.config.fp8_rollout import fp8_rollout_problems
 from parallel_models.rl.config.sections import DATA_SUFFIXES
 
@@ -311,7 +312,7 @@ def cross_field_problems(cfg, world_size: int | None = None) -> list[str]:
             logger.warning("trainer.offload / reward.offload only act on CUDA; ignored here")
     return (_model_problems(cfg) + _data_and_batch_problems(cfg) + _roles_problems(cfg)
             + _layout_problems(cfg, world_size) + _optimizer_memory_problems(cfg)
-            + fp8_rollout_problems(cfg))
+            + fp8_rollout_problems(cfg) + async_problems(cfg))
 
 
 def _optimizer_memory_problems(cfg) -> list[str]:

@@ -24,6 +24,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 
 from parallel_models.errors import ConfigError
 from parallel_models.rl.config import errors
+from parallel_models.rl.config.async_fields import async_correction
 from parallel_models.rl.config.checks import cross_field_problems
 from parallel_models.rl.config.fp8_rollout import fp8_rollout_defaults
 from parallel_models.rl.config.sections import (SECTION_DEFAULTS, SECTIONS, ActorSection,
@@ -73,6 +74,7 @@ class PPOConfig(BaseModel):
     @model_validator(mode="after")
     def _cross_field_checks(self, info: ValidationInfo) -> "PPOConfig":
         context = info.context or {}
+        async_correction(self)  # async mode: the decoupled PPO correction on by default
         if context.get("cross_checks", True):
             problems = cross_field_problems(self, context.get("world_size"))
             if problems:

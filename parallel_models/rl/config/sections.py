@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, 
 
 from parallel_models.inference import SamplingFields, SamplingParams
 from parallel_models.options import KernelOptions
+from parallel_models.rl.config.async_fields import AsyncRolloutFields
 from parallel_models.rl.config.multi_turn import MultiTurnSection
 from parallel_models.utils.optimizer_config import Int, Number, OptimizerFields
 
@@ -126,8 +127,9 @@ class DataSection(BaseModel):
                                         "rollout.max_new_tokens for every prompt")
 
 
-class RolloutSection(SamplingFields):
-    """Generation of the responses (the sampling knobs are those of SamplingParams)."""
+class RolloutSection(SamplingFields, AsyncRolloutFields):
+    """Generation of the responses (the sampling knobs are those of SamplingParams; the
+    async ones, max_staleness etc., in config/async_fields.py)."""
 
     model_config = SECTION_CONFIG
 
@@ -428,6 +430,9 @@ class TrainerSection(BaseModel):
     model_config = SECTION_CONFIG
 
     total_steps: Int = Field(20, ge=0, description="PPO steps")
+    mode: Literal["sync", "async"] = Field("sync", description="sync (rollout, then update) | "
+                                           "async (a rollout server fills a queue while the "
+                                           "trainer trains; rollout.max_staleness)")
     seed: Int = Field(0, description="seeds sampling (each sample drawn from (seed, step, "
                       "prompt index, sample index): the same at any layout), value-head init and "
                       "data order")

@@ -35,6 +35,7 @@ class RolloutContext:
     num_experts: int | None       # an MoE actor whose rollouts carry routes, else None
     inprocess: Callable[[], Any]  # the training backend's own in-process rollout
     tokenizer: Any = None         # the actor's tokenizer (multi-turn rollouts render with it)
+    model_path: Any = None        # the actor's model folder (an async run's server starts on it)
 
 
 def inprocess_rollout(context: RolloutContext):
@@ -53,7 +54,12 @@ def build_rollout(context: RolloutContext):
     from parallel_models.rl.rollout.interface import Rollout
 
     name = context.cfg.rollout.backend
-    rollout = ROLLOUT_BACKENDS.get(name)(context)
+    if getattr(context.cfg.trainer, "mode", "sync") == "async":  # rl/async_rollout/
+        from parallel_models.rl.async_rollout.rollout import async_server_rollout
+
+        rollout = async_server_rollout(context)
+    else:
+        rollout = ROLLOUT_BACKENDS.get(name)(context)
     multi_turn = getattr(context.cfg.rollout, "multi_turn", None)
     if multi_turn is not None and multi_turn.enabled:  # conversations (rl/agents/)
         from parallel_models.rl.agents.build import multi_turn_rollout

@@ -125,11 +125,9 @@ class ServerRollout:
         return batch_from_dict(out)
 
 
-
-
-def server_from_context(context) -> ServerRollout:
+def server_from_context(context, url: str | None = None) -> ServerRollout:
     """``rollout.backend=server`` (``registry.ROLLOUT_BACKENDS``): a client of
-    ``rollout.server_url`` (the bearer token, if the server wants one, from the environment's
+    ``rollout.server_url`` (or ``url``: an async run's server) (the bearer token, if the server wants one, from the environment's
     ``PARALLEL_MODELS_API_KEY``) pushing ``context.model``."""
     import os
 
@@ -140,7 +138,7 @@ def server_from_context(context) -> ServerRollout:
     if context.model is None:
         raise ConfigError(f"rollout.backend=server: parallel.backend={cfg.parallel.backend} "
                           "has no parallel model of the actor to push to the server")
-    client = RolloutClient(cfg.rollout.server_url,
+    client = RolloutClient(url or cfg.rollout.server_url,
                            api_key=os.environ.get("PARALLEL_MODELS_API_KEY"))
     return ServerRollout(client, context.model,
                          folder=os.path.join(cfg.trainer.output_dir, "rollout_weights"),

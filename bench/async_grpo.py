@@ -1,0 +1,231 @@
+"""Asynchronous vs synchronous GRPO on two GPUs (issue 35): throughput of the same workload.
+
+    python bench/async_grpo.py --mode both [--shape 1b] [--steps 8] [--warmup 3] [--staleness 1]
+    python bench/async_grpo.py --mode both --shape tiny --steps 3 --warmup 1 ...   # CPU smoke
+
+Modes (each a ``parallel-models-ppo`` run of its own):
+- ``sync``: colocated on both GPUs, ``torchrun --nproc-per-node 2`` at DP=2: every GPU rolls out
+  its half of the batch with the in-process engine (continuous batching), then trains on it;
+- ``async``: ``trainer.mode=async``: the trainer on GPU 0 (one process) starts its rollout
+  server on GPU 1 (``rollout.server_devices``); the server generates the next step's samples
+  while the trainer trains (``rollout.max_staleness``, ``--staleness``), the weights pushed after
+  every update.
+
+Same model and workload in both: a random-weight Llama (``--shape``: ``1b`` = Llama-3.2-1B's
+shape, bf16 on CUDA; ``0.5b``; ``tiny`` for the CPU) written by ``bench/grpo_scale.py``'s
+builder; ``--prompts`` prompts of ``--prompt-len`` random words per step, ``--n`` samples each;
+long-tailed responses: up to 64 stop tokens (``rollout.stop_token_ids``' limit) whose ``lm_head``
+rows are scaled so that together they are drawn with probability about ``--stop-share`` per
+token (random logits are ~normal with variance 0.02^2 x hidden; scaling a row by c multiplies
+its expected softmax weight by exp((c^2 - 1) var / 2)): response lengths are geometric-like
+with mean ~1 / share (rates differ between contexts: a heavier tail), capped at ``--max-new``;
+GRPO with the KL loss, one PPO epoch.
+
+Reported, one JSON line per mode, over the steps after ``--warmup``: samples/s (prompts x n /
+step time) and tokens/s/GPU (prompt + response tokens of the step / step time / 2 GPUs), each
+as median, min, max and the steps' values; for async also the staleness and idle times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from grpo_scale import SHAPES as SCALE_SHAPES  # noqa: E402
+from grpo_scale import SPECIALS, build_model  # noqa: E402
+
+SHAPES = {
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+               num_key_value_heads=8, intermediate_size=8192, vocab_size=128256),
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, intermediate_size=4864, vocab_size=128256),
+    "tiny": SCALE_SHAPES["tiny"],
+}
+
+
+def log(msg: str) -> None:
+    print(f"[async_grpo {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def build_prompts(path: str, count: int, prompt_len: int, vocab: int, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with open(path, "w") as f:
+        for _ in range(count):
+            ids = torch.randint(len(SPECIALS), vocab, (prompt_len,), generator=g).tolist()
+            f.write(json.dumps({"prompt": " ".join(f"t{t}" for t in ids)}) + "\n")
+
+
+MAX_STOP_IDS = 64  # SamplingParams.stop_token_ids' limit
+
+
+def stop_ids(vocab: int, share: float) -> list[int]:
+    """The stop tokens: ``share`` of the vocabulary past the specials, at most 64 of them."""
+    count = min(MAX_STOP_IDS, max(1, round(share * vocab)))
+    return list(range(len(SPECIALS), len(SPECIALS) + count))
+
+
+def boost_stop_rows(folder: str, shape: dict, ids: list[int], share: float) -> float:
+    """Scale the ``lm_head`` rows of ``ids`` so that they take about ``share`` of the
+    probability together (see the module docstring); returns the scale."""
+    import math
+
+    from safetensors.torch import load_file, save_file
+
+    natural = len(ids) / shape["vocab_size"]
+    if share <= natural:
+        return 1.0
+    var = 0.02 ** 2 * shape["hidden_size"]
+    scale = math.sqrt(1 + 2 * math.log(share / natural) / var)
+    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+        name = json.load(f)["weight_map"]["lm_head.weight"]
+    path = os.path.join(folder, name)
+    tensors = load_file(path)
+    head = tensors["lm_head.weight"].float()
+    head[ids] *= scale
+    tensors["lm_head.weight"] = head.to(tensors["lm_head.weight"].dtype)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return scale
+
+
+def overrides(args, mode: str, model: str, data: str, out: str) -> list[str]:
+    cuda = args.dtype == "bfloat16"
+    o = [f"model.path={model}", f"model.dtype={args.dtype}", f"data.path={data}",
+         f"data.max_prompt_length={args.prompt_len}", f"data.batch_size={args.prompts}",
+         "data.shuffle=false", f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new}",
+         "rollout.temperature=1.0", "rollout.greedy=false",
+         "rollout.stop_token_ids=[" + ",".join(map(str, args.stop_ids)) + "]",
+         "algorithm.adv_estimator=grpo", "critic.enable=false", "actor.use_kl_loss=true",
+         "algorithm.kl_in_reward=false", "actor.ppo_epochs=1",
+         f"actor.mini_batch_size={args.mini_batch}",
+         f"actor.micro_batch_tokens={args.micro_tokens}",
+         "actor.lr=1e-6", f"trainer.total_steps={args.steps}", "trainer.save_every=0",
+         "trainer.save_hf_at_end=false", "trainer.loggers=[jsonl]", f"trainer.output_dir={out}"]
+    if mode == "sync":
+        o += ["rollout.kv_budget_tokens=auto", f"trainer.offload={str(cuda).lower()}"]
+    else:
+        o += ["trainer.mode=async", f"rollout.max_staleness={args.staleness}",
+              f"rollout.partial={str(args.partial).lower()}",
+              f"rollout.weight_push={args.weight_push}"]
+        if cuda:
+            o.append(f"rollout.server_devices={args.server_gpu}")
+    return o
+
+
+def run_mode(args, mode: str, model: str, data: str, root: str, env: dict) -> dict:
+    out = os.path.join(root, f"run_{mode}")
+    train = ["-m", "parallel_models.rl.train", *overrides(args, mode, model, data, out)]
+    if mode == "sync":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-port", str(args.master_port), *train]
+        run_env = env
+    else:
+        cmd = [sys.executable, *train]
+        run_env = dict(env, CUDA_VISIBLE_DEVICES=args.trainer_gpu) if args.dtype == "bfloat16" \
+            else env
+    log(f"{mode}: {' '.join(cmd[:6])} ...")
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, env=run_env, start_new_session=True,
+                            stdout=sys.stderr, stderr=sys.stderr)
+    try:
+        proc.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:  # keep the steps logged so far
+        log(f"{mode}: over {args.timeout} s, stopping it")
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    rows = []
+    path = os.path.join(out, "metrics.jsonl")
+    if os.path.isfile(path):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    return summary(args, mode, rows, proc.returncode, time.time() - t0)
+
+
+def spread(values: list[float]) -> dict:
+    if not values:
+        return {}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "values": values}
+
+
+def summary(args, mode: str, rows: list[dict], returncode: int, wall: float) -> dict:
+    """The mode's JSON line: throughput over the steps after the warm-up."""
+    samples = args.prompts * args.n
+    kept = rows[args.warmup:]
+    step_s = [m["timing/step_s"] for m in kept]
+    tokens = [samples * (args.prompt_len + m["response_length/mean"]) for m in kept]
+    out = {"mode": mode, "returncode": returncode, "wall_s": round(wall, 1),
+           "steps_logged": len(rows), "steps_measured": len(kept), "gpus": 2,
+           "shape": args.shape, "samples_per_step": samples,
+           "samples_per_s": spread([samples / s for s in step_s]),
+           "tokens_per_s_per_gpu": spread([t / s / 2 for t, s in zip(tokens, step_s)]),
+           "step_s": spread(step_s),
+           "response_length_mean": spread([m["response_length/mean"] for m in kept])}
+    if mode == "async":
+        out["max_staleness"], out["partial"] = args.staleness, args.partial
+        for key in ("staleness_max", "partial_samples", "trainer_idle_s", "rollout_idle_s"):
+            out[key] = spread([m.get(f"async/{key}", float("nan")) for m in kept])
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["async", "sync", "both"], default="both")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the numbers")
+    p.add_argument("--staleness", type=int, default=1, help="async: rollout.max_staleness")
+    p.add_argument("--partial", action="store_true", help="async: rollout.partial=true")
+    p.add_argument("--weight-push", choices=["stream", "group", "folder"], default="stream",
+                   help="async: rollout.weight_push (group: NCCL between the GPUs; not with "
+                        "--partial)")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--max-new", type=int, default=1024)
+    p.add_argument("--stop-share", type=float, default=1 / 300,
+                   help="share of the vocabulary that stops a response (mean length ~1/share)")
+    p.add_argument("--mini-batch", type=int, default=128)
+    p.add_argument("--micro-tokens", type=int, default=8192)
+    p.add_argument("--trainer-gpu", default="0")
+    p.add_argument("--server-gpu", default="1")
+    p.add_argument("--master-port", type=int, default=29533)
+    p.add_argument("--timeout", type=int, default=580, help="seconds per mode")
+    p.add_argument("--root", default=None, help="folder for the model, data and runs")
+    args = p.parse_args(argv)
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    args.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    shape = SHAPES[args.shape]
+    args.stop_ids = stop_ids(shape["vocab_size"], args.stop_share)
+    root = args.root or tempfile.mkdtemp(prefix="async_grpo_")
+    model, data = os.path.join(root, "model"), os.path.join(root, "prompts.jsonl")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        log(f"writing the {args.shape} model to {model}")
+        build_model(model, shape, "cpu")
+        scale = boost_stop_rows(model, shape, args.stop_ids, args.stop_share)
+        log(f"{len(args.stop_ids)} stop tokens, their lm_head rows x {scale:.2f}")
+    build_prompts(data, args.prompts * args.steps, args.prompt_len, shape["vocab_size"])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
+    modes = ["sync", "async"] if args.mode == "both" else [args.mode]
+    failed = []
+    for mode in modes:
+        line = run_mode(args, mode, model, data, root, env)
+        print(json.dumps(line), flush=True)
+        if line["returncode"] != 0:
+            failed.append(mode)
+    if failed:
+        sys.exit(f"failed modes: {failed}")
+
+
+if __name__ == "__main__":
+    main()

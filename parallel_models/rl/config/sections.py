@@ -22,11 +22,13 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import BaseModel, Field, StrictBool, field_validator, model_validator
 
 from parallel_models.inference import SamplingFields, SamplingParams
 from parallel_models.options import KernelOptions
 from parallel_models.rl.config.async_fields import AsyncRolloutFields
+from parallel_models.rl.config.correction_fields import (SECTION_CONFIG, OverlongBufferFields,
+                                                          RolloutCorrectionFields)
 from parallel_models.rl.config.multi_turn import MultiTurnSection
 from parallel_models.utils.optimizer_config import Int, Number, OptimizerFields
 
@@ -38,7 +40,6 @@ LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean
                       "seq-mean-token-sum-norm"]
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
-SECTION_CONFIG = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
 
 
 class ModelSection(BaseModel):
@@ -197,51 +198,6 @@ class RolloutSection(SamplingFields, AsyncRolloutFields):
         return {"kv_budget_tokens": self.kv_budget_tokens or None, "max_rows": self.max_batch_rows,
                 "gpu_memory_utilization": self.gpu_memory_utilization,
                 "weight_dtype": self.dtype, "fp8_scales": self.fp8_scales}
-
-
-class RolloutCorrectionFields(BaseModel):
-    """``actor.rollout_correction``: importance weights / rejection for the training-inference
-    mismatch (rl/algorithms/rollout_correction.py; docs/ALGORITHMS.md)."""
-
-    model_config = SECTION_CONFIG
-
-    level: Optional[Literal["token", "sequence", "geometric"]] = Field(
-        None, description="token | sequence | geometric; null = no importance weights")
-    mode: Literal["truncate", "mask"] = Field(
-        "truncate", description="truncate (weight capped at hi) | mask (weight 0 outside "
-                                "[lo, hi])")
-    hi: Number = Field(2.0, gt=0, description="upper bound of the weights")
-    lo: Optional[Number] = Field(None, gt=0, description="mask: lower bound; null = 1 / hi")
-    reject: Optional[Literal[
-        "seq_sum_k2", "seq_sum_k3", "seq_mean_k2", "seq_mean_k3", "seq_max_k2",
-        "seq_max_k3"]] = Field(None, description="drop responses whose mismatch statistic "
-                                                 "exceeds reject_threshold; null = off")
-    reject_threshold: Optional[Number] = Field(None, gt=0, description="the bound of reject")
-
-    @model_validator(mode="after")
-    def _consistent(self) -> "RolloutCorrectionFields":
-        name = "actor.rollout_correction"
-        if self.lo is not None and self.mode != "mask":
-            raise ValueError(f"{name}.lo is a bound of mode=mask (mode={self.mode} caps at hi "
-                             "only); leave it null")
-        if self.lo is not None and self.lo > self.hi:
-            raise ValueError(f"{name}.lo ({self.lo}) must be <= {name}.hi ({self.hi})")
-        if (self.reject is None) != (self.reject_threshold is None):
-            raise ValueError(f"{name}.reject and {name}.reject_threshold go together (set both "
-                             "or neither)")
-        return self
-
-
-class OverlongBufferFields(BaseModel):
-    """``reward.overlong_buffer``: DAPO's soft overlong punishment (rl/rewards/overlong.py)."""
-
-    model_config = SECTION_CONFIG
-
-    enable: StrictBool = Field(False, description="add the length penalty to the reward")
-    len: Int = Field(4, ge=1, description="the last len tokens before rollout.max_new_tokens "
-                                          "are the buffer")
-    penalty_factor: Number = Field(1.0, ge=0, description="penalty at rollout.max_new_tokens "
-                                                          "(linear from 0 at the buffer's start)")
 
 
 class LoraSection(BaseModel):

@@ -35,7 +35,8 @@ def multi_turn_rollout(rollout, cfg, tokenizer) -> MultiTurnRollout:
     environment = load_environment(mt.environment) if mt.environment else None
     limits = MultiTurnLimits(max_turns=mt.max_turns, max_total_tokens=mt.max_total_tokens,
                              max_turn_tokens=mt.max_turn_tokens,
-                             max_tool_response_tokens=mt.max_tool_response_tokens)
+                             max_tool_response_tokens=mt.max_tool_response_tokens,
+                             stop_at_call_end=mt.stop_at_call_end)
     return MultiTurnRollout(rollout, tokenizer, limits, executor=executor,
                             environment=environment)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from parallel_models.rl.registry import Registry
 
-TOOL_CALL_FORMATS = Registry("tool call format", params=("text",),
+TOOL_CALL_FORMATS = Registry("tool call format", params=("text",), defaults={"call_end": None},
                              key="rollout.multi_turn.tool_call_format",
                              home="parallel_models.rl.agents.tool_call_format.TOOL_CALL_FORMATS")
 
@@ -46,7 +46,7 @@ _HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(" + re.escape(HERMES
                            re.DOTALL)
 
 
-@TOOL_CALL_FORMATS.register("hermes", "qwen")
+@TOOL_CALL_FORMATS.register("hermes", "qwen", call_end=HERMES_CLOSE)
 def parse_hermes(text: str) -> list[ParsedCall]:
     """The calls of ``text`` in the Hermes/Qwen format (see the module docstring)."""
     calls = []
@@ -84,10 +84,17 @@ def _call_from_json(body: str, raw: str) -> ParsedCall:
     return ParsedCall(name=name, arguments=arguments, raw=raw)
 
 
+def call_end_text(format_name: str = "hermes") -> str | None:
+    """The text that closes a call in the format ``format_name`` names (``call_end``; a user's
+    parse function may set ``parse.call_end = "..."``), None when it has none: a model turn
+    stops there (``rollout.multi_turn.stop_at_call_end``)."""
+    return TOOL_CALL_FORMATS.attribute(TOOL_CALL_FORMATS.get(format_name), "call_end")
+
+
 def parse_tool_calls(text: str, format_name: str = "hermes") -> list[ParsedCall]:
     """The calls of ``text`` in the format ``format_name`` names (registered or ``file.py:fn``)."""
     return list(TOOL_CALL_FORMATS.get(format_name)(text=text))
 
 
-__all__ = ["TOOL_CALL_FORMATS", "ParsedCall", "parse_hermes", "parse_tool_calls",
+__all__ = ["TOOL_CALL_FORMATS", "ParsedCall", "call_end_text", "parse_hermes", "parse_tool_calls",
            "HERMES_OPEN", "HERMES_CLOSE"]

@@ -63,6 +63,14 @@ class Conversation:
     turns: int = 0
     done: bool = False
     cuts: set = dataclasses.field(default_factory=set)
+    routes: list = dataclasses.field(default_factory=list)  # MoE: per context position
+
+    def add_routes(self, routes: list) -> None:
+        """A turn's recorded routes (per position of its context and generated ids): the
+        positions not yet known, and the last generated id of the turn before (fed to the model
+        first by this turn's prefill); the earlier positions keep the routes they had."""
+        keep = max(0, len(self.routes) - 1)
+        self.routes = self.routes[:keep] + list(routes[keep:])
 
     def add(self, ids: Sequence[int], model: bool, log_probs: Sequence[float] = ()) -> None:
         self.context += list(ids)

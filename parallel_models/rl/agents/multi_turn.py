@@ -45,8 +45,9 @@ Two drivers (``conversation.ConversationTurns`` does each conversation's steps f
   it re-enters with the whole conversation as its prompt while the other rows keep decoding;
 * turn-synchronous: all live conversations generate a turn together (``generate_samples``),
   then their tools run, then the next turn. It serves engines without a continuous engine (only
-  ``generate_samples``) and is the reference the asynchronous driver is tested against (same
-  tokens for the same seeds).
+  ``generate_samples``) and MoE actors (the static batcher records every token's routes for
+  router replay; a position keeps the routes of the first turn that fed it to the model), and is
+  the reference the asynchronous driver is tested against (same tokens for the same seeds).
 """
 
 
@@ -82,8 +83,9 @@ class MultiTurnRollout(EngineTokens):
         self.tokenizer, self.limits = tokenizer, limits
         self.executor, self.environment = executor, environment
         self.turns = ConversationTurns(tokenizer, limits, executor, environment)
-        if asynchronous is None:
-            asynchronous = supports_async(self.engine)
+        self.num_experts = getattr(inner, "num_experts", None)  # MoE: rows carry their routes
+        if asynchronous is None:  # (the continuous engine records no routes)
+            asynchronous = supports_async(self.engine) and self.num_experts is None
         self.asynchronous = asynchronous
         self.metrics: dict[str, float] = {}
 
@@ -138,9 +140,14 @@ class MultiTurnRollout(EngineTokens):
             caps = [self.turns.turn_cap(c, max_new_tokens) for c in live]
             extra = {"stop_sequences": self.turns.stop_sequences} \
                 if self.turns.stop_sequences else {}
+            if self.num_experts is not None:
+                extra["record_routes"] = True
             generated = self.engine.generate_samples(
                 [c.context for c in live], one, max_new_tokens=caps,
                 prompt_seeds=[turn_seed(c) for c in live] if seeded else None, **extra)
+            for c, turn in zip(live, generated):
+                if "routes" in turn:
+                    c.add_routes(turn["routes"])
             ends = [self.turns.end_turn(c, turn) for c, turn in zip(live, generated)]
             futures = [self.turns.run_tools(end) for end in ends]
             for c, end, future in zip(live, ends, futures):
@@ -173,10 +180,25 @@ class MultiTurnRollout(EngineTokens):
                              response_mask=mask.to(device),
                              group_index=torch.arange(prompts).repeat_interleave(n).to(device),
                              rollout_log_probs=log_probs.to(device))
+        if self.num_experts is not None and conversations[0].routes:
+            batch.routes = self._routes(conversations, P, R).to(device)
         batch.columns["conversation"] = [c.messages for c in conversations]
         batch.columns["tool_trace"] = [c.tool_trace for c in conversations]
         batch.columns["environment_reward"] = [c.environment_reward for c in conversations]
         return batch
+
+    def _routes(self, conversations: list[Conversation], P: int, R: int) -> torch.Tensor:
+        """``[rows, P + R, moe_layers, k]`` (compact) routes aligned with the batch's sequences
+        (missing where none was recorded: padding, the last generated id)."""
+        from parallel_models.utils import routes as route_utils
+
+        shape = torch.tensor(conversations[0].routes[0]).shape
+        full = torch.full((len(conversations), P + R, *shape), route_utils.MISSING,
+                          dtype=torch.long)
+        for b, c in enumerate(conversations):
+            start = P - c.prompt_length
+            full[b, start:start + len(c.routes)] = torch.tensor(c.routes, dtype=torch.long)
+        return route_utils.compact(full, self.num_experts)
 
     def _metrics(self, conversations: list[Conversation], tool_seconds: float,
                  seconds: float) -> dict[str, float]:

@@ -156,6 +156,16 @@ def test_tool_choice_none_required_and_named(server):
     assert got.usage.completion_tokens == len(server["tok"](
         '{"expression": "1+1"}}\n</tool_call>', add_special_tokens=False)["input_ids"]) + 1
 
+    # two calls in one answer; parallel_tool_calls=false keeps the first
+    two = call_text("calculator", {"expression": "1"}) + call_text("calculator",
+                                                                   {"expression": "2"})
+    both = chat(server, [two], messages=[user], tools=TOOLS)
+    assert [json.loads(tc.function.arguments)["expression"] for tc in
+            both.choices[0].message.tool_calls] == ["1", "2"]
+    first = chat(server, [two], messages=[user], tools=TOOLS, parallel_tool_calls=False)
+    assert [json.loads(tc.function.arguments)["expression"] for tc in
+            first.choices[0].message.tool_calls] == ["1"]
+
     # a malformed call is no tool call: the text comes back as content
     bad = chat(server, ["<tool_call>{oops</tool_call>"], messages=[user], tools=TOOLS)
     assert bad.choices[0].finish_reason == "stop"

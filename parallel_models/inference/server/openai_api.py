@@ -307,7 +307,8 @@ def openai_router(serving: OpenAIServing) -> APIRouter:
         groups, version = await serving.sample([prompt], req, max_tokens, top_k)
         choices = []
         for c, s in enumerate(groups[0]):
-            message, calls = assistant_message(forced_prefix(req) + s["text"], tool_mode(req))
+            message, calls = assistant_message(forced_prefix(req) + s["text"], tool_mode(req),
+                                               parallel=req.parallel_tool_calls is not False)
             choices.append({"index": c, "message": message,
                             "logprobs": serving.chat_logprobs(s, 0, len(s["token_ids"]))
                             if req.logprobs else None,

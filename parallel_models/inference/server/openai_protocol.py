@@ -275,7 +275,7 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Optional[Annotated[list[ToolSpec], Field(max_length=MAX_TOOLS)]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
-    parallel_tool_calls: Optional[StrictBool] = None  # accepted; calls are not limited
+    parallel_tool_calls: Optional[StrictBool] = None  # false: the first call only
 
     def check(self) -> None:
         super().check()

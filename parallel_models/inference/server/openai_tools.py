@@ -17,7 +17,8 @@ use: the model writes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>
 - The answer (:func:`assistant_message`): every well-formed call becomes ``{"id": "call_...",
   "type": "function", "function": {"name", "arguments": JSON string}}``, the text outside the
   calls is the ``content`` (null when empty), and ``finish_reason`` is ``"tool_calls"``.
-  Malformed blocks stay in the content.
+  Malformed blocks stay in the content. ``parallel_tool_calls: false`` keeps the first call
+  only (the text after it is dropped).
 
 Streaming with tools (other than ``tool_choice: "none"``) is refused (400 naming ``stream``).
 """
@@ -79,9 +80,10 @@ def forced_prefix(req: ChatCompletionRequest) -> str:
     return ""
 
 
-def assistant_message(text: str, mode: str) -> tuple[dict, bool]:
+def assistant_message(text: str, mode: str, parallel: bool = True) -> tuple[dict, bool]:
     """The answer's ``message`` for the generated ``text`` (the forced prefix included) and
-    whether it carries tool calls."""
+    whether it carries tool calls (``parallel=False``, ``parallel_tool_calls: false``: the
+    first call only; the text of the others is dropped too)."""
     message = {"role": "assistant", "content": text, "refusal": None}
     if mode in ("off", "none"):
         return message, False
@@ -94,6 +96,9 @@ def assistant_message(text: str, mode: str) -> tuple[dict, bool]:
                                    "arguments": json.dumps(call.arguments)}})
         kept.append(text[at:start])
         at = end
+        if not parallel:
+            at = len(text)
+            break
     if not calls:
         return message, False
     kept.append(text[at:])

@@ -17,7 +17,10 @@ conversation (:class:`Conversation`):
 A turn ends at a stop token (EOS), at the end of a tool call (``stop_sequences``: the ids of the
 tool call format's closing text, e.g. ``</tool_call>``; the turn keeps them) or at its cap. A
 turn stopped by its cap or at the end of a call has no end-of-turn token: the chat template's
-text closes it (appended, masked 0); only the cap counts as a ``turn_tokens`` cut.
+text closes it (appended, masked 0); only the cap counts as a ``turn_tokens`` cut. The stop
+sequence is the closing text tokenized alone: exact where it is one token (Qwen's
+``</tool_call>``) or where the tokenizer does not merge it with its neighbours; a turn that
+writes it with other ids runs on to EOS, as without the stop.
 See ``multi_turn.py`` for the budgets and the batch a rollout returns.
 """
 

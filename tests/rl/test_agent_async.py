@@ -1,5 +1,6 @@
-"""The asynchronous multi-turn driver (parallel_models/rl/agents/async_turns.py) against the
-turn-synchronous one (the previous behaviour, the oracle): the same token streams, masks,
+"""The asynchronous multi-turn driver (parallel_models/rl/agents/async_turns.py) and the turns
+over the rollout server's ``/generate`` (server_turns.py) against the turn-synchronous driver on
+the in-process engine (the previous behaviour, the oracle): the same token streams, masks,
 log-probs, tool traces and metrics, with a scripted policy on a scripted continuous engine and
 with a tiny random model on the real engines (greedy, and seeded sampling); rows waiting on a
 tool leave the decode batch while the others go on; turns end right after ``</tool_call>``."""
@@ -14,6 +15,7 @@ from parallel_models.inference.continuous import Sample
 from parallel_models.rl.agents.executor import ToolExecutor
 from parallel_models.rl.agents.multi_turn import MultiTurnLimits, MultiTurnRollout
 from parallel_models.rl.agents.schema import Tool
+from parallel_models.rl.agents.server_turns import ServerTurnEngine
 from parallel_models.rl.agents.tools import resolve_tools
 from parallel_models.testing import run_distributed
 from tests.rl.test_agent_rollout import EOS, TOK, Inner, ScriptedEngine, call, stream
@@ -160,6 +162,24 @@ class Env:
 '''
 
 
+class EngineBehindServer:
+    """A ``ServerRollout`` stand-in whose client answers ``/generate`` with the in-process engine
+    (the server's semantics: the request's stop ids, no per-prompt caps, no stop sequences)."""
+
+    def __init__(self, engine, eos):
+        self.eos_token_id, self.pad_token_id, self.device = eos, 0, engine.device
+        self.engine, self.client, self.requests = engine, self, []
+
+    def request_seed(self):
+        return 5
+
+    def generate(self, prompts, params, *, return_text, return_routes, prompt_seeds):
+        self.requests.append(params.max_new_tokens)
+        samples = self.engine.generate_samples(prompts, params, prompt_seeds=prompt_seeds)
+        return {"results": [{"prompt_token_ids": p, "samples": [s]}
+                            for p, s in zip(prompts, samples)]}
+
+
 def _tiny_model_both_ways(path: str, env_file: str) -> dict:
     import parallel_models as pm
     from parallel_models.inference import RolloutEngine
@@ -173,18 +193,26 @@ def _tiny_model_both_ways(path: str, env_file: str) -> dict:
     out = {}
     for name, params, seeds in (("greedy", SamplingParams(greedy=True, max_new_tokens=6), None),
                                 ("seeded", SamplingParams(n=2, max_new_tokens=6), [11, 12, 13])):
-        for asynchronous in (False, True):
+        for way in ("sync", "async", "server"):
             engine = RolloutEngine(model, eos_token_id=tok.eos_token_id)
             executor = ToolExecutor(resolve_tools(["calculator"]))
-            mt = MultiTurnRollout(Inner(engine), tok, MultiTurnLimits(max_turns=3),
-                                  executor=executor, environment=load_environment(
-                                      f"{env_file}:Env"), asynchronous=asynchronous)
+            turns = None
+            if way == "server":  # turns as /generate requests, cut here (server_turns.py)
+                server = EngineBehindServer(engine, tok.eos_token_id)
+                turns = ServerTurnEngine(server)
+            mt = MultiTurnRollout(Inner(engine), tok, MultiTurnLimits(
+                max_turns=3, max_total_tokens=36), executor=executor,
+                environment=load_environment(f"{env_file}:Env"),
+                asynchronous=way == "async", engine=turns)
             batch = mt.generate(prompts, params, prompt_seeds=seeds)
             executor.close()
-            out[(name, asynchronous)] = {
+            out[(name, way)] = {
                 k: getattr(batch, k) for k in ("sequences", "attention_mask",
                                                "response_mask", "rollout_log_probs")}
-            out[(name, asynchronous)]["turns"] = mt.metrics["rollout/turns_mean"]
+            out[(name, way)]["turns"] = mt.metrics["rollout/turns_mean"]
+            out[(name, way)]["cut_total"] = mt.metrics["rollout/cut_total_tokens"]
+            if way == "server":
+                out[(name, way)]["requests"] = server.requests
     return out
 
 
@@ -200,11 +228,29 @@ def tiny_model(tmp_path_factory):
     return run_distributed(_tiny_model_both_ways, 1, path, str(env_file), timeout=300)[0]
 
 
+@pytest.mark.parametrize("way", ["async", "server"])
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
-def test_tiny_model_async_equals_turn_synchronous(tiny_model, kind):
-    sync, asyn = tiny_model[(kind, False)], tiny_model[(kind, True)]
-    assert sync["turns"] == asyn["turns"] == 3.0
+def test_tiny_model_equals_turn_synchronous(tiny_model, kind, way):
+    sync, other = tiny_model[(kind, "sync")], tiny_model[(kind, way)]
+    assert sync["turns"] == other["turns"] == 2.0  # the total budget cuts the 2nd turn
+    assert sync["cut_total"] == other["cut_total"] == 1.0
     for k in ("sequences", "attention_mask", "response_mask"):
-        assert torch.equal(sync[k], asyn[k]), k
+        assert torch.equal(sync[k], other[k]), k
     assert (sync["response_mask"] == 0).any()  # holes: the appended "go on" messages
-    assert torch.allclose(sync["rollout_log_probs"], asyn["rollout_log_probs"], atol=1e-5)
+    assert torch.allclose(sync["rollout_log_probs"], other["rollout_log_probs"], atol=1e-5)
+    if way == "server":  # one request per turn, for the largest cap
+        assert len(other["requests"]) == 2 and other["requests"][0] == 6
+
+
+def test_server_samples_are_cut_as_if_generation_had_stopped():
+    from parallel_models.rl.agents.server_turns import cut_sample
+
+    sample = {"token_ids": [5, 6, 7, 8, 9, 2], "log_probs": [-.1, -.2, -.3, -.4, -.5, -.6],
+              "routes": [[[i]] for i in range(3 + 6)]}  # 3 prompt positions + 6 generated
+    cut = cut_sample(sample, 3, 10, {2}, [[7, 8]])
+    assert cut == {"token_ids": [5, 6, 7, 8], "log_probs": [-.1, -.2, -.3, -.4],
+                   "finish_reason": "stop", "routes": [[[i]] for i in range(3 + 4)]}
+    assert cut_sample(sample, 3, 3, {2}, [[7, 8]])["token_ids"] == [5, 6, 7]  # the cap
+    assert cut_sample(sample, 3, 3, {2}, [[7, 8]])["finish_reason"] == "length"
+    assert cut_sample(sample, 3, 10, {2}, [])["token_ids"] == [5, 6, 7, 8, 9, 2]
+    assert cut_sample(sample, 3, 10, {9}, [[1, 5]])["token_ids"] == [5, 6, 7, 8, 9]

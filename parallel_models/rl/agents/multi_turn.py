@@ -69,17 +69,18 @@ from parallel_models.rl.rollout.interface import EngineTokens
 
 class MultiTurnRollout(EngineTokens):
     """``MultiTurnRollout(inner, tokenizer, limits, executor=None, environment=None,
-    asynchronous=None)``: ``inner`` an in-process rollout (its ``engine``), ``environment`` a
-    class (one instance per conversation); ``asynchronous``: the driver (None: asynchronous when
-    the engine supports it). ``generate(..., records=...)`` takes the prompts' dataset records
+    asynchronous=None, engine=None)``: ``inner`` an in-process rollout (its ``engine``; or
+    ``engine`` given, e.g. ``server_turns.ServerTurnEngine`` of a server rollout),
+    ``environment`` a class (one instance per conversation); ``asynchronous``: the driver (None:
+    asynchronous when the engine supports it). ``generate(..., records=...)`` takes the prompts' dataset records
     (for ``reset``; without them an environment gets ``{"prompt": the prompt's text}``)."""
 
     takes_records = True
 
     def __init__(self, inner, tokenizer, limits: MultiTurnLimits,
                  executor: ToolExecutor | None = None, environment: type | None = None,
-                 asynchronous: bool | None = None):
-        self.inner, self.engine = inner, inner.engine
+                 asynchronous: bool | None = None, engine=None):
+        self.inner, self.engine = inner, engine if engine is not None else inner.engine
         self.tokenizer, self.limits = tokenizer, limits
         self.executor, self.environment = executor, environment
         self.turns = ConversationTurns(tokenizer, limits, executor, environment)

@@ -37,6 +37,8 @@ from parallel_models.inference.prefix_cache import PrefixCache
 from parallel_models.inference.row_sampling import draw, row_seed
 from parallel_models.inference.sampling import SamplingParams
 from parallel_models.inference.scheduler import KVBudgetError, Scheduler
+from parallel_models.inference.stop_sequences import (check_stop_sequences,
+                                                      ends_with_stop_sequence)
 from parallel_models.options import option
 
 DEFAULT_MAX_PREFILL_TOKENS = 16384  # prompt tokens per prefill pack (the memory plan may lower it)
@@ -60,6 +62,7 @@ class Request:
     seed: int
     on_token: Callable | None = None   # (sample index, token, log-prob, top pairs | None)
     on_done: Callable | None = None    # (request) once every sample finished
+    stop_sequences: tuple = ()         # token-id tuples that end a sample (stop_sequences.py)
     samples: list = dataclasses.field(default_factory=list)
     rows_left: int = 0
 
@@ -160,9 +163,10 @@ class ContinuousEngine:
     # ---- requests -------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: SamplingParams, *, stop_ids=(),
                top_logprobs: int = 0, generator: torch.Generator | None = None,
-               on_token=None, on_done=None) -> Request:
+               on_token=None, on_done=None, stop_sequences=None) -> Request:
         """Queue ``params.n`` samples of ``prompt``; raises ``KVBudgetError`` if they can never
-        fit, ``ValueError`` on a bad prompt or params. Runs on the next :meth:`step`."""
+        fit, ``ValueError`` on a bad prompt or params. Runs on the next :meth:`step`.
+        ``stop_sequences``: token-id sequences that also end a sample (kept in it)."""
         params.validate()
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -174,7 +178,7 @@ class ContinuousEngine:
             seed = 0 if params.greedy else int(torch.randint(0, 1 << 62, (1,),
                                                              generator=generator))
         req = Request(prompt, params, frozenset(stop_ids), top_logprobs, int(seed), on_token,
-                      on_done)
+                      on_done, check_stop_sequences(stop_sequences))
         self.scheduler.add(req)  # KVBudgetError before anything is queued
         return req
 
@@ -402,7 +406,8 @@ class ContinuousEngine:
             r.token, r.generated = tok, r.generated + 1
             if req.on_token is not None:
                 req.on_token(r.index, tok, logp[i], pairs)
-            if tok in req.stop_ids:
+            if tok in req.stop_ids or (req.stop_sequences and ends_with_stop_sequence(
+                    sample.token_ids, req.stop_sequences)):
                 sample.finish_reason = "stop"
             elif r.generated >= req.params.max_new_tokens:
                 sample.finish_reason = "length"

@@ -39,6 +39,8 @@ from parallel_models.inference.generation import GenerationOutput, generate
 from parallel_models.inference.memory_plan import DEFAULT_GPU_MEMORY_UTILIZATION
 from parallel_models.inference.row_sampling import SEED_BITS, row_seed
 from parallel_models.inference.sampling import SamplingParams
+from parallel_models.inference.stop_sequences import (check_stop_sequences,
+                                                      ends_with_stop_sequence)
 
 log = logging.getLogger(__name__)
 
@@ -153,31 +155,34 @@ class RolloutEngine:
         return bool(self.kv_budget_tokens)
 
     def continuous_engine(self, longest_prompt: int | None = None,
-                          longest_row: int | None = None, rows: int | None = None):
+                          longest_row: int | None = None, rows: int | None = None,
+                          kv_budget_tokens: int | str | None = None):
         """The :class:`~parallel_models.inference.continuous.ContinuousEngine` (made on first
-        use; continuous mode only), its KV pool and prefill chunk planned for requests whose
+        use), its KV pool and prefill chunk planned for requests whose
         longest prompt / row (prompt + new tokens) are given (default: the model's positions)
-        and ``rows`` samples (default ``max_rows``)."""
+        and ``rows`` samples (default ``max_rows``); ``kv_budget_tokens`` (a static engine's
+        caller, e.g. multi-turn rollouts): the budget instead of the engine's own."""
         if self.fp8 is not None:
             self.fp8.refresh_if_stale()
         if self._continuous is None:
             from parallel_models.inference.continuous import ContinuousEngine
 
-            budget, chunk = self._plan(longest_prompt, longest_row, rows)
+            budget, chunk = self._plan(longest_prompt, longest_row, rows,
+                                       kv_budget_tokens or self.kv_budget_tokens)
             self._continuous = ContinuousEngine(
                 self.model, budget, max_rows=self.max_rows,
                 prefix_cache_tokens=self.prefix_cache_tokens, max_prefill_tokens=chunk)
             self._continuous.on_tokens = self._count_tokens
         return self._continuous
 
-    def _plan(self, longest_prompt, longest_row, rows) -> tuple[int, int]:
+    def _plan(self, longest_prompt, longest_row, rows, budget) -> tuple[int, int]:
         """(KV tokens, prefill chunk) of the continuous engine: the memory plan on CUDA
         (``memory_plan.plan_for_model``), else the explicit budget (``"auto"``: every row at
         once) and the default chunk."""
         from parallel_models.inference.continuous import DEFAULT_MAX_PREFILL_TOKENS
         from parallel_models.inference.memory_plan import plan_for_model
 
-        explicit = None if self.kv_budget_tokens == "auto" else int(self.kv_budget_tokens)
+        explicit = None if budget == "auto" else int(budget)
         if longest_row is None:  # (the server: requests unknown) a row as long as allowed
             positions = int(getattr(self.model.config, "max_position_embeddings", 0)
                             or explicit or DEFAULT_MAX_PREFILL_TOKENS)
@@ -209,7 +214,8 @@ class RolloutEngine:
                  generator: torch.Generator | None = None, top_logprobs: int = 0,
                  on_step=None, record_routes: bool = False,
                  max_new_tokens: Sequence[int] | None = None,
-                 prompt_seeds: Sequence[int] | None = None) -> GenerationOutput:
+                 prompt_seeds: Sequence[int] | None = None,
+                 stop_sequences: Sequence[Sequence[int]] | None = None) -> GenerationOutput:
         """``params.n`` samples of each prompt (rows prompt-major). A ``params.seed`` seeds a
         generator of its own unless ``generator`` is given. ``top_logprobs=k`` also returns the
         k most likely tokens per step; ``on_step`` sees each step's tokens as they are drawn
@@ -219,23 +225,26 @@ class RolloutEngine:
         1..``params.max_new_tokens``). ``prompt_seeds``: one seed per prompt (e.g.
         ``row_sampling.prompt_seed``); sample j of prompt i then draws with the noise of
         ``row_seed(prompt_seeds[i], j)``, the same tokens in the static and the continuous
-        batcher, whatever else is in the batch (``params.seed`` and ``generator`` unused)."""
+        batcher, whatever else is in the batch (``params.seed`` and ``generator`` unused).
+        ``stop_sequences``: token-id sequences that end a sample too (kept in it; e.g. the ids of
+        ``</tool_call>``), in both batchers (``stop_sequences.py``)."""
         if self.fp8 is not None:  # (refreshed if the weights changed; on for the call)
             with self.fp8.enabled():
                 return self._generate(prompts, params, generator, top_logprobs, on_step,
-                                      record_routes, max_new_tokens, prompt_seeds)
+                                      record_routes, max_new_tokens, prompt_seeds,
+                                      stop_sequences)
         return self._generate(prompts, params, generator, top_logprobs, on_step, record_routes,
-                              max_new_tokens, prompt_seeds)
+                              max_new_tokens, prompt_seeds, stop_sequences)
 
     def _generate(self, prompts, params, generator, top_logprobs, on_step, record_routes,
-                  max_new_tokens, prompt_seeds) -> GenerationOutput:
+                  max_new_tokens, prompt_seeds, stop_sequences) -> GenerationOutput:
         caps = _prompt_caps(max_new_tokens, len(prompts), params.max_new_tokens)
         seeds = _prompt_seeds(prompt_seeds, len(prompts))
         if params.greedy:  # no noise to draw: the greedy path as without seeds
             seeds = None
         if self.continuous and on_step is None and not record_routes:
             return self._generate_continuous(prompts, params, generator, top_logprobs, caps,
-                                             seeds)
+                                             seeds, stop_sequences)
         rows = [list(p) for p in prompts for _ in range(params.n)]
         update = {"n": 1} if caps is None else {"n": 1, "max_new_tokens": max(caps)}
         one_each = params.model_copy(update=update)  # (a seed makes generate's generator)
@@ -245,12 +254,13 @@ class RolloutEngine:
                        row_limits=None if caps is None else
                        [c for c in caps for _ in range(params.n)],
                        row_seeds=None if seeds is None else
-                       [row_seed(s, j) for s in seeds for j in range(params.n)])
+                       [row_seed(s, j) for s in seeds for j in range(params.n)],
+                       stop_sequences=stop_sequences)
         self.generated_tokens += int(out.response_mask.sum())
         return out
 
     def _generate_continuous(self, prompts, params, generator, top_logprobs, caps=None,
-                             seeds=None):
+                             seeds=None, stop_sequences=None):
         from parallel_models.inference.continuous import generation_output, request_seed
 
         lengths = [len(p) for p in prompts]
@@ -272,7 +282,8 @@ class RolloutEngine:
                 if caps is not None:
                     update["max_new_tokens"] = caps[i]
                 one = params.model_copy(update=update)
-                requests.append(engine.submit(p, one, stop_ids=stop, top_logprobs=top_logprobs))
+                requests.append(engine.submit(p, one, stop_ids=stop, top_logprobs=top_logprobs,
+                                              stop_sequences=stop_sequences))
             engine.run()
         finally:
             if not self.keep_kv:
@@ -285,16 +296,19 @@ class RolloutEngine:
     def generate_samples(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
                          top_logprobs: int = 0, on_step=None, record_routes: bool = False,
                          max_new_tokens: Sequence[int] | None = None,
-                         prompt_seeds: Sequence[int] | None = None) -> list[dict]:
+                         prompt_seeds: Sequence[int] | None = None,
+                         stop_sequences: Sequence[Sequence[int]] | None = None) -> list[dict]:
         """Like :meth:`generate`, as one ``{"token_ids", "log_probs", "finish_reason"}`` dict per
-        row (``"stop"`` when the last token is a stop id, else ``"length"``); ``top_logprobs=k``
+        row (``"stop"`` when the last token is a stop id or it ends with one of
+        ``stop_sequences``, else ``"length"``); ``top_logprobs=k``
         adds ``"top_logprobs"``: per token a list of k ``[token_id, log_prob]``, most likely
         first; ``record_routes`` (MoE) adds ``"routes"``: per prompt and generated token, per MoE
         layer, the k experts used (-1 where none: the last generated token)."""
         out = self.generate(prompts, params, top_logprobs=top_logprobs, on_step=on_step,
                             record_routes=record_routes, max_new_tokens=max_new_tokens,
-                            prompt_seeds=prompt_seeds)
+                            prompt_seeds=prompt_seeds, stop_sequences=stop_sequences)
         stops = set(self.stop_ids(params))
+        sequences = check_stop_sequences(stop_sequences)
         mask, toks = out.response_mask.cpu(), out.responses.cpu()
         logps = out.log_probs.float().cpu()
         samples = []
@@ -302,7 +316,10 @@ class RolloutEngine:
             k = int(mask[b].sum())
             ids = toks[b, :k].tolist()
             samples.append({"token_ids": ids, "log_probs": logps[b, :k].tolist(),
-                            "finish_reason": "stop" if ids and ids[-1] in stops else "length"})
+                            "finish_reason": "stop" if ids and (ids[-1] in stops or
+                                                                ends_with_stop_sequence(
+                                                                    ids, sequences))
+                            else "length"})
         if out.routes is not None:
             from parallel_models.utils.routes import expand
 

@@ -38,6 +38,7 @@ from parallel_models.inference.kv_cache import KVCache
 from parallel_models.inference.route_collector import RouteCollector
 from parallel_models.inference.row_sampling import draw, filter_logits
 from parallel_models.inference.sampling import SamplingParams
+from parallel_models.inference.stop_sequences import StopSequenceWindow
 from parallel_models.options import option
 
 
@@ -193,7 +194,8 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
              pad_token_id: int = 0, top_logprobs: int = 0,
              on_step: Callable | None = None, record_routes: bool = False,
              row_limits: Sequence[int] | None = None,
-             row_seeds: Sequence[int] | None = None) -> GenerationOutput:
+             row_seeds: Sequence[int] | None = None,
+             stop_sequences: Sequence[Sequence[int]] | None = None) -> GenerationOutput:
     """Sample one continuation of each of ``prompts`` (token-id lists) with ``model`` (a
     parallel CausalLM); ``params.n`` must be 1 here (``RolloutEngine.generate`` repeats rows).
 
@@ -210,6 +212,8 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
     ``row_seeds``: one seed per row; each row then draws with its own counter-based noise
     (``row_sampling.draw``, the continuous batcher's draws), so its tokens depend on its seed and
     logits only, not on the batch, the rank or ``generator``.
+    ``stop_sequences``: token-id sequences that end a row once it generated one of them (its
+    tokens kept; ``stop_sequences.StopSequenceWindow``).
     """
     params.validate()
     if params.n != 1:
@@ -232,6 +236,7 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
     if stop_token_ids is None:
         stop_token_ids = params.stop_ids()
     stop = torch.tensor(list(stop_token_ids) or [-1], device=device)
+    window = StopSequenceWindow(stop_sequences, batch, device) if stop_sequences else None
     if generator is None and params.seed is not None and not params.greedy:
         generator = torch.Generator(device=device).manual_seed(int(params.seed))
     seeds = None
@@ -274,6 +279,8 @@ def generate(model, prompts: Sequence[Sequence[int]], params: SamplingParams,
             if on_step is not None:
                 on_step(tokens, logp, alive_out[-1], top)
             alive = alive & ~torch.isin(tokens, stop)
+            if window is not None:
+                alive = alive & ~window.push(tokens)
             if limits is not None:
                 alive = alive & (limits > step + 1)
             if step == params.max_new_tokens - 1:

@@ -277,7 +277,11 @@ BAD_CALLS = [
     ("logit_bias", "completions", {"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
     ("echo", "completions", {"prompt": "hi", "echo": True}, "echo"),
     ("token_out_of_vocab", "completions", {"prompt": [1, 74]}, "prompt"),
-    ("tools", "chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("tools_on_completions", "completions", {"prompt": "hi", "extra_body": {"tools": [
+        {"type": "function", "function": {"name": "f"}}]}}, "tools"),
+    ("tool_choice_unknown_function", "chat", {
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ("top_logprobs_without_logprobs", "chat", {"top_logprobs": 2}, "top_logprobs"),
     ("image_content", "chat", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages"),

@@ -39,18 +39,25 @@ class ScriptedEngine:
     def stop_ids(self, params):
         return params.stop_ids(self.eos_token_id)
 
-    def generate_samples(self, prompts, params, max_new_tokens=None, prompt_seeds=None):
+    def turn(self, context, cap, stop_sequences=()):
+        """The scripted turn after ``context``: its ids up to the cap or the first stop
+        sequence (kept), as the engine stops."""
+        key = next(k for k in self.script if tuple(context[:len(k)]) == k)
+        text = self.script[key].pop(0)
+        ids = TOK(text, add_special_tokens=False)["input_ids"] + [EOS]
+        for end in range(1, len(ids) + 1):
+            if any(ids[max(0, end - len(s)):end] == list(s) for s in stop_sequences):
+                ids = ids[:end]
+                break
+        ids = ids[:cap]
+        return {"token_ids": ids, "log_probs": [-(k + 1) / 100 for k in range(len(ids))],
+                "finish_reason": "stop" if ids[-1] == EOS else "length"}
+
+    def generate_samples(self, prompts, params, max_new_tokens=None, prompt_seeds=None,
+                         stop_sequences=()):
         self.calls.append(list(max_new_tokens))
-        out = []
-        for context, cap in zip(prompts, max_new_tokens):
-            key = next(k for k in self.script if tuple(context[:len(k)]) == k)
-            turns = self.script[key]
-            text = turns.pop(0)
-            ids = TOK(text, add_special_tokens=False)["input_ids"] + [EOS]
-            ids = ids[:cap]
-            out.append({"token_ids": ids, "log_probs": [-(k + 1) / 100 for k in range(len(ids))],
-                        "finish_reason": "stop" if ids[-1] == EOS else "length"})
-        return out
+        return [self.turn(context, cap, stop_sequences)
+                for context, cap in zip(prompts, max_new_tokens)]
 
 
 class Inner:
@@ -118,11 +125,14 @@ def check_stream(batch, b, prompt_text, turns, ends_with_eos=True, last_appended
     want = want[head:]
     if not last_appended:
         want = want[:-1]  # the template's newline after the last turn's EOS is not generated
-    if not ends_with_eos:
-        want = want[:-1]  # a turn cut by a budget has no EOS
+    last_call = turns[-1].endswith("</tool_call>")
+    if not ends_with_eos or last_call:
+        want = want[:-1]  # a turn cut by a budget or ending a call has no EOS
     assert response == want
-    model = [TOK(text, add_special_tokens=False)["input_ids"] + [EOS] for text in turns]
-    if not ends_with_eos:
+    # a turn ends at EOS, or right after its tool call (no EOS: the template closes it)
+    model = [TOK(text, add_special_tokens=False)["input_ids"] +
+             ([] if text.endswith("</tool_call>") else [EOS]) for text in turns]
+    if not ends_with_eos and not last_call:
         model[-1] = model[-1][:-1]
     assert [i for i, m in zip(response, mask) if m] == [i for ids in model for i in ids]
     got = [lp for lp, m in zip(logps, mask) if m]
@@ -206,7 +216,8 @@ class CountdownEnv:
                 {"role": "user", "content": f"say done, {record['name']}"}]
 
     def step(self, turn_text, turn_ids):
-        assert turn_ids[-1] == EOS  # the generated ids, as generated
+        # the generated ids, as generated: up to EOS or the end of the tool call
+        assert turn_ids[-1] == EOS or turn_text.endswith("</tool_call>")
         if "done" in turn_text:
             return [], 1.0, True
         return [{"role": "user", "content": "not yet"}], -0.1, False

@@ -10,13 +10,16 @@
 - ``POST /v1/chat/completions``: ``messages`` rendered with the tokenizer's chat template
   (``apply_chat_template``, generation prompt added), ``max_completion_tokens`` / ``max_tokens``
   (default: up to the server's limit and the model's context), ``logprobs: true`` +
-  ``top_logprobs``, and the fields above.
+  ``top_logprobs``, and the fields above; ``tools`` / ``tool_choice`` (answers with
+  ``message.tool_calls`` and ``finish_reason: "tool_calls"``), ``role: "tool"`` messages and
+  assistant messages with ``tool_calls`` in the history (``openai_tools``).
 
 Choices are prompt-major (``index = prompt * n + sample``). Text is decoded without special
 tokens; it ends before the ``stop`` string that is completed first, as if generation had stopped
 there (``finish_reason: "stop"``; the tokens up to the one that completed it count in
-``usage``), and a stop string that is exactly one token also ends generation at that token. ``finish_reason`` is ``"stop"`` for EOS / a stop
-string, else ``"length"``. Log-probs are those of the distribution the sampler drew from
+``usage``), and a stop string that is exactly one token also ends generation at that token.
+``finish_reason`` is ``"stop"`` for EOS / a stop string (``"tool_calls"`` when the answer
+calls tools), else ``"length"``. Log-probs are those of the distribution the sampler drew from
 (``log_softmax(logits / temperature)``; raw logits when greedy), like ``/generate``'s.
 ``system_fingerprint`` is ``weights-v{weight_version}`` (null in streams).
 
@@ -44,6 +47,9 @@ from parallel_models.inference.server.openai_protocol import (ChatCompletionRequ
                                                                refuse_unsupported)
 from parallel_models.inference.server.openai_text import (finish_text, single_token_stops,
                                                            token_string)
+from parallel_models.inference.server.openai_tools import (assistant_message, check_tool_request,
+                                                            forced_prefix, template_messages,
+                                                            template_tools, tool_mode)
 
 # (rows, params, top_logprobs[, sink of streamed steps]) -> (samples, weight_version)
 GenerateFn = Callable[..., Awaitable[tuple]]
@@ -119,15 +125,19 @@ class OpenAIServing:
         if not getattr(tok, "chat_template", None):
             raise OpenAIError(400, "the model's tokenizer has no chat template; use "
                                    "/v1/completions", param="messages")
-        messages = [m.as_template_input() for m in req.messages]
+        messages = template_messages(req)
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(messages, tools=template_tools(req),
+                                           add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # noqa: BLE001 - e.g. the template's raise_exception
             raise OpenAIError(400, f"the chat template refused the messages: {exc}",
                               param="messages") from None
         if len(text) > self.limits.max_prompt_tokens * 64:
             raise OpenAIError(400, "messages too long", param="messages")
         ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        prefix = forced_prefix(req)  # tool_choice required / named: the call's opening
+        if prefix:
+            ids += tok(prefix, add_special_tokens=False)["input_ids"]
         if not ids:
             raise OpenAIError(400, "the chat template rendered an empty prompt",
                               param="messages")
@@ -281,6 +291,7 @@ def openai_router(serving: OpenAIServing) -> APIRouter:
         req = await _parse(request, ChatCompletionRequest)
         serving.check_model(req.model)
         serving.need_tokenizer()
+        check_tool_request(req)
         prompt = serving.chat_prompt(req)
         field = "max_completion_tokens" if req.max_completion_tokens is not None else \
             "max_tokens"
@@ -294,11 +305,14 @@ def openai_router(serving: OpenAIServing) -> APIRouter:
                                          {**head, "object": "chat.completion.chunk"},
                                          chat=True, logprobs=bool(req.logprobs))
         groups, version = await serving.sample([prompt], req, max_tokens, top_k)
-        choices = [{"index": c, "message": {"role": "assistant", "content": s["text"],
-                                            "refusal": None},
-                    "logprobs": serving.chat_logprobs(s, 0, len(s["token_ids"]))
-                    if req.logprobs else None,
-                    "finish_reason": s["finish_reason"]} for c, s in enumerate(groups[0])]
+        choices = []
+        for c, s in enumerate(groups[0]):
+            message, calls = assistant_message(forced_prefix(req) + s["text"], tool_mode(req),
+                                               parallel=req.parallel_tool_calls is not False)
+            choices.append({"index": c, "message": message,
+                            "logprobs": serving.chat_logprobs(s, 0, len(s["token_ids"]))
+                            if req.logprobs else None,
+                            "finish_reason": "tool_calls" if calls else s["finish_reason"]})
         return {**head, "system_fingerprint": f"weights-v{version}", "object": "chat.completion",
                 "choices": choices, "usage": serving.usage([prompt], groups)}
 

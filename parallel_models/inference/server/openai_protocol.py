@@ -4,7 +4,7 @@ fields this server refuses.
 Requests of ``POST /v1/completions`` and ``POST /v1/chat/completions`` are validated strictly
 (``extra="forbid"``, strict ints and bools), so a wrong type, an out-of-range value or an unknown
 field is a 400 naming the field (``param``). Fields the OpenAI API has but this server cannot
-honor (penalties, ``logit_bias``, tools, ``echo``, ``suffix``, ...) are refused with a 400
+honor (penalties, ``logit_bias``, ``echo``, ``suffix``, ...) are refused with a 400
 naming the field too, unless the client sends their neutral value (e.g. ``frequency_penalty:
 0``), rather than silently ignored.
 
@@ -15,15 +15,18 @@ Errors have the OpenAI body ``{"error": {"message", "type", "param", "code"}}`` 
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr,
+                      model_validator)
 
 from parallel_models.inference.sampling import Number, TokenId
 
 MAX_TOP_LOGPROBS = 20
 SEED_LIMIT = 1 << 62  # seeds are in [0, 2^62): the draws' seed mixing is modulo 2^62
 MAX_STOP_STRINGS = 16
+MAX_TOOLS = 128
 
 
 class OpenAIError(Exception):
@@ -54,9 +57,6 @@ _NEUTRAL: dict[str, tuple] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None,),
     "functions": (None, []),
     "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
@@ -165,22 +165,103 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
-class ChatMessage(BaseModel):
-    """One message: text content (a string or text parts); no tool calls, no images."""
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr
+    arguments: StrictStr  # a JSON object, as a string (the OpenAI wire format)
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made (``message.tool_calls[i]``)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Union[StrictStr, list[TextPart]]
-    name: Optional[StrictStr] = None
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
     def as_template_input(self) -> dict:
-        content = self.content if isinstance(self.content, str) else \
+        """The call as chat templates read it (``arguments`` a dict, as transformers' tool
+        examples pass it; a string that is not a JSON object stays a string)."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        if not isinstance(arguments, dict):
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": arguments}}
+
+
+class ChatMessage(BaseModel):
+    """One message: text content (a string or text parts); an assistant message may carry
+    ``tool_calls`` (then its content may be null), a ``tool`` message answers the call
+    ``tool_call_id``. No images."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[StrictStr, list[TextPart]]] = None
+    name: Optional[StrictStr] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[StrictStr] = None
+
+    @model_validator(mode="after")
+    def _fields_of_the_role(self):
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls: only assistant messages carry them, not {self.role}")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("tool_call_id: a tool message needs the id of the call it answers")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: required (null only for an assistant message with "
+                             "tool_calls)")
+        return self
+
+    def as_template_input(self) -> dict:
+        content = self.content if isinstance(self.content, str) or self.content is None else \
             "".join(part.text for part in self.content)
-        out = {"role": self.role, "content": content}
+        out = {"role": self.role, "content": content if content is not None else ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [call.as_template_input() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
+
+
+class FunctionSpec(BaseModel):
+    """A function the model may call (OpenAI's ``tools[i].function``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64)]
+    description: Optional[StrictStr] = None
+    parameters: Optional[dict] = None
+    strict: Optional[StrictBool] = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``: call that function."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -192,9 +273,20 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
     logprobs: Optional[StrictBool] = False
     top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Optional[Annotated[list[ToolSpec], Field(max_length=MAX_TOOLS)]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[StrictBool] = None  # false: the first call only
 
     def check(self) -> None:
         super().check()
+        names = [t.function.name for t in self.tools or []]
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise OpenAIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise OpenAIError(400, f"tool_choice names the function {choice.function.name!r}, "
+                                   f"which is not in tools ({', '.join(names)})",
+                              param="tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
         if (self.max_tokens is not None and self.max_completion_tokens is not None
@@ -207,5 +299,6 @@ class ChatCompletionRequest(_GenerationRequest):
             self.max_tokens
 
 
-__all__ = ["SEED_LIMIT", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "OpenAIError",
-           "StreamOptions", "error_body", "refuse_unsupported"]
+__all__ = ["SEED_LIMIT", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
+           "NamedToolChoice", "OpenAIError", "StreamOptions", "ToolCall", "ToolSpec", "error_body",
+           "refuse_unsupported"]

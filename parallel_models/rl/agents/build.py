@@ -1,7 +1,7 @@
 """Building the multi-turn rollout from the config (``rollout.multi_turn``): the tools, the
 executor, the environment class and the budgets, around the training backend's in-process
-rollout. :func:`multi_turn_rollout` is the hook ``rl/rollout/registry.build_rollout`` calls
-when ``rollout.multi_turn`` is on."""
+rollout (or the rollout server's: ``server_turns``). :func:`multi_turn_rollout` is the hook
+``rl/rollout/registry.build_rollout`` calls when ``rollout.multi_turn`` is on."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from parallel_models.errors import ConfigError
 from parallel_models.rl.agents.environment import load_environment
 from parallel_models.rl.agents.executor import ToolExecutor
 from parallel_models.rl.agents.multi_turn import MultiTurnLimits, MultiTurnRollout
+from parallel_models.rl.agents.server_turns import ServerTurnEngine
 from parallel_models.rl.agents.tools import resolve_tools
 
 
@@ -18,10 +19,13 @@ def multi_turn_rollout(rollout, cfg, tokenizer) -> MultiTurnRollout:
     mt = cfg.rollout.multi_turn
     engine = getattr(rollout, "engine", None)
     if not callable(getattr(engine, "generate_samples", None)):
-        raise ConfigError(f"rollout.multi_turn needs an in-process rollout engine "
-                          f"(rollout.backend=inprocess in the training layout); "
-                          f"rollout.backend={cfg.rollout.backend!r} built "
-                          f"{type(rollout).__name__}, which has none")
+        if getattr(rollout, "client", None) is None:
+            raise ConfigError(f"rollout.multi_turn needs an in-process rollout engine "
+                              f"(rollout.backend=inprocess) or the rollout server "
+                              f"(rollout.backend=server); rollout.backend="
+                              f"{cfg.rollout.backend!r} built {type(rollout).__name__}, which "
+                              f"has neither")
+        engine = ServerTurnEngine(rollout)  # turns as /generate requests
     if tokenizer is None:
         raise ConfigError("rollout.multi_turn needs the actor's tokenizer")
     if getattr(tokenizer, "chat_template", None) is None:
@@ -35,9 +39,10 @@ def multi_turn_rollout(rollout, cfg, tokenizer) -> MultiTurnRollout:
     environment = load_environment(mt.environment) if mt.environment else None
     limits = MultiTurnLimits(max_turns=mt.max_turns, max_total_tokens=mt.max_total_tokens,
                              max_turn_tokens=mt.max_turn_tokens,
-                             max_tool_response_tokens=mt.max_tool_response_tokens)
+                             max_tool_response_tokens=mt.max_tool_response_tokens,
+                             stop_at_call_end=mt.stop_at_call_end)
     return MultiTurnRollout(rollout, tokenizer, limits, executor=executor,
-                            environment=environment)
+                            environment=environment, engine=engine)
 
 
 __all__ = ["multi_turn_rollout"]

@@ -32,79 +32,62 @@ turn, name, arguments, result, error, seconds) and ``environment_reward`` (the s
 environment's rewards, None without one) for the reward function. :attr:`MultiTurnRollout.metrics`
 holds the last generate's ``rollout/...`` metrics.
 
-This first version is turn-synchronous: all live conversations generate a turn together, then
-their tools run (in parallel, in the executor's pool), then the next turn. Rows waiting on tools
-do not free their decode slot for others yet (the continuous engine would need requests that
-pause and resume).
+A turn also ends right after the end of a tool call (``</tool_call>`` for the hermes format:
+the ids of the format's ``call_end`` text are a stop sequence of the engine; the turn keeps them,
+and the chat template's end-of-turn text is appended after it, masked 0), unless
+``rollout.multi_turn.stop_at_call_end`` is off.
+
+Two drivers (``conversation.ConversationTurns`` does each conversation's steps for both):
+
+* asynchronous (``async_turns.AsyncTurns``, the default for a
+  :class:`~parallel_models.inference.RolloutEngine`): each turn is a request of the continuous
+  engine; a row that ends a turn leaves the decode batch, its tools run in the thread pool, and
+  it re-enters with the whole conversation as its prompt while the other rows keep decoding;
+* turn-synchronous: all live conversations generate a turn together (``generate_samples``),
+  then their tools run, then the next turn. It serves engines without a continuous engine (only
+  ``generate_samples``) and MoE actors (the static batcher records every token's routes for
+  router replay; a position keeps the routes of the first turn that fed it to the model), and is
+  the reference the asynchronous driver is tested against (same tokens for the same seeds).
 """
+
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
 from parallel_models.inference import row_seed
-from parallel_models.rl.agents.chat_render import appended_ids, cap_content
-from parallel_models.rl.agents.environment import check_messages, step_result
-from parallel_models.rl.agents.executor import ToolExecutor, tool_messages
+from parallel_models.rl.agents.async_turns import AsyncTurns, supports_async, turn_seed
+from parallel_models.rl.agents.conversation import (CUTS, Conversation, ConversationTurns,
+                                                    MultiTurnLimits)
+from parallel_models.rl.agents.executor import ToolExecutor
 from parallel_models.rl.data.batch import RolloutBatch
 from parallel_models.rl.rollout.interface import EngineTokens
 
-_SEED_MASK = (1 << 62) - 1  # the engine's prompt seeds are in [0, 2^62)
-CUTS = ("max_turns", "total_tokens", "turn_tokens", "tool_response")
-
-
-@dataclasses.dataclass
-class MultiTurnLimits:
-    """The budgets of a conversation (see the module docstring); None: no cap."""
-
-    max_turns: int = 1
-    max_total_tokens: int | None = None
-    max_turn_tokens: int | None = None
-    max_tool_response_tokens: int | None = None
-
-
-@dataclasses.dataclass
-class Conversation:
-    """One sample's state while it is generated."""
-
-    context: list[int]               # prompt + response so far: what the next turn reads
-    prompt_length: int
-    seed: int | None
-    env: Any = None
-    messages: list[dict] = dataclasses.field(default_factory=list)
-    response: list[int] = dataclasses.field(default_factory=list)
-    model_mask: list[int] = dataclasses.field(default_factory=list)
-    log_probs: list[float] = dataclasses.field(default_factory=list)
-    tool_trace: list[dict] = dataclasses.field(default_factory=list)
-    environment_reward: float | None = None
-    turns: int = 0
-    done: bool = False
-    cuts: set = dataclasses.field(default_factory=set)
-
-    def add(self, ids: Sequence[int], model: bool, log_probs: Sequence[float] = ()) -> None:
-        self.context += list(ids)
-        self.response += list(ids)
-        self.model_mask += [int(model)] * len(ids)
-        self.log_probs += list(log_probs) if model else [0.0] * len(ids)
-
 
 class MultiTurnRollout(EngineTokens):
-    """``MultiTurnRollout(inner, tokenizer, limits, executor=None, environment=None)``:
-    ``inner`` an in-process rollout (its ``engine``), ``environment`` a class (one instance per
-    conversation). ``generate(..., records=...)`` takes the prompts' dataset records (for
-    ``reset``; without them an environment gets ``{"prompt": the prompt's text}``)."""
+    """``MultiTurnRollout(inner, tokenizer, limits, executor=None, environment=None,
+    asynchronous=None, engine=None)``: ``inner`` an in-process rollout (its ``engine``; or
+    ``engine`` given, e.g. ``server_turns.ServerTurnEngine`` of a server rollout),
+    ``environment`` a class (one instance per conversation); ``asynchronous``: the driver (None:
+    asynchronous when the engine supports it). ``generate(..., records=...)`` takes the prompts' dataset records
+    (for ``reset``; without them an environment gets ``{"prompt": the prompt's text}``)."""
 
     takes_records = True
 
     def __init__(self, inner, tokenizer, limits: MultiTurnLimits,
-                 executor: ToolExecutor | None = None, environment: type | None = None):
-        self.inner, self.engine = inner, inner.engine
+                 executor: ToolExecutor | None = None, environment: type | None = None,
+                 asynchronous: bool | None = None, engine=None):
+        self.inner, self.engine = inner, engine if engine is not None else inner.engine
         self.tokenizer, self.limits = tokenizer, limits
         self.executor, self.environment = executor, environment
+        self.turns = ConversationTurns(tokenizer, limits, executor, environment)
+        self.num_experts = getattr(inner, "num_experts", None)  # MoE: rows carry their routes
+        if asynchronous is None:  # (the continuous engine records no routes)
+            asynchronous = supports_async(self.engine) and self.num_experts is None
+        self.asynchronous = asynchronous
         self.metrics: dict[str, float] = {}
 
     @property
@@ -129,128 +112,48 @@ class MultiTurnRollout(EngineTokens):
             refill()
             self.inner._filled = self.inner.version
         n = sampling.n
-        conversations = []
-        for i, prompt in enumerate(prompt_ids):
-            for j in range(n):
-                seed = None if prompt_seeds is None else row_seed(prompt_seeds[i], j)
-                record = records[i] if records else None
-                if record is None:  # e.g. validation prompts: the prompt's text only
-                    record = {"prompt": self.tokenizer.decode(list(prompt),
-                                                              skip_special_tokens=True)}
-                conversations.append(self._start(prompt, seed, record))
+        conversations = [
+            self.turns.start(prompt, None if prompt_seeds is None else
+                             row_seed(prompt_seeds[i], j), records[i] if records else None)
+            for i, prompt in enumerate(prompt_ids) for j in range(n)]
         one = sampling.model_copy(update={"n": 1})
         start = time.monotonic()
-        tool_seconds = 0.0
-        while True:
-            live = [c for c in conversations if not c.done]
-            if not live:
-                break
-            caps = [self._turn_cap(c, sampling.max_new_tokens) for c in live]
-            turns = self.engine.generate_samples(
-                [c.context for c in live], one, max_new_tokens=caps,
-                prompt_seeds=None if prompt_seeds is None else
-                [row_seed(c.seed, c.turns) & _SEED_MASK for c in live])
-            tool_seconds += self._after_turns(live, turns, set(self.engine.stop_ids(one)))
+        if self.asynchronous:
+            tool_seconds = AsyncTurns(self.turns, self.engine).run(
+                conversations, one, sampling.max_new_tokens)
+        else:
+            tool_seconds = self._turn_synchronous(conversations, one, sampling.max_new_tokens,
+                                                  seeded=prompt_seeds is not None)
         batch = self._batch(conversations, len(prompt_ids), n)
         self.metrics = self._metrics(conversations, tool_seconds, time.monotonic() - start)
         return batch
 
-    # ---- one conversation ---------------------------------------------------------------------
-    def _start(self, prompt: Sequence[int], seed, record: dict) -> Conversation:
-        env, messages = None, []
-        if self.environment is not None:
-            env = self.environment()
-            messages = check_messages(env.reset(dict(record)) or [], "environment reset()")
-        if messages:
-            text = self.tokenizer.apply_chat_template(
-                messages, tools=self._schemas(), add_generation_prompt=True, tokenize=False)
-            prompt = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            messages = [{"role": "user", "content": self.tokenizer.decode(
-                list(prompt), skip_special_tokens=True)}]
-        return Conversation(context=list(prompt), prompt_length=len(prompt), seed=seed, env=env,
-                            messages=list(messages))
-
-    def _schemas(self):
-        if self.executor is None or not self.executor.tools:
-            return None
-        return [t.openai_schema() for t in self.executor.tools.values()]
-
-    def _turn_cap(self, c: Conversation, max_new_tokens: int) -> int:
-        cap = max_new_tokens
-        if self.limits.max_turn_tokens is not None:
-            cap = min(cap, self.limits.max_turn_tokens)
-        if self.limits.max_total_tokens is not None:
-            cap = min(cap, self.limits.max_total_tokens - len(c.response))
-        return max(1, cap)
-
-    def _after_turns(self, live: list[Conversation], turns: list[dict], stops: set) -> float:
-        """Record each live conversation's new turn, run its tools and environment step, append
-        their messages or end it; returns the tools' seconds."""
-        texts = []
-        for c, turn in zip(live, turns):
-            ids = turn["token_ids"]
-            c.add(ids, model=True, log_probs=turn["log_probs"])
-            c.turns += 1
-            stopped = bool(ids) and ids[-1] in stops
-            text = self.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
-            c.messages.append({"role": "assistant", "content": text})
-            texts.append((text, stopped, self._out_of_total(c, 0, at_limit=True)))
-        # every turn's tools at once (a conversation out of budget runs none)
-        futures = [self.executor.submit(text) if self.executor is not None and not spent
-                   else None for text, _, spent in texts]
+    def _turn_synchronous(self, conversations: list[Conversation], one, max_new_tokens: int,
+                          seeded: bool) -> float:
+        """Every live conversation's turn in one ``generate_samples``, then their tools (all at
+        once, in the executor's pool); returns the tools' seconds."""
+        self.turns.stop_ids = set(self.engine.stop_ids(one))
         seconds = 0.0
-        for c, turn, (text, stopped, spent), future in zip(live, turns, texts, futures):
-            if spent:  # the turn used what was left of the total budget
-                c.cuts.add("total_tokens")
-                c.done = True
-                continue
-            if not stopped:  # cut at max_turn_tokens: the template closes it (0-masked)
-                c.cuts.add("turn_tokens")
-            records = future.result() if future is not None else []
-            seconds += sum(r.seconds for r in records)
-            c.tool_trace += [dict(turn=c.turns, **dataclasses.asdict(r)) for r in records]
-            new = self._tool_messages(c, records)
-            done = not records
-            if c.env is not None:
-                result = step_result(c.env.step(text, list(turn["token_ids"])),
-                                     "environment")
-                if result.reward is not None:
-                    c.environment_reward = (c.environment_reward or 0.0) + result.reward
-                new += result.messages
-                done = result.done
-            if done:
-                c.done = True
-                continue
-            if c.turns >= self.limits.max_turns:
-                c.cuts.add("max_turns")
-                c.done = True
-                continue
-            stop_text = self.tokenizer.decode([turn["token_ids"][-1]]) if stopped else None
-            ids = appended_ids(self.tokenizer, new, stop_text)
-            if self._out_of_total(c, len(ids) + 1):
-                c.cuts.add("total_tokens")
-                c.done = True
-                continue
-            c.messages += new
-            c.add(ids, model=False)
-        return seconds
-
-    def _tool_messages(self, c: Conversation, records) -> list[dict]:
-        messages = tool_messages(records)
-        for m in messages:
-            m["content"], cut = cap_content(self.tokenizer, m["content"],
-                                            self.limits.max_tool_response_tokens)
-            if cut:
-                c.cuts.add("tool_response")
-        return messages
-
-    def _out_of_total(self, c: Conversation, more: int = 0, at_limit: bool = False) -> bool:
-        """Whether ``more`` tokens would pass the total budget (``at_limit``: or reach it)."""
-        total = self.limits.max_total_tokens
-        if total is None:
-            return False
-        return len(c.response) + more >= total if at_limit else len(c.response) + more > total
+        while True:
+            live = [c for c in conversations if not c.done]
+            if not live:
+                return seconds
+            caps = [self.turns.turn_cap(c, max_new_tokens) for c in live]
+            extra = {"stop_sequences": self.turns.stop_sequences} \
+                if self.turns.stop_sequences else {}
+            if self.num_experts is not None:
+                extra["record_routes"] = True
+            generated = self.engine.generate_samples(
+                [c.context for c in live], one, max_new_tokens=caps,
+                prompt_seeds=[turn_seed(c) for c in live] if seeded else None, **extra)
+            for c, turn in zip(live, generated):
+                if "routes" in turn:
+                    c.add_routes(turn["routes"])
+            ends = [self.turns.end_turn(c, turn) for c, turn in zip(live, generated)]
+            futures = [self.turns.run_tools(end) for end in ends]
+            for c, end, future in zip(live, ends, futures):
+                records = future.result() if future is not None else []
+                seconds += self.turns.after_tools(c, end, records)
 
     # ---- the batch and the metrics ------------------------------------------------------------
     def _batch(self, conversations: list[Conversation], prompts: int, n: int) -> RolloutBatch:
@@ -278,10 +181,25 @@ class MultiTurnRollout(EngineTokens):
                              response_mask=mask.to(device),
                              group_index=torch.arange(prompts).repeat_interleave(n).to(device),
                              rollout_log_probs=log_probs.to(device))
+        if self.num_experts is not None and conversations[0].routes:
+            batch.routes = self._routes(conversations, P, R).to(device)
         batch.columns["conversation"] = [c.messages for c in conversations]
         batch.columns["tool_trace"] = [c.tool_trace for c in conversations]
         batch.columns["environment_reward"] = [c.environment_reward for c in conversations]
         return batch
+
+    def _routes(self, conversations: list[Conversation], P: int, R: int) -> torch.Tensor:
+        """``[rows, P + R, moe_layers, k]`` (compact) routes aligned with the batch's sequences
+        (missing where none was recorded: padding, the last generated id)."""
+        from parallel_models.utils import routes as route_utils
+
+        shape = torch.tensor(conversations[0].routes[0]).shape
+        full = torch.full((len(conversations), P + R, *shape), route_utils.MISSING,
+                          dtype=torch.long)
+        for b, c in enumerate(conversations):
+            start = P - c.prompt_length
+            full[b, start:start + len(c.routes)] = torch.tensor(c.routes, dtype=torch.long)
+        return route_utils.compact(full, self.num_experts)
 
     def _metrics(self, conversations: list[Conversation], tool_seconds: float,
                  seconds: float) -> dict[str, float]:

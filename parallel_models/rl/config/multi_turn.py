@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 from parallel_models.utils.optimizer_config import Int, Number
 
@@ -38,6 +38,10 @@ class MultiTurnSection(BaseModel):
                           "call ends the conversation")
     tool_call_format: str = Field("hermes", description="how tool calls are written: hermes "
                                   "(<tool_call>{json}</tool_call>) or path/to/file.py:parse")
+    stop_at_call_end: StrictBool = Field(
+        True, description="a model turn ends right after the end of a tool call (the call "
+                          "format's closing text, </tool_call> for hermes); off: only at EOS or "
+                          "the turn's cap (several calls per turn)")
     tool_timeout_s: Number = Field(30.0, gt=0, description="seconds a tool call may take")
     tool_workers: Int = Field(8, ge=1, description="tool calls running at once")
 

@@ -1,0 +1,155 @@
+"""Multi-turn (agentic) rollout decode throughput with slow tools vs the same tokens without
+tool latency (issue 34): rows waiting on a tool must not stall the others.
+
+    python bench/agentic_rollout.py [--conversations 256] [--turns 3] [--turn-tokens 128]
+                                    [--latency-ms 50] [--out r.json]
+    python bench/agentic_rollout.py --tiny      # a CPU smoke run (tests/rl/test_agentic_bench.py)
+
+Workload: ``--conversations`` prompts (the built-in character tokenizer, random text of 64..192
+characters), one sample each, greedy with ``ignore_eos``, ``--turns`` model turns per
+conversation. Every turn calls one tool (a bench tool call format that reads every turn as a call
+of ``wait``); the tool sleeps ``--latency-ms`` and answers ``ok``. Turn lengths vary per
+conversation and turn, ``--turn-tokens`` x [0.5, 1.5) (so rows end their turns at different
+steps, as real agents do). Model: the 0.89B Llama shape of bench/train_bench.py with the
+tokenizer's 74-token vocab (``--hidden ...`` change it), random weights, bf16; the rollout
+engine batches continuously (``kv_budget_tokens=auto``, KV kept between runs so CUDA graphs are
+captured once, by a warm-up run).
+
+Cases, the same conversations and tokens in each (greedy; ``same_tokens`` checks it):
+
+- ``no_latency``: the tool answers at once -- the same tokens without tool time;
+- ``tools``: the tool sleeps ``--latency-ms`` (the asynchronous driver: a row on a tool leaves
+  the decode batch, the others keep decoding, it re-enters with the whole conversation);
+- ``tools_turn_synchronous``: the same with the turn-synchronous driver (every row waits for the
+  slowest turn and the tools), for comparison.
+
+Reported per case: seconds, model tokens, decode throughput (model tokens / s). The result:
+``throughput_ratio`` = tools / no_latency (target >= 0.8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from common import add_llama_shape_args, build_random_llama, report
+
+TINY = dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=128)
+
+
+def every_turn_calls_wait(text: str):
+    """The bench's tool call format: every turn is one call of ``wait``."""
+    from parallel_models.utils.tool_calls import ParsedCall
+
+    return [ParsedCall(name="wait", raw=text)]
+
+
+def build_rollout(model, tok, args, latency_s: float, asynchronous: bool):
+    from parallel_models.inference import RolloutEngine
+    from parallel_models.rl.agents.executor import ToolExecutor
+    from parallel_models.rl.agents.multi_turn import MultiTurnLimits, MultiTurnRollout
+    from parallel_models.rl.agents.schema import Tool
+
+    def wait() -> str:
+        if latency_s:
+            time.sleep(latency_s)
+        return "ok"
+
+    tool = Tool("wait", "waits", {"type": "object", "properties": {}}, wait)
+    executor = ToolExecutor({"wait": tool}, timeout_s=60, max_workers=args.conversations,
+                            call_format="bench_every_turn")
+    engine = RolloutEngine(model, eos_token_id=tok.eos_token_id, kv_budget_tokens="auto",
+                           max_rows=args.conversations, keep_kv=True)
+    longest = int(args.turn_tokens * 1.5)
+    limits = MultiTurnLimits(max_turns=args.turns, max_turn_tokens=longest,
+                             max_total_tokens=args.turns * (longest + 64))
+    inner = type("Inner", (), {"engine": engine, "pushes_weights": False})()
+    mt = MultiTurnRollout(inner, tok, limits, executor=executor, asynchronous=asynchronous)
+    span = max(1, args.turn_tokens)
+
+    def turn_cap(c, max_new_tokens):  # varied turn lengths, the same in every case
+        return args.turn_tokens // 2 + (c.prompt_length * 7 + c.turns * 13) % span
+
+    mt.turns.turn_cap = turn_cap
+    return mt, executor
+
+
+def run_case(model, tok, prompts, args, latency_s: float, asynchronous: bool) -> dict:
+    from parallel_models.inference import SamplingParams
+
+    mt, executor = build_rollout(model, tok, args, latency_s, asynchronous)
+    params = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=int(
+        args.turn_tokens * 1.5))
+    try:
+        for _ in range(2):  # a warm-up run (graph capture), then the timed one
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            batch = mt.generate(prompts, params)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+    finally:
+        executor.close()
+    tokens = int(batch.response_mask.sum())
+    return {"seconds": round(seconds, 4), "model_tokens": tokens,
+            "tokens_per_s": round(tokens / seconds, 1),
+            "turns_mean": mt.metrics["rollout/turns_mean"],
+            "tool_calls_mean": mt.metrics["rollout/tool_calls_mean"],
+            "tool_time_s": round(mt.metrics["rollout/tool_time_s"], 3),
+            "_streams": batch.sequences[batch.attention_mask.bool()].tolist()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_llama_shape_args(ap, seq=False)
+    ap.add_argument("--conversations", type=int, default=256)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--turn-tokens", type=int, default=128)
+    ap.add_argument("--latency-ms", type=float, default=50.0)
+    ap.add_argument("--tiny", action="store_true", help="a CPU smoke run: a tiny model, 8 "
+                    "conversations, 8-token turns")
+    ap.add_argument("--skip-sync", action="store_true", help="leave out the turn-synchronous "
+                    "case")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.tiny:
+        for k, v in TINY.items():
+            setattr(args, k, v)
+        args.conversations, args.turn_tokens = min(args.conversations, 8), 8
+
+    import parallel_models as pm
+    from parallel_models.rl.agents.tool_call_format import TOOL_CALL_FORMATS
+    from parallel_models.tokenizer import build_builtin_tokenizer
+
+    TOOL_CALL_FORMATS.register("bench_every_turn")(every_turn_calls_wait)
+    pm.init_parallel()
+    tok = build_builtin_tokenizer(model_max_length=1 << 16)
+    args.vocab = len(tok)  # the generated ids are the tokenizer's
+    model = build_random_llama(args, pm.LlamaForCausalLMRmPad, seed=0)
+    g = torch.Generator().manual_seed(0)
+    letters = "abcdefghijklmnopqrstuvwxyz "
+    prompts = []
+    for _ in range(args.conversations):
+        n = int(torch.randint(64, 193, (1,), generator=g))
+        text = "".join(letters[int(i)] for i in torch.randint(0, len(letters), (n,),
+                                                               generator=g))
+        prompts.append(tok(text)["input_ids"])
+    latency = args.latency_ms / 1e3
+    cases = {"no_latency": run_case(model, tok, prompts, args, 0.0, True),
+             "tools": run_case(model, tok, prompts, args, latency, True)}
+    if not args.skip_sync:
+        cases["tools_turn_synchronous"] = run_case(model, tok, prompts, args, latency, False)
+    streams = [c.pop("_streams") for c in cases.values()]
+    res = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "args": vars(args),
+           "cases": cases, "same_tokens": all(s == streams[0] for s in streams),
+           "throughput_ratio": round(cases["tools"]["tokens_per_s"] /
+                                     cases["no_latency"]["tokens_per_s"], 3),
+           "target": 0.8}
+    report(res, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""The agentic rollout bench (``bench/agentic_rollout.py``, the lead runs it on the GPU) in its
+``--tiny`` CPU mode: every case runs 3 turns with one tool call each, the slow-tool cases spend
+the tool time, and every case generates the same tokens (the bench's throughput ratio compares
+like with like)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "agentic_rollout.py")
+
+
+def test_tiny_bench_reports_the_same_tokens_in_every_case(tmp_path):
+    out = tmp_path / "r.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, BENCH, "--tiny", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    cases = result["cases"]
+    assert set(cases) == {"no_latency", "tools", "tools_turn_synchronous"}
+    assert result["same_tokens"]
+    tokens = {c["model_tokens"] for c in cases.values()}
+    assert len(tokens) == 1 and tokens.pop() >= 8 * 3 * 4  # turns of >= 4 tokens
+    for case in cases.values():
+        assert case["turns_mean"] == 3.0 and case["tool_calls_mean"] == 3.0
+    # 8 conversations x 3 calls of 50 ms
+    assert cases["tools"]["tool_time_s"] >= 24 * 0.05 * 0.95
+    assert cases["no_latency"]["tool_time_s"] < 0.5
+    assert result["throughput_ratio"] > 0

@@ -14,6 +14,12 @@ Backends (:func:`gemm_backend`):
   the kernel agrees with the torch ops, by torch ops otherwise. Once per device and granularity
   (outside a CUDA graph capture) a small product checks that ``_scaled_mm`` takes these layouts
   and agrees with the emulation; if not, a warning names the error and the emulation runs.
+- decode-sized products (at most :data:`DECODE_ROWS` rows) on the ``scaled_mm`` backend run
+  weight-only instead (``weight_only_kernel``: e4m3 weights read once, activations kept in bf16,
+  block scales applied to the fp32 partial products), where that Triton kernel passed its check
+  on the device: a decode step is memory-bound, and on an H100 the W8A8 ``_scaled_mm`` decode
+  (quantize kernel + cuBLAS's block-scaled GEMM at 64-256 rows) was slower than bf16. Prefill
+  keeps ``_scaled_mm``'s FP8 tensor-core throughput.
 - ``"emulated"`` (the CPU, and shapes or devices the kernels do not take): the activations are
   quantized and dequantized with the same recipe, the weight dequantized, and the product taken
   in the activation dtype, so the emulation carries the FP8 rounding error the GPU path has
@@ -32,6 +38,11 @@ from parallel_models.inference.fp8.quantize import (BLOCK, QuantizedWeight,
 log = logging.getLogger(__name__)
 _warned: set = set()
 _probed: dict = {}  # (device, granularity) -> whether _scaled_mm ran and agreed with the emulation
+_weight_only: dict = {}  # (device, granularity) -> whether the W8A16 decode kernel agreed
+DECODE_ROWS = 256
+"""Products of at most this many rows (decode steps) run weight-only (``weight_only_kernel``:
+e4m3 weights, 16-bit activations) where that kernel passed its check; larger ones (prefill) run
+``_scaled_mm`` with quantized activations. 0 = every product on ``_scaled_mm``."""
 _fused_quant: dict = {}  # device -> whether the Triton activation quantization is used there
 
 
@@ -95,11 +106,46 @@ def _probe(device: torch.device, granularity: str) -> bool:
             log.warning("fp8: _scaled_mm with the Triton-quantized activations %s; retrying "
                         "with torch ops", problem)
             _fused_quant[str(device)] = False
+        _check_weight_only(device, granularity)
         if not _probed[key]:
             log.warning("fp8: torch._scaled_mm with %s scales on %s %s; the FP8 linears run "
                         "emulated (dequantized) instead", granularity,
                         torch.cuda.get_device_name(device), problem)
     return _probed[key]
+
+
+def _check_weight_only(device: torch.device, granularity: str) -> None:
+    """Once per device and granularity: use the W8A16 decode kernel if triton imports and the
+    kernel agrees with :func:`weight_only_matmul` (to bf16 rounding and accumulation order)."""
+    key = (str(device), granularity)
+    if key in _weight_only:
+        return
+    _weight_only[key] = False
+    try:
+        from parallel_models.inference.fp8.quantize import quantize_weight
+        from parallel_models.inference.fp8.weight_only_kernel import weight_only_mm
+
+        g = torch.Generator(device=device).manual_seed(2)
+        x = torch.randn(37, 300, device=device, generator=g, dtype=torch.bfloat16)
+        storage = block_scale_storage(200, 300, device) if granularity == "block" else None
+        q = quantize_weight(torch.randn(200, 300, device=device, generator=g), granularity)
+        if storage is not None:  # the layout the rollout linears keep their scales in
+            storage.copy_(q.scale)
+            q = QuantizedWeight(q.data, storage, granularity)
+        want = weight_only_matmul(x, q).float()
+        err = float(((weight_only_mm(x, q).float() - want).abs() / (want.abs() + 1.0)).max())
+        _weight_only[key] = err < 2e-2
+        problem = f"differs from the emulation by {err:.3g}"
+    except Exception as exc:  # noqa: BLE001 - no triton, or the kernel does not build here
+        problem = f"{type(exc).__name__}: {exc}"
+    if not _weight_only[key]:
+        log.warning("fp8: the weight-only decode kernel %s; decode runs _scaled_mm", problem)
+
+
+def weight_only_matmul(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """``x2 @ dequantize(W)^T`` with ``x2`` as it is (weight-only FP8), in fp32, cast to its
+    dtype: what the decode kernel computes, up to the accumulation order."""
+    return (x2.float() @ weight.dequantize(torch.float32).t()).to(x2.dtype)
 
 
 def block_scale_storage(out: int, inp: int, device=None) -> torch.Tensor:
@@ -184,7 +230,12 @@ def fp8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | No
     ``"scaled_mm"`` or ``"emulated"`` (default: :func:`gemm_backend`)."""
     x2 = x.reshape(-1, x.shape[-1])
     backend = backend or gemm_backend(x2, weight)
-    if backend == "scaled_mm":
+    if backend == "scaled_mm" and x2.shape[0] <= DECODE_ROWS and \
+            _weight_only.get((str(x2.device), weight.granularity)):
+        from parallel_models.inference.fp8.weight_only_kernel import weight_only_mm
+
+        out = weight_only_mm(x2, weight).to(x.dtype)
+    elif backend == "scaled_mm":
         out = _scaled_mm(x2, weight).to(x.dtype)
     elif backend == "emulated":
         out = emulated_matmul(x2, weight)
@@ -195,4 +246,5 @@ def fp8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-__all__ = ["block_scale_storage", "emulated_matmul", "fp8_linear", "gemm_backend"]
+__all__ = ["DECODE_ROWS", "block_scale_storage", "emulated_matmul", "fp8_linear", "gemm_backend",
+           "weight_only_matmul"]

@@ -4,7 +4,8 @@
 layer's attention (``qkv_proj``: ``q_proj``/``k_proj``/``v_proj``; ``o_proj``) and dense MLP
 (``gate_up_proj``: ``gate_proj``/``up_proj``; ``down_proj``) get the targeted adapters, every
 other parameter is frozen (``requires_grad=False``; the base weights stay where they are, no
-copy). MoE layers' experts and routers get none (megatron-core's expert linears; PEFT adapts
+copy) but a value model's head (``value_head``, HF's ``score``), which stays trainable whole as
+PEFT's ``SEQ_CLS`` task keeps it (``modules_to_save``). MoE layers' experts and routers get none (megatron-core's expert linears; PEFT adapts
 transformers' fused expert tensors only through ``target_parameters``).
 """
 
@@ -75,7 +76,8 @@ def _check_layout(chunk, settings: LoraSettings) -> None:
 
 def add_lora(model, settings: LoraSettings) -> int:
     """Add ``settings``' adapters to ``model`` (a model or its pipeline chunks), freeze every
-    other parameter; returns the number of trainable (adapter) parameters on this rank."""
+    other parameter (a value head stays trainable); returns the number of trainable
+    parameters on this rank."""
     chunks = model_chunks(model)
     if any(hasattr(lin, "lora") for _, _, lin in lora_linears(chunks)):
         raise ConfigError("add_lora: the model already has LoRA adapters")
@@ -83,6 +85,9 @@ def add_lora(model, settings: LoraSettings) -> int:
         _check_layout(chunk, settings)
         for p in chunk.parameters():
             p.requires_grad_(False)
+        head = getattr(chunk, "value_head", None)
+        if head is not None:  # PEFT's SEQ_CLS modules_to_save: the head is trained whole
+            head.weight.requires_grad_(True)
     targets = set(settings.target_modules)
     for layer_id, where, linear in lora_linears(chunks):
         if isinstance(linear, ParallelRowLinear):

@@ -52,6 +52,9 @@ def _model_problems(cfg) -> list[str]:
         errors.append(f"actor.lora.rank={cfg.actor.lora.rank}: LoRA runs on parallel.backend="
                       "megatron with rollout.backend=inprocess (fsdp and the server's weight "
                       "push do not carry adapters yet)")
+    if cfg.critic.lora.rank and par.backend != "megatron":
+        errors.append(f"critic.lora.rank={cfg.critic.lora.rank}: LoRA runs on parallel.backend="
+                      "megatron (fsdp does not carry adapters yet)")
     errors += _router_replay_problems(cfg)
     errors += _expert_parallel_problems(cfg)
     errors += _context_parallel_problems(cfg)

@@ -178,12 +178,12 @@ def test_lora_ppo_steps_tp2_sp_and_pp2_equal_tp1(tmp_path):
             assert lora_checks.rel(a2[k], a1[k]) <= 1e-4, (name, k)
 
 
-def test_lora_needs_the_megatron_backend():
+def test_lora_settings_that_cannot_work_name_the_key():
     from parallel_models.errors import ConfigError
     from parallel_models.rl.config.ppo import load_config
 
-    with pytest.raises(ConfigError, match="actor.lora.rank=8: LoRA runs on parallel.backend"):
-        load_config(None, ["actor.lora.rank=8", "parallel.backend=fsdp"])
+    with pytest.raises(ConfigError, match="actor.lora.rank=8: LoRA runs with rollout.backend"):
+        load_config(None, ["actor.lora.rank=8", "rollout.backend=server"])
     with pytest.raises(ConfigError, match="critic.lora.rank=8: LoRA runs on parallel.backend"):
         load_config(None, ["critic.lora.rank=8", "parallel.backend=fsdp"])
     with pytest.raises(ConfigError, match="actor.lora.rnk"):

@@ -48,10 +48,10 @@ def _model_problems(cfg) -> list[str]:
                 ModelConfig.from_hf(os.path.expanduser(m.path)).check_tensor_parallel(tp)
             except ConfigError as err:
                 errors.append(f"{key}: {m.path}: {err}")
-    if cfg.actor.lora.rank and (par.backend != "megatron" or r.backend != "inprocess"):
-        errors.append(f"actor.lora.rank={cfg.actor.lora.rank}: LoRA runs on parallel.backend="
-                      "megatron with rollout.backend=inprocess (fsdp and the server's weight "
-                      "push do not carry adapters yet)")
+    if cfg.actor.lora.rank and r.backend != "inprocess":
+        errors.append(f"actor.lora.rank={cfg.actor.lora.rank}: LoRA runs with "
+                      "rollout.backend=inprocess (the server's weight push does not carry "
+                      "adapters yet)")
     if cfg.critic.lora.rank and par.backend != "megatron":
         errors.append(f"critic.lora.rank={cfg.critic.lora.rank}: LoRA runs on parallel.backend="
                       "megatron (fsdp does not carry adapters yet)")

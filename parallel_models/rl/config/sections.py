@@ -324,7 +324,7 @@ class ActorSection(OptimizerFields):
     recompute: Recompute = Field("none", description=RECOMPUTE_HELP + "; the reference runs "
                                  "no backward: nothing to recompute")
     lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapters "
-                              "(megatron backend): actor.lora.rank=8 trains only them")
+                              "(fsdp: through peft): actor.lora.rank=8 trains only them")
 
     @model_validator(mode="after")
     def _clip_cov_bounds(self):

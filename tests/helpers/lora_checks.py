@@ -344,3 +344,54 @@ def check_value_lora_against_peft(path: str, tp: int) -> dict:
         out["grad_rel"] = max(rel(grads[n], p.grad) for n, p in want_names.items())
         out["peft_trainable"] = sum(p.numel() for p in want_names.values())
     return out
+
+
+def push_lora_to_server(path: str, url: str, prompts: list) -> dict:
+    """A LoRA actor (TP=1, nonzero B) pushes its adapters to the server at ``url`` twice (new
+    B each time); after each push the server's greedy answers to ``prompts`` must have the
+    actor's LoRA log-probs. -> per push: the max |server - actor| log-prob difference, the
+    largest difference to the base model, the version, and the bytes sent; the full model's
+    bytes."""
+    import parallel_models as pm
+    from parallel_models.inference.server.client import RolloutClient
+    from parallel_models.lora import LoraSettings, adapters_disabled, add_lora, lora_modules
+    from parallel_models.lora.server_push import push_adapter_stream
+
+    pm.init_parallel(tensor_parallel_size=1)
+    actor = pm.get_model_class(pm.registry.architecture_of(path), "causal_lm",
+                               rmpad=True).from_pretrained(path, dtype=torch.float32)
+    full_bytes = sum(p.numel() * p.element_size() for p in actor.parameters())
+    add_lora(actor, LoraSettings(rank=RANK, alpha=ALPHA))
+    client = RolloutClient(url, timeout=60)
+
+    def log_probs(ids: list[int], n_prompt: int) -> torch.Tensor:
+        x = torch.tensor(ids)
+        with torch.no_grad():
+            logits = actor(x, torch.tensor([0, len(ids)], dtype=torch.int32),
+                           full_vocab=True).logits
+        lp = torch.log_softmax(logits.float(), -1)[n_prompt - 1:-1]
+        return lp.gather(-1, x[n_prompt:, None])[:, 0]
+
+    pushes = []
+    for seed in (5, 6):
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for _, _, lora in lora_modules(actor):
+                for ad in lora.adapters.values():
+                    ad.lora_B.weight.copy_(torch.randn(ad.lora_B.weight.shape, generator=g) * 0.2)
+        sent = push_adapter_stream(actor, client)
+        out = client.generate(prompts, greedy=True, max_new_tokens=6, eos_token_id=2,
+                              return_text=False)
+        diff, off_base = 0.0, 0.0
+        for prompt, res in zip(prompts, out["results"]):
+            sample = res["samples"][0]
+            ids = list(prompt) + sample["token_ids"]
+            want = log_probs(ids, len(prompt))
+            got = torch.tensor(sample["log_probs"])
+            diff = max(diff, float((got - want).abs().max()))
+            with adapters_disabled(actor):
+                off_base = max(off_base, float((got - log_probs(ids, len(prompt))).abs().max()))
+        pushes.append({"diff": diff, "off_base": off_base, "version": out["weight_version"],
+                       "pushed": sent["weight_version"], "bytes": sent["bytes"]})
+    client.close()
+    return {"pushes": pushes, "full_bytes": full_bytes}

@@ -5,8 +5,10 @@ layer's attention (``qkv_proj``: ``q_proj``/``k_proj``/``v_proj``; ``o_proj``) a
 (``gate_up_proj``: ``gate_proj``/``up_proj``; ``down_proj``) get the targeted adapters, every
 other parameter is frozen (``requires_grad=False``; the base weights stay where they are, no
 copy) but a value model's head (``value_head``, HF's ``score``), which stays trainable whole as
-PEFT's ``SEQ_CLS`` task keeps it (``modules_to_save``). MoE layers' experts and routers get none (megatron-core's expert linears; PEFT adapts
-transformers' fused expert tensors only through ``target_parameters``).
+PEFT's ``SEQ_CLS`` task keeps it (``modules_to_save``). On an MoE model MLP targets (and so
+``all-linear``) are refused: PEFT adapts transformers' fused experts only through
+``target_parameters`` (a ParamWrapper, per-expert A and B), its ``all-linear`` adds the router
+and the shared experts, and our grouped experts take no adapters.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Iterator
 import torch
 
 from parallel_models.config import ConfigError
-from parallel_models.lora.config import LoraSettings
+from parallel_models.lora.config import MLP_TARGETS, LoraSettings
 from parallel_models.lora.layers import ColumnLora, RowLora, attach, init_full_a
 from parallel_models.llama.layers.linear import (GateUpParallelLinear, ParallelRowLinear,
                                                  QKVParallelLinear)
@@ -68,6 +70,14 @@ def _column_blocks(linear) -> list[tuple[str, int]]:
 def _check_layout(chunk, settings: LoraSettings) -> None:
     config = chunk.config
     tp = chunk.tp
+    mlp = [t for t in settings.target_modules if t in MLP_TARGETS]
+    if config.is_moe and mlp:
+        raise ConfigError(
+            f"lora target_modules {mlp} on an MoE model: PEFT adapts its fused experts only "
+            "through target_parameters (a ParamWrapper: per-expert A [experts*r, in], B "
+            "[out, experts*r]) and its all-linear also adapts the router and shared experts; "
+            "our grouped experts take no adapters, so these would not be PEFT's. Target the "
+            "attention projections: q_proj, k_proj, v_proj, o_proj")
     if tp > config.num_key_value_heads and {"k_proj", "v_proj"} & set(settings.target_modules):
         raise ConfigError(f"lora target_modules k_proj/v_proj with tensor_parallel_size ({tp}) > "
                           f"num_key_value_heads ({config.num_key_value_heads}) is not supported "

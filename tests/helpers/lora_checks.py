@@ -395,3 +395,25 @@ def push_lora_to_server(path: str, url: str, prompts: list) -> dict:
                        "pushed": sent["weight_version"], "bytes": sent["bytes"]})
     client.close()
     return {"pushes": pushes, "full_bytes": full_bytes}
+
+
+def moe_mlp_target_errors(path: str) -> dict:
+    """The errors ``add_lora`` gives on an MoE model for MLP targets and ``all-linear`` (PEFT
+    adapts fused experts only through ``target_parameters``); attention targets still work."""
+    import parallel_models as pm
+    from parallel_models.errors import ConfigError
+    from parallel_models.lora import LoraSettings, add_lora
+
+    pm.init_parallel(tensor_parallel_size=1)
+    cls = pm.get_model_class(pm.registry.architecture_of(path), "causal_lm", rmpad=True)
+    model = cls.from_pretrained(path, dtype=torch.float32)
+    out = {}
+    for targets in ("all-linear", ["gate_proj"], ["q_proj", "down_proj"]):
+        try:
+            add_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, target_modules=targets))
+            out[str(targets)] = None
+        except ConfigError as err:
+            out[str(targets)] = str(err)
+    out["attention_trainable"] = add_lora(model, LoraSettings(
+        rank=RANK, alpha=ALPHA, target_modules=["q_proj", "v_proj"]))
+    return out

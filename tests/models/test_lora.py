@@ -31,6 +31,7 @@ def results(hf_models, moe_model, tmp_path_factory):
              ("moe", 1, (lora_checks.check_lora_against_peft, (moe_model, ATTENTION, 1, False, 1))),
              ("export", 1, (lora_checks.check_export, (qwen2, "all-linear", 1, False, 1, out))),
              ("init", 1, (lora_checks.check_init_and_disable, (llama, 1))),
+             ("moe_mlp", 1, (lora_checks.moe_mlp_target_errors, (moe_model,))),
              ("value", 1, (lora_checks.check_value_lora_against_peft,
                            (hf_models[("qwen2", "value")], 1)))]
     return run_named_jobs(named, timeout=900)
@@ -85,3 +86,15 @@ def test_settings_errors_name_the_setting():
         LoraSettings(dropout=1.0)
     with pytest.raises(ConfigError, match="use_dora"):
         LoraSettings.from_peft_config({"r": 8, "lora_alpha": 8, "use_dora": True})
+
+
+def test_moe_refuses_mlp_targets(results):
+    """PEFT adapts transformers' fused MoE experts only through ``target_parameters`` (and its
+    all-linear adds the router): MLP targets and all-linear on an MoE model are refused, naming
+    the setting and what to target instead; attention targets still apply."""
+    res = results["moe_mlp"][0]
+    for targets in ("all-linear", "['gate_proj']", "['q_proj', 'down_proj']"):
+        msg = res[targets]
+        assert msg and "lora target_modules" in msg and "MoE" in msg, (targets, msg)
+        assert "target_parameters" in msg and "q_proj, k_proj, v_proj, o_proj" in msg, msg
+    assert res["attention_trainable"] > 0

@@ -1,7 +1,8 @@
 """LoRA on the megatron-backend models: settings (``config``), TP-aware adapters on our parallel
 linears (``layers``), adding them to a built model (``apply``), PEFT adapter folders
-(``peft_io``), the adapters in trainer checkpoints (``checkpoint``) and the merged weight sync
-(``weight_sync``). Names are imported on first use, so the PPO config can read the settings
+(``peft_io``), the adapters in trainer checkpoints (``checkpoint``), the merged weight sync
+(``training``) and adapter-only pushes to the rollout server (``server_push``, the server's side
+``served``). Names are imported on first use, so the PPO config can read the settings
 without importing torch."""
 
 import importlib

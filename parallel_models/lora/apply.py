@@ -4,8 +4,11 @@
 layer's attention (``qkv_proj``: ``q_proj``/``k_proj``/``v_proj``; ``o_proj``) and dense MLP
 (``gate_up_proj``: ``gate_proj``/``up_proj``; ``down_proj``) get the targeted adapters, every
 other parameter is frozen (``requires_grad=False``; the base weights stay where they are, no
-copy). MoE layers' experts and routers get none (megatron-core's expert linears; PEFT adapts
-transformers' fused expert tensors only through ``target_parameters``).
+copy) but a value model's head (``value_head``, HF's ``score``), which stays trainable whole as
+PEFT's ``SEQ_CLS`` task keeps it (``modules_to_save``). On an MoE model MLP targets (and so
+``all-linear``) are refused: PEFT adapts transformers' fused experts only through
+``target_parameters`` (a ParamWrapper, per-expert A and B), its ``all-linear`` adds the router
+and the shared experts, and our grouped experts take no adapters.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Iterator
 import torch
 
 from parallel_models.config import ConfigError
-from parallel_models.lora.config import LoraSettings
+from parallel_models.lora.config import MLP_TARGETS, LoraSettings
 from parallel_models.lora.layers import ColumnLora, RowLora, attach, init_full_a
 from parallel_models.llama.layers.linear import (GateUpParallelLinear, ParallelRowLinear,
                                                  QKVParallelLinear)
@@ -67,6 +70,14 @@ def _column_blocks(linear) -> list[tuple[str, int]]:
 def _check_layout(chunk, settings: LoraSettings) -> None:
     config = chunk.config
     tp = chunk.tp
+    mlp = [t for t in settings.target_modules if t in MLP_TARGETS]
+    if config.is_moe and mlp:
+        raise ConfigError(
+            f"lora target_modules {mlp} on an MoE model: PEFT adapts its fused experts only "
+            "through target_parameters (a ParamWrapper: per-expert A [experts*r, in], B "
+            "[out, experts*r]) and its all-linear also adapts the router and shared experts; "
+            "our grouped experts take no adapters, so these would not be PEFT's. Target the "
+            "attention projections: q_proj, k_proj, v_proj, o_proj")
     if tp > config.num_key_value_heads and {"k_proj", "v_proj"} & set(settings.target_modules):
         raise ConfigError(f"lora target_modules k_proj/v_proj with tensor_parallel_size ({tp}) > "
                           f"num_key_value_heads ({config.num_key_value_heads}) is not supported "
@@ -75,7 +86,8 @@ def _check_layout(chunk, settings: LoraSettings) -> None:
 
 def add_lora(model, settings: LoraSettings) -> int:
     """Add ``settings``' adapters to ``model`` (a model or its pipeline chunks), freeze every
-    other parameter; returns the number of trainable (adapter) parameters on this rank."""
+    other parameter (a value head stays trainable); returns the number of trainable
+    parameters on this rank."""
     chunks = model_chunks(model)
     if any(hasattr(lin, "lora") for _, _, lin in lora_linears(chunks)):
         raise ConfigError("add_lora: the model already has LoRA adapters")
@@ -83,6 +95,9 @@ def add_lora(model, settings: LoraSettings) -> int:
         _check_layout(chunk, settings)
         for p in chunk.parameters():
             p.requires_grad_(False)
+        head = getattr(chunk, "value_head", None)
+        if head is not None:  # PEFT's SEQ_CLS modules_to_save: the head is trained whole
+            head.weight.requires_grad_(True)
     targets = set(settings.target_modules)
     for layer_id, where, linear in lora_linears(chunks):
         if isinstance(linear, ParallelRowLinear):

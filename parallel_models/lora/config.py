@@ -16,6 +16,8 @@ ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 ALL_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
 ALL_LINEAR = "all-linear"
+# PEFT's modules_to_save of a SEQ_CLS model (our value head is HF's ``score``)
+VALUE_HEAD_MODULES = ("classifier", "score")
 
 
 def resolve_targets(target_modules, key: str = "target_modules") -> tuple[str, ...]:
@@ -60,14 +62,16 @@ class LoraSettings:
         """PEFT's ``scaling``: ``alpha / rank``."""
         return self.alpha / self.rank
 
-    def peft_config(self) -> dict:
+    def peft_config(self, value_head: bool = False) -> dict:
         """The ``adapter_config.json`` fields PEFT reads for this configuration (plus
-        ``base_model_name_or_path``, set by the writer)."""
-        return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank,
-                "lora_alpha": self.alpha, "lora_dropout": self.dropout,
+        ``base_model_name_or_path``, set by the writer). ``value_head``: a critic, PEFT's
+        ``SEQ_CLS`` task whose ``modules_to_save`` (the ``score`` head) is saved whole."""
+        return {"peft_type": "LORA", "task_type": "SEQ_CLS" if value_head else "CAUSAL_LM",
+                "r": self.rank, "lora_alpha": self.alpha, "lora_dropout": self.dropout,
                 "target_modules": list(self.target_modules), "bias": "none",
                 "use_rslora": False, "use_dora": False, "fan_in_fan_out": False,
-                "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}
+                "init_lora_weights": True, "inference_mode": True,
+                "modules_to_save": list(VALUE_HEAD_MODULES) if value_head else None}
 
     @classmethod
     def from_peft_config(cls, cfg: dict) -> "LoraSettings":
@@ -83,8 +87,10 @@ class LoraSettings:
         for key in ("rank_pattern", "alpha_pattern"):
             if cfg.get(key):
                 raise ConfigError(f"adapter_config.json: {key} is not supported")
-        if cfg.get("modules_to_save"):
-            raise ConfigError("adapter_config.json: modules_to_save is not supported")
+        saved = set(cfg.get("modules_to_save") or ())
+        if saved - set(VALUE_HEAD_MODULES):
+            raise ConfigError(f"adapter_config.json: modules_to_save {sorted(saved)} is not "
+                              f"supported (only a value model's head: {list(VALUE_HEAD_MODULES)})")
         targets = cfg.get("target_modules")
         if isinstance(targets, str) and targets != ALL_LINEAR:
             raise ConfigError(f"adapter_config.json: target_modules regex {targets!r} is not "

@@ -7,7 +7,9 @@ reads what :func:`save_adapter` writes. Gathering (call on every rank): the TP r
 all-gather each adapter's slices (column layers' B rows, row layers' A columns; the replicated
 halves are taken from any rank), then the first TP rank of the first data-parallel replica of
 every pipeline stage sends its layers to global rank 0, which writes. Adapters are small (rank
-x hidden per projection): they travel as one object per stage.
+x hidden per projection): they travel as one object per stage. A value model (the critic) adds
+its head as PEFT's ``SEQ_CLS`` task saves its ``modules_to_save``: ``base_model.model.score.weight``
+(replicated over TP, on the last pipeline stage).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from parallel_models.lora.layers import ColumnLora
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model.model.layers."
+SCORE = "base_model.model.score.weight"  # a value model's head (PEFT's modules_to_save)
 _NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])"
                    r"\.weight$")
 
@@ -44,6 +47,14 @@ def _split_dims(lora) -> tuple[int | None, int | None]:
 
 def _tp_rank(lora) -> int:
     return dist.get_group_rank(lora.tp_group, dist.get_rank()) if lora.tp > 1 else 0
+
+
+def _value_heads(model) -> list[torch.nn.Module]:
+    return [c.value_head for c in model_chunks(model) if getattr(c, "value_head", None) is not None]
+
+
+def is_value_model(model) -> bool:
+    return model_chunks(model)[0].head_kind == "value"
 
 
 def _data_parallel_rank() -> int:
@@ -75,6 +86,11 @@ def gather_adapter_tensors(model, grads: bool = False) -> dict[str, torch.Tensor
                     t = torch.cat(parts, dim=dim)
                 first = first and _tp_rank(lora) == 0
                 local[peft_name(layer_id, where, proj, which)] = t.cpu().clone()
+    for head in _value_heads(model):  # replicated over TP: any rank's
+        t = head.weight.grad if grads else head.weight
+        if t is None:
+            raise ConfigError(f"gather_adapter_tensors: {SCORE} has no gradient")
+        local[SCORE] = t.detach().cpu().clone()
     if not dist.is_initialized():
         return local
     sender = first and _data_parallel_rank() == 0
@@ -106,7 +122,7 @@ def save_adapter(model, out_dir: str, base_model_name_or_path: str | None = None
     if tensors is None:
         return None
     os.makedirs(out_dir, exist_ok=True)
-    cfg = settings.peft_config()
+    cfg = settings.peft_config(value_head=is_value_model(chunks))
     cfg["base_model_name_or_path"] = (base_model_name_or_path
                                       or getattr(chunks[0], "name_or_path", None))
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out_dir, ADAPTER_WEIGHTS),
@@ -118,17 +134,23 @@ def save_adapter(model, out_dir: str, base_model_name_or_path: str | None = None
 
 def load_adapter_tensors(model, tensors: dict[str, torch.Tensor]) -> None:
     """Copy full-size PEFT-named adapter tensors into this rank's slices of ``model``'s
-    adapters. Every adapter of the model must be there; names of layers this rank does not
-    hold are skipped, anything else unknown is a ConfigError."""
-    expected = set()
+    adapters (and a value model's head, ``SCORE``). Every adapter of the model must be there;
+    names of layers this rank does not hold are skipped, anything else unknown is a
+    ConfigError."""
     with torch.no_grad():
+        for head in _value_heads(model):
+            if SCORE not in tensors:
+                raise ConfigError(f"adapter: missing {SCORE} (the value head)")
+            if tuple(tensors[SCORE].shape) != tuple(head.weight.shape):
+                raise ConfigError(f"adapter: {SCORE} has shape {tuple(tensors[SCORE].shape)}, "
+                                  f"the value head's is {tuple(head.weight.shape)}")
+            head.weight.copy_(tensors[SCORE])
         for layer_id, where, lora in lora_modules(model):
             dims = _split_dims(lora)
             rank = _tp_rank(lora)
             for proj, ad in lora.adapters.items():
                 for which, lin, dim in (("A", ad.lora_A, dims[0]), ("B", ad.lora_B, dims[1])):
                     name = peft_name(layer_id, where, proj, which)
-                    expected.add(name)
                     if name not in tensors:
                         raise ConfigError(f"adapter: missing {name}")
                     t = tensors[name]
@@ -139,7 +161,8 @@ def load_adapter_tensors(model, tensors: dict[str, torch.Tensor]) -> None:
                                           f"the model's slice is {tuple(lin.weight.shape)} "
                                           f"(TP {lora.tp})")
                     lin.weight.copy_(t)
-    unknown = [n for n in tensors if not _NAME.match(n)]
+    unknown = [n for n in tensors if not _NAME.match(n)
+               and not (n == SCORE and is_value_model(model))]
     if unknown:
         raise ConfigError(f"adapter: tensors with names we do not know: {unknown[:4]}")
 
@@ -152,8 +175,13 @@ def load_adapter(model, folder: str) -> LoraSettings:
     if not os.path.isfile(cfg_path):
         raise ConfigError(f"{folder}: no {ADAPTER_CONFIG} (not a PEFT adapter folder)")
     with open(cfg_path) as f:
-        settings = LoraSettings.from_peft_config(json.load(f))
+        cfg = json.load(f)
+    settings = LoraSettings.from_peft_config(cfg)
     chunks = model_chunks(model)
+    value = is_value_model(chunks)
+    if (cfg.get("task_type") == "SEQ_CLS") != value:
+        raise ConfigError(f"{folder}: a {cfg.get('task_type')} adapter does not fit a "
+                          f"{'value' if value else 'causal_lm'} model")
     current = getattr(chunks[0], "lora_settings", None)
     if current is None:
         add_lora(chunks, settings)

@@ -1,5 +1,5 @@
-"""LoRA in a training run: adding the actor's adapters with the trainable count logged, and the
-merged weight sync of the hybrid engine (the rollout copy gets ``W + scale * B @ A``)."""
+"""LoRA in a training run: adding the actor's (or the critic's) adapters with the trainable count
+logged, and the merged weight sync of the hybrid engine (the rollout copy gets ``W + scale * B @ A``)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,17 @@ logger = logging.getLogger(__name__)
 
 
 def adapter_parameter_count(model) -> int:
-    """The adapters' parameter count of the whole model (PEFT's count: each matrix at its full
-    size, every layer of every pipeline stage). Call on every rank."""
+    """The trainable parameter count of the whole LoRA model, PEFT's count: each adapter matrix
+    at its full size, every layer of every pipeline stage, and a value model's head (PEFT's
+    ``modules_to_save``). Call on every rank."""
     local = 0
     for _, _, lora in lora_modules(model):
         for ad in lora.adapters.values():
             a, b = ad.lora_A.weight.numel(), ad.lora_B.weight.numel()
             local += a + b * lora.tp if isinstance(lora, ColumnLora) else a * lora.tp + b
     chunks = model_chunks(model)
+    local += sum(c.value_head.weight.numel() for c in chunks
+                 if getattr(c, "value_head", None) is not None)
     layout = getattr(chunks[0], "parallel_layout", None)
     if layout is None or layout.pipeline_parallel_size == 1:
         return local
@@ -33,13 +36,15 @@ def adapter_parameter_count(model) -> int:
 
 
 def enable_lora(model, settings: LoraSettings, what: str = "actor") -> int:
-    """Add ``settings``' adapters to ``model`` (base frozen) and log the trainable parameter
-    count (the adapters', whole model) on global rank 0; returns that count."""
+    """Add ``settings``' adapters to ``model`` (base frozen, a value head trainable) and log
+    the trainable parameter count (whole model) on global rank 0; returns that count."""
     add_lora(model, settings)
     count = adapter_parameter_count(model)
     if not dist.is_initialized() or dist.get_rank() == 0:
-        logger.info("%s: LoRA rank %d alpha %g on %s: %d trainable parameters (the adapters)",
-                    what, settings.rank, settings.alpha, ",".join(settings.target_modules), count)
+        head = " and the value head" if model_chunks(model)[0].head_kind == "value" else ""
+        logger.info("%s: LoRA rank %d alpha %g on %s: %d trainable parameters (the adapters%s)",
+                    what, settings.rank, settings.alpha, ",".join(settings.target_modules), count,
+                    head)
     return count
 
 

@@ -271,18 +271,19 @@ def lora_ppo_steps(output_dir: str, tp: int, sp: bool, pp: int = 1, steps: int =
 
 
 def lora_save_then_step(output_dir: str, tp: int, sp: bool) -> dict:
-    """Two LoRA PPO steps at TP=``tp`` (+SP), a trainer checkpoint, the gathered adapters, then
-    one more step: its metrics."""
+    """Two LoRA PPO steps (actor and critic LoRA) at TP=``tp`` (+SP), a trainer checkpoint, the
+    gathered adapters (the critic's with its head), then one more step: its metrics."""
     from parallel_models.lora import gather_adapter_tensors
     from tests.helpers.trainer_checkpoint_checks import _trainer
 
-    trainer = _trainer(output_dir, tp, "actor.lora.rank=4", "actor.lr=1e-2",
+    trainer = _trainer(output_dir, tp, "actor.lora.rank=4", "critic.lora.rank=4", "actor.lr=1e-2",
                        f"parallel.sequence_parallel={str(sp).lower()}")
     trainer.step()
     trainer.step()
     path = trainer.save_checkpoint()
     adapters = gather_adapter_tensors(trainer.roles.model)
-    return {"path": path, "adapters": adapters, "metrics": trainer.step()}
+    critic = gather_adapter_tensors(trainer.roles.critic.model)
+    return {"path": path, "adapters": adapters, "critic": critic, "metrics": trainer.step()}
 
 
 def lora_resume_then_step(output_dir: str, checkpoint: str, tp: int, model: str) -> dict:
@@ -290,8 +291,129 @@ def lora_resume_then_step(output_dir: str, checkpoint: str, tp: int, model: str)
     from parallel_models.lora import gather_adapter_tensors
     from tests.helpers.trainer_checkpoint_checks import _trainer
 
-    trainer = _trainer(output_dir, tp, "actor.lora.rank=4", "actor.lr=1e-2",
+    trainer = _trainer(output_dir, tp, "actor.lora.rank=4", "critic.lora.rank=4", "actor.lr=1e-2",
                        f"model.path={model}")
     trainer.resume(checkpoint)
     adapters = gather_adapter_tensors(trainer.roles.model)
-    return {"step": trainer.step_index, "adapters": adapters, "metrics": trainer.step()}
+    critic = gather_adapter_tensors(trainer.roles.critic.model)
+    return {"step": trainer.step_index, "adapters": adapters, "critic": critic,
+            "metrics": trainer.step()}
+
+
+def check_value_lora_against_peft(path: str, tp: int) -> dict:
+    """A LoRA value model (the critic) vs PEFT's ``SEQ_CLS`` LoRA on the transformers
+    ``*ForSequenceClassification`` model (the ``score`` head trained whole, PEFT's
+    ``modules_to_save``): per-token values and the gradients of the adapters and the head."""
+    import parallel_models as pm
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification
+
+    from parallel_models.lora import (LoraSettings, add_lora, gather_adapter_tensors,
+                                      load_adapter_tensors, trainable_parameter_count)
+    from parallel_models.utils.padding import pack_padded_batch
+
+    pm.init_parallel(tensor_parallel_size=tp)
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
+    peft_model = get_peft_model(hf, LoraConfig(r=RANK, lora_alpha=ALPHA, task_type="SEQ_CLS",
+                                               target_modules="all-linear"))
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    want_names = {n.replace(".default", "").replace(".modules_to_save", ""): p
+                  for n, p in peft_model.named_parameters() if p.requires_grad}
+    cls = pm.get_model_class(pm.registry.architecture_of(path), "value", rmpad=True)
+    model = cls.from_pretrained(path, dtype=torch.float32)
+    add_lora(model, LoraSettings(rank=RANK, alpha=ALPHA))
+    load_adapter_tensors(model, {n: p.detach() for n, p in want_names.items()})
+    ids, mask = _batch(model.config.vocab_size, "right", seed=6)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    inner = peft_model.base_model.model
+    hidden = inner.model(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+    hf_values = inner.score(hidden).squeeze(-1)[mask.bool()]
+    (hf_values ** 2).sum().backward()
+    packed = pack_padded_batch(ids, mask)
+    values = model(packed.input_ids, packed.cu_seqlens).values
+    (values ** 2).sum().backward()
+    grads = gather_adapter_tensors(model, grads=True)
+    out = {"values_rel": rel(values.detach(), hf_values.detach()),
+           "trainable": trainable_parameter_count(model)}
+    if grads is not None:
+        out["grad_names"] = sorted(grads) == sorted(want_names)
+        out["grad_rel"] = max(rel(grads[n], p.grad) for n, p in want_names.items())
+        out["peft_trainable"] = sum(p.numel() for p in want_names.values())
+    return out
+
+
+def push_lora_to_server(path: str, url: str, prompts: list) -> dict:
+    """A LoRA actor (TP=1, nonzero B) pushes its adapters to the server at ``url`` twice (new
+    B each time); after each push the server's greedy answers to ``prompts`` must have the
+    actor's LoRA log-probs. -> per push: the max |server - actor| log-prob difference, the
+    largest difference to the base model, the version, and the bytes sent; the full model's
+    bytes."""
+    import parallel_models as pm
+    from parallel_models.inference.server.client import RolloutClient
+    from parallel_models.lora import LoraSettings, adapters_disabled, add_lora, lora_modules
+    from parallel_models.lora.server_push import push_adapter_stream
+
+    pm.init_parallel(tensor_parallel_size=1)
+    actor = pm.get_model_class(pm.registry.architecture_of(path), "causal_lm",
+                               rmpad=True).from_pretrained(path, dtype=torch.float32)
+    full_bytes = sum(p.numel() * p.element_size() for p in actor.parameters())
+    add_lora(actor, LoraSettings(rank=RANK, alpha=ALPHA))
+    client = RolloutClient(url, timeout=60)
+
+    def log_probs(ids: list[int], n_prompt: int) -> torch.Tensor:
+        x = torch.tensor(ids)
+        with torch.no_grad():
+            logits = actor(x, torch.tensor([0, len(ids)], dtype=torch.int32),
+                           full_vocab=True).logits
+        lp = torch.log_softmax(logits.float(), -1)[n_prompt - 1:-1]
+        return lp.gather(-1, x[n_prompt:, None])[:, 0]
+
+    pushes = []
+    for seed in (5, 6):
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for _, _, lora in lora_modules(actor):
+                for ad in lora.adapters.values():
+                    ad.lora_B.weight.copy_(torch.randn(ad.lora_B.weight.shape, generator=g) * 0.2)
+        sent = push_adapter_stream(actor, client)
+        out = client.generate(prompts, greedy=True, max_new_tokens=6, eos_token_id=2,
+                              return_text=False)
+        diff, off_base = 0.0, 0.0
+        for prompt, res in zip(prompts, out["results"]):
+            sample = res["samples"][0]
+            ids = list(prompt) + sample["token_ids"]
+            want = log_probs(ids, len(prompt))
+            got = torch.tensor(sample["log_probs"])
+            diff = max(diff, float((got - want).abs().max()))
+            with adapters_disabled(actor):
+                off_base = max(off_base, float((got - log_probs(ids, len(prompt))).abs().max()))
+        pushes.append({"diff": diff, "off_base": off_base, "version": out["weight_version"],
+                       "pushed": sent["weight_version"], "bytes": sent["bytes"]})
+    client.close()
+    return {"pushes": pushes, "full_bytes": full_bytes}
+
+
+def moe_mlp_target_errors(path: str) -> dict:
+    """The errors ``add_lora`` gives on an MoE model for MLP targets and ``all-linear`` (PEFT
+    adapts fused experts only through ``target_parameters``); attention targets still work."""
+    import parallel_models as pm
+    from parallel_models.errors import ConfigError
+    from parallel_models.lora import LoraSettings, add_lora
+
+    pm.init_parallel(tensor_parallel_size=1)
+    cls = pm.get_model_class(pm.registry.architecture_of(path), "causal_lm", rmpad=True)
+    model = cls.from_pretrained(path, dtype=torch.float32)
+    out = {}
+    for targets in ("all-linear", ["gate_proj"], ["q_proj", "down_proj"]):
+        try:
+            add_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, target_modules=targets))
+            out[str(targets)] = None
+        except ConfigError as err:
+            out[str(targets)] = str(err)
+    out["attention_trainable"] = add_lora(model, LoraSettings(
+        rank=RANK, alpha=ALPHA, target_modules=["q_proj", "v_proj"]))
+    return out

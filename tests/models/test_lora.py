@@ -30,7 +30,10 @@ def results(hf_models, moe_model, tmp_path_factory):
                            (qwen2, ["q_proj", "v_proj", "down_proj", "up_proj"], 1, False, 1))),
              ("moe", 1, (lora_checks.check_lora_against_peft, (moe_model, ATTENTION, 1, False, 1))),
              ("export", 1, (lora_checks.check_export, (qwen2, "all-linear", 1, False, 1, out))),
-             ("init", 1, (lora_checks.check_init_and_disable, (llama, 1)))]
+             ("init", 1, (lora_checks.check_init_and_disable, (llama, 1))),
+             ("moe_mlp", 1, (lora_checks.moe_mlp_target_errors, (moe_model,))),
+             ("value", 1, (lora_checks.check_value_lora_against_peft,
+                           (hf_models[("qwen2", "value")], 1)))]
     return run_named_jobs(named, timeout=900)
 
 
@@ -42,6 +45,15 @@ def test_logits_and_adapter_grads_match_peft(results, name):
     assert res["grad_rel"] <= TOL, res
     assert res["trainable"] == res["peft_trainable"], res
     assert res["frozen_grads"] == 0, "a frozen base weight got a gradient"
+
+
+def test_value_model_lora_matches_peft_seq_cls(results):
+    """The critic's LoRA: adapters plus the whole value head (PEFT's SEQ_CLS modules_to_save)."""
+    res = results["value"][0]
+    assert res["grad_names"], "our trainable set is not PEFT's (adapters + score)"
+    assert res["values_rel"] <= TOL, res
+    assert res["grad_rel"] <= TOL, res
+    assert res["trainable"] == res["peft_trainable"], res
 
 
 def test_export_is_read_by_peft_and_merged_export_matches(results):
@@ -74,3 +86,15 @@ def test_settings_errors_name_the_setting():
         LoraSettings(dropout=1.0)
     with pytest.raises(ConfigError, match="use_dora"):
         LoraSettings.from_peft_config({"r": 8, "lora_alpha": 8, "use_dora": True})
+
+
+def test_moe_refuses_mlp_targets(results):
+    """PEFT adapts transformers' fused MoE experts only through ``target_parameters`` (and its
+    all-linear adds the router): MLP targets and all-linear on an MoE model are refused, naming
+    the setting and what to target instead; attention targets still apply."""
+    res = results["moe_mlp"][0]
+    for targets in ("all-linear", "['gate_proj']", "['q_proj', 'down_proj']"):
+        msg = res[targets]
+        assert msg and "lora target_modules" in msg and "MoE" in msg, (targets, msg)
+        assert "target_parameters" in msg and "q_proj, k_proj, v_proj, o_proj" in msg, msg
+    assert res["attention_trainable"] > 0

@@ -1,7 +1,8 @@
-"""LoRA in PPO on the megatron backend: ``parallel-models-ppo actor.lora.rank=8`` raises the
-built-in job's reward, logs the adapters' parameter count, exports ``actor_lora/`` (PEFT reads
-it: the logits of the merged ``actor_hf/``) and checkpoints only the adapters; a run killed after
-its checkpoint resumes exactly; the hybrid engine's rollout copy gets the merged weights; the run
+"""LoRA in PPO on the megatron backend: ``parallel-models-ppo actor.lora.rank=8
+critic.lora.rank=8`` (GAE) raises the built-in job's reward, logs the adapters' parameter counts
+(the critic's with its value head), exports ``actor_lora/`` and ``critic_lora/`` (PEFT reads
+them: the logits / values of the merged ``actor_hf/`` / ``critic_hf/``) and checkpoints only the
+adapters (and the critic's head); a run killed after its checkpoint resumes exactly; the hybrid engine's rollout copy gets the merged weights; the run
 holds one copy of the base weights (the reference is the actor with its adapters off)."""
 
 import json
@@ -16,13 +17,14 @@ from tests.helpers import lora_checks
 from tests.helpers.ppo_runs import resume_after_kill_matches, run_metrics, run_ppo
 
 LORA = ["actor.lora.rank=8"]
+CRITIC_LORA = ["critic.lora.rank=8"]
 
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("lora_ppo") / "run")
     proc = run_ppo([f"trainer.output_dir={out}", "trainer.total_steps=14", "trainer.save_every=7",
-                    *LORA], timeout=900)
+                    *LORA, *CRITIC_LORA], timeout=900)
     return out, proc
 
 
@@ -30,8 +32,8 @@ def test_lora_job_raises_reward(lora_run):
     out, _ = lora_run
     rewards = [m["reward/mean"] for m in run_metrics(out)]
     assert len(rewards) == 14
-    # measured (seeded, CPU): 0.02-0.05 over the first steps, near 0.1 by steps 12-14 (full
-    # fine-tuning, which also trains the embedding and the head, is above 0.3 by then)
+    # measured (seeded, CPU; LoRA critic): 0.02-0.05 over the first steps, near 0.1 by steps
+    # 12-14 (full fine-tuning, which also trains the embedding and the head, is above 0.3 then)
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.04 and last > 2 * first, f"reward did not rise: {rewards}"
     # the in-process rollout runs the LoRA model: its log-probs are the training forward's
@@ -42,14 +44,17 @@ def test_trainable_count_is_logged_and_is_the_adapters(lora_run):
     from transformers import AutoConfig
 
     out, proc = lora_run
-    m = re.search(r"LoRA rank 8 .*: (\d+) trainable parameters", proc.stderr)
-    assert m, proc.stderr[-2000:]
+    m = re.search(r"actor: LoRA rank 8 .*: (\d+) trainable parameters", proc.stderr)
+    critic = re.search(r"critic: LoRA rank 8 .*: (\d+) trainable parameters \(the adapters "
+                       r"and the value head\)", proc.stderr)
+    assert m and critic, proc.stderr[-2000:]
     cfg = AutoConfig.from_pretrained(os.path.join(out, "builtin_model"))
     h, d = cfg.hidden_size, cfg.hidden_size // cfg.num_attention_heads
     q, kv, ffn = cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.intermediate_size
     per_layer = sum(8 * (i + o) for i, o in [(h, q), (h, kv), (h, kv), (q, h), (h, ffn),
                                               (h, ffn), (ffn, h)])
     assert int(m.group(1)) == per_layer * cfg.num_hidden_layers
+    assert int(critic.group(1)) == per_layer * cfg.num_hidden_layers + h  # + the value head
 
 
 def test_exported_adapter_is_read_by_peft_and_equals_the_merged_export(lora_run):
@@ -72,6 +77,36 @@ def test_exported_adapter_is_read_by_peft_and_equals_the_merged_export(lora_run)
     assert lora_checks.rel(before, merged) > 1e-4, "training did not change the adapters"
 
 
+def test_exported_critic_adapter_is_read_by_peft_and_equals_the_merged_export(lora_run):
+    """``critic_lora/`` is PEFT's SEQ_CLS adapter (the value head saved whole, as its
+    ``modules_to_save``): loaded on the base model it gives the merged ``critic_hf/``'s
+    per-token values."""
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification
+
+    out, _ = lora_run
+    with open(os.path.join(out, "critic_lora", "adapter_config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["task_type"] == "SEQ_CLS" and "score" in cfg["modules_to_save"], cfg
+    ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def values(model):  # per-token values: the head on every hidden state
+        hidden = model.model(input_ids=ids).last_hidden_state
+        return model.score(hidden)
+
+    with torch.no_grad():
+        base = AutoModelForSequenceClassification.from_pretrained(
+            os.path.join(out, "builtin_model"), num_labels=1, dtype=torch.float32)
+        peft_model = PeftModel.from_pretrained(base, os.path.join(out, "critic_lora"))
+        got = values(peft_model.base_model.model)
+        with peft_model.disable_adapter():
+            base_values = values(peft_model.base_model.model)
+        merged = values(AutoModelForSequenceClassification.from_pretrained(
+            os.path.join(out, "critic_hf"), dtype=torch.float32))
+    assert lora_checks.rel(got, merged) <= 1e-5
+    assert lora_checks.rel(base_values, merged) > 1e-4, "training did not change the adapters"
+
+
 def test_checkpoint_holds_only_the_adapters(lora_run):
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -83,12 +118,16 @@ def test_checkpoint_holds_only_the_adapters(lora_run):
     actor = [k for k in keys if k.startswith("actor.") or ".actor." in k]  # weights, Adam states
     assert len(actor) == 3 * sum(k.startswith("actor.") for k in keys) > 0
     assert all(".lora." in k for k in actor), [k for k in actor if ".lora." not in k][:5]
-    assert any(k.startswith("critic.") and ".lora." not in k for k in keys)  # full critic
+    critic = [k for k in keys if k.startswith("critic.") or ".critic." in k]
+    assert len(critic) == 3 * sum(k.startswith("critic.") for k in keys) > 0
+    # the critic's adapters and its value head (megatron's output_layer), nothing else
+    assert [k for k in critic if ".lora." not in k and not k.endswith("critic.output_layer.weight")
+            ] == []
+    assert "critic.output_layer.weight" in keys
 
 
 def test_lora_run_resumes_after_kill(tmp_path):
-    resume_after_kill_matches(tmp_path, [*LORA, "algorithm.adv_estimator=grpo",
-                                         "critic.enable=false", "trainer.total_steps=3",
+    resume_after_kill_matches(tmp_path, [*LORA, *CRITIC_LORA, "trainer.total_steps=3",
                                          "trainer.save_every=2", "trainer.save_hf_at_end=false",
                                          "trainer.loggers=[jsonl]"], steps=3)
 
@@ -139,27 +178,32 @@ def test_lora_ppo_steps_tp2_sp_and_pp2_equal_tp1(tmp_path):
             assert lora_checks.rel(a2[k], a1[k]) <= 1e-4, (name, k)
 
 
-def test_lora_needs_the_megatron_backend():
+def test_lora_settings_that_cannot_work_name_the_key():
     from parallel_models.errors import ConfigError
     from parallel_models.rl.config.ppo import load_config
 
-    with pytest.raises(ConfigError, match="actor.lora.rank=8: LoRA runs on parallel.backend"):
-        load_config(None, ["actor.lora.rank=8", "parallel.backend=fsdp"])
+    with pytest.raises(ConfigError, match="rollout.weight_push=folder: a LoRA actor"):
+        load_config(None, ["actor.lora.rank=8", "rollout.backend=server",
+                           "rollout.server_url=http://127.0.0.1:1", "rollout.weight_push=folder"])
+    with pytest.raises(ConfigError, match="critic.lora.rank=8: LoRA runs on parallel.backend"):
+        load_config(None, ["critic.lora.rank=8", "parallel.backend=fsdp"])
     with pytest.raises(ConfigError, match="actor.lora.rnk"):
         load_config(None, ["actor.lora.rnk=8"])
 
 
 def test_lora_checkpoint_saved_at_tp2_sp_resumes_at_tp1(tmp_path):
-    """Adapters and their Adam states saved at TP=2 + SP load at TP=1: the adapters are
-    bit-exact and the next step's losses match the TP=2 run's within 1e-5."""
+    """Adapters (actor's; critic's with its value head) and their Adam states saved at TP=2 +
+    SP load at TP=1: they are bit-exact and the next step's losses match the TP=2 run's within 1e-5."""
     out2, out1 = str(tmp_path / "tp2"), str(tmp_path / "tp1")
     saved = run_distributed(lora_checks.lora_save_then_step, 2, out2, 2, True)[0]
     resumed = run_distributed(lora_checks.lora_resume_then_step, 1, out1, saved["path"], 1,
                               os.path.join(out2, "builtin_model"))[0]
     assert resumed["step"] == 2
-    assert saved["adapters"].keys() == resumed["adapters"].keys()
-    for k, v in saved["adapters"].items():
-        assert torch.equal(v, resumed["adapters"][k]), k
+    for role in ("adapters", "critic"):
+        assert saved[role].keys() == resumed[role].keys()
+        for k, v in saved[role].items():
+            assert torch.equal(v, resumed[role][k]), (role, k)
+    assert "base_model.model.score.weight" in saved["critic"]
     want, got = saved["metrics"], resumed["metrics"]
     for key in ("actor/pg_loss", "critic/vf_loss", "reward/mean", "kl/actor_ref"):
         assert abs(want[key] - got[key]) <= 1e-5, f"{key}: TP=2 {want[key]} vs TP=1 {got[key]}"

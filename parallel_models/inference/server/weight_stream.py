@@ -11,7 +11,8 @@ leaves the server on the old version with the old weights.
 Wire format, frame after frame: 8 bytes little-endian header length, a JSON header, the payload.
 A bucket's header is ``{"tensors": [[name, dtype, shape], ...], "nbytes": n}`` and its payload
 the tensors' bytes back to back; the last frame is ``{"end": true, "tensors": total}`` with no
-payload.
+payload. A LoRA actor's push carries only its adapters, with ``"lora"`` (the PEFT settings) in
+the first header: the server runs them on its base weights (``lora/served.py``).
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ class StreamParser:
         self.tensors: dict[str, torch.Tensor] = {}
         self.frames: list[tuple[list, bytearray]] = []  # (entries, payload) per bucket
         self.ended = False
+        self.lora: dict | None = None  # an adapter push's settings (``lora/served.py``)
         self._buf = bytearray()
         self._header: dict | None = None
         self._payload: bytearray | None = None
@@ -182,6 +184,8 @@ class StreamParser:
         if not isinstance(entries, list) or any(not isinstance(e, list) or len(e) != 3
                                                 for e in entries):
             raise WeightStreamError("malformed bucket header")
+        if isinstance(header.get("lora"), dict):
+            self.lora = header["lora"]
         self._header = header
         self._payload = bytearray(int(header["nbytes"]))  # filled in place
         self._filled = 0
@@ -229,6 +233,13 @@ async def receive_weight_stream(request, engine):
         async for chunk in request.stream():
             parser.feed(chunk)
         tensors = parser.finish()
+        if parser.lora is not None:  # adapters only, the server runs them (lora/served.py)
+            from parallel_models.lora.served import receive_adapter_push
+
+            try:
+                return receive_adapter_push(tensors, parser.lora, engine.model)
+            except ValueError as err:
+                raise WeightStreamError(str(err)) from None
         check_against_model(tensors, engine.model)
     except (WeightStreamError, ClientDisconnect) as exc:
         what = "the pusher disconnected" if isinstance(exc, ClientDisconnect) else str(exc)

@@ -82,6 +82,10 @@ def build_roles(cfg, tokenizer, model_path: str) -> Roles:
         critic_model = critic_cls.from_pretrained(critic_path, dtype=dtype,
                                                   value_head_seed=tcfg.seed)
         set_recompute(critic_model, c.recompute)
+        if c.lora.rank:  # the adapters and the value head train, the base is frozen
+            from parallel_models.lora.training import enable_lora
+
+            enable_lora(critic_model, c.lora.settings(), "critic")
         critic_state = build_optimizer([critic_model], c.optim_config(tcfg.total_steps))
         critic = CriticRole(critic_model, critic_state, max_tokens=budget, cfg=c,
                             loss_agg_mode=a.loss_agg_mode)
@@ -139,18 +143,23 @@ def _build_rollout(cfg, tokenizer, actor, actor_model, num_experts, model_path=N
 
 def export_hf(roles: Roles, output_dir: str, tokenizer) -> None:
     """``actor_hf/`` and ``critic_hf/``; the final weights replace those of an earlier (resumed
-    or repeated) run. A LoRA actor: ``actor_hf/`` holds the merged weights and ``actor_lora/``
-    the adapters as a PEFT adapter folder."""
-    if getattr(roles.model, "lora_settings", None) is not None:
+    or repeated) run. A LoRA actor (critic): ``actor_hf/`` (``critic_hf/``) holds the merged
+    weights and ``actor_lora/`` (``critic_lora/``, with the value head) the adapters as a PEFT
+    adapter folder."""
+    _export(roles.model, output_dir, "actor")
+    if roles.critic is not None:
+        _export(roles.critic.model, output_dir, "critic")
+
+
+def _export(model, output_dir: str, role: str) -> None:
+    if getattr(model, "lora_settings", None) is not None:
         from parallel_models.lora import adapters_merged, save_adapter
 
-        save_adapter(roles.model, os.path.join(output_dir, "actor_lora"))
-        with adapters_merged(roles.model):
-            roles.model.save_pretrained(os.path.join(output_dir, "actor_hf"), overwrite=True)
+        save_adapter(model, os.path.join(output_dir, f"{role}_lora"))
+        with adapters_merged(model):
+            model.save_pretrained(os.path.join(output_dir, f"{role}_hf"), overwrite=True)
     else:
-        roles.model.save_pretrained(os.path.join(output_dir, "actor_hf"), overwrite=True)
-    if roles.critic is not None:
-        roles.critic.model.save_pretrained(os.path.join(output_dir, "critic_hf"), overwrite=True)
+        model.save_pretrained(os.path.join(output_dir, f"{role}_hf"), overwrite=True)
 
 
 __all__ = ["build_roles", "check_model", "export_hf"]

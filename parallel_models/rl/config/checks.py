@@ -50,10 +50,13 @@ def _model_problems(cfg) -> list[str]:
                 ModelConfig.from_hf(os.path.expanduser(m.path)).check_tensor_parallel(tp)
             except ConfigError as err:
                 errors.append(f"{key}: {m.path}: {err}")
-    if cfg.actor.lora.rank and (par.backend != "megatron" or r.backend != "inprocess"):
-        errors.append(f"actor.lora.rank={cfg.actor.lora.rank}: LoRA runs on parallel.backend="
-                      "megatron with rollout.backend=inprocess (fsdp and the server's weight "
-                      "push do not carry adapters yet)")
+    if cfg.actor.lora.rank and r.backend == "server" and r.weight_push != "stream":
+        errors.append(f"rollout.weight_push={r.weight_push}: a LoRA actor (actor.lora.rank="
+                      f"{cfg.actor.lora.rank}) streams its adapters to the server; set "
+                      "rollout.weight_push=stream")
+    if cfg.critic.lora.rank and par.backend != "megatron":
+        errors.append(f"critic.lora.rank={cfg.critic.lora.rank}: LoRA runs on parallel.backend="
+                      "megatron (fsdp does not carry adapters yet)")
     errors += _router_replay_problems(cfg)
     errors += _expert_parallel_problems(cfg)
     errors += _context_parallel_problems(cfg)

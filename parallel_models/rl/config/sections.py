@@ -287,7 +287,7 @@ class ActorSection(OptimizerFields):
     recompute: Recompute = Field("none", description=RECOMPUTE_HELP + "; the reference runs "
                                  "no backward: nothing to recompute")
     lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapters "
-                              "(megatron backend): actor.lora.rank=8 trains only them")
+                              "(fsdp: through peft): actor.lora.rank=8 trains only them")
 
     @model_validator(mode="after")
     def _clip_cov_bounds(self):
@@ -309,6 +309,9 @@ class CriticSection(OptimizerFields):
                                                   "value head")
     cliprange_value: Number = Field(0.5, gt=0, description="value clipping")
     recompute: Recompute = Field("none", description=RECOMPUTE_HELP)
+    lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapters "
+                              "(megatron backend): critic.lora.rank=8 trains them and the "
+                              "value head (PEFT's SEQ_CLS modules_to_save)")
 
 
 class RewardSection(BaseModel):

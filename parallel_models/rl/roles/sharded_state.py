@@ -116,13 +116,14 @@ def model_sharded_state_dict(chunks, prefix: str, *, clone: bool = False) -> dic
     ``clone``: the factories build their pieces from copies (for loading)."""
     out: dict = {}
     for c, chunk in enumerate(chunks):
-        if getattr(getattr(chunk, "module", chunk), "lora_settings", None) is not None:
+        lora = getattr(getattr(chunk, "module", chunk), "lora_settings", None) is not None
+        if lora:
             from parallel_models.lora.checkpoint import adapter_sharded_state_dict
 
-            # LoRA: the adapters only (the frozen base comes from model.path on resume)
+            # LoRA: the adapters and the trainable base weights (a value head) only; the
+            # frozen base comes from model.path on resume
             out.update(adapter_sharded_state_dict(getattr(chunk, "module", chunk), c, prefix,
                                                   clone=clone))
-            continue
         config = chunk.config
         params = dict(chunk.named_parameters())
         mappings = weight_rules(config, chunk.head_kind, pre_process=chunk.pre_process,
@@ -131,8 +132,12 @@ def model_sharded_state_dict(chunks, prefix: str, *, clone: bool = False) -> dic
             # a tied last stage's copy of the embedding: a non-main replica of the embedding
             tied = int(m.tied_copy)
             for name, (key, lead) in _placements(m, chunk, config):
+                if lora and not params[name].requires_grad:
+                    continue
                 out[f"{c}.{name}"] = _factory(f"{prefix}.{key}", params[name], m, name, config,
                                               lead, tied, clone)
+        if lora:
+            params = {n: p for n, p in params.items() if p.requires_grad}
         missing = set(params) - {k.split(".", 1)[1] for k in out if k.startswith(f"{c}.")}
         if missing:
             raise ValueError(f"{prefix}: parameters without a weight rule: {sorted(missing)}")

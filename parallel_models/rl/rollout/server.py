@@ -96,7 +96,15 @@ class ServerRollout:
 
     def update_weights(self, version) -> None:
         """Push the actor's weights to the server now (every rank calls; the actor on the
-        device); a failed stream or group push falls back to the folder."""
+        device); a failed stream or group push falls back to the folder. A LoRA actor pushes
+        its adapters only, streamed, whatever ``rollout.weight_push`` says (``lora/served.py``:
+        the server runs them on its base weights)."""
+        if getattr(self.model, "lora_settings", None) is not None:
+            from parallel_models.lora.server_push import push_adapter_stream
+
+            self.server_version = push_adapter_stream(self.model, self.client)["weight_version"]
+            self.version = version
+            return
         from parallel_models.inference import push_actor_weights
 
         self.server_version = push_actor_weights(self.model, self.client, self.folder,

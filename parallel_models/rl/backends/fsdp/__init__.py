@@ -7,6 +7,6 @@ One concern per module: ``models`` (load and shard HF models, the critic's value
 clipping over the mesh, megatron's LR schedule), ``roles`` (actor / reference / critic),
 ``rollout_sync`` (our CausalLM for generation, filled layer by layer from FSDP gathers),
 ``hf_rollout`` (generation with the HF model itself for families our registry lacks),
-``checkpoint`` (torch.distributed.checkpoint save / resume, HF export) and ``factory`` (what
-the trainer calls).
+``checkpoint`` (torch.distributed.checkpoint save / resume, HF export), ``lora`` (the actor
+under peft's LoRA: merged refills, PEFT export) and ``factory`` (what the trainer calls).
 """

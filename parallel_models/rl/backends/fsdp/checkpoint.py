@@ -35,8 +35,16 @@ def model_shape(model) -> dict:
             "vocab_size": c.vocab_size}
 
 
+def _options(model) -> StateDictOptions | None:
+    """A peft LoRA model: the trainable parameters only (the frozen base comes from
+    ``model.path`` again on resume)."""
+    if any(not p.requires_grad for p in model.parameters()):
+        return StateDictOptions(ignore_frozen_params=True, strict=False)
+    return None
+
+
 def _state(role) -> dict:
-    msd, osd = get_state_dict(role.model, role.state.optimizer)
+    msd, osd = get_state_dict(role.model, role.state.optimizer, options=_options(role.model))
     return {"model": msd, "optimizer": osd}
 
 
@@ -79,7 +87,7 @@ def apply_loaded(roles: dict, state: dict) -> None:
     for name, role in roles.items():
         set_state_dict(role.model, role.state.optimizer,
                        model_state_dict=state[name]["model"],
-                       optim_state_dict=state[name]["optimizer"])
+                       optim_state_dict=state[name]["optimizer"], options=_options(role.model))
 
 
 def export_hf(model, folder: str, tokenizer=None) -> None:

@@ -82,7 +82,16 @@ def _build(cfg, tokenizer, model_path: str):
                               activation_checkpointing=par.activation_checkpointing)
 
     temperature = cfg.rollout.temperature if not cfg.rollout.greedy else 1.0
-    actor_model = shard(fm.load_causal_lm(model_path))
+    lora = a.lora.settings()  # actor.lora.rank > 0: peft's LoRA, base frozen
+    actor_model = fm.load_causal_lm(model_path)
+    if lora is not None:
+        from parallel_models.rl.backends.fsdp.lora import add_peft_lora, trainable_count
+
+        actor_model = add_peft_lora(actor_model, lora)
+        logger.info("actor: LoRA rank %d alpha %g on %s: %d trainable parameters (the adapters)",
+                    lora.rank, lora.alpha, ",".join(lora.target_modules),
+                    trainable_count(actor_model))
+    actor_model = shard(actor_model)
     packed = par.fsdp_packed and packed_sequences_supported(actor_model)
     if par.fsdp_packed and not packed:
         logger.warning("fsdp backend: %s's attention (%s) does not honour packed position ids "
@@ -93,7 +102,12 @@ def _build(cfg, tokenizer, model_path: str):
         actor_model, a.optim_config(tcfg.total_steps)), temperature=temperature, cfg=a, **common)
     alg = cfg.algorithm
     ref = None
-    if alg.kl_in_reward or a.use_kl_loss:
+    if (alg.kl_in_reward or a.use_kl_loss) and lora is not None:
+        from parallel_models.rl.roles.lora_reference import AdapterFreeReference
+
+        # the actor with peft's adapters off: no second copy of the base
+        ref = AdapterFreeReference(actor, disabled=actor_model.disable_adapter)
+    elif alg.kl_in_reward or a.use_kl_loss:
         ref = FSDPPolicyRole(shard(fm.load_causal_lm(model_path), trainable=False),
                              temperature=temperature, **common)
     critic = None
@@ -130,10 +144,16 @@ def _build(cfg, tokenizer, model_path: str):
 
 
 def export_hf(roles: Roles, output_dir: str, tokenizer) -> None:
-    """``actor_hf/`` (with the tokenizer) and ``critic_hf/`` from the sharded models."""
+    """``actor_hf/`` (with the tokenizer) and ``critic_hf/`` from the sharded models; a LoRA
+    actor: ``actor_lora/`` (a PEFT adapter folder) and the merged ``actor_hf/``."""
     import os
 
-    export_sharded_hf(roles.actor.model, os.path.join(output_dir, "actor_hf"), tokenizer)
+    from parallel_models.rl.backends.fsdp.lora import export_lora, is_peft_model
+
+    if is_peft_model(roles.actor.model):
+        export_lora(roles.actor.model, output_dir, tokenizer)
+    else:
+        export_sharded_hf(roles.actor.model, os.path.join(output_dir, "actor_hf"), tokenizer)
     if roles.critic is not None:
         export_sharded_hf(roles.critic.model, os.path.join(output_dir, "critic_hf"))
 

@@ -6,7 +6,8 @@ it: for each decoder layer (an FSDP unit) in turn, then the root's own parameter
 final norm, LM head), every rank all-gathers that unit's full tensors (``DTensor.full_tensor``),
 and the one weight map (``checkpoint_utils``' loader rules, fed by an in-memory reader of HF
 names) copies them into this rank's part of the rollout model. No rank holds more than one
-unit's full tensors beyond the rollout model itself.
+unit's full tensors beyond the rollout model itself. A peft LoRA actor's unit is merged first
+(``W + alpha / r * B @ A`` under the base model's names: ``fsdp/lora.py``).
 """
 
 from __future__ import annotations
@@ -35,10 +36,15 @@ def sync_rollout_model(fsdp_model, rollout_model) -> int:
     from parallel_models.llama.checkpoint_utils.loader import load_weights
     from parallel_models.inference import TensorReader
 
+    from parallel_models.rl.backends.fsdp.lora import is_peft_model, merged_hf_tensors
+
+    scale = fsdp_model.lora_settings.scale if is_peft_model(fsdp_model) else None
     copied = 0
     for unit in _units(fsdp_model):
         tensors = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
                    for name, p in unit}
+        if scale is not None:
+            tensors = merged_hf_tensors(tensors, scale)
         load_weights(rollout_model, TensorReader(tensors), rollout_model.weight_map,
                      strict=False)
         copied += len(tensors)

@@ -1,0 +1,140 @@
+"""LoRA on the fsdp backend through ``peft`` itself (``actor.lora.*``).
+
+- :func:`add_peft_lora`: ``peft.get_peft_model`` on the transformers causal LM *before*
+  ``fully_shard``. FSDP2 shards each parameter on its own (DTensor), so a decoder layer's unit
+  holds its frozen base weights and its trainable adapters together: the base is all-gathered
+  for the forward as before, only the adapters get (reduce-scattered) gradients and optimizer
+  states. (FSDP1 needed ``use_orig_params=True`` for such mixed units; FSDP2 has no flat
+  parameters.) The A matrices are redrawn with the megatron backend's per-projection seeds
+  (``parallel_models.lora.layers.init_full_a``), so both backends start from the same adapters.
+- The reference policy is the actor with its adapters off: peft's ``disable_adapter()``
+  context (``rl/roles/lora_reference.py``).
+- :func:`merged_hf_tensors`: a unit's full tensors in peft's names -> the merged weights
+  (``W + alpha / r * B @ A``) in the base model's HF names, for the rollout refill and the
+  merged ``actor_hf/`` export.
+- :func:`export_adapter`: ``actor_lora/``, written by peft's own ``save_pretrained`` from the
+  gathered full state dict.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from parallel_models.errors import ConfigError
+from parallel_models.lora.config import LoraSettings
+
+PEFT_PREFIX = "base_model.model."
+
+
+def is_peft_model(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def _init_like_megatron(peft_model, settings: LoraSettings) -> None:
+    """Every ``lora_A`` drawn as the megatron backend draws it (same seed per layer and
+    projection); B stays zero (peft's default)."""
+    from parallel_models.lora.apply import _seed
+    from parallel_models.lora.layers import init_full_a
+
+    with torch.no_grad():
+        for name, module in peft_model.named_modules():
+            lora_a = getattr(module, "lora_A", None)
+            if lora_a is None or "default" not in lora_a:
+                continue
+            parts = name.split(".")
+            layer_id = int(parts[parts.index("layers") + 1])
+            weight = lora_a["default"].weight
+            weight.copy_(init_full_a(settings.rank, weight.shape[1],
+                                     _seed(settings, layer_id, parts[-1])))
+
+
+def add_peft_lora(hf_model, settings: LoraSettings):
+    """``hf_model`` (a transformers causal LM, not yet sharded) under peft LoRA with
+    ``settings``; the base is frozen. Returns the ``PeftModelForCausalLM``."""
+    from peft import LoraConfig, get_peft_model
+
+    known = {n for n, _ in hf_model.named_modules()}
+    missing = [t for t in settings.target_modules if not any(n.endswith("." + t) for n in known)]
+    if missing:
+        raise ConfigError(f"actor.lora.target_modules: {type(hf_model).__name__} has no "
+                          f"{missing} module")
+    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha,
+                        lora_dropout=settings.dropout, target_modules=list(settings.target_modules),
+                        bias="none", task_type="CAUSAL_LM")
+    peft_model = get_peft_model(hf_model, config)
+    _init_like_megatron(peft_model, settings)
+    peft_model.lora_settings = settings
+    return peft_model
+
+
+def trainable_count(model) -> int:
+    """The full-size count of the trainable parameters (sharded or not)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def merged_hf_tensors(tensors: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    """Full tensors in peft's names (``base_model.model.X.base_layer.weight``,
+    ``X.lora_A.default.weight``, ...) -> the base model's HF names, the adapted weights merged
+    (``W + scale * B @ A``); adapter tensors are dropped."""
+    out = {}
+    for name, t in tensors.items():
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        hf_name = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
+        if ".base_layer." in name:
+            stem = name.split(".base_layer.")[0]
+            hf_name = hf_name.replace(".base_layer.", ".")
+            if name.endswith(".base_layer.weight"):
+                a = tensors[f"{stem}.lora_A.default.weight"]
+                b = tensors[f"{stem}.lora_B.default.weight"]
+                t = t + (b.to(torch.float32) @ a.to(torch.float32) * scale).to(t.dtype)
+        out[hf_name] = t
+    return out
+
+
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """The full (gathered) state dict of a sharded model on rank 0, on the host; collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+
+
+def export_adapter(peft_model, folder: str, sd: dict) -> None:
+    """``folder`` as a PEFT adapter folder (peft's ``save_pretrained`` of the gathered
+    ``sd``), written on rank 0."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    tmp = folder.rstrip("/") + ".tmp-export"
+    shutil.rmtree(tmp, ignore_errors=True)
+    lora = {k: v for k, v in sd.items() if ".lora_" in k}
+    peft_model.save_pretrained(tmp, state_dict=lora)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+
+
+def export_merged_hf(peft_model, folder: str, sd: dict, tokenizer=None) -> None:
+    """``folder`` as the base model's HF folder with the merged weights, on rank 0."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    tmp = folder.rstrip("/") + ".tmp-export"
+    shutil.rmtree(tmp, ignore_errors=True)
+    base = peft_model.get_base_model()
+    base.save_pretrained(tmp, state_dict=merged_hf_tensors(sd, peft_model.lora_settings.scale))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(tmp, folder)
+
+
+def export_lora(peft_model, output_dir: str, tokenizer=None) -> None:
+    """``actor_lora/`` (PEFT folder) and the merged ``actor_hf/``; collective."""
+    sd = full_state_dict(peft_model)
+    export_adapter(peft_model, os.path.join(output_dir, "actor_lora"), sd)
+    export_merged_hf(peft_model, os.path.join(output_dir, "actor_hf"), sd, tokenizer)
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,84 @@
+"""LoRA on the fsdp backend (peft's LoRA on the transformers model, FSDP2-sharded): the first
+steps of the built-in job equal the megatron backend's LoRA run (same adapter init; rollouts
+from the merged refill, reference = adapters off, losses, grad norms, KL; fp32), ``actor_lora/``
+is read by peft and gives the merged ``actor_hf/``'s logits, the checkpoint holds the actor's
+adapters only and a run killed after it resumes exactly."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.helpers import lora_checks
+from tests.helpers.ppo_runs import resume_after_kill_matches, run_metrics, run_ppo
+
+COMMON = ["trainer.total_steps=2", "actor.ppo_epochs=1", "actor.mini_batch_size=32",
+          "actor.lora.rank=8", "actor.lr=1e-2", "actor.use_kl_loss=true", "trainer.save_every=2",
+          "trainer.loggers=[jsonl]"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_fsdp")
+    out = {}
+    for backend in ("megatron", "fsdp"):
+        out[backend] = str(root / backend)
+        run_ppo([f"trainer.output_dir={out[backend]}", f"parallel.backend={backend}", *COMMON])
+    return out
+
+
+def test_fsdp_lora_steps_equal_megatron_lora(runs):
+    meg, fsdp = run_metrics(runs["megatron"]), run_metrics(runs["fsdp"])
+    assert len(meg) == len(fsdp) == 2
+    for a, b in zip(meg, fsdp):
+        for key in ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm",
+                    "actor/kl_loss", "critic/vf_loss", "critic/grad_norm", "kl/actor_ref",
+                    "rollout/logprob_diff_max"):
+            x, y = a[key], b[key]
+            assert abs(x - y) <= 1e-5 * max(abs(x), 1e-2), f"step {a['step']} {key}: {x} vs {y}"
+    # step 2 samples from the trained adapters (the refill merged them) and the reference
+    # (adapters off) moved away from the actor
+    assert fsdp[1]["kl/actor_ref"] > 0 and fsdp[1]["rollout/logprob_diff_max"] <= 1e-5
+
+
+def test_fsdp_lora_export_is_read_by_peft_and_equals_the_merged_export(runs):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = runs["fsdp"]
+    with open(os.path.join(out, "actor_lora", "adapter_config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["r"] == 8 and cfg["peft_type"] == "LORA", cfg
+    ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(os.path.join(out, "builtin_model"),
+                                                    dtype=torch.float32)
+        before = base(input_ids=ids).logits
+        got = PeftModel.from_pretrained(base, os.path.join(out, "actor_lora"))(
+            input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(os.path.join(out, "actor_hf"),
+                                                      dtype=torch.float32)(input_ids=ids).logits
+        meg = AutoModelForCausalLM.from_pretrained(os.path.join(runs["megatron"], "actor_hf"),
+                                                   dtype=torch.float32)(input_ids=ids).logits
+    assert lora_checks.rel(got, merged) <= 1e-5
+    assert lora_checks.rel(before, merged) > 1e-4, "training did not change the adapters"
+    assert lora_checks.rel(meg, merged) <= 1e-4  # both backends trained the same adapters
+
+
+def test_fsdp_lora_checkpoint_holds_only_the_adapters(runs):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = os.path.join(runs["fsdp"], "checkpoints", "step_000002", "dist")
+    keys = list(FileSystemReader(folder).read_metadata().state_dict_metadata)
+    actor = [k for k in keys if k.startswith("actor.model.")]
+    assert actor and all(".lora_" in k for k in actor), actor[:5]
+    assert any(k.startswith("critic.model.") and "lora" not in k for k in keys)  # full critic
+
+
+def test_fsdp_lora_run_resumes_after_kill(tmp_path):
+    resume_after_kill_matches(tmp_path, ["parallel.backend=fsdp", "actor.lora.rank=8",
+                                         "algorithm.adv_estimator=grpo", "critic.enable=false",
+                                         "actor.use_kl_loss=true", "trainer.total_steps=3",
+                                         "trainer.save_every=2", "trainer.save_hf_at_end=false",
+                                         "trainer.loggers=[jsonl]"], steps=3)

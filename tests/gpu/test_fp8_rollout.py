@@ -38,8 +38,13 @@ def test_scaled_mm_matches_emulation_and_bf16(granularity, tokens):
     w = (torch.randn(5632, 2048, device=DEV, generator=g) * 0.02).bfloat16()
     q = quantize_weight(w, granularity)
     assert gemm_backend(x, q) == "scaled_mm"
-    got = fp8_linear(x, q).float()
+    from parallel_models.inference.fp8 import gemm
+
+    got = gemm._scaled_mm(x, q).float()  # (fp8_linear runs these row counts weight-only)
     emulated = emulated_matmul(x.float(), q)
+    weight_only = fp8_linear(x, q).float()
+    want = gemm.weight_only_matmul(x, q).float()
+    assert ((weight_only - want).abs() <= 1e-2 * (want.abs() + 1.0)).all()
     # the same quantized operands: only the accumulation (order, fp32 vs tensor cores) and the
     # bf16 output rounding differ
     scale = x.float().abs() @ w.float().abs().t()
@@ -101,8 +106,12 @@ def test_fp8_engine_vs_bf16_on_089b(single_rank):
     assert backends == ["scaled_mm"] or not _fp8_gpu("block")
     # the FP8 engine's sampled log-probs are its model's: a fresh FP8 forward of the sequences
     packed = pack_padded_batch(fp8.sequences, fp8.attention_mask)
+    from parallel_models.inference.fp8 import gemm
+
+    rows, gemm.DECODE_ROWS = gemm.DECODE_ROWS, 1 << 30  # the decode's weight-only numerics
     with torch.no_grad(), engine.fp8.enabled():
         logits = model(packed.input_ids, packed.cu_seqlens, full_vocab=True).logits.float()
+    gemm.DECODE_ROWS = rows
     logp = torch.log_softmax(unpack_to_padded(logits, packed), -1)
     P = fp8.prompts.shape[1]
     fresh = logp[:, P - 1:-1].gather(-1, fp8.responses[..., None]).squeeze(-1)

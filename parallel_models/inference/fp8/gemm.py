@@ -90,8 +90,11 @@ def _probe(device: torch.device, granularity: str) -> bool:
         _check_fused_quant(device)
     if key not in _probed:
         g = torch.Generator(device=device).manual_seed(0)
-        x = torch.randn(32, 256, device=device, generator=g, dtype=torch.bfloat16)
-        q = quantize_weight(torch.randn(256, 256, device=device, generator=g), granularity)
+        # 512 wide: 4 blocks of 128, so the scale rows need no padding (torch 2.11 refuses a
+        # padded stride, and cuBLAS misreads an unpadded one of 2 blocks; real widths are
+        # multiples of 512)
+        x = torch.randn(32, 512, device=device, generator=g, dtype=torch.bfloat16)
+        q = quantize_weight(torch.randn(256, 512, device=device, generator=g), granularity)
         want = emulated_matmul(x.float(), q)
         for attempt in range(2):  # (the second without the Triton quantization)
             try:

@@ -121,7 +121,9 @@ def test_final_checkpoint_layout_and_finished_resume(tmp_path):
 
 RESHARD = {"tp2-to-tp1": ((2, 1, 1), (1, 1, 1), "float32"),
            "pp2-to-tp2": ((1, 2, 1), (2, 1, 1), "float32"),
-           "dp2-to-tp2-bf16": ((1, 1, 2), (2, 1, 1), "bfloat16")}
+           "dp2-to-tp2-bf16": ((1, 1, 2), (2, 1, 1), "bfloat16"),
+           # megatron's distributed optimizer: states sharded over DP=2, loaded at DP=1
+           "distopt-dp2-to-tp2-bf16": ((1, 1, 2), (2, 1, 1), "bfloat16", True)}
 
 
 @pytest.fixture(scope="module")
@@ -132,11 +134,11 @@ def worlds(tmp_path_factory, hf_models):
     hf = hf_models[("qwen2", "causal_lm")]
     out2, dump2 = str(tmp / "tp2"), str(tmp / "dump_tp2")
     named = {1: [], 2: [("tp2_save", (checks.save_at_step2_then_step, (out2, dump2, 2)))]}
-    for name, (save_at, load_at, dtype) in RESHARD.items():
+    for name, (save_at, load_at, dtype, *distributed) in RESHARD.items():
         folder, out = str(tmp / name / "ckpt"), str(tmp / name / "gathered")
         for (tp, pp, dp), save in ((save_at, True), (load_at, False)):  # the save goes first
             named[tp * pp * dp].append(((name, save), (checks.roles_roundtrip, (
-                hf, folder, tp, pp, dtype, save, out))))
+                hf, folder, tp, pp, dtype, save, out, 1, *distributed))))
     out = {"tmp": tmp, "dump2": dump2, "hf": hf}
     out.update(zip([n for n, _ in named[2]], run_distributed_jobs([j for _, j in named[2]], 2,
                                                                   timeout=1200)))
@@ -173,7 +175,7 @@ def test_unusable_checkpoints_fail_clearly(worlds):
 def test_model_and_optimizer_reshard(worlds, name):
     """Weights and Adam states (and the fp32 main params of a bf16 model) of Qwen2 (qkv bias,
     tied embeddings, vocab 251: uneven TP rows) saved at one (TP, PP, DP) layout load exactly
-    at another."""
+    at another, with the distributed optimizer's DP-sharded states too."""
     dtype = RESHARD[name][2]
     want, got = _load_folder(worlds["hf"]), _load_folder(str(worlds["tmp"] / name / "gathered"))
     assert want.keys() == got.keys()

@@ -315,8 +315,7 @@ def cross_field_problems(cfg, world_size: int | None = None) -> list[str]:
 def _optimizer_memory_problems(cfg) -> list[str]:
     """The distributed optimizer (``optimizer_offload_fraction`` runs on it on CUDA): on CUDA
     trainer.offload cannot move the weights held in its buffers (``utils/offload.py`` refuses
-    them); its states cannot be checkpointed yet (megatron's sharded state of the distributed
-    optimizer does not take our weight factories, ``rl/roles/sharded_state.py``)."""
+    them)."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -330,7 +329,4 @@ def _optimizer_memory_problems(cfg) -> list[str]:
             problems.append(f"{name}.{key} needs trainer.offload=false (the distributed "
                             f"optimizer's weight buffers cannot be offloaded; "
                             f"optimizer_offload_fraction keeps the states on the host)")
-        if key and cfg.trainer.save_every:
-            problems.append(f"{name}.{key}: trainer checkpoints of the distributed optimizer's "
-                            f"states are not supported yet; set trainer.save_every=0")
     return problems

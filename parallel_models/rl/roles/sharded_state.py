@@ -178,7 +178,8 @@ def _init_distributed_states(optimizer) -> None:
     megatron-core declares its sharded state from its ``state_dict()``, which reads the Adam step
     of every state. Its own ``init_state_fn`` (the moments) plus torch Adam's step counter; the
     hybrid device optimizer (CUDA, ``optimizer_offload_fraction``) initialises through its own
-    ``dummy_step``, as megatron-core's ``load_state_dict`` does (the loaded states replace it).
+    ``dummy_step`` (random gradients), as megatron-core's ``load_state_dict`` does, here at
+    learning rate 0 so the weights do not move (the loaded states replace its moments).
     ``empty_optimizer_states`` lists them first, so a failed load drops them again."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
@@ -186,8 +187,15 @@ def _init_distributed_states(optimizer) -> None:
         inner = opt.optimizer
         if not isinstance(opt, DistributedOptimizer) or inner.state:
             continue
-        if hasattr(inner, "dummy_step"):
-            inner.dummy_step()
+        if hasattr(inner, "dummy_step"):  # at lr 0 the weights stay as they are
+            lrs = [g["lr"] for g in inner.param_groups]
+            for g in inner.param_groups:
+                g["lr"] = 0.0
+            try:
+                inner.dummy_step()
+            finally:
+                for g, lr in zip(inner.param_groups, lrs):
+                    g["lr"] = lr
             continue
         opt.init_state_fn(inner, opt.config)
         for group in inner.param_groups:

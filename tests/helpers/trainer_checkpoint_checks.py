@@ -58,13 +58,14 @@ def dump_gathered_state(trainer, folder: str) -> None:
 
 
 def save_at_step2_then_step(output_dir: str, dump: str, tp: int, *extra: str) -> dict:
-    """Two PPO steps, a checkpoint, the gathered state, then one more step: its metrics.
-    ``extra``: more config overrides."""
+    """Two PPO steps, a checkpoint, the gathered state (into ``dump``, when given), then one
+    more step: its metrics. ``extra``: more config overrides."""
     trainer = _trainer(output_dir, tp, *extra)
     trainer.step()
     trainer.step()
     path = trainer.save_checkpoint()
-    dump_gathered_state(trainer, dump)
+    if dump:
+        dump_gathered_state(trainer, dump)
     metrics = trainer.step()
     return {"path": path, "metrics": metrics}
 
@@ -74,7 +75,8 @@ def resume_then_step(output_dir: str, checkpoint: str, dump: str, tp: int, model
     """Resume ``checkpoint`` at this layout, dump the gathered state, then one step."""
     trainer = _trainer(output_dir, tp, *extra, f"model.path={model}")
     trainer.resume(checkpoint)
-    dump_gathered_state(trainer, dump)
+    if dump:
+        dump_gathered_state(trainer, dump)
     return {"step": trainer.step_index, "metrics": trainer.step()}
 
 

@@ -133,7 +133,11 @@ def worlds(tmp_path_factory, hf_models):
     tmp = tmp_path_factory.mktemp("trainer_ckpt")
     hf = hf_models[("qwen2", "causal_lm")]
     out2, dump2 = str(tmp / "tp2"), str(tmp / "dump_tp2")
-    named = {1: [], 2: [("tp2_save", (checks.save_at_step2_then_step, (out2, dump2, 2)))]}
+    distopt = ("actor.use_distributed_optimizer=true", "critic.use_distributed_optimizer=true")
+    out_d = str(tmp / "distopt_dp2")
+    named = {1: [], 2: [("tp2_save", (checks.save_at_step2_then_step, (out2, dump2, 2))),
+                        ("distopt_dp2_save", (checks.save_at_step2_then_step,
+                                              (out_d, "", 1, *distopt)))]}
     for name, (save_at, load_at, dtype, *distributed) in RESHARD.items():
         folder, out = str(tmp / name / "ckpt"), str(tmp / name / "gathered")
         for (tp, pp, dp), save in ((save_at, True), (load_at, False)):  # the save goes first
@@ -145,6 +149,9 @@ def worlds(tmp_path_factory, hf_models):
     out1, dump1 = str(tmp / "tp1"), str(tmp / "dump_tp1")
     named[1].append(("tp1_resume", (checks.resume_then_step, (
         out1, out["tp2_save"][0]["path"], dump1, 1, os.path.join(out2, "builtin_model")))))
+    named[1].append(("distopt_dp1_resume", (checks.resume_then_step, (
+        str(tmp / "distopt_dp1"), out["distopt_dp2_save"][0]["path"], "", 1,
+        os.path.join(out_d, "builtin_model"), *distopt))))
     (tmp / "bad").mkdir()
     named[1].append(("bad", (checks.bad_checkpoints, (str(tmp / "bad"),))))
     out.update(zip([n for n, _ in named[1]], run_distributed_jobs([j for _, j in named[1]], 1,
@@ -164,6 +171,17 @@ def test_resume_tp2_checkpoint_at_tp1(worlds):
     for key in ("actor/pg_loss", "critic/vf_loss", "actor/entropy", "reward/mean",
                 "returns/mean", "actor/ppo_kl", "kl/actor_ref"):
         assert abs(want[key] - got[key]) <= 1e-5, f"{key}: TP=2 {want[key]} vs TP=1 {got[key]}"
+
+
+def test_distributed_optimizer_checkpoint_resumes_at_another_dp(worlds):
+    """A PPO run on the distributed optimizer (actor and critic) saved at DP=2 resumes at DP=1
+    on it and trains on (the states' exactness across layouts: test_model_and_optimizer_reshard's
+    distributed-optimizer case)."""
+    resumed = worlds["distopt_dp1_resume"][0]
+    assert resumed["step"] == 2
+    for key in ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm"):
+        assert resumed["metrics"][key] == resumed["metrics"][key], key  # not NaN
+    assert resumed["metrics"]["actor/grad_norm"] > 0
 
 
 def test_unusable_checkpoints_fail_clearly(worlds):

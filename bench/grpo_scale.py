@@ -5,6 +5,23 @@ the whole step's tokens/s/GPU counted as NeMo-RL counts it.
     python bench/grpo_scale.py --layout tp2 [--layout pp2] [--critic] [--steps 2] [--out r.json]
     python bench/grpo_scale.py --shape tiny --layout tp2 pp2 --steps 1   # the CPU smoke (gloo)
 
+The runs of issue 33 (2x H100 80 GB; each layout prints one JSON line: per step its time and
+each phase's seconds and peak GiB, the median and spread after the first step):
+
+    # 8B GRPO at TP=2 and at PP=2, 5 steps (>= 4 after warm-up)
+    python bench/grpo_scale.py --layout tp2 pp2 --steps 5 --timeout 900 \
+        --actor optimizer_offload_fraction=1 recompute=selective --out grpo_8b.json
+    # the PPO + critic variant (GAE, an 8B critic too; trainer.offload moves each role's
+    # distributed-optimizer buffers off the GPU between phases)
+    python bench/grpo_scale.py --layout tp2 pp2 --critic --steps 5 --timeout 900 \
+        --actor optimizer_offload_fraction=1 recompute=selective \
+        --critic-opt optimizer_offload_fraction=1 recompute=selective --out ppo_8b.json
+    # GRPO with 8k-16k-token responses at the 1.5B and the 0.5B shape
+    python bench/grpo_scale.py --preset long-responses --layout tp2 --steps 3 \
+        --actor recompute=full --out long_1p5b.json
+    python bench/grpo_scale.py --preset long-responses --shape 0.5b --layout tp2 --steps 3 \
+        --actor recompute=full --out long_0p5b.json
+
 What runs (each layout: ``torchrun --nproc-per-node 2 -m parallel_models.rl.train``):
 - model: a random-weight bf16 Llama of the 8B shape (hidden 4096, 32 layers, 32/8 heads, ffn
   14336, vocab 128256, rope theta 500000), written once as HF safetensors straight from tensors
@@ -17,13 +34,17 @@ What runs (each layout: ``torchrun --nproc-per-node 2 -m parallel_models.rl.trai
 - rollout KV: ``rollout.kv_budget_tokens=auto`` (``--kv-budget``), planned from the memory left
   at ``rollout.gpu_memory_utilization`` (``--gpu-memory-utilization``; default: the config's);
 - data: 64 prompts per step of exactly 512 tokens, each with a response cap drawn long-tailed
-  (lognormal, median 300, sigma 0.8, clipped to 16..1024) in the record field the trainer reads
+  (lognormal, median 300 (``--response-median``), sigma 0.8, clipped to 16 (``--response-min``)
+  ..1024 (``--max-new``)) in the record field the trainer reads
   (``data.max_new_tokens_key``); ``rollout.ignore_eos``, so every response is as long as its cap;
 - GRPO: 8 samples per prompt, actor + reference (the KL loss) colocated with ``trainer.offload``,
   continuous batching, one PPO epoch in minibatches of 128 samples; ``--critic``: the PPO variant
   (GAE, a critic initialised from the actor, KL in the reward);
 - layouts: ``tp2`` (TP=2) and ``pp2`` (PP=2; the rollout runs at TP'=1 on each GPU through the
-  hybrid engine).
+  hybrid engine);
+- shapes: ``8b``, ``1.5b`` and ``0.5b`` (the Qwen2.5 shapes as Llama), ``tiny``;
+  ``--preset long-responses``: 16 prompts x 8 of 512 tokens with responses of 8,192..16,384
+  tokens (median 12,000) at the 1.5B shape (options given on the command line win).
 
 Reported per step and phase (the trainer's ``timing/*_s`` and ``memory/*_peak_gib``): tokens/s/GPU
 = tokens the phase processed / time / GPUs; MFU of scoring (actor + reference forward: 2 N
@@ -53,9 +74,19 @@ import torch
 SHAPES = {
     "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, intermediate_size=14336, vocab_size=128256),
+    # the Qwen2.5-0.5B / 1.5B shapes (as Llama: no qkv bias, untied head)
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, intermediate_size=4864, vocab_size=151936),
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, intermediate_size=8960, vocab_size=151936),
     "tiny": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, intermediate_size=128, vocab_size=1000),
 }
+# --preset long-responses: GRPO with 8k-16k-token responses at the 1.5B shape (issue 33 item 5);
+# flags given on the command line win
+PRESETS = {"long-responses": dict(shape="1.5b", prompts=16, n=8, prompt_len=512, max_new=16384,
+                                  response_min=8192, response_median=12000, mini_batch=64,
+                                  micro_tokens=34816, timeout=[590])}
 H200_BF16_DENSE_TFLOPS = 989.0
 SPECIALS = ["<pad>", "<s>", "</s>"]
 
@@ -64,7 +95,7 @@ def log(msg: str) -> None:
     print(f"[grpo_scale {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def build_model(folder: str, shape: dict, device: str) -> None:
+def build_model(folder: str, shape: dict, device: str, max_positions: int = 8192) -> None:
     """HF Llama folder of random bf16 weights (std 0.02, norms 1), written shard by shard."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig
@@ -72,7 +103,8 @@ def build_model(folder: str, shape: dict, device: str) -> None:
     V, H, L = shape["vocab_size"], shape["hidden_size"], shape["num_hidden_layers"]
     kv = H // shape["num_attention_heads"] * shape["num_key_value_heads"]
     ffn = shape["intermediate_size"]
-    cfg = LlamaConfig(**shape, max_position_embeddings=8192, rope_theta=500000.0,
+    cfg = LlamaConfig(**shape, max_position_embeddings=max(8192, max_positions),
+                      rope_theta=500000.0,
                       tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                       architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
     os.makedirs(folder, exist_ok=True)
@@ -121,11 +153,13 @@ def build_tokenizer(vocab_size: int):
                                    eos_token="</s>", unk_token="<pad>")
 
 
-def build_data(path: str, prompts: int, prompt_len: int, vocab: int, cap: int, seed: int = 0):
-    """``prompts`` records of ``prompt_len`` words and a long-tailed response cap; -> the caps."""
+def build_data(path: str, prompts: int, prompt_len: int, vocab: int, cap: int, seed: int = 0,
+               median: float = 300.0, low: int = 16):
+    """``prompts`` records of ``prompt_len`` words and a long-tailed response cap (lognormal
+    around ``median``, sigma 0.8, clipped to ``low`` .. ``cap``); -> the caps."""
     g = torch.Generator().manual_seed(seed)
-    caps = torch.exp(math.log(300.0) + 0.8 * torch.randn(prompts, generator=g))
-    caps = caps.round().clamp(min(16, cap), cap).long().tolist()
+    caps = torch.exp(math.log(median) + 0.8 * torch.randn(prompts, generator=g))
+    caps = caps.round().clamp(min(low, cap), cap).long().tolist()
     with open(path, "w") as f:
         for i in range(prompts):
             ids = torch.randint(len(SPECIALS), vocab, (prompt_len,), generator=g).tolist()
@@ -154,6 +188,7 @@ def overrides(args, layout: str, model: str, data: str, out: str, prompt_len: in
     if args.gpu_memory_utilization is not None:
         o.append(f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}")
     o += [f"actor.{k}={v}" for k, v in args.actor_options]
+    o += [f"critic.{k}={v}" for k, v in args.critic_options] if args.critic else []
     o += (["parallel.tensor_parallel_size=2"] if layout == "tp2" else
           ["parallel.pipeline_parallel_size=2"])
     if args.critic:
@@ -259,12 +294,12 @@ def print_table(result: dict) -> None:
               f"{fmt('mfu_h200_dense', '.1%')} |")
 
 
-def gpu_setup(folder: str | None, shape: dict) -> dict:
+def gpu_setup(folder: str | None, shape: dict, max_positions: int = 8192) -> dict:
     """The GPU work before the runs, in this (child) process: the model written to ``folder``
     (when given), the device's name and measured bf16 matmul peak."""
     if folder:
         log(f"writing the model to {folder}")
-        build_model(folder, shape, "cuda")
+        build_model(folder, shape, "cuda", max_positions)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from common import matmul_peak_tflops
 
@@ -295,6 +330,27 @@ def gpu_memory_in_use(pid: int) -> int:
     return sum(int(m) for p, m in rows if p.strip() == str(pid) and m.strip().isdigit())
 
 
+def case_line(result: dict, args) -> dict:
+    """The run's one JSON line: per step its time, NeMo-RL tokens/s/GPU and each phase's seconds
+    and peak GiB; the median and spread of the steps after the first (warm-up)."""
+    steps = result["steps"]
+    timed = [s["step_s"] for s in steps[1:]] or [s["step_s"] for s in steps]
+    return {"case": f"{args.shape}-{result['layout']}-{'ppo_critic' if args.critic else 'grpo'}",
+            "returncode": result["returncode"], "steps": len(steps),
+            "median_step_s": sorted(timed)[len(timed) // 2] if timed else None,
+            "spread_step_s": [min(timed), max(timed)] if timed else None,
+            "nemo_rl_tokens_per_s_per_gpu": [s["nemo_rl_tokens_per_s_per_gpu"] for s in steps],
+            "phases": [{k: {"s": v["s"], "peak_gib": v["peak_gib"]}
+                        for k, v in s["phases"].items()} for s in steps]}
+
+
+def apply_preset(args, parser) -> None:
+    """``--preset``'s values for every option left at its default."""
+    for key, value in PRESETS.get(args.preset or "", {}).items():
+        if getattr(args, key) == parser.get_default(key):
+            setattr(args, key, value)
+
+
 def actor_option(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep:
@@ -323,12 +379,19 @@ def main():
                    help="rollout.gpu_memory_utilization (default: the config's)")
     p.add_argument("--actor", dest="actor_options", type=actor_option, nargs="*", default=[],
                    help="extra actor settings, e.g. recompute=full optimizer_offload_fraction=1")
+    p.add_argument("--critic-opt", dest="critic_options", type=actor_option, nargs="*",
+                   default=[], help="extra critic settings with --critic (key=value)")
     p.add_argument("--no-trainer-offload", action="store_true",
-                   help="trainer.offload=false (needed with the distributed optimizer / "
-                        "actor optimizer_offload_fraction: the offloader refuses its buffers)")
+                   help="trainer.offload=false (the roles stay on the GPU between phases)")
+    p.add_argument("--response-median", type=float, default=300.0,
+                   help="median of the long-tailed response caps (lognormal, sigma 0.8)")
+    p.add_argument("--response-min", type=int, default=16, help="smallest response cap")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="long-responses: GRPO with 8k-16k responses at the 1.5B shape")
     p.add_argument("--root", default=None, help="folder for the model, data and runs")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    apply_preset(args, p)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available through NVML:
     cuda = torch.cuda.is_available()  # no CUDA context in this process, the runs get it all
     args.dtype = "bfloat16" if cuda else "float32"
@@ -340,15 +403,16 @@ def main():
     missing = not os.path.isfile(os.path.join(model, "config.json"))
     device_name, held = "cpu", 0
     if cuda:  # the model and the matmul peak in a child process: its GPU memory leaves with it
-        info = in_child(gpu_setup, model if missing else None, shape)
+        info = in_child(gpu_setup, model if missing else None, shape,
+                        args.prompt_len + args.max_new)
         args.matmul_peak, device_name = info["matmul_peak"], info["device"]
         held = gpu_memory_in_use(os.getpid())
         log(f"GPU memory held by the bench's own process: {held} MiB")
     elif missing:
         log(f"writing the {args.shape} model to {model}")
-        build_model(model, shape, "cpu")
+        build_model(model, shape, "cpu", args.prompt_len + args.max_new)
     caps = build_data(data, args.prompts * args.steps, args.prompt_len, shape["vocab_size"],
-                      args.max_new)
+                      args.max_new, median=args.response_median, low=args.response_min)
     srt = sorted(caps)
     dist_info = {"mean": sum(caps) / len(caps), "median": srt[len(srt) // 2],
                  "p90": srt[int(0.9 * (len(srt) - 1))], "max": srt[-1], "min": srt[0]}
@@ -367,6 +431,7 @@ def main():
         results["runs"].append(run_layout(args, layout, model, data, caps, root,
                                           args.prompt_len, args.max_new, env))
         print_table(results["runs"][-1])
+        print(json.dumps(case_line(results["runs"][-1], args)), flush=True)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)

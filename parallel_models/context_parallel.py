@@ -244,3 +244,25 @@ def sharded_forward_hidden(model, input_ids, position_ids, cu_seqlens, kv_cache=
 
 __all__ = ["AttentionBlock", "ContextParallelShard", "ShardedCausalLMOutput", "all_gather_kv",
            "shard_packed_batch", "sharded_forward_hidden"]
+
+
+def expert_grads_need_cp_reduction(layout) -> bool:
+    """Whether routed-expert gradients must be summed over the CP group as the dense ones are
+    (a plain finalize without megatron DDP). Each CP rank holds a share of one gradient; a routed
+    expert's gradient already sums the shares of every rank of its expert-parallel group that
+    sent it tokens. CP peers that hold the same experts (EP inside the data-parallel part):
+    summed over the CP group, like dense weights. An EP group that is exactly the CP group (its
+    peers hold other experts): already complete, nothing to add. Other mixes (an EP group that
+    also spans data-parallel replicas) would mix replicas' data in one expert and are refused."""
+    from megatron.core import parallel_state as mpu
+
+    cp_ranks = sorted(dist.get_process_group_ranks(layout.cp_group))
+    ep_group = mpu.get_expert_model_parallel_group()
+    ep_ranks = sorted(dist.get_process_group_ranks(ep_group)) if ep_group is not None else []
+    if len(ep_ranks) <= 1 or not set(ep_ranks) & (set(cp_ranks) - {dist.get_rank()}):
+        return True
+    if ep_ranks == cp_ranks:
+        return False
+    raise ValueError(f"expert_model_parallel_size ({len(ep_ranks)}) with context_parallel_size "
+                     f"({len(cp_ranks)}): the expert-parallel group {ep_ranks} must equal the CP "
+                     f"group {cp_ranks} or lie across CP groups for gradients without DDP")

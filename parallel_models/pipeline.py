@@ -266,9 +266,12 @@ def _finalize_plain(model, num_tokens=None, *args, **kwargs):
     layout = chunks[0].parallel_layout
     cp = layout.context_parallel_size
     if cp > 1:  # each CP rank holds CP x its tokens' share of one gradient (context_parallel.py)
+        from parallel_models.context_parallel import expert_grads_need_cp_reduction
+
+        experts_too = expert_grads_need_cp_reduction(layout)
         for c in chunks:
-            for p in c.parameters():
-                if p.grad is not None:
+            for p in c.parameters():  # (routed experts: megatron marks them allreduce=False)
+                if p.grad is not None and (experts_too or getattr(p, "allreduce", True)):
                     dist.all_reduce(p.grad, group=layout.cp_group)
     if num_tokens is not None:
         dist.broadcast(num_tokens, src=layout.pipeline_last_rank, group=layout.pp_group)

@@ -24,8 +24,9 @@ megatron-core has pieces of this (``_ParamAndGradBuffer.offload_to_cpu``, DDP's
 ``offload_grad_buffers``, ``MegatronOptimizer.offload_to_cpu`` / ``restore_from_cpu``), but only
 for DDP-wrapped models and megatron optimizers, CUDA-only (``.cuda()``, pinned buffers) and, for
 the optimizer, through pageable memory (a synchronous, slower copy, new host tensors each time);
-the frozen reference and reward models need the same moves, and this one runs on a CPU machine. Parameters that live in DDP's parameter
-buffer (the distributed optimizer) are refused with a clear error rather than moved one by one.
+the frozen reference and reward models need the same moves, and this one runs on a CPU machine.
+Parameters that live in DDP's parameter buffer (the distributed optimizer) move with that buffer,
+as one copy, its device storage released and re-allocated like the gradient buffers'.
 """
 
 from __future__ import annotations
@@ -51,17 +52,15 @@ def _ddp_grad_buffers(module) -> list[torch.Tensor]:
     return out
 
 
-def _check_no_param_buffer(module) -> None:
-    """Parameters that are views into a DDP parameter buffer (megatron's distributed optimizer
-    gathers updated weights into that buffer) cannot be swapped one by one."""
+def _ddp_param_buffers(module) -> list[torch.Tensor]:
+    """The ``param_data`` tensors of a megatron-core DDP wrapper on the distributed optimizer
+    (its parameters are views into them; empty otherwise)."""
+    out = []
     for attr in ("buffers", "expert_parallel_buffers"):
         found = getattr(module, attr, None)
-        if isinstance(found, (list, tuple)) and any(
-                getattr(b, "param_data", None) is not None for b in found):
-            raise ValueError("offload: the parameters are views into megatron DDP's parameter "
-                             "buffer (use_distributed_optimizer=true); moving them would cut the "
-                             "distributed optimizer off from the weights. Turn off "
-                             "trainer.offload or the distributed optimizer.")
+        if isinstance(found, (list, tuple)):
+            out += [b.param_data for b in found if getattr(b, "param_data", None) is not None]
+    return out
 
 
 def _optimizer_holders(optimizer) -> Iterator[tuple[Any, Any]]:
@@ -121,13 +120,12 @@ class Offloader:
 
             device = compute_device()
         self.modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
-        for chunk in self.modules:
-            _check_no_param_buffer(chunk)
         self.optimizer = optimizer
         self.device = torch.device(device)
         self._host: dict[tuple[str, int], torch.Tensor] = {}  # pinned host copies, reused
         self._moved: dict[str, list[_Slot]] = {MODEL: [], OPTIMIZER: []}
         self._freed: dict[int, tuple[torch.Tensor, int]] = {}  # grad buffers: (tensor, nbytes)
+        self._parked: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # param buffers
         self.offloaded = {MODEL: False, OPTIMIZER: False}
 
     @property
@@ -141,13 +139,15 @@ class Offloader:
         ``.grad`` that views a DDP grad buffer (megatron sets ``grad = main_grad``) is not a
         slot: the buffer's storage is released and restored under it."""
         buffer_storages = {g.untyped_storage().data_ptr() for g in self.grad_buffers()}
+        param_storages = {g.untyped_storage().data_ptr() for g in self.param_buffers()}
         slots, seen = [], set()
         for chunk in self.modules:
             for module in chunk.modules():
                 for p in module._parameters.values():
                     if p is not None and id(p) not in seen:
                         seen.add(id(p))
-                        slots.append(_Slot("data", p))
+                        if p.untyped_storage().data_ptr() not in param_storages:
+                            slots.append(_Slot("data", p))  # (else it moves with its buffer)
                         if p.grad is not None and \
                                 p.grad.untyped_storage().data_ptr() not in buffer_storages:
                             slots.append(_Slot("grad", p))
@@ -165,6 +165,9 @@ class Offloader:
 
     def grad_buffers(self) -> list[torch.Tensor]:
         return [g for chunk in self.modules for g in _ddp_grad_buffers(chunk)]
+
+    def param_buffers(self) -> list[torch.Tensor]:
+        return [g for chunk in self.modules for g in _ddp_param_buffers(chunk)]
 
     # ---- moves ---------------------------------------------------------------------------------
     def _on_compute_device(self, t: torch.Tensor) -> bool:
@@ -205,6 +208,7 @@ class Offloader:
                     self._freed[id(g)] = (g, storage.nbytes())
                     nbytes += storage.nbytes()
                     storage.resize_(0)
+            nbytes += self._park_param_buffers()
         self._moved[group] = moved
         self.offloaded[group] = True
         return nbytes
@@ -223,8 +227,31 @@ class Offloader:
                 g.zero_()
                 nbytes += size
             self._freed = {}
+            for g, host, size in self._parked:
+                g.untyped_storage().resize_(size)
+                g.copy_(host, non_blocking=True)
+                nbytes += size
+            self._parked = []
         self._moved[group] = []
         self.offloaded[group] = False
+        return nbytes
+
+    def _park_param_buffers(self) -> int:
+        """The distributed optimizer's parameter buffers (the parameters are views into them):
+        copied to the host, then their device storage released; ``onload`` re-allocates it and
+        copies back, so the views (parameters, the optimizer's fp32 shards of fp32 models)
+        stay valid."""
+        nbytes = 0
+        for k, g in enumerate(self.param_buffers()):
+            storage = g.untyped_storage()
+            if not self._on_compute_device(g) or not storage.nbytes():
+                continue
+            host = self._to_host("param_buffer", k, g)
+            if g.device.type != "cpu":
+                torch.cuda.synchronize(g.device)  # the copy lands before the storage goes
+            self._parked.append((g, host, storage.nbytes()))
+            nbytes += storage.nbytes()
+            storage.resize_(0)
         return nbytes
 
     def _sync(self, free_cache: bool) -> None:

@@ -74,6 +74,34 @@ def test_expert_parallel_with_context_parallel_logits(tmp_path):
         assert _rel(g, r) <= 1e-5
 
 
+def test_expert_parallel_with_context_parallel_gradients(tmp_path):
+    """EP = 2 x CP = 2 (4 ranks; the EP group is the CP group, DP = 2) through
+    ``pipeline.forward_backward``: every gradient equals the 1-rank run's (rel <= 1e-5), the
+    routed experts' included (each EP rank's experts already sum both CP halves' tokens; the
+    dense weights are summed over CP). Both DP replicas see the same batch, so the token count
+    doubles and the gradients halve (see the next test)."""
+    import re
+
+    from parallel_models.testing import run_distributed_jobs, save_tiny_hf_model
+
+    path = save_tiny_hf_model(str(tmp_path / "moe"), "qwen3_moe", seed=1, router_scale=25.0)
+    (ref,) = run_distributed_jobs([(context_parallel_checks.schedule_grads, (path, 1, 1))], 1,
+                                  timeout=600)
+    (got,) = run_distributed_jobs([(context_parallel_checks.schedule_grads,
+                                    (path, 1, 2, "none", 2))], 4, timeout=600)
+    ref, experts_seen = ref[0], set()
+    for rank, grads in enumerate(got):
+        ep_rank = rank % 2  # megatron's order: EP innermost after TP, as CP
+        for key, g in grads.items():
+            m = re.match(r"(.*\.local_experts\.)(\d+)(\..*)", key)
+            want_key = key
+            if m:  # local expert i of EP rank r is global expert r * (4 / 2) + i
+                want_key = f"{m.group(1)}{ep_rank * 2 + int(m.group(2))}{m.group(3)}"
+                experts_seen.add(want_key)
+            assert _rel(g, 0.5 * ref[want_key]) <= 1e-5, (rank, key)
+    assert experts_seen == {k for k in ref if ".local_experts." in k}
+
+
 def test_schedule_reduces_gradients_over_context_parallel(hf_models):
     """``pipeline.forward_backward`` without DDP sums the CP ranks' gradients itself: CP = 2 x
     TP = 2 equals CP = 1 x TP = 2 (4 ranks, two microbatches)."""

@@ -92,22 +92,10 @@ def test_tensors_off_the_compute_device_stay():
     assert all(p.device.type == "cpu" for p in model.parameters())
 
 
-def test_distributed_optimizer_param_buffer_is_refused():
-    """megatron's distributed optimizer keeps parameters as views into DDP's param buffer: moving
-    them one by one would detach them from it, so the Offloader refuses with a clear error."""
-    from types import SimpleNamespace
-
-    model = _tiny()
-    model.buffers = [SimpleNamespace(grad_data=torch.zeros(4), param_data=torch.zeros(4))]
-    with pytest.raises(ValueError, match="use_distributed_optimizer"):
-        Offloader(model, device="cpu")
-    model.buffers = [SimpleNamespace(grad_data=torch.zeros(4), param_data=None)]
-    assert Offloader(model, device="cpu").grad_buffers()[0].numel() == 4
-
-
-def _ddp_worker(path: str) -> dict:
-    """A megatron-core DDP model + optimizer (TP=1, one rank): offload between two train steps
-    must not change the second step."""
+def _ddp_worker(path: str, distributed: bool = False, dtype=torch.float32) -> dict:
+    """A megatron-core DDP model + optimizer (TP=1, one rank; ``distributed``: megatron's
+    distributed optimizer, whose parameters are views into DDP's parameter buffer): offload
+    between two train steps must not change the second step."""
     import parallel_models as pm
     from parallel_models.pipeline import train_step
     from parallel_models.utils.optimizer import OptimConfig, build_optimizer
@@ -126,12 +114,22 @@ def _ddp_worker(path: str) -> dict:
     results = []
     for use_offload in (False, True):
         torch.manual_seed(0)
-        model = cls.from_pretrained(path, dtype=torch.float32)
-        state = build_optimizer([model], OptimConfig(lr=1e-2, clip_grad=1.0))
+        model = cls.from_pretrained(path, dtype=dtype)
+        state = build_optimizer([model], OptimConfig(lr=1e-2, clip_grad=1.0,
+                                                     use_distributed_optimizer=distributed))
         train_step(state, [dict(mb)], loss_fn)
         off = Offloader(state.chunks, state.optimizer)  # the compute device (CUDA or CPU)
         info = {}
-        if use_offload:
+        if use_offload and distributed:
+            bufs = off.param_buffers() + off.grad_buffers()
+            info["n_param_buffers"] = len(off.param_buffers())
+            info["want"] = sum(g.untyped_storage().nbytes() for g in bufs) + _nbytes(
+                [s.get() for s in off.optimizer_slots()]
+                + [b for m in model.modules() for b in m._buffers.values() if b is not None])
+            info["moved"] = off.offload()
+            info["storage_after_offload"] = sum(g.untyped_storage().nbytes() for g in bufs)
+            info["back"] = off.onload()
+        elif use_offload:
             grad_bufs = off.grad_buffers()
             params = list(model.parameters())
             states = [t for t in (s.get() for s in off.optimizer_slots())]
@@ -157,6 +155,20 @@ def test_megatron_ddp_grad_buffers_and_optimizer(hf_models):
     assert offl["n_grad_buffers"] >= 1
     assert offl["moved"] == offl["want"] == offl["back"] and offl["moved"] > 0
     assert offl["grad_storage_after_offload"] == 0  # released, not copied
+    assert offl["grad_norm"] == plain["grad_norm"]
+    for k, v in plain["weights"].items():
+        assert torch.equal(v, offl["weights"][k]), k
+
+
+def test_distributed_optimizer_buffers_round_trip(hf_models):
+    """megatron's distributed optimizer (bf16 weights: fp32 main shards and Adam states in the
+    optimizer): the parameter and gradient buffers are released on offload and come back
+    bit-exactly, so the next step equals the step without offload."""
+    plain, offl = run_distributed(_ddp_worker, 1, hf_models[("llama", "causal_lm")], True,
+                                  torch.bfloat16)[0]
+    assert offl["n_param_buffers"] >= 1
+    assert offl["moved"] == offl["want"] == offl["back"] and offl["moved"] > 0
+    assert offl["storage_after_offload"] == 0
     assert offl["grad_norm"] == plain["grad_norm"]
     for k, v in plain["weights"].items():
         assert torch.equal(v, offl["weights"][k]), k

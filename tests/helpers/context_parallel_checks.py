@@ -110,17 +110,44 @@ def moe_logits(path: str, ep: int, cp: int) -> torch.Tensor:
         return model(ids, cu, full_vocab=True).logits
 
 
-def schedule_grads(path: str, tp: int, cp: int) -> dict:
+def recompute_grads(path: str, cp: int) -> dict:
+    """``schedule_grads`` at CP = ``cp`` once per recompute mode (none, selective, full), with
+    the calls of the CP attention counted (selective runs it again in the backward)."""
+    from parallel_models.llama.layers import recompute
+
+    real, calls, out = recompute.context_parallel_attention, [0], {}
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    recompute.context_parallel_attention = counted
+    try:
+        for mode in ("none", "selective", "full"):
+            calls[0] = 0
+            out[mode] = {"grads": schedule_grads(path, 1, cp, recompute=mode),
+                         "recomputed_attention_calls": calls[0]}
+    finally:
+        recompute.context_parallel_attention = real
+    return out
+
+
+def schedule_grads(path: str, tp: int, cp: int, recompute: str = "none", ep: int = 1) -> dict:
     """Gradients of a token-mean next-token loss through ``pipeline.forward_backward`` (the
     plain finalize, no DDP) on two microbatches of the packed batch at TP = ``tp``, CP = ``cp``:
-    the schedule's own CP reduction, nothing added here."""
+    the schedule's own CP reduction, nothing added here. ``recompute``: the model's recompute
+    mode; ``ep``: expert-parallel size (MoE)."""
     import parallel_models as pm
     from parallel_models import pipeline
     from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
 
-    pm.init_parallel(tensor_parallel_size=tp, context_parallel_size=cp)
+    from parallel_models.llama.layers.recompute import set_recompute
+
+    pm.init_parallel(tensor_parallel_size=tp, context_parallel_size=cp,
+                     expert_model_parallel_size=ep)
     cls = pm.get_model_class(pm.registry.architecture_of(path), "causal_lm", True)
     model = cls.from_pretrained(path, dtype=torch.float32)
+    set_recompute(model, recompute)
     ids, cu = _batch(model.config.vocab_size)
     half = int(cu[3])
     mbs = [{"input_ids": ids[:half], "cu_seqlens": cu[:4]},

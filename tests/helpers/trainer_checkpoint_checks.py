@@ -58,13 +58,14 @@ def dump_gathered_state(trainer, folder: str) -> None:
 
 
 def save_at_step2_then_step(output_dir: str, dump: str, tp: int, *extra: str) -> dict:
-    """Two PPO steps, a checkpoint, the gathered state, then one more step: its metrics.
-    ``extra``: more config overrides."""
+    """Two PPO steps, a checkpoint, the gathered state (into ``dump``, when given), then one
+    more step: its metrics. ``extra``: more config overrides."""
     trainer = _trainer(output_dir, tp, *extra)
     trainer.step()
     trainer.step()
     path = trainer.save_checkpoint()
-    dump_gathered_state(trainer, dump)
+    if dump:
+        dump_gathered_state(trainer, dump)
     metrics = trainer.step()
     return {"path": path, "metrics": metrics}
 
@@ -74,7 +75,8 @@ def resume_then_step(output_dir: str, checkpoint: str, dump: str, tp: int, model
     """Resume ``checkpoint`` at this layout, dump the gathered state, then one step."""
     trainer = _trainer(output_dir, tp, *extra, f"model.path={model}")
     trainer.resume(checkpoint)
-    dump_gathered_state(trainer, dump)
+    if dump:
+        dump_gathered_state(trainer, dump)
     return {"step": trainer.step_index, "metrics": trainer.step()}
 
 
@@ -188,10 +190,54 @@ def _fake_adam_states(chunks, optimizer) -> None:
                             "exp_avg_sq": p.detach() ** 2}
 
 
+def _distributed_optimizers(optimizer) -> list:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
+            if isinstance(o, DistributedOptimizer)]
+
+
+@torch.no_grad()
+def _fake_distributed_adam_states(optimizer) -> None:
+    """``_fake_adam_states`` for megatron's distributed optimizer: on this rank's flat shard of
+    each parameter's fp32 main copy (the functions are elementwise, so any layout can check
+    them)."""
+    from parallel_models.rl.roles.sharded_state import _init_distributed_states
+
+    _init_distributed_states(optimizer)
+    for opt in _distributed_optimizers(optimizer):
+        for p in opt.model_param_group_index_map:
+            states = opt._get_main_param_and_optimizer_states(p)
+            main = states["param"].detach()
+            opt._set_main_param_and_optimizer_states(p, {"param": main, "exp_avg": 2 * main + 1,
+                                                         "exp_avg_sq": main ** 2,
+                                                         "step": torch.tensor(5.0)})
+
+
+def _check_distributed_adam_states(chunks, optimizer, vocab: int, tp_rank: int) -> None:
+    """The loaded distributed optimizer's shards: fp32 main copies of the loaded weights, Adam
+    states made from them (zero on vocab padding rows), step 5."""
+    names = {p: n for c in chunks for n, p in c.named_parameters()}
+    for opt in _distributed_optimizers(optimizer):
+        for p in opt.model_param_group_index_map:
+            name, full = names[p], p.detach().float()
+            states = opt._get_main_param_and_optimizer_states(p)
+            flat = opt._get_model_param_range_map(p)["param"]
+            want_avg, want_sq = 2 * full + 1, full ** 2
+            if name in ("model.embed_tokens.weight", "lm_head.proj.weight"):
+                real = max(0, min(p.shape[0], vocab - tp_rank * p.shape[0]))
+                want_avg[real:] = 0
+                want_sq[real:] = 0
+            for key, want in (("param", full), ("exp_avg", want_avg), ("exp_avg_sq", want_sq)):
+                got = states[key].detach()
+                assert torch.equal(got, want.reshape(-1)[flat.start:flat.end]), f"{name} {key}"
+            assert float(states["step"]) == 5.0, name
+
+
 def roles_roundtrip(hf_path: str, folder: str, tp: int, pp: int, dtype: str, save: bool,
-                    out: str, ep: int = 1) -> bool:
+                    out: str, ep: int = 1, distributed: bool = False) -> bool:
     """Save (``save``) or load the model + optimizer of a role at TP=tp, PP=pp, EP=ep (DP: the
-    rest).
+    rest), with megatron's distributed optimizer when ``distributed``.
     Loading starts from zeroed weights and checks the gathered weights against ``hf_path`` and
     the Adam states against the weights they were made from (real vocab rows; padding rows load
     as zeros)."""
@@ -208,10 +254,13 @@ def roles_roundtrip(hf_path: str, folder: str, tp: int, pp: int, dtype: str, sav
                              pp=pp > 1)
     chunks = (pm.build_pipeline_chunks(cls, hf_path, dtype=dtype) if pp > 1
               else [cls.from_pretrained(hf_path, dtype=dtype)])
-    state = build_optimizer(chunks, OptimConfig(lr=1e-3))
+    state = build_optimizer(chunks, OptimConfig(lr=1e-3, use_distributed_optimizer=distributed))
     roles = {"actor": (chunks, state.optimizer)}
     if save:
-        _fake_adam_states(chunks, state.optimizer)
+        if distributed:
+            _fake_distributed_adam_states(state.optimizer)
+        else:
+            _fake_adam_states(chunks, state.optimizer)
         if dist.get_rank() == 0:
             os.makedirs(folder)
         dist.barrier()
@@ -221,7 +270,7 @@ def roles_roundtrip(hf_path: str, folder: str, tp: int, pp: int, dtype: str, sav
         for c in chunks:
             for p in c.parameters():
                 p.zero_()
-        for _, m in _optimizer_params(chunks, state.optimizer):
+        for _, m in ([] if distributed else _optimizer_params(chunks, state.optimizer)):
             m.zero_()
     loaded = sharded_state.load_roles(folder, sharded_state.roles_sharded_state_dict(
         roles, loading=True))
@@ -229,9 +278,12 @@ def roles_roundtrip(hf_path: str, folder: str, tp: int, pp: int, dtype: str, sav
         "load_roles changed the live weights"
     sharded_state.apply_loaded(roles, loaded)
     chunks[0].save_pretrained(out, overwrite=True)
-    states = _adam_states(state.optimizer)
     tp_rank = mpu.get_tensor_model_parallel_rank()
     vocab = chunks[0].config.vocab_size
+    if distributed:
+        _check_distributed_adam_states(chunks, state.optimizer, vocab, tp_rank)
+        return True
+    states = _adam_states(state.optimizer)
     params = dict(n_p for c in chunks for n_p in c.named_parameters())
     for name, p in _optimizer_params(chunks, state.optimizer):
         s = states[p]

@@ -1,6 +1,8 @@
 """The 8B-scale GRPO bench (``bench/grpo_scale.py``) end to end at a tiny shape on 2 CPU ranks,
 TP=2 and PP=2: it builds its model, tokenizer and capped prompts, the trainer runs every step,
-and the report counts the tokens the caps imply (the GPU run must not be its first run)."""
+and the report counts the tokens the caps imply (the GPU run must not be its first run); the
+PPO + critic variant with per-role options and response caps drawn between given bounds; the
+long-responses preset fills only the options left at their defaults."""
 
 from __future__ import annotations
 
@@ -32,3 +34,50 @@ def test_tiny_tp2_and_pp2_runs_report_every_phase(tmp_path):
             assert {"gen", "score", "train_actor"} <= set(step["phases"])
             assert step["phases"]["score"]["tokens_per_s_per_gpu"] > 0
             assert step["nemo_rl_tokens_per_s_per_gpu"] > 0
+
+
+def _case_lines(stdout: str) -> list[dict]:
+    return [json.loads(x) for x in stdout.splitlines() if x.startswith('{"case"')]
+
+
+def test_tiny_ppo_critic_variant_with_bounded_response_caps(tmp_path):
+    out = tmp_path / "r.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, BENCH, "--shape", "tiny", "--layout", "pp2",
+                           "--critic", "--steps", "1", "--prompts", "4", "--n", "2",
+                           "--prompt-len", "8", "--max-new", "16", "--response-min", "12",
+                           "--response-median", "14", "--mini-batch", "8",
+                           "--micro-tokens", "64", "--actor", "recompute=full",
+                           "--critic-opt", "recompute=selective", "use_distributed_optimizer=true",
+                           "--root", str(tmp_path / "root"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    caps = result["response_caps"]
+    assert 12 <= caps["min"] <= caps["max"] <= 16
+    (step,) = result["runs"][0]["steps"]
+    assert step["response_tokens"] > 8 * 12 - 1 and {"train_actor", "train_critic"} <= set(
+        step["phases"])
+    (line,) = _case_lines(proc.stdout)
+    assert line["case"] == "tiny-pp2-ppo_critic" and line["returncode"] == 0
+    assert "peak_gib" in line["phases"][0]["train_critic"]
+
+
+def test_long_responses_preset_fills_defaults_only():
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("grpo_scale", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    p = argparse.ArgumentParser()
+    for flag, default in (("--shape", "8b"), ("--max-new", 1024), ("--response-min", 16)):
+        p.add_argument(flag, default=default, type=type(default))
+    for key in ("prompts", "n", "prompt_len", "response_median", "mini_batch", "micro_tokens",
+                "timeout"):
+        p.add_argument(f"--{key.replace('_', '-')}", default=None)
+    p.add_argument("--preset", default=None)
+    args = p.parse_args(["--preset", "long-responses", "--shape", "0.5b"])
+    bench.apply_preset(args, p)
+    assert args.shape == "0.5b" and args.max_new == 16384 and args.response_min == 8192
+    assert args.micro_tokens >= args.prompt_len + args.max_new

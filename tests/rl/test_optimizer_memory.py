@@ -4,7 +4,7 @@ optimizer) on CUDA and is ignored on the CPU (the states are in host memory); th
 takes it for the actor and critic with its bounds; a PPO run with the offload fraction and
 recomputation on resumes after a kill exactly (CPU, where the fraction has nothing to move); the
 distributed optimizer over DP=2 with recomputation gives the
-single-rank run's metrics; its checkpoints (not supported yet) are refused up front."""
+single-rank run's metrics; its checkpoints resume exactly."""
 
 import pytest
 import torch
@@ -46,24 +46,17 @@ def test_ppo_config_fields_and_bounds():
         load_config(overrides=["actor.optimizer_offload_fraction=1.5"])
 
 
-def test_resume_exact_with_offload_fraction_and_recompute(tmp_path):
+def test_resume_exact_with_distributed_optimizer_offload_fraction_and_recompute(tmp_path):
+    """The actor on the distributed optimizer (its checkpoint: megatron-core's fully reshardable
+    format through our weight factories), the critic on the plain one."""
     from tests.helpers.ppo_runs import resume_after_kill_matches
 
     resume_after_kill_matches(tmp_path, [
+        "actor.use_distributed_optimizer=true",
         "actor.optimizer_offload_fraction=0.5", "critic.optimizer_offload_fraction=0.5",
         "actor.recompute=full", "critic.recompute=selective", "trainer.total_steps=4",
         "trainer.save_every=2", "trainer.save_hf_at_end=false", "trainer.loggers=[jsonl]"],
         steps=4)
-
-
-def test_distributed_optimizer_checkpoints_refused_up_front():
-    from parallel_models.errors import ConfigError
-    from parallel_models.rl.config import load_config
-
-    with pytest.raises(ConfigError, match=r"actor.use_distributed_optimizer: .*trainer.save_every=0"):
-        load_config(overrides=["actor.use_distributed_optimizer=true"])
-    cfg = load_config(overrides=["actor.use_distributed_optimizer=true", "trainer.save_every=0"])
-    assert cfg.actor.use_distributed_optimizer
 
 
 def test_distributed_optimizer_over_dp2_with_recompute_equals_one_rank(tmp_path,

@@ -90,6 +90,24 @@ def test_recompute_runs_again_in_the_backward(runs, layout):
         assert rank["selective"]["no_grad_calls"] == {"layer": 1, "attention": layers}
 
 
+def test_selective_and_full_at_context_parallel_2_bit_for_bit(hf_models):
+    """CP = 2 (2 ranks, through the schedule's CP gradient reduction): selective recomputes the
+    CP attention (K/V all-gather + this rank's chunks) in the backward, and its gradients and
+    full's equal those without recomputation bit for bit."""
+    from tests.helpers.context_parallel_checks import recompute_grads
+
+    for rank in run_distributed(recompute_grads, 2, hf_models[("llama", "causal_lm")], 2,
+                                timeout=600):
+        # the tiny llama's 2 layers x 2 microbatches, each in the forward and its recompute
+        calls = {m: rank[m]["recomputed_attention_calls"] for m in MODES}
+        assert calls == {"none": 0, "selective": 2 * 2 * 2, "full": 0}, calls
+        base = rank["none"]["grads"]
+        for mode in ("selective", "full"):
+            assert base.keys() == rank[mode]["grads"].keys()
+            for name, g in base.items():
+                assert torch.equal(g, rank[mode]["grads"][name]), f"CP=2 {mode}: {name} differs"
+
+
 def test_megatron_config_carries_the_granularity(runs):
     rank = runs[(1, 1)][0]
     assert [rank[m]["granularity"] for m in MODES] == [None, "selective", "full"]

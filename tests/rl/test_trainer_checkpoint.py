@@ -121,7 +121,9 @@ def test_final_checkpoint_layout_and_finished_resume(tmp_path):
 
 RESHARD = {"tp2-to-tp1": ((2, 1, 1), (1, 1, 1), "float32"),
            "pp2-to-tp2": ((1, 2, 1), (2, 1, 1), "float32"),
-           "dp2-to-tp2-bf16": ((1, 1, 2), (2, 1, 1), "bfloat16")}
+           "dp2-to-tp2-bf16": ((1, 1, 2), (2, 1, 1), "bfloat16"),
+           # megatron's distributed optimizer: states sharded over DP=2, loaded at DP=1
+           "distopt-dp2-to-tp2-bf16": ((1, 1, 2), (2, 1, 1), "bfloat16", True)}
 
 
 @pytest.fixture(scope="module")
@@ -131,18 +133,25 @@ def worlds(tmp_path_factory, hf_models):
     tmp = tmp_path_factory.mktemp("trainer_ckpt")
     hf = hf_models[("qwen2", "causal_lm")]
     out2, dump2 = str(tmp / "tp2"), str(tmp / "dump_tp2")
-    named = {1: [], 2: [("tp2_save", (checks.save_at_step2_then_step, (out2, dump2, 2)))]}
-    for name, (save_at, load_at, dtype) in RESHARD.items():
+    distopt = ("actor.use_distributed_optimizer=true", "critic.use_distributed_optimizer=true")
+    out_d = str(tmp / "distopt_dp2")
+    named = {1: [], 2: [("tp2_save", (checks.save_at_step2_then_step, (out2, dump2, 2))),
+                        ("distopt_dp2_save", (checks.save_at_step2_then_step,
+                                              (out_d, "", 1, *distopt)))]}
+    for name, (save_at, load_at, dtype, *distributed) in RESHARD.items():
         folder, out = str(tmp / name / "ckpt"), str(tmp / name / "gathered")
         for (tp, pp, dp), save in ((save_at, True), (load_at, False)):  # the save goes first
             named[tp * pp * dp].append(((name, save), (checks.roles_roundtrip, (
-                hf, folder, tp, pp, dtype, save, out))))
+                hf, folder, tp, pp, dtype, save, out, 1, *distributed))))
     out = {"tmp": tmp, "dump2": dump2, "hf": hf}
     out.update(zip([n for n, _ in named[2]], run_distributed_jobs([j for _, j in named[2]], 2,
                                                                   timeout=1200)))
     out1, dump1 = str(tmp / "tp1"), str(tmp / "dump_tp1")
     named[1].append(("tp1_resume", (checks.resume_then_step, (
         out1, out["tp2_save"][0]["path"], dump1, 1, os.path.join(out2, "builtin_model")))))
+    named[1].append(("distopt_dp1_resume", (checks.resume_then_step, (
+        str(tmp / "distopt_dp1"), out["distopt_dp2_save"][0]["path"], "", 1,
+        os.path.join(out_d, "builtin_model"), *distopt))))
     (tmp / "bad").mkdir()
     named[1].append(("bad", (checks.bad_checkpoints, (str(tmp / "bad"),))))
     out.update(zip([n for n, _ in named[1]], run_distributed_jobs([j for _, j in named[1]], 1,
@@ -164,6 +173,17 @@ def test_resume_tp2_checkpoint_at_tp1(worlds):
         assert abs(want[key] - got[key]) <= 1e-5, f"{key}: TP=2 {want[key]} vs TP=1 {got[key]}"
 
 
+def test_distributed_optimizer_checkpoint_resumes_at_another_dp(worlds):
+    """A PPO run on the distributed optimizer (actor and critic) saved at DP=2 resumes at DP=1
+    on it and trains on (the states' exactness across layouts: test_model_and_optimizer_reshard's
+    distributed-optimizer case)."""
+    resumed = worlds["distopt_dp1_resume"][0]
+    assert resumed["step"] == 2
+    for key in ("actor/pg_loss", "critic/vf_loss", "actor/grad_norm", "critic/grad_norm"):
+        assert resumed["metrics"][key] == resumed["metrics"][key], key  # not NaN
+    assert resumed["metrics"]["actor/grad_norm"] > 0
+
+
 def test_unusable_checkpoints_fail_clearly(worlds):
     messages = worlds["bad"][0]
     assert set(messages) == {"plain", "tmp", "cut", "shape", "tensor"}
@@ -173,7 +193,7 @@ def test_unusable_checkpoints_fail_clearly(worlds):
 def test_model_and_optimizer_reshard(worlds, name):
     """Weights and Adam states (and the fp32 main params of a bf16 model) of Qwen2 (qkv bias,
     tied embeddings, vocab 251: uneven TP rows) saved at one (TP, PP, DP) layout load exactly
-    at another."""
+    at another, with the distributed optimizer's DP-sharded states too."""
     dtype = RESHARD[name][2]
     want, got = _load_folder(worlds["hf"]), _load_folder(str(worlds["tmp"] / name / "gathered"))
     assert want.keys() == got.keys()

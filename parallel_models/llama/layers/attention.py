@@ -61,7 +61,9 @@ class ParallelAttention(torch.nn.Module):
             out = kv_cache.attend(layer_index, q, k, v, cu_seqlens, max_seqlen, self.scale)
         elif isinstance(cu_seqlens, ContextParallelShard):
             q, k = rotary(q, k, cos, sin)
-            out = context_parallel_attention(q, k, v, cu_seqlens, self.scale)
+            attend = recompute.context_parallel_core_attention if \
+                self.recompute_core_attention else context_parallel_attention
+            out = attend(q, k, v, cu_seqlens, scale=self.scale)
         else:
             q, k = rotary(q, k, cos, sin)
             attend = recompute.core_attention if self.recompute_core_attention else \

@@ -4,7 +4,8 @@ reference's): trade compute in the backward for activation memory, as megatron-c
 
 - ``none``: every activation is kept for the backward (the default).
 - ``selective``: megatron-core's selective granularity: the core attention (the varlen causal
-  kernel on q, k, v) is recomputed in the backward instead of keeping what it saved.
+  kernel on q, k, v; under context parallelism the K/V all-gather and the attention of this
+  rank's chunks) is recomputed in the backward instead of keeping what it saved.
 - ``full``: megatron-core's full granularity with ``recompute_method=uniform`` and
   ``recompute_num_layers=1``: only each decoder layer's input is kept; the layer is run again in
   the backward.
@@ -29,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from parallel_models.errors import ConfigError
 from parallel_models.llama.layers.attention_kernels import varlen_causal_attention
+from parallel_models.llama.layers.context_parallel import context_parallel_attention
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -68,6 +70,18 @@ def core_attention(q, k, v, cu_seqlens, max_seqlen, *, scale):
     return recomputed(fn, q, k, v, cu_seqlens)
 
 
+def context_parallel_core_attention(q, k, v, shard, *, scale):
+    """The context-parallel attention (the all-gather of K and V over the CP ranks and the
+    causal attention of this rank's chunks), recomputed in the backward (selective): only the
+    local q, k, v are kept, as megatron-core's selective recompute of a CP core attention keeps
+    them; the recompute gathers again (every CP rank recomputes the same layers in the same
+    order, so the collectives pair up)."""
+    if not torch.is_grad_enabled():
+        return context_parallel_attention(q, k, v, shard, scale)
+    fn = functools.partial(context_parallel_attention, shard=shard, scale=scale)
+    return recomputed(fn, q, k, v)
+
+
 def decoder_layer(layer, hidden, cos, sin, cu_seqlens, max_seqlen):
     """One decoder layer whose activations are recomputed in the backward (full)."""
     fn = functools.partial(layer, max_seqlen=max_seqlen)
@@ -97,4 +111,5 @@ def set_recompute(model, mode: str) -> None:
             mp_config.recompute_num_layers = 1 if mode == "full" else None
 
 
-__all__ = ["RECOMPUTE_MODES", "core_attention", "decoder_layer", "recomputed", "set_recompute"]
+__all__ = ["RECOMPUTE_MODES", "context_parallel_core_attention", "core_attention",
+           "decoder_layer", "recomputed", "set_recompute"]

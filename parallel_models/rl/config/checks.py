@@ -314,29 +314,6 @@ def cross_field_problems(cfg, world_size: int | None = None) -> list[str]:
         if not torch.cuda.is_available():
             logger.warning("trainer.offload / reward.offload only act on CUDA; ignored here")
     return (_model_problems(cfg) + _data_and_batch_problems(cfg) + _roles_problems(cfg)
-            + _layout_problems(cfg, world_size) + _optimizer_memory_problems(cfg)
-            + fp8_rollout_problems(cfg) + async_problems(cfg))
+            + _layout_problems(cfg, world_size) + fp8_rollout_problems(cfg)
+            + async_problems(cfg))
 
-
-def _optimizer_memory_problems(cfg) -> list[str]:
-    """The distributed optimizer (``optimizer_offload_fraction`` runs on it on CUDA): on CUDA
-    trainer.offload cannot move the weights held in its buffers (``utils/offload.py`` refuses
-    them); its states cannot be checkpointed yet (megatron's sharded state of the distributed
-    optimizer does not take our weight factories, ``rl/roles/sharded_state.py``)."""
-    import torch
-
-    cuda = torch.cuda.is_available()
-    roles = [("actor", cfg.actor)] + ([("critic", cfg.critic)] if cfg.critic.enable is not False
-                                      else [])
-    problems = []
-    for name, section in roles:
-        key = ("optimizer_offload_fraction" if section.optimizer_offload_fraction and cuda else
-               "use_distributed_optimizer" if section.use_distributed_optimizer else None)
-        if key and cfg.trainer.offload and cuda:
-            problems.append(f"{name}.{key} needs trainer.offload=false (the distributed "
-                            f"optimizer's weight buffers cannot be offloaded; "
-                            f"optimizer_offload_fraction keeps the states on the host)")
-        if key and cfg.trainer.save_every:
-            problems.append(f"{name}.{key}: trainer checkpoints of the distributed optimizer's "
-                            f"states are not supported yet; set trainer.save_every=0")
-    return problems

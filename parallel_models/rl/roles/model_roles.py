@@ -192,8 +192,7 @@ class _ModelRole(OffloadingRole):
 
     @property
     def offloader(self) -> Offloader:
-        """Made on first use (only trainer.offload uses it: a role on the distributed optimizer,
-        whose weights the offloader refuses to move, trains without it)."""
+        """Made on first use (only trainer.offload uses it)."""
         if self._offloader is None:
             self._offloader = Offloader(*self._offload_parts)
         return self._offloader

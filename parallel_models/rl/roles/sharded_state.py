@@ -19,6 +19,11 @@ fused QKV / gate-up pieces are not views of one block of the global tensor; mega
 reshard exactly like the weights. Vocab rows are declared up to the true vocab size (our TP
 padding rows are not saved), so the global shapes do not depend on TP.
 
+megatron-core's distributed optimizer is declared in its ``fully_reshardable`` format (its flat
+DP shards gathered into tensors of each parameter's shape, cut by the same factories), so its
+checkpoints load at another TP/PP/DP layout too; three megatron-core 0.16 slips on that path are
+worked around here (``_init_distributed_states``, ``_fix_bucket_offsets``, ``_load_distributed``).
+
 ``save_roles`` / ``load_roles`` / ``apply_loaded`` write and read the models and optimizers of
 several roles (``{name: (chunks, optimizer)}``, keys prefixed by the name) as one dist checkpoint.
 """
@@ -166,13 +171,104 @@ def _placements(mapping, chunk, config):
     return out
 
 
+# megatron-core's distributed optimizer in its fully reshardable format: its flat DP shards are
+# gathered over DP into tensors of each parameter's shape, which our factories then cut like the
+# weights (the default, ``fully_sharded_model_space``, hands the factories flat slices, which
+# megatron-core 0.16 no longer supports). Other megatron optimizers ignore the metadata.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _init_distributed_states(optimizer) -> None:
+    """Zero states for a distributed optimizer that has not stepped yet (a resume at start-up):
+    megatron-core declares its sharded state from its ``state_dict()``, which reads the Adam step
+    of every state. Its own ``init_state_fn`` (the moments) plus torch Adam's step counter; the
+    hybrid device optimizer (CUDA, ``optimizer_offload_fraction``) initialises through its own
+    ``dummy_step`` (random gradients), as megatron-core's ``load_state_dict`` does, here at
+    learning rate 0 so the weights do not move (the loaded states replace its moments).
+    ``empty_optimizer_states`` lists them first, so a failed load drops them again."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        if not isinstance(opt, DistributedOptimizer) or inner.state:
+            continue
+        if hasattr(inner, "dummy_step"):  # at lr 0 the weights stay as they are
+            lrs = [g["lr"] for g in inner.param_groups]
+            for g in inner.param_groups:
+                g["lr"] = 0.0
+            try:
+                inner.dummy_step()
+            finally:
+                for g, lr in zip(inner.param_groups, lrs):
+                    g["lr"] = lr
+            continue
+        opt.init_state_fn(inner, opt.config)
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+
+
+def _unshare_steps(optimizer) -> None:
+    """One step tensor per Adam state again: the distributed optimizer's ``load_state_dict``
+    gives every state the same tensor, which torch's Adam then increments in place once per
+    parameter (a resumed run would step its bias correction too fast)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+
+def _fix_bucket_offsets(optimizer, optimizer_sd: dict) -> None:
+    """Point each saved distributed-optimizer state at the right elements. megatron-core 0.16's
+    fully reshardable save gathers a buffer's buckets into one tensor without the padding
+    between buckets, then slices each parameter out of it at its offset in the buffer, which
+    still counts that padding (its own warning cites issue #504): a parameter in a later bucket
+    (a tied embedding gets a bucket of its own) is saved shifted by the padding before it, and
+    zero-padded at the end. Such parameters are cut again from the same gathered tensors."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = [optimizer_sd] if len(opts) == 1 else [optimizer_sd[k] for k in sorted(optimizer_sd)]
+    for opt, opt_sd in zip(opts, states):
+        if not isinstance(opt, DistributedOptimizer) or not opt_sd.get("param_state"):
+            continue
+        shifts = []  # per buffer, per bucket: the padding dropped before it
+        for buffer in opt.buffers:
+            shifts.append([0])
+            for bucket in buffer.buckets[:-1]:
+                shifts[-1].append(shifts[-1][-1] + bucket.grad_data.numel()
+                                  - bucket.numel_unpadded)
+        if not any(any(s) for s in shifts):
+            continue
+        with cpu_shim.cuda_to_cpu():  # the same gather megatron-core made
+            world = opt.get_parameter_state_dp_zero(use_gloo_comm=False,
+                                                    return_on_all_ranks=True)
+        index = 0
+        for gbuf_idx, buffer in enumerate(opt.buffers):
+            (tensors,) = world[gbuf_idx].values()  # one dtype per buffer (megatron asserts it)
+            for start, end, bucket_id in buffer.param_index_map.values():
+                at = start - shifts[gbuf_idx][bucket_id]
+                for key, value in opt_sd["param_state"][index].items():
+                    if shifts[gbuf_idx][bucket_id]:
+                        value.data = tensors[key][at:at + end - start].reshape(value.data.shape)
+                index += 1
+
+
 def roles_sharded_state_dict(roles: dict, *, loading: bool = False) -> dict:
     """The models and megatron optimizer states of ``roles`` (``{name: (chunks, optimizer)}``)."""
     out = {}
     for name, (chunks, optimizer) in roles.items():
         model_sd = model_sharded_state_dict(chunks, name, clone=loading)
-        out[name] = {"model": model_sd,
-                     "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=loading)}
+        if loading:
+            _init_distributed_states(optimizer)
+        with cpu_shim.cuda_to_cpu():  # the distributed optimizer's gather over DP
+            optimizer_sd = optimizer.sharded_state_dict(model_sd, is_loading=loading,
+                                                        metadata=dict(OPTIMIZER_METADATA))
+        if loading:  # (its declaration reloads its own state dict: one shared step tensor)
+            _unshare_steps(optimizer)
+        else:
+            _fix_bucket_offsets(optimizer, optimizer_sd)
+        out[name] = {"model": model_sd, "optimizer": optimizer_sd}
     return out
 
 
@@ -236,7 +332,52 @@ def apply_loaded(roles: dict, loaded: dict) -> None:
     """Copy loaded weights into the models and loaded states into the optimizers."""
     for name, (chunks, optimizer) in roles.items():
         load_model_weights(chunks, loaded[name]["model"])
-        optimizer.load_state_dict(loaded[name]["optimizer"])
+        load_optimizer_state(optimizer, loaded[name]["optimizer"])
+
+
+def load_optimizer_state(optimizer, state: dict) -> None:
+    """``optimizer.load_state_dict(state)``, with megatron-core's distributed optimizer loaded in
+    its two halves (:func:`_load_distributed`)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if not any(isinstance(o, DistributedOptimizer) for o in opts):
+        optimizer.load_state_dict(state)
+        return
+    # a chain of one is saved as its optimizer's dict, a longer one as {index: dict}
+    states = [state] if len(opts) == 1 else [state[k] for k in sorted(state)]
+    for opt, opt_state in zip(opts, states, strict=True):
+        if isinstance(opt, DistributedOptimizer):
+            _load_distributed(opt, opt_state)
+        else:
+            opt.load_state_dict(opt_state)
+    if len(opts) > 1:
+        optimizer._synchronize_steps()
+
+
+def _load_distributed(opt, state: dict) -> None:
+    """The distributed optimizer's ``load_state_dict`` split in two: the param groups (and torch
+    Adam's per-state ``step``, which megatron-core sets from them), then the per-parameter states
+    of the fully reshardable format. megatron-core's own path copies every key of each state,
+    ``step`` included, from the loaded tensors, which carry no step (its fused optimizers keep
+    none): a KeyError with torch's Adam. So the steps step aside while the tensors load (the
+    hybrid device optimizer's sub-optimizers share these state dicts), and come back as one
+    tensor per state (:func:`_unshare_steps`)."""
+    state = dict(state)
+    param_state = state.pop("param_state")
+    kind = state.pop("param_state_sharding_type")
+    if kind != OPTIMIZER_METADATA["distrib_optim_sharding_type"]:
+        raise ValueError(f"distributed optimizer state of type {kind!r}, expected "
+                         f"{OPTIMIZER_METADATA['distrib_optim_sharding_type']!r}")
+    with cpu_shim.cuda_to_cpu():
+        opt.load_state_dict(state)
+        held = {id(s): (s, s.pop("step")) for s in opt.optimizer.state.values() if "step" in s}
+        try:
+            opt.load_parameter_state_from_fully_reshardable(param_state)
+        finally:
+            for s, step in held.values():
+                s["step"] = step
+    _unshare_steps(opt)
 
 
 def global_shapes(sharded: dict) -> dict[str, tuple[int, ...]]:

@@ -14,7 +14,8 @@ Modes (each a ``parallel-models-ppo`` run of its own):
 Same model and workload in both: a random-weight Llama (``--shape``: ``1b`` = Llama-3.2-1B's
 shape, bf16 on CUDA; ``0.5b``; ``tiny`` for the CPU) written by ``bench/grpo_scale.py``'s
 builder; ``--prompts`` prompts of ``--prompt-len`` random words per step, ``--n`` samples each;
-long-tailed responses: up to 64 stop tokens (``rollout.stop_token_ids``' limit) whose ``lm_head``
+long-tailed responses: up to 63 stop tokens (``rollout.stop_token_ids``' limit of 64, less the
+EOS the trainer adds for the server) whose ``lm_head``
 rows are scaled so that together they are drawn with probability about ``--stop-share`` per
 token (random logits are ~normal with variance 0.02^2 x hidden; scaling a row by c multiplies
 its expected softmax weight by exp((c^2 - 1) var / 2)): response lengths are geometric-like
@@ -65,11 +66,11 @@ def build_prompts(path: str, count: int, prompt_len: int, vocab: int, seed: int 
             f.write(json.dumps({"prompt": " ".join(f"t{t}" for t in ids)}) + "\n")
 
 
-MAX_STOP_IDS = 64  # SamplingParams.stop_token_ids' limit
+MAX_STOP_IDS = 63  # SamplingParams.stop_token_ids' limit (64), less the EOS the trainer adds
 
 
 def stop_ids(vocab: int, share: float) -> list[int]:
-    """The stop tokens: ``share`` of the vocabulary past the specials, at most 64 of them."""
+    """The stop tokens: ``share`` of the vocabulary past the specials, at most 63 of them."""
     count = min(MAX_STOP_IDS, max(1, round(share * vocab)))
     return list(range(len(SPECIALS), len(SPECIALS) + count))
 

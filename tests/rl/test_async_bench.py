@@ -7,7 +7,8 @@ The bench's ``main`` runs in the test's process; its two ``parallel-models-ppo``
 the preloaded forkserver (``parallel_models.testing.start_main``, torchrun's environment per
 rank) instead of fresh interpreters; the async run starts its own rollout server as the bench
 does on the GPU. The launcher itself is tested where it is the subject (tests/test_cli.py,
-tests/distributed/test_multinode.py)."""
+tests/distributed/test_multinode.py). (Measured at load 5-10 on 2 cores: 13-17 s, against
+35-64 s for 3 steps in fresh interpreters.)"""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Workers of the async RL tests (run on gloo ranks): a short PPO run at ``trainer.mode=async``
-or ``sync``, returning every step's metrics (timings aside). (A gloo rank is a daemonic process:
+or ``sync``, returning every step's metrics (timings aside), validation included at the steps of
+``trainer.test_freq`` as the trainer's loop runs it. (A gloo rank is a daemonic process:
 it cannot fork the test server, so the tests start it and pass ``rollout.server_url``.)"""
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ def ppo_run(output_dir: str, overrides: list[str], steps: int | None = None,
         left = cfg.trainer.total_steps - trainer.step_index
         for _ in range(steps if steps is not None else left):
             m = trainer.step()
+            test_freq, last = cfg.trainer.test_freq, trainer.step_index == cfg.trainer.total_steps
+            if trainer.validator is not None and test_freq and (
+                    trainer.step_index % test_freq == 0 or last):  # (PPOTrainer.train's rule)
+                m.update(trainer.validate_phase())
             metrics.append({k: v for k, v in m.items() if not k.startswith(("timing/", "memory/"))})
             if save_after and trainer.step_index == save_after:
                 checkpoint = trainer.save_checkpoint()

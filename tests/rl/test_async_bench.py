@@ -1,31 +1,96 @@
-"""``bench/async_grpo.py`` (sync colocated vs async, issue 35) end to end at a tiny shape on the
+"""``bench/async_grpo.py`` (sync colocated vs async, issue 35) end to end at its tiny shape on the
 CPU: both modes run in one invocation and print one JSON line each with the throughput over
-the steps after the warm-up (the GPU run must not be its first run)."""
+the steps after the warm-up (the GPU run must not be its first run).
+
+The bench's ``main`` runs in the test's process; its two ``parallel-models-ppo`` launches
+(``torchrun --nproc-per-node 2`` for sync, one process for async) run as processes forked from
+the preloaded forkserver (``parallel_models.testing.start_main``, torchrun's environment per
+rank) instead of fresh interpreters; the async run starts its own rollout server as the bench
+does on the GPU. The launcher itself is tested where it is the subject (tests/test_cli.py,
+tests/distributed/test_multinode.py). (Measured at load 5-10 on 2 cores: 13-17 s, against
+35-64 s for 3 steps in fresh interpreters.)"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
+from tests.helpers.server_launch import ForkedRanks
+
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "async_grpo.py")
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                  "MASTER_PORT", "GROUP_RANK")
 
 
-def test_tiny_sync_and_async_report_throughput(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, BENCH, "--mode", "both", "--shape", "tiny",
-                           "--steps", "3", "--warmup", "1", "--prompts", "4", "--n", "2",
-                           "--prompt-len", "8", "--max-new", "8", "--mini-batch", "8",
-                           "--micro-tokens", "64", "--stop-share", "0.05", "--partial",
-                           "--root", str(tmp_path)],
-                          capture_output=True, text=True, timeout=400, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+class _ForkedLaunches:
+    """The ``subprocess`` module of the bench with ``Popen`` of ``python [-m
+    torch.distributed.run --nproc-per-node N --master-port P] -m module args`` replaced by
+    forked processes (one per rank, one process group led by rank 0, so the bench's
+    ``os.killpg`` reaches them all); their output goes to this process's stderr at the end."""
+
+    def __init__(self):
+        self.launched = []
+
+    def __getattr__(self, name):
+        return getattr(subprocess, name)
+
+    def Popen(self, cmd, *, env=None, **_):  # noqa: N802 (subprocess's name)
+        from parallel_models.testing import start_main
+
+        cmd = [str(c) for c in cmd]
+        nproc, master_port, rest = 1, None, cmd[1:]
+        if rest[:2] == ["-m", "torch.distributed.run"]:
+            opts, rest = rest[2:rest.index("-m", 2)], rest[rest.index("-m", 2):]
+            nproc = int(opts[opts.index("--nproc-per-node") + 1])
+            master_port = opts[opts.index("--master-port") + 1]
+        assert rest[0] == "-m", cmd
+        target, argv = f"{rest[1]}:main", rest[2:]
+        env = {k: v for k, v in (env or os.environ).items() if k not in _TORCHRUN_VARS}
+        if master_port is None:
+            ranks = [start_main(target, argv, env, new_session=True)]
+        else:
+            ranks = []
+            for rank in range(nproc):
+                ranks.append(start_main(target, argv, dict(
+                    env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                    LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=master_port), process_group=ranks[0].pid if ranks else 0))
+        self.launched.append(ranks)
+        return ForkedRanks(ranks)
+
+    def echo_and_close(self) -> None:
+        for ranks in self.launched:
+            for r in ranks:
+                sys.stderr.write(r.stderr[-3000:])
+                r.close()
+
+
+def test_tiny_sync_and_async_report_throughput(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.syspath_prepend(os.path.dirname(os.path.abspath(BENCH)))
+    spec = importlib.util.spec_from_file_location("async_grpo_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    launches = _ForkedLaunches()
+    monkeypatch.setattr(bench, "subprocess", launches)
+    try:
+        bench.main(["--mode", "both", "--shape", "tiny", "--steps", "2", "--warmup", "1",
+                    "--prompts", "4", "--n", "2", "--prompt-len", "8", "--max-new", "8",
+                    "--mini-batch", "8", "--micro-tokens", "64", "--stop-share", "0.05",
+                    "--partial", "--timeout", "300", "--root", str(tmp_path)])
+    finally:
+        launches.echo_and_close()
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+             if line.startswith("{")]
     assert [r["mode"] for r in lines] == ["sync", "async"]
+    assert [len(ranks) for ranks in launches.launched] == [2, 1]  # torchrun's 2 ranks, 1 trainer
     for r in lines:
-        assert r["steps_logged"] == 3 and r["steps_measured"] == 2
-        assert len(r["samples_per_s"]["values"]) == 2 and r["samples_per_s"]["median"] > 0
+        assert r["returncode"] == 0
+        assert r["steps_logged"] == 2 and r["steps_measured"] == 1
+        assert len(r["samples_per_s"]["values"]) == 1 and r["samples_per_s"]["median"] > 0
         assert r["tokens_per_s_per_gpu"]["min"] > 0
         assert 1 <= r["response_length_mean"]["median"] <= 8
     assert lines[1]["staleness_max"]["max"] <= 1

@@ -1,6 +1,7 @@
 """Running ``parallel-models-ppo`` in tests (its ``main`` in a process forked from the preloaded
-forkserver: ``parallel_models.testing.start_main``; the console script itself and ``torchrun``
-launches: tests/test_cli.py, tests/distributed/test_multinode.py), and reading what a run wrote."""
+forkserver: ``parallel_models.testing.start_main``, one per rank for a multi-rank run; the
+console script itself and ``torchrun`` launches: tests/test_cli.py,
+tests/distributed/test_multinode.py), and reading what a run wrote."""
 
 from __future__ import annotations
 
@@ -32,6 +33,25 @@ def run_ppo(args, timeout=300, check=True, env=None):
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stderr[-3000:]}")
     return proc
+
+
+def run_ppo_ranks(args, nproc: int, timeout=300, env=None):
+    """``torchrun --nproc-per-node nproc -m parallel_models.rl.train *args`` to its end, each
+    rank forked from the preloaded forkserver (``parallel_models.testing.start_main_ranks``);
+    raises with the end of the ranks' stderr when it fails."""
+    from parallel_models.testing import start_main_ranks
+
+    run = start_main_ranks(MAIN, list(args), nproc, env or ENV)
+    try:
+        try:
+            code = run.wait(timeout)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            raise
+        if code != 0:
+            raise AssertionError(f"exit {code}\n{run.stderr[-3000:]}")
+    finally:
+        run.close()
 
 
 def read_jsonl(path):

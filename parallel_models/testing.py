@@ -172,13 +172,22 @@ def run_distributed_jobs(jobs: list, world_size: int, *, timeout: float = 600.0)
 
 def run_named_jobs(named: list, *, timeout: float = 600.0) -> dict:
     """``named``: ``(name, world_size, job)`` triples. Each world size's jobs run in one world
-    (:func:`run_distributed_jobs`, in the order given), smallest world first; returns
-    ``{name: per-rank results}``."""
-    out = {}
-    for world in sorted({w for _, w, _ in named}):
+    (:func:`run_distributed_jobs`, in the order given), the worlds at the same time (a world
+    of one rank leaves the other cores free, and a rank waiting in a collective one); returns
+    ``{name: per-rank results}``; the first failing world's error is raised once all ended."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    worlds = sorted({w for _, w, _ in named})
+
+    def run_world(world: int) -> dict:
         mine = [(name, job) for name, w, job in named if w == world]
         results = run_distributed_jobs([job for _, job in mine], world, timeout=timeout)
-        out.update(zip([name for name, _ in mine], results))
+        return dict(zip([name for name, _ in mine], results))
+
+    out = {}
+    with ThreadPoolExecutor(len(worlds)) as pool:
+        for done in [pool.submit(run_world, w) for w in worlds]:
+            out.update(done.result())
     return out
 
 

@@ -65,7 +65,8 @@ def pytest_sessionfinish(session):
 def early_run(request):
     """The output folder of this test's ``early_run`` PPO run, once it has ended."""
     if request.node.nodeid not in _RUNS:
-        raise pytest.UsageError(f"{request.node.nodeid}: early_run needs @pytest.mark.{MARK}")
+        pytest.fail(f"{request.node.nodeid}: the early_run fixture needs @pytest.mark.{MARK}",
+                    pytrace=False)
     handle, out = _RUNS[request.node.nodeid]
     try:
         os.setpriority(os.PRIO_PROCESS, handle.pid, 0)  # the session waits on it now

@@ -77,21 +77,30 @@ def load_folder(folder):
 
 def resume_after_kill_matches(tmp_path, common, steps: int) -> None:
     """A run SIGKILLed once its first checkpoint (step 2) exists, then ``--resume``d, logs the
-    same metrics (timings aside) at every step as an uninterrupted run of ``common``."""
+    same metrics (timings aside) at every step as an uninterrupted run of ``common`` (which
+    runs meanwhile, on another core where there is one)."""
     ref = str(tmp_path / "ref")
-    run_ppo([f"trainer.output_dir={ref}", *common])
-    killed = str(tmp_path / "killed")
-    proc = start_ppo([f"trainer.output_dir={killed}", *common])
+    ref_run = start_ppo([f"trainer.output_dir={ref}", *common])
     try:
-        deadline = time.time() + 240
-        while not os.path.isdir(os.path.join(killed, "checkpoints", "step_000002")):
-            assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
-            time.sleep(0.05)
-        proc.kill()  # SIGKILL
-        proc.wait()
+        killed = str(tmp_path / "killed")
+        proc = start_ppo([f"trainer.output_dir={killed}", *common])
+        try:
+            deadline = time.time() + 240
+            while not os.path.isdir(os.path.join(killed, "checkpoints", "step_000002")):
+                assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
+                time.sleep(0.05)
+            proc.kill()  # SIGKILL
+            proc.wait()
+        finally:
+            proc.close()
+        run_ppo([f"trainer.output_dir={killed}", *common, "--resume"])
+        code = ref_run.wait(300)
+        assert code == 0, f"the uninterrupted run: exit {code}\n{ref_run.stderr[-3000:]}"
     finally:
-        proc.close()
-    run_ppo([f"trainer.output_dir={killed}", *common, "--resume"])
+        if ref_run.poll() is None:
+            ref_run.kill()
+            ref_run.wait()
+        ref_run.close()
     want, got = run_metrics(ref), run_metrics(killed)
     assert [m["step"] for m in got] == list(range(1, steps + 1))
     for a, b in zip(want, got):

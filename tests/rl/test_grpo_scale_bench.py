@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess  # noqa: F401 (for tests that run the bench as a script)
 import sys
 
 from tests.helpers.forked_torchrun import ForkingSubprocess

@@ -9,7 +9,8 @@ they are spawned. Each gets the caller's current environment before anything of 
 unpickled, as a spawned process would.
 ``run_distributed_jobs(jobs, world_size)`` runs several such checks in one world, so the start
 and the set-up are paid once. ``start_main("pkg.module:main", argv)`` runs a console script's
-``main`` in a process forked the same way (a subprocess-like handle).
+``main`` in a process forked the same way (a subprocess-like handle), ``start_main_ranks``
+one such process per rank, as ``torchrun --nproc-per-node`` would start them.
 """
 
 from __future__ import annotations
@@ -171,13 +172,22 @@ def run_distributed_jobs(jobs: list, world_size: int, *, timeout: float = 600.0)
 
 def run_named_jobs(named: list, *, timeout: float = 600.0) -> dict:
     """``named``: ``(name, world_size, job)`` triples. Each world size's jobs run in one world
-    (:func:`run_distributed_jobs`, in the order given), smallest world first; returns
-    ``{name: per-rank results}``."""
-    out = {}
-    for world in sorted({w for _, w, _ in named}):
+    (:func:`run_distributed_jobs`, in the order given), the worlds at the same time (a world
+    of one rank leaves the other cores free, and a rank waiting in a collective one); returns
+    ``{name: per-rank results}``; the first failing world's error is raised once all ended."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    worlds = sorted({w for _, w, _ in named})
+
+    def run_world(world: int) -> dict:
         mine = [(name, job) for name, w, job in named if w == world]
         results = run_distributed_jobs([job for _, job in mine], world, timeout=timeout)
-        out.update(zip([name for name, _ in mine], results))
+        return dict(zip([name for name, _ in mine], results))
+
+    out = {}
+    with ThreadPoolExecutor(len(worlds)) as pool:
+        for done in [pool.submit(run_world, w) for w in worlds]:
+            out.update(done.result())
     return out
 
 
@@ -312,6 +322,89 @@ def start_main(target: str, argv: list, env: dict | None = None, log_dir: str | 
     ``process_group``: it joins that process group (0: a new one it leads)."""
     return MainProcess(target, argv, dict(os.environ if env is None else env), log_dir,
                        log_path, new_session, process_group)
+
+
+# what torchrun sets for a rank (dropped from an inherited environment)
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT", "GROUP_RANK")
+
+
+class MainRanks:
+    """Console-script ranks started by :func:`start_main_ranks` (or one per rank by the caller)
+    as one Popen-like handle (``pid``: rank 0's, the leader of their process group). Like
+    torchrun, a rank that fails takes the others down and the exit code is the first nonzero
+    one; ``stdout`` / ``stderr``: every rank's, rank 0 first."""
+
+    def __init__(self, ranks: list):
+        self.ranks = ranks
+        self.pid = ranks[0].pid
+        self.args = ranks[0].args
+
+    def poll(self):
+        codes = [r.poll() for r in self.ranks]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed and None in codes:
+            self.kill()
+            for r in self.ranks:
+                r.wait()
+            codes = [r.poll() for r in self.ranks]
+        if None in codes:
+            return None
+        return next((c for c in codes if c != 0), 0)
+
+    @property
+    def returncode(self):
+        return self.poll()
+
+    def kill(self) -> None:
+        import signal
+
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Waits for every rank; on ``timeout`` raises ``subprocess.TimeoutExpired``."""
+        import subprocess
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        return self.poll()
+
+    @property
+    def stdout(self) -> str:
+        return "".join(r.stdout for r in self.ranks)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(r.stderr for r in self.ranks)
+
+    def close(self) -> None:
+        for r in self.ranks:
+            r.close()
+
+
+def start_main_ranks(target: str, argv: list, nproc: int, env: dict | None = None,
+                     log_dir: str | None = None) -> MainRanks:
+    """``torchrun --nproc-per-node nproc -m package.module *argv`` on this host without the
+    fresh interpreters: ``main(argv)`` of ``target`` in ``nproc`` processes forked as
+    :func:`start_main` forks one, each with the environment torchrun gives a rank (one process
+    group led by rank 0, so ``kill`` reaches them all)."""
+    from parallel_models.distributed import free_port
+
+    env = {k: v for k, v in (os.environ if env is None else env).items()
+           if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc),
+               LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0")
+    ranks: list = []
+    for rank in range(nproc):
+        ranks.append(start_main(target, argv, dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                                log_dir, process_group=ranks[0].pid if ranks else 0))
+    return MainRanks(ranks)
 
 
 _TINY_COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,

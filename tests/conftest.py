@@ -5,6 +5,8 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+pytest_plugins = ["tests.helpers.early_runs"]  # long PPO runs started when collection ends
+
 
 @pytest.fixture(scope="session")
 def hf_models(tmp_path_factory):

@@ -1,7 +1,9 @@
 """Multi-node launch: two ``torchrun`` processes on this machine act as two nodes (one rank each,
 c10d rendezvous) and run the default PPO job at TP=2 across them. The run must equal the same job
 launched as one node with two ranks (same seed: same metrics), so the rendezvous, the rank
-numbering and the groups spanning "nodes" are what a real two-node launch gets."""
+numbering and the groups spanning "nodes" are what a real two-node launch gets. (The one-node
+run's two ranks are forked with torchrun's environment: the torchrun launch is the one under
+test, and the fresh interpreters of a second one cost seconds of CPU each.)"""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import subprocess
 import sys
 
 from parallel_models.testing import free_port
-from tests.helpers.ppo_runs import ENV, run_metrics
+from tests.helpers.ppo_runs import ENV, run_metrics, run_ppo_ranks
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 JOB = ["-m", "parallel_models.rl.train", "parallel.tensor_parallel_size=2",
@@ -41,9 +43,7 @@ def test_two_node_launch_equals_one_node(tmp_path):
         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
     _wait(procs)
     one_node = str(tmp_path / "one_node")
-    _wait([subprocess.Popen([TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()),
-                             *JOB, f"trainer.output_dir={one_node}"],
-                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)])
+    run_ppo_ranks([*JOB[2:], f"trainer.output_dir={one_node}"], 2)
     a, b = run_metrics(two_nodes), run_metrics(one_node)
     assert len(a) == len(b) == 2
     for ra, rb in zip(a, b):

@@ -1,6 +1,7 @@
 """Running ``parallel-models-ppo`` in tests (its ``main`` in a process forked from the preloaded
-forkserver: ``parallel_models.testing.start_main``; the console script itself and ``torchrun``
-launches: tests/test_cli.py, tests/distributed/test_multinode.py), and reading what a run wrote."""
+forkserver: ``parallel_models.testing.start_main``, one per rank for a multi-rank run; the
+console script itself and ``torchrun`` launches: tests/test_cli.py,
+tests/distributed/test_multinode.py), and reading what a run wrote."""
 
 from __future__ import annotations
 
@@ -34,6 +35,25 @@ def run_ppo(args, timeout=300, check=True, env=None):
     return proc
 
 
+def run_ppo_ranks(args, nproc: int, timeout=300, env=None):
+    """``torchrun --nproc-per-node nproc -m parallel_models.rl.train *args`` to its end, each
+    rank forked from the preloaded forkserver (``parallel_models.testing.start_main_ranks``);
+    raises with the end of the ranks' stderr when it fails."""
+    from parallel_models.testing import start_main_ranks
+
+    run = start_main_ranks(MAIN, list(args), nproc, env or ENV)
+    try:
+        try:
+            code = run.wait(timeout)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            raise
+        if code != 0:
+            raise AssertionError(f"exit {code}\n{run.stderr[-3000:]}")
+    finally:
+        run.close()
+
+
 def read_jsonl(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -57,21 +77,30 @@ def load_folder(folder):
 
 def resume_after_kill_matches(tmp_path, common, steps: int) -> None:
     """A run SIGKILLed once its first checkpoint (step 2) exists, then ``--resume``d, logs the
-    same metrics (timings aside) at every step as an uninterrupted run of ``common``."""
+    same metrics (timings aside) at every step as an uninterrupted run of ``common`` (which
+    runs meanwhile, on another core where there is one)."""
     ref = str(tmp_path / "ref")
-    run_ppo([f"trainer.output_dir={ref}", *common])
-    killed = str(tmp_path / "killed")
-    proc = start_ppo([f"trainer.output_dir={killed}", *common])
+    ref_run = start_ppo([f"trainer.output_dir={ref}", *common])
     try:
-        deadline = time.time() + 240
-        while not os.path.isdir(os.path.join(killed, "checkpoints", "step_000002")):
-            assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
-            time.sleep(0.05)
-        proc.kill()  # SIGKILL
-        proc.wait()
+        killed = str(tmp_path / "killed")
+        proc = start_ppo([f"trainer.output_dir={killed}", *common])
+        try:
+            deadline = time.time() + 240
+            while not os.path.isdir(os.path.join(killed, "checkpoints", "step_000002")):
+                assert proc.poll() is None and time.time() < deadline, "no checkpoint appeared"
+                time.sleep(0.05)
+            proc.kill()  # SIGKILL
+            proc.wait()
+        finally:
+            proc.close()
+        run_ppo([f"trainer.output_dir={killed}", *common, "--resume"])
+        code = ref_run.wait(300)
+        assert code == 0, f"the uninterrupted run: exit {code}\n{ref_run.stderr[-3000:]}"
     finally:
-        proc.close()
-    run_ppo([f"trainer.output_dir={killed}", *common, "--resume"])
+        if ref_run.poll() is None:
+            ref_run.kill()
+            ref_run.wait()
+        ref_run.close()
     want, got = run_metrics(ref), run_metrics(killed)
     assert [m["step"] for m in got] == list(range(1, steps + 1))
     for a, b in zip(want, got):

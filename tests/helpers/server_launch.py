@@ -10,13 +10,11 @@ itself (tests/inference/test_server.py keeps that path tested)."""
 from __future__ import annotations
 
 import os
-import time
 
 from parallel_models.inference.server import launch
+from parallel_models.testing import TORCHRUN_VARS, MainRanks
 
 stop_server = launch.stop_server
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                  "MASTER_PORT", "GROUP_RANK")
 
 
 def start_server(model: str, port: int, *, tp: int = 1, api_key: str | None = None,
@@ -38,7 +36,7 @@ def start_server(model: str, port: int, *, tp: int = 1, api_key: str | None = No
     elif enable_admin:
         args.append("--enable-admin")
     inherited = {k: v for k, v in os.environ.items()
-                 if k not in _TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+                 if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
     env = dict(inherited, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                PYTHONWARNINGS="ignore")
     target = "parallel_models.inference.server.cli:main"
@@ -53,51 +51,10 @@ def start_server(model: str, port: int, *, tp: int = 1, api_key: str | None = No
             ranks.append(start_main(target, args, dict(env, RANK=str(rank), LOCAL_RANK=str(rank),
                                                        **rendezvous),
                                     log_path=log, process_group=ranks[0].pid if ranks else 0))
-        proc = ForkedRanks(ranks)
+        proc = MainRanks(ranks)
     try:
         return launch.wait_until_healthy(proc, port, timeout, log_path, poll_s=0.1)
     except BaseException:  # a forked server left running would keep pytest from exiting
         stop_server(proc)
         raise
 
-
-class ForkedRanks:
-    """A TP > 1 server's forked ranks as one Popen-like handle (``pid``: rank 0's, the leader of
-    their process group). Like torchrun, a rank that fails takes the others down and the
-    handle's exit code is the first nonzero one."""
-
-    def __init__(self, ranks: list):
-        self.ranks = ranks
-        self.pid = ranks[0].pid
-
-    def poll(self):
-        codes = [r.poll() for r in self.ranks]
-        failed = [c for c in codes if c not in (None, 0)]
-        if failed and None in codes:
-            import signal
-
-            try:
-                os.killpg(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            for r in self.ranks:
-                r.wait()
-            codes = [r.poll() for r in self.ranks]
-        if None in codes:
-            return None
-        return next((c for c in codes if c != 0), 0)
-
-    @property
-    def returncode(self):
-        return self.poll()
-
-    def wait(self, timeout: float | None = None) -> int:
-        """Waits for every rank; on ``timeout`` raises ``subprocess.TimeoutExpired``."""
-        import subprocess
-
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.ranks[0].args, timeout)
-            time.sleep(0.05)
-        return self.poll()

@@ -55,20 +55,18 @@ def test_two_steps_of_the_builtin_job(tmp_path, estimator, loss, mode, extra):
         assert any(r["actor/pg_clipfrac"] > 0 for r in rows)
 
 
-def _grpo_rewards(tmp_path, loss):
-    out = str(tmp_path / loss)
-    run_ppo([f"trainer.output_dir={out}", "trainer.total_steps=14", "trainer.save_every=0",
-             "trainer.loggers=[jsonl]", "algorithm.adv_estimator=grpo", "critic.enable=false",
-             f"actor.policy_loss={loss}"], timeout=600)
-    return [r["reward/mean"] for r in run_metrics(out)]
+def _grpo_run(loss):
+    return ["trainer.total_steps=14", "trainer.save_every=0", "trainer.loggers=[jsonl]",
+            "algorithm.adv_estimator=grpo", "critic.enable=false", f"actor.policy_loss={loss}"]
 
 
-@pytest.mark.parametrize("loss", ["vanilla", "gspo"])
-def test_grpo_and_gspo_raise_the_builtin_jobs_reward(tmp_path, loss):
+@pytest.mark.parametrize("loss", [pytest.param(loss, marks=pytest.mark.early_run(_grpo_run(loss)))
+                                  for loss in ("vanilla", "gspo")])  # runs: early_runs.py
+def test_grpo_and_gspo_raise_the_builtin_jobs_reward(early_run, loss):
     """The default job's 14 seeded steps (as tests/rl/test_ppo.py's) with GRPO advantages, with
     the clipped PPO loss and with GSPO: the mean reward of the last 3 steps exceeds that of the
     first 3 by more than 0.1 with both. Measured: GRPO 0.045 -> 0.368, GSPO 0.044 -> 0.375."""
-    rewards = _grpo_rewards(tmp_path, loss)
+    rewards = [r["reward/mean"] for r in run_metrics(early_run)]
     assert len(rewards) == 14
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.1, f"{loss}: reward did not rise: {rewards}"

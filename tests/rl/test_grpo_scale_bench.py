@@ -6,23 +6,38 @@ long-responses preset fills only the options left at their defaults."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
-import subprocess
+import subprocess  # noqa: F401 (for tests that run the bench as a script)
 import sys
+
+from tests.helpers.forked_torchrun import ForkingSubprocess
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "grpo_scale.py")
 
 
-def test_tiny_tp2_and_pp2_runs_report_every_phase(tmp_path):
+def test_tiny_tp2_and_pp2_runs_report_every_phase(tmp_path, monkeypatch, capsys):
+    """The bench's ``main`` in this process, its two torchrun launches as forked ranks
+    (tests/helpers/forked_torchrun.py): the imports of 7 fresh interpreters saved."""
+    spec = importlib.util.spec_from_file_location("grpo_scale_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "subprocess", ForkingSubprocess())
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)  # main sets it
     out = tmp_path / "r.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, BENCH, "--shape", "tiny", "--layout", "tp2", "pp2",
-                           "--steps", "2", "--prompts", "4", "--n", "2", "--prompt-len", "16",
-                           "--max-new", "8", "--mini-batch", "8", "--micro-tokens", "64",
-                           "--root", str(tmp_path / "root"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    monkeypatch.setattr(sys, "argv", [
+        BENCH, "--shape", "tiny", "--layout", "tp2", "pp2", "--steps", "2", "--prompts", "4",
+        "--n", "2", "--prompt-len", "16", "--max-new", "8", "--mini-batch", "8",
+        "--micro-tokens", "64", "--root", str(tmp_path / "root"), "--out", str(out)])
+    try:
+        bench.main()
+        code = 0
+    except SystemExit as err:
+        code = err.code
+    proc = capsys.readouterr()
+    assert code in (0, None), proc.out[-2000:] + proc.err[-3000:]
     result = json.loads(out.read_text())
     assert [r["layout"] for r in result["runs"]] == ["tp2", "pp2"]
     for run in result["runs"]:

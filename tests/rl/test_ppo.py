@@ -11,11 +11,11 @@ from tests.helpers.ppo_runs import load_folder as _load_folder, run_metrics as _
 from tests.helpers.ppo_runs import run_ppo as _run
 from tests.helpers import ppo_checks
 
-def test_default_job_raises_reward(tmp_path):
+@pytest.mark.early_run(["trainer.total_steps=14", "trainer.save_every=0"])  # early_runs.py
+def test_default_job_raises_reward(early_run):
     """The README's main job, shortened: 14 seeded steps of the built-in default. Measured:
     reward 0.06-0.09 at the start, above 0.3 by step 12 (the full 20-step default ends near 0.9)."""
-    out = str(tmp_path / "run")
-    _run([f"trainer.output_dir={out}", "trainer.total_steps=14", "trainer.save_every=0"])
+    out = early_run
     rows = _metrics(out)
     rewards = [m["reward/mean"] for m in rows]
     assert len(rewards) == 14

@@ -134,6 +134,9 @@ def test_types_rechecked_by_validate():
     (["reward.function=no_such_module.fn"], ["reward.function", "no_such_module", "not found"]),
     (["reward.type=model"], ["reward.model_path"]),
     (["rollout.backend=server"], ["rollout.server_url"]),
+    (["rollout.backend=server", "rollout.server_url=http://h:1",
+      "rollout.stop_token_ids=[" + ",".join(map(str, range(10, 74))) + "]"],
+     ["rollout.stop_token_ids: 64 ids", "at most 63"]),
     (["rollout.tensor_parallel_size=2"], ["rollout.tensor_parallel_size (2)", "world size (1)"]),
     (["algorithm.kl_ctrl=adaptive", "algorithm.kl_in_reward=false"], ["kl_in_reward"]),
 ])

@@ -54,6 +54,11 @@ def _model_problems(cfg) -> list[str]:
         errors.append(f"rollout.weight_push={r.weight_push}: a LoRA actor (actor.lora.rank="
                       f"{cfg.actor.lora.rank}) streams its adapters to the server; set "
                       "rollout.weight_push=stream")
+    if (r.backend == "server" or cfg.trainer.mode == "async") and not r.ignore_eos and \
+            len(r.stop_token_ids) > 63:
+        errors.append(f"rollout.stop_token_ids: {len(r.stop_token_ids)} ids; a rollout server "
+                      "request carries the EOS among its at most 64 stop ids: give at most 63 "
+                      "(fewer if the tokenizer has several EOS ids)")
     if cfg.critic.lora.rank and par.backend != "megatron":
         errors.append(f"critic.lora.rank={cfg.critic.lora.rank}: LoRA runs on parallel.backend="
                       "megatron (fsdp does not carry adapters yet)")

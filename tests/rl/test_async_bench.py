@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 
-from tests.helpers.server_launch import ForkedRanks
+from parallel_models.testing import MainRanks
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "async_grpo.py")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -59,7 +59,7 @@ class _ForkedLaunches:
                     LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=master_port), process_group=ranks[0].pid if ranks else 0))
         self.launched.append(ranks)
-        return ForkedRanks(ranks)
+        return MainRanks(ranks)
 
     def echo_and_close(self) -> None:
         for ranks in self.launched:

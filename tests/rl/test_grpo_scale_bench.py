@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess  # noqa: F401 (for tests that run the bench as a script)
 import sys
 
 from tests.helpers.forked_torchrun import ForkingSubprocess
@@ -17,9 +16,10 @@ from tests.helpers.forked_torchrun import ForkingSubprocess
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "grpo_scale.py")
 
 
-def test_tiny_tp2_and_pp2_runs_report_every_phase(tmp_path, monkeypatch, capsys):
-    """The bench's ``main`` in this process, its two torchrun launches as forked ranks
-    (tests/helpers/forked_torchrun.py): the imports of 7 fresh interpreters saved."""
+def _run_bench(tmp_path, monkeypatch, capsys, args: list) -> tuple[dict, str]:
+    """The bench's ``main`` in this process with ``args``, its torchrun launches as forked ranks
+    (tests/helpers/forked_torchrun.py: the imports of fresh interpreters saved) -> (its
+    ``--out`` JSON, its stdout)."""
     spec = importlib.util.spec_from_file_location("grpo_scale_bench", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -27,10 +27,8 @@ def test_tiny_tp2_and_pp2_runs_report_every_phase(tmp_path, monkeypatch, capsys)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)  # main sets it
     out = tmp_path / "r.json"
-    monkeypatch.setattr(sys, "argv", [
-        BENCH, "--shape", "tiny", "--layout", "tp2", "pp2", "--steps", "2", "--prompts", "4",
-        "--n", "2", "--prompt-len", "16", "--max-new", "8", "--mini-batch", "8",
-        "--micro-tokens", "64", "--root", str(tmp_path / "root"), "--out", str(out)])
+    monkeypatch.setattr(sys, "argv", [BENCH, *args, "--root", str(tmp_path / "root"),
+                                      "--out", str(out)])
     try:
         bench.main()
         code = 0
@@ -38,7 +36,14 @@ def test_tiny_tp2_and_pp2_runs_report_every_phase(tmp_path, monkeypatch, capsys)
         code = err.code
     proc = capsys.readouterr()
     assert code in (0, None), proc.out[-2000:] + proc.err[-3000:]
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.out
+
+
+def test_tiny_tp2_and_pp2_runs_report_every_phase(tmp_path, monkeypatch, capsys):
+    result, _ = _run_bench(tmp_path, monkeypatch, capsys, [
+        "--shape", "tiny", "--layout", "tp2", "pp2", "--steps", "2", "--prompts", "4",
+        "--n", "2", "--prompt-len", "16", "--max-new", "8", "--mini-batch", "8",
+        "--micro-tokens", "64"])
     assert [r["layout"] for r in result["runs"]] == ["tp2", "pp2"]
     for run in result["runs"]:
         assert len(run["steps"]) == 2
@@ -55,25 +60,19 @@ def _case_lines(stdout: str) -> list[dict]:
     return [json.loads(x) for x in stdout.splitlines() if x.startswith('{"case"')]
 
 
-def test_tiny_ppo_critic_variant_with_bounded_response_caps(tmp_path):
-    out = tmp_path / "r.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, BENCH, "--shape", "tiny", "--layout", "pp2",
-                           "--critic", "--steps", "1", "--prompts", "4", "--n", "2",
-                           "--prompt-len", "8", "--max-new", "16", "--response-min", "12",
-                           "--response-median", "14", "--mini-batch", "8",
-                           "--micro-tokens", "64", "--actor", "recompute=full",
-                           "--critic-opt", "recompute=selective", "use_distributed_optimizer=true",
-                           "--root", str(tmp_path / "root"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+def test_tiny_ppo_critic_variant_with_bounded_response_caps(tmp_path, monkeypatch, capsys):
+    result, stdout = _run_bench(tmp_path, monkeypatch, capsys, [
+        "--shape", "tiny", "--layout", "pp2", "--critic", "--steps", "1", "--prompts", "4",
+        "--n", "2", "--prompt-len", "8", "--max-new", "16", "--response-min", "12",
+        "--response-median", "14", "--mini-batch", "8", "--micro-tokens", "64",
+        "--actor", "recompute=full", "--critic-opt", "recompute=selective",
+        "use_distributed_optimizer=true"])
     caps = result["response_caps"]
     assert 12 <= caps["min"] <= caps["max"] <= 16
     (step,) = result["runs"][0]["steps"]
     assert step["response_tokens"] > 8 * 12 - 1 and {"train_actor", "train_critic"} <= set(
         step["phases"])
-    (line,) = _case_lines(proc.stdout)
+    (line,) = _case_lines(stdout)
     assert line["case"] == "tiny-pp2-ppo_critic" and line["returncode"] == 0
     assert "peak_gib" in line["phases"][0]["train_critic"]
 

@@ -93,7 +93,7 @@ def ranks_max(value: float) -> float:
     return float(t.item())
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--tiny", action="store_true", help="toy shape, 256 tokens, fp32 (CPU smoke)")
     p.add_argument("--seq", type=int, default=None, help="sequence tokens (default 32768)")
@@ -104,7 +104,7 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", default=None, help="also write the JSON lines here (rank 0)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     import parallel_models as pm
     from parallel_models.llama.layers.recompute import set_recompute

@@ -1,26 +1,26 @@
-"""The long-context bench (``bench/long_context.py``) in its ``--tiny`` CPU mode under torchrun:
-2 gloo ranks at CP = 2 with full recomputation and the distributed optimizer; one JSON line per
-step with the step's tokens/s and each phase's seconds and peak memory, and a finite update."""
+"""The long-context bench (``bench/long_context.py``) in its ``--tiny`` CPU mode as torchrun
+runs it: 2 gloo ranks at CP = 2 with full recomputation and the distributed optimizer; one JSON
+line per step with the step's tokens/s and each phase's seconds and peak memory, and a finite
+update."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import subprocess
-import sys
-
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 def test_tiny_cp2_step_prints_one_json_line_per_step():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.abspath(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           os.path.join(ROOT, "bench", "long_context.py"), "--tiny",
-                           "--steps", "1", "--warmup", "1"],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    """Its 2 ranks forked with torchrun's environment (``start_main_ranks``) instead of a
+    ``torchrun`` launch of fresh interpreters."""
+    from parallel_models.testing import start_main_ranks
+
+    ranks = start_main_ranks("bench.long_context:main", ["--tiny", "--steps", "1", "--warmup",
+                                                         "1"], 2,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    code = ranks.wait(300)
+    assert code == 0, ranks.stdout[-2000:] + ranks.stderr[-3000:]
+    lines = [json.loads(x) for x in ranks.stdout.splitlines() if x.startswith("{")]
     assert [x["step"] for x in lines] == [1, 2] and [x["warmup"] for x in lines] == [True, False]
     for x in lines:
         assert x["case"] == "tiny-seq256-cp2-tp1-recompute_full-offload1"

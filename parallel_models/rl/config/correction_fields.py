@@ -9,13 +9,11 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, Field, StrictBool, model_validator
 
+from parallel_models.rl.config.section_config import SECTION_CONFIG
 from parallel_models.utils.optimizer_config import Int, Number
 
-SECTION_CONFIG = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
-"""Every config section's pydantic settings: unknown keys are errors, numbers read as strings
-where a field is a string."""
 
 
 class RolloutCorrectionFields(BaseModel):

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, Field, StrictBool, field_validator
 
+from parallel_models.rl.config.section_config import SECTION_CONFIG
 from parallel_models.utils.optimizer_config import Int, Number
 
 
 class MultiTurnSection(BaseModel):
     """Conversations of model turns, tool results and environment observations."""
 
-    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True)
+    model_config = SECTION_CONFIG
 
     max_turns: Int = Field(1, ge=1, description="model turns per conversation at most")
     max_total_tokens: Optional[Int] = Field(

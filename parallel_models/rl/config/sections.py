@@ -27,9 +27,10 @@ from pydantic import BaseModel, Field, StrictBool, field_validator, model_valida
 from parallel_models.inference import SamplingFields, SamplingParams
 from parallel_models.options import KernelOptions
 from parallel_models.rl.config.async_fields import AsyncRolloutFields
-from parallel_models.rl.config.correction_fields import (SECTION_CONFIG, OverlongBufferFields,
+from parallel_models.rl.config.correction_fields import (OverlongBufferFields,
                                                           RolloutCorrectionFields)
 from parallel_models.rl.config.multi_turn import MultiTurnSection
+from parallel_models.rl.config.section_config import SECTION_CONFIG
 from parallel_models.utils.optimizer_config import Int, Number, OptimizerFields
 
 Recompute = Literal["none", "selective", "full"]

@@ -117,14 +117,25 @@ def _probe(device: torch.device, granularity: str) -> bool:
     return _probed[key]
 
 
+def _checked_once(cache: dict, key, check, warning: str) -> bool:
+    """``cache[key]``, computed once: ``check()`` -> (usable, what is wrong otherwise); an
+    exception (no triton, a kernel that does not build here) counts as unusable, named by its
+    type and message; an unusable answer logs ``warning`` with that problem."""
+    if key not in cache:
+        cache[key] = False
+        try:
+            cache[key], problem = check()
+        except Exception as exc:  # noqa: BLE001 - no triton, or the kernel does not build here
+            problem = f"{type(exc).__name__}: {exc}"
+        if not cache[key]:
+            log.warning(warning, problem)
+    return cache[key]
+
+
 def _check_weight_only(device: torch.device, granularity: str) -> None:
     """Once per device and granularity: use the W8A16 decode kernel if triton imports and the
     kernel agrees with :func:`weight_only_matmul` (to bf16 rounding and accumulation order)."""
-    key = (str(device), granularity)
-    if key in _weight_only:
-        return
-    _weight_only[key] = False
-    try:
+    def check():
         from parallel_models.inference.fp8.quantize import quantize_weight
         from parallel_models.inference.fp8.weight_only_kernel import weight_only_mm
 
@@ -137,12 +148,10 @@ def _check_weight_only(device: torch.device, granularity: str) -> None:
             q = QuantizedWeight(q.data, storage, granularity)
         want = weight_only_matmul(x, q).float()
         err = float(((weight_only_mm(x, q).float() - want).abs() / (want.abs() + 1.0)).max())
-        _weight_only[key] = err < 2e-2
-        problem = f"differs from the emulation by {err:.3g}"
-    except Exception as exc:  # noqa: BLE001 - no triton, or the kernel does not build here
-        problem = f"{type(exc).__name__}: {exc}"
-    if not _weight_only[key]:
-        log.warning("fp8: the weight-only decode kernel %s; decode runs _scaled_mm", problem)
+        return err < 2e-2, f"differs from the emulation by {err:.3g}"
+
+    _checked_once(_weight_only, (str(device), granularity), check,
+                  "fp8: the weight-only decode kernel %s; decode runs _scaled_mm")
 
 
 def weight_only_matmul(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
@@ -181,11 +190,7 @@ def _check_fused_quant(device: torch.device) -> None:
     """Once per device: use the Triton activation quantization if triton imports and the
     kernel's scales and values agree with the torch version (values within one e4m3 step: the
     division may round differently)."""
-    key = str(device)
-    if key in _fused_quant:
-        return
-    _fused_quant[key] = False
-    try:
+    def check():
         from parallel_models.inference.fp8.act_quant_kernel import quantize_token_groups
 
         g = torch.Generator(device=device).manual_seed(1)
@@ -195,13 +200,11 @@ def _check_fused_quant(device: torch.device) -> None:
         q_ref, s_ref = quantize_activation(x, "block")
         same_scales = torch.allclose(s, s_ref, rtol=1e-6, atol=0)
         step = (q.float() - q_ref.float()).abs() <= 2.0 ** -3 * q_ref.float().abs() + 2.0 ** -9
-        _fused_quant[key] = bool(same_scales and step.all() and s.stride(0) == 1)
-        problem = "disagrees with the torch version"
-    except Exception as exc:  # noqa: BLE001 - no triton, or the kernel does not build here
-        problem = f"{type(exc).__name__}: {exc}"
-    if not _fused_quant[key]:
-        log.warning("fp8: the Triton activation quantization %s; torch ops instead (slower at "
-                    "decode)", problem)
+        return (bool(same_scales and step.all() and s.stride(0) == 1),
+                "disagrees with the torch version")
+
+    _checked_once(_fused_quant, str(device), check, "fp8: the Triton activation quantization "
+                  "%s; torch ops instead (slower at decode)")
 
 
 def _scaled_mm(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:

@@ -28,6 +28,7 @@ rollout server (``server/engine.py``) wraps it and mirrors its commands to the o
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Sequence
@@ -228,13 +229,10 @@ class RolloutEngine:
         batcher, whatever else is in the batch (``params.seed`` and ``generator`` unused).
         ``stop_sequences``: token-id sequences that end a sample too (kept in it; e.g. the ids of
         ``</tool_call>``), in both batchers (``stop_sequences.py``)."""
-        if self.fp8 is not None:  # (refreshed if the weights changed; on for the call)
-            with self.fp8.enabled():
-                return self._generate(prompts, params, generator, top_logprobs, on_step,
-                                      record_routes, max_new_tokens, prompt_seeds,
-                                      stop_sequences)
-        return self._generate(prompts, params, generator, top_logprobs, on_step, record_routes,
-                              max_new_tokens, prompt_seeds, stop_sequences)
+        # fp8: the FP8 copies refreshed if the weights changed, and on for the call
+        with self.fp8.enabled() if self.fp8 is not None else contextlib.nullcontext():
+            return self._generate(prompts, params, generator, top_logprobs, on_step,
+                                  record_routes, max_new_tokens, prompt_seeds, stop_sequences)
 
     def _generate(self, prompts, params, generator, top_logprobs, on_step, record_routes,
                   max_new_tokens, prompt_seeds, stop_sequences) -> GenerationOutput:

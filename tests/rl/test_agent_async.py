@@ -29,22 +29,29 @@ class ScriptedContinuous:
         self.scripted, self.log = scripted, log
         self.running, self.max_row_tokens = [], 10_000
         self.steps_while = []  # per step: the prompts decoding
+        self.steps, self.released = 0, []
 
     @property
     def has_work(self):
         return bool(self.running)
 
-    def submit(self, prompt, params, *, stop_ids=(), stop_sequences=(), on_done=None):
+    def submit(self, prompt, params, *, stop_ids=(), stop_sequences=(), on_done=None,
+               keep_kv=False, resume=None):
         turn = self.scripted.turn(prompt, params.max_new_tokens, stop_sequences)
         key = next(TOK.decode(list(k), skip_special_tokens=True) for k in self.scripted.script
                    if tuple(prompt[:len(k)]) == k)
         self.log.append(("submit", key, time.monotonic()))
         req = type("Req", (), {})()
         req.samples, req.key, req.turn, req.on_done = [Sample()], key, turn, on_done
+        req.kept = ("kept", key) if keep_kv else None
         self.running.append(req)
         return req
 
+    def release_kept(self, kept):
+        self.released.append(kept)
+
     def step(self):
+        self.steps += 1
         self.steps_while.append([r.key for r in self.running])
         for req in list(self.running):
             s = req.samples[0]

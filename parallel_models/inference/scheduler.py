@@ -14,7 +14,7 @@ Regions are placed first-fit in a sorted free list and merged with their neighbo
 Kept regions (multi-turn re-entry, ``ContinuousEngine.submit(keep_kv=True)``): a finished sample
 may keep its region (:meth:`Scheduler.keep`: its row is freed, its KV stays) as a
 :class:`KeptKV`; a later request that extends the same tokens resumes from it (``resume``): it
-takes the region over when it is large enough, else a new region is allocated and the engine
+takes the region over when it is large enough (its surplus freed), else a new region is allocated and the engine
 copies the kept KV there (the old region is freed at the next admission, after the copy is
 queued). A kept region is given back by :meth:`Scheduler.release_kept` or evicted when the head
 request cannot be placed while no row runs (oldest first; the request resuming from an evicted
@@ -144,6 +144,8 @@ class Scheduler:
             kept = None
         if kept is not None and kept.size >= req.row_tokens:  # take the kept region over
             self._take(kept)
+            if kept.size > req.row_tokens:  # (its surplus back to the pool)
+                self.pool.free(kept.start + req.row_tokens, kept.size - req.row_tokens)
             req.extend_from, req.moved_from = kept.length, None
             return [kept.start]
         while True:

@@ -14,11 +14,12 @@ Regions are placed first-fit in a sorted free list and merged with their neighbo
 Kept regions (multi-turn re-entry, ``ContinuousEngine.submit(keep_kv=True)``): a finished sample
 may keep its region (:meth:`Scheduler.keep`: its row is freed, its KV stays) as a
 :class:`KeptKV`; a later request that extends the same tokens resumes from it (``resume``): it
-takes the region over when it is large enough (its surplus freed), else a new region is allocated and the engine
-copies the kept KV there (the old region is freed at the next admission, after the copy is
-queued). A kept region is given back by :meth:`Scheduler.release_kept` or evicted when the head
-request cannot be placed while no row runs (oldest first; the request resuming from an evicted
-one prefills its whole prompt), so keeping never blocks admission for good.
+takes the region over when it is large enough (its surplus freed), else a new region is
+allocated and the engine copies the kept KV there (the old region is freed at the next
+admission, after the copy is queued). A kept region is given back by
+:meth:`Scheduler.release_kept`, or evicted when the head request cannot be placed (the latest
+kept first, the head's own only when no row runs; the request resuming from an evicted one
+prefills its whole prompt): kept KV gives way to the requests that need the room.
 """
 
 from __future__ import annotations
@@ -150,10 +151,14 @@ class Scheduler:
             return [kept.start]
         while True:
             starts = self._allocate(req)
-            if starts is not None or self.rows_used or not self.kept:
+            if starts is not None or not self.kept:
                 break
-            # nothing runs and the head does not fit: evict kept regions, oldest first
-            self.evict(next(iter(self.kept.values())))
+            others = [k for k in self.kept.values() if k is not kept]
+            if not others and not (kept is not None and kept.live and not self.rows_used):
+                break
+            # the head does not fit: evict kept regions, the latest kept first (its tool has
+            # just started: it comes back last); the head's own only when no row runs
+            self.evict(others[-1] if others else kept)
         if starts is not None and kept is not None and kept.live:  # copied to a new region
             self._take(kept)
             self._moved.append((kept.start, kept.size))

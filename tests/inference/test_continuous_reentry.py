@@ -3,8 +3,8 @@
 a resumed request returns the greedy tokens and log-probs of a fresh engine prefilling its whole
 prompt (the previous behaviour), while prefilling only its new tokens, the resumes admitted
 together in one call; a kept region that is large enough is taken over, a small one is copied
-into a new region; a kept region is evicted when a request cannot fit while nothing runs (its
-resume then prefills the whole prompt); released regions leave the pool empty."""
+into a new region; a kept region is evicted when a request cannot fit (its resume then prefills
+the whole prompt); released regions leave the pool empty."""
 
 import pytest
 import torch
@@ -81,21 +81,24 @@ def check_reentry(path: str, tp: int) -> dict:
     res["taken_over_equal"] = _diff(again.samples[0], _fresh(model, context, short))[0]
     res["taken_over_pool_after"] = eng.scheduler.pool.used
 
-    # -- eviction: a new request that cannot fit while nothing runs evicts the kept region --
-    eng = ContinuousEngine(model, 40, max_rows=2)
-    a = eng.submit(prompts[1], greedy, keep_kv=True)
-    eng.run()
-    other = eng.submit(prompts[2], SamplingParams(greedy=True, max_new_tokens=40 - len(
+    # -- eviction: a request that cannot fit evicts the kept region, while another row runs --
+    eng = ContinuousEngine(model, 60, max_rows=3)
+    running = eng.submit(prompts[0], SamplingParams(greedy=True, max_new_tokens=25 - len(
+        prompts[0])))  # at [0, 25), at least 12 steps
+    a = eng.submit(prompts[1], greedy, keep_kv=True)  # kept after 6 steps, after it
+    eng.run(until=lambda: a.done)
+    other = eng.submit(prompts[2], SamplingParams(greedy=True, max_new_tokens=35 - len(
         prompts[2])))
-    eng.run()
+    eng.step()
     res["evicted"] = eng.scheduler.evicted
+    res["evicted_while_running"] = bool(other.samples) and not running.done
+    eng.run()
     context = prompts[1] + a.samples[0].token_ids + [3, 4]
     tokens = eng.prefilled_tokens
     back = eng.submit(context, greedy, resume=a.kept)
     eng.run()
     res["evicted_prefill"] = (eng.prefilled_tokens - tokens, len(context))
     res["evicted_equal"] = _diff(back.samples[0], _fresh(model, context, greedy))[0]
-    res["other_done"] = other.done
 
     # -- bad use --
     errors = []
@@ -138,9 +141,9 @@ def test_a_large_enough_kept_region_is_taken_over(results, tp):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_eviction_when_nothing_runs_and_the_evicted_resume_prefills_all(results, tp):
+def test_eviction_makes_room_and_the_evicted_resume_prefills_all(results, tp):
     r = results[tp][0]
-    assert r["evicted"] == 1 and r["other_done"]
+    assert r["evicted"] == 1 and r["evicted_while_running"]
     assert r["evicted_prefill"][0] == r["evicted_prefill"][1]
     assert r["evicted_equal"]
 

@@ -1,5 +1,5 @@
 """The asynchronous driver of a multi-turn rollout: each conversation goes on at its own pace on
-the continuous engine, and rows waiting on tools hold no decode slot and no KV.
+the continuous engine; rows waiting on tools hold no decode slot (their KV is kept for re-entry).
 
 Every model turn is one request of the
 :class:`~parallel_models.inference.continuous.ContinuousEngine` (``n=1``, the prompt the whole

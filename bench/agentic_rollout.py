@@ -2,7 +2,7 @@
 tool latency (issue 34): rows waiting on a tool must not stall the others.
 
     python bench/agentic_rollout.py [--conversations 256] [--turns 3] [--turn-tokens 128]
-                                    [--latency-ms 50] [--reentry-wait-steps 4] [--out r.json]
+                                    [--latency-ms 50] [--reentry-wait-steps 8] [--out r.json]
     python bench/agentic_rollout.py --tiny      # a CPU smoke run (tests/rl/test_agentic_bench.py)
 
 Workload: ``--conversations`` prompts (the built-in character tokenizer, random text of 64..192
@@ -56,7 +56,7 @@ def every_turn_calls_wait(text: str):
     return [ParsedCall(name="wait", raw=text)]
 
 
-def build_rollout(model, tok, args, latency_s: float, asynchronous: bool):
+def build_rollout(model, tok, args, latency_s: float, asynchronous: bool, longest_prompt: int):
     from parallel_models.inference import RolloutEngine
     from parallel_models.rl.agents.executor import ToolExecutor
     from parallel_models.rl.agents.multi_turn import MultiTurnLimits, MultiTurnRollout
@@ -75,6 +75,10 @@ def build_rollout(model, tok, args, latency_s: float, asynchronous: bool):
     longest = int(args.turn_tokens * 1.5)
     limits = MultiTurnLimits(max_turns=args.turns, max_turn_tokens=longest,
                              max_total_tokens=args.turns * (longest + 64))
+    # the continuous engine sized for whole conversations, as the asynchronous driver sizes it,
+    # so the turn-synchronous driver's later (longer) turns do not wait for KV either
+    engine.continuous_engine(longest_prompt, longest_prompt + limits.max_total_tokens,
+                             args.conversations)
     inner = type("Inner", (), {"engine": engine, "pushes_weights": False})()
     mt = MultiTurnRollout(inner, tok, limits, executor=executor, asynchronous=asynchronous)
     mt.reentry_wait_steps = args.reentry_wait_steps
@@ -90,7 +94,8 @@ def build_rollout(model, tok, args, latency_s: float, asynchronous: bool):
 def run_case(model, tok, prompts, args, latency_s: float, asynchronous: bool) -> dict:
     from parallel_models.inference import SamplingParams
 
-    mt, executor = build_rollout(model, tok, args, latency_s, asynchronous)
+    mt, executor = build_rollout(model, tok, args, latency_s, asynchronous,
+                                 max(map(len, prompts)))
     params = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=int(
         args.turn_tokens * 1.5))
     try:

@@ -155,8 +155,8 @@ def main() -> None:
                     "driver's gathering of re-entries (default: its own, async_turns.py)")
     ap.add_argument("--tiny", action="store_true", help="a CPU smoke run: a tiny model, 8 "
                     "conversations, 8-token turns")
-    ap.add_argument("--skip-sync", action="store_true", help="leave out the turn-synchronous "
-                    "case")
+    ap.add_argument("--skip-sync", action="store_true", help="leave out the case "
+                    "tools_turn_synchronous (the baseline's two no-latency cases always run)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.tiny:
@@ -185,9 +185,8 @@ def main() -> None:
                                                                generator=g))
         prompts.append(tok(text)["input_ids"])
     latency = args.latency_ms / 1e3
-    cases = {"no_latency": run_case(model, tok, prompts, args, 0.0, True)}
-    if not args.skip_sync:
-        cases["no_latency_turn_synchronous"] = run_case(model, tok, prompts, args, 0.0, False)
+    cases = {"no_latency": run_case(model, tok, prompts, args, 0.0, True),
+             "no_latency_turn_synchronous": run_case(model, tok, prompts, args, 0.0, False)}
     cases["tools"] = run_case(model, tok, prompts, args, latency, True)
     if not args.skip_sync:
         cases["tools_turn_synchronous"] = run_case(model, tok, prompts, args, latency, False)

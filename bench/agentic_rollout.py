@@ -13,7 +13,7 @@ conversation and turn, ``--turn-tokens`` x [0.5, 1.5) (so rows end their turns a
 steps, as real agents do). Model: the 0.89B Llama shape of bench/train_bench.py with the
 tokenizer's 74-token vocab (``--hidden ...`` change it), random weights, bf16; the rollout
 engine batches continuously (``kv_budget_tokens=auto``, KV kept between runs so CUDA graphs are
-captured once, by a warm-up run).
+captured once, by a warm-up run; ``--tiny`` runs each case once, without it).
 
 Cases, the same conversations and the same work in each:
 
@@ -99,7 +99,7 @@ def run_case(model, tok, prompts, args, latency_s: float, asynchronous: bool) ->
     params = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=int(
         args.turn_tokens * 1.5))
     try:
-        for _ in range(2):  # a warm-up run (graph capture), then the timed one
+        for _ in range(1 if args.tiny else 2):  # a warm-up run (graphs), then the timed one
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             before = engine_counts(mt.engine)

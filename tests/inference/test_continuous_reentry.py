@@ -4,7 +4,9 @@ a resumed request returns the greedy tokens and log-probs of a fresh engine pref
 prompt (the previous behaviour), while prefilling only its new tokens, the resumes admitted
 together in one call; a kept region that is large enough is taken over, a small one is copied
 into a new region; a kept region is evicted when a request cannot fit (its resume then prefills
-the whole prompt); released regions leave the pool empty."""
+the whole prompt); released regions leave the pool empty. The scheduler alone: a moved
+region is freed at the next admission, eviction takes the latest kept region first and the one
+a request resumes from only when no row runs."""
 
 import pytest
 import torch
@@ -152,3 +154,38 @@ def test_bad_use_is_refused(results):
     keep_n2, not_extending = results[1][0]["errors"]
     assert "keep_kv needs n=1" in keep_n2
     assert "does not extend" in not_extending
+
+
+class _Req:
+    def __init__(self, row_tokens, resume=None):
+        self.n, self.row_tokens, self.resume = 1, row_tokens, resume
+        self.extend_from, self.moved_from = 0, None
+
+
+def test_scheduler_kept_regions_move_and_eviction_order():
+    from parallel_models.inference.scheduler import Scheduler
+
+    s = Scheduler(100, max_rows=4, max_row_tokens=100)
+    first, second, third = _Req(20), _Req(20), _Req(20)
+    for r in (first, second, third):
+        s.add(r)
+    assert [st for _, (st,) in s.admit()] == [0, 20, 40]
+    kept = [s.keep(0, 20, range(15)), s.keep(20, 20, range(10)), s.keep(40, 20, range(12))]
+    assert s.rows_used == 0 and s.pool.used == 60
+    # a larger resume moves: a new region, the old one freed only at the next admission
+    grown = _Req(30, resume=kept[0])
+    s.add(grown)
+    assert s.admit() == [(grown, [60])]
+    assert (grown.extend_from, grown.moved_from) == (15, 0) and not kept[0].live
+    assert s.pool.used == 90
+    s.admit()
+    assert s.pool.used == 70
+    # a request that cannot fit evicts the latest kept first, never a kept region it resumes
+    # from while rows run
+    big = _Req(85, resume=kept[1])
+    s.add(big)
+    assert s.admit() == [] and s.evicted == 1 and not kept[2].live and kept[1].live
+    s.release(60, 30)  # the grown row finishes: nothing runs
+    started = s.admit()  # its own kept region goes too, then it fits
+    assert started == [(big, [0])] and s.evicted == 2 and not kept[1].live
+    assert big.extend_from == 0 and big.moved_from is None  # evicted: a whole prefill

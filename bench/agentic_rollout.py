@@ -2,7 +2,7 @@
 tool latency (issue 34): rows waiting on a tool must not stall the others.
 
     python bench/agentic_rollout.py [--conversations 256] [--turns 3] [--turn-tokens 128]
-                                    [--latency-ms 50] [--out r.json]
+                                    [--latency-ms 50] [--reentry-wait-steps 8] [--out r.json]
     python bench/agentic_rollout.py --tiny      # a CPU smoke run (tests/rl/test_agentic_bench.py)
 
 Workload: ``--conversations`` prompts (the built-in character tokenizer, random text of 64..192
@@ -13,18 +13,29 @@ conversation and turn, ``--turn-tokens`` x [0.5, 1.5) (so rows end their turns a
 steps, as real agents do). Model: the 0.89B Llama shape of bench/train_bench.py with the
 tokenizer's 74-token vocab (``--hidden ...`` change it), random weights, bf16; the rollout
 engine batches continuously (``kv_budget_tokens=auto``, KV kept between runs so CUDA graphs are
-captured once, by a warm-up run).
+captured once, by a warm-up run; ``--tiny`` runs each case once, without it).
 
-Cases, the same conversations and tokens in each (greedy; ``same_tokens`` checks it):
+Cases, the same conversations and the same work in each:
 
-- ``no_latency``: the tool answers at once -- the same tokens without tool time;
+- ``no_latency``: the tool answers at once -- the same tokens without tool time (the
+  asynchronous driver);
+- ``no_latency_turn_synchronous``: the same with the turn-synchronous driver;
 - ``tools``: the tool sleeps ``--latency-ms`` (the asynchronous driver: a row on a tool leaves
-  the decode batch, the others keep decoding, it re-enters with the whole conversation);
+  the decode batch keeping its KV, the others keep decoding, it re-enters prefilling only the
+  new tokens; ``async_turns.py``);
 - ``tools_turn_synchronous``: the same with the turn-synchronous driver (every row waits for the
   slowest turn and the tools), for comparison.
 
-Reported per case: seconds, model tokens, decode throughput (model tokens / s). The result:
-``throughput_ratio`` = tools / no_latency (target >= 0.8).
+The same work: every turn runs to its cap (greedy, ``ignore_eos``, no stop sequence), so every
+case generates and appends the same number of tokens per turn of every conversation whatever ids
+are drawn; ``same_work`` checks it (per conversation, the lengths of its generated and appended
+runs). ``same_tokens`` says whether the ids are the same too (on the CPU in fp32 they are; in
+bf16 a different batch composition may change a greedy draw, which changes no count).
+
+Reported per case: seconds, model tokens, decode throughput (model tokens / s), prefill tokens
+and calls (a re-entry counts its new tokens only), decode steps and their mean rows, evicted
+kept regions. The result: ``throughput_ratio`` = tools / the baseline, the faster of the two
+no-latency cases (the same tokens as fast as this engine makes them; target >= 0.8).
 """
 
 from __future__ import annotations
@@ -45,7 +56,7 @@ def every_turn_calls_wait(text: str):
     return [ParsedCall(name="wait", raw=text)]
 
 
-def build_rollout(model, tok, args, latency_s: float, asynchronous: bool):
+def build_rollout(model, tok, args, latency_s: float, asynchronous: bool, longest_prompt: int):
     from parallel_models.inference import RolloutEngine
     from parallel_models.rl.agents.executor import ToolExecutor
     from parallel_models.rl.agents.multi_turn import MultiTurnLimits, MultiTurnRollout
@@ -64,8 +75,13 @@ def build_rollout(model, tok, args, latency_s: float, asynchronous: bool):
     longest = int(args.turn_tokens * 1.5)
     limits = MultiTurnLimits(max_turns=args.turns, max_turn_tokens=longest,
                              max_total_tokens=args.turns * (longest + 64))
+    # the continuous engine sized for whole conversations, as the asynchronous driver sizes it,
+    # so the turn-synchronous driver's later (longer) turns do not wait for KV either
+    engine.continuous_engine(longest_prompt, longest_prompt + limits.max_total_tokens,
+                             args.conversations)
     inner = type("Inner", (), {"engine": engine, "pushes_weights": False})()
     mt = MultiTurnRollout(inner, tok, limits, executor=executor, asynchronous=asynchronous)
+    mt.reentry_wait_steps = args.reentry_wait_steps
     span = max(1, args.turn_tokens)
 
     def turn_cap(c, max_new_tokens):  # varied turn lengths, the same in every case
@@ -78,27 +94,54 @@ def build_rollout(model, tok, args, latency_s: float, asynchronous: bool):
 def run_case(model, tok, prompts, args, latency_s: float, asynchronous: bool) -> dict:
     from parallel_models.inference import SamplingParams
 
-    mt, executor = build_rollout(model, tok, args, latency_s, asynchronous)
+    mt, executor = build_rollout(model, tok, args, latency_s, asynchronous,
+                                 max(map(len, prompts)))
     params = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=int(
         args.turn_tokens * 1.5))
     try:
-        for _ in range(2):  # a warm-up run (graph capture), then the timed one
+        for _ in range(1 if args.tiny else 2):  # a warm-up run (graphs), then the timed one
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+            before = engine_counts(mt.engine)
             start = time.perf_counter()
             batch = mt.generate(prompts, params)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - start
+            counts = {k: v - before.get(k, 0) for k, v in engine_counts(mt.engine).items()}
     finally:
         executor.close()
     tokens = int(batch.response_mask.sum())
+    steps = counts.pop("decode_rows_sum", 0)
     return {"seconds": round(seconds, 4), "model_tokens": tokens,
-            "tokens_per_s": round(tokens / seconds, 1),
+            "tokens_per_s": round(tokens / seconds, 1), **counts,
+            "decode_rows_mean": round(steps / max(1, counts.get("decode_steps", 0)), 1),
             "turns_mean": mt.metrics["rollout/turns_mean"],
             "tool_calls_mean": mt.metrics["rollout/tool_calls_mean"],
             "tool_time_s": round(mt.metrics["rollout/tool_time_s"], 3),
-            "_streams": batch.sequences[batch.attention_mask.bool()].tolist()}
+            "_streams": batch.sequences[batch.attention_mask.bool()].tolist(),
+            "_work": [runs(m) for m in batch.response_mask.tolist()]}
+
+
+def engine_counts(engine) -> dict:
+    """The continuous engine's work counters so far (``ContinuousEngine``)."""
+    cont = engine._continuous
+    if cont is None:
+        return {}
+    return {"prefill_tokens": cont.prefilled_tokens, "prefill_calls": cont.prefill_calls,
+            "decode_steps": cont.decode_steps, "decode_rows_sum": cont.decode_rows,
+            "evicted": cont.scheduler.evicted}
+
+
+def runs(mask: list) -> list:
+    """``mask``'s runs as (value, length) pairs: a conversation's generated / appended spans."""
+    out: list = []
+    for m in mask:
+        if out and out[-1][0] == m:
+            out[-1][1] += 1
+        else:
+            out.append([m, 1])
+    return out
 
 
 def main() -> None:
@@ -108,10 +151,12 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--turn-tokens", type=int, default=128)
     ap.add_argument("--latency-ms", type=float, default=50.0)
+    ap.add_argument("--reentry-wait-steps", type=int, default=None, help="the asynchronous "
+                    "driver's gathering of re-entries (default: its own, async_turns.py)")
     ap.add_argument("--tiny", action="store_true", help="a CPU smoke run: a tiny model, 8 "
                     "conversations, 8-token turns")
-    ap.add_argument("--skip-sync", action="store_true", help="leave out the turn-synchronous "
-                    "case")
+    ap.add_argument("--skip-sync", action="store_true", help="leave out the case "
+                    "tools_turn_synchronous (the baseline's two no-latency cases always run)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.tiny:
@@ -120,9 +165,12 @@ def main() -> None:
         args.conversations, args.turn_tokens = min(args.conversations, 8), 8
 
     import parallel_models as pm
+    from parallel_models.rl.agents.async_turns import REENTRY_WAIT_STEPS
     from parallel_models.rl.agents.tool_call_format import TOOL_CALL_FORMATS
     from parallel_models.tokenizer import build_builtin_tokenizer
 
+    if args.reentry_wait_steps is None:
+        args.reentry_wait_steps = REENTRY_WAIT_STEPS
     TOOL_CALL_FORMATS.register("bench_every_turn")(every_turn_calls_wait)
     pm.init_parallel()
     tok = build_builtin_tokenizer(model_max_length=1 << 16)
@@ -138,15 +186,20 @@ def main() -> None:
         prompts.append(tok(text)["input_ids"])
     latency = args.latency_ms / 1e3
     cases = {"no_latency": run_case(model, tok, prompts, args, 0.0, True),
-             "tools": run_case(model, tok, prompts, args, latency, True)}
+             "no_latency_turn_synchronous": run_case(model, tok, prompts, args, 0.0, False)}
+    cases["tools"] = run_case(model, tok, prompts, args, latency, True)
     if not args.skip_sync:
         cases["tools_turn_synchronous"] = run_case(model, tok, prompts, args, latency, False)
     streams = [c.pop("_streams") for c in cases.values()]
+    work = [c.pop("_work") for c in cases.values()]
+    baseline = max((n for n in cases if n.startswith("no_latency")),
+                   key=lambda n: cases[n]["tokens_per_s"])
     res = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "args": vars(args),
-           "cases": cases, "same_tokens": all(s == streams[0] for s in streams),
+           "cases": cases, "same_work": all(w == work[0] for w in work),
+           "same_tokens": all(s == streams[0] for s in streams), "baseline": baseline,
            "throughput_ratio": round(cases["tools"]["tokens_per_s"] /
-                                     cases["no_latency"]["tokens_per_s"], 3),
+                                     cases[baseline]["tokens_per_s"], 3),
            "target": 0.8}
     report(res, args.out)
 

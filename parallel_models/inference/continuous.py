@@ -9,6 +9,13 @@ with the same prompt admitted in the same step; with ``prefix_cache_tokens`` an
 identical prompt seen before skips the prefill, ``prefix_cache.PrefixCache``), then runs one
 decode step of every running row. A finished row leaves at once and frees its region and row.
 
+Multi-turn re-entry: a request submitted with ``keep_kv=True`` (n=1) keeps its region when it
+finishes (``request.kept``, a ``scheduler.KeptKV``; its row is freed); a later request whose
+prompt extends those tokens, submitted with ``resume=request.kept``, prefills only its new
+tokens (``kv_extend``), their attention reading the kept KV. Give a kept region back with
+:meth:`ContinuousEngine.release_kept`. Not in exact mode nor for models whose rotary embedding
+depends on the length (those prefill the whole prompt again, into the kept region).
+
 The decode batch is padded up to a bucket size (powers of two up to ``max_rows``); on CUDA with
 flash decoding each bucket's step is captured in a CUDA graph once and replayed for the engine's
 lifetime, whatever rows it holds (the rows' tokens, regions and lengths live in the bucket's
@@ -30,15 +37,18 @@ from typing import Callable, Sequence
 import torch
 
 from parallel_models.inference.bucket_step import BucketStep, bucket_sizes
+from parallel_models.inference.continuous_output import generation_output, request_seed
 from parallel_models.inference.generation import (_broadcast_in_tp_group,
                                                   check_generation_layout, sequence_parallel_off)
+from parallel_models.inference.kv_extend import prefill_extensions
 from parallel_models.inference.pool_cache import DecodeRows, PoolKVCache
 from parallel_models.inference.prefix_cache import PrefixCache
 from parallel_models.inference.row_sampling import draw, row_seed
 from parallel_models.inference.sampling import SamplingParams
-from parallel_models.inference.scheduler import KVBudgetError, Scheduler
+from parallel_models.inference.scheduler import KeptKV, KVBudgetError, Scheduler
 from parallel_models.inference.stop_sequences import (check_stop_sequences,
                                                       ends_with_stop_sequence)
+from parallel_models.llama.layers import exact
 from parallel_models.options import option
 
 DEFAULT_MAX_PREFILL_TOKENS = 16384  # prompt tokens per prefill pack (the memory plan may lower it)
@@ -65,6 +75,11 @@ class Request:
     stop_sequences: tuple = ()         # token-id tuples that end a sample (stop_sequences.py)
     samples: list = dataclasses.field(default_factory=list)
     rows_left: int = 0
+    keep_kv: bool = False              # keep the region when it finishes (``kept``)
+    resume: KeptKV | None = None       # the kept region whose tokens the prompt extends
+    kept: KeptKV | None = None         # with keep_kv, once finished
+    extend_from: int = 0               # set at admission: KV positions kept (scheduler.py)
+    moved_from: int | None = None      # set at admission: the kept region to copy them from
 
     @property
     def n(self) -> int:
@@ -157,16 +172,24 @@ class ContinuousEngine:
         self._last_tokens: torch.Tensor | None = None
         self.steps = 0
         self.prefilled_prompts = 0  # prompts run through the model (prefix hits excluded)
+        self.prefill_calls = 0      # model calls of prefill (packs)
+        self.prefilled_tokens = 0   # tokens they ran (an extension: its new tokens only)
+        self.decode_steps = 0       # decode steps launched
+        self.decode_rows = 0        # the running rows of those steps, summed
         self.generated_tokens = 0
         self.on_tokens: Callable[[int], None] | None = None  # (tokens drawn), before callbacks
 
     # ---- requests -------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: SamplingParams, *, stop_ids=(),
                top_logprobs: int = 0, generator: torch.Generator | None = None,
-               on_token=None, on_done=None, stop_sequences=None) -> Request:
+               on_token=None, on_done=None, stop_sequences=None, keep_kv: bool = False,
+               resume: KeptKV | None = None) -> Request:
         """Queue ``params.n`` samples of ``prompt``; raises ``KVBudgetError`` if they can never
         fit, ``ValueError`` on a bad prompt or params. Runs on the next :meth:`step`.
-        ``stop_sequences``: token-id sequences that also end a sample (kept in it)."""
+        ``stop_sequences``: token-id sequences that also end a sample (kept in it).
+        ``keep_kv`` (n=1): keep the region when the sample finishes (``request.kept``);
+        ``resume``: such a kept region, whose tokens ``prompt`` extends (only the rest is
+        prefilled; an evicted one: the whole prompt)."""
         params.validate()
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -177,8 +200,14 @@ class ContinuousEngine:
         if seed is None:  # (greedy draws no noise: the global generator is left alone)
             seed = 0 if params.greedy else int(torch.randint(0, 1 << 62, (1,),
                                                              generator=generator))
+        if keep_kv and params.n != 1:
+            raise ValueError(f"keep_kv needs n=1, got n={params.n}")
+        if resume is not None and (len(prompt) <= resume.length
+                                   or tuple(prompt[:resume.length]) != resume.tokens):
+            raise ValueError("resume: the prompt does not extend the kept region's tokens")
         req = Request(prompt, params, frozenset(stop_ids), top_logprobs, int(seed), on_token,
-                      on_done, check_stop_sequences(stop_sequences))
+                      on_done, check_stop_sequences(stop_sequences), keep_kv=keep_kv,
+                      resume=resume)
         self.scheduler.add(req)  # KVBudgetError before anything is queued
         return req
 
@@ -187,9 +216,20 @@ class ContinuousEngine:
         return bool(self.running or self.scheduler.waiting)
 
     def clear_prefixes(self) -> None:
-        """Forget every cached prompt KV (call after a weight change)."""
+        """Forget every cached prompt KV and kept region (call after a weight change)."""
         if self.prefixes is not None:
             self.prefixes.clear()
+        self.scheduler.drop_kept()
+
+    def release_kept(self, kept: KeptKV | None) -> None:
+        """Give back a region kept by a ``keep_kv`` request (None or no longer kept: no-op)."""
+        if kept is not None:
+            self.scheduler.release_kept(kept)
+
+    @property
+    def extends(self) -> bool:
+        """Whether a resumed request prefills only its new tokens (else its whole prompt)."""
+        return not exact.enabled() and not self.model.config.rope_depends_on_length
 
     @torch.no_grad()
     def step(self) -> None:
@@ -211,8 +251,13 @@ class ContinuousEngine:
     def _prefill(self, admitted) -> None:
         device, cache = self.device, self.cache
         logits_of: dict[int, torch.Tensor] = {}
-        misses, first_of, copy_of = [], {}, {}
+        misses, first_of, copy_of, extending = [], {}, {}, []
         for i, (req, starts) in enumerate(admitted):
+            if req.extend_from and self.extends:
+                if req.moved_from is not None:  # the kept KV, into the larger region
+                    cache.copy(req.moved_from, starts, req.extend_from)
+                extending.append(i)
+                continue
             key = tuple(req.prompt)
             if key in first_of:  # the same prompt admitted twice now: one prefill serves both
                 copy_of[i] = first_of[key]
@@ -239,6 +284,13 @@ class ContinuousEngine:
             for j, i in enumerate(chunk):
                 logits_of[i] = last[j]
             self.prefilled_prompts += len(chunk)
+            self.prefill_calls += 1
+            self.prefilled_tokens += int(ids.numel())
+        if extending:
+            logits = prefill_extensions(self, [(admitted[i][0].prompt, admitted[i][1][0],
+                                                admitted[i][0].extend_from) for i in extending])
+            logits_of.update(zip(extending, logits))
+            self.prefilled_prompts += len(extending)
         rows, row_logits = [], []
         for i, (req, starts) in enumerate(admitted):
             p = len(req.prompt)
@@ -323,6 +375,8 @@ class ContinuousEngine:
         logits = self._steps[lay.size]()
         for r in lay.rows:
             r.length += 1
+        self.decode_steps += 1
+        self.decode_rows += len(lay.rows)
         return self._draw(lay.rows, logits[:len(lay.rows)], lay)
 
     def _sampling_of(self, rows: list[_Row]):
@@ -419,51 +473,16 @@ class ContinuousEngine:
             gone = set(map(id, finished))
             self.running = [r for r in self.running if id(r) not in gone]
             for r in finished:
-                self.scheduler.release(r.offset, r.request.row_tokens)
+                if r.request.keep_kv:  # KV of the prompt and every drawn token but the last
+                    tokens = r.request.prompt + r.request.samples[0].token_ids[:-1]
+                    r.request.kept = self.scheduler.keep(r.offset, r.request.row_tokens, tokens)
+                else:
+                    self.scheduler.release(r.offset, r.request.row_tokens)
                 r.request.rows_left -= 1
                 if r.request.rows_left == 0 and r.request.on_done is not None:
                     r.request.on_done(r.request)
         if not self.running:
             self._pending = None  # a step queued ahead for rows that all finished: nothing to read
-
-
-def request_seed(seed: int | None, index: int) -> int | None:
-    """The seed of prompt ``index`` of a call seeded with ``seed`` (None stays None): distinct
-    prompts of one call get distinct noise."""
-    return None if seed is None else (int(seed) * 1_000_003 + index) & ((1 << 62) - 1)
-
-
-def generation_output(requests: Sequence[Request], pad_token_id: int = 0):
-    """A :class:`~parallel_models.inference.generation.GenerationOutput` of finished requests
-    (rows request-major, ``n`` per request)."""
-    from parallel_models.inference.generation import GenerationOutput
-
-    pairs = [(req.prompt, s) for req in requests for s in req.samples]
-    rows = len(pairs)
-    p_max = max(len(p) for p, _ in pairs)
-    r_max = max(max(len(s.token_ids) for _, s in pairs), 1)
-    prompts = torch.full((rows, p_max), pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((rows, p_max), dtype=torch.long)
-    responses = torch.full((rows, r_max), pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros((rows, r_max), dtype=torch.long)
-    log_probs = torch.zeros((rows, r_max), dtype=torch.float32)
-    k = max(req.top_logprobs for req in requests)
-    top_ids = torch.zeros((rows, r_max, k), dtype=torch.long) if k else None
-    top_vals = torch.zeros((rows, r_max, k), dtype=torch.float32) if k else None
-    for b, (p, s) in enumerate(pairs):
-        prompts[b, p_max - len(p):] = torch.tensor(p)
-        prompt_mask[b, p_max - len(p):] = 1
-        n = len(s.token_ids)
-        responses[b, :n] = torch.tensor(s.token_ids)
-        response_mask[b, :n] = 1
-        log_probs[b, :n] = torch.tensor(s.log_probs)
-        if k and s.top_logprobs:
-            top = torch.tensor(s.top_logprobs)  # [n, k', 2]
-            top_ids[b, :n, :top.shape[1]] = top[..., 0].long()
-            top_vals[b, :n, :top.shape[1]] = top[..., 1]
-    return GenerationOutput(prompts=prompts, prompt_mask=prompt_mask, responses=responses,
-                            response_mask=response_mask, log_probs=log_probs,
-                            top_token_ids=top_ids, top_log_probs=top_vals)
 
 
 __all__ = ["ContinuousEngine", "KVBudgetError", "Request", "Sample", "generation_output",

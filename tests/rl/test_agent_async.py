@@ -29,22 +29,30 @@ class ScriptedContinuous:
         self.scripted, self.log = scripted, log
         self.running, self.max_row_tokens = [], 10_000
         self.steps_while = []  # per step: the prompts decoding
+        self.steps, self.released, self.resumed = 0, [], []
 
     @property
     def has_work(self):
         return bool(self.running)
 
-    def submit(self, prompt, params, *, stop_ids=(), stop_sequences=(), on_done=None):
+    def submit(self, prompt, params, *, stop_ids=(), stop_sequences=(), on_done=None,
+               keep_kv=False, resume=None):
         turn = self.scripted.turn(prompt, params.max_new_tokens, stop_sequences)
         key = next(TOK.decode(list(k), skip_special_tokens=True) for k in self.scripted.script
                    if tuple(prompt[:len(k)]) == k)
         self.log.append(("submit", key, time.monotonic()))
+        self.resumed.append((key, resume))
         req = type("Req", (), {})()
         req.samples, req.key, req.turn, req.on_done = [Sample()], key, turn, on_done
+        req.kept = ("kept", key) if keep_kv else None
         self.running.append(req)
         return req
 
+    def release_kept(self, kept):
+        self.released.append(kept)
+
     def step(self):
+        self.steps += 1
         self.steps_while.append([r.key for r in self.running])
         for req in list(self.running):
             s = req.samples[0]
@@ -138,6 +146,12 @@ def test_scripted_async_equals_turn_synchronous_and_rows_on_tools_leave_the_batc
     b_second_done = [t for kind, key, t in log if kind == "done" and key == "b"][1]
     assert b_second_done < a_back
     assert any("a" not in keys and "b" in keys for keys in engine.cont.steps_while)
+    # every turn keeps its KV, the next one resumes from it, the last one's is given back
+    seen = set()
+    for key, resume in engine.cont.resumed:
+        assert resume == (("kept", key) if key in seen else None), key
+        seen.add(key)
+    assert sorted(engine.cont.released) == sorted(("kept", k) for k in _scripts())
 
 
 def test_turns_run_to_eos_with_stop_at_call_end_off():
@@ -180,6 +194,18 @@ class EngineBehindServer:
                             for p, s in zip(prompts, samples)]}
 
 
+def _spy_continuous(engine) -> list:
+    """The continuous engines ``engine`` makes, appended as they are made."""
+    made, make = [], engine.continuous_engine
+
+    def spy(*args, **kwargs):
+        made.append(make(*args, **kwargs))
+        return made[-1]
+
+    engine.continuous_engine = spy
+    return made
+
+
 def _tiny_model_both_ways(path: str, env_file: str) -> dict:
     import parallel_models as pm
     from parallel_models.inference import RolloutEngine
@@ -195,6 +221,7 @@ def _tiny_model_both_ways(path: str, env_file: str) -> dict:
                                 ("seeded", SamplingParams(n=2, max_new_tokens=6), [11, 12, 13])):
         for way in ("sync", "async", "server"):
             engine = RolloutEngine(model, eos_token_id=tok.eos_token_id)
+            made = _spy_continuous(engine)
             executor = ToolExecutor(resolve_tools(["calculator"]))
             turns = None
             if way == "server":  # turns as /generate requests, cut here (server_turns.py)
@@ -213,6 +240,9 @@ def _tiny_model_both_ways(path: str, env_file: str) -> dict:
             out[(name, way)]["cut_total"] = mt.metrics["rollout/cut_total_tokens"]
             if way == "server":
                 out[(name, way)]["requests"] = server.requests
+            if way == "async":
+                out[(name, way)]["prefilled"] = made[0].prefilled_tokens
+                out[(name, way)]["prompt_lengths"] = [len(p) for p in prompts]
     return out
 
 
@@ -240,6 +270,18 @@ def test_tiny_model_equals_turn_synchronous(tiny_model, kind, way):
     assert torch.allclose(sync["rollout_log_probs"], other["rollout_log_probs"], atol=1e-5)
     if way == "server":  # one request per turn, for the largest cap
         assert len(other["requests"]) == 2 and other["requests"][0] == 6
+
+
+def test_reentry_prefills_only_the_appended_tokens(tiny_model):
+    """Each re-entry prefills the turn's last generated id (never fed to the model) and the
+    appended messages' ids: the conversation before them keeps its KV."""
+    run = tiny_model[("greedy", "async")]
+    mask = run["response_mask"]
+    real = run["attention_mask"][:, -mask.shape[1]:] == 1  # (not the padding)
+    appended = int(((mask == 0) & real).sum())
+    reentries = int(((mask[:, 1:] == 1) & (mask[:, :-1] == 0) & real[:, 1:]).sum())
+    assert reentries == 3  # one per conversation (two turns each)
+    assert run["prefilled"] == sum(run["prompt_lengths"]) + appended + reentries
 
 
 def test_server_samples_are_cut_as_if_generation_had_stopped():

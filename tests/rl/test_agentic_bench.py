@@ -1,7 +1,8 @@
 """The agentic rollout bench (``bench/agentic_rollout.py``, the lead runs it on the GPU) in its
 ``--tiny`` CPU mode: every case runs 3 turns with one tool call each, the slow-tool cases spend
 the tool time, and every case generates the same tokens (the bench's throughput ratio compares
-like with like)."""
+like with like); the asynchronous driver's re-entries prefill only the new tokens (fewer prefill
+tokens than the turn-synchronous driver's whole conversations), and the counts are reported."""
 
 from __future__ import annotations
 
@@ -21,8 +22,15 @@ def test_tiny_bench_reports_the_same_tokens_in_every_case(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     cases = result["cases"]
-    assert set(cases) == {"no_latency", "tools", "tools_turn_synchronous"}
-    assert result["same_tokens"]
+    assert set(cases) == {"no_latency", "no_latency_turn_synchronous", "tools",
+                          "tools_turn_synchronous"}
+    assert result["same_work"] and result["same_tokens"]
+    assert result["baseline"] in ("no_latency", "no_latency_turn_synchronous")
+    for case in cases.values():
+        assert case["prefill_calls"] >= 1 and case["decode_steps"] >= 8
+    per_row, synchronous = cases["tools"], cases["tools_turn_synchronous"]
+    assert per_row["prefill_tokens"] == cases["no_latency"]["prefill_tokens"]
+    assert per_row["prefill_tokens"] < synchronous["prefill_tokens"]
     tokens = {c["model_tokens"] for c in cases.values()}
     assert len(tokens) == 1 and tokens.pop() >= 8 * 3 * 4  # turns of >= 4 tokens
     for case in cases.values():

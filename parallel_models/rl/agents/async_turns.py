@@ -1,5 +1,5 @@
 """The asynchronous driver of a multi-turn rollout: each conversation goes on at its own pace on
-the continuous engine, and rows waiting on tools hold no decode slot and no KV.
+the continuous engine; rows waiting on tools hold no decode slot (their KV is kept for re-entry).
 
 Every model turn is one request of the
 :class:`~parallel_models.inference.continuous.ContinuousEngine` (``n=1``, the prompt the whole
@@ -11,10 +11,15 @@ their environment step, append the tool / observation messages and re-enter as n
 (their prompt: the whole conversation). When no row is decoding, the driver waits for the first
 tool to finish.
 
-Re-entry prefills the whole conversation again: the engine's prefix cache
-(``inference/prefix_cache.py``) only serves identical prompts, and a conversation's next prompt
-extends its last one, so it does not apply (a prefix-extending cache would make re-entry cost
-only the new tokens).
+Re-entry costs only the new tokens: every turn is submitted with ``keep_kv`` and the next one
+with ``resume`` (``ContinuousEngine``): a row leaving for a tool gives its decode slot back but
+keeps its KV region, and on re-entry only its last generated id and the appended tool /
+observation ids are prefilled (``inference/kv_extend.py``); the engine evicts kept regions when
+it runs out of KV (that conversation then prefills all of it again). Re-entries are gathered:
+a conversation ready to re-enter waits until ``reentry_wait_steps`` decode steps have passed
+since the first one that became ready (or until nothing decodes), and all of them are submitted
+together, so they share one prefill call instead of each breaking into the decode steps with a
+prefill of its own. Kept regions are given back when a conversation ends.
 
 Same tokens as the turn-synchronous driver: a turn's draws use the seed
 ``row_seed(conversation seed, turn)`` in both, so its tokens do not depend on what else runs
@@ -38,6 +43,7 @@ from parallel_models.inference import row_seed
 from parallel_models.rl.agents.conversation import Conversation, ConversationTurns
 
 SEED_MASK = (1 << 62) - 1  # the engine's prompt seeds are in [0, 2^62)
+REENTRY_WAIT_STEPS = 8  # decode steps the first of a group of re-entries waits for the others
 
 
 def turn_seed(c: Conversation) -> int | None:
@@ -53,10 +59,13 @@ def supports_async(engine) -> bool:
 class AsyncTurns:
     """``AsyncTurns(turns, engine)``: ``engine`` a
     :class:`~parallel_models.inference.RolloutEngine` (its continuous engine is used, planned
-    like ``kv_budget_tokens="auto"`` when the engine batches statically)."""
+    like ``kv_budget_tokens="auto"`` when the engine batches statically);
+    ``reentry_wait_steps``: see the module's docstring (0: each re-entry at once)."""
 
-    def __init__(self, turns: ConversationTurns, engine):
+    def __init__(self, turns: ConversationTurns, engine,
+                 reentry_wait_steps: int = REENTRY_WAIT_STEPS):
         self.turns, self.engine = turns, engine
+        self.reentry_wait_steps = reentry_wait_steps
         layout = getattr(engine, "parallel_layout", None)
         self.tp = 1 if layout is None else layout.tensor_parallel_size
         self.layout = layout
@@ -69,32 +78,52 @@ class AsyncTurns:
         self.turns.stop_ids = set(self.engine.stop_ids(one))
         finished: collections.deque = collections.deque()  # (conversation index, request)
         waiting: dict[int, tuple] = {}  # conversation index -> (TurnEnd, future | None)
+        held: list[int] = []  # conversations ready to re-enter, since step `held_since`
+        held_since = 0
+        kept: dict = {}  # conversation index -> its last turn's kept KV region
         seconds = 0.0
         try:
             for i, c in enumerate(conversations):
-                self._submit(cont, finished, i, c, one, max_new_tokens)
+                self._submit(cont, finished, kept, i, c, one, max_new_tokens)
             while not all(c.done for c in conversations):
                 if cont.has_work:
                     cont.step()
                 while finished:
                     i, req = finished.popleft()
+                    kept[i] = getattr(req, "kept", None)
                     sample = req.samples[0]
                     end = self.turns.end_turn(conversations[i], {
                         "token_ids": sample.token_ids, "log_probs": sample.log_probs})
                     future = self.turns.run_tools(end) if self.leader else None
                     waiting[i] = (end, future)
-                if not waiting:
-                    continue
-                for i, records in self._ready(waiting, block=not cont.has_work):
-                    c = conversations[i]
-                    end, _ = waiting.pop(i)
-                    seconds += self.turns.after_tools(c, end, records)
-                    if not c.done:
-                        self._submit(cont, finished, i, c, one, max_new_tokens)
+                if waiting:
+                    block = not cont.has_work and not held
+                    for i, records in self._ready(waiting, block=block):
+                        c = conversations[i]
+                        end, _ = waiting.pop(i)
+                        seconds += self.turns.after_tools(c, end, records)
+                        if c.done:
+                            self._release(cont, kept.pop(i, None))
+                        else:
+                            held_since = held_since if held else cont.steps
+                            held.append(i)
+                if held and (not cont.has_work
+                             or cont.steps - held_since >= self.reentry_wait_steps):
+                    for i in held:
+                        self._submit(cont, finished, kept, i, conversations[i], one,
+                                     max_new_tokens)
+                    held.clear()
         finally:
+            for region in kept.values():
+                self._release(cont, region)
             if not self.engine.keep_kv:
                 self.engine._continuous = None
         return seconds
+
+    @staticmethod
+    def _release(cont, region) -> None:
+        if region is not None:
+            cont.release_kept(region)
 
     def _open(self, conversations: list[Conversation]):
         limits = self.turns.limits
@@ -106,16 +135,19 @@ class AsyncTurns:
                                              longest_row, len(conversations),
                                              kv_budget_tokens=budget)
 
-    def _submit(self, cont, finished, i: int, c: Conversation, one, max_new_tokens: int) -> None:
+    def _submit(self, cont, finished, kept: dict, i: int, c: Conversation, one,
+                max_new_tokens: int) -> None:
         cap = min(self.turns.turn_cap(c, max_new_tokens), cont.max_row_tokens - len(c.context))
         if cap < 1:  # the conversation fills a row of the engine: no room for another turn
             c.cuts.add("total_tokens")
             c.done = True
+            self._release(cont, kept.pop(i, None))
             return
         params = one.model_copy(update={"max_new_tokens": cap, "seed": turn_seed(c)})
         cont.submit(c.context, params, stop_ids=self.turns.stop_ids,
                     stop_sequences=self.turns.stop_sequences,
-                    on_done=lambda req, i=i: finished.append((i, req)))
+                    on_done=lambda req, i=i: finished.append((i, req)),
+                    keep_kv=True, resume=kept.pop(i, None))
 
     def _ready(self, waiting: dict, block: bool) -> list[tuple[int, list]]:
         """The waiting conversations whose tools finished, with their records, in index order

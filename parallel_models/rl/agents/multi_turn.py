@@ -41,8 +41,9 @@ Two drivers (``conversation.ConversationTurns`` does each conversation's steps f
 
 * asynchronous (``async_turns.AsyncTurns``, the default for a
   :class:`~parallel_models.inference.RolloutEngine`): each turn is a request of the continuous
-  engine; a row that ends a turn leaves the decode batch, its tools run in the thread pool, and
-  it re-enters with the whole conversation as its prompt while the other rows keep decoding;
+  engine; a row that ends a turn leaves the decode batch (keeping its KV), its tools run in the
+  thread pool, and it re-enters with the whole conversation as its prompt, of which only the new
+  tokens are prefilled, while the other rows keep decoding;
 * turn-synchronous: all live conversations generate a turn together (``generate_samples``),
   then their tools run, then the next turn. It serves engines without a continuous engine (only
   ``generate_samples``) and MoE actors (the static batcher records every token's routes for
@@ -59,7 +60,8 @@ from typing import Sequence
 import torch
 
 from parallel_models.inference import row_seed
-from parallel_models.rl.agents.async_turns import AsyncTurns, supports_async, turn_seed
+from parallel_models.rl.agents.async_turns import (REENTRY_WAIT_STEPS, AsyncTurns,
+                                                   supports_async, turn_seed)
 from parallel_models.rl.agents.conversation import (CUTS, Conversation, ConversationTurns,
                                                     MultiTurnLimits)
 from parallel_models.rl.agents.executor import ToolExecutor
@@ -88,6 +90,7 @@ class MultiTurnRollout(EngineTokens):
         if asynchronous is None:  # (the continuous engine records no routes)
             asynchronous = supports_async(self.engine) and self.num_experts is None
         self.asynchronous = asynchronous
+        self.reentry_wait_steps = REENTRY_WAIT_STEPS  # the asynchronous driver's (async_turns)
         self.metrics: dict[str, float] = {}
 
     @property
@@ -119,7 +122,7 @@ class MultiTurnRollout(EngineTokens):
         one = sampling.model_copy(update={"n": 1})
         start = time.monotonic()
         if self.asynchronous:
-            tool_seconds = AsyncTurns(self.turns, self.engine).run(
+            tool_seconds = AsyncTurns(self.turns, self.engine, self.reentry_wait_steps).run(
                 conversations, one, sampling.max_new_tokens)
         else:
             tool_seconds = self._turn_synchronous(conversations, one, sampling.max_new_tokens,

@@ -43,7 +43,9 @@ from parallel_models.inference import row_seed
 from parallel_models.rl.agents.conversation import Conversation, ConversationTurns
 
 SEED_MASK = (1 << 62) - 1  # the engine's prompt seeds are in [0, 2^62)
-REENTRY_WAIT_STEPS = 8  # decode steps the first of a group of re-entries waits for the others
+# decode steps the first of a group of re-entries waits for the others (24: the best of 0/8/24
+# on the H100 agentic bench, docs/PERFORMANCE.md)
+REENTRY_WAIT_STEPS = 24
 
 
 def turn_seed(c: Conversation) -> int | None:

@@ -11,6 +11,22 @@ from tests.helpers.pipeline_checks import _ce_loss_fn, _microbatches_packed
 RANK, ALPHA = 4, 8.0
 
 
+def peft_lora_config(path: str, targets) -> dict:
+    """PEFT's ``LoraConfig`` arguments for ``targets`` on ``path``: the names as given on a
+    dense model; on an MoE model what our export writes (the experts' ``target_parameters``,
+    the MLP names only where a linear MLP takes them)."""
+    from parallel_models.config import ModelConfig
+    from parallel_models.lora import LoraSettings
+
+    config = ModelConfig.from_hf(path)
+    if not config.is_moe:
+        return {"target_modules": targets}
+    dense = any(not config.is_moe_layer(i) for i in range(config.num_layers))
+    cfg = LoraSettings(rank=RANK, alpha=ALPHA, target_modules=targets).peft_config(
+        experts=True, linear_mlp=dense or bool(config.shared_expert_intermediate_size))
+    return {k: cfg[k] for k in ("target_modules", "target_parameters") if k in cfg}
+
+
 def peft_reference(path: str, targets, seed: int = 11):
     """The transformers model of ``path`` under PEFT LoRA (fp32), with nonzero B (N(0, 0.1)
     from ``seed``) so that the adapters change the output."""
@@ -20,7 +36,7 @@ def peft_reference(path: str, targets, seed: int = 11):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     torch.manual_seed(seed)
     peft_model = get_peft_model(hf, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
-                                               target_modules=targets))
+                                               **peft_lora_config(path, targets)))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -60,13 +76,16 @@ def build_lora_chunks(path: str, targets, peft_model):
     return chunks
 
 
-def check_lora_against_peft(path: str, targets, tp: int, sp: bool, pp: int) -> dict:
+def check_lora_against_peft(path: str, targets, tp: int, sp: bool, pp: int, ep: int = 1) -> dict:
     """Logits and adapter gradients of our LoRA model vs PEFT's (relative errors; gradients
-    compared on rank 0 after gathering), and the trainable counts of both."""
+    compared on rank 0 after gathering), and the trainable counts of both (``full``: ours at
+    PEFT's full size)."""
     import parallel_models as pm
-    from parallel_models.lora import gather_adapter_tensors, trainable_parameter_count
+    from parallel_models.lora import (adapter_parameter_count, gather_adapter_tensors,
+                                      trainable_parameter_count)
 
-    pm.init_parallel(tensor_parallel_size=tp, sequence_parallel=sp, pipeline_parallel_size=pp)
+    pm.init_parallel(tensor_parallel_size=tp, sequence_parallel=sp, pipeline_parallel_size=pp,
+                     expert_model_parallel_size=ep)
     peft_model = peft_reference(path, targets)
     chunks = build_lora_chunks(path, targets, peft_model)
     ids, mask = _batch(chunks[0].config.vocab_size, "right", seed=3)
@@ -81,7 +100,7 @@ def check_lora_against_peft(path: str, targets, tp: int, sp: bool, pp: int) -> d
     pm.forward_backward(chunks, mbs, _ce_loss_fn)
     grads = gather_adapter_tensors(chunks, grads=True)
     out = {"logits_rel": rel(logits, hf_logits.detach()[mask.bool()]),
-           "trainable": trainable_parameter_count(chunks),
+           "trainable": trainable_parameter_count(chunks), "full": adapter_parameter_count(chunks),
            "frozen_grads": sum(p.grad is not None for c in chunks for p in c.parameters()
                                if not p.requires_grad)}
     if grads is not None:
@@ -92,7 +111,8 @@ def check_lora_against_peft(path: str, targets, tp: int, sp: bool, pp: int) -> d
     return out
 
 
-def check_export(path: str, targets, tp: int, sp: bool, pp: int, out_dir: str) -> dict:
+def check_export(path: str, targets, tp: int, sp: bool, pp: int, out_dir: str,
+                 ep: int = 1) -> dict:
     """Export from this layout: the PEFT adapter folder (read back by
     ``peft.PeftModel.from_pretrained`` and by our ``load_adapter`` into a fresh model) and the
     merged HF folder (``adapters_merged`` + ``save_pretrained``) must give our logits; the base
@@ -102,7 +122,8 @@ def check_export(path: str, targets, tp: int, sp: bool, pp: int, out_dir: str) -
     import parallel_models as pm
     from parallel_models.lora import adapters_merged, save_adapter
 
-    pm.init_parallel(tensor_parallel_size=tp, sequence_parallel=sp, pipeline_parallel_size=pp)
+    pm.init_parallel(tensor_parallel_size=tp, sequence_parallel=sp, pipeline_parallel_size=pp,
+                     expert_model_parallel_size=ep)
     peft_model = peft_reference(path, targets)
     chunks = build_lora_chunks(path, targets, peft_model)
     ids, mask = _batch(chunks[0].config.vocab_size, "left", seed=5)

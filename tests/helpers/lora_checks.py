@@ -98,6 +98,7 @@ def check_lora_against_peft(path: str, targets, tp: int, sp: bool, pp: int, ep: 
         mb["full_vocab"] = True
     logits = torch.cat(pm.forward_only(chunks, [dict(mb) for mb in mbs]))
     pm.forward_backward(chunks, mbs, _ce_loss_fn)
+    _reduce_like_ddp(chunks)
     grads = gather_adapter_tensors(chunks, grads=True)
     out = {"logits_rel": rel(logits, hf_logits.detach()[mask.bool()]),
            "trainable": trainable_parameter_count(chunks), "full": adapter_parameter_count(chunks),
@@ -109,6 +110,23 @@ def check_lora_against_peft(path: str, targets, tp: int, sp: bool, pp: int, ep: 
         out["grad_rel"] = max(rel(grads[n], want[n]) for n in want)
         out["peft_trainable"] = sum(t.numel() for t in want.values())
     return out
+
+
+def _reduce_like_ddp(chunks) -> None:
+    """Sum the trainable gradients as megatron-core's DDP does: dense ones over the
+    data-parallel group, expert ones (``allreduce=False``) over the expert-data-parallel group
+    (every data-parallel rank ran the same batch, its loss divided by the DP size)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    for c in chunks:
+        for p in c.parameters():
+            if p.grad is None:
+                continue
+            group = (mpu.get_expert_data_parallel_group() if getattr(p, "allreduce", True) is False
+                     else mpu.get_data_parallel_group())
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(p.grad, group=group)
 
 
 def check_export(path: str, targets, tp: int, sp: bool, pp: int, out_dir: str,

@@ -76,14 +76,19 @@ def build_lora_chunks(path: str, targets, peft_model):
     return chunks
 
 
-def check_lora_against_peft(path: str, targets, tp: int, sp: bool, pp: int, ep: int = 1) -> dict:
+def check_lora_against_peft(path: str, targets, tp: int, sp: bool, pp: int, ep: int = 1,
+                            grouped: bool | None = None) -> dict:
     """Logits and adapter gradients of our LoRA model vs PEFT's (relative errors; gradients
     compared on rank 0 after gathering), and the trainable counts of both (``full``: ours at
-    PEFT's full size)."""
+    PEFT's full size). ``grouped``: the MoE experts as grouped GEMMs (True) or megatron-core's
+    loop over experts (False); None: the default."""
     import parallel_models as pm
     from parallel_models.lora import (adapter_parameter_count, gather_adapter_tensors,
                                       trainable_parameter_count)
+    from parallel_models.options import set_options
 
+    if grouped is not None:
+        set_options({"moe_grouped_gemm": grouped})
     pm.init_parallel(tensor_parallel_size=tp, sequence_parallel=sp, pipeline_parallel_size=pp,
                      expert_model_parallel_size=ep)
     peft_model = peft_reference(path, targets)
@@ -437,8 +442,8 @@ def push_lora_to_server(path: str, url: str, prompts: list) -> dict:
 
 
 def moe_mlp_target_errors(path: str) -> dict:
-    """The errors ``add_lora`` gives on an MoE model for MLP targets and ``all-linear`` (PEFT
-    adapts fused experts only through ``target_parameters``); attention targets still work."""
+    """The errors ``add_lora`` gives on a Qwen3-MoE model with a dense layer for what PEFT
+    cannot express (see ``lora/apply.py``); attention targets still work."""
     import parallel_models as pm
     from parallel_models.errors import ConfigError
     from parallel_models.lora import LoraSettings, add_lora
@@ -447,12 +452,16 @@ def moe_mlp_target_errors(path: str) -> dict:
     cls = pm.get_model_class(pm.registry.architecture_of(path), "causal_lm", rmpad=True)
     model = cls.from_pretrained(path, dtype=torch.float32)
     out = {}
-    for targets in ("all-linear", ["gate_proj"], ["q_proj", "down_proj"]):
+    for key, targets, dropout in (("all-linear", "all-linear", 0.0),
+                                  ("['gate_proj']", ["gate_proj"], 0.0),
+                                  ("['q_proj', 'down_proj']", ["q_proj", "down_proj"], 0.0),
+                                  ("dropout", ["gate_proj", "up_proj"], 0.1)):
         try:
-            add_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, target_modules=targets))
-            out[str(targets)] = None
+            add_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, target_modules=targets,
+                                         dropout=dropout))
+            out[key] = None
         except ConfigError as err:
-            out[str(targets)] = str(err)
+            out[key] = str(err)
     out["attention_trainable"] = add_lora(model, LoraSettings(
         rank=RANK, alpha=ALPHA, target_modules=["q_proj", "v_proj"]))
     return out

@@ -1,4 +1,4 @@
-"""LoRA on the fsdp backend through ``peft`` itself (``actor.lora.*``).
+"""LoRA on the fsdp backend through ``peft`` itself (``actor.lora.*``, ``critic.lora.*``).
 
 - :func:`add_peft_lora`: ``peft.get_peft_model`` on the transformers causal LM *before*
   ``fully_shard``. FSDP2 shards each parameter on its own (DTensor), so a decoder layer's unit
@@ -14,6 +14,11 @@
   merged ``actor_hf/`` export.
 - :func:`export_adapter`: ``actor_lora/``, written by peft's own ``save_pretrained`` from the
   gathered full state dict.
+- The critic (:func:`add_peft_value_lora`): peft's ``SEQ_CLS`` LoRA on the ``ValueModel``'s
+  sequence-classification model (injected in place, so ``ValueModel.model`` runs it), the
+  ``score`` head trained whole (peft's ``modules_to_save`` copy), as the megatron critic's LoRA;
+  :func:`export_value_lora` writes ``critic_lora/`` (peft's folder, with
+  ``base_model.model.score.weight``) and the merged ``critic_hf/``.
 """
 
 from __future__ import annotations
@@ -57,11 +62,7 @@ def add_peft_lora(hf_model, settings: LoraSettings):
     ``settings``; the base is frozen. Returns the ``PeftModelForCausalLM``."""
     from peft import LoraConfig, get_peft_model
 
-    known = {n for n, _ in hf_model.named_modules()}
-    missing = [t for t in settings.target_modules if not any(n.endswith("." + t) for n in known)]
-    if missing:
-        raise ConfigError(f"actor.lora.target_modules: {type(hf_model).__name__} has no "
-                          f"{missing} module")
+    _check_targets(hf_model, settings, "actor.lora.target_modules")
     config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha,
                         lora_dropout=settings.dropout, target_modules=list(settings.target_modules),
                         bias="none", task_type="CAUSAL_LM")
@@ -69,6 +70,57 @@ def add_peft_lora(hf_model, settings: LoraSettings):
     _init_like_megatron(peft_model, settings)
     peft_model.lora_settings = settings
     return peft_model
+
+
+def _check_targets(hf_model, settings: LoraSettings, key: str) -> None:
+    known = {n for n, _ in hf_model.named_modules()}
+    missing = [t for t in settings.target_modules if not any(n.endswith("." + t) for n in known)]
+    if missing:
+        raise ConfigError(f"{key}: {type(hf_model).__name__} has no {missing} module")
+
+
+def add_peft_value_lora(value_model, settings: LoraSettings):
+    """peft's ``SEQ_CLS`` LoRA on ``value_model`` (an fsdp ``ValueModel``, not yet sharded):
+    adapters on ``settings``' targets, the base frozen, the ``score`` head trainable whole
+    (``modules_to_save``). Returns ``value_model`` (its ``.model`` now holds the adapters; the
+    ``PeftModel`` is ``.peft_model``, not a submodule)."""
+    from peft import LoraConfig, get_peft_model
+
+    _check_targets(value_model.model, settings, "critic.lora.target_modules")
+    config = LoraConfig(r=settings.rank, lora_alpha=settings.alpha,
+                        lora_dropout=settings.dropout, target_modules=list(settings.target_modules),
+                        bias="none", task_type="SEQ_CLS")
+    peft_model = get_peft_model(value_model.model, config)  # injects into it in place
+    _init_like_megatron(peft_model, settings)
+    object.__setattr__(value_model, "peft_model", peft_model)
+    value_model.lora_settings = settings
+    return value_model
+
+
+def is_lora_value_model(model) -> bool:
+    return getattr(model, "peft_model", None) is not None
+
+
+def export_value_lora(value_model, output_dir: str) -> None:
+    """``critic_lora/`` (peft's SEQ_CLS folder: the adapters and ``score``) and the merged
+    ``critic_hf/`` of a LoRA ``ValueModel``; collective."""
+    sd = full_state_dict(value_model)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
+        peft_sd = {PEFT_PREFIX + k[len("model."):]: v for k, v in sd.items()}
+        peft_model = value_model.peft_model
+        export_adapter(peft_model, os.path.join(output_dir, "critic_lora"),
+                       {k: v for k, v in peft_sd.items() if ".lora_" in k or ".modules_to_save." in k},
+                       keep=lambda k: True)
+        folder = os.path.join(output_dir, "critic_hf")
+        tmp = folder.rstrip("/") + ".tmp-export"
+        shutil.rmtree(tmp, ignore_errors=True)
+        merged = merged_hf_tensors(peft_sd, value_model.lora_settings.scale)
+        peft_model.get_base_model().save_pretrained(tmp, state_dict=merged)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def trainable_count(model) -> int:
@@ -79,12 +131,14 @@ def trainable_count(model) -> int:
 def merged_hf_tensors(tensors: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
     """Full tensors in peft's names (``base_model.model.X.base_layer.weight``,
     ``X.lora_A.default.weight``, ...) -> the base model's HF names, the adapted weights merged
-    (``W + scale * B @ A``); adapter tensors are dropped."""
+    (``W + scale * B @ A``); adapter tensors are dropped, a ``modules_to_save`` module (the
+    critic's ``score``) is its trained copy."""
     out = {}
     for name, t in tensors.items():
-        if ".lora_A." in name or ".lora_B." in name:
-            continue
+        if ".lora_A." in name or ".lora_B." in name or ".original_module." in name:
+            continue  # (a trained modules_to_save copy replaces its original)
         hf_name = name[len(PEFT_PREFIX):] if name.startswith(PEFT_PREFIX) else name
+        hf_name = hf_name.replace(".modules_to_save.default.", ".")
         if ".base_layer." in name:
             stem = name.split(".base_layer.")[0]
             hf_name = hf_name.replace(".base_layer.", ".")
@@ -104,14 +158,14 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
                                                                 cpu_offload=True))
 
 
-def export_adapter(peft_model, folder: str, sd: dict) -> None:
+def export_adapter(peft_model, folder: str, sd: dict, keep=lambda k: ".lora_" in k) -> None:
     """``folder`` as a PEFT adapter folder (peft's ``save_pretrained`` of the gathered
-    ``sd``), written on rank 0."""
+    ``sd``'s tensors that ``keep`` names), written on rank 0."""
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     tmp = folder.rstrip("/") + ".tmp-export"
     shutil.rmtree(tmp, ignore_errors=True)
-    lora = {k: v for k, v in sd.items() if ".lora_" in k}
+    lora = {k: v for k, v in sd.items() if keep(k)}
     peft_model.save_pretrained(tmp, state_dict=lora)
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(tmp, folder)

@@ -83,3 +83,15 @@ def test_fresh_adapters_are_layout_independent(results):
     assert one["A"].keys() == two[0]["A"].keys()
     for name, a in one["A"].items():
         assert torch.equal(a, two[0]["A"][name]), name
+
+
+def test_expert_adapter_checkpoint_reshards(hf_models, tmp_path):
+    """MoE expert adapters saved at EP=2 load exactly at TP=2 + SP (experts split over ETP)."""
+    from parallel_models.testing import run_distributed
+
+    path = save_tiny_hf_model(str(tmp_path / "qwen2_moe"), "qwen2_moe", seed=1, router_scale=10.0)
+    folder = str(tmp_path / "ckpt")
+    saved = run_distributed(lora_checks.expert_adapter_checkpoint, 2, path, folder, 1, 2, True)[0]
+    loaded = run_distributed(lora_checks.expert_adapter_checkpoint, 2, path, folder, 2, 1, False)[0]
+    assert saved["names"] and saved["max_diff"] == 0.0, saved
+    assert loaded["names"] and loaded["max_diff"] == 0.0, loaded

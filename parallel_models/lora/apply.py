@@ -95,7 +95,9 @@ def _peft_moves_mlp_names(model_type: str) -> bool:
     return bool(set(MLP_TARGETS) & set(mapping))
 
 
-def _check_moe(config, settings: LoraSettings) -> None:
+def check_moe_targets(config, settings: LoraSettings) -> None:
+    """A ConfigError for what PEFT cannot express on the MoE model of ``config`` (a
+    ``ModelConfig``), see the module doc."""
     mlp = [t for t in settings.target_modules if t in MLP_TARGETS]
     if not mlp:
         return
@@ -123,14 +125,25 @@ def _check_layout(chunk, settings: LoraSettings) -> None:
     config = chunk.config
     tp = chunk.tp
     if config.is_moe:
-        _check_moe(config, settings)
+        check_moe_targets(config, settings)
     if tp > config.num_key_value_heads and {"k_proj", "v_proj"} & set(settings.target_modules):
         raise ConfigError(f"lora target_modules k_proj/v_proj with tensor_parallel_size ({tp}) > "
                           f"num_key_value_heads ({config.num_key_value_heads}) is not supported "
                           "(replicated KV heads)")
 
 
-def _seed_experts(settings: LoraSettings, layer_id: int, proj: str) -> int:
+def peft_adapter_config(settings: LoraSettings, config, value_head: bool = False) -> dict:
+    """``settings``' ``adapter_config.json`` for the model of ``config`` (a ``ModelConfig``): on
+    an MoE model the experts' ``target_parameters``, its MLP names only where a linear MLP (a
+    dense layer, a shared expert) takes them."""
+    if not config.is_moe:
+        return settings.peft_config(value_head=value_head)
+    dense = any(not config.is_moe_layer(i) for i in range(config.num_layers))
+    return settings.peft_config(value_head=value_head, experts=True,
+                                linear_mlp=dense or bool(config.shared_expert_intermediate_size))
+
+
+def seed_experts(settings: LoraSettings, layer_id: int, proj: str) -> int:
     """The A seed of a layer's expert adapters (apart from the dense projections' seeds)."""
     return _seed(settings, layer_id, "gate_proj" if proj == "gate_up_proj" else proj) + 8
 
@@ -147,7 +160,7 @@ def _add_expert_adapters(layer_id: int, experts, settings: LoraSettings) -> None
         w = lora.linear(proj, 0).weight
         full_in = w.shape[1] * (lora.tp if proj == "down_proj" else 1)
         lora.add(proj, settings.rank, init_full_a(settings.rank * lora.num_local * lora.ep,
-                                                  full_in, _seed_experts(settings, layer_id, proj)))
+                                                  full_in, seed_experts(settings, layer_id, proj)))
 
 
 def add_lora(model, settings: LoraSettings) -> int:

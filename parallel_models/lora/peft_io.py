@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from parallel_models.config import ConfigError
-from parallel_models.lora.apply import model_chunks, add_lora, lora_modules
+from parallel_models.lora.apply import (add_lora, lora_modules, model_chunks,
+                                        peft_adapter_config)
 from parallel_models.lora.config import LoraSettings
 from parallel_models.lora.experts import ExpertLora, peft_module
 from parallel_models.lora.layers import ColumnLora
@@ -129,15 +130,7 @@ def _sort_key(name: str):
 
 
 def _peft_config(settings: LoraSettings, chunks) -> dict:
-    """``settings``' ``adapter_config.json`` for this model (an MoE model's expert
-    ``target_parameters``; its MLP names only where a linear MLP takes them)."""
-    config = chunks[0].config
-    value = is_value_model(chunks)
-    if not config.is_moe:
-        return settings.peft_config(value_head=value)
-    dense = any(not config.is_moe_layer(i) for i in range(config.num_layers))
-    return settings.peft_config(value_head=value, experts=True,
-                                linear_mlp=dense or bool(config.shared_expert_intermediate_size))
+    return peft_adapter_config(settings, chunks[0].config, value_head=is_value_model(chunks))
 
 
 def save_adapter(model, out_dir: str, base_model_name_or_path: str | None = None) -> str | None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from parallel_models.testing import run_named_jobs, save_tiny_hf_model
-from tests.helpers import lora_checks
+from tests.helpers import lora_checks, lora_moe_checks
 
 TOL = 1e-5
 LAYOUTS = {"tp2": (2, False, 1, 1), "tp2_sp": (2, True, 1, 1), "pp2": (1, False, 2, 1),
@@ -91,7 +91,7 @@ def test_expert_adapter_checkpoint_reshards(hf_models, tmp_path):
 
     path = save_tiny_hf_model(str(tmp_path / "qwen2_moe"), "qwen2_moe", seed=1, router_scale=10.0)
     folder = str(tmp_path / "ckpt")
-    saved = run_distributed(lora_checks.expert_adapter_checkpoint, 2, path, folder, 1, 2, True)[0]
-    loaded = run_distributed(lora_checks.expert_adapter_checkpoint, 2, path, folder, 2, 1, False)[0]
+    saved = run_distributed(lora_moe_checks.expert_adapter_checkpoint, 2, path, folder, 1, 2, True)[0]
+    loaded = run_distributed(lora_moe_checks.expert_adapter_checkpoint, 2, path, folder, 2, 1, False)[0]
     assert saved["names"] and saved["max_diff"] == 0.0, saved
     assert loaded["names"] and loaded["max_diff"] == 0.0, loaded

@@ -17,13 +17,12 @@ def peft_lora_config(path: str, targets) -> dict:
     the MLP names only where a linear MLP takes them)."""
     from parallel_models.config import ModelConfig
     from parallel_models.lora import LoraSettings
+    from parallel_models.lora.apply import peft_adapter_config
 
     config = ModelConfig.from_hf(path)
     if not config.is_moe:
         return {"target_modules": targets}
-    dense = any(not config.is_moe_layer(i) for i in range(config.num_layers))
-    cfg = LoraSettings(rank=RANK, alpha=ALPHA, target_modules=targets).peft_config(
-        experts=True, linear_mlp=dense or bool(config.shared_expert_intermediate_size))
+    cfg = peft_adapter_config(LoraSettings(rank=RANK, alpha=ALPHA, target_modules=targets), config)
     return {k: cfg[k] for k in ("target_modules", "target_parameters") if k in cfg}
 
 
@@ -466,46 +465,3 @@ def moe_mlp_target_errors(path: str) -> dict:
         rank=RANK, alpha=ALPHA, target_modules=["q_proj", "v_proj"]))
     return out
 
-
-def expert_adapter_checkpoint(path: str, folder: str, tp: int, ep: int, save: bool) -> dict:
-    """The adapters of an MoE LoRA model (PEFT's, nonzero B) in a megatron-core distributed
-    checkpoint (``lora/checkpoint.py``'s declarations): ``save`` writes them at TP x EP;
-    otherwise a fresh model at TP x EP loads them. -> the largest difference between the
-    model's gathered adapters and PEFT's (rank 0)."""
-    from megatron.core import dist_checkpointing
-
-    import parallel_models as pm
-    from parallel_models import cpu_shim
-    from parallel_models.llama.checkpoint_utils.mcore_saver import sync_save_strategy
-    from parallel_models.lora import LoraSettings, add_lora, gather_adapter_tensors
-    from parallel_models.lora.checkpoint import adapter_sharded_state_dict
-
-    pm.init_parallel(tensor_parallel_size=tp, sequence_parallel=tp > 1,
-                     expert_model_parallel_size=ep)
-    peft_model = peft_reference(path, "all-linear")
-    if save:
-        import os
-
-        os.makedirs(folder, exist_ok=True)
-        chunks = build_lora_chunks(path, "all-linear", peft_model)
-        with cpu_shim.cuda_to_cpu():
-            dist_checkpointing.save(adapter_sharded_state_dict(chunks[0], 0, "actor"), folder,
-                                    sharded_strategy=sync_save_strategy(),
-                                    validate_access_integrity=False)
-    else:
-        cls = pm.get_model_class(pm.registry.architecture_of(path), "causal_lm", rmpad=True,
-                                 pp=True)
-        chunks = pm.build_pipeline_chunks(cls, path, dtype=torch.float32)
-        add_lora(chunks, LoraSettings(rank=RANK, alpha=ALPHA))
-        loaded = dist_checkpointing.load(
-            adapter_sharded_state_dict(chunks[0], 0, "actor", clone=True), folder)
-        params = dict(chunks[0].named_parameters())
-        with torch.no_grad():
-            for key, value in loaded.items():
-                params[key.split(".", 1)[1]].copy_(value)
-    got = gather_adapter_tensors(chunks)
-    if got is None:
-        return {}
-    want = peft_tensors(peft_model)
-    return {"names": sorted(got) == sorted(want),
-            "max_diff": max(float((got[n] - want[n]).abs().max()) for n in want)}

@@ -119,3 +119,17 @@ def test_fsdp_lora_run_resumes_after_kill(tmp_path):
                                          "actor.use_kl_loss=true", "trainer.total_steps=3",
                                          "trainer.save_every=2", "trainer.save_hf_at_end=false",
                                          "trainer.loggers=[jsonl]"], steps=3)
+
+
+def test_fsdp_lora_on_moe_is_the_megatron_backends(tmp_path):
+    """On an MoE model (Qwen2-MoE: experts, shared expert, dense layer) the fsdp backend's peft
+    LoRA has the megatron backend's adapters (names, shapes, A draws: the experts' as peft's
+    target_parameters), its merged refill equals peft's merge, and our model gives its logits."""
+    from parallel_models.testing import run_distributed, save_tiny_hf_model
+    from tests.helpers import lora_moe_checks
+
+    path = save_tiny_hf_model(str(tmp_path / "qwen2_moe"), "qwen2_moe", seed=1, router_scale=10.0)
+    res = run_distributed(lora_moe_checks.fsdp_moe_lora_matches_megatron, 1, path)[0]
+    assert res["names"] and res["a_equal"], res
+    assert res["merged_keys"] and res["merged_diff"] <= 1e-6, res
+    assert res["logits_rel"] <= 1e-5, res

@@ -142,6 +142,11 @@ class ExpertLora(torch.nn.Module):
         """:meth:`delta` of every local expert at once (tokens sorted by expert, ``offs`` the
         grouped GEMM's cumulative counts)."""
         a, b = self._current[proj]
+        if x.is_cuda and (a.shape[1] * x.element_size()) % 16:
+            # the CUDA grouped GEMM wants 16-byte aligned rank strides: one matmul per expert
+            counts = torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+            parts = [self.delta(proj, e, t) for e, t in enumerate(torch.split(x, counts))]
+            return torch.cat(parts) if parts else x.new_zeros(0, b.shape[1])
         u = torch._grouped_mm(x, a.transpose(1, 2), offs=offs)
         return torch._grouped_mm(u.contiguous(), b.transpose(1, 2), offs=offs) * self.scale
 

@@ -118,7 +118,8 @@ def check_moe_targets(config, settings: LoraSettings) -> None:
             f"lora target_modules {mlp} on {config.architecture}: PEFT (transformers 5) turns "
             f"these names into the experts' target_parameters for model_type "
             f"{config.model_type!r}, so they cannot also reach its linear MLPs (dense layers "
-            f"{dense}); target the attention projections only (q_proj, k_proj, v_proj, o_proj)")
+            f"{dense}{', a shared expert' if config.shared_expert_intermediate_size else ''}); "
+            "target the attention projections only (q_proj, k_proj, v_proj, o_proj)")
 
 
 def _check_layout(chunk, settings: LoraSettings) -> None:

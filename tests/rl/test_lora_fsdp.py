@@ -133,3 +133,18 @@ def test_fsdp_lora_on_moe_is_the_megatron_backends(tmp_path):
     assert res["names"] and res["a_equal"], res
     assert res["merged_keys"] and res["merged_diff"] <= 1e-6, res
     assert res["logits_rel"] <= 1e-5, res
+
+
+def test_fsdp_lora_on_moe_experts_trains_what_the_rollout_samples(tmp_path):
+    """A run of the built-in MoE with actor and critic LoRA (experts included) on the fsdp
+    backend: step 2 samples from the trained adapters (the refill merged the experts' adapters
+    and wrote the fused experts as the weight map reads them), so the rollout's log-probs are
+    the training forward's."""
+    out = str(tmp_path / "moe")
+    run_ppo([f"trainer.output_dir={out}", "parallel.backend=fsdp", "model.path=builtin-moe",
+             "trainer.total_steps=2", "actor.ppo_epochs=1", "actor.mini_batch_size=32",
+             "actor.lora.rank=8", "critic.lora.rank=8", "actor.lr=1e-2", "actor.use_kl_loss=true",
+             "trainer.save_every=0", "trainer.save_hf_at_end=false", "trainer.loggers=[jsonl]"])
+    rows = run_metrics(out)
+    assert rows[1]["kl/actor_ref"] != 0, "the adapters did not move the policy"
+    assert all(r["rollout/logprob_diff_max"] <= 1e-5 for r in rows), rows

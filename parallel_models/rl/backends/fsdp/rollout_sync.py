@@ -38,13 +38,19 @@ def sync_rollout_model(fsdp_model, rollout_model) -> int:
 
     from parallel_models.rl.backends.fsdp.lora import is_peft_model, merged_hf_tensors
 
+    from transformers.core_model_loading import revert_weight_conversion
+
     scale = fsdp_model.lora_settings.scale if is_peft_model(fsdp_model) else None
+    hf_model = fsdp_model.get_base_model() if scale is not None else fsdp_model
     copied = 0
     for unit in _units(fsdp_model):
         tensors = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
                    for name, p in unit}
         if scale is not None:
             tensors = merged_hf_tensors(tensors, scale)
+        # transformers 5's in-memory names -> the checkpoint's, which the weight map reads
+        # (an MoE layer's fused experts [E, 2I, H] -> one tensor per expert, as on disk)
+        tensors = revert_weight_conversion(hf_model, tensors)
         load_weights(rollout_model, TensorReader(tensors), rollout_model.weight_map,
                      strict=False)
         copied += len(tensors)

@@ -5,7 +5,9 @@ its decode kernels). Before each rollout :func:`sync_rollout_model` copies the F
 it: for each decoder layer (an FSDP unit) in turn, then the root's own parameters (embeddings,
 final norm, LM head), every rank all-gathers that unit's full tensors (``DTensor.full_tensor``),
 and the one weight map (``checkpoint_utils``' loader rules, fed by an in-memory reader of HF
-names) copies them into this rank's part of the rollout model. No rank holds more than one
+names) copies them into this rank's part of the rollout model; transformers 5's in-memory names
+are first turned into the checkpoint's (``revert_weight_conversion``, as its ``save_pretrained``
+does: an MoE layer's fused experts become one tensor per expert). No rank holds more than one
 unit's full tensors beyond the rollout model itself. A peft LoRA actor's unit is merged first
 (``W + alpha / r * B @ A`` under the base model's names: ``fsdp/lora.py``).
 """

@@ -57,7 +57,8 @@ def fsdp_moe_lora_matches_megatron(path: str) -> dict:
     """The fsdp backend's peft LoRA (``add_peft_lora``) on an MoE model: its adapter names and
     shapes are our megatron model's (``gather_adapter_tensors``), its A matrices the same draws;
     with nonzero B, ``merged_hf_tensors`` (the rollout refill and ``actor_hf/``) equals peft's
-    own ``merge_and_unload``, and our model loaded with its adapters gives peft's logits."""
+    own ``merge_and_unload``, and our model loaded with its adapters gives peft's logits. Also:
+    the names a rollout server expects in an adapter push are the model's."""
     from transformers import AutoModelForCausalLM
 
     import parallel_models as pm
@@ -76,7 +77,10 @@ def fsdp_moe_lora_matches_megatron(path: str) -> dict:
                               rmpad=True).from_pretrained(path, dtype=torch.float32)
     add_lora(ours, settings)
     fresh_ours, fresh_peft = gather_adapter_tensors(ours), peft_tensors(peft_model)
+    from parallel_models.lora.served import expected_adapter_names
+
     out = {"names": sorted(fresh_ours) == sorted(fresh_peft),
+           "served_names": expected_adapter_names(ours, settings) == set(fresh_ours),
            "a_equal": all(torch.equal(fresh_ours[n], fresh_peft[n]) for n in fresh_peft
                           if "lora_A" in n)}
     g = torch.Generator().manual_seed(7)

@@ -130,7 +130,7 @@ def test_fsdp_lora_on_moe_is_the_megatron_backends(tmp_path):
 
     path = save_tiny_hf_model(str(tmp_path / "qwen2_moe"), "qwen2_moe", seed=1, router_scale=10.0)
     res = run_distributed(lora_moe_checks.fsdp_moe_lora_matches_megatron, 1, path)[0]
-    assert res["names"] and res["a_equal"], res
+    assert res["names"] and res["a_equal"] and res["served_names"], res
     assert res["merged_keys"] and res["merged_diff"] <= 1e-6, res
     assert res["logits_rel"] <= 1e-5, res
 

@@ -1,5 +1,6 @@
 """LoRA on the megatron-backend models: settings (``config``), TP-aware adapters on our parallel
-linears (``layers``), adding them to a built model (``apply``), PEFT adapter folders
+linears (``layers``) and on MoE layers' routed experts (``experts``: PEFT's target_parameters),
+adding them to a built model (``apply``), PEFT adapter folders
 (``peft_io``), the adapters in trainer checkpoints (``checkpoint``), the merged weight sync
 (``training``) and adapter-only pushes to the rollout server (``server_push``, the server's side
 ``served``). Names are imported on first use, so the PPO config can read the settings

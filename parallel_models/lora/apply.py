@@ -5,10 +5,17 @@ layer's attention (``qkv_proj``: ``q_proj``/``k_proj``/``v_proj``; ``o_proj``) a
 (``gate_up_proj``: ``gate_proj``/``up_proj``; ``down_proj``) get the targeted adapters, every
 other parameter is frozen (``requires_grad=False``; the base weights stay where they are, no
 copy) but a value model's head (``value_head``, HF's ``score``), which stays trainable whole as
-PEFT's ``SEQ_CLS`` task keeps it (``modules_to_save``). On an MoE model MLP targets (and so
-``all-linear``) are refused: PEFT adapts transformers' fused experts only through
-``target_parameters`` (a ParamWrapper, per-expert A and B), its ``all-linear`` adds the router
-and the shared experts, and our grouped experts take no adapters.
+PEFT's ``SEQ_CLS`` task keeps it (``modules_to_save``).
+
+On an MoE layer the MLP targets adapt the routed experts as PEFT's ``target_parameters`` do
+(``lora/experts.py``: ``gate_proj`` + ``up_proj`` -> ``mlp.experts.gate_up_proj``, ``down_proj``
+-> ``mlp.experts.down_proj``, per-expert A and B of rank r) and the shared expert's linears as
+PEFT's ``target_modules`` names reach them (Qwen2-MoE: ``mlp.shared_expert.gate_proj`` ...; its
+sigmoid gate and the router take none). Refused (ConfigError), as PEFT cannot express them:
+only one of ``gate_proj`` / ``up_proj`` (fused in one parameter), dropout on expert adapters,
+and MLP targets on a family whose MLP names PEFT's transformers-5 conversion turns into the
+experts' parameters (Qwen3-MoE) while it also has linear MLPs (dense layers) those names would
+have to reach. ``all-linear`` means every projection above (the export lists them by name).
 """
 
 from __future__ import annotations
@@ -19,10 +26,12 @@ from typing import Iterator
 import torch
 
 from parallel_models.config import ConfigError
+from megatron.core.tensor_parallel.layers import RowParallelLinear
+
 from parallel_models.lora.config import MLP_TARGETS, LoraSettings
+from parallel_models.lora.experts import ExpertLora, attach_experts
 from parallel_models.lora.layers import ColumnLora, RowLora, attach, init_full_a
-from parallel_models.llama.layers.linear import (GateUpParallelLinear, ParallelRowLinear,
-                                                 QKVParallelLinear)
+from parallel_models.llama.layers.linear import GateUpParallelLinear, QKVParallelLinear
 
 QKV = ("q_proj", "k_proj", "v_proj")
 GATE_UP = ("gate_proj", "up_proj")
@@ -58,6 +67,12 @@ def lora_linears(model) -> Iterator[tuple[int, str, torch.nn.Module]]:
             if isinstance(mlp, GateUpParallelLinear):
                 yield layer.layer_id, "mlp.gate_up_proj", layer.mlp.gate_up_proj
                 yield layer.layer_id, "mlp.down_proj", layer.mlp.down_proj
+            shared = getattr(layer.mlp, "shared_experts", None)
+            if shared is not None:  # megatron-core's SharedExpertMLP: HF's mlp.shared_expert
+                yield layer.layer_id, "mlp.shared_expert.gate_up_proj", shared.linear_fc1
+                yield layer.layer_id, "mlp.shared_expert.down_proj", shared.linear_fc2
+            if hasattr(layer.mlp, "experts"):
+                yield layer.layer_id, "mlp.experts", layer.mlp.experts
 
 
 def _column_blocks(linear) -> list[tuple[str, int]]:
@@ -67,21 +82,86 @@ def _column_blocks(linear) -> list[tuple[str, int]]:
     return [("gate_proj", half), ("up_proj", half)]
 
 
+def _peft_moves_mlp_names(model_type: str) -> bool:
+    """Whether PEFT's transformers-5 conversion (``peft.utils.transformers_weight_conversion``)
+    turns ``target_modules`` ``gate_proj`` / ``up_proj`` / ``down_proj`` of this model type
+    into its experts' ``target_parameters`` (so those names reach no linear MLP)."""
+    try:
+        from peft.utils.transformers_weight_conversion import (_MODEL_TO_CONVERSION_PATTERN,
+                                                                _MOE_TARGET_MODULE_MAPPING)
+    except ImportError:
+        return False
+    mapping = _MOE_TARGET_MODULE_MAPPING.get(_MODEL_TO_CONVERSION_PATTERN.get(model_type), {})
+    return bool(set(MLP_TARGETS) & set(mapping))
+
+
+def check_moe_targets(config, settings: LoraSettings) -> None:
+    """A ConfigError for what PEFT cannot express on the MoE model of ``config`` (a
+    ``ModelConfig``), see the module doc."""
+    mlp = [t for t in settings.target_modules if t in MLP_TARGETS]
+    if not mlp:
+        return
+    if ("gate_proj" in mlp) != ("up_proj" in mlp):
+        raise ConfigError(
+            f"lora target_modules {mlp} on an MoE model: gate_proj and up_proj are one fused "
+            "parameter of the experts (transformers' mlp.experts.gate_up_proj, which PEFT "
+            "adapts whole through target_parameters); target both or neither")
+    if settings.dropout:
+        raise ConfigError(
+            f"lora dropout={settings.dropout} with MLP target_modules {mlp} on an MoE model: "
+            "PEFT's expert adapters (ParamWrapper) refuse dropout; set dropout to 0 or target "
+            "the attention projections only (q_proj, k_proj, v_proj, o_proj)")
+    dense = [i for i in range(config.num_layers) if not config.is_moe_layer(i)]
+    if (dense or config.shared_expert_intermediate_size) and \
+            _peft_moves_mlp_names(config.model_type):
+        raise ConfigError(
+            f"lora target_modules {mlp} on {config.architecture}: PEFT (transformers 5) turns "
+            f"these names into the experts' target_parameters for model_type "
+            f"{config.model_type!r}, so they cannot also reach its linear MLPs (dense layers "
+            f"{dense}{', a shared expert' if config.shared_expert_intermediate_size else ''}); "
+            "target the attention projections only (q_proj, k_proj, v_proj, o_proj)")
+
+
 def _check_layout(chunk, settings: LoraSettings) -> None:
     config = chunk.config
     tp = chunk.tp
-    mlp = [t for t in settings.target_modules if t in MLP_TARGETS]
-    if config.is_moe and mlp:
-        raise ConfigError(
-            f"lora target_modules {mlp} on an MoE model: PEFT adapts its fused experts only "
-            "through target_parameters (a ParamWrapper: per-expert A [experts*r, in], B "
-            "[out, experts*r]) and its all-linear also adapts the router and shared experts; "
-            "our grouped experts take no adapters, so these would not be PEFT's. Target the "
-            "attention projections: q_proj, k_proj, v_proj, o_proj")
+    if config.is_moe:
+        check_moe_targets(config, settings)
     if tp > config.num_key_value_heads and {"k_proj", "v_proj"} & set(settings.target_modules):
         raise ConfigError(f"lora target_modules k_proj/v_proj with tensor_parallel_size ({tp}) > "
                           f"num_key_value_heads ({config.num_key_value_heads}) is not supported "
                           "(replicated KV heads)")
+
+
+def peft_adapter_config(settings: LoraSettings, config, value_head: bool = False) -> dict:
+    """``settings``' ``adapter_config.json`` for the model of ``config`` (a ``ModelConfig``): on
+    an MoE model the experts' ``target_parameters``, its MLP names only where a linear MLP (a
+    dense layer, a shared expert) takes them."""
+    if not config.is_moe:
+        return settings.peft_config(value_head=value_head)
+    dense = any(not config.is_moe_layer(i) for i in range(config.num_layers))
+    return settings.peft_config(value_head=value_head, experts=True,
+                                linear_mlp=dense or bool(config.shared_expert_intermediate_size))
+
+
+def seed_experts(settings: LoraSettings, layer_id: int, proj: str) -> int:
+    """The A seed of a layer's expert adapters (apart from the dense projections' seeds)."""
+    return _seed(settings, layer_id, "gate_proj" if proj == "gate_up_proj" else proj) + 8
+
+
+def _add_expert_adapters(layer_id: int, experts, settings: LoraSettings) -> None:
+    targets = set(settings.target_modules)
+    wanted = [p for p, t in (("gate_up_proj", "gate_proj"), ("down_proj", "down_proj"))
+              if t in targets]
+    if not wanted:
+        return
+    lora = ExpertLora(experts, settings.scale)
+    attach_experts(experts, lora)
+    for proj in wanted:
+        w = lora.linear(proj, 0).weight
+        full_in = w.shape[1] * (lora.tp if proj == "down_proj" else 1)
+        lora.add(proj, settings.rank, init_full_a(settings.rank * lora.num_local * lora.ep,
+                                                  full_in, seed_experts(settings, layer_id, proj)))
 
 
 def add_lora(model, settings: LoraSettings) -> int:
@@ -100,7 +180,10 @@ def add_lora(model, settings: LoraSettings) -> int:
             head.weight.requires_grad_(True)
     targets = set(settings.target_modules)
     for layer_id, where, linear in lora_linears(chunks):
-        if isinstance(linear, ParallelRowLinear):
+        if where == "mlp.experts":
+            _add_expert_adapters(layer_id, linear, settings)
+            continue
+        if isinstance(linear, RowParallelLinear):
             name = "o_proj" if where.endswith("o_proj") else "down_proj"
             if name not in targets:
                 continue
@@ -161,16 +244,18 @@ def adapters_merged(model):
     """Inside the block the base weights hold ``W + scale * B @ A`` and the adapters are off
     (what an exporter or a rollout engine without LoRA reads); restored exactly on exit. The
     merged tensors are new ones: the targeted weights exist twice while inside."""
-    linears = [lin for _, _, lin in lora_linears(model) if hasattr(lin, "lora")]
-    saved = []
+    mods = [m for _, _, m in lora_modules(model)]
+    saved, enabled = [], [m.enabled for m in mods]
     with torch.no_grad():
-        for lin in linears:
-            saved.append((lin, lin.weight.data, lin.lora.enabled))
-            lin.weight.data = lin.weight.data + lin.lora.delta_weight().to(lin.weight.dtype)
-            lin.lora.enabled = False
+        for m in mods:
+            for weight, delta in list(m.merged_weights()):
+                saved.append((weight, weight.data))
+                weight.data = weight.data + delta.to(weight.dtype)
+            m.enabled = False
     try:
         yield
     finally:
-        for lin, data, enabled in saved:
-            lin.weight.data = data
-            lin.lora.enabled = enabled
+        for weight, data in saved:
+            weight.data = data
+        for m, was in zip(mods, enabled):
+            m.enabled = was

@@ -16,6 +16,9 @@ ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 ALL_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
 ALL_LINEAR = "all-linear"
+# PEFT's target_parameters of an MoE layer's fused experts (lora/experts.py) -> our targets
+EXPERT_PARAMETERS = {"mlp.experts.gate_up_proj": ("gate_proj", "up_proj"),
+                     "mlp.experts.down_proj": ("down_proj",)}
 # PEFT's modules_to_save of a SEQ_CLS model (our value head is HF's ``score``)
 VALUE_HEAD_MODULES = ("classifier", "score")
 
@@ -62,16 +65,24 @@ class LoraSettings:
         """PEFT's ``scaling``: ``alpha / rank``."""
         return self.alpha / self.rank
 
-    def peft_config(self, value_head: bool = False) -> dict:
+    def peft_config(self, value_head: bool = False, experts: bool = False,
+                    linear_mlp: bool = True) -> dict:
         """The ``adapter_config.json`` fields PEFT reads for this configuration (plus
         ``base_model_name_or_path``, set by the writer). ``value_head``: a critic, PEFT's
-        ``SEQ_CLS`` task whose ``modules_to_save`` (the ``score`` head) is saved whole."""
+        ``SEQ_CLS`` task whose ``modules_to_save`` (the ``score`` head) is saved whole.
+        ``experts``: an MoE model, whose MLP targets are also its experts' ``target_parameters``;
+        ``linear_mlp`` False: it has no linear MLP (dense layer, shared expert) for the MLP names
+        in ``target_modules``, which are then left out."""
+        modules = [t for t in self.target_modules if linear_mlp or t not in MLP_TARGETS]
+        params = [p for p, names in EXPERT_PARAMETERS.items()
+                  if experts and names[0] in self.target_modules]
         return {"peft_type": "LORA", "task_type": "SEQ_CLS" if value_head else "CAUSAL_LM",
                 "r": self.rank, "lora_alpha": self.alpha, "lora_dropout": self.dropout,
-                "target_modules": list(self.target_modules), "bias": "none",
+                "target_modules": modules, "bias": "none",
                 "use_rslora": False, "use_dora": False, "fan_in_fan_out": False,
                 "init_lora_weights": True, "inference_mode": True,
-                "modules_to_save": list(VALUE_HEAD_MODULES) if value_head else None}
+                "modules_to_save": list(VALUE_HEAD_MODULES) if value_head else None,
+                **({"target_parameters": params} if params else {})}
 
     @classmethod
     def from_peft_config(cls, cfg: dict) -> "LoraSettings":
@@ -95,5 +106,13 @@ class LoraSettings:
         if isinstance(targets, str) and targets != ALL_LINEAR:
             raise ConfigError(f"adapter_config.json: target_modules regex {targets!r} is not "
                               "supported; list the module names")
+        params = list(cfg.get("target_parameters") or ())
+        unknown = [p for p in params if p not in EXPERT_PARAMETERS]
+        if unknown:
+            raise ConfigError(f"adapter_config.json: target_parameters {unknown} are not "
+                              f"supported (only an MoE layer's {sorted(EXPERT_PARAMETERS)})")
+        if params:
+            targets = list(resolve_targets(targets)) if targets else []
+            targets += [t for p in params for t in EXPERT_PARAMETERS[p]]
         return cls(rank=int(cfg["r"]), alpha=float(cfg["lora_alpha"]),
                    dropout=float(cfg.get("lora_dropout", 0.0)), target_modules=targets)

@@ -64,6 +64,10 @@ class _LoraBase(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"scale={self.scale}, tp={self.tp}, sequence_parallel={self.sequence_parallel}"
 
+    def merged_weights(self):
+        """``(base weight, scale * B @ A)`` (local layout) for a merge."""
+        yield self._base_weight, self.delta_weight()
+
 
 class ColumnLora(_LoraBase):
     """Adapters of a column-parallel linear. ``blocks``: ``(projection, local rows)`` in the

@@ -2,7 +2,9 @@
 ``adapter_config.json`` + ``adapter_model.safetensors``, and load such a folder into a model.
 
 PEFT names a tensor ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` (the
-saved names drop the adapter name ``default``); ``peft.PeftModel.from_pretrained(base, folder)``
+saved names drop the adapter name ``default``; an MoE layer's expert adapters are
+``...mlp.experts[.base_layer].lora_A.weight``, ``lora/experts.py``, gathered over the expert-
+parallel ranks too); ``peft.PeftModel.from_pretrained(base, folder)``
 reads what :func:`save_adapter` writes. Gathering (call on every rank): the TP ranks of a stage
 all-gather each adapter's slices (column layers' B rows, row layers' A columns; the replicated
 halves are taken from any rank), then the first TP rank of the first data-parallel replica of
@@ -22,22 +24,39 @@ import torch
 import torch.distributed as dist
 
 from parallel_models.config import ConfigError
-from parallel_models.lora.apply import model_chunks, add_lora, lora_modules
+from parallel_models.lora.apply import (add_lora, lora_modules, model_chunks,
+                                        peft_adapter_config)
 from parallel_models.lora.config import LoraSettings
+from parallel_models.lora.experts import ExpertLora, peft_module
 from parallel_models.lora.layers import ColumnLora
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PREFIX = "base_model.model.model.layers."
 SCORE = "base_model.model.score.weight"  # a value model's head (PEFT's modules_to_save)
-_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])"
-                   r"\.weight$")
+_NAME = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([\w.]+)\.lora_"
+                   r"([AB])\.weight$")
 
 
 def peft_name(layer_id: int, where: str, projection: str, which: str) -> str:
-    """PEFT's saved name of one adapter matrix (``which``: ``"A"`` or ``"B"``)."""
-    parent = where.split(".")[0]
+    """PEFT's saved name of one adapter matrix of a linear (``which``: ``"A"`` or ``"B"``)."""
+    parent = where.rsplit(".", 1)[0]
     return f"{PREFIX}{layer_id}.{parent}.{projection}.lora_{which}.weight"
+
+
+def adapter_name(layer_id: int, where: str, lora, projection: str, which: str) -> str:
+    """PEFT's saved name of one adapter matrix of ``lora`` (linear or experts)."""
+    if isinstance(lora, ExpertLora):
+        return f"{PREFIX}{layer_id}.{peft_module(tuple(lora.adapters), projection)}.lora_{which}.weight"
+    return peft_name(layer_id, where, projection, which)
+
+
+def adapter_matrices(model):
+    """``(PEFT name, lora module, projection, "A" | "B", parameter)`` of every adapter matrix."""
+    for layer_id, where, lora in lora_modules(model):
+        for proj, ad in lora.adapters.items():
+            for which, lin in (("A", ad.lora_A), ("B", ad.lora_B)):
+                yield adapter_name(layer_id, where, lora, proj, which), lora, proj, which, lin.weight
 
 
 def _split_dims(lora) -> tuple[int | None, int | None]:
@@ -71,21 +90,22 @@ def gather_adapter_tensors(model, grads: bool = False) -> dict[str, torch.Tensor
     on every rank."""
     local: dict[str, torch.Tensor] = {}
     first = True
-    for layer_id, where, lora in lora_modules(model):
-        dims = _split_dims(lora)
-        for proj, ad in lora.adapters.items():
-            for which, lin, dim in (("A", ad.lora_A, dims[0]), ("B", ad.lora_B, dims[1])):
-                t = lin.weight.grad if grads else lin.weight
-                if t is None:
-                    raise ConfigError(f"gather_adapter_tensors: {peft_name(layer_id, where, proj, which)}"
-                                      " has no gradient")
-                t = t.detach()
-                if dim is not None and lora.tp > 1:
-                    parts = [torch.empty_like(t) for _ in range(lora.tp)]
-                    dist.all_gather(parts, t.contiguous(), group=lora.tp_group)
-                    t = torch.cat(parts, dim=dim)
-                first = first and _tp_rank(lora) == 0
-                local[peft_name(layer_id, where, proj, which)] = t.cpu().clone()
+    for name, lora, proj, which, param in adapter_matrices(model):
+        t = param.grad if grads else param
+        if t is None:
+            raise ConfigError(f"gather_adapter_tensors: {name} has no gradient")
+        t = t.detach()
+        if isinstance(lora, ExpertLora):
+            t = lora.gather_full(proj, which, t)
+            first = first and lora.tp_rank == 0
+        else:
+            dim = _split_dims(lora)[0 if which == "A" else 1]
+            if dim is not None and lora.tp > 1:
+                parts = [torch.empty_like(t) for _ in range(lora.tp)]
+                dist.all_gather(parts, t.contiguous(), group=lora.tp_group)
+                t = torch.cat(parts, dim=dim)
+            first = first and _tp_rank(lora) == 0
+        local[name] = t.cpu().clone()
     for head in _value_heads(model):  # replicated over TP: any rank's
         t = head.weight.grad if grads else head.weight
         if t is None:
@@ -109,6 +129,10 @@ def _sort_key(name: str):
     return (int(m.group(1)), name) if m else (-1, name)
 
 
+def _peft_config(settings: LoraSettings, chunks) -> dict:
+    return peft_adapter_config(settings, chunks[0].config, value_head=is_value_model(chunks))
+
+
 def save_adapter(model, out_dir: str, base_model_name_or_path: str | None = None) -> str | None:
     """Write ``model``'s adapters as a PEFT adapter folder at ``out_dir`` (call on every rank;
     rank 0 writes). Returns the folder on rank 0."""
@@ -122,7 +146,7 @@ def save_adapter(model, out_dir: str, base_model_name_or_path: str | None = None
     if tensors is None:
         return None
     os.makedirs(out_dir, exist_ok=True)
-    cfg = settings.peft_config(value_head=is_value_model(chunks))
+    cfg = _peft_config(settings, chunks)
     cfg["base_model_name_or_path"] = (base_model_name_or_path
                                       or getattr(chunks[0], "name_or_path", None))
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(out_dir, ADAPTER_WEIGHTS),
@@ -145,26 +169,39 @@ def load_adapter_tensors(model, tensors: dict[str, torch.Tensor]) -> None:
                 raise ConfigError(f"adapter: {SCORE} has shape {tuple(tensors[SCORE].shape)}, "
                                   f"the value head's is {tuple(head.weight.shape)}")
             head.weight.copy_(tensors[SCORE])
-        for layer_id, where, lora in lora_modules(model):
-            dims = _split_dims(lora)
-            rank = _tp_rank(lora)
-            for proj, ad in lora.adapters.items():
-                for which, lin, dim in (("A", ad.lora_A, dims[0]), ("B", ad.lora_B, dims[1])):
-                    name = peft_name(layer_id, where, proj, which)
-                    if name not in tensors:
-                        raise ConfigError(f"adapter: missing {name}")
-                    t = tensors[name]
-                    if dim is not None and lora.tp > 1:
-                        t = t.chunk(lora.tp, dim=dim)[rank]
-                    if tuple(t.shape) != tuple(lin.weight.shape):
-                        raise ConfigError(f"adapter: {name} has shape {tuple(tensors[name].shape)}, "
-                                          f"the model's slice is {tuple(lin.weight.shape)} "
-                                          f"(TP {lora.tp})")
-                    lin.weight.copy_(t)
+        for name, lora, proj, which, param in adapter_matrices(model):
+            if name not in tensors:
+                raise ConfigError(f"adapter: missing {name}")
+            t = tensors[name]
+            if isinstance(lora, ExpertLora):
+                t = _expert_slice(lora, proj, which, t, name)
+            else:
+                dim = _split_dims(lora)[0 if which == "A" else 1]
+                if dim is not None and lora.tp > 1:
+                    t = t.chunk(lora.tp, dim=dim)[_tp_rank(lora)]
+            if tuple(t.shape) != tuple(param.shape):
+                raise ConfigError(f"adapter: {name} has shape {tuple(tensors[name].shape)}, "
+                                  f"the model's slice is {tuple(param.shape)} (TP {lora.tp})")
+            param.copy_(t)
     unknown = [n for n in tensors if not _NAME.match(n)
                and not (n == SCORE and is_value_model(model))]
     if unknown:
         raise ConfigError(f"adapter: tensors with names we do not know: {unknown[:4]}")
+
+
+def _expert_slice(lora: ExpertLora, proj: str, which: str, t: torch.Tensor, name: str):
+    """This rank's slice of PEFT's full expert tensor ``t`` (a ConfigError if its shape is
+    not ``[E * r, in]`` / ``[out, r * E]`` of this layer)."""
+    ad = lora.adapters[proj]
+    rank = ad.lora_A.weight.shape[1]
+    experts = lora.num_local * lora.ep
+    a_in = ad.lora_A.weight.shape[2] * (lora.tp if proj == "down_proj" else 1)
+    b_out = ad.lora_B.weight.shape[1] * (lora.tp if proj == "gate_up_proj" else 1)
+    want = (experts * rank, a_in) if which == "A" else (b_out, rank * experts)
+    if tuple(t.shape) != want:
+        raise ConfigError(f"adapter: {name} has shape {tuple(t.shape)}, this layer's {experts} "
+                          f"experts at rank {rank} need {want}")
+    return lora.local_slice(proj, which, t)
 
 
 def load_adapter(model, folder: str) -> LoraSettings:

@@ -26,12 +26,20 @@ from parallel_models.lora.peft_io import load_adapter_tensors, peft_name
 def expected_adapter_names(model, settings: LoraSettings) -> set[str]:
     """PEFT's names of every adapter matrix ``settings`` put on ``model`` (all its layers)."""
     from parallel_models.lora.apply import GATE_UP, QKV
+    from parallel_models.lora.experts import PROJECTIONS, peft_module
+    from parallel_models.lora.peft_io import PREFIX
 
     targets = set(settings.target_modules)
     names = set()
     for layer_id, where, _ in lora_linears(model):
-        projections = {"self_attn.qkv_proj": QKV, "mlp.gate_up_proj": GATE_UP}.get(
-            where, (where.split(".")[1],))
+        if where == "mlp.experts":  # PEFT's ParamWrappers on the fused expert parameters
+            projections = [p for p, t in zip(PROJECTIONS, ("gate_proj", "down_proj"))
+                           if t in targets]
+            names |= {f"{PREFIX}{layer_id}.{peft_module(projections, p)}.lora_{w}.weight"
+                      for p in projections for w in "AB"}
+            continue
+        last = where.rsplit(".", 1)[1]
+        projections = {"qkv_proj": QKV, "gate_up_proj": GATE_UP}.get(last, (last,))
         for proj in projections:
             if proj in targets:
                 names |= {peft_name(layer_id, where, proj, w) for w in "AB"}

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from parallel_models.lora.apply import model_chunks, adapters_merged, add_lora, lora_modules
 from parallel_models.lora.config import LoraSettings
+from parallel_models.lora.experts import ExpertLora
 from parallel_models.lora.layers import ColumnLora
 
 logger = logging.getLogger(__name__)
@@ -21,6 +22,9 @@ def adapter_parameter_count(model) -> int:
     ``modules_to_save``). Call on every rank."""
     local = 0
     for _, _, lora in lora_modules(model):
+        if isinstance(lora, ExpertLora):
+            local += lora.full_count()
+            continue
         for ad in lora.adapters.values():
             a, b = ad.lora_A.weight.numel(), ad.lora_B.weight.numel()
             local += a + b * lora.tp if isinstance(lora, ColumnLora) else a * lora.tp + b

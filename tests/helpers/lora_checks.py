@@ -11,6 +11,21 @@ from tests.helpers.pipeline_checks import _ce_loss_fn, _microbatches_packed
 RANK, ALPHA = 4, 8.0
 
 
+def peft_lora_config(path: str, targets) -> dict:
+    """PEFT's ``LoraConfig`` arguments for ``targets`` on ``path``: the names as given on a
+    dense model; on an MoE model what our export writes (the experts' ``target_parameters``,
+    the MLP names only where a linear MLP takes them)."""
+    from parallel_models.config import ModelConfig
+    from parallel_models.lora import LoraSettings
+    from parallel_models.lora.apply import peft_adapter_config
+
+    config = ModelConfig.from_hf(path)
+    if not config.is_moe:
+        return {"target_modules": targets}
+    cfg = peft_adapter_config(LoraSettings(rank=RANK, alpha=ALPHA, target_modules=targets), config)
+    return {k: cfg[k] for k in ("target_modules", "target_parameters") if k in cfg}
+
+
 def peft_reference(path: str, targets, seed: int = 11):
     """The transformers model of ``path`` under PEFT LoRA (fp32), with nonzero B (N(0, 0.1)
     from ``seed``) so that the adapters change the output."""
@@ -20,7 +35,7 @@ def peft_reference(path: str, targets, seed: int = 11):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     torch.manual_seed(seed)
     peft_model = get_peft_model(hf, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
-                                               target_modules=targets))
+                                               **peft_lora_config(path, targets)))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -60,13 +75,21 @@ def build_lora_chunks(path: str, targets, peft_model):
     return chunks
 
 
-def check_lora_against_peft(path: str, targets, tp: int, sp: bool, pp: int) -> dict:
+def check_lora_against_peft(path: str, targets, tp: int, sp: bool, pp: int, ep: int = 1,
+                            grouped: bool | None = None) -> dict:
     """Logits and adapter gradients of our LoRA model vs PEFT's (relative errors; gradients
-    compared on rank 0 after gathering), and the trainable counts of both."""
+    compared on rank 0 after gathering), and the trainable counts of both (``full``: ours at
+    PEFT's full size). ``grouped``: the MoE experts as grouped GEMMs (True) or megatron-core's
+    loop over experts (False); None: the default."""
     import parallel_models as pm
-    from parallel_models.lora import gather_adapter_tensors, trainable_parameter_count
+    from parallel_models.lora import (adapter_parameter_count, gather_adapter_tensors,
+                                      trainable_parameter_count)
+    from parallel_models.options import set_options
 
-    pm.init_parallel(tensor_parallel_size=tp, sequence_parallel=sp, pipeline_parallel_size=pp)
+    if grouped is not None:
+        set_options({"moe_grouped_gemm": grouped})
+    pm.init_parallel(tensor_parallel_size=tp, sequence_parallel=sp, pipeline_parallel_size=pp,
+                     expert_model_parallel_size=ep)
     peft_model = peft_reference(path, targets)
     chunks = build_lora_chunks(path, targets, peft_model)
     ids, mask = _batch(chunks[0].config.vocab_size, "right", seed=3)
@@ -79,9 +102,10 @@ def check_lora_against_peft(path: str, targets, tp: int, sp: bool, pp: int) -> d
         mb["full_vocab"] = True
     logits = torch.cat(pm.forward_only(chunks, [dict(mb) for mb in mbs]))
     pm.forward_backward(chunks, mbs, _ce_loss_fn)
+    _reduce_like_ddp(chunks)
     grads = gather_adapter_tensors(chunks, grads=True)
     out = {"logits_rel": rel(logits, hf_logits.detach()[mask.bool()]),
-           "trainable": trainable_parameter_count(chunks),
+           "trainable": trainable_parameter_count(chunks), "full": adapter_parameter_count(chunks),
            "frozen_grads": sum(p.grad is not None for c in chunks for p in c.parameters()
                                if not p.requires_grad)}
     if grads is not None:
@@ -92,7 +116,25 @@ def check_lora_against_peft(path: str, targets, tp: int, sp: bool, pp: int) -> d
     return out
 
 
-def check_export(path: str, targets, tp: int, sp: bool, pp: int, out_dir: str) -> dict:
+def _reduce_like_ddp(chunks) -> None:
+    """Sum the trainable gradients as megatron-core's DDP does: dense ones over the
+    data-parallel group, expert ones (``allreduce=False``) over the expert-data-parallel group
+    (every data-parallel rank ran the same batch, its loss divided by the DP size)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    for c in chunks:
+        for p in c.parameters():
+            if p.grad is None:
+                continue
+            group = (mpu.get_expert_data_parallel_group() if getattr(p, "allreduce", True) is False
+                     else mpu.get_data_parallel_group())
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(p.grad, group=group)
+
+
+def check_export(path: str, targets, tp: int, sp: bool, pp: int, out_dir: str,
+                 ep: int = 1) -> dict:
     """Export from this layout: the PEFT adapter folder (read back by
     ``peft.PeftModel.from_pretrained`` and by our ``load_adapter`` into a fresh model) and the
     merged HF folder (``adapters_merged`` + ``save_pretrained``) must give our logits; the base
@@ -102,7 +144,8 @@ def check_export(path: str, targets, tp: int, sp: bool, pp: int, out_dir: str) -
     import parallel_models as pm
     from parallel_models.lora import adapters_merged, save_adapter
 
-    pm.init_parallel(tensor_parallel_size=tp, sequence_parallel=sp, pipeline_parallel_size=pp)
+    pm.init_parallel(tensor_parallel_size=tp, sequence_parallel=sp, pipeline_parallel_size=pp,
+                     expert_model_parallel_size=ep)
     peft_model = peft_reference(path, targets)
     chunks = build_lora_chunks(path, targets, peft_model)
     ids, mask = _batch(chunks[0].config.vocab_size, "left", seed=5)
@@ -398,8 +441,8 @@ def push_lora_to_server(path: str, url: str, prompts: list) -> dict:
 
 
 def moe_mlp_target_errors(path: str) -> dict:
-    """The errors ``add_lora`` gives on an MoE model for MLP targets and ``all-linear`` (PEFT
-    adapts fused experts only through ``target_parameters``); attention targets still work."""
+    """The errors ``add_lora`` gives on a Qwen3-MoE model with a dense layer for what PEFT
+    cannot express (see ``lora/apply.py``); attention targets still work."""
     import parallel_models as pm
     from parallel_models.errors import ConfigError
     from parallel_models.lora import LoraSettings, add_lora
@@ -408,12 +451,17 @@ def moe_mlp_target_errors(path: str) -> dict:
     cls = pm.get_model_class(pm.registry.architecture_of(path), "causal_lm", rmpad=True)
     model = cls.from_pretrained(path, dtype=torch.float32)
     out = {}
-    for targets in ("all-linear", ["gate_proj"], ["q_proj", "down_proj"]):
+    for key, targets, dropout in (("all-linear", "all-linear", 0.0),
+                                  ("['gate_proj']", ["gate_proj"], 0.0),
+                                  ("['q_proj', 'down_proj']", ["q_proj", "down_proj"], 0.0),
+                                  ("dropout", ["gate_proj", "up_proj"], 0.1)):
         try:
-            add_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, target_modules=targets))
-            out[str(targets)] = None
+            add_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, target_modules=targets,
+                                         dropout=dropout))
+            out[key] = None
         except ConfigError as err:
-            out[str(targets)] = str(err)
+            out[key] = str(err)
     out["attention_trainable"] = add_lora(model, LoraSettings(
         rank=RANK, alpha=ALPHA, target_modules=["q_proj", "v_proj"]))
     return out
+

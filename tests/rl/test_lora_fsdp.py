@@ -1,8 +1,11 @@
-"""LoRA on the fsdp backend (peft's LoRA on the transformers model, FSDP2-sharded): the first
-steps of the built-in job equal the megatron backend's LoRA run (same adapter init; rollouts
-from the merged refill, reference = adapters off, losses, grad norms, KL; fp32), ``actor_lora/``
-is read by peft and gives the merged ``actor_hf/``'s logits, the checkpoint holds the actor's
-adapters only and a run killed after it resumes exactly."""
+"""LoRA on the fsdp backend (peft's LoRA on the transformers model, FSDP2-sharded), actor and
+critic: the first steps of the built-in job equal the megatron backend's LoRA run (same adapter
+init; rollouts from the merged refill, reference = adapters off, losses, grad norms, KL, the
+critic's value loss and grad norm over its adapters and whole value head; fp32), ``actor_lora/``
+is read by peft and gives the merged ``actor_hf/``'s logits, ``critic_lora/`` (peft's SEQ_CLS
+folder with the score head) gives the merged ``critic_hf/``'s values and the megatron critic's,
+the checkpoint holds the adapters (and the critic's head) only and a run killed after it resumes
+exactly."""
 
 import json
 import os
@@ -14,7 +17,8 @@ from tests.helpers import lora_checks
 from tests.helpers.ppo_runs import resume_after_kill_matches, run_metrics, run_ppo
 
 COMMON = ["trainer.total_steps=2", "actor.ppo_epochs=1", "actor.mini_batch_size=32",
-          "actor.lora.rank=8", "actor.lr=1e-2", "actor.use_kl_loss=true", "trainer.save_every=2",
+          "actor.lora.rank=8", "critic.lora.rank=8", "critic.lr=1e-2", "actor.lr=1e-2",
+          "actor.use_kl_loss=true", "trainer.save_every=2",
           "trainer.loggers=[jsonl]"]
 
 
@@ -73,7 +77,40 @@ def test_fsdp_lora_checkpoint_holds_only_the_adapters(runs):
     keys = list(FileSystemReader(folder).read_metadata().state_dict_metadata)
     actor = [k for k in keys if k.startswith("actor.model.")]
     assert actor and all(".lora_" in k for k in actor), actor[:5]
-    assert any(k.startswith("critic.model.") and "lora" not in k for k in keys)  # full critic
+    critic = [k for k in keys if k.startswith("critic.model.")]
+    assert critic and all(".lora_" in k or "score.modules_to_save" in k for k in critic), critic
+    assert any("score.modules_to_save" in k for k in critic)  # the value head, trained whole
+
+
+def test_fsdp_critic_lora_export_is_peft_seq_cls_and_equals_the_merged_export(runs):
+    """``critic_lora/`` (peft's SEQ_CLS folder: adapters + ``score``) on the base gives the
+    merged ``critic_hf/``'s values and the megatron backend's ``critic_lora/``'s."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForSequenceClassification
+
+    def values(folder, adapter=None):
+        model = AutoModelForSequenceClassification.from_pretrained(
+            folder, num_labels=1, dtype=torch.float32)
+        if adapter is not None:
+            model = PeftModel.from_pretrained(model, adapter).base_model.model
+        hidden = model.model(input_ids=ids).last_hidden_state
+        return model.score(hidden).squeeze(-1)
+
+    fsdp, meg = runs["fsdp"], runs["megatron"]
+    names = set(load_file(os.path.join(fsdp, "critic_lora", "adapter_model.safetensors")))
+    assert names == set(load_file(os.path.join(meg, "critic_lora", "adapter_model.safetensors")))
+    assert "base_model.model.score.weight" in names
+    ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(1))
+    base = os.path.join(fsdp, "builtin_model")
+    with torch.no_grad():
+        got = values(base, os.path.join(fsdp, "critic_lora"))
+        merged = values(os.path.join(fsdp, "critic_hf"))
+        theirs = values(base, os.path.join(meg, "critic_lora"))
+        before = values(base)
+    assert lora_checks.rel(got, merged) <= 1e-5
+    assert lora_checks.rel(before, merged) > 1e-4, "training did not change the critic"
+    assert lora_checks.rel(theirs, got) <= 1e-4  # both backends trained the same critic
 
 
 def test_fsdp_lora_run_resumes_after_kill(tmp_path):
@@ -82,3 +119,32 @@ def test_fsdp_lora_run_resumes_after_kill(tmp_path):
                                          "actor.use_kl_loss=true", "trainer.total_steps=3",
                                          "trainer.save_every=2", "trainer.save_hf_at_end=false",
                                          "trainer.loggers=[jsonl]"], steps=3)
+
+
+def test_fsdp_lora_on_moe_is_the_megatron_backends(tmp_path):
+    """On an MoE model (Qwen2-MoE: experts, shared expert, dense layer) the fsdp backend's peft
+    LoRA has the megatron backend's adapters (names, shapes, A draws: the experts' as peft's
+    target_parameters), its merged refill equals peft's merge, and our model gives its logits."""
+    from parallel_models.testing import run_distributed, save_tiny_hf_model
+    from tests.helpers import lora_moe_checks
+
+    path = save_tiny_hf_model(str(tmp_path / "qwen2_moe"), "qwen2_moe", seed=1, router_scale=10.0)
+    res = run_distributed(lora_moe_checks.fsdp_moe_lora_matches_megatron, 1, path)[0]
+    assert res["names"] and res["a_equal"] and res["served_names"], res
+    assert res["merged_keys"] and res["merged_diff"] <= 1e-6, res
+    assert res["logits_rel"] <= 1e-5, res
+
+
+def test_fsdp_lora_on_moe_experts_trains_what_the_rollout_samples(tmp_path):
+    """A run of the built-in MoE with actor and critic LoRA (experts included) on the fsdp
+    backend: step 2 samples from the trained adapters (the refill merged the experts' adapters
+    and wrote the fused experts as the weight map reads them), so the rollout's log-probs are
+    the training forward's."""
+    out = str(tmp_path / "moe")
+    run_ppo([f"trainer.output_dir={out}", "parallel.backend=fsdp", "model.path=builtin-moe",
+             "trainer.total_steps=2", "actor.ppo_epochs=1", "actor.mini_batch_size=32",
+             "actor.lora.rank=8", "critic.lora.rank=8", "actor.lr=1e-2", "actor.use_kl_loss=true",
+             "trainer.save_every=0", "trainer.save_hf_at_end=false", "trainer.loggers=[jsonl]"])
+    rows = run_metrics(out)
+    assert rows[1]["kl/actor_ref"] != 0, "the adapters did not move the policy"
+    assert all(r["rollout/logprob_diff_max"] <= 1e-5 for r in rows), rows

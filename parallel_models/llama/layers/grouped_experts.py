@@ -115,7 +115,10 @@ class GroupedGemmExperts(SequentialMLP):
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         x = permuted_local_hidden_states
         fp8 = getattr(self, "fp8_state", None)  # an FP8 rollout (inference/fp8)
+        lora = getattr(self, "lora", None)  # per-expert LoRA (parallel_models/lora/experts.py)
         if fp8 is not None and fp8.active:
+            if lora is not None and lora.enabled:
+                raise ValueError("an FP8 rollout of MoE experts with LoRA adapters: merge them")
             return fp8.experts_forward(self, x, tokens_per_expert, permuted_probs)
         if (self.num_local_experts == 1 or self.config.moe_apply_probs_on_input
                 or self.config.fp8 or self.config.fp4 or not use_grouped_gemm(x)):
@@ -124,9 +127,14 @@ class GroupedGemmExperts(SequentialMLP):
         offs = torch.cumsum(counts, dim=0).to(torch.int32)
         w1 = self.stacked_weights("linear_fc1").transpose(1, 2)
         w2 = self.stacked_weights("linear_fc2").transpose(1, 2)
-        fc1 = _ContiguousGrad.apply(torch._grouped_mm(x, w1, offs=offs))
+        fc1 = torch._grouped_mm(x, w1, offs=offs)
+        if lora is not None and lora.active("gate_up_proj"):
+            fc1 = fc1 + lora.grouped_delta("gate_up_proj", x, offs).to(fc1.dtype)
+        fc1 = _ContiguousGrad.apply(fc1)
         gate, up = torch.chunk(fc1, 2, dim=-1)
         act = F.silu(gate) * up
         act = (act * permuted_probs.unsqueeze(-1)).to(x.dtype)
-        out = _ContiguousGrad.apply(torch._grouped_mm(act, w2, offs=offs))
-        return out, None
+        out = torch._grouped_mm(act, w2, offs=offs)
+        if lora is not None and lora.active("down_proj"):
+            out = out + lora.grouped_delta("down_proj", act, offs).to(out.dtype)
+        return _ContiguousGrad.apply(out), None

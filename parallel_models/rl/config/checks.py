@@ -59,9 +59,6 @@ def _model_problems(cfg) -> list[str]:
         errors.append(f"rollout.stop_token_ids: {len(r.stop_token_ids)} ids; a rollout server "
                       "request carries the EOS among its at most 64 stop ids: give at most 63 "
                       "(fewer if the tokenizer has several EOS ids)")
-    if cfg.critic.lora.rank and par.backend != "megatron":
-        errors.append(f"critic.lora.rank={cfg.critic.lora.rank}: LoRA runs on parallel.backend="
-                      "megatron (fsdp does not carry adapters yet)")
     errors += _router_replay_problems(cfg)
     errors += _expert_parallel_problems(cfg)
     errors += _context_parallel_problems(cfg)

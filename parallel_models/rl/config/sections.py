@@ -310,9 +310,9 @@ class CriticSection(OptimizerFields):
                                                   "value head")
     cliprange_value: Number = Field(0.5, gt=0, description="value clipping")
     recompute: Recompute = Field("none", description=RECOMPUTE_HELP)
-    lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapters "
-                              "(megatron backend): critic.lora.rank=8 trains them and the "
-                              "value head (PEFT's SEQ_CLS modules_to_save)")
+    lora: LoraSection = Field(default_factory=LoraSection, description="LoRA adapters: "
+                              "critic.lora.rank=8 trains them and the value head (PEFT's "
+                              "SEQ_CLS modules_to_save)")
 
 
 class RewardSection(BaseModel):

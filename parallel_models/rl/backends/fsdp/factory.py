@@ -114,7 +114,14 @@ def _build(cfg, tokenizer, model_path: str):
     from parallel_models.rl.algorithms.estimators import needs_critic
     if needs_critic(cfg):
         c = cfg.critic
-        critic_model = shard(fm.load_value_model(c.path or model_path, seed=tcfg.seed))
+        critic_model = fm.load_value_model(c.path or model_path, seed=tcfg.seed)
+        if c.lora.settings() is not None:  # peft's SEQ_CLS LoRA, the score head trained whole
+            from parallel_models.rl.backends.fsdp.lora import add_peft_value_lora, trainable_count
+
+            add_peft_value_lora(critic_model, c.lora.settings())
+            logger.info("critic: LoRA rank %d: %d trainable parameters (the adapters and the "
+                        "value head)", c.lora.rank, trainable_count(critic_model))
+        critic_model = shard(critic_model)
         critic = FSDPCriticRole(critic_model, build_fsdp_optimizer(
             critic_model, c.optim_config(tcfg.total_steps)), cfg=c, loss_agg_mode=a.loss_agg_mode,
             **common)
@@ -145,16 +152,20 @@ def _build(cfg, tokenizer, model_path: str):
 
 def export_hf(roles: Roles, output_dir: str, tokenizer) -> None:
     """``actor_hf/`` (with the tokenizer) and ``critic_hf/`` from the sharded models; a LoRA
-    actor: ``actor_lora/`` (a PEFT adapter folder) and the merged ``actor_hf/``."""
+    actor (critic): ``actor_lora/`` (``critic_lora/``), a PEFT adapter folder, and the merged
+    ``actor_hf/`` (``critic_hf/``)."""
     import os
 
-    from parallel_models.rl.backends.fsdp.lora import export_lora, is_peft_model
+    from parallel_models.rl.backends.fsdp.lora import (export_lora, export_value_lora,
+                                                       is_lora_value_model, is_peft_model)
 
     if is_peft_model(roles.actor.model):
         export_lora(roles.actor.model, output_dir, tokenizer)
     else:
         export_sharded_hf(roles.actor.model, os.path.join(output_dir, "actor_hf"), tokenizer)
-    if roles.critic is not None:
+    if roles.critic is not None and is_lora_value_model(roles.critic.model):
+        export_value_lora(roles.critic.model, output_dir)
+    elif roles.critic is not None:
         export_sharded_hf(roles.critic.model, os.path.join(output_dir, "critic_hf"))
 
 

@@ -134,8 +134,10 @@ def _checked_once(cache: dict, key, check, warning: str) -> bool:
 
 def _check_weight_only(device: torch.device, granularity: str) -> None:
     """Once per device and granularity: use the W8A16 decode kernel if triton imports and the
-    kernel agrees with :func:`weight_only_matmul` (to bf16 rounding and accumulation order)."""
+    kernel agrees with :func:`weight_only_matmul` (to bf16 rounding and accumulation order),
+    with its default tiles and with row tiles and a K split (the partial sums' reduction)."""
     def check():
+        from parallel_models.inference.fp8.decode_tuning import DecodeConfig, default_config
         from parallel_models.inference.fp8.quantize import quantize_weight
         from parallel_models.inference.fp8.weight_only_kernel import weight_only_mm
 
@@ -147,7 +149,12 @@ def _check_weight_only(device: torch.device, granularity: str) -> None:
             storage.copy_(q.scale)
             q = QuantizedWeight(q.data, storage, granularity)
         want = weight_only_matmul(x, q).float()
-        err = float(((weight_only_mm(x, q).float() - want).abs() / (want.abs() + 1.0)).max())
+        err = 0.0
+        for cfg in (default_config(37, 200, 300, granularity),
+                    DecodeConfig(block_n=32, block_m=16, block_k=64, split_k=2, num_warps=4,
+                                 num_stages=3)):
+            got = weight_only_mm(x, q, cfg).float()
+            err = max(err, float(((got - want).abs() / (want.abs() + 1.0)).max()))
         return err < 2e-2, f"differs from the emulation by {err:.3g}"
 
     _checked_once(_weight_only, (str(device), granularity), check,

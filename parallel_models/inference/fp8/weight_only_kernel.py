@@ -138,8 +138,10 @@ def release_unused_workspaces() -> None:
             del _workspaces[key]
 
 
-def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, cfg: DecodeConfig) -> None:
-    """Run the kernel with ``cfg`` into ``y`` ``[rows, out]`` (``x2`` unit-strided along K)."""
+def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
+           cfg: DecodeConfig) -> torch.Tensor:
+    """Run the kernel with ``cfg`` into ``y`` ``[rows, out]`` (``x2`` unit-strided along K);
+    returns ``y``."""
     rows, inp = x2.shape
     out = weight.shape[0]
     block = weight.granularity == "block"
@@ -158,6 +160,7 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor, cfg: Deco
         cfg.split_k, BLOCK_SCALES=block, EVEN_K=inp % cfg.block_k == 0, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP=BLOCK, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
+    return y
 
 
 def weight_only_mm(x2: torch.Tensor, weight: QuantizedWeight,

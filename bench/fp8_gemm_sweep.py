@@ -24,8 +24,9 @@ output written, over the time); ``fp8_over_bf16``; ``max_rel_err`` of the chosen
 ``gemm.weight_only_matmul`` (``x @ dequantize(W)^T`` in fp32). Then one ``best`` line per
 (shape, linear, row bucket, scales): the fastest candidate config (``decode_tuning.DecodeConfig``
 fields), and per (shape, rows, scales) a ``layer`` line: the four linears' times summed, bf16 vs
-FP8 (one decoder layer's GEMMs). ``--tiny``: one 256 x 256 linear, rows 1 and 16, two configs (the default and a K split),
-block scales, one run each on the CPU (wall time, interpreter: correctness, not speed).
+FP8 (one decoder layer's GEMMs). ``--tiny``: one 256 x 256 linear, rows 1 and 16, two configs
+(the default and a K split), block scales, one run each on the CPU (wall time, interpreter:
+correctness, not speed).
 """
 
 from __future__ import annotations

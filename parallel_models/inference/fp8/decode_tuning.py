@@ -117,9 +117,10 @@ def default_config(rows: int, out: int, inp: int, granularity: str,
 def candidates(rows: int, out: int, inp: int, granularity: str,
                sms: int = 132) -> list[DecodeConfig]:
     """The configs timed for a key: 32 / 64 / 128 output features by all the bucket's rows or
-    (128 rows and more) half of them (at most 128 x 128 or 64 x 256 accumulators), 128-wide K steps (64 with
-    256 rows; 256 too for channel scales with small tiles), each at the K split that fills the
-    SMs (and the 128 / 64 ones at half of it); block scales keep tiles within one 128 x 128 scale block."""
+    (128 rows and more) half of them (at most 128 x 128 or 64 x 256 accumulators); 128-wide K
+    steps (64 with 256 rows; 256 too for channel scales with small tiles), each at the K split
+    that fills the SMs (the first K step also at half of it); block scales keep every tile
+    within one 128 x 128 scale block."""
     bucket = min(row_bucket(rows), TUNED_ROWS)
     out_list = []
     for block_m in sorted({bucket, bucket // 2 if bucket >= 128 else bucket}):

@@ -6,8 +6,9 @@ Backends (:func:`gemm_backend`):
 
 - ``"scaled_mm"``: ``torch._scaled_mm`` on CUDA. Block weights (128 x 128) with 1 x 128
   activation tiles need Hopper (SM 9.x) and cuBLAS 12.9+ (torch's blockwise path: scale_a
-  ``[tokens, in/128]`` token-major in memory, tokens padded to a multiple of 4, scale_b ``[in/128, out/128]`` with a leading
-  dimension padded to 4, as torch's own tests lay them out) and in/out multiples of 128;
+  ``[tokens, in/128]`` token-major in memory, tokens padded to a multiple of 4, scale_b
+  ``[in/128, out/128]`` with a leading dimension padded to 4, as torch's own tests lay them out)
+  and in/out multiples of 128;
   channel weights (row-wise: scale_a ``[tokens, 1]``, scale_b ``[1, out]``) need SM 8.9+ and
   in/out multiples of 16. The output is bf16 (cast to the activation dtype after). Block-scaled
   activations are quantized by one Triton kernel (``act_quant_kernel``) where triton imports and
@@ -16,8 +17,9 @@ Backends (:func:`gemm_backend`):
   and agrees with the emulation; if not, a warning names the error and the emulation runs.
 - decode-sized products (at most :data:`DECODE_ROWS` rows) on the ``scaled_mm`` backend run
   weight-only instead (``weight_only_kernel``: e4m3 weights read once, activations kept in bf16,
-  block scales applied to the fp32 partial products), where that Triton kernel passed its check
-  on the device: a decode step is memory-bound, and on an H100 the W8A8 ``_scaled_mm`` decode
+  block scales applied to the fp32 partial products; its tiles timed per shape on the first
+  eager call, ``decode_tuning``), where that Triton kernel passed its check on the device (with
+  its default tiles and with a K split): a decode step is memory-bound, and on an H100 the W8A8 ``_scaled_mm`` decode
   (quantize kernel + cuBLAS's block-scaled GEMM at 64-256 rows) was slower than bf16. Prefill
   keeps ``_scaled_mm``'s FP8 tensor-core throughput.
 - ``"emulated"`` (the CPU, and shapes or devices the kernels do not take): the activations are

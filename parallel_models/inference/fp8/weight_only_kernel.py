@@ -36,6 +36,7 @@ for the process (a captured graph holds their addresses); launches on one stream
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -47,20 +48,46 @@ from parallel_models.inference.fp8.quantize import BLOCK, QuantizedWeight
 from parallel_models.llama.layers.exact import interpreter_fix
 
 interpreter_fix.apply()  # (the CPU interpreter's loop bounds; nothing on the GPU)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # (no inline PTX there)
+
+
+# two fp16 values (exactly e4m3 values) -> two bf16: sign kept, exponent and mantissa shifted into
+# bf16's places (that reads as the value times 2^-112: fp16's exponent bias is 15, bf16's 127),
+# then one bf16x2 multiply by 2^112 (0x7780, exact); e4m3 values are fp16 normals or 0
+_F16_TO_BF16_ASM: tl.constexpr = tl.constexpr("""{
+.reg .b32 t, s, k, z;
+shr.b32 t, $1, 3;
+and.b32 t, t, 0x0FFF0FFF;
+and.b32 s, $1, 0x80008000;
+or.b32 t, t, s;
+mov.b32 k, 0x77807780;
+mov.b32 z, 0x80008000;
+fma.rn.bf16x2 $0, t, k, z;
+}""")
+
+
+@triton.jit
+def _e4m3_to_bf16(w):
+    """e4m3 -> bf16 as e4m3 -> fp16 (one hardware conversion per two values) and fp16 -> bf16 by
+    moving bits (integer ALU work, two values per 32-bit word). Triton's own e4m3 -> bf16 adds a
+    conversion-unit instruction per value (F2F.BF16.F16), a unit that at the decode's weight
+    bandwidth would be busy most of the time."""
+    return tl.inline_asm_elementwise(_F16_TO_BF16_ASM, "=r,r", [w.to(tl.float16)],
+                                     dtype=tl.bfloat16, is_pure=True, pack=2)
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def _w8a16_kernel(X, W, S, Y, P, C, M, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
                   ws_rows, SPLIT_K, BLOCK_SCALES: tl.constexpr, EVEN_K: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP: tl.constexpr):
+                  GROUP: tl.constexpr, BIT_CONVERT: tl.constexpr):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     pid_m = pid % num_m  # row tiles of one weight strip are neighbours: the strip hits L2
     pid_k = (pid // num_m) % SPLIT_K
     pid_n = pid // (num_m * SPLIT_K)
     k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    k_begin = pid_k * k_span
+    k_begin = tl.multiple_of(pid_k * k_span, BLOCK_K)
     k_end = tl.minimum(k_begin + k_span, K)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -79,10 +106,14 @@ def _w8a16_kernel(X, W, S, Y, P, C, M, N, K, stride_xm, stride_wn, stride_ym, st
             k_ok = k0 + rk < K
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-        if BLOCK_SCALES:  # one scale per step: the tile lies inside one 128 x 128 block
-            acc += tl.dot(w.to(x.dtype), x) * tl.load(scale_row + k0 // GROUP)
+        if BIT_CONVERT:
+            w = _e4m3_to_bf16(w)
         else:
-            acc = tl.dot(w.to(x.dtype), x, acc)
+            w = w.to(x.dtype)
+        if BLOCK_SCALES:  # one scale per step: the tile lies inside one 128 x 128 block
+            acc += tl.dot(w, x) * tl.load(scale_row + k0 // GROUP)
+        else:
+            acc = tl.dot(w, x, acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     write = n_ok[:, None] & m_ok[None, :]
@@ -158,7 +189,8 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
         x2, weight.data, scale, y, partials, counters, rows, out, inp, x2.stride(0),
         weight.data.stride(0), y.stride(0), scale.stride(0) if block else 0, ws_rows,
         cfg.split_k, BLOCK_SCALES=block, EVEN_K=inp % cfg.block_k == 0, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP=BLOCK, num_warps=cfg.num_warps,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP=BLOCK,
+        BIT_CONVERT=x2.dtype == torch.bfloat16 and not _INTERPRETED, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return y
 

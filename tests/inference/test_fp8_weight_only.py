@@ -66,6 +66,7 @@ CONFIGS = [  # (rows, out, inp, config): row tiles, K splits (8 splits of 5 K st
     (5, 96, 640, DecodeConfig(32, 16, 128, 8, num_warps=4, num_stages=2)),
     (17, 160, 400, DecodeConfig(128, 16, 128, 3, num_warps=4, num_stages=2)),
     (16, 128, 512, DecodeConfig(64, 16, 256, 2, num_warps=4, num_stages=2)),
+    (20, 300, 256, DecodeConfig(256, 32, 128, 2, num_warps=4, num_stages=2)),  # 3 block rows
 ]
 
 

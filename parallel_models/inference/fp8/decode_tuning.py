@@ -105,10 +105,12 @@ def _workspace_ok(cfg: DecodeConfig, rows: int, out: int) -> bool:
 
 def default_config(rows: int, out: int, inp: int, granularity: str,
                    sms: int = 132) -> DecodeConfig:
-    """The untimed choice: 64 output features by all the rows (128-row tiles above 128), 128-wide
-    K steps (64 for 256-row tiles), K split until the SMs have two programs each."""
-    block_m = min(row_bucket(rows), 128)
-    cfg = _config(rows, out, inp, 64, block_m, 128, None, sms)
+    """The untimed choice: 64 output features (128 from 64 rows on: the activation tile's L2
+    reads per weight byte halve) by all the rows (128-row tiles above 128), 128-wide K steps, K
+    split until the SMs have two programs each."""
+    bucket = row_bucket(rows)
+    block_m, block_n = min(bucket, 128), 64 if bucket <= 32 else 128
+    cfg = _config(rows, out, inp, block_n, block_m, 128, None, sms)
     while not _workspace_ok(cfg, rows, out):
         cfg = dataclasses.replace(cfg, split_k=cfg.split_k // 2)
     return cfg
@@ -116,15 +118,15 @@ def default_config(rows: int, out: int, inp: int, granularity: str,
 
 def candidates(rows: int, out: int, inp: int, granularity: str,
                sms: int = 132) -> list[DecodeConfig]:
-    """The configs timed for a key: 32 / 64 / 128 output features by all the bucket's rows or
-    (128 rows and more) half of them (at most 128 x 128 or 64 x 256 accumulators); 128-wide K
+    """The configs timed for a key: 32 / 64 / 128 output features (from 64 rows: 64 / 128 /
+    256) by all the bucket's rows or (128 rows and more) half of them (accumulators of at most
+    128 x 128 values); 128-wide K
     steps (64 with 256 rows; 256 too for channel scales with small tiles), each at the K split
-    that fills the SMs (the first K step also at half of it); block scales keep every tile
-    within one 128 x 128 scale block."""
+    that fills the SMs (the first K step also at half of it)."""
     bucket = min(row_bucket(rows), TUNED_ROWS)
     out_list = []
     for block_m in sorted({bucket, bucket // 2 if bucket >= 128 else bucket}):
-        for block_n in (32, 64, 128):
+        for block_n in (32, 64, 128) if bucket <= 32 else (64, 128, 256):
             if block_n * block_m > 128 * 128:
                 continue
             block_ks = [128 if block_m <= 128 else 64]

@@ -23,9 +23,12 @@ shape by ``decode_tuning.choose``):
   atomic counter; the last one adds the partials in split order (deterministic), applies the
   scales, writes the output and resets the counter to 0 (so the kernel needs no zeroing launch
   and a CUDA graph replays it as it is);
-- block scales (128 x 128): a K step never crosses a scale block and a weight tile lies inside
-  one block row, so each step's fp32 partial product is scaled by one scalar; channel scales
-  multiply the finished sums once per output feature.
+- the activation tile is read from L2 by every weight strip, ``2 * block_m / block_n`` times the
+  strip's weight bytes: wide strips (128, 256 rows) keep that L2 traffic below the HBM traffic
+  at 64+ rows;
+- block scales (128 x 128): a K step never crosses a scale block, so each step's fp32 partial
+  product is scaled by one scalar (a tile inside one block row) or one per weight row (256-row
+  tiles); channel scales multiply the finished sums once per output feature.
 
 The result is ``x @ dequantize(W)^T`` up to the accumulation order, what ``gemm.
 weight_only_matmul`` emulates; ``gemm`` checks the two agree once per device before using it.
@@ -110,8 +113,12 @@ def _w8a16_kernel(X, W, S, Y, P, C, M, N, K, stride_xm, stride_wn, stride_ym, st
             w = _e4m3_to_bf16(w)
         else:
             w = w.to(x.dtype)
-        if BLOCK_SCALES:  # one scale per step: the tile lies inside one 128 x 128 block
-            acc += tl.dot(w, x) * tl.load(scale_row + k0 // GROUP)
+        if BLOCK_SCALES:
+            if BLOCK_N <= GROUP:  # one scale per step: the tile lies inside one scale block
+                acc += tl.dot(w, x) * tl.load(scale_row + k0 // GROUP)
+            else:  # the tile spans block rows: a scale per weight row
+                s = tl.load(S + (rn // GROUP) * stride_sn + k0 // GROUP, mask=n_ok, other=0.0)
+                acc += tl.dot(w, x) * s[:, None]
         else:
             acc = tl.dot(w, x, acc)
         w_ptrs += BLOCK_K
@@ -176,7 +183,7 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
     rows, inp = x2.shape
     out = weight.shape[0]
     block = weight.granularity == "block"
-    if block and (BLOCK % cfg.block_k or BLOCK % cfg.block_n):
+    if block and (BLOCK % cfg.block_k or BLOCK % cfg.block_n and cfg.block_n % BLOCK):
         raise ValueError(f"fp8 decode GEMM: {cfg} crosses the 128 x 128 scale blocks")
     if cfg.split_k > 1:
         partials, counters = _workspace(x2.device, cfg.split_k, rows, out)

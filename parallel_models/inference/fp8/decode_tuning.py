@@ -35,6 +35,7 @@ TUNED_ROWS = 256
 """Keys of at most this many rows are tuned (decode); larger products take the default."""
 SCALE_GROUP = 128  # the block scales' group (quantize.BLOCK): a K or N tile must divide it
 SMEM_BYTES = 192 * 1024  # shared memory the pipeline's stages may take (an H100 SM has 227 KiB)
+TWO_PER_SM_BYTES = 100 * 1024  # ... where two programs share an SM (the shallower variants)
 MAX_WORKSPACE_BYTES = 32 << 20  # split-K partial sums of one (split, bucket, out) at most
 TIMING_WARMUP, TIMING_REPS = 2, 10
 
@@ -122,7 +123,8 @@ def candidates(rows: int, out: int, inp: int, granularity: str,
     256) by all the bucket's rows or (128 rows and more) half of them (accumulators of at most
     128 x 128 values); 128-wide K
     steps (64 with 256 rows; 256 too for channel scales with small tiles), each at the K split
-    that fills the SMs (the first K step also at half of it)."""
+    that fills the SMs (the first K step also at half of it, and for 4-warp programs with a
+    pipeline shallow enough for two programs per SM)."""
     bucket = min(row_bucket(rows), TUNED_ROWS)
     out_list = []
     for block_m in sorted({bucket, bucket // 2 if bucket >= 128 else bucket}):
@@ -135,10 +137,15 @@ def candidates(rows: int, out: int, inp: int, granularity: str,
             for block_k in block_ks:
                 full = _config(rows, out, inp, block_n, block_m, block_k, None, sms)
                 halved = max(1, full.split_k // 2) if block_k == block_ks[0] else full.split_k
-                for split in sorted({full.split_k, halved}):
-                    cfg = dataclasses.replace(full, split_k=split)
-                    if _workspace_ok(cfg, rows, out) and cfg not in out_list:
-                        out_list.append(cfg)
+                variants = [dataclasses.replace(full, split_k=s)
+                            for s in sorted({full.split_k, halved})]
+                stage = block_n * block_k + 2 * block_m * block_k
+                two_per_sm = min(full.num_stages, TWO_PER_SM_BYTES // stage)
+                if block_k == block_ks[0] and full.num_warps == 4 and \
+                        3 <= two_per_sm < full.num_stages:
+                    variants.append(dataclasses.replace(full, num_stages=two_per_sm))
+                out_list += [cfg for cfg in variants
+                             if _workspace_ok(cfg, rows, out) and cfg not in out_list]
     return out_list
 
 

@@ -83,3 +83,23 @@ def test_tile_configs_and_k_splits(granularity, rows, out, inp, cfg):
         _, counters = weight_only_kernel._workspaces[(str(x.device), cfg.split_k,
                                                       row_bucket(rows), out)]
         assert int(counters.abs().sum()) == 0
+
+
+def test_bit_conversion_constants_give_every_e4m3_value_in_bf16():
+    """The GPU kernel's e4m3 -> bf16 step (fp16 words moved into bf16's bit places, then times
+    2^112; inline PTX, so not run by the interpreter) with its constants, in torch integer ops on
+    pairs of fp16 values packed in 32-bit words: every finite e4m3 code comes out as the value
+    torch's own conversion gives, signed zeros and subnormals included."""
+    wok = weight_only_kernel
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    want = codes.float()
+    halves = codes.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    words = halves[0::2] | halves[1::2] << 16
+    moved = (words >> wok.F16_TO_BF16_SHIFT) & wok.F16_TO_BF16_KEEP | words & wok.SIGN_BITS
+    pairs = torch.stack([moved & 0xFFFF, moved >> 16], 1).reshape(-1)
+    scale = torch.tensor([wok.BF16_TWO_POW_112], dtype=torch.int16).view(torch.bfloat16)
+    assert scale.float().item() == 2.0 ** 112
+    got = pairs.to(torch.int16).view(torch.bfloat16) * scale  # (bf16 x bf16: exact here)
+    finite = ~want.isnan()
+    assert torch.equal(got.float()[finite], want[finite])
+    assert torch.equal(got.float()[finite].signbit(), want[finite].signbit())

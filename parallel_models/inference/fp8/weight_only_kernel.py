@@ -54,19 +54,22 @@ interpreter_fix.apply()  # (the CPU interpreter's loop bounds; nothing on the GP
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # (no inline PTX there)
 
 
-# two fp16 values (exactly e4m3 values) -> two bf16: sign kept, exponent and mantissa shifted into
-# bf16's places (that reads as the value times 2^-112: fp16's exponent bias is 15, bf16's 127),
-# then one bf16x2 multiply by 2^112 (0x7780, exact); e4m3 values are fp16 normals or 0
-_F16_TO_BF16_ASM: tl.constexpr = tl.constexpr("""{
+# two fp16 values (exactly e4m3 values) -> two bf16 in one 32-bit word: sign kept, exponent and
+# mantissa shifted right by 3 into bf16's places (that reads as the value times 2^-112: fp16's
+# exponent bias is 15, bf16's 127), then one bf16x2 multiply by 2^112 (exact); e4m3 values are
+# fp16 normals or 0, and their mantissas fit bf16's 7 bits
+F16_TO_BF16_SHIFT, F16_TO_BF16_KEEP, SIGN_BITS = 3, 0x0FFF0FFF, 0x80008000
+BF16_TWO_POW_112 = 0x7780
+_F16_TO_BF16_ASM: tl.constexpr = tl.constexpr(f"""{{
 .reg .b32 t, s, k, z;
-shr.b32 t, $1, 3;
-and.b32 t, t, 0x0FFF0FFF;
-and.b32 s, $1, 0x80008000;
+shr.b32 t, $1, {F16_TO_BF16_SHIFT};
+and.b32 t, t, {F16_TO_BF16_KEEP:#010x};
+and.b32 s, $1, {SIGN_BITS:#010x};
 or.b32 t, t, s;
-mov.b32 k, 0x77807780;
-mov.b32 z, 0x80008000;
+mov.b32 k, {BF16_TWO_POW_112 << 16 | BF16_TWO_POW_112:#010x};
+mov.b32 z, {SIGN_BITS:#010x};
 fma.rn.bf16x2 $0, t, k, z;
-}""")
+}}""")
 
 
 @triton.jit

@@ -98,7 +98,8 @@ def _scaled_mm_rowwise(x, qc):
 def run_case(args, shape, name, out, inp, rows, granularity, dev, timer, cache) -> dict:
     from parallel_models.inference.fp8 import decode_tuning
     from parallel_models.inference.fp8.gemm import weight_only_matmul
-    from parallel_models.inference.fp8.weight_only_kernel import launch, weight_only_mm
+    from parallel_models.inference.fp8.weight_only_kernel import (launch, release_unused_workspaces,
+                                                                  weight_only_mm)
 
     gen = torch.Generator(device=dev).manual_seed(out * 7 + inp)
     if (name, out, inp, granularity) not in cache:
@@ -142,6 +143,7 @@ def run_case(args, shape, name, out, inp, rows, granularity, dev, timer, cache) 
         row["configs"].append({**cfg.as_dict(), "us": us, "gbps": gbps(us, fp8_bytes)})
     chosen = decode_tuning.choose(rows, out, inp, granularity, dev,
                                   lambda cfg: launch(x, q, y, cfg))
+    release_unused_workspaces()  # (the split-K buffers of the configs not chosen)
     timed = [c for c in row["configs"]
              if "us" in c and all(c[f] == v for f, v in chosen.as_dict().items())]
     row["config"] = chosen.as_dict()

@@ -120,8 +120,9 @@ def _w8a16_kernel(X, W, S, Y, P, C, M, N, K, stride_xm, stride_wn, stride_ym, st
             if BLOCK_N <= GROUP:  # one scale per step: the tile lies inside one scale block
                 acc += tl.dot(w, x) * tl.load(scale_row + k0 // GROUP)
             else:  # the tile spans block rows: a scale per weight row
-                s = tl.load(S + (rn // GROUP) * stride_sn + k0 // GROUP, mask=n_ok, other=0.0)
-                acc += tl.dot(w, x) * s[:, None]
+                row_scales = tl.load(S + (rn // GROUP) * stride_sn + k0 // GROUP, mask=n_ok,
+                                     other=0.0)
+                acc += tl.dot(w, x) * row_scales[:, None]
         else:
             acc = tl.dot(w, x, acc)
         w_ptrs += BLOCK_K
@@ -136,8 +137,8 @@ def _w8a16_kernel(X, W, S, Y, P, C, M, N, K, stride_xm, stride_wn, stride_ym, st
         last = arrived == SPLIT_K - 1
         if last:  # the tile's last split: add the partials in split order
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for s in range(SPLIT_K):
-                acc += tl.load(part_ptrs + s * ws_rows * N, mask=write, other=0.0,
+            for split in range(SPLIT_K):
+                acc += tl.load(part_ptrs + split * ws_rows * N, mask=write, other=0.0,
                                cache_modifier=".cg")
             tl.atomic_xchg(C + tile, 0)
         write = write & last

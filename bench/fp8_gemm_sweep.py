@@ -4,6 +4,7 @@ config and the one ``decode_tuning`` picks) vs ``torch._scaled_mm`` row-wise, pe
     python bench/fp8_gemm_sweep.py [--shapes 8b 0.89b] [--rows 1 16 64 128 256]
                                    [--scales block channel] [--reps 30] [--out sweep.json]
     python bench/fp8_gemm_sweep.py --tiny     # CPU smoke (Triton's interpreter), seconds
+    python bench/fp8_gemm_sweep.py --compile-only 90 [--shapes 8b --rows 64]  # no GPU
 
 Shapes: the decoder linears (N x K) of bench/common.py's Llama shapes at TP 1: qkv, o, gate_up,
 down (8B: 6144x4096, 4096x4096, 28672x4096, 4096x14336). Weights random (normal 0.02, bf16), FP8
@@ -24,7 +25,9 @@ output written, over the time); ``fp8_over_bf16``; ``max_rel_err`` of the chosen
 ``gemm.weight_only_matmul`` (``x @ dequantize(W)^T`` in fp32). Then one ``best`` line per
 (shape, linear, row bucket, scales): the fastest candidate config (``decode_tuning.DecodeConfig``
 fields), and per (shape, rows, scales) a ``layer`` line: the four linears' times summed, bf16 vs
-FP8 (one decoder layer's GEMMs). ``--tiny``: one 256 x 256 linear, rows 1 and 16, two configs
+FP8 (one decoder layer's GEMMs). ``--compile-only SM``: no timing, no GPU: each distinct
+candidate kernel compiled for that architecture, with its shared memory, registers and spills
+(a kernel edit checked where no GPU is at hand). ``--tiny``: one 256 x 256 linear, rows 1 and 16, two configs
 (the default and a K split), block scales, one run each on the CPU (wall time, interpreter:
 correctness, not speed).
 """
@@ -182,6 +185,63 @@ def layer_lines(rows: list[dict]) -> list[dict]:
             for k, (b, f, n) in sums.items()]
 
 
+def compile_only(plan: dict, rows_list, scales, arch: int) -> list[dict]:
+    """Every distinct candidate kernel of the plan compiled for ``sm_<arch>`` without a GPU
+    (Triton's ``compile`` with a target, the ptxas it ships): its MMA (``wgmma`` or ``mma``),
+    shared memory, registers and spill bytes (``cuobjdump --dump-resource-usage``)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from parallel_models.inference.fp8.decode_tuning import candidates
+    from parallel_models.inference.fp8.weight_only_kernel import _w8a16_kernel as kernel
+
+    ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_sn", "ws_rows",
+            "SPLIT_K")
+    sig = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32", "Y": "*bf16", "P": "*fp32", "C": "*i32",
+           **{n: "i32" for n in ints}}
+    aligned = ("X", "W", "S", "Y", "P", "C", "N", "K", "stride_xm", "stride_wn", "stride_ym")
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                             "cuobjdump")
+    lines, seen = [], set()
+    for lins in plan.values():
+        for out, inp in lins.values():
+            for rows in rows_list:
+                for gran in scales:
+                    for cfg in candidates(rows, out, inp, gran):
+                        key = (gran, cfg.block_n, cfg.block_m, cfg.block_k, cfg.num_warps,
+                               cfg.num_stages, inp % cfg.block_k == 0)
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                        consts = {"BLOCK_SCALES": gran == "block", "EVEN_K": key[-1],
+                                  "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                                  "BLOCK_K": cfg.block_k, "GROUP": 128, "BIT_CONVERT": True}
+                        src = ASTSource(fn=kernel, signature={**sig, **{c: "constexpr"
+                                                                       for c in consts}},
+                                        constexprs=consts, attrs=attrs)
+                        k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={
+                            "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                            f.write(k.asm["cubin"])
+                            f.flush()
+                            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
+                                                   capture_output=True, text=True).stdout
+                        found = {m: int(v) for m, v in re.findall(r"(REG|STACK):(\d+)", usage)}
+                        tiles = {f: v for f, v in cfg.as_dict().items() if f != "split_k"}
+                        lines.append({"compiled": {"scales": gran, **tiles},  # (split: run time)
+                                      "sm": arch, "wgmma": "warp_group_dot" in k.asm["ttgir"],
+                                      "shared": k.metadata.shared, "registers": found.get("REG"),
+                                      "spill_bytes": found.get("STACK")})
+                        print(json.dumps(lines[-1]), flush=True)
+    return lines
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["8b", "0.89b"], choices=list(SHAPES))
@@ -192,6 +252,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run (Triton's interpreter)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--compile-only", type=int, metavar="SM", default=None,
+                    help="no GPU needed: compile every candidate for sm_SM (e.g. 90) and print "
+                         "its shared memory, registers and spills")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     if dev.type == "cuda" and dev.index is None:
@@ -201,6 +264,8 @@ def main(argv=None) -> list[dict]:
         args.rows, args.scales = [1, 16], ["block"]
     else:
         plan = {shape: linears(SHAPES[shape]) for shape in args.shapes}
+    if args.compile_only:
+        return compile_only(plan, args.rows, args.scales, args.compile_only)
     from parallel_models.inference.fp8.decode_tuning import l2_flush_buffer
 
     timer = _timer(dev, args.reps, l2_flush_buffer(dev) if dev.type == "cuda" else None)

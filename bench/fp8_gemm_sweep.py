@@ -27,9 +27,9 @@ output written, over the time); ``fp8_over_bf16``; ``max_rel_err`` of the chosen
 fields), and per (shape, rows, scales) a ``layer`` line: the four linears' times summed, bf16 vs
 FP8 (one decoder layer's GEMMs). ``--compile-only SM``: no timing, no GPU: each distinct
 candidate kernel compiled for that architecture, with its shared memory, registers and spills
-(a kernel edit checked where no GPU is at hand). ``--tiny``: one 256 x 256 linear, rows 1 and 16, two configs
-(the default and a K split), block scales, one run each on the CPU (wall time, interpreter:
-correctness, not speed).
+(a kernel edit checked where no GPU is at hand). ``--tiny``: one 256 x 256 linear, rows 1 and
+16, two configs (the default and a K split), block scales, one run each on the CPU (wall time,
+interpreter: correctness, not speed).
 """
 
 from __future__ import annotations

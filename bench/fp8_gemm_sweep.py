@@ -132,7 +132,8 @@ def run_case(args, shape, name, out, inp, rows, granularity, dev, timer, cache) 
         except RuntimeError as exc:
             row["scaled_mm_rowwise_error"] = f"{type(exc).__name__}: {exc}"[:200]
     y = torch.empty(rows, out, dtype=x.dtype, device=dev)
-    configs = decode_tuning.candidates(rows, out, inp, granularity, decode_tuning.sm_count(dev))
+    configs = decode_tuning.candidates(rows, out, inp, granularity, decode_tuning.sm_count(dev),
+                                       decode_tuning.smem_bytes(dev))
     if args.tiny:
         configs = [decode_tuning.default_config(rows, out, inp, granularity),  # + a K split
                    decode_tuning.DecodeConfig(32, 16, 64, 2, num_warps=4, num_stages=2)]

@@ -191,8 +191,10 @@ def test_weight_only_decode_gemm_configs_tuning_and_graph_replay(granularity):
             assert ((got.float() - want).abs() <= tol).all()
 
         y = torch.empty(rows, out, dtype=torch.bfloat16, device=DEV)
+        dev = torch.device(DEV)
         for cfg in decode_tuning.candidates(rows, out, inp, granularity,
-                                            decode_tuning.sm_count(torch.device(DEV))):
+                                            decode_tuning.sm_count(dev),
+                                            decode_tuning.smem_bytes(dev)):
             check(weight_only_kernel.launch(x, q, y, cfg))
         check(weight_only_kernel.weight_only_mm(x, q))  # tunes this key
         chosen = decode_tuning.chosen_configs()[decode_tuning.key_of(

@@ -44,6 +44,17 @@ def test_candidates_keep_the_kernel_limits_and_fill_the_sms(granularity, rows):
         assert dt.default_config(rows, out, inp, granularity, 132) in cands
 
 
+def test_a_device_with_less_shared_memory_gets_shallower_pipelines():
+    smem = 100 * 1024 - 9216  # an SM 8.9 SM's, less the driver's and Triton's reserves
+    for rows in (16, 64, 256):
+        for c in dt.candidates(rows, 4096, 14336, "block", 132, smem):
+            stage = c.block_n * c.block_k + 2 * c.block_m * c.block_k
+            assert c.num_stages * stage <= smem or c.num_stages == 2, c
+        small = dt.default_config(rows, 4096, 14336, "block", 132, smem).num_stages
+        big = dt.default_config(rows, 4096, 14336, "block", 132).num_stages
+        assert small < big if rows >= 64 else small == big  # (16-row tiles fit either way)
+
+
 def test_choose_times_once_keeps_the_fastest_agreeing_and_never_tunes_in_a_capture(
         monkeypatch):
     capturing = [False]
@@ -63,6 +74,7 @@ def test_choose_times_once_keeps_the_fastest_agreeing_and_never_tunes_in_a_captu
 
     monkeypatch.setattr(dt, "tune", fake_tune)
     monkeypatch.setattr(dt, "sm_count", lambda device: 132)
+    monkeypatch.setattr(dt, "smem_bytes", lambda device: dt.SMEM_BYTES)
     monkeypatch.setattr(dt, "_chosen", {})
     monkeypatch.setattr(dt, "timings", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])

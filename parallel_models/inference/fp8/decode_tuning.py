@@ -33,8 +33,8 @@ TUNE = True
 """Time the candidates per key (False: always :func:`default_config`)."""
 TUNED_ROWS = 256
 """Keys of at most this many rows are tuned (decode); larger products take the default."""
-SCALE_GROUP = 128  # the block scales' group (quantize.BLOCK): a K or N tile must divide it
-SMEM_BYTES = 192 * 1024  # shared memory the pipeline's stages may take (an H100 SM has 227 KiB)
+SMEM_BYTES = 192 * 1024  # shared memory the pipeline's stages may take (an H100 SM has 227 KiB;
+# a device with less: smem_bytes)
 TWO_PER_SM_BYTES = 100 * 1024  # ... where two programs share an SM (the shallower variants)
 MAX_WORKSPACE_BYTES = 32 << 20  # split-K partial sums of one (split, bucket, out) at most
 TIMING_WARMUP, TIMING_REPS = 2, 10
@@ -80,6 +80,17 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def smem_bytes(device: torch.device) -> int:
+    """Shared memory the pipeline may take on ``device``: :data:`SMEM_BYTES`, less on an SM
+    with less (100 KiB on SM 8.9), keeping 1 KiB the driver reserves per program and 8 KiB for
+    Triton's own use."""
+    if device.type != "cuda":
+        return SMEM_BYTES
+    props = torch.cuda.get_device_properties(device)
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", 0) or SMEM_BYTES + 9216
+    return min(SMEM_BYTES, per_sm - 9216)
+
+
 def _split_for(tiles: int, k_tiles: int, sms: int) -> int:
     """The smallest power-of-two K split that gives at least two programs per SM, keeping >= 4
     K steps per program."""
@@ -90,35 +101,35 @@ def _split_for(tiles: int, k_tiles: int, sms: int) -> int:
 
 
 def _config(rows: int, out: int, inp: int, block_n: int, block_m: int, block_k: int,
-            split_k: int | None, sms: int) -> DecodeConfig:
+            split_k: int | None, sms: int, smem: int) -> DecodeConfig:
     tiles = _cdiv(row_bucket(rows), block_m) * _cdiv(out, block_n)
     if split_k is None:
         split_k = _split_for(tiles, _cdiv(inp, block_k), sms)
     stage = block_n * block_k + 2 * block_m * block_k  # e4m3 weight tile + 16-bit activation tile
     return DecodeConfig(block_n, block_m, block_k, split_k,
                         num_warps=4 if block_n * block_m <= 64 * 64 else 8,
-                        num_stages=max(2, min(5, SMEM_BYTES // stage)))
+                        num_stages=max(2, min(5, smem // stage)))
 
 
 def _workspace_ok(cfg: DecodeConfig, rows: int, out: int) -> bool:
     return cfg.split_k == 1 or cfg.split_k * row_bucket(rows) * out * 4 <= MAX_WORKSPACE_BYTES
 
 
-def default_config(rows: int, out: int, inp: int, granularity: str,
-                   sms: int = 132) -> DecodeConfig:
+def default_config(rows: int, out: int, inp: int, granularity: str, sms: int = 132,
+                   smem: int = SMEM_BYTES) -> DecodeConfig:
     """The untimed choice: 64 output features (128 from 64 rows on: the activation tile's L2
     reads per weight byte halve) by all the rows (128-row tiles above 128), 128-wide K steps, K
     split until the SMs have two programs each."""
     bucket = row_bucket(rows)
     block_m, block_n = min(bucket, 128), 64 if bucket <= 32 else 128
-    cfg = _config(rows, out, inp, block_n, block_m, 128, None, sms)
+    cfg = _config(rows, out, inp, block_n, block_m, 128, None, sms, smem)
     while not _workspace_ok(cfg, rows, out):
         cfg = dataclasses.replace(cfg, split_k=cfg.split_k // 2)
     return cfg
 
 
-def candidates(rows: int, out: int, inp: int, granularity: str,
-               sms: int = 132) -> list[DecodeConfig]:
+def candidates(rows: int, out: int, inp: int, granularity: str, sms: int = 132,
+               smem: int = SMEM_BYTES) -> list[DecodeConfig]:
     """The configs timed for a key: 32 / 64 / 128 output features (from 64 rows: 64 / 128 /
     256) by all the bucket's rows or (128 rows and more) half of them (accumulators of at most
     128 x 128 values); 128-wide K
@@ -135,12 +146,12 @@ def candidates(rows: int, out: int, inp: int, granularity: str,
             if granularity == "channel" and block_m <= 64 and block_n <= 64:
                 block_ks.append(256)
             for block_k in block_ks:
-                full = _config(rows, out, inp, block_n, block_m, block_k, None, sms)
+                full = _config(rows, out, inp, block_n, block_m, block_k, None, sms, smem)
                 halved = max(1, full.split_k // 2) if block_k == block_ks[0] else full.split_k
                 variants = [dataclasses.replace(full, split_k=s)
                             for s in sorted({full.split_k, halved})]
                 stage = block_n * block_k + 2 * block_m * block_k
-                two_per_sm = min(full.num_stages, TWO_PER_SM_BYTES // stage)
+                two_per_sm = min(full.num_stages, min(TWO_PER_SM_BYTES, smem // 2) // stage)
                 if block_k == block_ks[0] and full.num_warps == 4 and \
                         3 <= two_per_sm < full.num_stages:
                     variants.append(dataclasses.replace(full, num_stages=two_per_sm))
@@ -194,7 +205,14 @@ def tune(configs: list[DecodeConfig], run, device: torch.device) -> list[tuple]:
 def _fastest_agreeing(results: list[tuple], default: DecodeConfig, run) -> DecodeConfig:
     """The fastest timed config whose output agrees with the default's (to bf16 rounding and
     accumulation order): a config that builds but computes something else is never chosen."""
-    want = run(default).to(torch.float32, copy=True)  # (run rewrites one output each time)
+    try:
+        want = run(default).to(torch.float32, copy=True)  # (run rewrites one output each time)
+    except Exception as exc:  # noqa: BLE001 - the default does not build on this device
+        if not results:
+            raise
+        log.warning("fp8 decode GEMM: the default tiles %s do not run here (%s); the fastest "
+                    "candidate %s unchecked", default, exc, results[0][0])
+        return results[0][0]
     tol = 2.0 ** -7 * (float(want.abs().max()) + 1.0)
     for cfg, _ in results:
         if cfg == default or float((run(cfg).float() - want).abs().max()) <= tol:
@@ -216,7 +234,8 @@ def choose(rows: int, out: int, inp: int, granularity: str, device: torch.device
     cfg = _chosen.get(key)
     if cfg is not None:
         return cfg
-    default = default_config(rows, out, inp, granularity, sm_count(device))
+    limits = (sm_count(device), smem_bytes(device))
+    default = default_config(rows, out, inp, granularity, *limits)
     if device.type != "cuda" or not TUNE or rows > TUNED_ROWS:
         return default
     if torch.cuda.is_current_stream_capturing():
@@ -225,7 +244,7 @@ def choose(rows: int, out: int, inp: int, granularity: str, device: torch.device
             log.warning("fp8 decode GEMM: %s first met inside a CUDA graph capture: its default "
                         "tiles %s, untuned", key, default)
         return default
-    results = tune(candidates(rows, out, inp, granularity, sm_count(device)), run, device)
+    results = tune(candidates(rows, out, inp, granularity, *limits), run, device)
     timings[key] = results
     _chosen[key] = _fastest_agreeing(results, default, run)
     log.info("fp8 decode GEMM %s: %s (%.1f us of %d candidates)", key, _chosen[key],
@@ -239,5 +258,5 @@ def chosen_configs() -> dict:
 
 
 __all__ = ["DecodeConfig", "TUNE", "TUNED_ROWS", "candidates", "choose", "chosen_configs",
-           "default_config", "key_of", "l2_flush_buffer", "row_bucket", "sm_count", "time_ms",
-           "timings", "tune"]
+           "default_config", "key_of", "l2_flush_buffer", "row_bucket", "sm_count", "smem_bytes",
+           "time_ms", "timings", "tune"]

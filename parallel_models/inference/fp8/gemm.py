@@ -144,7 +144,8 @@ def _check_weight_only(device: torch.device, granularity: str) -> None:
     kernel agrees with :func:`weight_only_matmul` (to bf16 rounding and accumulation order),
     with its default tiles and with row tiles and a K split (the partial sums' reduction)."""
     def check():
-        from parallel_models.inference.fp8.decode_tuning import DecodeConfig, default_config
+        from parallel_models.inference.fp8.decode_tuning import (DecodeConfig, default_config,
+                                                                 sm_count, smem_bytes)
         from parallel_models.inference.fp8.quantize import quantize_weight
         from parallel_models.inference.fp8.weight_only_kernel import weight_only_mm
 
@@ -157,7 +158,8 @@ def _check_weight_only(device: torch.device, granularity: str) -> None:
             q = QuantizedWeight(q.data, storage, granularity)
         want = weight_only_matmul(x, q).float()
         err = 0.0
-        for cfg in (default_config(37, 200, 300, granularity),
+        for cfg in (default_config(37, 200, 300, granularity, sm_count(device),
+                                   smem_bytes(device)),
                     DecodeConfig(block_n=32, block_m=16, block_k=64, split_k=2, num_warps=4,
                                  num_stages=3)):
             got = weight_only_mm(x, q, cfg).float()

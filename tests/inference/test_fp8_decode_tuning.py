@@ -7,11 +7,16 @@ H100's 132 SMs; the default is a candidate; and ``choose`` times a key once, kee
 whose output agrees with the default's, runs the default untimed inside a graph capture (without
 caching it) and on the CPU."""
 
+import os
+
 import pytest
 import torch
 
-from parallel_models.inference.bucket_step import bucket_sizes
-from parallel_models.inference.fp8 import decode_tuning as dt
+if not torch.cuda.is_available():  # (triton comes in with parallel_models.inference where it is
+    os.environ["TRITON_INTERPRET"] = "1"  # installed: the interpreter tests after this need it)
+
+from parallel_models.inference.bucket_step import bucket_sizes  # noqa: E402
+from parallel_models.inference.fp8 import decode_tuning as dt  # noqa: E402
 
 LINEARS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),  # 8B: qkv, o, gate_up, down
            (4096, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]   # 0.89B

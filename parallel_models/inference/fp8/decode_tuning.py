@@ -38,6 +38,8 @@ SMEM_BYTES = 192 * 1024  # shared memory the pipeline's stages may take (an H100
 TWO_PER_SM_BYTES = 100 * 1024  # ... where two programs share an SM (the shallower variants)
 MAX_WORKSPACE_BYTES = 32 << 20  # split-K partial sums of one (split, bucket, out) at most
 TIMING_WARMUP, TIMING_REPS = 2, 10
+LAUNCH_COVER_CYCLES = 200_000  # ~100 us of GPU spin before each timed run: longer than a Triton
+# launch on the host, so the events time the kernel, not the launch (CUDA graphs replay without)
 
 _chosen: dict = {}  # key -> DecodeConfig
 timings: dict = {}  # key -> [(DecodeConfig, ms)] of the candidates timed for it
@@ -164,7 +166,8 @@ def time_ms(fn, warmup: int = TIMING_WARMUP, reps: int = TIMING_REPS,
             flush: torch.Tensor | None = None) -> float:
     """Median milliseconds of ``fn()`` on the current CUDA stream (CUDA events), ``flush``
     (a buffer larger than the L2 cache) overwritten before each timed run so the weights are
-    read from HBM as in a decode step."""
+    read from HBM as in a decode step, and the GPU kept busy while ``fn`` is launched (a decode
+    step replays its kernels from a CUDA graph: their launch cost is not theirs)."""
     for _ in range(warmup):
         fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -172,6 +175,7 @@ def time_ms(fn, warmup: int = TIMING_WARMUP, reps: int = TIMING_REPS,
     for start, end in events:
         if flush is not None:
             flush.zero_()
+        torch.cuda._sleep(LAUNCH_COVER_CYCLES)  # the GPU busy while the host enqueues fn
         start.record()
         fn()
         end.record()

@@ -14,8 +14,10 @@ FP8 linears on, so replaying it runs the FP8 GEMMs whatever the switch says afte
 ``engine.step()`` of the two engines is timed side by side (``common.alternate``: ``--rounds``
 rounds in rotated order, the median of ``--iters`` steps after ``--warmup``, CUDA events), and
 one JSON line per (shape, batch) is printed: both medians (ms), their spreads
-((max - min) / median over rounds), ``fp8_over_bf16`` and the FP8 GEMM backend used
-(``scaled_mm``, or ``emulated`` where the GPU / torch cannot). ``--out`` also writes every line
+((max - min) / median over rounds), ``fp8_over_bf16``, the FP8 GEMM backend used
+(``scaled_mm``, or ``emulated`` where the GPU / torch cannot) and ``decode_tiles``: the weight-only
+decode kernel's tiles ``inference/fp8/decode_tuning`` chose per linear shape (timed during the
+FP8 engine's first, eager decode step). ``--out`` also writes every line
 and the run's settings as one JSON file. The 8B shape needs about 35 GiB at B = 256 (weights,
 their FP8 copy, two KV pools of B x (prompt + 25) positions).
 
@@ -102,6 +104,11 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "cuda_graph": any(s.graph is not None for s in fp8_engine._steps.values()),
            "fp8_gemm": backends}
+    from parallel_models.inference.fp8.decode_tuning import chosen_configs, row_bucket
+
+    row["decode_tiles"] = {f"{key[1]}x{key[2]}": cfg.as_dict()  # (out x in: the tuned tiles)
+                           for key, cfg in chosen_configs().items()
+                           if key[0] == row_bucket(batch) and key[3] == fp8.granularity}
     for name in contenders:
         row[f"{name}_step_ms"] = 1e3 * timing[name]["median_s"]
         row[f"{name}_spread"] = timing[name]["spread"]

@@ -161,3 +161,52 @@ def test_fp8_grouped_experts_gemm_on_hopper():
     want = ge._emulated(x.float(), wq, sc, offs)
     scale = x.float().abs().mean() * wq.float().abs().mean() * sc.mean() * 2048
     assert (got - want).abs().max() <= 1e-2 * scale + 1e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize("granularity", ["block", "channel"])
+def test_weight_only_decode_gemm_configs_tuning_and_graph_replay(granularity):
+    """The weight-only decode GEMM at 8B shapes (down 4096 x 14336 at 64 rows, qkv 6144 x 4096
+    at 256 rows): every candidate tile config, the tuned choice, and the tuned kernel captured in
+    a CUDA graph and replayed on new activations (the split-K partial sums' hand-over between
+    programs, many times) agree with ``x @ dequantize(W)^T``; the split counters end at 0."""
+    pytest.importorskip("triton")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("e4m3 needs SM 8.9+")
+    from parallel_models.inference.fp8 import decode_tuning, gemm, weight_only_kernel
+    from parallel_models.inference.fp8.quantize import QuantizedWeight, quantize_weight
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    for rows, out, inp in ((64, 4096, 14336), (256, 6144, 4096)):
+        w = torch.randn(out, inp, device=DEV, generator=g) * 0.02
+        q = quantize_weight(w, granularity)
+        if granularity == "block":
+            storage = gemm.block_scale_storage(out, inp, DEV)
+            storage.copy_(q.scale)
+            q = QuantizedWeight(q.data, storage, granularity)
+        x = torch.randn(rows, inp, device=DEV, generator=g).bfloat16()
+
+        def check(got, x=x):
+            want = gemm.weight_only_matmul(x, q).float()
+            tol = 2.0 ** -7 * (want.abs() + want.abs().max() * 2.0 ** -4)
+            assert ((got.float() - want).abs() <= tol).all()
+
+        y = torch.empty(rows, out, dtype=torch.bfloat16, device=DEV)
+        dev = torch.device(DEV)
+        for cfg in decode_tuning.candidates(rows, out, inp, granularity,
+                                            decode_tuning.sm_count(dev),
+                                            decode_tuning.smem_bytes(dev)):
+            check(weight_only_kernel.launch(x, q, y, cfg))
+        check(weight_only_kernel.weight_only_mm(x, q))  # tunes this key
+        chosen = decode_tuning.chosen_configs()[decode_tuning.key_of(
+            rows, out, inp, granularity, x.device)]
+        print(f"\n{granularity} {rows} x {out} x {inp}: {chosen}")
+        static = x.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = weight_only_kernel.weight_only_mm(static, q)
+        for _ in range(20):
+            static.normal_(generator=g)
+            graph.replay()
+            check(captured, static)
+        for _, counters in weight_only_kernel._workspaces.values():
+            assert int(counters.abs().sum()) == 0

@@ -6,20 +6,23 @@ Backends (:func:`gemm_backend`):
 
 - ``"scaled_mm"``: ``torch._scaled_mm`` on CUDA. Block weights (128 x 128) with 1 x 128
   activation tiles need Hopper (SM 9.x) and cuBLAS 12.9+ (torch's blockwise path: scale_a
-  ``[tokens, in/128]`` token-major in memory, tokens padded to a multiple of 4, scale_b ``[in/128, out/128]`` with a leading
-  dimension padded to 4, as torch's own tests lay them out) and in/out multiples of 128;
+  ``[tokens, in/128]`` token-major in memory, tokens padded to a multiple of 4, scale_b
+  ``[in/128, out/128]`` with a leading dimension padded to 4, as torch's own tests lay them out)
+  and in/out multiples of 128;
   channel weights (row-wise: scale_a ``[tokens, 1]``, scale_b ``[1, out]``) need SM 8.9+ and
   in/out multiples of 16. The output is bf16 (cast to the activation dtype after). Block-scaled
   activations are quantized by one Triton kernel (``act_quant_kernel``) where triton imports and
   the kernel agrees with the torch ops, by torch ops otherwise. Once per device and granularity
   (outside a CUDA graph capture) a small product checks that ``_scaled_mm`` takes these layouts
   and agrees with the emulation; if not, a warning names the error and the emulation runs.
-- decode-sized products (at most :data:`DECODE_ROWS` rows) on the ``scaled_mm`` backend run
-  weight-only instead (``weight_only_kernel``: e4m3 weights read once, activations kept in bf16,
-  block scales applied to the fp32 partial products), where that Triton kernel passed its check
-  on the device: a decode step is memory-bound, and on an H100 the W8A8 ``_scaled_mm`` decode
-  (quantize kernel + cuBLAS's block-scaled GEMM at 64-256 rows) was slower than bf16. Prefill
-  keeps ``_scaled_mm``'s FP8 tensor-core throughput.
+- decode-sized products (at most :data:`DECODE_ROWS` rows) on CUDA, whichever backend the
+  larger ones take, run weight-only instead (``weight_only_kernel``: e4m3 weights read once,
+  activations kept in bf16, block scales applied to the fp32 partial products; its tiles timed
+  per shape on the first eager call, ``decode_tuning``), where that Triton kernel passed its
+  check on the device (with its default tiles and with a K split): a decode step is
+  memory-bound, and on an H100 the W8A8 ``_scaled_mm`` decode (quantize kernel + cuBLAS's
+  block-scaled GEMM at 64-256 rows) was slower than bf16. Prefill keeps ``_scaled_mm``'s FP8
+  tensor-core throughput.
 - ``"emulated"`` (the CPU, and shapes or devices the kernels do not take): the activations are
   quantized and dequantized with the same recipe, the weight dequantized, and the product taken
   in the activation dtype, so the emulation carries the FP8 rounding error the GPU path has
@@ -58,7 +61,11 @@ def _cuda_blockwise_supported(device: torch.device) -> bool:
 def gemm_backend(x: torch.Tensor, weight: QuantizedWeight) -> str:
     """``"scaled_mm"`` when ``torch._scaled_mm`` takes this activation and weight, else
     ``"emulated"`` (see the module docstring)."""
-    if not x.is_cuda or not hasattr(torch, "_scaled_mm"):
+    if not x.is_cuda:
+        return "emulated"
+    if not torch.cuda.is_current_stream_capturing():
+        _check_weight_only(x.device, weight.granularity)  # (decode-sized products, any backend)
+    if not hasattr(torch, "_scaled_mm"):
         return "emulated"
     out, inp = weight.shape
     if weight.granularity == "block":
@@ -74,8 +81,9 @@ def gemm_backend(x: torch.Tensor, weight: QuantizedWeight) -> str:
         if key not in _warned:
             _warned.add(key)
             log.warning("fp8: no FP8 GEMM for a %s-scaled %s weight on %s: emulated "
-                        "(dequantized) instead", weight.granularity, tuple(weight.shape),
-                        torch.cuda.get_device_name(x.device))
+                        "(dequantized) instead, but for decode-sized products where the "
+                        "weight-only kernel passed its check", weight.granularity,
+                        tuple(weight.shape), torch.cuda.get_device_name(x.device))
     return "scaled_mm" if ok else "emulated"
 
 
@@ -109,7 +117,6 @@ def _probe(device: torch.device, granularity: str) -> bool:
             log.warning("fp8: _scaled_mm with the Triton-quantized activations %s; retrying "
                         "with torch ops", problem)
             _fused_quant[str(device)] = False
-        _check_weight_only(device, granularity)
         if not _probed[key]:
             log.warning("fp8: torch._scaled_mm with %s scales on %s %s; the FP8 linears run "
                         "emulated (dequantized) instead", granularity,
@@ -134,8 +141,11 @@ def _checked_once(cache: dict, key, check, warning: str) -> bool:
 
 def _check_weight_only(device: torch.device, granularity: str) -> None:
     """Once per device and granularity: use the W8A16 decode kernel if triton imports and the
-    kernel agrees with :func:`weight_only_matmul` (to bf16 rounding and accumulation order)."""
+    kernel agrees with :func:`weight_only_matmul` (to bf16 rounding and accumulation order),
+    with its default tiles and with row tiles and a K split (the partial sums' reduction)."""
     def check():
+        from parallel_models.inference.fp8.decode_tuning import (DecodeConfig, default_config,
+                                                                 sm_count, smem_bytes)
         from parallel_models.inference.fp8.quantize import quantize_weight
         from parallel_models.inference.fp8.weight_only_kernel import weight_only_mm
 
@@ -147,7 +157,13 @@ def _check_weight_only(device: torch.device, granularity: str) -> None:
             storage.copy_(q.scale)
             q = QuantizedWeight(q.data, storage, granularity)
         want = weight_only_matmul(x, q).float()
-        err = float(((weight_only_mm(x, q).float() - want).abs() / (want.abs() + 1.0)).max())
+        err = 0.0
+        for cfg in (default_config(37, 200, 300, granularity, sm_count(device),
+                                   smem_bytes(device)),
+                    DecodeConfig(block_n=32, block_m=16, block_k=64, split_k=2, num_warps=4,
+                                 num_stages=3)):
+            got = weight_only_mm(x, q, cfg).float()
+            err = max(err, float(((got - want).abs() / (want.abs() + 1.0)).max()))
         return err < 2e-2, f"differs from the emulation by {err:.3g}"
 
     _checked_once(_weight_only, (str(device), granularity), check,
@@ -233,10 +249,11 @@ def emulated_matmul(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
 def fp8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                backend: str | None = None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for ``x`` ``[..., in]`` in the activation dtype; ``backend``: force
-    ``"scaled_mm"`` or ``"emulated"`` (default: :func:`gemm_backend`)."""
+    ``"scaled_mm"`` or ``"emulated"`` (default: :func:`gemm_backend`) for the products that do
+    not run weight-only (see the module docstring)."""
     x2 = x.reshape(-1, x.shape[-1])
     backend = backend or gemm_backend(x2, weight)
-    if backend == "scaled_mm" and x2.shape[0] <= DECODE_ROWS and \
+    if x2.is_cuda and x2.shape[0] <= DECODE_ROWS and \
             _weight_only.get((str(x2.device), weight.granularity)):
         from parallel_models.inference.fp8.weight_only_kernel import weight_only_mm
 

@@ -2,90 +2,230 @@
 and ``x`` left in its 16-bit dtype (weight-only FP8, "W8A16"), as one Triton kernel (CUDA;
 imported lazily: triton is not a dependency).
 
-Why: a decode step is memory-bound, so what FP8 buys there is reading half the weight bytes. With
-``torch._scaled_mm`` the activations must be quantized first (an extra kernel per linear) and
-cuBLAS's block-scaled FP8 kernels are slow at 64-256 rows: measured on an H100 (docs/
-PERFORMANCE.md, issue 37), W8A8 decode steps were 1.2-2x *slower* than bf16. Here each program
-reads an ``[N-tile, K]`` strip of e4m3 weights once, converts each 128-wide K tile to the
-activation dtype (exact: e4m3 fits in bf16/fp16), multiplies it with the activation tile on the
-tensor cores, and scales the fp32 partial product by the tile's block scale (128 x 128 blocks:
-one scalar per N-tile and K-tile, since the N-tile divides 128) or, for channel scales, the
-finished row by the per-output scales. The result is ``x @ dequantize(W)^T`` up to the
-accumulation order, so it matches the emulation in ``gemm.weight_only_matmul``.
+Why: a decode step is memory-bound, so what FP8 buys there is reading half the weight bytes.
+With ``torch._scaled_mm`` the activations must be quantized first (an extra kernel per linear)
+and cuBLAS's block-scaled FP8 kernels are slow at 64-256 rows: measured on an H100 (docs/
+PERFORMANCE.md, issue 37), W8A8 decode steps were 1.2-2x *slower* than bf16.
 
-``gemm`` uses it for the decode-sized products (few rows; prefill stays on ``_scaled_mm``) after
-checking it against the emulation once per device.
+How (tiles: :class:`~parallel_models.inference.fp8.decode_tuning.DecodeConfig`, chosen per
+shape by ``decode_tuning.choose``):
+
+- a program owns ``block_n`` output features of ``block_m`` rows and walks its K range in
+  ``block_k`` steps, the loads pipelined ``num_stages`` deep. The weight tile is the dot's first
+  operand (``[block_n, block_k]``, converted e4m3 -> the activation dtype in registers, exact:
+  e4m3 fits in bf16/fp16) and the activations the second (``[block_k, block_m]``), so the
+  tensor-core tile's long side is the weight rows and its short side the decode batch;
+- every weight byte is read from HBM once per call: ``block_m`` covers all the rows of a decode
+  bucket, or the row tiles of one weight strip are neighbouring programs (the program index runs
+  over row tiles first), so the strip's second read hits the L2 cache;
+- where the output has too few ``block_n`` strips to fill the SMs, ``split_k`` programs share a
+  tile's K range: each writes its fp32 partial sum to a workspace and counts itself in on an
+  atomic counter; the last one adds the partials in split order (deterministic), applies the
+  scales, writes the output and resets the counter to 0 (so the kernel needs no zeroing launch
+  and a CUDA graph replays it as it is);
+- the activation tile is read from L2 by every weight strip, ``2 * block_m / block_n`` times the
+  strip's weight bytes: wide strips (128, 256 rows) keep that L2 traffic below the HBM traffic
+  at 64+ rows;
+- block scales (128 x 128): a K step never crosses a scale block, so each step's fp32 partial
+  product is scaled by one scalar (a tile inside one block row) or one per weight row (256-row
+  tiles); channel scales multiply the finished sums once per output feature.
+
+The result is ``x @ dequantize(W)^T`` up to the accumulation order, what ``gemm.
+weight_only_matmul`` emulates; ``gemm`` checks the two agree once per device before using it.
+The split-K workspace and counters belong to one (device, split, row bucket, out) and are kept
+for the process (a captured graph holds their addresses); launches on one stream at a time.
 """
 
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+from parallel_models.inference.fp8 import decode_tuning
+from parallel_models.inference.fp8.decode_tuning import DecodeConfig
 from parallel_models.inference.fp8.quantize import BLOCK, QuantizedWeight
 from parallel_models.llama.layers.exact import interpreter_fix
 
 interpreter_fix.apply()  # (the CPU interpreter's loop bounds; nothing on the GPU)
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # (no inline PTX there)
+
+
+# two fp16 values (exactly e4m3 values) -> two bf16 in one 32-bit word: sign kept, exponent and
+# mantissa shifted right by 3 into bf16's places (that reads as the value times 2^-112: fp16's
+# exponent bias is 15, bf16's 127), then one bf16x2 multiply by 2^112 (exact); e4m3 values are
+# fp16 normals or 0, and their mantissas fit bf16's 7 bits
+F16_TO_BF16_SHIFT, F16_TO_BF16_KEEP, SIGN_BITS = 3, 0x0FFF0FFF, 0x80008000
+BF16_TWO_POW_112 = 0x7780
+_F16_TO_BF16_ASM: tl.constexpr = tl.constexpr(f"""{{
+.reg .b32 t, s, k, z;
+shr.b32 t, $1, {F16_TO_BF16_SHIFT};
+and.b32 t, t, {F16_TO_BF16_KEEP:#010x};
+and.b32 s, $1, {SIGN_BITS:#010x};
+or.b32 t, t, s;
+mov.b32 k, {BF16_TWO_POW_112 << 16 | BF16_TWO_POW_112:#010x};
+mov.b32 z, {SIGN_BITS:#010x};
+fma.rn.bf16x2 $0, t, k, z;
+}}""")
 
 
 @triton.jit
-def _w8a16_kernel(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
-                  BLOCK_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+def _e4m3_to_bf16(w):
+    """e4m3 -> bf16 as e4m3 -> fp16 (one hardware conversion per two values) and fp16 -> bf16 by
+    moving bits (integer ALU work, two values per 32-bit word). Triton's own e4m3 -> bf16 adds a
+    conversion-unit instruction per value (F2F.BF16.F16), a unit that at the decode's weight
+    bandwidth would be busy most of the time."""
+    return tl.inline_asm_elementwise(_F16_TO_BF16_ASM, "=r,r", [w.to(tl.float16)],
+                                     dtype=tl.bfloat16, is_pure=True, pack=2)
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
+def _w8a16_kernel(X, W, S, Y, P, C, M, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
+                  ws_rows, SPLIT_K, BLOCK_SCALES: tl.constexpr, EVEN_K: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  GROUP: tl.constexpr, BIT_CONVERT: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_m  # row tiles of one weight strip are neighbours: the strip hits L2
+    pid_k = (pid // num_m) % SPLIT_K
+    pid_n = pid // (num_m * SPLIT_K)
+    k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_begin = tl.multiple_of(pid_k * k_span, BLOCK_K)
+    k_end = tl.minimum(k_begin + k_span, K)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
     n_ok = rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    scale_row = S + ((pid_n * BLOCK_N) // BLOCK_K) * stride_sn
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        k_ok = kk < K
-        x = tl.load(X + rm[:, None].to(tl.int64) * stride_xm + kk[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(W + rn[None, :].to(tl.int64) * stride_wn + kk[:, None],
-                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        part = tl.dot(x, w.to(x.dtype))
-        if BLOCK_SCALES:
-            acc += part * tl.load(scale_row + k0 // BLOCK_K)
+    m_ok = rm < M
+    w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + (k_begin + rk)[None, :]
+    x_ptrs = X + rm[None, :].to(tl.int64) * stride_xm + (k_begin + rk)[:, None]
+    scale_row = S + ((pid_n * BLOCK_N) // GROUP) * stride_sn
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
         else:
-            acc += part
+            k_ok = k0 + rk < K
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+        if BIT_CONVERT:
+            w = _e4m3_to_bf16(w)
+        else:
+            w = w.to(x.dtype)
+        if BLOCK_SCALES:
+            if BLOCK_N <= GROUP:  # one scale per step: the tile lies inside one scale block
+                acc += tl.dot(w, x) * tl.load(scale_row + k0 // GROUP)
+            else:  # the tile spans block rows: a scale per weight row
+                row_scales = tl.load(S + (rn // GROUP) * stride_sn + k0 // GROUP, mask=n_ok,
+                                     other=0.0)
+                acc += tl.dot(w, x) * row_scales[:, None]
+        else:
+            acc = tl.dot(w, x, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    write = n_ok[:, None] & m_ok[None, :]
+    if SPLIT_K > 1:
+        part_ptrs = P + rm[None, :].to(tl.int64) * N + rn[:, None]
+        tl.store(part_ptrs + pid_k * ws_rows * N, acc, mask=write)
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        tile = pid_n * num_m + pid_m
+        arrived = tl.atomic_add(C + tile, 1)  # acq_rel, GPU scope
+        last = arrived == SPLIT_K - 1
+        if last:  # the tile's last split: add the partials in split order
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            for split in range(SPLIT_K):
+                acc += tl.load(part_ptrs + split * ws_rows * N, mask=write, other=0.0,
+                               cache_modifier=".cg")
+            tl.atomic_xchg(C + tile, 0)
+        write = write & last
     if not BLOCK_SCALES:
-        acc = acc * tl.load(S + rn, mask=n_ok, other=0.0)[None, :]
-    tl.store(Y + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+        acc = acc * tl.load(S + rn, mask=n_ok, other=0.0)[:, None]
+    tl.store(Y + rm[None, :].to(tl.int64) * stride_ym + rn[:, None],
+             acc.to(Y.dtype.element_ty), mask=write)
 
 
-def _tiles(rows: int, out: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): the row tile covers the decode batch in as few tiles as the tensor
-    cores take (16..64); the column tile is 64, or 32 where 64 would leave SMs idle."""
-    block_m = 16 if rows <= 16 else 32 if rows <= 32 else 64
-    block_n = 64 if out // 64 >= 132 else 32
-    return block_m, block_n
+_workspaces: dict = {}  # (device, split, row bucket, out) -> (fp32 partials, int32 counters)
+_captured: set = set()  # workspaces a CUDA graph captured: kept whatever was chosen
 
 
-def weight_only_mm(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """``x2 @ dequantize(W)^T`` for ``x2`` ``[rows, in]`` (CUDA, bf16/fp16), in ``x2``'s dtype."""
+def _workspace(device: torch.device, split: int, rows: int, out: int):
+    key = (str(device), split, decode_tuning.row_bucket(rows), out)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        _captured.add(key)
+    if key not in _workspaces:
+        bucket = key[2]
+        counters = -(-out // 16) * -(-bucket // 16)  # tiles of the smallest config (16 x 16)
+        _workspaces[key] = (torch.empty(split, bucket, out, dtype=torch.float32, device=device),
+                            torch.zeros(counters, dtype=torch.int32, device=device))
+    return _workspaces[key]
+
+
+@functools.lru_cache(maxsize=None)
+def _unused_pointers(device: torch.device):
+    return (torch.zeros(1, dtype=torch.float32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device))
+
+
+def release_unused_workspaces() -> None:
+    """Drop the split-K workspaces that no chosen config uses and no captured graph holds (the
+    ones tuning tried)."""
+    keep = _captured | {(key[4], cfg.split_k, key[0], key[1])
+                        for key, cfg in decode_tuning.chosen_configs().items()}
+    for key in list(_workspaces):
+        if key not in keep:
+            del _workspaces[key]
+
+
+def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
+           cfg: DecodeConfig) -> torch.Tensor:
+    """Run the kernel with ``cfg`` into ``y`` ``[rows, out]`` (``x2`` unit-strided along K);
+    returns ``y``."""
     rows, inp = x2.shape
-    out_features = weight.shape[0]
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    y = torch.empty(rows, out_features, dtype=x2.dtype, device=x2.device)
-    if rows == 0:
-        return y
-    block_m, block_n = _tiles(rows, out_features)
+    out = weight.shape[0]
     block = weight.granularity == "block"
+    if block and (BLOCK % cfg.block_k or BLOCK % cfg.block_n and cfg.block_n % BLOCK):
+        raise ValueError(f"fp8 decode GEMM: {cfg} crosses the 128 x 128 scale blocks")
+    if cfg.split_k > 1:
+        partials, counters = _workspace(x2.device, cfg.split_k, rows, out)
+        ws_rows = partials.shape[1]
+    else:  # (not read by the kernel: pointers of the right types)
+        partials, counters = _unused_pointers(x2.device)
+        ws_rows = 0
     scale = weight.scale
-    grid = (triton.cdiv(out_features, block_n), triton.cdiv(rows, block_m))
-    _w8a16_kernel[grid](x2, weight.data, scale, y, rows, out_features, inp, x2.stride(0),
-                        weight.data.stride(0), y.stride(0), scale.stride(0) if block else 0,
-                        BLOCK_SCALES=block, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK,
-                        num_warps=4, num_stages=4)
+    _w8a16_kernel[(cfg.grid(rows, out),)](
+        x2, weight.data, scale, y, partials, counters, rows, out, inp, x2.stride(0),
+        weight.data.stride(0), y.stride(0), scale.stride(0) if block else 0, ws_rows,
+        cfg.split_k, BLOCK_SCALES=block, EVEN_K=inp % cfg.block_k == 0, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP=BLOCK,
+        BIT_CONVERT=x2.dtype == torch.bfloat16 and not _INTERPRETED, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return y
 
 
-__all__ = ["weight_only_mm"]
+def weight_only_mm(x2: torch.Tensor, weight: QuantizedWeight,
+                   config: DecodeConfig | None = None) -> torch.Tensor:
+    """``x2 @ dequantize(W)^T`` for ``x2`` ``[rows, in]`` (CUDA: bf16/fp16; the interpreter:
+    fp32 too), in ``x2``'s dtype; ``config``: these tiles (default: ``decode_tuning.choose``,
+    which times the candidates on the first product of a new shape outside a graph capture)."""
+    rows, inp = x2.shape
+    out = weight.shape[0]
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(rows, out, dtype=x2.dtype, device=x2.device)
+    if rows == 0:
+        return y
+    if config is None:
+        tuned_before = len(decode_tuning.timings)
+        config = decode_tuning.choose(rows, out, inp, weight.granularity, x2.device,
+                                      lambda cfg: launch(x2, weight, y, cfg))
+        if len(decode_tuning.timings) != tuned_before:
+            release_unused_workspaces()
+    launch(x2, weight, y, config)
+    return y
+
+
+__all__ = ["launch", "release_unused_workspaces", "weight_only_mm"]

@@ -1,0 +1,295 @@
+"""FP8 decode GEMM sweep: bf16 ``F.linear`` vs our weight-only FP8 kernel (every candidate tile
+config and the one ``decode_tuning`` picks) vs ``torch._scaled_mm`` row-wise, per linear shape.
+
+    python bench/fp8_gemm_sweep.py [--shapes 8b 0.89b] [--rows 1 16 64 128 256]
+                                   [--scales block channel] [--reps 30] [--out sweep.json]
+    python bench/fp8_gemm_sweep.py --tiny     # CPU smoke (Triton's interpreter), seconds
+    python bench/fp8_gemm_sweep.py --compile-only 90 [--shapes 8b --rows 64]  # no GPU
+
+Shapes: the decoder linears (N x K) of bench/common.py's Llama shapes at TP 1: qkv, o, gate_up,
+down (8B: 6144x4096, 4096x4096, 28672x4096, 4096x14336). Weights random (normal 0.02, bf16), FP8
+copies quantized as the rollout does (``--scales``: 128 x 128 blocks with the rollout linears'
+scale layout, or per output channel). Per (linear, rows, scales) one JSON line: the median of
+``--reps`` runs (CUDA events, the L2 cache flushed before each run: a decode step reads its
+weights from HBM) of
+
+- ``bf16``: ``F.linear`` on the bf16 weight;
+- ``scaled_mm_rowwise``: ``torch._scaled_mm`` on the channel-scaled FP8 weight with activations
+  quantized per row beforehand (the GEMM alone; rows padded to 16), or the error it raised;
+- ``configs``: our kernel (``inference/fp8/weight_only_kernel.py``) with each of
+  ``decode_tuning.candidates``; ``fp8``: the config ``decode_tuning.choose`` settles on in this
+  process (what the rollout engine would run), with its time from this sweep;
+
+each as microseconds and GB/s (the weight's bytes, its scales, the activations read and the
+output written, over the time); ``fp8_over_bf16``; ``max_rel_err`` of the chosen config against
+``gemm.weight_only_matmul`` (``x @ dequantize(W)^T`` in fp32). Then one ``best`` line per
+(shape, linear, row bucket, scales): the fastest candidate config (``decode_tuning.DecodeConfig``
+fields), and per (shape, rows, scales) a ``layer`` line: the four linears' times summed, bf16 vs
+FP8 (one decoder layer's GEMMs). ``--compile-only SM``: no timing, no GPU: each distinct
+candidate kernel compiled for that architecture, with its shared memory, registers and spills
+(a kernel edit checked where no GPU is at hand). ``--tiny``: one 256 x 256 linear, rows 1 and
+16, two configs (the default and a K split), block scales, one run each on the CPU (wall time,
+interpreter: correctness, not speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+if __name__ == "__main__" and "--tiny" in sys.argv and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import LLAMA3_8B, LLAMA_089B  # noqa: E402
+
+SHAPES = {"8b": LLAMA3_8B, "0.89b": LLAMA_089B}
+TINY_LINEARS = {"tiny": {"proj": (256, 256)}}
+
+
+def linears(spec: dict) -> dict:
+    """name -> (out, in) of a Llama shape's decoder linears at TP 1."""
+    hidden, heads, kv = spec["hidden"], spec["heads"], spec["kv_heads"]
+    head_dim = hidden // heads
+    return {"qkv": ((heads + 2 * kv) * head_dim, hidden), "o": (hidden, heads * head_dim),
+            "gate_up": (2 * spec["intermediate"], hidden), "down": (hidden, spec["intermediate"])}
+
+
+def _timer(dev, reps: int, flush):
+    from parallel_models.inference.fp8.decode_tuning import time_ms
+
+    if dev.type == "cuda":
+        return lambda fn: 1e3 * time_ms(fn, warmup=3, reps=reps, flush=flush)
+
+    def wall_us(fn):
+        fn()  # (compiles / warms the interpreter)
+        t = time.perf_counter()
+        fn()
+        return 1e6 * (time.perf_counter() - t)
+    return wall_us
+
+
+def _weights(out: int, inp: int, dev, granularity: str, gen):
+    from parallel_models.inference.fp8.gemm import block_scale_storage
+    from parallel_models.inference.fp8.quantize import QuantizedWeight, quantize_weight
+
+    w = (torch.randn(out, inp, device=dev, generator=gen) * 0.02).bfloat16()
+    q = quantize_weight(w, granularity)
+    if granularity == "block":  # the rollout linears' scale layout (rows padded to 4)
+        storage = block_scale_storage(out, inp, dev)
+        storage.copy_(q.scale)
+        q = QuantizedWeight(q.data, storage, granularity)
+    return w, q
+
+
+def _scaled_mm_rowwise(x, qc):
+    from parallel_models.inference.fp8.quantize import quantize_activation
+
+    rows = x.shape[0]
+    padded = torch.nn.functional.pad(x, (0, 0, 0, -rows % 16))
+    xq, xs = quantize_activation(padded, "channel")
+    scale_a, scale_b = xs[:, None].contiguous(), qc.scale[None, :].contiguous()
+    return lambda: torch._scaled_mm(xq, qc.data.t(), scale_a=scale_a, scale_b=scale_b,
+                                    out_dtype=torch.bfloat16)
+
+
+def run_case(args, shape, name, out, inp, rows, granularity, dev, timer, cache) -> dict:
+    from parallel_models.inference.fp8 import decode_tuning
+    from parallel_models.inference.fp8.gemm import weight_only_matmul
+    from parallel_models.inference.fp8.weight_only_kernel import (launch, release_unused_workspaces,
+                                                                  weight_only_mm)
+
+    gen = torch.Generator(device=dev).manual_seed(out * 7 + inp)
+    if (name, out, inp, granularity) not in cache:
+        cache.clear()  # one shape's weights at a time
+        cache[(name, out, inp, granularity)] = _weights(out, inp, dev, granularity, gen)
+    w, q = cache[(name, out, inp, granularity)]
+    act = torch.bfloat16 if dev.type == "cuda" else torch.float32  # (interpreter: fp32 dots)
+    x = torch.randn(rows, inp, device=dev, generator=gen).to(act)
+    act_bytes = 2 * (rows * inp + rows * out)
+
+    def gbps(us, weight_bytes):
+        return (weight_bytes + act_bytes) / (us * 1e3)
+
+    fp8_bytes = q.data.numel() + 4 * q.scale.numel()
+    row = {"shape": shape, "linear": name, "n": out, "k": inp, "rows": rows,
+           "scales": granularity, "device": torch.cuda.get_device_name(dev)
+           if dev.type == "cuda" else "cpu (interpreter)"}
+    row["bf16_us"] = timer(lambda: torch.nn.functional.linear(x.to(w.dtype), w))
+    row["bf16_gbps"] = gbps(row["bf16_us"], 2 * w.numel())
+    if dev.type == "cuda":
+        try:
+            from parallel_models.inference.fp8.quantize import quantize_weight
+
+            fn = _scaled_mm_rowwise(x, quantize_weight(w, "channel"))
+            row["scaled_mm_rowwise_us"] = timer(fn)
+            row["scaled_mm_rowwise_gbps"] = gbps(row["scaled_mm_rowwise_us"], w.numel() + 4 * out)
+        except RuntimeError as exc:
+            row["scaled_mm_rowwise_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    y = torch.empty(rows, out, dtype=x.dtype, device=dev)
+    configs = decode_tuning.candidates(rows, out, inp, granularity, decode_tuning.sm_count(dev),
+                                       decode_tuning.smem_bytes(dev))
+    if args.tiny:
+        configs = [decode_tuning.default_config(rows, out, inp, granularity),  # + a K split
+                   decode_tuning.DecodeConfig(32, 16, 64, 2, num_warps=4, num_stages=2)]
+    row["configs"] = []
+    for cfg in configs:
+        try:
+            us = timer(lambda: launch(x, q, y, cfg))
+        except Exception as exc:  # noqa: BLE001 - a config that does not build here
+            row["configs"].append({**cfg.as_dict(), "error": f"{type(exc).__name__}: {exc}"[:200]})
+            continue
+        row["configs"].append({**cfg.as_dict(), "us": us, "gbps": gbps(us, fp8_bytes)})
+    chosen = decode_tuning.choose(rows, out, inp, granularity, dev,
+                                  lambda cfg: launch(x, q, y, cfg))
+    release_unused_workspaces()  # (the split-K buffers of the configs not chosen)
+    timed = [c for c in row["configs"]
+             if "us" in c and all(c[f] == v for f, v in chosen.as_dict().items())]
+    row["config"] = chosen.as_dict()
+    row["fp8_us"] = timed[0]["us"] if timed else timer(lambda: launch(x, q, y, chosen))
+    row["fp8_gbps"] = gbps(row["fp8_us"], fp8_bytes)
+    row["fp8_over_bf16"] = row["fp8_us"] / row["bf16_us"]
+    want = weight_only_matmul(x, q).float()
+    got = weight_only_mm(x, q, chosen).float()
+    row["max_rel_err"] = float(((got - want).abs() / (want.abs() + 1.0)).max())
+    return row
+
+
+def best_lines(rows: list[dict]) -> list[dict]:
+    """The fastest candidate per (shape, linear, row bucket, scales)."""
+    from parallel_models.inference.fp8.decode_tuning import row_bucket
+
+    best = {}
+    for r in rows:
+        key = (r["shape"], r["linear"], r["n"], r["k"], row_bucket(r["rows"]), r["scales"])
+        for c in r["configs"]:
+            if "us" in c and (key not in best or c["us"] < best[key]["us"]):
+                best[key] = c
+    return [{"best": dict(zip(("shape", "linear", "n", "k", "row_bucket", "scales"), key)),
+             "config": {f: v for f, v in c.items() if f not in ("us", "gbps")}, "us": c["us"],
+             "gbps": c["gbps"]} for key, c in best.items()]
+
+
+def layer_lines(rows: list[dict]) -> list[dict]:
+    """Per (shape, rows, scales): one decoder layer's four GEMMs, bf16 vs the chosen FP8."""
+    sums = {}
+    for r in rows:
+        s = sums.setdefault((r["shape"], r["rows"], r["scales"]), [0.0, 0.0, 0])
+        s[0], s[1], s[2] = s[0] + r["bf16_us"], s[1] + r["fp8_us"], s[2] + 1
+    return [{"layer": {"shape": k[0], "rows": k[1], "scales": k[2]}, "linears": n,
+             "bf16_us": b, "fp8_us": f, "fp8_over_bf16": f / b}
+            for k, (b, f, n) in sums.items()]
+
+
+def compile_only(plan: dict, rows_list, scales, arch: int) -> list[dict]:
+    """Every distinct candidate kernel of the plan compiled for ``sm_<arch>`` without a GPU
+    (Triton's ``compile`` with a target, the ptxas it ships): its MMA (``wgmma`` or ``mma``),
+    shared memory, registers and spill bytes (``cuobjdump --dump-resource-usage``)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from parallel_models.inference.fp8.decode_tuning import candidates
+    from parallel_models.inference.fp8.weight_only_kernel import _w8a16_kernel as kernel
+
+    ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_sn", "ws_rows",
+            "SPLIT_K")
+    sig = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32", "Y": "*bf16", "P": "*fp32", "C": "*i32",
+           **{n: "i32" for n in ints}}
+    aligned = ("X", "W", "S", "Y", "P", "C", "N", "K", "stride_xm", "stride_wn", "stride_ym")
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                             "cuobjdump")
+    lines, seen = [], set()
+    for lins in plan.values():
+        for out, inp in lins.values():
+            for rows in rows_list:
+                for gran in scales:
+                    for cfg in candidates(rows, out, inp, gran):
+                        key = (gran, cfg.block_n, cfg.block_m, cfg.block_k, cfg.num_warps,
+                               cfg.num_stages, inp % cfg.block_k == 0)
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                        consts = {"BLOCK_SCALES": gran == "block", "EVEN_K": key[-1],
+                                  "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                                  "BLOCK_K": cfg.block_k, "GROUP": 128, "BIT_CONVERT": True}
+                        src = ASTSource(fn=kernel, signature={**sig, **{c: "constexpr"
+                                                                       for c in consts}},
+                                        constexprs=consts, attrs=attrs)
+                        k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={
+                            "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                            f.write(k.asm["cubin"])
+                            f.flush()
+                            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
+                                                   capture_output=True, text=True).stdout
+                        found = {m: int(v) for m, v in re.findall(r"(REG|STACK):(\d+)", usage)}
+                        tiles = {f: v for f, v in cfg.as_dict().items() if f != "split_k"}
+                        lines.append({"compiled": {"scales": gran, **tiles},  # (split: run time)
+                                      "sm": arch, "wgmma": "warp_group_dot" in k.asm["ttgir"],
+                                      "shared": k.metadata.shared, "registers": found.get("REG"),
+                                      "spill_bytes": found.get("STACK")})
+                        print(json.dumps(lines[-1]), flush=True)
+    return lines
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["8b", "0.89b"], choices=list(SHAPES))
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 128, 256])
+    ap.add_argument("--scales", nargs="+", default=["block", "channel"],
+                    choices=("block", "channel"))
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run (Triton's interpreter)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--compile-only", type=int, metavar="SM", default=None,
+                    help="no GPU needed: compile every candidate for sm_SM (e.g. 90) and print "
+                         "its shared memory, registers and spills")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if args.tiny:
+        plan = {"tiny": TINY_LINEARS["tiny"]}
+        args.rows, args.scales = [1, 16], ["block"]
+    else:
+        plan = {shape: linears(SHAPES[shape]) for shape in args.shapes}
+    if args.compile_only:
+        return compile_only(plan, args.rows, args.scales, args.compile_only)
+    from parallel_models.inference.fp8.decode_tuning import l2_flush_buffer
+
+    timer = _timer(dev, args.reps, l2_flush_buffer(dev) if dev.type == "cuda" else None)
+    started, rows, cache = time.perf_counter(), [], {}
+    with torch.no_grad():
+        for shape, lins in plan.items():
+            for granularity in args.scales:
+                for name, (out, inp) in lins.items():
+                    for r in args.rows:
+                        row = run_case(args, shape, name, out, inp, r, granularity, dev, timer,
+                                       cache)
+                        print(json.dumps(row), flush=True)
+                        rows.append(row)
+    summary = best_lines(rows) + layer_lines(rows)
+    for line in summary:
+        print(json.dumps(line), flush=True)
+    print(json.dumps({"sweep_s": time.perf_counter() - started}), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "torch": torch.__version__, "cases": rows,
+                       "summary": summary}, f, indent=1)
+    return rows + summary
+
+
+if __name__ == "__main__":
+    main()

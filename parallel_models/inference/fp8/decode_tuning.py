@@ -1,0 +1,266 @@
+"""Tile configurations of the FP8 weight-only decode GEMM (``weight_only_kernel``) and the choice
+of one per decode shape, measured on the device once per process.
+
+A :class:`DecodeConfig` says how the ``[rows, in] x [out, in]^T`` product is cut into programs:
+``block_n`` output features (weight rows) by ``block_m`` activation rows per program, ``block_k``
+input features per step of the K loop, ``split_k`` programs sharing one output tile's K range
+(their fp32 partial sums added by the last one to finish), and Triton's ``num_warps`` /
+``num_stages`` (the software pipeline's depth).
+
+The choice is keyed on (row bucket, out, in, granularity, device), the row bucket being the
+smallest power of two >= the rows (at least 16): the continuous engine's decode buckets are powers
+of two, so a captured bucket always meets the key its eager warm-up tuned. :func:`choose`, for a
+key not seen yet, times every :func:`candidates` config on the real operands (CUDA events, the L2
+cache flushed before each run, the median of a few runs) and keeps the fastest; that happens in
+the eager run before a CUDA graph is captured (``generation.capture_cuda_graph`` runs the step
+once eagerly first), so the graph holds the chosen kernel. A config whose output disagrees with
+the default config's is passed over. Inside a capture, on the CPU (the
+Triton interpreter), above :data:`TUNED_ROWS` rows, or with :data:`TUNE` off, the
+:func:`default_config` runs untimed. ``bench/fp8_gemm_sweep.py`` prints every candidate's time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TUNE = True
+"""Time the candidates per key (False: always :func:`default_config`)."""
+TUNED_ROWS = 256
+"""Keys of at most this many rows are tuned (decode); larger products take the default."""
+SMEM_BYTES = 192 * 1024  # shared memory the pipeline's stages may take (an H100 SM has 227 KiB;
+# a device with less: smem_bytes)
+TWO_PER_SM_BYTES = 100 * 1024  # ... where two programs share an SM (the shallower variants)
+MAX_WORKSPACE_BYTES = 32 << 20  # split-K partial sums of one (split, bucket, out) at most
+TIMING_WARMUP, TIMING_REPS = 2, 10
+LAUNCH_COVER_CYCLES = 200_000  # ~100 us of GPU spin before each timed run: longer than a Triton
+# launch on the host, so the events time the kernel, not the launch (CUDA graphs replay without)
+
+_chosen: dict = {}  # key -> DecodeConfig
+timings: dict = {}  # key -> [(DecodeConfig, ms)] of the candidates timed for it
+_warned: set = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """One way to run the decode GEMM (see the module docstring)."""
+
+    block_n: int
+    block_m: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+    def grid(self, rows: int, out: int) -> int:
+        """Programs of a ``rows`` x ``out`` product (one dimension)."""
+        return _cdiv(rows, self.block_m) * self.split_k * _cdiv(out, self.block_n)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def row_bucket(rows: int) -> int:
+    """The smallest power of two >= ``rows``, at least 16 (tl.dot's smallest tile side)."""
+    return max(16, 1 << max(rows - 1, 0).bit_length())
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (the CPU: an H100's 132, so the choice the tests
+    see is the one an H100 starts from)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def smem_bytes(device: torch.device) -> int:
+    """Shared memory the pipeline may take on ``device``: :data:`SMEM_BYTES`, less on an SM
+    with less (100 KiB on SM 8.9), keeping 1 KiB the driver reserves per program and 8 KiB for
+    Triton's own use."""
+    if device.type != "cuda":
+        return SMEM_BYTES
+    props = torch.cuda.get_device_properties(device)
+    per_sm = getattr(props, "shared_memory_per_multiprocessor", 0) or SMEM_BYTES + 9216
+    return min(SMEM_BYTES, per_sm - 9216)
+
+
+def _split_for(tiles: int, k_tiles: int, sms: int) -> int:
+    """The smallest power-of-two K split that gives at least two programs per SM, keeping >= 4
+    K steps per program."""
+    split = 1
+    while tiles * split < 2 * sms and k_tiles >= 8 * split:
+        split *= 2
+    return split
+
+
+def _config(rows: int, out: int, inp: int, block_n: int, block_m: int, block_k: int,
+            split_k: int | None, sms: int, smem: int) -> DecodeConfig:
+    tiles = _cdiv(row_bucket(rows), block_m) * _cdiv(out, block_n)
+    if split_k is None:
+        split_k = _split_for(tiles, _cdiv(inp, block_k), sms)
+    stage = block_n * block_k + 2 * block_m * block_k  # e4m3 weight tile + 16-bit activation tile
+    return DecodeConfig(block_n, block_m, block_k, split_k,
+                        num_warps=4 if block_n * block_m <= 64 * 64 else 8,
+                        num_stages=max(2, min(5, smem // stage)))
+
+
+def _workspace_ok(cfg: DecodeConfig, rows: int, out: int) -> bool:
+    return cfg.split_k == 1 or cfg.split_k * row_bucket(rows) * out * 4 <= MAX_WORKSPACE_BYTES
+
+
+def default_config(rows: int, out: int, inp: int, granularity: str, sms: int = 132,
+                   smem: int = SMEM_BYTES) -> DecodeConfig:
+    """The untimed choice: 64 output features (128 from 64 rows on: the activation tile's L2
+    reads per weight byte halve) by all the rows (128-row tiles above 128), 128-wide K steps, K
+    split until the SMs have two programs each."""
+    bucket = row_bucket(rows)
+    block_m, block_n = min(bucket, 128), 64 if bucket <= 32 else 128
+    cfg = _config(rows, out, inp, block_n, block_m, 128, None, sms, smem)
+    while not _workspace_ok(cfg, rows, out):
+        cfg = dataclasses.replace(cfg, split_k=cfg.split_k // 2)
+    return cfg
+
+
+def candidates(rows: int, out: int, inp: int, granularity: str, sms: int = 132,
+               smem: int = SMEM_BYTES) -> list[DecodeConfig]:
+    """The configs timed for a key: 32 / 64 / 128 output features (from 64 rows: 64 / 128 /
+    256) by all the bucket's rows or (128 rows and more) half of them (accumulators of at most
+    128 x 128 values); 128-wide K
+    steps (64 with 256 rows; 256 too for channel scales with small tiles), each at the K split
+    that fills the SMs (the first K step also at half of it, and for 4-warp programs with a
+    pipeline shallow enough for two programs per SM)."""
+    bucket = min(row_bucket(rows), TUNED_ROWS)
+    out_list = []
+    for block_m in sorted({bucket, bucket // 2 if bucket >= 128 else bucket}):
+        for block_n in (32, 64, 128) if bucket <= 32 else (64, 128, 256):
+            if block_n * block_m > 128 * 128:
+                continue
+            block_ks = [128 if block_m <= 128 else 64]
+            if granularity == "channel" and block_m <= 64 and block_n <= 64:
+                block_ks.append(256)
+            for block_k in block_ks:
+                full = _config(rows, out, inp, block_n, block_m, block_k, None, sms, smem)
+                halved = max(1, full.split_k // 2) if block_k == block_ks[0] else full.split_k
+                variants = [dataclasses.replace(full, split_k=s)
+                            for s in sorted({full.split_k, halved})]
+                stage = block_n * block_k + 2 * block_m * block_k
+                two_per_sm = min(full.num_stages, min(TWO_PER_SM_BYTES, smem // 2) // stage)
+                if block_k == block_ks[0] and full.num_warps == 4 and \
+                        3 <= two_per_sm < full.num_stages:
+                    variants.append(dataclasses.replace(full, num_stages=two_per_sm))
+                out_list += [cfg for cfg in variants
+                             if _workspace_ok(cfg, rows, out) and cfg not in out_list]
+    return out_list
+
+
+def time_ms(fn, warmup: int = TIMING_WARMUP, reps: int = TIMING_REPS,
+            flush: torch.Tensor | None = None) -> float:
+    """Median milliseconds of ``fn()`` on the current CUDA stream (CUDA events), ``flush``
+    (a buffer larger than the L2 cache) overwritten before each timed run so the weights are
+    read from HBM as in a decode step, and the GPU kept busy while ``fn`` is launched (a decode
+    step replays its kernels from a CUDA graph: their launch cost is not theirs)."""
+    for _ in range(warmup):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for start, end in events:
+        if flush is not None:
+            flush.zero_()
+        torch.cuda._sleep(LAUNCH_COVER_CYCLES)  # the GPU busy while the host enqueues fn
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def l2_flush_buffer(device: torch.device) -> torch.Tensor:
+    """A byte buffer twice the device's L2 cache (for :func:`time_ms`)."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    return torch.empty(2 * max(l2, 1 << 20), dtype=torch.uint8, device=device)
+
+
+def tune(configs: list[DecodeConfig], run, device: torch.device) -> list[tuple]:
+    """``[(config, ms)]`` of ``run(config)`` for each config that builds (a config that does not
+    build here, e.g. out of shared memory, is left out), fastest first."""
+    try:
+        flush = l2_flush_buffer(device)
+    except torch.OutOfMemoryError:  # (a tight memory plan: time with the L2 warm instead)
+        flush = None
+    results = []
+    for cfg in configs:
+        try:
+            results.append((cfg, time_ms(lambda: run(cfg), flush=flush)))
+        except Exception as exc:  # noqa: BLE001 - Triton's OutOfResources, a PTX error, ...
+            log.debug("fp8 decode GEMM: %s does not run here: %s", cfg, exc)
+    del flush
+    return sorted(results, key=lambda r: r[1])
+
+
+def _fastest_agreeing(results: list[tuple], default: DecodeConfig, run) -> DecodeConfig:
+    """The fastest timed config whose output agrees with the default's (to bf16 rounding and
+    accumulation order): a config that builds but computes something else is never chosen."""
+    try:
+        want = run(default).to(torch.float32, copy=True)  # (run rewrites one output each time)
+    except Exception as exc:  # noqa: BLE001 - the default does not build on this device
+        if not results:
+            raise
+        log.warning("fp8 decode GEMM: the default tiles %s do not run here (%s); the fastest "
+                    "candidate %s unchecked", default, exc, results[0][0])
+        return results[0][0]
+    tol = 2.0 ** -7 * (float(want.abs().max()) + 1.0)
+    for cfg, _ in results:
+        if cfg == default or float((run(cfg).float() - want).abs().max()) <= tol:
+            return cfg
+        log.warning("fp8 decode GEMM: %s disagrees with the default tiles %s; not used", cfg,
+                    default)
+    return default
+
+
+def key_of(rows: int, out: int, inp: int, granularity: str, device: torch.device) -> tuple:
+    return (row_bucket(rows), out, inp, granularity, str(device))
+
+
+def choose(rows: int, out: int, inp: int, granularity: str, device: torch.device,
+           run) -> DecodeConfig:
+    """The config for this product (see the module docstring); ``run(config)`` launches the
+    kernel on the real operands and returns its output (overwritten by each run)."""
+    key = key_of(rows, out, inp, granularity, device)
+    cfg = _chosen.get(key)
+    if cfg is not None:
+        return cfg
+    limits = (sm_count(device), smem_bytes(device))
+    default = default_config(rows, out, inp, granularity, *limits)
+    if device.type != "cuda" or not TUNE or rows > TUNED_ROWS:
+        return default
+    if torch.cuda.is_current_stream_capturing():
+        if key not in _warned:
+            _warned.add(key)
+            log.warning("fp8 decode GEMM: %s first met inside a CUDA graph capture: its default "
+                        "tiles %s, untuned", key, default)
+        return default
+    results = tune(candidates(rows, out, inp, granularity, *limits), run, device)
+    timings[key] = results
+    _chosen[key] = _fastest_agreeing(results, default, run)
+    log.info("fp8 decode GEMM %s: %s (%.1f us of %d candidates)", key, _chosen[key],
+             1e3 * results[0][1] if results else float("nan"), len(results))
+    return _chosen[key]
+
+
+def chosen_configs() -> dict:
+    """key -> the config :func:`choose` settled on (a copy)."""
+    return dict(_chosen)
+
+
+__all__ = ["DecodeConfig", "TUNE", "TUNED_ROWS", "candidates", "choose", "chosen_configs",
+           "default_config", "key_of", "l2_flush_buffer", "row_bucket", "sm_count", "smem_bytes",
+           "time_ms", "timings", "tune"]

@@ -1,0 +1,99 @@
+"""The FP8 decode GEMM's tile choice (``inference/fp8/decode_tuning.py``), on the CPU without
+triton: the row buckets match the continuous engine's decode buckets; every candidate config for
+the 8B and 0.89B linears at decode row counts keeps within the kernel's limits (block scales: no
+K step crosses a 128 x 128 scale block, a tile spans block rows only whole; the pipeline's stages
+fit the shared memory; accumulators and split-K workspaces bounded) and some candidate fills an
+H100's 132 SMs; the default is a candidate; and ``choose`` times a key once, keeps the fastest
+whose output agrees with the default's, runs the default untimed inside a graph capture (without
+caching it) and on the CPU."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # (triton comes in with parallel_models.inference where it is
+    os.environ["TRITON_INTERPRET"] = "1"  # installed: the interpreter tests after this need it)
+
+from parallel_models.inference.bucket_step import bucket_sizes  # noqa: E402
+from parallel_models.inference.fp8 import decode_tuning as dt  # noqa: E402
+
+LINEARS = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),  # 8B: qkv, o, gate_up, down
+           (4096, 2048), (2048, 2048), (11264, 2048), (2048, 5632)]   # 0.89B
+
+
+def test_row_buckets_cover_the_engine_buckets():
+    assert [dt.row_bucket(r) for r in (1, 2, 16, 17, 64, 65, 200, 256)] == \
+        [16, 16, 16, 32, 64, 128, 256, 256]
+    for size in bucket_sizes(256):  # a captured bucket meets the key its warm-up tuned
+        assert dt.row_bucket(size) == max(16, size)
+
+
+@pytest.mark.parametrize("granularity", ["block", "channel"])
+@pytest.mark.parametrize("rows", [1, 16, 64, 128, 256])
+def test_candidates_keep_the_kernel_limits_and_fill_the_sms(granularity, rows):
+    for out, inp in LINEARS:
+        cands = dt.candidates(rows, out, inp, granularity, 132)
+        assert cands and len(cands) == len(set(cands)) and len(cands) <= 16
+        for c in cands:
+            if granularity == "block":
+                assert 128 % c.block_k == 0 and (128 % c.block_n == 0 or c.block_n % 128 == 0)
+            assert c.num_stages * (c.block_n * c.block_k + 2 * c.block_m * c.block_k) \
+                <= dt.SMEM_BYTES or c.num_stages == 2, c
+            assert c.block_n * c.block_m <= 128 * 128 and c.block_m <= dt.row_bucket(rows)
+            assert c.split_k == 1 or c.split_k * dt.row_bucket(rows) * out * 4 <= \
+                dt.MAX_WORKSPACE_BYTES
+            assert -(-inp // c.block_k) >= 4 * c.split_k or c.split_k == 1, c  # >= 4 K steps
+        # (within 5% of the SM count: 0.89B's o_proj at 64 rows gets 128 programs of 4 K steps)
+        assert max(c.grid(rows, out) for c in cands) >= 0.95 * 132, (out, inp)
+        assert dt.default_config(rows, out, inp, granularity, 132) in cands
+
+
+def test_a_device_with_less_shared_memory_gets_shallower_pipelines():
+    smem = 100 * 1024 - 9216  # an SM 8.9 SM's, less the driver's and Triton's reserves
+    for rows in (16, 64, 256):
+        for c in dt.candidates(rows, 4096, 14336, "block", 132, smem):
+            stage = c.block_n * c.block_k + 2 * c.block_m * c.block_k
+            assert c.num_stages * stage <= smem or c.num_stages == 2, c
+        small = dt.default_config(rows, 4096, 14336, "block", 132, smem).num_stages
+        big = dt.default_config(rows, 4096, 14336, "block", 132).num_stages
+        assert small < big if rows >= 64 else small == big  # (16-row tiles fit either way)
+
+
+def test_choose_times_once_keeps_the_fastest_agreeing_and_never_tunes_in_a_capture(
+        monkeypatch):
+    capturing = [False]
+    timed = []
+    cuda = torch.device("cuda", 0)
+    cands = dt.candidates(64, 4096, 4096, "block", 132)
+    default = dt.default_config(64, 4096, 4096, "block", 132)
+    wrong = cands[-1]  # the "fastest" computes something else: passed over
+
+    def fake_tune(configs, run, device):  # the later a candidate, the "faster"
+        timed.append(len(configs))
+        return sorted(((c, 1.0 + i) for i, c in enumerate(reversed(configs))),
+                      key=lambda r: r[1])
+
+    def run(cfg):
+        return torch.full((4, 8), 2.0 if cfg == wrong else 1.0)
+
+    monkeypatch.setattr(dt, "tune", fake_tune)
+    monkeypatch.setattr(dt, "sm_count", lambda device: 132)
+    monkeypatch.setattr(dt, "smem_bytes", lambda device: dt.SMEM_BYTES)
+    monkeypatch.setattr(dt, "_chosen", {})
+    monkeypatch.setattr(dt, "timings", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+
+    capturing[0] = True  # first met inside a capture: the default, untimed, not remembered
+    assert dt.choose(64, 4096, 4096, "block", cuda, run) == default and not timed
+    capturing[0] = False
+    assert dt.choose(50, 4096, 4096, "block", cuda, run) == cands[-2]  # bucket 64
+    assert dt.choose(64, 4096, 4096, "block", cuda, run) == cands[-2] and timed == [len(cands)]
+    capturing[0] = True  # tuned before: the capture gets the tuned config
+    assert dt.choose(33, 4096, 4096, "block", cuda, run) == cands[-2] and len(timed) == 1
+    capturing[0] = False
+    assert dt.choose(64, 4096, 4096, "channel", cuda, run) != default and len(timed) == 2
+    assert dt.choose(300, 4096, 4096, "block", cuda, run) == \
+        dt.default_config(300, 4096, 4096, "block", 132) and len(timed) == 2  # prefill-sized
+    assert dt.choose(64, 4096, 4096, "block", torch.device("cpu"), run) == default
+    assert len(timed) == 2

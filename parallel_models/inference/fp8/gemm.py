@@ -42,10 +42,12 @@ log = logging.getLogger(__name__)
 _warned: set = set()
 _probed: dict = {}  # (device, granularity) -> whether _scaled_mm ran and agreed with the emulation
 _weight_only: dict = {}  # (device, granularity) -> whether the W8A16 decode kernel agreed
-DECODE_ROWS = 256
+DECODE_ROWS = 64
 """Products of at most this many rows (decode steps) run weight-only (``weight_only_kernel``:
-e4m3 weights, 16-bit activations) where that kernel passed its check; larger ones (prefill) run
-``_scaled_mm`` with quantized activations. 0 = every product on ``_scaled_mm``."""
+e4m3 weights, 16-bit activations) where that kernel passed its check; larger ones (prefill, big
+decode batches) run ``_scaled_mm`` with quantized activations. 0 = every product on
+``_scaled_mm``. 64: on an H100 the kernel's four 8B linears took 0.77-0.79x bf16's time at 64
+rows but 1.48-1.72x at 256 (``bench/fp8_gemm_sweep.py``, docs/PERFORMANCE.md)."""
 _fused_quant: dict = {}  # device -> whether the Triton activation quantization is used there
 
 

@@ -355,13 +355,14 @@ class ParallelModel(torch.nn.Module):
         come as a ``ShardedCausalLMOutput``)."""
         cp_shard = None if isinstance(pad, int) else pad
         if self.head_kind == "causal_lm":
-            logits = self.lm_head(hidden, weight=self.output_weight() if self.lm_head.tied else None)
-            logits = logits.squeeze(1)  # [tokens(+pad), vocab/tp]; SP gathered by the head
-            if cp_shard is not None:  # gathered over CP on first use of .logits
+            weight = self.output_weight() if self.lm_head.tied else None
+            if cp_shard is not None:  # the head runs on first use (context_parallel.py)
                 from parallel_models.context_parallel import ShardedCausalLMOutput
 
-                return ShardedCausalLMOutput(logits, cp_shard,
+                return ShardedCausalLMOutput(cp_shard, hidden, self.lm_head, weight,
                                              self.lm_head.gather if full_vocab else None)
+            logits = self.lm_head(hidden, weight=weight)
+            logits = logits.squeeze(1)  # [tokens(+pad), vocab/tp]; SP gathered by the head
             if full_vocab:
                 logits = self.lm_head.gather(logits)
             return logits[: logits.shape[0] - pad]

@@ -92,10 +92,10 @@ def make_microbatches(batch: dict, max_tokens: int, routes: bool = True
 def _packed_log_probs(logits, mb, temperature: float, with_entropy: bool):
     """Next-token log-probs (and entropy) of every packed token; ``logits``: the packed
     vocab-parallel logits or the model's output (under context parallelism computed on this
-    rank's shard of the logits, then gathered: ``ContextParallelShard.next_token_log_probs``)."""
-    shard = getattr(logits, "cp_shard", None)
-    if shard is not None:
-        return shard.next_token_log_probs(logits.local_logits, with_entropy, temperature)
+    rank's share of the tokens, then gathered: ``ShardedCausalLMOutput.next_token_log_probs``,
+    chunked over long inputs)."""
+    if getattr(logits, "cp_shard", None) is not None:
+        return logits.next_token_log_probs(with_entropy, temperature)
     logits = getattr(logits, "logits", logits)
     return log_probs_from_packed_logits(logits, mb["input_ids"], mb["cu_seqlens"],
                                         with_entropy=with_entropy, temperature=temperature)

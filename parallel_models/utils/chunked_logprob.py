@@ -1,6 +1,7 @@
-"""Next-token log-probs (and entropy) straight from the LM head's input, a chunk of tokens at a
-time: the rank's ``[tokens, V_local]`` logits are never held whole, neither in the forward nor in
-the backward.
+"""Log-probs (and entropy) straight from the LM head's input, a chunk of tokens at a time.
+
+The rank's ``[tokens, V_local]`` logits are never held whole, neither in the forward nor in the
+backward.
 
 The unchunked path (``ParallelLMHead`` then :mod:`parallel_models.utils.vocab_parallel`) keeps the
 logits ``[T, V_local]`` for the backward and makes a gradient of the same size (plus float32
@@ -36,14 +37,14 @@ from parallel_models.utils.vocab_parallel import (SoftmaxStats, _compute_dtype, 
                                                   logits_grad, softmax_stats)
 
 # float32 bytes of one chunk's logits (the backward's largest temporaries are a few of these)
-LOGITS_CHUNK_BYTES = 1 << 30
+LOGITS_CHUNK_BYTES = 1 << 29
 
 __all__ = ["LOGITS_CHUNK_BYTES", "chunk_tokens_for", "chunked_head_log_probs", "worth_chunking"]
 
 
 def chunk_tokens_for(local_vocab: int) -> int:
     """Tokens per chunk: :data:`LOGITS_CHUNK_BYTES` of float32 logits, rounded down to a
-    multiple of 64 rows where that is at least 64 (at least 1): 2,048 at the Llama-3 vocabulary
+    multiple of 64 rows where that is at least 64 (at least 1): 1,024 at the Llama-3 vocabulary
     on one TP rank."""
     rows = LOGITS_CHUNK_BYTES // (4 * max(local_vocab, 1))
     return rows // 64 * 64 if rows >= 64 else max(rows, 1)

@@ -67,13 +67,13 @@ def build_model(shape: dict, seq: int, dtype: torch.dtype, seed: int = 0):
 def next_token_loss(out, mb):
     """Token-sum next-token cross-entropy (the schedule divides by the tokens) of the whole
     sequence, as the RL roles compute it: under CP each rank's log-probs come from its own tokens
-    (``ShardedCausalLMOutput.next_token_log_probs``: the head and the vocab-parallel log-prob a
-    chunk of tokens at a time, ``utils/chunked_logprob.py``) and are gathered; the logits of the
-    whole sequence are never gathered."""
+    and are gathered; for more tokens than one chunk (``heads/lm_output.py``) the head and the
+    vocab-parallel log-prob run a chunk of tokens at a time (``utils/chunked_logprob.py``); the
+    logits of the whole sequence are never gathered."""
     from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
 
-    if getattr(out, "cp_shard", None) is not None:
-        logp = out.next_token_log_probs()
+    if hasattr(out, "next_token_log_probs"):  # CP, or more tokens than one chunk
+        logp = out.next_token_log_probs(mb["input_ids"], mb["cu_seqlens"])
     else:
         logp = log_probs_from_packed_logits(out.logits, mb["input_ids"], mb["cu_seqlens"])
     return -logp.sum(), torch.tensor(logp.numel(), dtype=torch.int), {}

@@ -15,8 +15,10 @@ of 16,384 at 8B); the 30 more layer inputs of the 8B model (3.75 GiB) come on to
 CP-gathered logits of the whole sequence through ``log_probs_from_packed_logits``).
 
 Counting: a ``TorchDispatchMode`` records the storage of every tensor an op returns (views of a
-known storage are not counted twice) and drops it when the storage is freed; the peak of the sum
-and the largest live tensors at that moment are printed (rank 0), as one JSON line. Not counted:
+known storage are not counted twice) and drops it when the storage is freed; the peak of the sum,
+the largest live tensors at that moment and the peak of each phase (the layers' forward, the
+head's forward, its backward, the layers' backward; under CP) are printed (rank 0), as one JSON
+line. Not counted:
 what existed before the step (weights, DDP's gradient buffers); on the CPU the vocab-parallel
 math runs eagerly (on CUDA it is compiled: fewer float32 temporaries) and torch's lower-right
 causal SDPA bias is materialized as a mask (on CUDA: the flash kernel, no mask).
@@ -48,6 +50,7 @@ class LiveTensors(TorchDispatchMode):
         super().__init__()
         self.live: dict[int, tuple] = {}
         self.peak, self.at_peak, self.top = 0, [], top
+        self.phase, self.phase_peaks = "forward", {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -63,6 +66,7 @@ class LiveTensors(TorchDispatchMode):
                 self.live[key] = (StorageWeakRef(storage), storage.nbytes(),
                                   f"{func.__name__} {list(t.shape)} {str(t.dtype)[6:]}")
         total = sum(v[1] for v in self.live.values())
+        self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), total)
         if total > self.peak:
             self.peak = total
             biggest = sorted(self.live.values(), key=lambda v: -v[1])[:self.top]
@@ -120,13 +124,26 @@ def main(argv=None):
     mb = {"input_ids": ids, "cu_seqlens": torch.tensor([0, args.seq], dtype=torch.int32)}
     _bias_outside_the_mode()
     tracker = LiveTensors()
+    loss = gathered_loss if args.gathered else next_token_loss
+
+    def phased_loss(out, batch):  # the head's forward, its backward, then the layers'
+        tracker.phase = "head_forward"
+        hidden = getattr(out, "hidden", None)
+        if hidden is not None and hidden.requires_grad:
+            hidden.register_hook(lambda g: setattr(tracker, "phase", "layers_backward"))
+        result = loss(out, batch)
+        tracker.phase = "head_backward"
+        return result
+
     with tracker:
-        forward_backward(chunks, [dict(mb)], gathered_loss if args.gathered else next_token_loss)
+        forward_backward(chunks, [dict(mb)], phased_loss)
     mib = 2 ** 20
     line = {"case": f"seq{args.seq}-cp{args.cp}-recompute_{args.recompute}-{args.dtype}-"
                     f"{'gathered' if args.gathered else 'chunked'}",
             "peak_mib": round(tracker.peak / mib, 1),
             "x16_gib_at_8b": round(tracker.peak * 16 / 2 ** 30, 2),
+            "phase_peaks_x16_gib": {k: round(v * 16 / 2 ** 30, 2)
+                                    for k, v in tracker.phase_peaks.items()},
             "at_peak": [[label, round(nbytes / mib, 1)] for label, nbytes in tracker.at_peak]}
     if dist.get_rank() == 0:
         print(json.dumps(line), flush=True)

@@ -174,11 +174,13 @@ class ShardedCausalLMOutput:
             self._logits = logits if self._gather_vocab is None else self._gather_vocab(logits)
         return self._logits
 
-    def next_token_log_probs(self, with_entropy: bool = False, temperature: float = 1.0):
+    def next_token_log_probs(self, input_ids=None, cu_seqlens=None, with_entropy: bool = False,
+                             temperature: float = 1.0):
         """``ContextParallelShard.next_token_log_probs`` of this output: float32 ``[original
         tokens]`` (and the entropy with ``with_entropy``), gathered over the CP ranks; chunked
         over the tokens (``chunked_head_log_probs``) unless the logits are already there or
-        all local tokens fit one chunk."""
+        all local tokens fit one chunk. ``input_ids`` / ``cu_seqlens`` (the batch, which the
+        shard already holds) are taken for the signature of ``heads/lm_output.py``'s output."""
         from parallel_models.utils.chunked_logprob import chunked_head_log_probs, worth_chunking
 
         tokens = self.cp_shard.input_ids.shape[0]

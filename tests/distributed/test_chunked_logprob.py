@@ -4,9 +4,9 @@ weight's gradient (through the hidden states, the whole model) on a packed batch
 checkpoint, in the same gloo ranks. TP = 1 and TP = 2 (with and without sequence parallel), an
 untied head (Llama) and a tied one with a padded vocab slice (Qwen2, odd vocab at TP = 2), the
 log-prob alone and with the entropy; float32 to rel <= 1e-6, bf16 to the bf16 tolerance of
-tests/models/test_vocab_parallel.py. Under CP = 2 the roles' log-prob path
-(``ShardedCausalLMOutput.next_token_log_probs``) takes the chunked path for more local tokens
-than one chunk, without ever making the logits, with the same values and gradients."""
+tests/models/test_vocab_parallel.py. The model's output (``heads/lm_output.py``; under CP = 2
+``ShardedCausalLMOutput``) takes the chunked path in the roles' log-prob path for more local
+tokens than one chunk, without ever making the logits, with the same values and gradients."""
 
 import pytest
 import torch
@@ -39,7 +39,10 @@ def results(hf_models):
     named = [(name, world, (checks.head_parity, (hf_models[(family, "causal_lm")], tp, sp, ent,
                                                  chunk, bf16)))
              for name, family, tp, sp, ent, chunk, bf16, world in HEAD_CASES]
-    named.append(("cp2-llama", 2, (checks.cp_parity, (hf_models[("llama", "causal_lm")], 1, 2))))
+    llama = hf_models[("llama", "causal_lm")]
+    named += [("cp2-llama", 2, (checks.cp_parity, (llama, 1, 2))),
+              ("cp1-llama", 1, (checks.cp_parity, (llama, 1, 1))),
+              ("cp1-tp2sp-llama", 2, (checks.cp_parity, (llama, 2, 1, True)))]
     return run_named_jobs(named, timeout=600)
 
 
@@ -69,12 +72,18 @@ def test_chunked_head_equals_unchunked(results, case):
             assert r["bitwise"] == {"logp": True, "grads": True}, where
 
 
-def test_context_parallel_log_probs_chunked(results):
-    """CP = 2: chunks of 5 of each rank's 16 tokens give the unchunked run's log-probs, entropy,
-    loss and gradients, and the logits are never made; the unchunked run (one chunk) makes
-    them."""
-    for rank, r in enumerate(results["cp2-llama"]):
-        where = f"cp2 rank {rank}"
-        assert r["chunked"]["local_tokens"] > 5, where
-        assert not r["chunked"]["logits_made"] and r["plain"]["logits_made"], where
-        _compare(r["plain"], r["chunked"], FP32_TOL, where)
+@pytest.mark.parametrize("name", ["cp2-llama", "cp1-llama", "cp1-tp2sp-llama"])
+def test_model_output_log_probs_chunked(results, name):
+    """The model's output for more tokens than one chunk (CP = 2: each rank's 16 tokens; CP = 1:
+    the 31 tokens, at TP = 2 with sequence parallel and a padding row too): chunks of 5 give the
+    unchunked run's log-probs, entropy, loss and gradients, and the logits are never made (read
+    afterwards, they equal the eager head's); with one chunk the head runs as before (CP = 1:
+    the eager logits, no lazy output)."""
+    for rank, r in enumerate(results[name]):
+        where = f"{name} rank {rank}"
+        plain, chunked = r["plain"], r["chunked"]
+        assert chunked["local_tokens"] > 5, where
+        assert chunked["lazy"] and not chunked["logits_made"] and plain["logits_made"], where
+        assert plain["lazy"] == name.startswith("cp2"), where
+        _compare(plain, chunked, FP32_TOL, where)
+        assert torch.equal(chunked["logits"], plain["logits"]), where

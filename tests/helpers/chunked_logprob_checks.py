@@ -5,8 +5,9 @@ then ``vocab_parallel``) in the same ranks, on the same tiny checkpoint and pack
 :func:`head_parity`: the final hidden states of the model through both paths (TP, SP, tied or
 not, float32 or bf16); the log-probs, the entropy, the loss and every weight's gradient (the
 gradient of the hidden states flows through the whole model) of both, and a flag saying whether
-each pair is bit-identical. :func:`cp_parity`: the model at CP = ``cp`` through the roles' path
-(``_packed_log_probs``) with chunks of a few tokens and with one chunk (the logits materialized);
+each pair is bit-identical. :func:`cp_parity`: the model at CP = ``cp`` (or CP = 1, the long-input
+output) through the roles' path (``_packed_log_probs``) with chunks of a few tokens and with one
+chunk (the logits materialized);
 gradients summed over the CP group and divided by CP as in tests/helpers/context_parallel_checks.py.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-LENGTHS = (7, 1, 3, 12, 2, 5)
+LENGTHS = (7, 1, 3, 12, 2, 6)  # 31 tokens: one padding row under SP at TP = 2
 
 
 def _batch(vocab: int):
@@ -92,12 +93,14 @@ def head_parity(path: str, tp: int, sp: bool, with_entropy: bool, chunk: int,
     return {"plain": plain, "chunked": chunked, "bitwise": bitwise, "tied": head.tied}
 
 
-def cp_parity(path: str, tp: int, cp: int) -> dict:
-    """The roles' log-prob path at CP = ``cp`` with chunks of 5 tokens and unchunked."""
+def cp_parity(path: str, tp: int, cp: int, sp: bool = False) -> dict:
+    """The roles' log-prob path at CP = ``cp`` (1: the long-input output of
+    ``heads/lm_output.py``) with chunks of 5 tokens and unchunked (one chunk: the logits made;
+    at CP = 1 the eager head)."""
     from parallel_models.rl.roles.model_roles import _packed_log_probs
     from parallel_models.utils import chunked_logprob
 
-    model = _model(path, tp, cp, False, torch.float32)
+    model = _model(path, tp, cp, sp, torch.float32)
     ids, cu = _batch(model.config.vocab_size)
     layout = model.parallel_layout
 
@@ -113,9 +116,13 @@ def cp_parity(path: str, tp: int, cp: int) -> dict:
             loss.backward()
         finally:
             chunked_logprob.LOGITS_CHUNK_BYTES = saved
+        lazy = hasattr(out, "next_token_log_probs")
+        made = True
+        if lazy:
+            made = (out._local_logits if cp > 1 else out._logits) is not None
         return {"logp": logp.detach(), "entropy": ent.detach(), "loss": loss.detach(),
-                "grads": _grads(model, layout.cp_group, cp),
-                "logits_made": out._local_logits is not None,
-                "local_tokens": out.cp_shard.input_ids.shape[0]}
+                "grads": _grads(model, layout.cp_group, cp), "lazy": lazy, "logits_made": made,
+                "local_tokens": out.cp_shard.input_ids.shape[0] if cp > 1 else ids.shape[0],
+                "logits": out.logits.detach()}
 
     return {"plain": run(10 ** 6), "chunked": run(5)}

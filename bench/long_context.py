@@ -28,7 +28,8 @@ Memory per rank at the 8B shape, 32k tokens, CP = 2 (what the peak is made of, d
 ``utils/chunked_logprob.py``): bf16 weights 14.96 GiB, megatron DDP's fp32 gradient buffer
 29.92 GiB, the distributed optimizer's fp32 main-weight shard 14.96 GiB (it stays on the device
 with the states offloaded), 32 layer inputs of 128 MiB each (full recomputation), then the
-transient of one recomputed layer's backward or of the chunked log-prob's backward.
+transient of one recomputed layer's backward or of the chunked log-prob's backward (about 5 GiB,
+``bench/long_context_memory.py`` counts them on the CPU): about 69 GiB in ``forward_backward``.
 """
 
 from __future__ import annotations

@@ -97,6 +97,8 @@ def main(argv=None):
     p.add_argument("--gathered", action="store_true",
                    help="the old loss: log-probs of the CP-gathered logits")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--layers", type=int, default=2,
+                   help="decoder layers (the forward's peak stays one layer's with recompute)")
     args = p.parse_args(argv)
 
     import parallel_models as pm
@@ -116,7 +118,7 @@ def main(argv=None):
     chunked_logprob.LOGITS_CHUNK_BYTES //= 16
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     pm.init_parallel(context_parallel_size=args.cp)
-    model = build_model(SHAPE_8B_QUARTER, args.seq, dtype)
+    model = build_model(dict(SHAPE_8B_QUARTER, num_hidden_layers=args.layers), args.seq, dtype)
     set_recompute(model, args.recompute)
     chunks = wrap_for_training([model], use_distributed_optimizer=True)
     gen = torch.Generator().manual_seed(1)
@@ -138,7 +140,8 @@ def main(argv=None):
     with tracker:
         forward_backward(chunks, [dict(mb)], phased_loss)
     mib = 2 ** 20
-    line = {"case": f"seq{args.seq}-cp{args.cp}-recompute_{args.recompute}-{args.dtype}-"
+    line = {"case": f"seq{args.seq}-layers{args.layers}-cp{args.cp}-recompute_{args.recompute}-"
+                    f"{args.dtype}-"
                     f"{'gathered' if args.gathered else 'chunked'}",
             "peak_mib": round(tracker.peak / mib, 1),
             "x16_gib_at_8b": round(tracker.peak * 16 / 2 ** 30, 2),

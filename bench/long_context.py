@@ -21,7 +21,15 @@ Printed: one JSON line per case (step): ``tokens_per_s`` (the sequence's tokens 
 allocated on this rank's device during it (``torch.cuda.max_memory_allocated``, reset before each
 phase; 0 on the CPU), the maximum over the ranks. The first ``--warmup`` steps are reported too,
 marked ``"warmup": true``. ``--tiny``: a 2-layer toy shape on a 256-token sequence (fp32; gloo on
-the CPU works), the smoke the test suite runs.
+the CPU works), the smoke the test suite runs (with ``--logits-chunk-mib 0.05``: 25-token chunks
+of the log-prob path, as the 8B shape's 16,384 tokens per rank take 1,024-token chunks).
+
+Memory per rank at the 8B shape, 32k tokens, CP = 2 (what the peak is made of, docs in
+``utils/chunked_logprob.py``): bf16 weights 14.96 GiB, megatron DDP's fp32 gradient buffer
+29.92 GiB, the distributed optimizer's fp32 main-weight shard 14.96 GiB (it stays on the device
+with the states offloaded), 32 layer inputs of 128 MiB each (full recomputation), then the
+transient of one recomputed layer's backward or of the chunked log-prob's backward (about 5 GiB,
+``bench/long_context_memory.py`` counts them on the CPU): about 69 GiB in ``forward_backward``.
 """
 
 from __future__ import annotations
@@ -58,11 +66,17 @@ def build_model(shape: dict, seq: int, dtype: torch.dtype, seed: int = 0):
 
 
 def next_token_loss(out, mb):
-    """Token-sum next-token cross-entropy (the schedule divides by the tokens) on this CP rank's
-    share, through the vocab-parallel log-prob path."""
+    """Token-sum next-token cross-entropy (the schedule divides by the tokens) of the whole
+    sequence, as the RL roles compute it: under CP each rank's log-probs come from its own tokens
+    and are gathered; for more tokens than one chunk (``heads/lm_output.py``) the head and the
+    vocab-parallel log-prob run a chunk of tokens at a time (``utils/chunked_logprob.py``); the
+    logits of the whole sequence are never gathered."""
     from parallel_models.utils.vocab_parallel import log_probs_from_packed_logits
 
-    logp = log_probs_from_packed_logits(out.logits, mb["input_ids"], mb["cu_seqlens"])
+    if hasattr(out, "next_token_log_probs"):  # CP, or more tokens than one chunk
+        logp = out.next_token_log_probs(mb["input_ids"], mb["cu_seqlens"])
+    else:
+        logp = log_probs_from_packed_logits(out.logits, mb["input_ids"], mb["cu_seqlens"])
     return -logp.sum(), torch.tensor(logp.numel(), dtype=torch.int), {}
 
 
@@ -103,6 +117,9 @@ def main(argv=None):
     p.add_argument("--optimizer-offload-fraction", type=float, default=1.0)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--logits-chunk-mib", type=float, default=None,
+                   help="float32 MiB of logits per token chunk of the log-prob path (default "
+                        "utils/chunked_logprob.LOGITS_CHUNK_BYTES: 512)")
     p.add_argument("--out", default=None, help="also write the JSON lines here (rank 0)")
     args = p.parse_args(argv)
 
@@ -112,6 +129,10 @@ def main(argv=None):
     from parallel_models.utils.optimizer import (OptimConfig, build_optimizer, optimizer_step,
                                                  zero_grads)
 
+    if args.logits_chunk_mib is not None:
+        from parallel_models.utils import chunked_logprob
+
+        chunked_logprob.LOGITS_CHUNK_BYTES = max(1, int(args.logits_chunk_mib * 2**20))
     cuda = torch.cuda.is_available()
     shape = SHAPE_TINY if args.tiny else SHAPE_8B
     seq = args.seq or (256 if args.tiny else 32768)

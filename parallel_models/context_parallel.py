@@ -136,19 +136,36 @@ class ContextParallelShard:
         else:
             logp = vocab_parallel_log_probs(local_logits, self.next_ids, group,
                                             temperature=temperature)
+            ent = None
+        return self.gather_log_probs(logp, ent)
+
+    def gather_log_probs(self, logp: torch.Tensor, entropy: torch.Tensor | None = None):
+        """This rank's per-token log-probs of ``next_ids`` (and entropies) -> the original order
+        over all ranks, the log-prob 0 where no next token of the same sequence exists."""
         logp = self.gather_outputs(torch.where(self.has_next, logp, torch.zeros_like(logp)))
-        return (logp, self.gather_outputs(ent)) if with_entropy else logp
+        return logp if entropy is None else (logp, self.gather_outputs(entropy))
 
 
 class ShardedCausalLMOutput:
-    """A CausalLM output under CP: this rank's vocab-parallel ``local_logits`` and its ``shard``;
-    ``logits`` (all tokens in the original order, as without CP) are gathered on first use, so
-    a caller that needs only log-probs and entropy (``shard.next_token_log_probs``) never
-    gathers the logits."""
+    """A CausalLM output under CP: this rank's final hidden states and the vocab-parallel LM
+    head, with its ``shard``. ``local_logits`` (this rank's ``[local, V_local]``) are computed on
+    first use, ``logits`` (all tokens in the original order, as without CP) gathered on first
+    use; :meth:`next_token_log_probs` needs neither: for more tokens than one chunk of
+    ``utils/chunked_logprob.py`` it goes from the hidden states to the log-probs a chunk of
+    tokens at a time, so a caller that needs only log-probs and entropy never holds the
+    logits."""
 
-    def __init__(self, local_logits: torch.Tensor, shard: ContextParallelShard, gather_vocab=None):
-        self.local_logits, self.cp_shard, self._gather_vocab = local_logits, shard, gather_vocab
-        self._logits = None
+    def __init__(self, shard: ContextParallelShard, hidden: torch.Tensor, lm_head,
+                 weight: torch.Tensor | None = None, gather_vocab=None):
+        self.cp_shard, self.hidden, self.lm_head, self._weight = shard, hidden, lm_head, weight
+        self._gather_vocab = gather_vocab
+        self._local_logits = self._logits = None
+
+    @property
+    def local_logits(self) -> torch.Tensor:
+        if self._local_logits is None:
+            self._local_logits = self.lm_head(self.hidden, weight=self._weight).squeeze(1)
+        return self._local_logits
 
     @property
     def logits(self) -> torch.Tensor:
@@ -156,6 +173,24 @@ class ShardedCausalLMOutput:
             logits = self.cp_shard.gather_outputs(self.local_logits)
             self._logits = logits if self._gather_vocab is None else self._gather_vocab(logits)
         return self._logits
+
+    def next_token_log_probs(self, input_ids=None, cu_seqlens=None, with_entropy: bool = False,
+                             temperature: float = 1.0):
+        """``ContextParallelShard.next_token_log_probs`` of this output: float32 ``[original
+        tokens]`` (and the entropy with ``with_entropy``), gathered over the CP ranks; chunked
+        over the tokens (``chunked_head_log_probs``) unless the logits are already there or
+        all local tokens fit one chunk. ``input_ids`` / ``cu_seqlens`` (the batch, which the
+        shard already holds) are taken for the signature of ``heads/lm_output.py``'s output."""
+        from parallel_models.utils.chunked_logprob import chunked_head_log_probs, worth_chunking
+
+        tokens = self.cp_shard.input_ids.shape[0]
+        if self._local_logits is not None or not worth_chunking(tokens, self.lm_head.per_rank):
+            return self.cp_shard.next_token_log_probs(self.local_logits, with_entropy,
+                                                      temperature, self.lm_head.proj.tp_group)
+        logp, ent = chunked_head_log_probs(self.hidden, self.lm_head, self.cp_shard.next_ids,
+                                           weight=self._weight, with_entropy=with_entropy,
+                                           temperature=temperature)
+        return self.cp_shard.gather_log_probs(logp, ent)
 
 
 def shard_packed_batch(input_ids: torch.Tensor, position_ids: torch.Tensor,

@@ -182,7 +182,7 @@ def _forward_step(data_iterator, model, *, fn, with_loss: bool):
             loss, num_tokens, metrics = fn(out, batch)
             return loss, num_tokens, metrics
         result = fn(out, batch)
-        head = getattr(out, "local_logits", None)  # under CP: this rank's (no gather)
+        head = getattr(out, "hidden", None)  # under CP: this rank's hidden (no logits)
         if head is None:
             head = out.logits if hasattr(out, "logits") else out.values
         zero = head.sum() * 0.0

@@ -28,6 +28,7 @@ from megatron.core.transformer import TransformerConfig
 from parallel_models.config import ConfigError, ModelConfig, resolve_dtype
 from parallel_models.distributed import layout_or_training
 from parallel_models.heads import ParallelLMHead, ValueHead
+from parallel_models.heads.lm_output import causal_lm_head
 from parallel_models.llama import checkpoint_utils as ckpt_io
 from parallel_models.llama.layers import ParallelDecoderLayer, RMSNorm, RotaryEmbedding
 from parallel_models.llama.layers import moe_aux_carry, moe_aux_loss, recompute
@@ -351,20 +352,11 @@ class ParallelModel(torch.nn.Module):
 
     def _head(self, hidden, pad, full_vocab):
         """Final hidden -> logits or values of the real tokens (``pad``: the padding count, or
-        the CP shard whose outputs are gathered back to the original order; the logits then
-        come as a ``ShardedCausalLMOutput``)."""
+        the CP shard whose outputs are gathered back to the original order). Under CP and for
+        long inputs the LM head runs on first use (``heads/lm_output.py``)."""
         cp_shard = None if isinstance(pad, int) else pad
         if self.head_kind == "causal_lm":
-            logits = self.lm_head(hidden, weight=self.output_weight() if self.lm_head.tied else None)
-            logits = logits.squeeze(1)  # [tokens(+pad), vocab/tp]; SP gathered by the head
-            if cp_shard is not None:  # gathered over CP on first use of .logits
-                from parallel_models.context_parallel import ShardedCausalLMOutput
-
-                return ShardedCausalLMOutput(logits, cp_shard,
-                                             self.lm_head.gather if full_vocab else None)
-            if full_vocab:
-                logits = self.lm_head.gather(logits)
-            return logits[: logits.shape[0] - pad]
+            return causal_lm_head(self, hidden, pad, full_vocab)
         values = self.value_head(hidden)
         if cp_shard is not None:
             return cp_shard.gather_outputs(values)
@@ -380,7 +372,7 @@ class ParallelModel(torch.nn.Module):
             return hidden
         out = self._head(hidden, pad, full_vocab)
         if self.head_kind == "causal_lm":
-            return out if hasattr(out, "cp_shard") else CausalLMOutput(out)
+            return CausalLMOutput(out) if torch.is_tensor(out) else out
         return ValueOutput(out)
 
     def forward_padded(self, input_ids, attention_mask=None, position_ids=None,

@@ -38,6 +38,7 @@ RmPad (packed) helpers:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -87,40 +88,73 @@ def _shifted(z: torch.Tensor, max_z: torch.Tensor) -> torch.Tensor:
     return torch.sub(z, max_z.unsqueeze(-1)).clamp_(min=torch.finfo(z.dtype).min)
 
 
+@dataclasses.dataclass
+class SoftmaxStats:
+    """What :func:`softmax_stats` found for rows of vocab-parallel logits: the outputs
+    (``log_probs`` / ``entropy``, float32, None where not asked for) and what
+    :func:`logits_grad` needs to recompute the softmax from the same logits."""
+
+    log_probs: torch.Tensor | None
+    entropy: torch.Tensor | None
+    max_z: torch.Tensor
+    sum_exp: torch.Tensor
+    mean_s: torch.Tensor | None
+    in_range: torch.Tensor | None
+    idx: torch.Tensor | None
+
+
+def softmax_stats(logits, labels, group, need_entropy: bool, temperature: float) -> SoftmaxStats:
+    """The forward math of the vocab-parallel log-prob / entropy (module docstring) on
+    ``logits [..., V_local]``: two all-reduces over ``group`` (None: local)."""
+    need_logp = labels is not None
+    t = float(temperature)
+    max_z = _row_max(logits, t)
+    if group is not None:
+        dist.all_reduce(max_z, op=dist.ReduceOp.MAX, group=group)
+    in_range = idx = None
+    if need_logp:
+        local = labels.long() - _vocab_start(group, logits.shape[-1])
+        stats, in_range, idx = _row_stats_with_target(logits, max_z, local, need_entropy, t)
+    else:
+        stats = _row_stats(logits, max_z, need_entropy, t)
+    if group is not None:
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+    sum_exp = stats[..., 0]
+    log_z = sum_exp.log()
+    log_probs = entropy = mean_s = None
+    if need_entropy:
+        mean_s = stats[..., 1] / sum_exp  # E_p[s] (<= 0)
+        entropy = log_z - mean_s
+    if need_logp:
+        log_probs = stats[..., -1] - max_z - log_z
+    return SoftmaxStats(log_probs, entropy, max_z, sum_exp, mean_s, in_range, idx)
+
+
+def logits_grad(logits, stats: SoftmaxStats, grad_logp, grad_ent, temperature: float):
+    """d/dlogits of ``sum(grad_logp * log_probs + grad_ent * entropy)`` (either grad may be
+    None, not both), in the logits' dtype; local (no communication)."""
+    t = float(temperature)
+    if grad_ent is None:
+        return _logp_grad(logits, stats.max_z, stats.sum_exp, grad_logp, stats.in_range,
+                          stats.idx, t)
+    if grad_logp is None:
+        return _entropy_grad(logits, stats.max_z, stats.sum_exp, stats.mean_s, grad_ent, t)
+    return _logp_entropy_grad(logits, stats.max_z, stats.sum_exp, stats.mean_s, grad_logp,
+                              grad_ent, stats.in_range, stats.idx, t)
+
+
 class _VocabParallelLogProbsEntropy(torch.autograd.Function):
     """Forward returns ``(log_probs or None, entropy or None)``, float32 (float64 for float64
     input), shape ``logits.shape[:-1]``; backward is local (no communication)."""
 
     @staticmethod
     def forward(ctx, logits, labels, group, need_entropy, temperature=1.0):
-        need_logp = labels is not None
-        t = float(temperature)
-        max_z = _row_max(logits, t)
-        if group is not None:
-            dist.all_reduce(max_z, op=dist.ReduceOp.MAX, group=group)
-        if need_logp:
-            local = labels.long() - _vocab_start(group, logits.shape[-1])
-            stats, in_range, idx = _row_stats_with_target(logits, max_z, local, need_entropy, t)
-        else:
-            stats = _row_stats(logits, max_z, need_entropy, t)
-        if group is not None:
-            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
-        sum_exp = stats[..., 0]
-        log_z = sum_exp.log()
-
-        log_probs = entropy = None
-        mean_s = None
-        if need_entropy:
-            mean_s = stats[..., 1] / sum_exp  # E_p[s] (<= 0)
-            entropy = log_z - mean_s
-        if need_logp:
-            log_probs = stats[..., -1] - max_z - log_z
-            ctx.save_for_backward(logits, max_z, sum_exp, mean_s, in_range, idx)
-        else:
-            ctx.save_for_backward(logits, max_z, sum_exp, mean_s, None, None)
-        ctx.need_logp, ctx.need_entropy, ctx.temperature = need_logp, need_entropy, t
+        stats = softmax_stats(logits, labels, group, need_entropy, temperature)
+        ctx.save_for_backward(logits, stats.max_z, stats.sum_exp, stats.mean_s, stats.in_range,
+                              stats.idx)
+        ctx.temperature = float(temperature)
         ctx.set_materialize_grads(False)
-        return log_probs, entropy
+        return stats.log_probs, stats.entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -128,15 +162,9 @@ class _VocabParallelLogProbsEntropy(torch.autograd.Function):
         logits, max_z, sum_exp, mean_s, in_range, idx = ctx.saved_tensors
         if grad_logp is None and grad_ent is None:
             return None, None, None, None, None
-        t = ctx.temperature
-        if grad_ent is None:
-            grad = _logp_grad(logits, max_z, sum_exp, grad_logp, in_range, idx, t)
-        elif grad_logp is None:
-            grad = _entropy_grad(logits, max_z, sum_exp, mean_s, grad_ent, t)
-        else:
-            grad = _logp_entropy_grad(logits, max_z, sum_exp, mean_s, grad_logp, grad_ent,
-                                      in_range, idx, t)
-        return grad, None, None, None, None
+        stats = SoftmaxStats(None, None, max_z, sum_exp, mean_s, in_range, idx)
+        return logits_grad(logits, stats, grad_logp, grad_ent, ctx.temperature), \
+            None, None, None, None
 
 
 # The local [..., V] math below is pure elementwise/reduction work: on CUDA each function runs

@@ -1,5 +1,6 @@
 """The long-context bench (``bench/long_context.py``) in its ``--tiny`` CPU mode as torchrun
-runs it: 2 gloo ranks at CP = 2 with full recomputation and the distributed optimizer; one JSON
+runs it: 2 gloo ranks at CP = 2 with full recomputation and the distributed optimizer, the
+log-prob path in chunks of 25 of each rank's 128 tokens (``utils/chunked_logprob.py``); one JSON
 line per step with the step's tokens/s and each phase's seconds and peak memory, and a finite
 update."""
 
@@ -16,7 +17,7 @@ def test_tiny_cp2_step_prints_one_json_line_per_step():
     from parallel_models.testing import start_main_ranks
 
     ranks = start_main_ranks("bench.long_context:main", ["--tiny", "--steps", "1", "--warmup",
-                                                         "1"], 2,
+                                                         "1", "--logits-chunk-mib", "0.05"], 2,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     code = ranks.wait(300)
     assert code == 0, ranks.stdout[-2000:] + ranks.stderr[-3000:]

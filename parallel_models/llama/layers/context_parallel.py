@@ -6,7 +6,8 @@ attends to the prefix of its sequence up to its own end, causally aligned at the
 (query ``i`` of a chunk that starts at position ``p`` sees keys ``0 .. p + i``). Exact: the same
 softmax over the same keys as the CP = 1 kernel. flash-attn's varlen kernel does it in one call
 on the GPU (fp16/bf16; its causal mask is bottom-right aligned when queries are fewer than keys);
-otherwise one ``scaled_dot_product_attention`` per chunk with torch's lower-right causal bias.
+otherwise one ``scaled_dot_product_attention`` per chunk with torch's lower-right causal bias, on
+4-D inputs (SDPA's fused kernels refuse 3-D ones: its math kernel would make the scores).
 """
 
 from __future__ import annotations
@@ -45,17 +46,21 @@ def _sdpa_blocks(q, keys, values, shard, scale):
     rep = q.shape[1] // keys.shape[1]
     outs = []
     for b in shard.blocks:
-        qs = q[b.q_start:b.q_start + b.length].transpose(0, 1)
-        ks = keys[b.k_start:b.k_start + b.k_length].transpose(0, 1)
-        vs = values[b.k_start:b.k_start + b.k_length].transpose(0, 1)
+        # [1, heads, tokens, d]: SDPA's fused kernels (flash, memory-efficient) take only 4-D
+        # inputs; 3-D ones run its math kernel, which makes the [heads, length, k_length]
+        # scores (float32 on CUDA: 32 GiB per layer for an 8k chunk of a 32k sequence at 32
+        # heads) and the mask
+        qs = q[b.q_start:b.q_start + b.length].transpose(0, 1).unsqueeze(0)
+        ks = keys[b.k_start:b.k_start + b.k_length].transpose(0, 1).unsqueeze(0)
+        vs = values[b.k_start:b.k_start + b.k_length].transpose(0, 1).unsqueeze(0)
         if rep > 1:
-            ks = ks.repeat_interleave(rep, dim=0)
-            vs = vs.repeat_interleave(rep, dim=0)
+            ks = ks.repeat_interleave(rep, dim=1)
+            vs = vs.repeat_interleave(rep, dim=1)
         # query i of the chunk sits at position k_length - length + i: causal, bottom right
-        # (torch's CausalBias: fused kernels on the GPU, no mask materialized there)
+        # (torch's CausalBias: the flash kernel on the GPU, no mask materialized there)
         mask = causal_lower_right(b.length, b.k_length)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
-        outs.append(o.transpose(0, 1))
+        outs.append(o.squeeze(0).transpose(0, 1))
     if not outs:
         return q.new_empty(q.shape)
     return torch.cat(outs, dim=0)

@@ -91,11 +91,12 @@ def make_microbatches(batch: dict, max_tokens: int, routes: bool = True
 
 def _packed_log_probs(logits, mb, temperature: float, with_entropy: bool):
     """Next-token log-probs (and entropy) of every packed token; ``logits``: the packed
-    vocab-parallel logits or the model's output (under context parallelism computed on this
-    rank's shard of the logits, then gathered: ``ContextParallelShard.next_token_log_probs``)."""
-    shard = getattr(logits, "cp_shard", None)
-    if shard is not None:
-        return shard.next_token_log_probs(logits.local_logits, with_entropy, temperature)
+    vocab-parallel logits or the model's output (under context parallelism or for long inputs
+    its own ``next_token_log_probs``: on this rank's share of the tokens then gathered, chunked
+    over the tokens without the logits; ``heads/lm_output.py``)."""
+    if hasattr(logits, "next_token_log_probs"):
+        return logits.next_token_log_probs(mb["input_ids"], mb["cu_seqlens"], with_entropy,
+                                           temperature)
     logits = getattr(logits, "logits", logits)
     return log_probs_from_packed_logits(logits, mb["input_ids"], mb["cu_seqlens"],
                                         with_entropy=with_entropy, temperature=temperature)

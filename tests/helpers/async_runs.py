@@ -61,7 +61,7 @@ def hold_pushes_until_queued(trainer) -> None:
     def held(version):
         producer = rollout.producer
         want = min(k, total - int(version))
-        while producer is not None and producer.queue.qsize() < want:
+        while producer is not None and producer.ready() < want:
             time.sleep(0.005)
         push(version)
 

@@ -4,8 +4,6 @@ behind is never trained on (``drop``: its response mask zeroed; ``regenerate``: 
 prompts generated again under the current weights), weights the run did not push count as
 too old, and the metrics count what happened."""
 
-import queue
-
 import pytest
 import torch
 
@@ -18,7 +16,7 @@ class _QueuedStep:
     """The producer's side: one queued step, no waiting."""
 
     def __init__(self, item):
-        self.item, self.queue = item, queue.Queue()
+        self.item = item
 
     def take(self, step):
         assert step == self.item.step
@@ -26,6 +24,9 @@ class _QueuedStep:
 
     def take_idle(self):
         return 0.25
+
+    def ready(self):
+        return 0
 
 
 def _rollout(policy: str, token_versions, fresh_versions):

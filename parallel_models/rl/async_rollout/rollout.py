@@ -13,8 +13,8 @@
 - ``metrics``: ``async/staleness_mean``, ``async/staleness_max``, ``async/queue_size`` (samples
   ready beyond the step's), ``async/dropped_samples``, ``async/regenerated_samples``,
   ``async/partial_samples`` (drawn under more than one version), ``async/trainer_idle_s`` (the
-  trainer waiting for samples) and ``async/rollout_idle_s`` (the producer waiting for weights or
-  a queue slot) of the step.
+  trainer waiting for samples) and ``async/rollout_idle_s`` (time with no request of the
+  producer at the server: it waited for weights) of the step.
 
 Only the first rank of each model-parallel group (one training replica) runs a producer and
 talks to the server; the step's batch reaches the group's other ranks by broadcast.
@@ -144,7 +144,7 @@ class AsyncServerRollout:
         t0 = time.perf_counter()
         item = self.producer.take(planned.step)
         trainer_idle = time.perf_counter() - t0
-        ready = self.producer.queue.qsize() * len(item.token_versions)
+        ready = self.producer.ready() * len(item.token_versions)
         batch, token_versions = item.batch, item.token_versions
         staleness = self._staleness(token_versions)
         stale = too_stale(staleness, self.max_staleness)

@@ -22,25 +22,27 @@ class PlannedStep:
     step: int
     prompt_ids: list
     prompt_seeds: list | None
+    prompt_caps: list | None = None  # data.max_new_tokens_key: each prompt's response cap
 
     def key(self, sampling) -> tuple:
-        return request_key(self.prompt_ids, sampling, self.prompt_seeds)
+        return request_key(self.prompt_ids, sampling, self.prompt_seeds, self.prompt_caps)
 
 
-def request_key(prompt_ids, sampling, prompt_seeds) -> tuple:
-    """What identifies a generate call: its prompts, draw seeds and sampling."""
+def request_key(prompt_ids, sampling, prompt_seeds, prompt_caps=None) -> tuple:
+    """What identifies a generate call: its prompts, draw seeds, response caps and sampling."""
     return (tuple(tuple(int(t) for t in p) for p in prompt_ids), sampling.n,
             sampling.sampling_key(),
-            None if prompt_seeds is None else tuple(int(s) for s in prompt_seeds))
+            None if prompt_seeds is None else tuple(int(s) for s in prompt_seeds),
+            None if prompt_caps is None else tuple(int(c) for c in prompt_caps))
 
 
 class StepPlan:
     """Step after step, this rank's prompts (``PPOTrainer._draw_rollout``'s choice: the
     ``dp_rank``-th of every ``dp_size`` prompts; seeds ``prompt_seed(seed, step, index)``,
-    None when greedy)."""
+    None when greedy; ``caps(records, rows)``: their response caps, as the trainer reads them)."""
 
     def __init__(self, loader, first_step: int, *, dp_rank: int, dp_size: int, seed: int,
-                 greedy: bool):
+                 greedy: bool, caps=None):
         from parallel_models.rl.data.prompts import PromptLoader
 
         self.loader = PromptLoader(loader.dataset, batch_size=loader.batch_size,
@@ -48,6 +50,7 @@ class StepPlan:
         self.loader.load_state_dict(loader.state_dict())
         self.step = first_step
         self.dp_rank, self.dp_size, self.seed, self.greedy = dp_rank, dp_size, seed, greedy
+        self.caps = caps  # records, rows -> the rows' response caps (None: no per-prompt caps)
         self.last: PlannedStep | None = None
 
     def next(self) -> PlannedStep:
@@ -57,7 +60,8 @@ class StepPlan:
         prompt_ids = records["input_ids"]
         mine = [i for i in range(len(prompt_ids)) if i % self.dp_size == self.dp_rank]
         seeds = None if self.greedy else [prompt_seed(self.seed, self.step, i) for i in mine]
-        self.last = PlannedStep(self.step, [prompt_ids[i] for i in mine], seeds)
+        caps = None if self.caps is None else self.caps(records, mine)
+        self.last = PlannedStep(self.step, [prompt_ids[i] for i in mine], seeds, caps)
         self.step += 1
         return self.last
 

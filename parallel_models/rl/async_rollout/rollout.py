@@ -64,10 +64,17 @@ class AsyncServerRollout:
     def start_producer(self, trainer) -> None:
         """Start producing the trainer's steps from its (possibly resumed) state: its loader,
         step index, data-parallel place and run seed."""
+        caps = None
+        if self.cfg.data.max_new_tokens_key:  # per-prompt response caps (the trainer's rule)
+            from parallel_models.rl.data.prompts import prompt_caps
+
+            def caps(records, rows):
+                return prompt_caps(records, rows, self.cfg.data, self.cfg.rollout.max_new_tokens)
+
         def plan():
             return StepPlan(trainer.loader, trainer.step_index, dp_rank=trainer.dp_rank,
                             dp_size=trainer.dp_size, seed=self.cfg.trainer.seed,
-                            greedy=self.sampling.greedy)
+                            greedy=self.sampling.greedy, caps=caps)
 
         self.plan = plan()
         draw = trainer.rollout_phase
@@ -97,7 +104,8 @@ class AsyncServerRollout:
     def generate(self, prompt_ids, sampling, *, max_new_tokens=None, prompt_seeds=None):
         planned = self.plan.at(self.version) if self.plan is not None else None
         if (planned is None or not self._drawing or planned.step == self._consumed
-                or planned.key(self.sampling) != request_key(prompt_ids, sampling, prompt_seeds)):
+                or planned.key(self.sampling) != request_key(prompt_ids, sampling, prompt_seeds,
+                                                             max_new_tokens)):
             return self.inner.generate(prompt_ids, sampling, max_new_tokens=max_new_tokens,
                                        prompt_seeds=prompt_seeds)
         self._consumed = planned.step  # (a greedy baseline of the same prompts: generated now)
@@ -133,7 +141,7 @@ class AsyncServerRollout:
         """``planned``'s samples now: the rollout dict and each sample's tokens' versions."""
         inner = self.inner
         resp = _request(self.client, planned.prompt_ids, self.sampling, None, inner.eos_token_id,
-                        inner.num_experts is not None, planned.prompt_seeds)
+                        inner.num_experts is not None, planned.prompt_seeds, planned.prompt_caps)
         batch = batch_from_response(resp, self.sampling.n, inner.pad_token_id, inner.num_experts)
         server = resp["weight_version"]  # (a server without --partial-rollouts: every token)
         token_versions = [s.get("weight_versions") or [server] * max(len(s["token_ids"]), 1)

@@ -55,7 +55,7 @@ def hold_pushes_until_queued(trainer) -> None:
     import time
 
     rollout = trainer.rollout
-    push, k = rollout.inner.update_weights, rollout.max_staleness
+    push, k = rollout.update_weights, rollout.max_staleness
     total = trainer.cfg.trainer.total_steps
 
     def held(version):
@@ -65,4 +65,4 @@ def hold_pushes_until_queued(trainer) -> None:
             time.sleep(0.005)
         push(version)
 
-    rollout.inner.update_weights = held
+    rollout.update_weights = held

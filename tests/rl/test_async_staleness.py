@@ -18,7 +18,7 @@ class _QueuedStep:
     def __init__(self, item):
         self.item = item
 
-    def take(self, step):
+    def take(self, step, check=None):
         assert step == self.item.step
         return self.item
 
@@ -32,6 +32,7 @@ class _QueuedStep:
 def _rollout(policy: str, token_versions, fresh_versions):
     r = AsyncServerRollout.__new__(AsyncServerRollout)
     r.max_staleness, r.stale_policy = 1, policy
+    r.pusher = None  # (the push is not the subject here)
     r.versions = PolicyVersions()
     for trainer_version, server_version in ((0, 10), (1, 11), (2, 12), (3, 13)):
         r.versions.pushed(trainer_version, server_version)

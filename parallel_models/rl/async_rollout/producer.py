@@ -154,10 +154,13 @@ class Producer:
                 self._idle_since = time.perf_counter()
             self._changed.notify_all()
 
-    def take(self, step: int) -> Produced:
-        """The samples of ``step`` (waits for them); the producer's error re-raised."""
+    def take(self, step: int, check=None) -> Produced:
+        """The samples of ``step`` (waits for them); the producer's error re-raised;
+        ``check()`` (raises to stop waiting) is called about every second meanwhile."""
         with self._changed:
             while step not in self._done:
+                if check is not None:
+                    check()
                 if not self._thread.is_alive() and self._in_flight == 0:
                     failed = [item for item in self._done.values() if item.error is not None]
                     if not failed:

@@ -6,9 +6,10 @@
 
 The two runs to make on 2 GPUs (each under ~9 minutes on 2 H100s, estimated: model writing
 <= 1 min, each mode's start-up ~1-1.5 min (processes, model load, CUDA graphs) plus 7 steps;
-every mode also stops at ``--timeout`` seconds, the steps logged so far kept):
+each mode also stops at its ``--timeout`` (seconds: sync, async), the steps logged so far kept;
+the first is today's measured run, k = 1 without partial rollouts, for a before / after):
 
-    python bench/async_grpo.py --mode both --shape 1b --steps 7 --warmup 2 --partial --timeout 240
+    python bench/async_grpo.py --mode both --shape 1b --steps 7 --warmup 2 --timeout 200 300
     python bench/async_grpo.py --mode both --preset long-tail --steps 7 --warmup 2
 
 Modes (each a ``parallel-models-ppo`` run of its own):
@@ -36,9 +37,10 @@ Workloads (the same model and prompts in both modes; a random-weight Llama writt
   layers as Llama), 64 prompts x 8 of 256 tokens. Each prompt's response length is fixed by a
   cap in its record (``data.max_new_tokens_key``, ``rollout.ignore_eos``: the lengths are the
   same in both modes and every step): lognormal, median 300 (``--response-median``), sigma 0.8,
-  clipped to 16..8192 (most responses 100-800 tokens, ~1 % over 1,500), and in every step 2 of
+  clipped to 16..8192 (80 % of them 100-800 tokens, ~2 % over 1,500), and in every step 2 of
   the 64 prompts (``--long-prompts``: 3.1 % of the samples) get a cap drawn uniformly in
-  4096..8192 (``--long-min`` .. ``--max-new``). Async at ``max_staleness=2`` with partial
+  4096..8192 (``--long-min`` .. ``--max-new``): responses ~600 tokens on average, a step's
+  longest 5,000-8,000 (the 7 steps of the seed-0 data: means 540-640, longest 5,032-8,005). Async at ``max_staleness=2`` with partial
   rollouts (see the bound below for why 2); options given on the command line win.
 
 Where the time goes, and when async can win. Let G and T be one step's generation time and its
@@ -94,7 +96,7 @@ SHAPES = {
 PRESETS = {"long-tail": dict(shape="0.5b", prompts=64, n=8, prompt_len=256, max_new=8192,
                              caps=True, response_median=300.0, long_prompts=2, long_min=4096,
                              staleness=2, partial=True, mini_batch=128, micro_tokens=16384,
-                             timeout=240)}
+                             timeout=[210, 300])}
 
 
 def apply_preset(args, parser) -> None:
@@ -212,14 +214,15 @@ def run_mode(args, mode: str, model: str, data: str, root: str, env: dict) -> di
         cmd = [sys.executable, *train]
         run_env = dict(env, CUDA_VISIBLE_DEVICES=args.trainer_gpu) if args.dtype == "bfloat16" \
             else env
-    log(f"{mode}: {' '.join(cmd[:6])} ...")
+    timeout = args.timeout[-1] if mode == "async" else args.timeout[0]
+    log(f"{mode}: {' '.join(cmd[:6])} ... (at most {timeout} s)")
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=run_env, start_new_session=True,
                             stdout=sys.stderr, stderr=sys.stderr)
     try:
-        proc.wait(timeout=args.timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:  # keep the steps logged so far
-        log(f"{mode}: over {args.timeout} s, stopping it")
+        log(f"{mode}: over {timeout} s, stopping it")
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     rows = []
@@ -299,7 +302,8 @@ def main(argv=None):
     p.add_argument("--trainer-gpu", default="0")
     p.add_argument("--server-gpu", default="1")
     p.add_argument("--master-port", type=int, default=29533)
-    p.add_argument("--timeout", type=int, default=580, help="seconds per mode")
+    p.add_argument("--timeout", type=int, nargs="+", default=[580],
+                   help="seconds per mode: one for both, or sync's and async's")
     p.add_argument("--root", default=None, help="folder for the model, data and runs")
     args = p.parse_args(argv)
     apply_preset(args, p)

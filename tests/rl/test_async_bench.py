@@ -105,4 +105,6 @@ def test_tiny_sync_and_async_report_throughput(tmp_path, capsys, monkeypatch):
     sync, run = lines
     assert run["max_staleness"] == 2 and run["partial"]  # the preset's
     assert run["staleness_max"]["max"] <= 2 and run["timing"]["sync_s"] > 0
+    # the one-process trainer's push in the background: its snapshot, the send of the one before
+    assert {"weight_snapshot_s", "weight_push_s"} <= run["timing"].keys()
     assert "sync_s" not in sync["timing"] and "staleness_mean" in run["async"]

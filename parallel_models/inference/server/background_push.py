@@ -26,8 +26,9 @@ class BackgroundPush:
     """``BackgroundPush(model, client, on_pushed, on_failed)``: :meth:`push` (the caller's
     version) snapshots ``model`` and streams it to ``client``'s server on a thread; on the
     server's answer ``on_pushed(version, server version)``, on an error ``on_failed()``.
-    ``seconds``: the last push's phases (``push_wait_s``: waiting for the push before,
-    ``snapshot_s``, ``push_s``: the send, until the server's answer)."""
+    ``seconds``: ``push_wait_s`` and ``snapshot_s`` of the last push (waiting for the push
+    before it, the snapshot) and ``push_s`` of the last one answered (the send, until the
+    server's answer)."""
 
     def __init__(self, model, client, on_pushed, on_failed=None,
                  bucket_bytes: int = STREAM_BUCKET_BYTES):
@@ -38,7 +39,13 @@ class BackgroundPush:
         self._buffers: HostBuffers | None = None
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
-        self.seconds: dict[str, float] = {}
+        self._phases: dict[str, float] = {}
+        self._sent_s: float | None = None  # set by the sending thread
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        sent = self._sent_s
+        return {**self._phases, **({} if sent is None else {"push_s": sent})}
 
     @property
     def in_flight(self) -> bool:
@@ -50,7 +57,7 @@ class BackgroundPush:
         self.wait()
         t1 = time.perf_counter()
         frames = self._snapshot()
-        self.seconds = {"push_wait_s": t1 - t0, "snapshot_s": time.perf_counter() - t1}
+        self._phases = {"push_wait_s": t1 - t0, "snapshot_s": time.perf_counter() - t1}
         self._thread = threading.Thread(target=self._send, args=(int(version), frames),
                                         name=f"weight-push-{version}", daemon=True)
         self._thread.start()
@@ -91,7 +98,7 @@ class BackgroundPush:
             self.error = exc
             if self.on_failed is not None:
                 self.on_failed()
-        self.seconds["push_s"] = time.perf_counter() - t0
+        self._sent_s = time.perf_counter() - t0
 
 
 __all__ = ["BackgroundPush"]

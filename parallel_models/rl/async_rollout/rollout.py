@@ -10,15 +10,14 @@
   may come from two versions or more, its staleness counts the oldest);
 - ``update_weights`` pushes the weights (a trainer of one process: a snapshot streamed on a
   thread while it trains on, ``inference/server/background_push.py``; else the server
-  backend's push), and the
-  producer asks for the steps those weights allow once the server holds them;
+  backend's push); the producer asks for the steps they allow once the server holds them;
 - ``metrics``: ``async/staleness_mean``, ``async/staleness_max``, ``async/queue_size`` (samples
   ready beyond the step's), ``async/dropped_samples``, ``async/regenerated_samples``,
   ``async/partial_samples`` (drawn under more than one version), ``async/trainer_idle_s`` (the
   trainer waiting for samples; with a push in flight whose version a sample's tokens carry,
-  also for that push), ``timing/weight_push_wait_s``, ``timing/weight_snapshot_s`` and
-  ``timing/weight_push_s`` (the last background push: waiting for the one before, the
-  snapshot, the send) and ``async/rollout_idle_s`` (time with no request of the
+  also for that push), ``timing/weight_push_wait_s``, ``timing/weight_snapshot_s`` (the last
+  background push: waiting for the one before, the snapshot) and ``timing/weight_push_s``
+  (the last one answered: its send until the server's answer) and ``async/rollout_idle_s`` (time with no request of the
   producer at the server: it waited for weights) of the step.
 
 Only the first rank of each model-parallel group (one training replica) runs a producer and
@@ -43,6 +42,7 @@ from parallel_models.rl.rollout.samples_batch import batch_from_response
 from parallel_models.rl.rollout.server import _replica_info, _request
 
 logger = logging.getLogger(__name__)
+
 
 class AsyncServerRollout:
     """``AsyncServerRollout(inner, cfg, fleet)``: ``inner`` the server backend's rollout (its

@@ -107,3 +107,15 @@ def test_the_producer_sends_each_prompt_its_records_cap(tmp_path):
     assert rollout.client.bodies[0]["prompt_max_new_tokens"] == [6, 2]
     assert batch["response_mask"].sum(-1).tolist() == [6, 6, 2, 2]
     assert versions == [[3] * 6, [3] * 6, [3] * 2, [3] * 2]
+
+
+def test_async_runs_take_response_caps_on_either_backend():
+    from parallel_models.errors import ConfigError
+    from parallel_models.rl.config import load_config
+
+    server = ["rollout.backend=server", "rollout.server_url=http://127.0.0.1:1",
+              "data.max_new_tokens_key=budget"]
+    load_config(None, ["trainer.mode=async", *server]).validate()
+    load_config(None, ["trainer.mode=async", "data.max_new_tokens_key=budget"]).validate()
+    with pytest.raises(ConfigError, match="max_new_tokens_key"):  # sync: the in-process rollout
+        load_config(None, server).validate()

@@ -34,14 +34,15 @@ Workloads (the same model and prompts in both modes; a random-weight Llama writt
   exp((c^2 - 1) var / 2)): lengths geometric-like with mean ~1 / share (rates differ between
   contexts: a heavier tail), capped at ``--max-new``;
 - ``--preset long-tail``: the long tail reasoning RL sees, at the 0.5B shape (Qwen2.5-0.5B's
-  layers as Llama), 64 prompts x 8 of 256 tokens. Each prompt's response length is fixed by a
-  cap in its record (``data.max_new_tokens_key``, ``rollout.ignore_eos``: the lengths are the
-  same in both modes and every step): lognormal, median 300 (``--response-median``), sigma 0.8,
-  clipped to 16..8192 (80 % of them 100-800 tokens, ~2 % over 1,500), and in every step 2 of
-  the 64 prompts (``--long-prompts``: 3.1 % of the samples) get a cap drawn uniformly in
-  4096..8192 (``--long-min`` .. ``--max-new``): responses ~600 tokens on average, a step's
-  longest 5,000-8,000 (the 7 steps of the seed-0 data: means 540-640, longest 5,032-8,005). Async at ``max_staleness=2`` with partial
-  rollouts (see the bound below for why 2); options given on the command line win.
+  layers, Llama-3's vocabulary), 64 prompts x 8 of 256 tokens. Each prompt's response length is
+  fixed by a cap in its record (``data.max_new_tokens_key``, ``rollout.ignore_eos``: the lengths
+  are the same in both modes and every step): lognormal, median 300 (``--response-median``),
+  sigma 0.8, clipped to 16..8192 (80 % of them 100-800 tokens, ~2 % over 1,500), and in every
+  step 2 of the 64 prompts (``--long-prompts``: 3.1 % of the samples) get a cap drawn uniformly
+  in 4096..8192 (``--long-min`` .. ``--max-new``): responses ~600 tokens on average, a step's
+  longest 5,000-8,000 (the 7 steps of the seed-0 data: means 540-640, longest 5,032-8,005). Async
+  at ``max_staleness=2`` with partial rollouts (see the bound below for why 2); options
+  given on the command line win.
 
 Where the time goes, and when async can win. Let G and T be one step's generation time and its
 scoring + training time on ONE GPU. Sync colocated on two GPUs takes about (G_tail + T) / 2 per

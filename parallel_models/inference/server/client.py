@@ -72,8 +72,8 @@ class RolloutClient:
         ``n=4, max_new_tokens=32, temperature=0.7, seed=1, ...``; checked here first); returns
         ``{"weight_version", "results": [{"prompt_token_ids", "samples": [{"token_ids",
         "log_probs", "finish_reason", "text"?}]}]}``. ``prompt_seeds``: one seed per prompt, its
-        samples' draws (``server/native_protocol.py``); ``prompt_max_new_tokens``: one response cap per
-        prompt."""
+        samples' draws (``server/native_protocol.py``); ``prompt_max_new_tokens``: one
+        response cap per prompt."""
         if params is None:
             params = SamplingParams(**sampling)
         elif sampling:

@@ -14,11 +14,11 @@
 - ``metrics``: ``async/staleness_mean``, ``async/staleness_max``, ``async/queue_size`` (samples
   ready beyond the step's), ``async/dropped_samples``, ``async/regenerated_samples``,
   ``async/partial_samples`` (drawn under more than one version), ``async/trainer_idle_s`` (the
-  trainer waiting for samples; with a push in flight whose version a sample's tokens carry,
-  also for that push), ``timing/weight_push_wait_s``, ``timing/weight_snapshot_s`` (the last
-  background push: waiting for the one before, the snapshot) and ``timing/weight_push_s``
-  (the last one answered: its send until the server's answer) and ``async/rollout_idle_s`` (time with no request of the
-  producer at the server: it waited for weights) of the step.
+  trainer waiting for samples; with a push in flight whose version a sample's tokens carry, also
+  for that push), ``timing/weight_push_wait_s``, ``timing/weight_snapshot_s`` (the last
+  background push: waiting for the one before, the snapshot) and ``timing/weight_push_s`` (the
+  last one answered: its send until the server's answer) and ``async/rollout_idle_s`` (time with
+  no request of the producer at the server: it waited for weights) of the step.
 
 Only the first rank of each model-parallel group (one training replica) runs a producer and
 talks to the server; the step's batch reaches the group's other ranks by broadcast.

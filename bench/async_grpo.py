@@ -5,9 +5,11 @@
     python bench/async_grpo.py --mode both --shape tiny --steps 3 --warmup 1 ...   # CPU smoke
 
 The two runs to make on 2 GPUs (each under ~9 minutes on 2 H100s, estimated: model writing
-<= 1 min, each mode's start-up ~1-1.5 min (processes, model load, CUDA graphs) plus 7 steps;
-each mode also stops at its ``--timeout`` (seconds: sync, async), the steps logged so far kept;
-the first is today's measured run, k = 1 without partial rollouts, for a before / after):
+<= 1 min, each mode's start-up ~1-1.5 min (processes, model load, CUDA graphs) plus 7 steps:
+1b sync ~8 s and async ~10-15 s a step, long-tail sync ~15-20 s and async ~10-20 s; each mode
+also stops at its ``--timeout`` (seconds: sync, async; the long-tail preset's 240 and 270), the
+steps logged so far kept; the first is today's measured run, k = 1 without partial rollouts,
+for a before / after):
 
     python bench/async_grpo.py --mode both --shape 1b --steps 7 --warmup 2 --timeout 200 300
     python bench/async_grpo.py --mode both --preset long-tail --steps 7 --warmup 2
@@ -97,7 +99,7 @@ SHAPES = {
 PRESETS = {"long-tail": dict(shape="0.5b", prompts=64, n=8, prompt_len=256, max_new=8192,
                              caps=True, response_median=300.0, long_prompts=2, long_min=4096,
                              staleness=2, partial=True, mini_batch=128, micro_tokens=16384,
-                             timeout=[210, 300])}
+                             timeout=[240, 270])}
 
 
 def apply_preset(args, parser) -> None:
@@ -316,7 +318,7 @@ def main(argv=None):
     model, data = os.path.join(root, "model"), os.path.join(root, "prompts.jsonl")
     if not os.path.isfile(os.path.join(model, "config.json")):
         log(f"writing the {args.shape} model to {model}")
-        build_model(model, shape, "cpu", max_positions=args.prompt_len + args.max_new)
+        build_model(model, shape, "cpu", max_positions=args.prompt_len + args.max_new + 64)
         if not args.caps:
             scale = boost_stop_rows(model, shape, args.stop_ids, args.stop_share)
             log(f"{len(args.stop_ids)} stop tokens, their lm_head rows x {scale:.2f}")

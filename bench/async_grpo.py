@@ -1,30 +1,70 @@
 """Asynchronous vs synchronous GRPO on two GPUs (issue 35): throughput of the same workload.
 
     python bench/async_grpo.py --mode both [--shape 1b] [--steps 8] [--warmup 3] [--staleness 1]
+    python bench/async_grpo.py --mode both --preset long-tail [--steps 7] [--warmup 2]
     python bench/async_grpo.py --mode both --shape tiny --steps 3 --warmup 1 ...   # CPU smoke
+
+The two runs to make on 2 GPUs (each under ~9 minutes on 2 H100s, estimated: model writing
+<= 1 min, each mode's start-up ~1-1.5 min (processes, model load, CUDA graphs) plus 7 steps:
+1b sync ~8 s and async ~10-15 s a step, long-tail sync ~15-20 s and async ~10-20 s; each mode
+also stops at its ``--timeout`` (seconds: sync, async; the long-tail preset's 240 and 270), the
+steps logged so far kept; the first is today's measured run, k = 1 without partial rollouts,
+for a before / after):
+
+    python bench/async_grpo.py --mode both --shape 1b --steps 7 --warmup 2 --timeout 200 300
+    python bench/async_grpo.py --mode both --preset long-tail --steps 7 --warmup 2
 
 Modes (each a ``parallel-models-ppo`` run of its own):
 - ``sync``: colocated on both GPUs, ``torchrun --nproc-per-node 2`` at DP=2: every GPU rolls out
   its half of the batch with the in-process engine (continuous batching), then trains on it;
 - ``async``: ``trainer.mode=async``: the trainer on GPU 0 (one process) starts its rollout
-  server on GPU 1 (``rollout.server_devices``); the server generates the next step's samples
-  while the trainer trains (``rollout.max_staleness``, ``--staleness``), the weights pushed after
-  every update.
+  server on GPU 1 (``rollout.server_devices``); the server generates the next steps' samples
+  while the trainer trains (``rollout.max_staleness``, ``--staleness``; each step's request
+  starts as soon as the server holds the weights it may be drawn from, earlier steps' requests
+  still generating), the weights pushed after every update (``--partial``: requests in flight
+  go on under the new weights instead of the push waiting for them to finish).
 
-Same model and workload in both: a random-weight Llama (``--shape``: ``1b`` = Llama-3.2-1B's
-shape, bf16 on CUDA; ``0.5b``; ``tiny`` for the CPU) written by ``bench/grpo_scale.py``'s
-builder; ``--prompts`` prompts of ``--prompt-len`` random words per step, ``--n`` samples each;
-long-tailed responses: up to 63 stop tokens (``rollout.stop_token_ids``' limit of 64, less the
-EOS the trainer adds for the server) whose ``lm_head``
-rows are scaled so that together they are drawn with probability about ``--stop-share`` per
-token (random logits are ~normal with variance 0.02^2 x hidden; scaling a row by c multiplies
-its expected softmax weight by exp((c^2 - 1) var / 2)): response lengths are geometric-like
-with mean ~1 / share (rates differ between contexts: a heavier tail), capped at ``--max-new``;
-GRPO with the KL loss, one PPO epoch.
+Workloads (the same model and prompts in both modes; a random-weight Llama written by
+``bench/grpo_scale.py``'s builder; GRPO with the KL loss, one PPO epoch; ``--prompts`` prompts of
+``--prompt-len`` random words per step, ``--n`` samples each):
+- default (grpo_scale-style): ``--shape 1b`` (Llama-3.2-1B's shape, bf16 on CUDA; ``0.5b``;
+  ``tiny`` for the CPU), 64 prompts x 8 of 256 tokens, responses up to 1024 tokens ended by stop
+  tokens: up to 63 of them (``rollout.stop_token_ids``' limit of 64, less the EOS the trainer
+  adds for the server) whose ``lm_head`` rows are scaled so that together they are drawn with
+  probability about ``--stop-share`` per token (random logits are ~normal with variance
+  0.02^2 x hidden; scaling a row by c multiplies its expected softmax weight by
+  exp((c^2 - 1) var / 2)): lengths geometric-like with mean ~1 / share (rates differ between
+  contexts: a heavier tail), capped at ``--max-new``;
+- ``--preset long-tail``: the long tail reasoning RL sees, at the 0.5B shape (Qwen2.5-0.5B's
+  layers, Llama-3's vocabulary), 64 prompts x 8 of 256 tokens. Each prompt's response length is
+  fixed by a cap in its record (``data.max_new_tokens_key``, ``rollout.ignore_eos``: the lengths
+  are the same in both modes and every step): lognormal, median 300 (``--response-median``),
+  sigma 0.8, clipped to 16..8192 (80 % of them 100-800 tokens, ~2 % over 1,500), and in every
+  step 2 of the 64 prompts (``--long-prompts``: 3.1 % of the samples) get a cap drawn uniformly
+  in 4096..8192 (``--long-min`` .. ``--max-new``): responses ~600 tokens on average, a step's
+  longest 5,000-8,000 (the 7 steps of the seed-0 data: means 540-640, longest 5,032-8,005). Async
+  at ``max_staleness=2`` with partial rollouts (see the bound below for why 2); options
+  given on the command line win.
+
+Where the time goes, and when async can win. Let G and T be one step's generation time and its
+scoring + training time on ONE GPU. Sync colocated on two GPUs takes about (G_tail + T) / 2 per
+step, G_tail being generation including its tail (the last rows decoding alone, the GPU mostly
+idle). Async takes max(G_stream, T + P): G_stream the server's time for a step's tokens when the
+next steps' rows fill the tail, T all of training on one GPU, P the part of the weight push the
+trainer waits for. Async beats sync 1.5x only if (G_tail + T) / 2 >= 1.5 (T + P), i.e. when
+generation dominates the sync step (>= 2/3 of it) AND sync's generation spends >= half its time
+in the tail. And one more bound: a response of L tokens must be drawn within the k steps its
+staleness allows (``max_staleness``: its request starts when the server holds version
+s - k, it is trained at step s), at the server's decode step time t(B) with B rows in flight:
+async step >= L_max x t(B) / k. With long responses and a full server batch that is the binding
+one at k = 1 (8192 tokens x ~3 ms = 25 s), hence k = 2 for the long-tail preset.
 
 Reported, one JSON line per mode, over the steps after ``--warmup``: samples/s (prompts x n /
 step time) and tokens/s/GPU (prompt + response tokens of the step / step time / 2 GPUs), each
-as median, min, max and the steps' values; for async also the staleness and idle times.
+as median, min, max and the steps' values; ``timing``: the median of each of the trainer's
+``timing/*_s`` keys (gen: the rollout, for async the wait for the queued samples; score: old and
+reference log-probs; adv; train_actor; metrics; sync: the weight push), and for async the
+staleness, partial samples and idle times.
 """
 
 from __future__ import annotations
@@ -54,6 +94,21 @@ SHAPES = {
 }
 
 
+# --preset long-tail: the long-tailed workload (see the module docstring); flags given on the
+# command line win
+PRESETS = {"long-tail": dict(shape="0.5b", prompts=64, n=8, prompt_len=256, max_new=8192,
+                             caps=True, response_median=300.0, long_prompts=2, long_min=4096,
+                             staleness=2, partial=True, mini_batch=128, micro_tokens=16384,
+                             timeout=[240, 270])}
+
+
+def apply_preset(args, parser) -> None:
+    """``--preset``'s values for every option left at its default."""
+    for key, value in PRESETS.get(args.preset or "", {}).items():
+        if getattr(args, key) == parser.get_default(key):
+            setattr(args, key, value)
+
+
 def log(msg: str) -> None:
     print(f"[async_grpo {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -64,6 +119,32 @@ def build_prompts(path: str, count: int, prompt_len: int, vocab: int, seed: int 
         for _ in range(count):
             ids = torch.randint(len(SPECIALS), vocab, (prompt_len,), generator=g).tolist()
             f.write(json.dumps({"prompt": " ".join(f"t{t}" for t in ids)}) + "\n")
+
+
+def build_capped_prompts(path: str, steps: int, prompts: int, prompt_len: int, vocab: int,
+                         args, seed: int = 0) -> list[int]:
+    """``steps`` batches of ``prompts`` records, each with its response cap (``budget``):
+    lognormal around ``args.response_median`` (sigma 0.8) clipped to ``args.response_min`` ..
+    ``args.max_new``, and ``args.long_prompts`` of every batch (at random places) capped
+    uniformly in ``args.long_min`` .. ``args.max_new``; -> the caps."""
+    import math
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    with open(path, "w") as f:
+        for _ in range(steps):
+            caps = torch.exp(math.log(args.response_median) + 0.8 * torch.randn(prompts,
+                                                                               generator=g))
+            caps = caps.round().clamp(min(args.response_min, args.max_new), args.max_new).long()
+            long = torch.randperm(prompts, generator=g)[:args.long_prompts]
+            low = min(args.long_min, args.max_new)
+            caps[long] = torch.randint(low, args.max_new + 1, (len(long),), generator=g)
+            for cap in caps.tolist():
+                ids = torch.randint(len(SPECIALS), vocab, (prompt_len,), generator=g).tolist()
+                f.write(json.dumps({"prompt": " ".join(f"t{t}" for t in ids),
+                                    "budget": cap}) + "\n")
+            out += caps.tolist()
+    return out
 
 
 MAX_STOP_IDS = 63  # SamplingParams.stop_token_ids' limit (64), less the EOS the trainer adds
@@ -104,21 +185,24 @@ def overrides(args, mode: str, model: str, data: str, out: str) -> list[str]:
          f"data.max_prompt_length={args.prompt_len}", f"data.batch_size={args.prompts}",
          "data.shuffle=false", f"rollout.n={args.n}", f"rollout.max_new_tokens={args.max_new}",
          "rollout.temperature=1.0", "rollout.greedy=false",
-         "rollout.stop_token_ids=[" + ",".join(map(str, args.stop_ids)) + "]",
          "algorithm.adv_estimator=grpo", "critic.enable=false", "actor.use_kl_loss=true",
          "algorithm.kl_in_reward=false", "actor.ppo_epochs=1",
          f"actor.mini_batch_size={args.mini_batch}",
          f"actor.micro_batch_tokens={args.micro_tokens}",
          "actor.lr=1e-6", f"trainer.total_steps={args.steps}", "trainer.save_every=0",
          "trainer.save_hf_at_end=false", "trainer.loggers=[jsonl]", f"trainer.output_dir={out}"]
+    if args.caps:  # each prompt's response length: its record's cap
+        o += ["data.max_new_tokens_key=budget", "rollout.ignore_eos=true"]
+    else:
+        o.append("rollout.stop_token_ids=[" + ",".join(map(str, args.stop_ids)) + "]")
     if mode == "sync":
         o += ["rollout.kv_budget_tokens=auto", f"trainer.offload={str(cuda).lower()}"]
     else:
         o += ["trainer.mode=async", f"rollout.max_staleness={args.staleness}",
               f"rollout.partial={str(args.partial).lower()}",
               f"rollout.weight_push={args.weight_push}"]
-        if cuda:
-            o.append(f"rollout.server_devices={args.server_gpu}")
+        if cuda:  # the server's KV pool planned from its GPU's memory
+            o += [f"rollout.server_devices={args.server_gpu}", "rollout.kv_budget_tokens=auto"]
     return o
 
 
@@ -133,14 +217,15 @@ def run_mode(args, mode: str, model: str, data: str, root: str, env: dict) -> di
         cmd = [sys.executable, *train]
         run_env = dict(env, CUDA_VISIBLE_DEVICES=args.trainer_gpu) if args.dtype == "bfloat16" \
             else env
-    log(f"{mode}: {' '.join(cmd[:6])} ...")
+    timeout = args.timeout[-1] if mode == "async" else args.timeout[0]
+    log(f"{mode}: {' '.join(cmd[:6])} ... (at most {timeout} s)")
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=run_env, start_new_session=True,
                             stdout=sys.stderr, stderr=sys.stderr)
     try:
-        proc.wait(timeout=args.timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:  # keep the steps logged so far
-        log(f"{mode}: over {args.timeout} s, stopping it")
+        log(f"{mode}: over {timeout} s, stopping it")
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     rows = []
@@ -170,17 +255,28 @@ def summary(args, mode: str, rows: list[dict], returncode: int, wall: float) -> 
            "samples_per_s": spread([samples / s for s in step_s]),
            "tokens_per_s_per_gpu": spread([t / s / 2 for t, s in zip(tokens, step_s)]),
            "step_s": spread(step_s),
-           "response_length_mean": spread([m["response_length/mean"] for m in kept])}
+           "response_length_mean": spread([m["response_length/mean"] for m in kept]),
+           "timing": medians(kept, "timing/")}
     if mode == "async":
         out["max_staleness"], out["partial"] = args.staleness, args.partial
         for key in ("staleness_max", "partial_samples", "trainer_idle_s", "rollout_idle_s"):
             out[key] = spread([m.get(f"async/{key}", float("nan")) for m in kept])
+        out["async"] = medians(kept, "async/")
     return out
+
+
+def medians(rows: list[dict], prefix: str) -> dict:
+    """The median over ``rows`` of each key starting with ``prefix`` (named without it)."""
+    keys = sorted({k for m in rows for k in m if k.startswith(prefix)})
+    return {k[len(prefix):]: round(statistics.median(m[k] for m in rows if k in m), 4)
+            for k in keys}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["async", "sync", "both"], default="both")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a workload's settings for the options left at their defaults")
     p.add_argument("--shape", choices=sorted(SHAPES), default="1b")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the numbers")
@@ -195,14 +291,25 @@ def main(argv=None):
     p.add_argument("--max-new", type=int, default=1024)
     p.add_argument("--stop-share", type=float, default=1 / 300,
                    help="share of the vocabulary that stops a response (mean length ~1/share)")
+    p.add_argument("--caps", action="store_true",
+                   help="response lengths from per-prompt caps (long-tail preset) instead of "
+                        "stop tokens")
+    p.add_argument("--response-median", type=float, default=300.0,
+                   help="--caps: median of the lognormal caps (sigma 0.8)")
+    p.add_argument("--response-min", type=int, default=16, help="--caps: the shortest cap")
+    p.add_argument("--long-prompts", type=int, default=0,
+                   help="--caps: prompts per step capped in --long-min .. --max-new")
+    p.add_argument("--long-min", type=int, default=4096, help="--caps: the long caps' low end")
     p.add_argument("--mini-batch", type=int, default=128)
     p.add_argument("--micro-tokens", type=int, default=8192)
     p.add_argument("--trainer-gpu", default="0")
     p.add_argument("--server-gpu", default="1")
     p.add_argument("--master-port", type=int, default=29533)
-    p.add_argument("--timeout", type=int, default=580, help="seconds per mode")
+    p.add_argument("--timeout", type=int, nargs="+", default=[580],
+                   help="seconds per mode: one for both, or sync's and async's")
     p.add_argument("--root", default=None, help="folder for the model, data and runs")
     args = p.parse_args(argv)
+    apply_preset(args, p)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     args.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
     shape = SHAPES[args.shape]
@@ -211,10 +318,18 @@ def main(argv=None):
     model, data = os.path.join(root, "model"), os.path.join(root, "prompts.jsonl")
     if not os.path.isfile(os.path.join(model, "config.json")):
         log(f"writing the {args.shape} model to {model}")
-        build_model(model, shape, "cpu")
-        scale = boost_stop_rows(model, shape, args.stop_ids, args.stop_share)
-        log(f"{len(args.stop_ids)} stop tokens, their lm_head rows x {scale:.2f}")
-    build_prompts(data, args.prompts * args.steps, args.prompt_len, shape["vocab_size"])
+        build_model(model, shape, "cpu", max_positions=args.prompt_len + args.max_new + 64)
+        if not args.caps:
+            scale = boost_stop_rows(model, shape, args.stop_ids, args.stop_share)
+            log(f"{len(args.stop_ids)} stop tokens, their lm_head rows x {scale:.2f}")
+    if args.caps:
+        caps = build_capped_prompts(data, args.steps, args.prompts, args.prompt_len,
+                                    shape["vocab_size"], args)
+        log(f"response caps: median {statistics.median(caps):.0f}, mean "
+            f"{statistics.mean(caps):.0f}, longest {max(caps)}, "
+            f"{sum(c >= args.long_min for c in caps) / len(caps):.1%} >= {args.long_min}")
+    else:
+        build_prompts(data, args.prompts * args.steps, args.prompt_len, shape["vocab_size"])
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
     modes = ["sync", "async"] if args.mode == "both" else [args.mode]

@@ -14,7 +14,8 @@
   source);
 - the rollout server: :class:`RolloutClient` / :class:`ServerError`, and the weight pushes to a
   server (:func:`push_actor_weights`: stream, process group or folder; :func:`push_weight_stream`,
-  :func:`push_weight_group`, :func:`push_weights`, :class:`WeightStreamError`);
+  :func:`push_weight_group`, :func:`push_weights`, :class:`WeightStreamError`; a stream push off
+  the caller's critical path: :class:`BackgroundPush`);
   :func:`start_server` / :func:`stop_server` launch one as a subprocess.
 
 Names are imported on first use (a module ``__getattr__``), so ``import parallel_models.inference``
@@ -41,6 +42,7 @@ _EXPORTS = {
     "push_actor_weights": "server.weight_push", "push_weights": "server.weight_push",
     "push_weight_stream": "server.weight_stream", "WeightStreamError": "server.weight_stream",
     "push_weight_group": "server.weight_group_push",
+    "BackgroundPush": "server.background_push",
     "start_server": "server.launch", "stop_server": "server.launch",
 }
 

@@ -55,14 +55,14 @@ def hold_pushes_until_queued(trainer) -> None:
     import time
 
     rollout = trainer.rollout
-    push, k = rollout.inner.update_weights, rollout.max_staleness
+    push, k = rollout.update_weights, rollout.max_staleness
     total = trainer.cfg.trainer.total_steps
 
     def held(version):
         producer = rollout.producer
         want = min(k, total - int(version))
-        while producer is not None and producer.queue.qsize() < want:
+        while producer is not None and producer.ready() < want:
             time.sleep(0.005)
         push(version)
 
-    rollout.inner.update_weights = held
+    rollout.update_weights = held

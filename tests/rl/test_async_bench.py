@@ -1,6 +1,8 @@
 """``bench/async_grpo.py`` (sync colocated vs async, issue 35) end to end at its tiny shape on the
-CPU: both modes run in one invocation and print one JSON line each with the throughput over
-the steps after the warm-up (the GPU run must not be its first run).
+CPU, ``--preset long-tail`` (per-prompt response caps, one long prompt per step, async at k = 2
+with partial rollouts): both modes run in one invocation and print one JSON line each with the
+throughput over the steps after the warm-up and the median of each trainer timing (the GPU run
+must not be its first run).
 
 The bench's ``main`` runs in the test's process; its two ``parallel-models-ppo`` launches
 (``torchrun --nproc-per-node 2`` for sync, one process for async) run as processes forked from
@@ -77,10 +79,11 @@ def test_tiny_sync_and_async_report_throughput(tmp_path, capsys, monkeypatch):
     launches = _ForkedLaunches()
     monkeypatch.setattr(bench, "subprocess", launches)
     try:
-        bench.main(["--mode", "both", "--shape", "tiny", "--steps", "2", "--warmup", "1",
-                    "--prompts", "4", "--n", "2", "--prompt-len", "8", "--max-new", "8",
-                    "--mini-batch", "8", "--micro-tokens", "64", "--stop-share", "0.05",
-                    "--partial", "--timeout", "300", "--root", str(tmp_path)])
+        bench.main(["--mode", "both", "--preset", "long-tail", "--shape", "tiny", "--steps",
+                    "2", "--warmup", "1", "--prompts", "4", "--n", "2", "--prompt-len", "8",
+                    "--max-new", "8", "--long-prompts", "1", "--long-min", "7",
+                    "--response-median", "3", "--response-min", "1", "--mini-batch", "8",
+                    "--micro-tokens", "64", "--timeout", "300", "--root", str(tmp_path)])
     finally:
         launches.echo_and_close()
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()
@@ -92,5 +95,16 @@ def test_tiny_sync_and_async_report_throughput(tmp_path, capsys, monkeypatch):
         assert r["steps_logged"] == 2 and r["steps_measured"] == 1
         assert len(r["samples_per_s"]["values"]) == 1 and r["samples_per_s"]["median"] > 0
         assert r["tokens_per_s_per_gpu"]["min"] > 0
-        assert 1 <= r["response_length_mean"]["median"] <= 8
-    assert lines[1]["staleness_max"]["max"] <= 1
+        assert r["timing"]["gen_s"] > 0 and r["timing"]["train_actor_s"] > 0
+    caps = [json.loads(line)["budget"] for line in open(tmp_path / "prompts.jsonl")]
+    assert len(caps) == 8 and max(caps) >= 7  # a long prompt in each step
+    # ignore_eos: every response as long as its prompt's cap, the same in both modes
+    means = [sum(caps[4 * s:4 * s + 4]) / 4 for s in range(2)]
+    for r in lines:
+        assert r["response_length_mean"]["values"] == [means[1]]
+    sync, run = lines
+    assert run["max_staleness"] == 2 and run["partial"]  # the preset's
+    assert run["staleness_max"]["max"] <= 2 and run["timing"]["sync_s"] > 0
+    # the one-process trainer's push in the background: its snapshot, the send of the one before
+    assert {"weight_snapshot_s", "weight_push_s"} <= run["timing"].keys()
+    assert "sync_s" not in sync["timing"] and "staleness_mean" in run["async"]

@@ -4,8 +4,6 @@ behind is never trained on (``drop``: its response mask zeroed; ``regenerate``: 
 prompts generated again under the current weights), weights the run did not push count as
 too old, and the metrics count what happened."""
 
-import queue
-
 import pytest
 import torch
 
@@ -18,19 +16,23 @@ class _QueuedStep:
     """The producer's side: one queued step, no waiting."""
 
     def __init__(self, item):
-        self.item, self.queue = item, queue.Queue()
+        self.item = item
 
-    def take(self, step):
+    def take(self, step, check=None):
         assert step == self.item.step
         return self.item
 
     def take_idle(self):
         return 0.25
 
+    def ready(self):
+        return 0
+
 
 def _rollout(policy: str, token_versions, fresh_versions):
     r = AsyncServerRollout.__new__(AsyncServerRollout)
     r.max_staleness, r.stale_policy = 1, policy
+    r.pusher = None  # (the push is not the subject here)
     r.versions = PolicyVersions()
     for trainer_version, server_version in ((0, 10), (1, 11), (2, 12), (3, 13)):
         r.versions.pushed(trainer_version, server_version)

@@ -9,7 +9,8 @@ Endpoints (JSON; who may call which, the API key and the admin endpoints: ``secu
   "max_new_tokens": 16, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "greedy": false,
   "seed": null, "stop_token_ids": [], "eos_token_id": null, "ignore_eos": false``; EOS defaults
   to the server tokenizer's; ``temperature`` <= 100, ``seed`` in [0, 2^62); ``"prompt_seeds":
-  [s, ...]`` seeds each prompt's samples on their own (``native_protocol.py``); an empty prompt,
+  [s, ...]`` seeds each prompt's samples on their own and ``"prompt_max_new_tokens": [m, ...]``
+  caps them (``native_protocol.py``); an empty prompt,
   ``""`` or ``[]``, is refused) -> ``{"weight_version": v,
   "results": [{"prompt_token_ids": [...], "samples": [{"token_ids", "log_probs",
   "finish_reason": "stop"|"length", "text"?, "routes"?}] * n}]}``; ``"return_routes": true``
@@ -192,7 +193,8 @@ class Batcher:
             rows, params, top_k, sink, *extra = job.payload  # params: one sample per row (n=1)
             routes = bool(extra and extra[0])  # /generate's return_routes
             seeds = extra[1] if len(extra) > 1 else None  # /generate's prompt_seeds
-            if params.seed is None and seeds is None:
+            caps = extra[2] if len(extra) > 2 else None  # /generate's prompt_max_new_tokens
+            if params.seed is None and seeds is None and caps is None:
                 key = (params.sampling_key(), top_k, routes)
                 if key not in by_key:
                     by_key[key] = len(calls)
@@ -200,7 +202,7 @@ class Batcher:
                 ci = by_key[key]
             else:
                 ci = len(calls)
-                calls.append(GenCall([], params, top_k, routes, seeds))
+                calls.append(GenCall([], params, top_k, routes, seeds, caps))
             where.append((ci, len(calls[ci].rows), len(rows)))
             if sink is not None:
                 sinks.setdefault(ci, []).append((len(calls[ci].rows), len(rows), sink))
@@ -390,7 +392,8 @@ def create_app(engine: Engine, tokenizer, limits: ServerLimits, api_key: str | N
         params = req.sampling().model_copy(update={"n": 1})
         rows = [ids for ids in encoded for _ in range(req.n)]
         samples, version = await _wait(batcher.submit(
-            "generate", (rows, params, 0, None, req.return_routes, req.prompt_seeds), len(rows)))
+            "generate", (rows, params, 0, None, req.return_routes, req.prompt_seeds,
+                         req.prompt_max_new_tokens), len(rows)))
         results = []
         for i, ids in enumerate(encoded):
             group = samples[i * req.n:(i + 1) * req.n]

@@ -35,6 +35,10 @@ def _positive(value: str) -> int:
     return n
 
 
+def _positive_or_auto(value: str) -> int | str:
+    return "auto" if value == "auto" else _positive(value)
+
+
 def _port(value: str) -> int:
     n = int(value)
     if not 0 <= n <= 65535:
@@ -90,10 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--static-batching", action="store_true",
                    help="generate batch by batch (each batch runs until its longest row ends) "
                    "instead of continuous batching")
-    p.add_argument("--kv-budget-tokens", type=_positive, default=None,
+    p.add_argument("--kv-budget-tokens", type=_positive_or_auto, default=None,
                    help="continuous batching: KV cache positions of all running samples "
                    "together (per layer, this rank's heads); requests wait until theirs fit "
-                   "(default: max-batch x (max-prompt-tokens + max-new-tokens))")
+                   "(default: max-batch x (max-prompt-tokens + max-new-tokens); auto: planned "
+                   "on CUDA from the device memory left at the engine's memory utilization)")
     p.add_argument("--prefix-cache-tokens", type=int, default=8192,
                    help="continuous batching: prompt tokens whose KV is kept for reuse by "
                    "identical prompts (0: off)")

@@ -66,12 +66,14 @@ class RolloutClient:
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | None = None, *, return_text: bool = True,
                  return_routes: bool = False, prompt_seeds: Sequence[int] | None = None,
+                 prompt_max_new_tokens: Sequence[int] | None = None,
                  **sampling: Any) -> dict:
         """POST /generate with ``params`` (or the :class:`SamplingParams` fields as keywords:
         ``n=4, max_new_tokens=32, temperature=0.7, seed=1, ...``; checked here first); returns
         ``{"weight_version", "results": [{"prompt_token_ids", "samples": [{"token_ids",
         "log_probs", "finish_reason", "text"?}]}]}``. ``prompt_seeds``: one seed per prompt, its
-        samples' draws (``server/native_protocol.py``)."""
+        samples' draws (``server/native_protocol.py``); ``prompt_max_new_tokens``: one
+        response cap per prompt."""
         if params is None:
             params = SamplingParams(**sampling)
         elif sampling:
@@ -83,6 +85,8 @@ class RolloutClient:
             body["return_routes"] = True
         if prompt_seeds is not None:
             body["prompt_seeds"] = [int(s) for s in prompt_seeds]
+        if prompt_max_new_tokens is not None:  # each prompt's own cap (<= max_new_tokens)
+            body["prompt_max_new_tokens"] = [int(m) for m in prompt_max_new_tokens]
         return self._call("POST", "/generate", body)
 
     def update_weights(self, path: str) -> dict:

@@ -9,7 +9,9 @@ that can never fit the KV budget is refused in :meth:`submit` (the HTTP handler 
 once). A weight update waits until the running rows finish (they keep the old weights), then
 runs; jobs queued behind it start on the new weights. With ``--partial-rollouts`` it runs at
 once, between two steps, and the running rows go on under the new weights, each token's
-version recorded (``server/partial_rollout.py``). A request for MoE routes
+version recorded (``server/partial_rollout.py``). Per-prompt seeds and response caps
+(``prompt_seeds``, ``prompt_max_new_tokens``) make each prompt a request of its own. A request
+for MoE routes
 (``return_routes``) runs the same way, alone through the static ``generate`` that records them.
 """
 
@@ -103,11 +105,13 @@ class ContinuousBatcher(Batcher):
     def _requests_of(self, job) -> list:
         rows, params, top_k, sink = job.payload[:4]
         seeds = job.payload[5] if len(job.payload) > 5 else None  # /generate's prompt_seeds
+        caps = job.payload[6] if len(job.payload) > 6 else None  # prompt_max_new_tokens
         if params.seed is None and not params.greedy:  # rank 0 picks it: every rank the same
             params = params.model_copy(update={"seed": random.getrandbits(62)})
-        if seeds is not None:  # n rows per prompt, each prompt its own seed
-            n = len(rows) // len(seeds)
-            groups = [(rows[i * n], n) for i in range(len(seeds))]
+        per_prompt = seeds if seeds is not None else caps
+        if per_prompt is not None:  # n rows per prompt, each prompt its own seed / cap
+            n = len(rows) // len(per_prompt)
+            groups = [(rows[i * n], n) for i in range(len(per_prompt))]
         else:
             groups = _groups(rows)
         state = _Running(job, [None] * len(groups), len(groups), [None] * len(groups))
@@ -115,7 +119,8 @@ class ContinuousBatcher(Batcher):
         subs, start = [], 0
         for i, (prompt, n) in enumerate(groups):
             seed = request_seed(params.seed, i) if seeds is None else seeds[i]
-            p = params.model_copy(update={"n": n, "seed": seed})
+            p = params.model_copy(update={"n": n, "seed": seed} if caps is None else
+                                  {"n": n, "seed": seed, "max_new_tokens": caps[i]})
             subs.append(((prompt, p, top_k), self._hooks(state, i, start, len(rows), sink, n)))
             start += n
         return subs

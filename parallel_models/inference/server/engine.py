@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 class GenCall:
     """One generate call: token-id rows (one sample each) sharing sampling params; a seeded
     call's params carry its seed, a call with ``prompt_seeds`` one seed per prompt (its rows
-    are prompts x n). ``top_logprobs=k`` asks for the k most likely tokens per
+    are prompts x n; ``prompt_caps``: one max_new_tokens per prompt). ``top_logprobs=k`` asks
+    for the k most likely tokens per
     step (the OpenAI API's ``logprobs``); ``record_routes`` adds each sample's MoE routes."""
 
     rows: list[list[int]]
@@ -41,15 +42,19 @@ class GenCall:
     top_logprobs: int = 0
     record_routes: bool = False
     prompt_seeds: list[int] | None = None  # the rows are prompts x n, each prompt seeded
+    prompt_caps: list[int] | None = None  # per prompt (rows: prompts x n), its max new tokens
 
     def generate_samples(self, rollout: RolloutEngine, on_step=None) -> list[dict]:
         """The call's samples, one per row, from ``rollout``."""
-        rows, params, seeds = self.rows, self.params, self.prompt_seeds
+        rows, params, seeds, caps = self.rows, self.params, self.prompt_seeds, self.prompt_caps
         if seeds is not None:  # n rows per prompt: its samples 0..n-1 (row_seed(seed, j))
             n = len(rows) // len(seeds)
             rows, params = rows[::n], params.model_copy(update={"n": n})
+        elif caps is not None:  # one call row per sample: each its prompt's cap
+            caps = [c for c in caps for _ in range(len(rows) // len(caps))]
         return rollout.generate_samples(rows, params, self.top_logprobs, on_step,
-                                        record_routes=self.record_routes, prompt_seeds=seeds)
+                                        record_routes=self.record_routes, prompt_seeds=seeds,
+                                        max_new_tokens=caps)
 
 
 class Engine:

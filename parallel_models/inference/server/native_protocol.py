@@ -36,16 +36,28 @@ class GenerateRequest(SamplingParams):
         None, description="per prompt, the seed of its samples' draws (sample j draws with the "
                           "noise of row_sampling.row_seed(seed, j)); null = ``seed``")
 
+    prompt_max_new_tokens: Optional[list[Annotated[StrictInt, Field(ge=1)]]] = Field(
+        None, description="per prompt, the most new tokens of its samples (each <= "
+                          "max_new_tokens); null = max_new_tokens for every prompt")
+
     @model_validator(mode="after")
     def _one_seed_per_prompt(self):
         if self.prompt_seeds is not None and len(self.prompt_seeds) != len(self.prompts):
             raise ValueError(f"prompt_seeds: {len(self.prompt_seeds)} seeds for "
                              f"{len(self.prompts)} prompts")
+        caps = self.prompt_max_new_tokens
+        if caps is not None and len(caps) != len(self.prompts):
+            raise ValueError(f"prompt_max_new_tokens: {len(caps)} caps for "
+                             f"{len(self.prompts)} prompts")
+        if caps is not None and max(caps) > self.max_new_tokens:
+            raise ValueError(f"prompt_max_new_tokens: {max(caps)} is over max_new_tokens "
+                             f"{self.max_new_tokens}")
         return self
 
     def sampling(self) -> SamplingParams:
         return SamplingParams.model_validate(self.model_dump(
-            exclude={"prompts", "return_text", "return_routes", "prompt_seeds"}))
+            exclude={"prompts", "return_text", "return_routes", "prompt_seeds",
+                     "prompt_max_new_tokens"}))
 
 
 class UpdateWeightsRequest(BaseModel):

@@ -19,12 +19,16 @@ logger = logging.getLogger(__name__)
 
 def server_options(cfg) -> tuple[str, ...]:
     """Command-line limits of the server that fit every request of the run (and
-    ``--partial-rollouts`` with ``rollout.partial``)."""
-    rows = cfg.data.batch_size * cfg.rollout.n
-    return ("--max-batch", str(max(64, rows)), "--max-n", str(max(16, cfg.rollout.n)),
-            "--max-new-tokens", str(cfg.rollout.max_new_tokens),
+    ``--partial-rollouts`` with ``rollout.partial``; its KV pool ``rollout.kv_budget_tokens``
+    when set: a token count, or auto = planned from the server GPU's memory)."""
+    r = cfg.rollout
+    rows = cfg.data.batch_size * r.n
+    budget = r.kv_budget_tokens
+    return ("--max-batch", str(max(64, rows)), "--max-n", str(max(16, r.n)),
+            "--max-new-tokens", str(r.max_new_tokens),
             "--max-prompt-tokens", str(max(1024, cfg.data.max_prompt_length)),
-            "--dtype", cfg.model.dtype) + (("--partial-rollouts",) if cfg.rollout.partial else ())
+            "--dtype", cfg.model.dtype) + (("--partial-rollouts",) if r.partial else ()) + (
+                ("--kv-budget-tokens", str(budget)) if budget else ())
 
 
 class RolloutFleet:

@@ -32,6 +32,11 @@ class PolicyVersions:
         with self._changed:
             return self._by_server.get(int(server_version))
 
+    def mapping(self) -> dict[int, int]:
+        """A copy of server version -> trainer version, for every push of this run so far."""
+        with self._changed:
+            return dict(self._by_server)
+
     def wait_for(self, version: int, stopping: threading.Event) -> None:
         """Until the server holds trainer ``version`` or later (or ``stopping`` is set)."""
         with self._changed:

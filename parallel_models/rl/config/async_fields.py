@@ -62,9 +62,6 @@ def async_problems(cfg) -> list[str]:
     if r.partial and r.weight_push == "group":
         errors.append("rollout.partial=true: the server applies in-flight updates of the stream "
                       "and folder pushes (rollout.weight_push=stream or folder)")
-    if cfg.data.max_new_tokens_key:
-        errors.append("trainer.mode=async: data.max_new_tokens_key caps are not sent to the "
-                      "rollout server (needs trainer.mode=sync, rollout.backend=inprocess)")
     if r.exact:
         errors.append("trainer.mode=async: rollout.exact=true needs the in-process rollout "
                       "(trainer.mode=sync)")

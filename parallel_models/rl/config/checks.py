@@ -173,10 +173,12 @@ def _data_and_batch_problems(cfg) -> list[str]:
                       "row-parallel sums differ between TP sizes; use the actor's TP")
     if r.backend == "server" and not r.server_url:
         errors.append("rollout.backend=server needs rollout.server_url")
-    if d.max_new_tokens_key and (r.backend != "inprocess" or cfg.parallel.backend != "megatron"):
+    if d.max_new_tokens_key and cfg.trainer.mode != "async" and (
+            r.backend != "inprocess" or cfg.parallel.backend != "megatron"):
         errors.append(f"data.max_new_tokens_key={d.max_new_tokens_key!r} (per-prompt response "
-                      "caps) is read by the in-process rollout of the megatron backend: it needs "
-                      "rollout.backend=inprocess and parallel.backend=megatron")
+                      "caps) is read by the in-process rollout of the megatron backend (or an "
+                      "async run's server): it needs rollout.backend=inprocess and "
+                      "parallel.backend=megatron, or trainer.mode=async")
     samples = d.batch_size * r.n
     if samples % a.mini_batch_size:
         errors.append(f"data.batch_size * rollout.n = {d.batch_size} * {r.n} = {samples} "

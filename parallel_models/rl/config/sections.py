@@ -151,7 +151,8 @@ class RolloutSection(SamplingFields, AsyncRolloutFields):
         0, description="inprocess: continuous batching with this many KV positions for all "
                        "running samples (rows leave when done, the n samples share one "
                        "prefill); auto = planned from the device memory left at "
-                       "gpu_memory_utilization (CPU: every row at once); 0 = static batches")
+                       "gpu_memory_utilization (CPU: every row at once); 0 = static batches; "
+                       "trainer.mode=async: the KV pool of the server it starts (0: its default)")
     gpu_memory_utilization: Number = Field(
         0.9, gt=0, le=1, description="continuous batching on CUDA: share of the device the "
                                      "rollout engine may use for weights + KV + activations "

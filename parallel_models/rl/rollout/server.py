@@ -40,14 +40,15 @@ def _replica_info():
 
 
 def _request(client, prompt_ids, params, seed: int | None, eos_token_id, routes: bool,
-             prompt_seeds=None) -> dict:
+             prompt_seeds=None, prompt_caps=None) -> dict:
     # the trainer's EOS travels as stop ids (the server's tokenizer may differ)
     wire = params.model_copy(update=dict(
         stop_token_ids=params.stop_ids(eos_token_id), eos_token_id=None, ignore_eos=True,
         seed=None if params.greedy else seed))
     seeds = None if params.greedy or prompt_seeds is None else list(prompt_seeds)
+    extra = {} if prompt_caps is None else {"prompt_max_new_tokens": list(prompt_caps)}
     return client.generate([list(map(int, p)) for p in prompt_ids], wire, return_text=False,
-                           return_routes=routes, prompt_seeds=seeds)
+                           return_routes=routes, prompt_seeds=seeds, **extra)
 
 
 def server_rollout(client, prompt_ids, params, seed: int | None = None, device=None, *,

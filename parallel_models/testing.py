@@ -65,6 +65,15 @@ def _context():
     return _CTX
 
 
+def start_forkserver() -> None:
+    """Start the forkserver (a CPU-only host) without waiting for its preload: its imports run
+    on another core meanwhile (e.g. while pytest collects), not when a first process is asked."""
+    if _context().get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
 def _worker(rank: int, world_size: int, port: int, env: dict, payload: bytes, results) -> None:
     os.environ.clear()
     os.environ.update(env)  # the caller's, as spawn would give (the forkserver's may be older)
@@ -167,7 +176,6 @@ def run_distributed_jobs(jobs: list, world_size: int, *, timeout: float = 600.0)
     jobs = [(job[0], tuple(job[1]), dict(job[2]) if len(job) > 2 else {}) for job in jobs]
     per_rank = run_distributed(_run_jobs, world_size, jobs, timeout=timeout)
     return [[per_rank[rank][j] for rank in range(world_size)] for j in range(len(jobs))]
-
 
 
 def run_named_jobs(named: list, *, timeout: float = 600.0) -> dict:

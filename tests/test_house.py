@@ -20,6 +20,7 @@ parent packages are not counted.
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 
@@ -51,10 +52,22 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+def _parse(path: str) -> ast.Module:
+    """The syntax tree of the file at ``path``, parsed once per content of the file: the tests
+    below read the same ~300 files (each parse of them all is seconds of CPU)."""
+    st = os.stat(path)
+    return _parse_version(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.cache
+def _parse_version(path: str, mtime_ns: int, size: int) -> ast.Module:
+    with open(path) as f:
+        return ast.parse(f.read(), filename=path)
+
+
 def _imports(module: str, path: str, modules: dict[str, str]) -> dict[str, tuple[int, bool]]:
     """Intra-package modules ``module`` imports -> (line, top-level?)."""
-    with open(path) as f:
-        tree = ast.parse(f.read(), filename=path)
+    tree = _parse(path)
     is_pkg = path.endswith("__init__.py")
     found: dict[str, tuple[int, bool]] = {}
 
@@ -97,6 +110,7 @@ def _imports(module: str, path: str, modules: dict[str, str]) -> dict[str, tuple
     return found
 
 
+@functools.cache  # the sources do not change during a session; the tests only read the graph
 def _graph(top_only: bool) -> tuple[dict[str, dict[str, int]], dict[str, str]]:
     modules = _modules()
     graph = {}
@@ -182,7 +196,7 @@ def test_no_file_over_the_size_limit():
 
 def test_every_module_has_a_docstring():
     missing = [os.path.relpath(path, ROOT) for mod, path in sorted(_modules().items())
-               if not ast.get_docstring(ast.parse(open(path).read()))]
+               if not ast.get_docstring(_parse(path))]
     assert not missing, "modules without a docstring saying what they are for: " + ", ".join(missing)
 
 

@@ -5,7 +5,9 @@ priority, so that it uses the cores the tests before it leave idle (most tests r
 a 100-step learning run alone is over a minute on one core). The test takes the ``early_run``
 fixture: the run's output folder, once the run has ended (its priority raised back where the
 system allows it); a failed run fails the test with the end of its stderr. A test collected
-alone starts its run at the same point, so it runs exactly as it would have inside the test."""
+alone starts its run at the same point, so it runs exactly as it would have inside the test.
+The plugin also starts that forkserver when pytest is configured: its preload (seconds of
+imports) runs on another core while pytest collects, instead of after collection."""
 
 from __future__ import annotations
 
@@ -33,6 +35,10 @@ def niced_main(argv: list) -> int | None:
 def pytest_configure(config):
     config.addinivalue_line("markers", f"{MARK}(args): the test's parallel-models-ppo run "
                                        "starts when collection ends (tests/helpers/early_runs.py)")
+    if not config.option.collectonly:  # its preload imports run on another core meanwhile
+        from parallel_models.testing import start_forkserver
+
+        start_forkserver()
 
 
 def pytest_collection_finish(session):

@@ -5,7 +5,7 @@ processes forked from the preloaded forkserver (``parallel_models.testing.start_
 torchrun's environment per rank) instead of a launcher and N fresh interpreters (seconds of CPU
 each for importing torch / megatron-core / transformers). Every other command goes to the real
 ``subprocess``. The torchrun launcher itself is tested where it is the subject
-(tests/distributed/test_multinode.py, tests/test_quiet_runs.py, tests/rl/test_run_inputs.py)."""
+(tests/distributed/test_multinode.py, tests/test_quiet_runs.py, tests/test_examples.py)."""
 
 from __future__ import annotations
 

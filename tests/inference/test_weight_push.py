@@ -105,9 +105,13 @@ def test_tp2_server_stream_equals_folder_load(served):
 
 
 def test_dead_server_fails_clearly(served, tmp_path):
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there: a killed server
-    out = run_distributed(hybrid_checks.push_from_layout, 1, served["paths"][1], url, 1, 1,
-                          str(tmp_path / "fallback"))[0]
+    import socket
+
+    with socket.socket() as held:  # bound, never listening: connections are refused (a killed
+        held.bind(("127.0.0.1", 0))  # server), and no other process can take the port meanwhile
+        url = f"http://127.0.0.1:{held.getsockname()[1]}"
+        out = run_distributed(hybrid_checks.push_from_layout, 1, served["paths"][1], url, 1, 1,
+                              str(tmp_path / "fallback"))[0]
     assert "error" in out and url in out["error"], out
     assert "stream push failed first" in out["error"] and "previous weights" in out["error"]
 

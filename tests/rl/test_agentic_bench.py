@@ -2,14 +2,17 @@
 ``--tiny`` CPU mode: every case runs 3 turns with one tool call each, the slow-tool cases spend
 the tool time, and every case generates the same tokens (the bench's throughput ratio compares
 like with like); the asynchronous driver's re-entries prefill only the new tokens (fewer prefill
-tokens than the turn-synchronous driver's whole conversations), and the counts are reported."""
+tokens than the turn-synchronous driver's whole conversations), and the counts are reported. The
+bench runs as ``python bench/agentic_rollout.py --tiny`` would, in a process forked from the
+preloaded forkserver (tests/helpers/forked_script.py)."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+
+from parallel_models.testing import start_main
+from tests.helpers.forked_script import TARGET
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "agentic_rollout.py")
 
@@ -17,9 +20,11 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "agentic_ro
 def test_tiny_bench_reports_the_same_tokens_in_every_case(tmp_path):
     out = tmp_path / "r.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, BENCH, "--tiny", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    proc = start_main(TARGET, [BENCH, "--tiny", "--out", str(out)], env)
+    try:
+        assert proc.wait(300) == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    finally:
+        proc.close()
     result = json.loads(out.read_text())
     cases = result["cases"]
     assert set(cases) == {"no_latency", "no_latency_turn_synchronous", "tools",

@@ -109,25 +109,24 @@ def test_model_path_problems(tmp_path, monkeypatch):
 
 
 def test_torchrun_reports_an_input_error_once(tmp_path):
-    """Under torchrun every rank finds the same bad input; rank 0 says it, every rank exits 2."""
-    import os
-    import subprocess
-    import sys
+    """Under torchrun every rank finds the same bad input; rank 0 says it, every rank exits 2.
+    The two ranks run ``main`` with the environment torchrun gives them, forked from the
+    preloaded forkserver (``start_main_ranks``; the launcher itself: tests/test_quiet_runs.py,
+    tests/distributed/test_multinode.py), and each rank's own exit code is read."""
+    from parallel_models.testing import start_main_ranks
+    from tests.helpers.ppo_runs import MAIN
 
-    from parallel_models.distributed import free_port
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     bad = tmp_path / "broken.jsonl"
     bad.write_text("{oops\n")
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    env = {**ENV, "PYTHONPATH": os.pathsep.join(filter(None, [root, ENV.get("PYTHONPATH")]))}
-    proc = subprocess.run([torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()),
-                           "-m", "parallel_models.rl.train", f"data.path={bad}",
-                           f"trainer.output_dir={tmp_path / 'out'}"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    errors = [line for line in proc.stderr.splitlines() if line.startswith(f"{PROG}: error: ")]
-    assert len(errors) == 1 and f"{bad}:1: invalid JSON" in errors[0], proc.stderr[-3000:]
-    assert "exitcode  : 2" in proc.stderr or "exit code 2" in proc.stderr or \
-        "exitcode: 2" in proc.stderr, proc.stderr[-3000:]
+    run = start_main_ranks(MAIN, [f"data.path={bad}", f"trainer.output_dir={tmp_path / 'out'}"],
+                           2, ENV)
+    try:
+        codes = [rank.wait(300) for rank in run.ranks]  # each to its own end (no rank killed)
+        stderr = run.stderr
+    finally:
+        run.kill()
+        run.close()
+    assert codes == [2, 2], (codes, stderr[-3000:])
+    errors = [line for line in stderr.splitlines() if line.startswith(f"{PROG}: error: ")]
+    assert len(errors) == 1 and f"{bad}:1: invalid JSON" in errors[0], stderr[-3000:]
     assert not (tmp_path / "out").exists()

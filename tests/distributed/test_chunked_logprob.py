@@ -13,6 +13,7 @@ import torch
 
 from parallel_models.testing import run_named_jobs
 from tests.helpers import chunked_logprob_checks as checks
+from tests.helpers.vocab_parallel_checks import max_rel_error as _rel
 
 FP32_TOL = 1e-6
 BF16_TOL = 2e-2
@@ -25,12 +26,6 @@ HEAD_CASES = [("tp1-llama-logp", "llama", 1, False, False, 7, False, 1),
               ("tp2-llama", "llama", 2, False, True, 4, False, 2),
               ("tp2sp-llama", "llama", 2, True, True, 3, False, 2),
               ("tp2-qwen2-tied", "qwen2", 2, False, True, 5, False, 2)]
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    assert got.shape == want.shape, (got.shape, want.shape)
-    return float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
 
 
 @pytest.fixture(scope="module")

@@ -7,22 +7,16 @@ with and without sequence parallel); the LM head's vocab-parallel log-prob path 
 (critic / reward model) both."""
 
 import pytest
-import torch
 
 from parallel_models.testing import run_named_jobs
 from tests.helpers import context_parallel_checks
+from tests.helpers.vocab_parallel_checks import max_rel_error as _rel
 
 # (name, family, head, TP, SP, world)
 CASES = [("cp2-llama-lm", "llama", "causal_lm", 1, False, 2),
          ("cp2-qwen2-value", "qwen2", "value", 1, False, 2),
          ("cp2tp2sp-llama-lm", "llama", "causal_lm", 2, True, 4),
          ("cp2tp2-qwen2-lm", "qwen2", "causal_lm", 2, False, 4)]
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    assert got.shape == want.shape, (got.shape, want.shape)
-    return float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+def max_rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     got, want = got.detach().double(), want.detach().double()
     if got.shape != want.shape:
         return float("inf")
@@ -68,7 +68,7 @@ def _dense_case(out: dict, tag: str, vocab: int, dtype, group, rank: int, seed: 
 
     local = _shard(full, vocab, 2, rank)
     gathered = _gather_vocab(local, vocab, group)
-    out[f"{tag}/gathered_matches_full"] = _rel(gathered.float(), full.float())
+    out[f"{tag}/gathered_matches_full"] = max_rel_error(gathered.float(), full.float())
     lp_ref, ent_ref, grad_ref = _reference(gathered, labels, g_lp, g_ent)
     grad_ref_local = _grad_slice(grad_ref, local.shape[-1], rank)
     _, _, grad_lp_only = _reference(gathered, labels, g_lp, torch.zeros_like(g_ent))
@@ -78,9 +78,9 @@ def _dense_case(out: dict, tag: str, vocab: int, dtype, group, rank: int, seed: 
     x = local.clone().requires_grad_()
     lp, ent = vocab_parallel_log_probs_and_entropy(x, labels)
     ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
-    out[f"{tag}/both/logp"] = _rel(lp, lp_ref)
-    out[f"{tag}/both/entropy"] = _rel(ent, ent_ref)
-    out[f"{tag}/both/grad"] = _rel(x.grad.float(), grad_ref_local)
+    out[f"{tag}/both/logp"] = max_rel_error(lp, lp_ref)
+    out[f"{tag}/both/entropy"] = max_rel_error(ent, ent_ref)
+    out[f"{tag}/both/grad"] = max_rel_error(x.grad.float(), grad_ref_local)
     out[f"{tag}/dtypes_ok"] = float(lp.dtype == ent.dtype == torch.float32
                                     and x.grad.dtype == dtype)
 
@@ -88,15 +88,15 @@ def _dense_case(out: dict, tag: str, vocab: int, dtype, group, rank: int, seed: 
     x = local.clone().requires_grad_()
     lp = vocab_parallel_log_probs(x, labels, group=group)  # explicit group
     (lp * g_lp).sum().backward()
-    out[f"{tag}/logp/value"] = _rel(lp, lp_ref)
-    out[f"{tag}/logp/grad"] = _rel(x.grad.float(), _grad_slice(grad_lp_only, local.shape[-1], rank))
+    out[f"{tag}/logp/value"] = max_rel_error(lp, lp_ref)
+    out[f"{tag}/logp/grad"] = max_rel_error(x.grad.float(), _grad_slice(grad_lp_only, local.shape[-1], rank))
 
     # entropy only
     x = local.clone().requires_grad_()
     ent = vocab_parallel_entropy(x)
     (ent * g_ent).sum().backward()
-    out[f"{tag}/entropy/value"] = _rel(ent, ent_ref)
-    out[f"{tag}/entropy/grad"] = _rel(x.grad.float(),
+    out[f"{tag}/entropy/value"] = max_rel_error(ent, ent_ref)
+    out[f"{tag}/entropy/grad"] = max_rel_error(x.grad.float(),
                                       _grad_slice(grad_ent_only, local.shape[-1], rank))
     if vocab % 2:  # the padding row (last rank) must get exactly zero gradient
         out[f"{tag}/pad_grad_abs"] = float(x.grad[..., vocab - rank * per_rank:].abs().max()) \
@@ -136,9 +136,9 @@ def _packed_case(out: dict, group, rank: int) -> None:
                 ref_lp[t] = logp_all[ids[t + 1]].detach()
                 terms.append(logp_all[ids[t + 1]] * weight[t])
     torch.stack(terms).sum().backward()
-    out["packed/logp"] = _rel(lp, ref_lp)
-    out["packed/entropy"] = _rel(ent, ref_ent)
-    out["packed/grad"] = _rel(x.grad, _grad_slice(z.grad, local.shape[-1], rank))
+    out["packed/logp"] = max_rel_error(lp, ref_lp)
+    out["packed/entropy"] = max_rel_error(ent, ref_ent)
+    out["packed/grad"] = max_rel_error(x.grad, _grad_slice(z.grad, local.shape[-1], rank))
     ends = (cu[1:] - 1)[torch.tensor(lengths) > 0].long()
     out["packed/last_token_zero"] = float(lp[ends].abs().max())
 
@@ -159,7 +159,7 @@ def _packed_case(out: dict, group, rank: int) -> None:
         for j in range(n - p):
             tok = start + p + j  # response token j; predicted by the logits at tok - 1
             ref[b, j] = torch.log_softmax(full[tok - 1], dim=-1)[ids[tok]]
-    out["response/logp"] = _rel(resp, ref)
+    out["response/logp"] = max_rel_error(resp, ref)
 
 
 def _lm_head_case(out: dict, group, rank: int) -> None:
@@ -189,14 +189,14 @@ def _lm_head_case(out: dict, group, rank: int) -> None:
     ref_lp = logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     ref_ent = -(logp_all.exp() * logp_all).sum(-1)
     (ref_lp.sum() + 0.5 * ref_ent.sum()).backward()
-    out["lm_head/logp"] = _rel(lp, ref_lp)
-    out["lm_head/entropy"] = _rel(ent, ref_ent)
+    out["lm_head/logp"] = max_rel_error(lp, ref_lp)
+    out["lm_head/entropy"] = max_rel_error(ent, ref_ent)
     # the hidden grad is a partial sum per rank (the head's input all-reduce happens upstream);
     # sum over ranks before comparing
     gh1, gh2 = h1.grad.clone(), h2.grad.clone()
     dist.all_reduce(gh1, group=group)
     dist.all_reduce(gh2, group=group)
-    out["lm_head/hidden_grad"] = _rel(gh1, gh2)
+    out["lm_head/hidden_grad"] = max_rel_error(gh1, gh2)
 
 
 def run_all_checks() -> dict:

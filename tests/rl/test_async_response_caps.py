@@ -9,7 +9,6 @@ from __future__ import annotations
 import types
 
 import pytest
-import torch
 
 from parallel_models.testing import run_distributed
 
@@ -20,33 +19,22 @@ SAMPLING = {"n": 2, "max_new_tokens": 6, "greedy": True, "ignore_eos": True}
 
 def server_caps(path: str) -> dict:
     """(gloo rank) the engine's capped samples, and the server's through both batchers."""
-    from starlette.testclient import TestClient
-
-    import parallel_models as pm
     from parallel_models.inference import RolloutEngine, SamplingParams
-    from parallel_models.inference.server.app import ServerLimits, create_app
-    from parallel_models.inference.server.continuous_batcher import ContinuousBatcher
-    from parallel_models.inference.server.engine import Engine
+    from tests.helpers.seeded_server_checks import batcher_clients, load_model
 
-    pm.init_parallel(tensor_parallel_size=1)
-    model = pm.AutoModelForCausalLM.from_pretrained(path, rmpad=True, dtype=torch.float32)
+    model = load_model(path)
     samples = RolloutEngine(model).generate_samples(PROMPTS, SamplingParams(**SAMPLING),
                                                     max_new_tokens=CAPS)
     out: dict = {"engine": [s["token_ids"] for s in samples]}
-    for name, rollout, batcher in (
-            ("static", RolloutEngine(model), None),
-            ("continuous", RolloutEngine(model, kv_budget_tokens=128, keep_kv=True),
-             ContinuousBatcher)):
-        asgi, _, _ = create_app(Engine(rollout, tp=1), None, ServerLimits(), batcher_cls=batcher)
-        with TestClient(asgi, base_url="http://127.0.0.1") as client:
+    for name, client in batcher_clients(model):
+        r = client.post("/generate", json={"prompts": PROMPTS, **SAMPLING,
+                                           "prompt_max_new_tokens": CAPS})
+        assert r.status_code == 200, r.text
+        out[name] = [s["token_ids"] for res in r.json()["results"] for s in res["samples"]]
+        for bad, key in ((CAPS[:2], "_count"), ([1, 7, 1, 1], "_over")):
             r = client.post("/generate", json={"prompts": PROMPTS, **SAMPLING,
-                                               "prompt_max_new_tokens": CAPS})
-            assert r.status_code == 200, r.text
-            out[name] = [s["token_ids"] for res in r.json()["results"] for s in res["samples"]]
-            for bad, key in ((CAPS[:2], "_count"), ([1, 7, 1, 1], "_over")):
-                r = client.post("/generate", json={"prompts": PROMPTS, **SAMPLING,
-                                                   "prompt_max_new_tokens": bad})
-                out[name + key] = r.status_code, r.text
+                                               "prompt_max_new_tokens": bad})
+            out[name + key] = r.status_code, r.text
     return out
 
 

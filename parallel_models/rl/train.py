@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 from parallel_models.cli_support import (add_version_argument, error_exit, log_optional_pieces,
                                          quiet_third_party)
@@ -118,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if rank0 or checked:  # later problems may be one rank's own
             error_exit(PROG, err)
+        elif os.environ.get("TORCHELASTIC_RUN_ID"):
+            leave_after_rank0()
         return 2
     import torch.distributed as dist
 
@@ -131,6 +134,14 @@ def main(argv: list[str] | None = None) -> int:
 
     destroy_parallel()
     return 0
+
+
+def leave_after_rank0(limit_s: float = 60.0) -> None:
+    """Under torchrun, a rank other than 0 that found the input problem every rank finds (rank 0
+    reports it) waits to be stopped: torchrun stops every rank once one has failed, so leaving
+    first could stop rank 0 before its report is printed. Once rank 0 has exited with it,
+    torchrun's SIGTERM ends this rank; after ``limit_s`` (rank 0 hung) it leaves anyway."""
+    time.sleep(limit_s)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ anything is written into ``trainer.output_dir``."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.helpers.ppo_runs import ENV, run_ppo
@@ -130,3 +132,46 @@ def test_torchrun_reports_an_input_error_once(tmp_path):
     errors = [line for line in stderr.splitlines() if line.startswith(f"{PROG}: error: ")]
     assert len(errors) == 1 and f"{bad}:1: invalid JSON" in errors[0], stderr[-3000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_under_torchrun_other_ranks_leave_after_rank0(tmp_path):
+    """torchrun stops every rank as soon as one fails, so a rank other than 0 that leaves with
+    the shared input error first could have rank 0 stopped before it prints the report. Under
+    torchrun (``TORCHELASTIC_RUN_ID`` set) rank 1 finds the error and stays until it is
+    stopped, even before rank 0 has started; rank 0 then prints the one report and exits 2, and
+    torchrun's SIGTERM ends rank 1."""
+    import signal
+    import time
+
+    from parallel_models.distributed import free_port
+    from parallel_models.testing import TORCHRUN_VARS, start_main
+    from tests.helpers.ppo_runs import MAIN
+
+    bad = tmp_path / "broken.jsonl"
+    bad.write_text("{oops\n")
+    argv = [f"data.path={bad}", f"trainer.output_dir={tmp_path / 'out'}"]
+    marker = tmp_path / "rank1_waits"
+    env = {k: v for k, v in ENV.items() if k not in TORCHRUN_VARS}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+               LOCAL_WORLD_SIZE="2", GROUP_RANK="0", TORCHELASTIC_RUN_ID="test",
+               PM_TEST_WAIT_MARKER=str(marker))
+    rank1 = start_main("tests.helpers.torchrun_rank:main", argv,
+                       dict(env, RANK="1", LOCAL_RANK="1"))
+    rank0 = None
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists() and rank1.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # polls rank 1's progress (no fixed wait)
+        assert marker.exists() and rank1.poll() is None, (rank1.poll(), rank1.stderr[-3000:])
+        rank0 = start_main(MAIN, argv, dict(env, RANK="0", LOCAL_RANK="0"))
+        assert rank0.wait(300) == 2, rank0.stderr[-3000:]
+        assert f"{bad}:1: invalid JSON" in rank0.stderr
+        assert rank1.poll() is None, rank1.stderr[-3000:]  # still waiting to be stopped
+        os.kill(rank1.pid, signal.SIGTERM)  # what torchrun does next
+        assert rank1.wait(60) == -signal.SIGTERM
+        assert f"{PROG}: error: " not in rank1.stderr  # rank 0 alone reports it
+    finally:
+        for r in (rank0, rank1):
+            if r is not None:
+                r.kill()
+                r.close()

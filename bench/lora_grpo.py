@@ -37,14 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from grpo_scale import SHAPES as SCALE_SHAPES  # noqa: E402
 from grpo_scale import build_data, build_model  # noqa: E402
 
-SHAPES = {
-    **SCALE_SHAPES,
-    # Qwen2.5-1.5B / 0.5B's sizes as Llamas (untied head, no qkv bias)
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, intermediate_size=8960, vocab_size=151936),
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, intermediate_size=4864, vocab_size=151936),
-}
+SHAPES = SCALE_SHAPES  # 8b, tiny and Qwen2.5-1.5B / 0.5B's sizes as Llamas
 MODES = ("lora", "full")
 
 

@@ -63,6 +63,35 @@ def rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def hf_logits(folder: str, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 logits of the transformers model saved in ``folder``."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(
+            input_ids=ids).logits
+
+
+def exported_run_logits(out: str) -> dict:
+    """A LoRA PPO run's exports read by transformers and peft on fixed ids: ``base``
+    (``builtin_model/``), ``peft`` (``PeftModel.from_pretrained(base, actor_lora/)``) and
+    ``merged`` (``actor_hf/``); ``ids``: the input ids."""
+    import os
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(os.path.join(out, "builtin_model"),
+                                                    dtype=torch.float32)
+        before = base(input_ids=ids).logits
+        peft = PeftModel.from_pretrained(base, os.path.join(out, "actor_lora"))(
+            input_ids=ids).logits
+    return {"ids": ids, "base": before, "peft": peft,
+            "merged": hf_logits(os.path.join(out, "actor_hf"), ids)}
+
+
 def build_lora_chunks(path: str, targets, peft_model):
     """Our PP-variant chunks of ``path`` with LoRA adapters holding ``peft_model``'s."""
     import parallel_models as pm

@@ -47,24 +47,13 @@ def test_fsdp_lora_steps_equal_megatron_lora(runs):
 
 
 def test_fsdp_lora_export_is_read_by_peft_and_equals_the_merged_export(runs):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     out = runs["fsdp"]
     with open(os.path.join(out, "actor_lora", "adapter_config.json")) as f:
         cfg = json.load(f)
     assert cfg["r"] == 8 and cfg["peft_type"] == "LORA", cfg
-    ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        base = AutoModelForCausalLM.from_pretrained(os.path.join(out, "builtin_model"),
-                                                    dtype=torch.float32)
-        before = base(input_ids=ids).logits
-        got = PeftModel.from_pretrained(base, os.path.join(out, "actor_lora"))(
-            input_ids=ids).logits
-        merged = AutoModelForCausalLM.from_pretrained(os.path.join(out, "actor_hf"),
-                                                      dtype=torch.float32)(input_ids=ids).logits
-        meg = AutoModelForCausalLM.from_pretrained(os.path.join(runs["megatron"], "actor_hf"),
-                                                   dtype=torch.float32)(input_ids=ids).logits
+    logits = lora_checks.exported_run_logits(out)
+    got, before, merged = logits["peft"], logits["base"], logits["merged"]
+    meg = lora_checks.hf_logits(os.path.join(runs["megatron"], "actor_hf"), logits["ids"])
     assert lora_checks.rel(got, merged) <= 1e-5
     assert lora_checks.rel(before, merged) > 1e-4, "training did not change the adapters"
     assert lora_checks.rel(meg, merged) <= 1e-4  # both backends trained the same adapters

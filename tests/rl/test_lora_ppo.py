@@ -58,21 +58,11 @@ def test_trainable_count_is_logged_and_is_the_adapters(lora_run):
 
 
 def test_exported_adapter_is_read_by_peft_and_equals_the_merged_export(lora_run):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     out, _ = lora_run
     with open(os.path.join(out, "actor_lora", "adapter_config.json")) as f:
         assert json.load(f)["r"] == 8
-    ids = torch.randint(3, 40, (2, 12), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        base = AutoModelForCausalLM.from_pretrained(os.path.join(out, "builtin_model"),
-                                                    dtype=torch.float32)
-        before = base(input_ids=ids).logits
-        peft_logits = PeftModel.from_pretrained(base, os.path.join(out, "actor_lora"))(
-            input_ids=ids).logits
-        merged = AutoModelForCausalLM.from_pretrained(os.path.join(out, "actor_hf"),
-                                                      dtype=torch.float32)(input_ids=ids).logits
+    logits = lora_checks.exported_run_logits(out)
+    before, peft_logits, merged = logits["base"], logits["peft"], logits["merged"]
     assert lora_checks.rel(peft_logits, merged) <= 1e-5
     assert lora_checks.rel(before, merged) > 1e-4, "training did not change the adapters"
 

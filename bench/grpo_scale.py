@@ -246,8 +246,12 @@ def step_report(shape, metrics: dict, seq_lengths: list[int], response_tokens: i
 
 def run_layout(args, layout, model, data, caps, root, prompt_len, new_tokens, env) -> dict:
     out = os.path.join(root, f"run_{layout}")
+    launch = ["-m", "parallel_models.rl.train"]
+    if args.device_mib:  # the trainer inside a smaller card's memory (bench/device_envelope.py)
+        launch = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "device_envelope.py"),
+                  "--device-mib", str(args.device_mib), *launch]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(29500 + (layout == "pp2")), "-m", "parallel_models.rl.train",
+           "--master-port", str(29500 + (layout == "pp2")), *launch,
            *overrides(args, layout, model, data, out, prompt_len, new_tokens)]
     log(f"{layout}: {' '.join(cmd[-8:])} ...")
     t0 = time.time()
@@ -388,6 +392,9 @@ def main():
     p.add_argument("--response-min", type=int, default=16, help="smallest response cap")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="long-responses: GRPO with 8k-16k responses at the 1.5B shape")
+    p.add_argument("--device-mib", type=int, default=0,
+                   help="run the trainer as if each card had this many MiB (81559: an H100 "
+                        "80GB on a larger card; bench/device_envelope.py)")
     p.add_argument("--root", default=None, help="folder for the model, data and runs")
     p.add_argument("--out", default=None)
     args = p.parse_args()

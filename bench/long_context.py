@@ -120,8 +120,16 @@ def main(argv=None):
     p.add_argument("--logits-chunk-mib", type=float, default=None,
                    help="float32 MiB of logits per token chunk of the log-prob path (default "
                         "utils/chunked_logprob.LOGITS_CHUNK_BYTES: 512)")
+    p.add_argument("--device-mib", type=int, default=0,
+                   help="run as if each card had this many MiB (81559: an H100 80GB on a larger "
+                        "card; bench/device_envelope.py)")
     p.add_argument("--out", default=None, help="also write the JSON lines here (rank 0)")
     args = p.parse_args(argv)
+    envelope = {}
+    if args.device_mib:
+        from device_envelope import apply
+
+        envelope = apply(args.device_mib)
 
     import parallel_models as pm
     from parallel_models.llama.layers.recompute import set_recompute
@@ -166,7 +174,7 @@ def main(argv=None):
                 "grad_norm": out["grad_norm"], "update_ok": out["update_ok"],
                 "peak_gib": max(v["peak_gib"] for v in phases.values()), "phases": phases,
                 "device": torch.cuda.get_device_name() if cuda else "cpu",
-                "world_size": dist.get_world_size()}
+                "world_size": dist.get_world_size(), "device_envelope": envelope}
         if dist.get_rank() == 0:
             print(json.dumps(line), flush=True)
         lines.append(line)

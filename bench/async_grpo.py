@@ -43,7 +43,7 @@ Workloads (the same model and prompts in both modes; a random-weight Llama writt
   step 2 of the 64 prompts (``--long-prompts``: 3.1 % of the samples) get a cap drawn uniformly
   in 4096..8192 (``--long-min`` .. ``--max-new``): responses ~600 tokens on average, a step's
   longest 5,000-8,000 (the 7 steps of the seed-0 data: means 540-640, longest 5,032-8,005). Async
-  at ``max_staleness=2`` with partial rollouts (see the bound below for why 2); options
+  at ``max_staleness=3`` with partial rollouts (see the bound below for why 3); options
   given on the command line win.
 
 Where the time goes, and when async can win. Let G and T be one step's generation time and its
@@ -57,7 +57,10 @@ in the tail. And one more bound: a response of L tokens must be drawn within the
 staleness allows (``max_staleness``: its request starts when the server holds version
 s - k, it is trained at step s), at the server's decode step time t(B) with B rows in flight:
 async step >= L_max x t(B) / k. With long responses and a full server batch that is the binding
-one at k = 1 (8192 tokens x ~3 ms = 25 s), hence k = 2 for the long-tail preset.
+one at k = 1 (8192 tokens x ~3 ms = 25 s). Measured on 2 H200s at k = 2 (docs/PERFORMANCE.md,
+session 13): async steps of ~10 s, so an 8,005-token response (~28 s at ~3.5 ms a token) had
+~20 s, and its step waited 20 s for it (the median step 1.52x sync's, the five steps' total time
+only 1.18x); hence k = 3 for the long-tail preset.
 
 Reported, one JSON line per mode, over the steps after ``--warmup``: samples/s (prompts x n /
 step time) and tokens/s/GPU (prompt + response tokens of the step / step time / 2 GPUs), each
@@ -98,7 +101,7 @@ SHAPES = {
 # command line win
 PRESETS = {"long-tail": dict(shape="0.5b", prompts=64, n=8, prompt_len=256, max_new=8192,
                              caps=True, response_median=300.0, long_prompts=2, long_min=4096,
-                             staleness=2, partial=True, mini_batch=128, micro_tokens=16384,
+                             staleness=3, partial=True, mini_batch=128, micro_tokens=16384,
                              timeout=[240, 270])}
 
 

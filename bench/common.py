@@ -444,3 +444,58 @@ def report(results: dict, out: str | None) -> None:
     if out:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
+
+
+class HostMemoryWatch:
+    """Samples, every ``interval`` seconds in a thread, the resident memory of a process and its
+    descendants and the machine's available memory; ``result()`` gives their peak / minimum in
+    GiB. It outlives the process it watches, so a run the host's out-of-memory killer stops
+    still reports how close it came (``with HostMemoryWatch(pid) as watch: ...``)."""
+
+    def __init__(self, pid: int, interval: float = 1.0):
+        self.pid, self.interval = pid, interval
+        self.rss_peak = 0
+        self.available_min = None
+        self.total = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return
+        rss = 0
+        for proc in procs:
+            try:
+                rss += proc.memory_info().rss
+            except psutil.Error:
+                pass
+        mem = psutil.virtual_memory()
+        self.total = mem.total
+        self.rss_peak = max(self.rss_peak, rss)
+        self.available_min = mem.available if self.available_min is None else \
+            min(self.available_min, mem.available)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "HostMemoryWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def result(self) -> dict:
+        gib = 2 ** 30
+        return {"host_rss_peak_gib": round(self.rss_peak / gib, 2),
+                "host_available_min_gib": None if self.available_min is None
+                else round(self.available_min / gib, 2),
+                "host_total_gib": round(self.total / gib, 2)}

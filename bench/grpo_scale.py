@@ -71,6 +71,9 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import HostMemoryWatch  # noqa: E402
+
 SHAPES = {
     "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, intermediate_size=14336, vocab_size=128256),
@@ -256,19 +259,22 @@ def run_layout(args, layout, model, data, caps, root, prompt_len, new_tokens, en
     log(f"{layout}: {' '.join(cmd[-8:])} ...")
     t0 = time.time()
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    try:
-        proc.wait(timeout=args.timeout_s)
-    except subprocess.TimeoutExpired:  # keep the steps logged so far; free the GPUs
-        log(f"{layout}: over {args.timeout_s} s, stopping it")
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    with HostMemoryWatch(proc.pid) as host:  # reported even when the host's OOM killer strikes
+        try:
+            proc.wait(timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:  # keep the steps logged so far; free the GPUs
+            log(f"{layout}: over {args.timeout_s} s, stopping it")
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     wall = time.time() - t0
+    log(f"{layout}: host memory {host.result()}")
     metrics_path = os.path.join(out, "metrics.jsonl")
     rows = []
     if os.path.isfile(metrics_path):
         with open(metrics_path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-    result = {"layout": layout, "returncode": proc.returncode, "wall_s": wall, "steps": []}
+    result = {"layout": layout, "returncode": proc.returncode, "wall_s": wall, "steps": [],
+              **host.result()}
     for step, m in enumerate(rows):
         batch_caps = caps[step * args.prompts:(step + 1) * args.prompts]
         lengths = [prompt_len + c for c in batch_caps for _ in range(args.n)]
@@ -341,6 +347,8 @@ def case_line(result: dict, args) -> dict:
     timed = [s["step_s"] for s in steps[1:]] or [s["step_s"] for s in steps]
     return {"case": f"{args.shape}-{result['layout']}-{'ppo_critic' if args.critic else 'grpo'}",
             "returncode": result["returncode"], "steps": len(steps),
+            "host_rss_peak_gib": result.get("host_rss_peak_gib"),
+            "host_available_min_gib": result.get("host_available_min_gib"),
             "median_step_s": sorted(timed)[len(timed) // 2] if timed else None,
             "spread_step_s": [min(timed), max(timed)] if timed else None,
             "nemo_rl_tokens_per_s_per_gpu": [s["nemo_rl_tokens_per_s_per_gpu"] for s in steps],

@@ -47,6 +47,9 @@ def test_tiny_tp2_and_pp2_runs_report_every_phase(tmp_path, monkeypatch, capsys)
     assert [r["layout"] for r in result["runs"]] == ["tp2", "pp2"]
     for run in result["runs"]:
         assert len(run["steps"]) == 2
+        # the host memory of the run's process tree (two ranks, each over 100 MiB resident)
+        assert 0.2 < run["host_rss_peak_gib"] < run["host_total_gib"]
+        assert 0 < run["host_available_min_gib"] < run["host_total_gib"]
         for step in run["steps"]:
             # 4 prompts x 2 samples, 16 prompt tokens + 8 new (ignore_eos: every cap is reached)
             assert step["tokens"] == 8 * (16 + 8) and step["response_tokens"] == 8 * 8

@@ -27,6 +27,11 @@ the optimizer, through pageable memory (a synchronous, slower copy, new host ten
 the frozen reference and reward models need the same moves, and this one runs on a CPU machine.
 Parameters that live in DDP's parameter buffer (the distributed optimizer) move with that buffer,
 as one copy, its device storage released and re-allocated like the gradient buffers'.
+
+``Offloader(..., refilled=True)`` is for a model whose parameters the caller writes again after
+every onload (the hybrid engine's rollout copy, which the weight sync overwrites before each
+generation): their device storage is released without a host copy (no pinned host memory, no
+transfer either way) and re-allocated unwritten on onload.
 """
 
 from __future__ import annotations
@@ -114,7 +119,8 @@ class Offloader:
     ``on_device()`` is the context manager a phase uses.
     """
 
-    def __init__(self, modules, optimizer=None, device: torch.device | str | None = None):
+    def __init__(self, modules, optimizer=None, device: torch.device | str | None = None,
+                 refilled: bool = False):
         if device is None:
             from parallel_models.distributed import compute_device
 
@@ -127,6 +133,11 @@ class Offloader:
         self._freed: dict[int, tuple[torch.Tensor, int]] = {}  # grad buffers: (tensor, nbytes)
         self._parked: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # param buffers
         self.offloaded = {MODEL: False, OPTIMIZER: False}
+        # refilled: the parameters' values are written again after every onload (a rollout copy
+        # the weight sync overwrites): offload frees their device storage and copies nothing to
+        # the host; onload re-allocates it, unwritten. Module buffers move as usual.
+        self.refilled = refilled
+        self._released: list[tuple[torch.Tensor, int]] = []  # (parameter data, storage bytes)
 
     @property
     def is_offloaded(self) -> bool:
@@ -198,6 +209,13 @@ class Offloader:
             t = slot.get()
             if not self._on_compute_device(t):
                 continue  # already on the host (e.g. a CPU-built buffer): nothing to free
+            if self.refilled and group == MODEL and slot.kind == "data":
+                storage = t.untyped_storage()
+                if storage.nbytes():  # (a storage shared by tied parameters: released once)
+                    self._released.append((t, storage.nbytes()))
+                    nbytes += storage.nbytes()
+                    storage.resize_(0)
+                continue
             nbytes += t.numel() * t.element_size()
             slot.set(self._to_host(group, k, t))
             moved.append(slot)
@@ -222,6 +240,10 @@ class Offloader:
             nbytes += t.numel() * t.element_size()
             slot.set(self._to_device(t))
         if group == MODEL:
+            for t, size in self._released:  # unwritten: the caller refills them
+                t.untyped_storage().resize_(size)
+                nbytes += size
+            self._released = []
             for g, size in self._freed.values():
                 g.untyped_storage().resize_(size)
                 g.zero_()

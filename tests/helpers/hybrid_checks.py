@@ -137,6 +137,63 @@ def sync_matches_fresh_load(model_path: str, out_dir: str, tp: int, pp: int,
     return results
 
 
+def released_copy_rolls_out_like_resident(model_path: str) -> dict:
+    """PP=2 actor, rollout at TP'=1: a hybrid engine that releases its rollout copy between
+    rollouts (``offload``: parameters freed, not copied) against one that keeps it, greedy
+    rollouts after weight changes and at an unchanged version; what the released copy holds
+    between rollouts and how many syncs each ran."""
+    import torch
+
+    import parallel_models as pm
+    from parallel_models.inference import SamplingParams
+    from parallel_models.rl.rollout.hybrid import HybridRollout
+    from parallel_models.rl.rollout.hybrid_adapter import HybridEngineRollout
+
+    pm.init_parallel(pipeline_parallel_size=2)
+    cls = pm.get_model_class(pm.registry.architecture_of(model_path), "causal_lm", rmpad=True,
+                             pp=True)
+    actor = [cls.from_pretrained(model_path, dtype=torch.float32)]
+    resident = HybridRollout(actor, 1)
+    released = HybridRollout(actor, 1, offload=True)
+    syncs = {"resident": 0, "released": 0}
+    for name, h in (("resident", resident), ("released", released)):
+        inner = h.weight_sync.sync
+
+        def counted(inner=inner, name=name):
+            syncs[name] += 1
+            return inner()
+        h.weight_sync.sync = counted
+
+    def held_bytes() -> int:
+        return sum(p.untyped_storage().nbytes() for p in released.engine.model.parameters())
+
+    params = SamplingParams(max_new_tokens=6, greedy=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    out = {"held_at_start": held_bytes(), "equal": [], "held_between": [], "changed": None}
+    adapter = HybridEngineRollout(released)
+    first = None
+    for step, version in enumerate([0, 1, 1, 2]):
+        if step in (1, 3):
+            _perturb(actor, 0.05)
+        want = resident.rollout(prompts, params, version=version)
+        if step == 2:  # through the rollout interface: resume, generate, release
+            adapter.update_weights(version)
+            adapter.resume_memory()
+            got = adapter.generate(prompts, params)
+            adapter.release_memory()
+        else:
+            got = released.rollout(prompts, params, version=version)
+        out["equal"].append(all(torch.equal(got[k], want[k])
+                                for k in ("sequences", "rollout_log_probs")))
+        out["held_between"].append(held_bytes())
+        if first is None:
+            first = want["sequences"].clone()
+        elif step == 1:
+            out["changed"] = not torch.equal(first, want["sequences"])
+    out["syncs"] = syncs
+    return out
+
+
 def ppo_metrics(output_dir: str, overrides: list[str], report_engine: bool = False) -> list[dict]:
     """``trainer.fit()`` of a short seeded PPO run with ``overrides``; its metrics per step
     (``report_engine``: with ``_rollout_continuous``, whether the rollout batched continuously)."""

@@ -29,3 +29,16 @@ def test_sync_bit_identical_to_fresh_load(tmp_path, hf_models, tp, pp, vpp, worl
             assert r["peaks"][0] <= r["buffer_bytes"] + 2 * largest, (where, r)
             assert r["peaks"][1] <= 2 * largest, (where, r)
             assert r["peaks"][0] < r["model_bytes"], (where, r)
+
+
+def test_released_rollout_copy_is_refilled_before_every_rollout(hf_models):
+    """trainer.offload: between rollouts the hybrid engine's rollout copy holds no parameter
+    memory (nothing is copied to the host: the sync rewrites every parameter), and each rollout,
+    also at an unchanged weight version and through the rollout interface's resume / release,
+    syncs first and generates what a resident copy does, bit for bit (fp32, greedy)."""
+    (r, _) = run_distributed(hybrid_checks.released_copy_rolls_out_like_resident, 2,
+                             hf_models[("llama", "causal_lm")], timeout=240)
+    assert r["held_at_start"] == 0 and r["held_between"] == [0, 0, 0, 0], r
+    assert r["equal"] == [True] * 4 and r["changed"], r
+    # the resident copy syncs on a version change only (0, 1, 2); the released one every time
+    assert r["syncs"] == {"resident": 3, "released": 4}, r

@@ -15,6 +15,8 @@ every rank gets the rows of its own training DP share, in order, as the trainer'
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -68,20 +70,40 @@ class HybridRollout:
                                     shares_training_weights=self.zero_copy,
                                     **(engine_options or {}))
         self._synced_version: object = None
-        # offload (trainer.offload on CUDA): the rollout copy sits in host memory between
-        # rollouts and comes to the device for the sync and the generation only
+        # offload (trainer.offload on CUDA): between rollouts the rollout copy holds no device
+        # memory. Its parameters are not kept anywhere (the sync before each generation writes
+        # every one of them from the actor: a host copy would be stale anyway), its module
+        # buffers go to host memory
         self.offloader = None
         if offload and not self.zero_copy:
             from parallel_models.utils.offload import Offloader
 
-            self.offloader = Offloader([model])
+            self.offloader = Offloader([model], refilled=True)
+            self.release_memory()
+
+    def release_memory(self) -> None:
+        """Free the rollout copy's device memory (with ``offload``); the next rollout syncs."""
+        if self.offloader is not None:
             self.offloader.offload()
+            self._synced_version = None  # its parameters are gone: the next sync refills them
 
+    def resume_memory(self) -> None:
+        """The rollout copy's memory back on the device (unwritten until the next sync)."""
+        if self.offloader is not None:
+            self.offloader.onload()
+
+    @contextlib.contextmanager
     def _on_device(self):
-        import contextlib
-
-        return self.offloader.on_device() if self.offloader is not None else \
-            contextlib.nullcontext()
+        if self.offloader is None:
+            yield
+            return
+        was_released = self.offloader.is_offloaded
+        try:
+            with self.offloader.on_device():
+                yield
+        finally:
+            if was_released:
+                self._synced_version = None  # released again on the way out
 
     @property
     def eos_token_id(self):

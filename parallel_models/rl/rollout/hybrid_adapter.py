@@ -44,15 +44,13 @@ class HybridEngineRollout:
         self.version = version
 
     def release_memory(self) -> None:
-        """The rollout copy to host memory when the hybrid engine offloads it (``trainer.offload``
-        on CUDA, a copy of its own); each generate brings it over and puts it back."""
-        if self.hybrid.offloader is not None:
-            self.hybrid.offloader.offload()
+        """The rollout copy off the device when the hybrid engine offloads it (``trainer.offload``
+        on CUDA, a copy of its own); each generate brings it back and syncs it first."""
+        self.hybrid.release_memory()
 
     def resume_memory(self) -> None:
-        """The rollout copy back on the device (when it was offloaded)."""
-        if self.hybrid.offloader is not None:
-            self.hybrid.offloader.onload()
+        """The rollout copy's memory back on the device (when it was released)."""
+        self.hybrid.resume_memory()
 
     def generate(self, prompt_ids: Sequence[Sequence[int]], sampling, *,
                  max_new_tokens: Sequence[int] | None = None,

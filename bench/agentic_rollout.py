@@ -3,6 +3,7 @@ tool latency (issue 34): rows waiting on a tool must not stall the others.
 
     python bench/agentic_rollout.py [--conversations 256] [--turns 3] [--turn-tokens 128]
                                     [--latency-ms 50] [--reentry-wait-steps 8] [--out r.json]
+    python bench/agentic_rollout.py --repeats 3 --sweep-wait-steps 0 8 24 48   # + the gathering
     python bench/agentic_rollout.py --tiny      # a CPU smoke run (tests/rl/test_agentic_bench.py)
 
 Workload: ``--conversations`` prompts (the built-in character tokenizer, random text of 64..192
@@ -162,6 +163,9 @@ def main() -> None:
     ap.add_argument("--latency-ms", type=float, default=50.0)
     ap.add_argument("--reentry-wait-steps", type=int, default=None, help="the asynchronous "
                     "driver's gathering of re-entries (default: its own, async_turns.py)")
+    ap.add_argument("--sweep-wait-steps", type=int, nargs="*", default=[],
+                    help="also run the tools case at each of these re-entry gathering steps "
+                         "(cases tools_wait<W>; their ratios in ratio_by_wait_steps)")
     ap.add_argument("--tiny", action="store_true", help="a CPU smoke run: a tiny model, 8 "
                     "conversations, 8-token turns")
     ap.add_argument("--skip-sync", action="store_true", help="leave out the case "
@@ -202,6 +206,12 @@ def main() -> None:
     cases["tools"] = run_case(model, tok, prompts, args, latency, True)
     if not args.skip_sync:
         cases["tools_turn_synchronous"] = run_case(model, tok, prompts, args, latency, False)
+    default_wait = args.reentry_wait_steps
+    for wait_steps in args.sweep_wait_steps:
+        if wait_steps != default_wait:
+            args.reentry_wait_steps = wait_steps
+            cases[f"tools_wait{wait_steps}"] = run_case(model, tok, prompts, args, latency, True)
+    args.reentry_wait_steps = default_wait
     streams = [c.pop("_streams") for c in cases.values()]
     work = [c.pop("_work") for c in cases.values()]
     baseline = max((n for n in cases if n.startswith("no_latency")),
@@ -215,6 +225,10 @@ def main() -> None:
            "throughput_ratio_worst": round(cases[baseline]["seconds_min"] /
                                            cases["tools"]["seconds_max"], 3),
            "target": 0.8}
+    if args.sweep_wait_steps:
+        res["ratio_by_wait_steps"] = {
+            w: round(cases["tools" if w == default_wait else f"tools_wait{w}"]["tokens_per_s"] /
+                     cases[baseline]["tokens_per_s"], 3) for w in args.sweep_wait_steps}
     report(res, args.out)
 
 

@@ -20,15 +20,22 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "agentic_ro
 def test_tiny_bench_reports_the_same_tokens_in_every_case(tmp_path):
     out = tmp_path / "r.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = start_main(TARGET, [BENCH, "--tiny", "--out", str(out)], env)
+    from parallel_models.rl.agents.async_turns import REENTRY_WAIT_STEPS
+
+    default = str(REENTRY_WAIT_STEPS)
+    proc = start_main(TARGET, [BENCH, "--tiny", "--sweep-wait-steps", "0", default, "--out",
+                               str(out)], env)
     try:
         assert proc.wait(300) == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     finally:
         proc.close()
     result = json.loads(out.read_text())
     cases = result["cases"]
+    # --sweep-wait-steps: the default gathering is the tools case, 0 one more case
     assert set(cases) == {"no_latency", "no_latency_turn_synchronous", "tools",
-                          "tools_turn_synchronous"}
+                          "tools_turn_synchronous", "tools_wait0"}
+    assert set(result["ratio_by_wait_steps"]) == {"0", default}
+    assert result["ratio_by_wait_steps"][default] == result["throughput_ratio"]
     assert result["same_work"] and result["same_tokens"]
     assert result["baseline"] in ("no_latency", "no_latency_turn_synchronous")
     for case in cases.values():

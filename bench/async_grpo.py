@@ -64,10 +64,10 @@ only 1.18x); hence k = 3 for the long-tail preset.
 
 Reported, one JSON line per mode, over the steps after ``--warmup``: samples/s (prompts x n /
 step time) and tokens/s/GPU (prompt + response tokens of the step / step time / 2 GPUs), each
-as median, min, max and the steps' values; ``timing``: the median of each of the trainer's
-``timing/*_s`` keys (gen: the rollout, for async the wait for the queued samples; score: old and
-reference log-probs; adv; train_actor; metrics; sync: the weight push), and for async the
-staleness, partial samples and idle times.
+as median, min, max and the steps' values, and ``overall``: over the steps' summed time;
+``timing``: the median of each of the trainer's ``timing/*_s`` keys (gen: the rollout, for
+async the wait for the queued samples; score: old and reference log-probs; adv; train_actor;
+metrics; sync: the weight push), and for async the staleness, partial samples and idle times.
 """
 
 from __future__ import annotations
@@ -239,11 +239,16 @@ def run_mode(args, mode: str, model: str, data: str, root: str, env: dict) -> di
     return summary(args, mode, rows, proc.returncode, time.time() - t0)
 
 
-def spread(values: list[float]) -> dict:
+def spread(values: list[float], overall: float | None = None) -> dict:
+    """Median, min, max and the values; ``overall``: the rate over the steps' summed time (one
+    slow step in five moves the median little and this one fully)."""
     if not values:
         return {}
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "values": values}
+    out = {"median": statistics.median(values), "min": min(values), "max": max(values),
+           "values": values}
+    if overall is not None:
+        out["overall"] = overall
+    return out
 
 
 def summary(args, mode: str, rows: list[dict], returncode: int, wall: float) -> dict:
@@ -255,8 +260,10 @@ def summary(args, mode: str, rows: list[dict], returncode: int, wall: float) -> 
     out = {"mode": mode, "returncode": returncode, "wall_s": round(wall, 1),
            "steps_logged": len(rows), "steps_measured": len(kept), "gpus": 2,
            "shape": args.shape, "samples_per_step": samples,
-           "samples_per_s": spread([samples / s for s in step_s]),
-           "tokens_per_s_per_gpu": spread([t / s / 2 for t, s in zip(tokens, step_s)]),
+           "samples_per_s": spread([samples / s for s in step_s],
+                                   samples * len(kept) / sum(step_s) if kept else None),
+           "tokens_per_s_per_gpu": spread([t / s / 2 for t, s in zip(tokens, step_s)],
+                                          sum(tokens) / sum(step_s) / 2 if kept else None),
            "step_s": spread(step_s),
            "response_length_mean": spread([m["response_length/mean"] for m in kept]),
            "timing": medians(kept, "timing/")}

@@ -94,6 +94,10 @@ def test_tiny_sync_and_async_report_throughput(tmp_path, capsys, monkeypatch):
         assert r["returncode"] == 0
         assert r["steps_logged"] == 2 and r["steps_measured"] == 1
         assert len(r["samples_per_s"]["values"]) == 1 and r["samples_per_s"]["median"] > 0
+        # one measured step: its rate is the rate over the steps' summed time
+        assert abs(r["samples_per_s"]["overall"] - r["samples_per_s"]["median"]) < 1e-9
+        assert abs(r["tokens_per_s_per_gpu"]["overall"] - r["tokens_per_s_per_gpu"]["min"]) \
+            < 1e-6 * r["tokens_per_s_per_gpu"]["min"]
         assert r["tokens_per_s_per_gpu"]["min"] > 0
         assert r["timing"]["gen_s"] > 0 and r["timing"]["train_actor_s"] > 0
     caps = [json.loads(line)["budget"] for line in open(tmp_path / "prompts.jsonl")]

@@ -36,7 +36,11 @@ bf16 a different batch composition may change a greedy draw, which changes no co
 Each case runs once to warm up (CUDA graphs) and then ``--repeats`` times (default 3). Reported
 per case: seconds (the median of the timed runs, with their min and max), model tokens, decode
 throughput (model tokens / s at the median), prefill tokens and calls (a re-entry counts its new
-tokens only), decode steps and their mean rows, evicted kept regions (counts: the last run). The
+tokens only), decode steps and their mean rows, evicted kept regions, the engine's seconds in
+prefills and in decode steps (``prefill_s``, ``decode_s``: host wall time, each waiting for its
+tokens) and the seconds no row decoded because every open conversation waited on its tools
+(``idle_on_tools_s``; counts and seconds: the last run; the rest of a run is the drivers' own
+host work). The
 result: ``throughput_ratio`` = tools / the baseline, the faster of the two no-latency cases (the
 same tokens as fast as this engine makes them; target >= 0.8), at the medians, and
 ``throughput_ratio_worst``: the slowest tools run against the fastest baseline run.
@@ -122,6 +126,8 @@ def run_case(model, tok, prompts, args, latency_s: float, asynchronous: bool) ->
     seconds = statistics.median(timed)
     tokens = int(batch.response_mask.sum())
     steps = counts.pop("decode_rows_sum", 0)
+    for key in ("prefill_s", "decode_s"):  # (the last run's)
+        counts[key] = round(counts.get(key, 0.0), 4)
     return {"seconds": round(seconds, 4), "seconds_min": round(min(timed), 4),
             "seconds_max": round(max(timed), 4), "model_tokens": tokens,
             "tokens_per_s": round(tokens / seconds, 1), **counts,
@@ -129,6 +135,7 @@ def run_case(model, tok, prompts, args, latency_s: float, asynchronous: bool) ->
             "turns_mean": mt.metrics["rollout/turns_mean"],
             "tool_calls_mean": mt.metrics["rollout/tool_calls_mean"],
             "tool_time_s": round(mt.metrics["rollout/tool_time_s"], 3),
+            "idle_on_tools_s": round(mt.metrics["rollout/idle_on_tools_s"], 4),
             "_streams": batch.sequences[batch.attention_mask.bool()].tolist(),
             "_work": [runs(m) for m in batch.response_mask.tolist()]}
 
@@ -140,7 +147,8 @@ def engine_counts(engine) -> dict:
         return {}
     return {"prefill_tokens": cont.prefilled_tokens, "prefill_calls": cont.prefill_calls,
             "decode_steps": cont.decode_steps, "decode_rows_sum": cont.decode_rows,
-            "evicted": cont.scheduler.evicted}
+            "evicted": cont.scheduler.evicted, "prefill_s": cont.prefill_seconds,
+            "decode_s": cont.decode_seconds}
 
 
 def runs(mask: list) -> list:

@@ -32,6 +32,7 @@ supported (as in ``generation.generate``).
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -177,6 +178,10 @@ class ContinuousEngine:
         self.decode_steps = 0       # decode steps launched
         self.decode_rows = 0        # the running rows of those steps, summed
         self.generated_tokens = 0
+        # host wall seconds in step()'s prefills and decode steps (each waits for the device's
+        # tokens of its own or the previous step: together, the engine's busy time)
+        self.prefill_seconds = 0.0
+        self.decode_seconds = 0.0
         self.on_tokens: Callable[[int], None] | None = None  # (tokens drawn), before callbacks
 
     # ---- requests -------------------------------------------------------------------------
@@ -237,9 +242,13 @@ class ContinuousEngine:
         with sequence_parallel_off(self.model):
             admitted = self.scheduler.admit()
             if admitted:
+                start = time.perf_counter()
                 self._prefill(admitted)
+                self.prefill_seconds += time.perf_counter() - start
             if self.running:
+                start = time.perf_counter()
                 self._decode()
+                self.decode_seconds += time.perf_counter() - start
         self.steps += 1
 
     def run(self, until: Callable[[], bool] | None = None) -> None:

@@ -166,6 +166,8 @@ def test_conversations_with_good_and_bad_tool_calls_and_a_timeout():
     assert metrics["rollout/tool_calls_mean"] == pytest.approx((1 + 3 + 1) / 3)
     assert metrics["rollout/tool_errors"] == 4
     assert metrics["rollout/tool_time_s"] >= 0.5
+    # (the turn-synchronous driver: every turn's tools phase, the 0.5 s timeout among them)
+    assert 0.5 <= metrics["rollout/idle_on_tools_s"] <= metrics["rollout/multi_turn_s"]
     assert all(metrics[f"rollout/cut_{c}"] == 0 for c in
                ("max_turns", "total_tokens", "turn_tokens", "tool_response"))
     assert batch.group_index.tolist() == [0, 1, 2]

@@ -50,4 +50,11 @@ def test_tiny_bench_reports_the_same_tokens_in_every_case(tmp_path):
     # 8 conversations x 3 calls of 50 ms
     assert cases["tools"]["tool_time_s"] >= 24 * 0.05 * 0.95
     assert cases["no_latency"]["tool_time_s"] < 0.5
+    for case in cases.values():  # where a run's time went
+        assert case["decode_s"] > 0 and case["prefill_s"] > 0
+        assert case["decode_s"] + case["prefill_s"] + case["idle_on_tools_s"] \
+            <= case["seconds_max"] * 1.01
+    # the last conversations wait on their 50 ms tools with nothing left to decode
+    assert cases["tools"]["idle_on_tools_s"] > 0.02
+    assert cases["tools_turn_synchronous"]["idle_on_tools_s"] >= 3 * 0.05 * 0.95
     assert result["throughput_ratio"] > 0

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import time
 
 import torch.distributed as dist
 
@@ -72,6 +73,7 @@ class AsyncTurns:
         self.tp = 1 if layout is None else layout.tensor_parallel_size
         self.layout = layout
         self.leader = self.tp == 1 or layout.tensor_parallel_rank == 0
+        self.idle_seconds = 0.0  # waiting for a tool with no row decoding and none to re-enter
 
     def run(self, conversations: list[Conversation], one, max_new_tokens: int) -> float:
         """Generate every conversation to its end; ``one`` the turn's sampling params (n=1).
@@ -100,7 +102,11 @@ class AsyncTurns:
                     waiting[i] = (end, future)
                 if waiting:
                     block = not cont.has_work and not held
-                    for i, records in self._ready(waiting, block=block):
+                    start = time.perf_counter()
+                    ready = self._ready(waiting, block=block)
+                    if block:
+                        self.idle_seconds += time.perf_counter() - start
+                    for i, records in ready:
                         c = conversations[i]
                         end, _ = waiting.pop(i)
                         seconds += self.turns.after_tools(c, end, records)

@@ -122,13 +122,15 @@ class MultiTurnRollout(EngineTokens):
         one = sampling.model_copy(update={"n": 1})
         start = time.monotonic()
         if self.asynchronous:
-            tool_seconds = AsyncTurns(self.turns, self.engine, self.reentry_wait_steps).run(
-                conversations, one, sampling.max_new_tokens)
+            driver = AsyncTurns(self.turns, self.engine, self.reentry_wait_steps)
+            tool_seconds = driver.run(conversations, one, sampling.max_new_tokens)
+            self._idle_seconds = driver.idle_seconds
         else:
             tool_seconds = self._turn_synchronous(conversations, one, sampling.max_new_tokens,
                                                   seeded=prompt_seeds is not None)
         batch = self._batch(conversations, len(prompt_ids), n)
         self.metrics = self._metrics(conversations, tool_seconds, time.monotonic() - start)
+        self.metrics["rollout/idle_on_tools_s"] = self._idle_seconds
         return batch
 
     def _turn_synchronous(self, conversations: list[Conversation], one, max_new_tokens: int,
@@ -137,6 +139,7 @@ class MultiTurnRollout(EngineTokens):
         once, in the executor's pool); returns the tools' seconds."""
         self.turns.stop_ids = set(self.engine.stop_ids(one))
         seconds = 0.0
+        self._idle_seconds = 0.0  # every turn's tools phase: no row decodes meanwhile
         while True:
             live = [c for c in conversations if not c.done]
             if not live:
@@ -153,10 +156,12 @@ class MultiTurnRollout(EngineTokens):
                 if "routes" in turn:
                     c.add_routes(turn["routes"])
             ends = [self.turns.end_turn(c, turn) for c, turn in zip(live, generated)]
+            started = time.perf_counter()
             futures = [self.turns.run_tools(end) for end in ends]
             for c, end, future in zip(live, ends, futures):
                 records = future.result() if future is not None else []
                 seconds += self.turns.after_tools(c, end, records)
+            self._idle_seconds += time.perf_counter() - started
 
     # ---- the batch and the metrics ------------------------------------------------------------
     def _batch(self, conversations: list[Conversation], prompts: int, n: int) -> RolloutBatch:

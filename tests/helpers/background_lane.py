@@ -8,14 +8,16 @@ its own: the same test, fixtures, asserts and outcome; only the process differs.
 
 The lane is a fork of the collected session: it runs each test through pytest's own
 ``pytest_runtest_protocol`` (fixtures, capture, warnings, timeouts), the module-scoped fixtures
-of the lane's modules once in the lane, and sends every report back as pytest-xdist does
-(``pytest_report_to_serializable``). What the lane's tests start through
-``parallel_models.testing`` (forked from the preloaded forkserver, which would give them its
-priority) runs at the lane's priority (tests/helpers/niced_targets.py); a subprocess inherits it.
-Modules go into the lane whole (their module fixtures then run once, in the lane) and only
-when no test outside the lane shares their fixtures; a test whose asserts time a limit does not
-belong in it (it runs at a low priority). Without a test outside the lane to overlap (a lane
-module collected alone), under ``--pdb``, or with CUDA initialised, the tests run in-process."""
+of the lane's modules once in the lane, and sends every report (and the warnings pytest
+recorded) back as pytest-xdist does (``pytest_report_to_serializable``). What the lane's tests
+start through ``parallel_models.testing`` (forked from the preloaded forkserver, which would
+give them its priority) runs at the lane's priority (tests/helpers/niced_targets.py); a
+subprocess inherits it. A module goes into the lane whole (its module fixtures then run once,
+in the lane), or a test whose fixtures are its own (``tmp_path``): a module or session fixture
+that tests outside the lane use too would run in both processes. A test whose asserts time a
+limit does not belong in it (it runs at a low priority). Without a test outside the lane to
+overlap (a lane module collected alone), under ``--pdb``, or with CUDA initialised, the tests
+run in-process."""
 
 from __future__ import annotations
 
@@ -105,22 +107,41 @@ def _run_lane(session, items: list, folder: str) -> None:
     testing._main_process = niced_targets.niced_main_process
     testing._worker = niced_targets.niced_worker
     reports: list = []
+    caught: list = []  # the warnings pytest recorded during the test, as plain values
 
     class Recorder:
         def pytest_runtest_logreport(self, report):
             reports.append(report)
 
+        def pytest_warning_recorded(self, warning_message, when, nodeid):
+            if recording:  # (registering replays the session's earlier warnings)
+                caught.append((str(warning_message.message), _picklable(warning_message.category),
+                               warning_message.filename, warning_message.lineno,
+                               warning_message.line, when, nodeid))
+
+    recording = False
     config.pluginmanager.register(Recorder(), "background_lane_recorder")
+    recording = True
     for i, item in enumerate(items):
         reports.clear()
+        caught.clear()
         nextitem = items[i + 1] if i + 1 < len(items) else None
         item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
-        data = [config.hook.pytest_report_to_serializable(config=config, report=r)
-                for r in reports]
+        data = {"reports": [config.hook.pytest_report_to_serializable(config=config, report=r)
+                            for r in reports], "warnings": list(caught)}
         path = os.path.join(folder, f"{i}.pickle")
         with open(path + ".tmp", "wb") as f:
             pickle.dump(data, f)
         os.rename(path + ".tmp", path)
+
+
+def _picklable(category: type) -> type:
+    """A warning's category, or ``UserWarning`` where it cannot be sent by reference."""
+    try:
+        pickle.dumps(category)
+    except Exception:
+        return UserWarning
+    return category
 
 
 def _lane_failure(item, message: str) -> list:
@@ -154,8 +175,16 @@ def _lane_reports(item) -> list:
         time.sleep(0.02)
     with open(path, "rb") as f:
         data = pickle.load(f)
+    import warnings
+
+    for message, category, filename, lineno, line, when, nodeid in data["warnings"]:
+        item.ihook.pytest_warning_recorded.call_historic(kwargs=dict(
+            warning_message=warnings.WarningMessage(message, category, filename, lineno,
+                                                    line=line),
+            when=when, nodeid=nodeid, location=None))
     config = item.config
-    return [config.hook.pytest_report_from_serializable(config=config, data=d) for d in data]
+    return [config.hook.pytest_report_from_serializable(config=config, data=d)
+            for d in data["reports"]]
 
 
 def _log_tail() -> str:

@@ -15,7 +15,9 @@ give them its priority) runs at the lane's priority (tests/helpers/niced_targets
 subprocess inherits it. A module goes into the lane whole (its module fixtures then run once,
 in the lane), or a test whose fixtures are its own (``tmp_path``): a module or session fixture
 that tests outside the lane use too would run in both processes. A test whose asserts time a
-limit does not belong in it (it runs at a low priority). Without a test outside the lane to
+limit does not belong in it (it runs at a low priority); one marked ``timed`` runs in the
+session with the niced background (the lane and what it started, torchrun's workers too, and
+the early runs) stopped by SIGSTOP until its call ends. Without a test outside the lane to
 overlap (a lane module collected alone), under ``--pdb``, or with CUDA initialised, the tests
 run in-process."""
 
@@ -35,11 +37,63 @@ from tests.helpers.niced_targets import NICE
 MARK = "background_lane"
 WAIT_S = 580.0  # under pytest-timeout's 600 s for the test that waits
 _LANE: dict = {}  # pid, folder, index: nodeid -> position, status: the lane's wait status
+_IN_LANE = False  # True in the lane's process
+
+
+TIMED = "timed"
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", f"{MARK}: runs in the background lane, a low-priority "
                                        "fork of the session (tests/helpers/background_lane.py)")
+    config.addinivalue_line("markers", f"{TIMED}: asserts wall-clock limits; the session's "
+                                       "niced background (the lane, early runs) is stopped "
+                                       "while it runs (tests/helpers/background_lane.py)")
+
+
+def _niced_background() -> list[int]:
+    """This process's descendants at niceness ``NICE`` or more: the lane and what it started,
+    the early runs (torchrun's workers among them, though they lead sessions of their own)."""
+    parent, nice = {}, {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command's name
+        except OSError:
+            continue
+        parent[int(name)], nice[int(name)] = int(fields[1]), int(fields[16])
+    me, pids = os.getpid(), []
+    for pid in parent:
+        up, seen = parent[pid], 0
+        while up not in (me, 0, 1) and up in parent and seen < 64:
+            up, seen = parent[up], seen + 1
+        if up == me and nice[pid] >= NICE:
+            pids.append(pid)
+    return pids
+
+
+def _signal_all(pids: list, sig) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A ``timed`` test runs with the niced background stopped (SIGSTOP, then SIGCONT), as if
+    the machine were its own: its limits were measured so."""
+    if item.get_closest_marker(TIMED) is None or _IN_LANE or not sys.platform.startswith("linux"):
+        return (yield)
+    stopped = _niced_background()
+    _signal_all(stopped, signal.SIGSTOP)
+    try:
+        return (yield)
+    finally:
+        _signal_all(stopped, signal.SIGCONT)
 
 
 def _lane_items(session) -> list:
@@ -64,6 +118,8 @@ def pytest_collection_finish(session):
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:  # the lane
+        global _IN_LANE
+        _IN_LANE = True
         code = 1
         try:
             _run_lane(session, items, folder)

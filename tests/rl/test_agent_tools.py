@@ -83,6 +83,8 @@ LIMITS = SandboxLimits(cpu_seconds=1, memory_mb=256, max_output_bytes=1 << 20,
 # the wall-clock breach (a sleep) waits out its limit: a short one, with the same 4 s of slack
 SHORT_WALL = dataclasses.replace(LIMITS, wall_seconds=1.5)
 
+pytestmark = pytest.mark.timed  # its limits hold with the background stopped: background_lane.py
+
 
 def test_python_sandbox_runs_code_in_an_empty_environment_and_removes_its_folder():
     out = run_python("import os, sys\nprint(6 * 7)\nprint(dict(os.environ))\n"

@@ -70,6 +70,7 @@ def test_health_and_info(server):
     assert {"/generate", "/update_weights", "/v1/completions", "/v1/chat/completions"} <= set(paths)
 
 
+@pytest.mark.timed  # batching depends on the requests' timing: background_lane.py
 def test_concurrent_greedy_matches_inprocess(server, models):
     c = server["client"]
     batches_before = c.get("/info").json()["stats"]["batches"]

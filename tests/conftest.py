@@ -5,7 +5,8 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-pytest_plugins = ["tests.helpers.early_runs"]  # long PPO runs started when collection ends
+pytest_plugins = ["tests.helpers.early_runs",  # long PPO runs started when collection ends
+                  "tests.helpers.background_lane"]  # subprocess-bound tests, forked then
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,8 @@ HELP_SECONDS = 5.0  # generous: measured 0.2-0.5 s on a loaded 2-core VM (import
 # took 8-25 s)
 THIRD_PARTY_NOTES = ("Transformer Engine", "Apex", "megatron", "transformers", "Warning")
 
+pytestmark = pytest.mark.timed  # its limits hold with the background stopped: background_lane.py
+
 
 def _script(name: str) -> str:
     path = os.path.join(os.path.dirname(sys.executable), name)

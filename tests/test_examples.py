@@ -7,7 +7,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
 
 
 def test_pipeline_example_trains(tmp_path):

@@ -12,6 +12,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from parallel_models.distributed import free_port
 from tests.helpers.ppo_runs import ENV, run_ppo
 
@@ -20,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK = ["trainer.save_hf_at_end=false", "trainer.loggers=[jsonl]", "data.batch_size=4",
          "rollout.max_new_tokens=8", "trainer.save_every=1"]
 WARNING = re.compile(r"\b[A-Za-z]*Warning\b|^WARNING\b|warnings\.warn")
+pytestmark = pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
 
 
 def warning_lines(stderr: str) -> list[str]:

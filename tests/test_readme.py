@@ -15,6 +15,8 @@ import pytest
 
 from tests.helpers.ppo_runs import run_ppo
 
+pytestmark = pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MARKER = "<!-- runnable -->"
 DOCS = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]

@@ -11,8 +11,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from parallel_models.testing import free_port
 from tests.helpers.ppo_runs import ENV, run_metrics, run_ppo_ranks
+
+pytestmark = pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 JOB = ["-m", "parallel_models.rl.train", "parallel.tensor_parallel_size=2",

@@ -48,6 +48,7 @@ def _stats(native):
     return native.get("/info").json()["stats"]
 
 
+@pytest.mark.timed  # its limits hold with the background stopped: background_lane.py
 def test_requests_join_a_running_batch(served):
     native = served["native"]
     shorts = [[5 + i, 9, 11 + i, 3] for i in range(6)]

@@ -70,6 +70,7 @@ def test_health_and_info(server):
     assert {"/generate", "/update_weights", "/v1/completions", "/v1/chat/completions"} <= set(paths)
 
 
+@pytest.mark.timed  # batching depends on the requests' timing: background_lane.py
 def test_concurrent_greedy_matches_inprocess(server, models):
     c = server["client"]
     batches_before = c.get("/info").json()["stats"]["batches"]
@@ -244,6 +245,7 @@ def test_request_timeout_and_sigterm(models):
     assert rc == 0, open(models["root"] / "term.log").read()[-3000:]
 
 
+@pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
 def test_ppo_with_server_backend(tmp_path):
     """A short PPO run with rollout.backend=server (weights pushed after every step): completes
     and the reward rises like the in-process default job (tests/rl/test_ppo.py)."""

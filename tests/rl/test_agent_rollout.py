@@ -142,6 +142,7 @@ def check_stream(batch, b, prompt_text, turns, ends_with_eos=True, last_appended
     return trace
 
 
+@pytest.mark.timed  # its limits hold with the background stopped: background_lane.py
 def test_conversations_with_good_and_bad_tool_calls_and_a_timeout():
     a_turns = ["let me compute " + call("calculator", expression="(2+3)*4"), "it is 20"]
     b_turns = ["<tool_call>{oops</tool_call>", call("nope", x=1),

@@ -2,6 +2,7 @@
 python sandbox's limits, the executor's error handling and the loading of tools and
 environments from users' files."""
 
+import dataclasses
 import json
 import time
 
@@ -79,6 +80,10 @@ def test_calculator_matches_python_arithmetic_and_refuses_the_rest():
 
 LIMITS = SandboxLimits(cpu_seconds=1, memory_mb=256, max_output_bytes=1 << 20,
                        wall_seconds=8.0, max_result_chars=200)
+# the wall-clock breach (a sleep) waits out its limit: a short one, with the same 4 s of slack
+SHORT_WALL = dataclasses.replace(LIMITS, wall_seconds=1.5)
+
+pytestmark = pytest.mark.timed  # its limits hold with the background stopped: background_lane.py
 
 
 def test_python_sandbox_runs_code_in_an_empty_environment_and_removes_its_folder():
@@ -92,18 +97,18 @@ def test_python_sandbox_runs_code_in_an_empty_environment_and_removes_its_folder
     assert "pm_python_tool_" in folder and not os.path.exists(folder)
 
 
-@pytest.mark.parametrize("code, why, within_s", [
-    ("while True: pass", "CPU-time limit", 8.0),
-    ("x = bytearray(10 * 2**30)", "out of memory", 8.0),
+@pytest.mark.parametrize("code, why, limits, within_s", [
+    ("while True: pass", "CPU-time limit", LIMITS, 8.0),
+    ("x = bytearray(10 * 2**30)", "out of memory", LIMITS, 8.0),
     ("import sys\nchunk = 'x' * 1000000\nfor _ in range(100): sys.stdout.write(chunk)",
-     "output limit", 8.0),
-    ("import time\ntime.sleep(60)", "wall-clock", 8.0 + 4.0),
-    ("raise ValueError('boom')", "exited with status 1", 8.0),
-])
-def test_python_sandbox_stops_each_limit_breach_as_a_tool_error(code, why, within_s):
+     "output limit", LIMITS, 8.0),
+    ("import time\ntime.sleep(60)", "wall-clock", SHORT_WALL, SHORT_WALL.wall_seconds + 4.0),
+    ("raise ValueError('boom')", "exited with status 1", LIMITS, 8.0),
+], ids=["cpu", "memory", "output", "wall", "status"])
+def test_python_sandbox_stops_each_limit_breach_as_a_tool_error(code, why, limits, within_s):
     start = time.monotonic()
     with pytest.raises(ToolError, match=why) as err:
-        run_python(code, LIMITS)
+        run_python(code, limits)
     assert time.monotonic() - start < within_s
     assert len(str(err.value)) < 1000  # the output handed back is capped
 

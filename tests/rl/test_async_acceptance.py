@@ -5,7 +5,11 @@ every logged step."""
 
 import os
 
+import pytest
+
 from tests.helpers.ppo_runs import run_metrics, run_ppo
+
+pytestmark = pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
 
 
 def test_async_default_job_raises_reward(tmp_path):

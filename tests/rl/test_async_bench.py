@@ -20,7 +20,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from parallel_models.testing import MainRanks
+
+pytestmark = pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "async_grpo.py")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",

@@ -20,6 +20,8 @@ from tests.helpers.hybrid_ppo_runs import SHORT_RUN
 from tests.helpers.ppo_runs import ENV, run_metrics, start_ppo
 from tests.helpers.server_launch import start_server, stop_server
 
+pytestmark = pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
+
 REL, ABS_FLOOR = 1e-5, 1e-6
 CORRECTION = ["actor.rollout_correction.level=token"]  # async's default, set for the sync run
 

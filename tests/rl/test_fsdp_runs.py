@@ -12,6 +12,8 @@ from parallel_models.testing import run_distributed
 from tests.helpers import fsdp_checks
 from tests.helpers.ppo_runs import load_folder, resume_after_kill_matches, run_metrics, run_ppo
 
+pytestmark = pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
+
 
 def test_default_job_steps_match_megatron(tmp_path):
     """Two steps of the built-in job, one optimizer step per role and step: the same rollouts

@@ -9,6 +9,10 @@ import json
 import os
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
+
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
 
 

@@ -116,6 +116,7 @@ def test_checkpoint_holds_only_the_adapters(lora_run):
     assert "critic.output_layer.weight" in keys
 
 
+@pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
 def test_lora_run_resumes_after_kill(tmp_path):
     resume_after_kill_matches(tmp_path, [*LORA, *CRITIC_LORA, "trainer.total_steps=3",
                                          "trainer.save_every=2", "trainer.save_hf_at_end=false",
@@ -130,6 +131,7 @@ def test_merged_rollout_logits_equal_the_lora_model(hf_models):
         assert res["lora_effect"] > 1e-3, res
 
 
+@pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
 def test_one_copy_of_the_base_weights(tmp_path):
     common = ["algorithm.adv_estimator=grpo", "critic.enable=false", "actor.use_kl_loss=true",
               "algorithm.kl_in_reward=false", "trainer.loggers=[jsonl]"]
@@ -145,6 +147,7 @@ def test_one_copy_of_the_base_weights(tmp_path):
     assert full["in_memory"] == 2 * full["actor_total"], full  # actor + reference copy
 
 
+@pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
 def test_lora_ppo_steps_tp2_sp_and_pp2_equal_tp1(tmp_path):
     """Two LoRA PPO steps (rollout, reference with adapters off, critic, actor update): the
     exported adapters at TP=2 + SP and at PP=2 (rollouts from the hybrid engine's merged copy)
@@ -179,6 +182,7 @@ def test_lora_settings_that_cannot_work_name_the_key():
         load_config(None, ["actor.lora.rnk=8"])
 
 
+@pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
 def test_lora_checkpoint_saved_at_tp2_sp_resumes_at_tp1(tmp_path):
     """Adapters (actor's; critic's with its value head) and their Adam states saved at TP=2 +
     SP load at TP=1: they are bit-exact and the next step's losses match the TP=2 run's within 1e-5."""

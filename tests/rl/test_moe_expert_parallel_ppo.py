@@ -38,6 +38,7 @@ def _assert_same_run(got, want, what):
     assert want[1]["actor/pg_loss"] != want[0]["actor/pg_loss"]
 
 
+@pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
 def test_ep2_equals_ep1(tmp_path):
     want = _metrics(tmp_path, "ep1", [])
     got = _metrics(tmp_path, "ep2", ["parallel.expert_parallel_size=2"])
@@ -45,6 +46,7 @@ def test_ep2_equals_ep1(tmp_path):
     _assert_same_run(got, want, "EP=2")
 
 
+@pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
 @pytest.mark.parametrize("layout", [
     ["parallel.tensor_parallel_size=2"],
     # the load-balancing loss (0.01) rides the pipeline messages (llama/layers/moe_aux_carry.py)

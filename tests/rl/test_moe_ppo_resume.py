@@ -10,6 +10,8 @@ from parallel_models.testing import run_distributed_jobs
 from tests.helpers import trainer_checkpoint_checks as checks
 from tests.helpers.ppo_runs import assert_same_trainer_state
 
+pytestmark = pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
+
 
 MOE_RUN = ["model.path=builtin-moe", "rollout.greedy=true", "trainer.seed=3",
            "actor.moe_aux_loss_coef=0.01"]

@@ -12,6 +12,8 @@ from parallel_models.testing import run_distributed_jobs, save_tiny_hf_model
 from tests.helpers import trainer_checkpoint_checks as checks
 from tests.helpers.ppo_runs import load_folder
 
+pytestmark = pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
+
 
 RESHARD = {"qwen3moe-ep2-to-ep1": ("qwen3_moe", (1, 2), (1, 1)),
            "qwen2moe-tp2-to-ep2": ("qwen2_moe", (2, 1), (1, 2))}

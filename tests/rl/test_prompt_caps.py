@@ -12,6 +12,8 @@ import torch
 
 from parallel_models.testing import run_distributed_jobs
 
+pytestmark = pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
+
 CAPS = [1, 3, 5, 6]  # the four prompts' caps; rollout.max_new_tokens = 6
 RUN = ["trainer.total_steps=2", "data.batch_size=4", "rollout.n=2", "actor.mini_batch_size=8",
        "rollout.max_new_tokens=6", "actor.ppo_epochs=1", "rollout.ignore_eos=true",

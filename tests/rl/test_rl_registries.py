@@ -18,6 +18,8 @@ from parallel_models.rl.config import load_config
 from parallel_models.rl.rewards.rules import REWARD_FUNCTIONS, math_reward
 from tests.helpers.ppo_runs import run_metrics, run_ppo
 
+pytestmark = pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
+
 # GRPO written again by a user, from torch only: summed reward per response, minus its group's
 # mean, over the group's unbiased std + 1e-6; a group of one gets 0
 USER_GRPO = '''

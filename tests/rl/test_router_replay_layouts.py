@@ -8,6 +8,8 @@ import pytest
 from parallel_models.testing import run_distributed
 from tests.helpers import hybrid_checks
 
+pytestmark = pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
+
 RUN = ["model.path=builtin-moe", "algorithm.adv_estimator=grpo", "critic.enable=false",
        "trainer.total_steps=2", "data.batch_size=4", "rollout.n=2", "actor.mini_batch_size=8",
        "rollout.max_new_tokens=6", "actor.ppo_epochs=1"]

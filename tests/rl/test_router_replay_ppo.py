@@ -11,6 +11,8 @@ import pytest
 from parallel_models.rl.config import ConfigError, load_config
 from tests.helpers.ppo_runs import run_metrics, run_ppo
 
+pytestmark = pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
+
 DENSE_KEYS = ("rollout/logprob_diff_mean", "rollout/logprob_diff_max", "rollout/k3_kl")
 GRPO = ["algorithm.adv_estimator=grpo", "critic.enable=false", "trainer.save_every=0",
         "trainer.total_steps=2", "trainer.loggers=[jsonl]", "trainer.save_hf_at_end=false"]

@@ -10,6 +10,8 @@ import pytest
 from tests.helpers import trainer_checkpoint_checks as checks
 from tests.helpers.ppo_runs import load_folder, run_metrics, run_ppo
 
+pytestmark = pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
+
 
 def _files(folder):
     return {os.path.relpath(os.path.join(d, f), folder): os.stat(os.path.join(d, f)).st_mtime_ns

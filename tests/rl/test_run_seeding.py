@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
 import torch
 
 from tests.helpers.ppo_runs import run_metrics, run_ppo
+
+pytestmark = pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
 
 QUICK = ["trainer.total_steps=1", "trainer.save_every=0", "trainer.save_hf_at_end=false",
          "trainer.loggers=[jsonl]", "data.batch_size=4", "rollout.max_new_tokens=8"]

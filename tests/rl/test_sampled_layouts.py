@@ -12,6 +12,8 @@ from parallel_models.testing import run_distributed_jobs
 from tests.helpers import sampled_ppo_runs as runs
 from tests.helpers.hybrid_ppo_runs import assert_same_metrics
 
+pytestmark = pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
+
 LAYOUTS = {
     "tp2": ["parallel.tensor_parallel_size=2"],
     "pp2_rollout_tp2": ["parallel.pipeline_parallel_size=2", "rollout.tensor_parallel_size=2"],

@@ -16,6 +16,7 @@ from tests.helpers.ppo_runs import assert_same_trainer_state, run_metrics as _me
 from tests.helpers.ppo_runs import load_folder as _load_folder, run_ppo as _run
 from tests.helpers import trainer_checkpoint_checks as checks
 
+@pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
 def test_chaos_kills_resume_exactly_and_damage_is_refused(tmp_path):
     """14 seeded SIGKILLs at fault points (2 in start-up, 3 mid-step, 5 inside checkpoint saves,
     4 inside the final export), each followed by --resume=auto: the metrics have no gap or
@@ -78,6 +79,7 @@ def test_fault_points_are_declared_used_and_checked(monkeypatch):
             fault_points.fault_point("export:start")
 
 
+@pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
 def test_final_checkpoint_layout_and_finished_resume(tmp_path):
     """total_steps=3 with save_every=2 still checkpoints step 3; the folder holds a megatron
     dist checkpoint, JSON state, per-rank RNG, config.yaml, all readable by others, and `latest`

@@ -11,6 +11,8 @@ from tests.helpers import server_checks
 from tests.helpers import weight_group_checks
 from tests.helpers.server_launch import start_server, stop_server
 
+pytestmark = pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
+
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):

@@ -130,14 +130,15 @@ class Offloader:
         self.device = torch.device(device)
         self._host: dict[tuple[str, int], torch.Tensor] = {}  # pinned host copies, reused
         self._moved: dict[str, list[_Slot]] = {MODEL: [], OPTIMIZER: []}
-        self._freed: dict[int, tuple[torch.Tensor, int]] = {}  # grad buffers: (tensor, nbytes)
+        # storages released on the device, re-allocated on onload: (tensor, nbytes, zero it
+        # then) for DDP's gradient buffers (zeroed) and the parameters of a refilled model (not)
+        self._freed: dict[int, tuple[torch.Tensor, int, bool]] = {}
         self._parked: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # param buffers
         self.offloaded = {MODEL: False, OPTIMIZER: False}
         # refilled: the parameters' values are written again after every onload (a rollout copy
         # the weight sync overwrites): offload frees their device storage and copies nothing to
         # the host; onload re-allocates it, unwritten. Module buffers move as usual.
         self.refilled = refilled
-        self._released: list[tuple[torch.Tensor, int]] = []  # (parameter data, storage bytes)
 
     @property
     def is_offloaded(self) -> bool:
@@ -210,22 +211,15 @@ class Offloader:
             if not self._on_compute_device(t):
                 continue  # already on the host (e.g. a CPU-built buffer): nothing to free
             if self.refilled and group == MODEL and slot.kind == "data":
-                storage = t.untyped_storage()
-                if storage.nbytes():  # (a storage shared by tied parameters: released once)
-                    self._released.append((t, storage.nbytes()))
-                    nbytes += storage.nbytes()
-                    storage.resize_(0)
+                nbytes += self._release(t, zero=False)  # (shared by tied parameters: once)
                 continue
             nbytes += t.numel() * t.element_size()
             slot.set(self._to_host(group, k, t))
             moved.append(slot)
         if group == MODEL:
             for g in self.grad_buffers():
-                storage = g.untyped_storage()
-                if self._on_compute_device(g) and storage.nbytes():
-                    self._freed[id(g)] = (g, storage.nbytes())
-                    nbytes += storage.nbytes()
-                    storage.resize_(0)
+                if self._on_compute_device(g):
+                    nbytes += self._release(g, zero=True)
             nbytes += self._park_param_buffers()
         self._moved[group] = moved
         self.offloaded[group] = True
@@ -240,13 +234,10 @@ class Offloader:
             nbytes += t.numel() * t.element_size()
             slot.set(self._to_device(t))
         if group == MODEL:
-            for t, size in self._released:  # unwritten: the caller refills them
-                t.untyped_storage().resize_(size)
-                nbytes += size
-            self._released = []
-            for g, size in self._freed.values():
+            for g, size, zero in self._freed.values():
                 g.untyped_storage().resize_(size)
-                g.zero_()
+                if zero:
+                    g.zero_()
                 nbytes += size
             self._freed = {}
             for g, host, size in self._parked:
@@ -257,6 +248,16 @@ class Offloader:
         self._moved[group] = []
         self.offloaded[group] = False
         return nbytes
+
+    def _release(self, t: torch.Tensor, zero: bool) -> int:
+        """Free ``t``'s device storage until onload re-allocates it (zeroed with ``zero``, else
+        unwritten); the bytes freed (0 for a storage already released through another view)."""
+        storage = t.untyped_storage()
+        size = storage.nbytes()
+        if size:
+            self._freed[id(t)] = (t, size, zero)
+            storage.resize_(0)
+        return size
 
     def _park_param_buffers(self) -> int:
         """The distributed optimizer's parameter buffers (the parameters are views into them):

@@ -124,26 +124,26 @@ class MultiTurnRollout(EngineTokens):
         if self.asynchronous:
             driver = AsyncTurns(self.turns, self.engine, self.reentry_wait_steps)
             tool_seconds = driver.run(conversations, one, sampling.max_new_tokens)
-            self._idle_seconds = driver.idle_seconds
+            idle_seconds = driver.idle_seconds
         else:
-            tool_seconds = self._turn_synchronous(conversations, one, sampling.max_new_tokens,
-                                                  seeded=prompt_seeds is not None)
+            tool_seconds, idle_seconds = self._turn_synchronous(
+                conversations, one, sampling.max_new_tokens, seeded=prompt_seeds is not None)
         batch = self._batch(conversations, len(prompt_ids), n)
-        self.metrics = self._metrics(conversations, tool_seconds, time.monotonic() - start)
-        self.metrics["rollout/idle_on_tools_s"] = self._idle_seconds
+        self.metrics = self._metrics(conversations, tool_seconds, idle_seconds,
+                                     time.monotonic() - start)
         return batch
 
     def _turn_synchronous(self, conversations: list[Conversation], one, max_new_tokens: int,
-                          seeded: bool) -> float:
+                          seeded: bool) -> tuple[float, float]:
         """Every live conversation's turn in one ``generate_samples``, then their tools (all at
-        once, in the executor's pool); returns the tools' seconds."""
+        once, in the executor's pool); returns the tools' seconds and the wall seconds of the
+        tools phases (no row decodes meanwhile)."""
         self.turns.stop_ids = set(self.engine.stop_ids(one))
-        seconds = 0.0
-        self._idle_seconds = 0.0  # every turn's tools phase: no row decodes meanwhile
+        seconds = idle = 0.0
         while True:
             live = [c for c in conversations if not c.done]
             if not live:
-                return seconds
+                return seconds, idle
             caps = [self.turns.turn_cap(c, max_new_tokens) for c in live]
             extra = {"stop_sequences": self.turns.stop_sequences} \
                 if self.turns.stop_sequences else {}
@@ -161,7 +161,7 @@ class MultiTurnRollout(EngineTokens):
             for c, end, future in zip(live, ends, futures):
                 records = future.result() if future is not None else []
                 seconds += self.turns.after_tools(c, end, records)
-            self._idle_seconds += time.perf_counter() - started
+            idle += time.perf_counter() - started
 
     # ---- the batch and the metrics ------------------------------------------------------------
     def _batch(self, conversations: list[Conversation], prompts: int, n: int) -> RolloutBatch:
@@ -210,7 +210,7 @@ class MultiTurnRollout(EngineTokens):
         return route_utils.compact(full, self.num_experts)
 
     def _metrics(self, conversations: list[Conversation], tool_seconds: float,
-                 seconds: float) -> dict[str, float]:
+                 idle_seconds: float, seconds: float) -> dict[str, float]:
         rows = max(1, len(conversations))
         calls = [len(c.tool_trace) for c in conversations]
         metrics = {
@@ -219,6 +219,7 @@ class MultiTurnRollout(EngineTokens):
             "rollout/tool_errors": float(sum(t["error"] for c in conversations
                                              for t in c.tool_trace)),
             "rollout/tool_time_s": tool_seconds,
+            "rollout/idle_on_tools_s": idle_seconds,
             "rollout/multi_turn_s": seconds,
         }
         for cut in CUTS:

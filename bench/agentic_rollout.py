@@ -49,6 +49,7 @@ same tokens as fast as this engine makes them; target >= 0.8), at the medians, a
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -153,13 +154,7 @@ def engine_counts(engine) -> dict:
 
 def runs(mask: list) -> list:
     """``mask``'s runs as (value, length) pairs: a conversation's generated / appended spans."""
-    out: list = []
-    for m in mask:
-        if out and out[-1][0] == m:
-            out[-1][1] += 1
-        else:
-            out.append([m, 1])
-    return out
+    return [(m, len(list(run))) for m, run in itertools.groupby(mask)]
 
 
 def main() -> None:

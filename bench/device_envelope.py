@@ -23,7 +23,6 @@ import os
 import runpy
 import sys
 
-H100_80GB_MIB = 81559
 RESERVE_MIB = 1024
 
 

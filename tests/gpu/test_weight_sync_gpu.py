@@ -64,7 +64,7 @@ def test_offloaded_rollout_copy_comes_and_goes(gpu_models, single_rank):
     resident = HybridRollout(actor, 1, share_weights=False)
     want = resident.rollout(prompts, params, version=0)["sequences"]
     del resident
-    hybrid = HybridRollout(actor, 1, share_weights=False, offload=True)
+    hybrid = HybridRollout(actor, 1, share_weights=False, release_copy=True)
     def held() -> int:
         return sum(p.untyped_storage().nbytes() for p in hybrid.engine.model.parameters())
 

@@ -154,7 +154,7 @@ def released_copy_rolls_out_like_resident(model_path: str) -> dict:
                              pp=True)
     actor = [cls.from_pretrained(model_path, dtype=torch.float32)]
     resident = HybridRollout(actor, 1)
-    released = HybridRollout(actor, 1, offload=True)
+    released = HybridRollout(actor, 1, release_copy=True)
     syncs = {"resident": 0, "released": 0}
     for name, h in (("resident", resident), ("released", released)):
         inner = h.weight_sync.sync

@@ -13,7 +13,7 @@ import os
 import parallel_models as pm
 from parallel_models.config import ConfigError
 from parallel_models.rl.backends.builtin_model import BUILTIN_MOE, builtin_model_config
-from parallel_models.rl.backends.roles import Roles, offload_enabled, rule_reward, special_tokens
+from parallel_models.rl.backends.roles import Roles, rule_reward, special_tokens
 
 
 def check_model(cfg) -> None:
@@ -119,8 +119,10 @@ def _build_rollout(cfg, tokenizer, actor, actor_model, num_experts, model_path=N
             from parallel_models.rl.rollout.hybrid import HybridRollout
             from parallel_models.rl.rollout.hybrid_adapter import HybridEngineRollout
 
+            # the rollout copy (another layout) is rewritten by the sync before every
+            # generation: on CUDA its memory goes back between rollouts, trainer.offload or not
             hybrid = HybridRollout(actor_model, _rollout_tp(cfg), **special,
-                                   offload=offload_enabled(cfg),
+                                   release_copy=actor_model.device.type == "cuda",
                                    engine_options=r.engine_options())
             if cfg.actor.lora.rank and hybrid.weight_sync is not None:
                 from parallel_models.lora.training import MergedWeightSync

@@ -39,15 +39,15 @@ def build_rollout_model(actor, layout: ParallelLayout):
 
 class HybridRollout:
     """``HybridRollout(actor_chunks, tensor_parallel_size, eos_token_id=, pad_token_id=,
-    bucket_bytes=, share_weights=, offload=, engine_options=)``; build it on every rank at once
-    (it makes process groups). ``offload``: keep the rollout copy in host memory between
-    rollouts. ``engine_options``: the rollout engine's batching settings (``kv_budget_tokens``,
+    bucket_bytes=, share_weights=, release_copy=, engine_options=)``; build it on every rank at
+    once (it makes process groups). ``release_copy``: the rollout copy holds no device memory
+    between rollouts (the trainer sets it on CUDA). ``engine_options``: the rollout engine's batching settings (``kv_budget_tokens``,
     ``max_rows``: continuous batching)."""
 
     def __init__(self, actor_chunks, tensor_parallel_size: int | None = None, *,
                  eos_token_id=None, pad_token_id: int = 0,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, share_weights: bool | None = None,
-                 offload: bool = False, engine_options: dict | None = None):
+                 release_copy: bool = False, engine_options: dict | None = None):
         chunks = list(actor_chunks) if isinstance(actor_chunks, (list, tuple)) else [actor_chunks]
         actor = chunks[0]
         training = layout_of(actor)  # the training layout the actor was built in
@@ -70,19 +70,19 @@ class HybridRollout:
                                     shares_training_weights=self.zero_copy,
                                     **(engine_options or {}))
         self._synced_version: object = None
-        # offload (trainer.offload on CUDA): between rollouts the rollout copy holds no device
-        # memory. Its parameters are not kept anywhere (the sync before each generation writes
-        # every one of them from the actor: a host copy would be stale anyway), its module
-        # buffers go to host memory
+        # release_copy: between rollouts the rollout copy holds no device memory, as vLLM's
+        # sleep level 2 in verl's hybrid engine. Its parameters are not kept anywhere (the sync
+        # before each generation writes every one of them from the actor: a host copy would be
+        # stale anyway; no pinned host memory either), its module buffers go to host memory
         self.offloader = None
-        if offload and not self.zero_copy:
+        if release_copy and not self.zero_copy:
             from parallel_models.utils.offload import Offloader
 
             self.offloader = Offloader([model], refilled=True)
             self.release_memory()
 
     def release_memory(self) -> None:
-        """Free the rollout copy's device memory (with ``offload``); the next rollout syncs."""
+        """Free the rollout copy's device memory (with ``release_copy``); the next rollout syncs."""
         if self.offloader is not None:
             self.offloader.offload()
             self._synced_version = None  # its parameters are gone: the next sync refills them

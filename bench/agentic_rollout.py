@@ -4,6 +4,7 @@ tool latency (issue 34): rows waiting on a tool must not stall the others.
     python bench/agentic_rollout.py [--conversations 256] [--turns 3] [--turn-tokens 128]
                                     [--latency-ms 50] [--reentry-wait-steps 8] [--out r.json]
     python bench/agentic_rollout.py --repeats 3 --sweep-wait-steps 0 8 24 48   # + the gathering
+    python bench/agentic_rollout.py --compare-prefilled-reentries   # + re-entries prefilled
     python bench/agentic_rollout.py --tiny      # a CPU smoke run (tests/rl/test_agentic_bench.py)
 
 Workload: ``--conversations`` prompts (the built-in character tokenizer, random text of 64..192
@@ -36,7 +37,10 @@ bf16 a different batch composition may change a greedy draw, which changes no co
 Each case runs once to warm up (CUDA graphs) and then ``--repeats`` times (default 3). Reported
 per case: seconds (the median of the timed runs, with their min and max), model tokens, decode
 throughput (model tokens / s at the median), prefill tokens and calls (a re-entry counts its new
-tokens only), decode steps and their mean rows, evicted kept regions, the engine's seconds in
+tokens only), the re-entries' new tokens run in decode steps instead (``decode_fed_tokens``:
+at most the engine's ``decode_extension_tokens`` a re-entry, ``--decode-extension-tokens``;
+``--compare-prefilled-reentries`` adds the tools case with every re-entry prefilled), decode
+steps and their mean rows, evicted kept regions, the engine's seconds in
 prefills and in decode steps (``prefill_s``, ``decode_s``: host wall time, each waiting for its
 tokens) and the seconds no row decoded because every open conversation waited on its tools
 (``idle_on_tools_s``; counts and seconds: the last run; the rest of a run is the drivers' own
@@ -87,8 +91,10 @@ def build_rollout(model, tok, args, latency_s: float, asynchronous: bool, longes
                              max_total_tokens=args.turns * (longest + 64))
     # the continuous engine sized for whole conversations, as the asynchronous driver sizes it,
     # so the turn-synchronous driver's later (longer) turns do not wait for KV either
-    engine.continuous_engine(longest_prompt, longest_prompt + limits.max_total_tokens,
-                             args.conversations)
+    cont = engine.continuous_engine(longest_prompt, longest_prompt + limits.max_total_tokens,
+                                    args.conversations)
+    if args.decode_extension_tokens is not None:  # re-entries fed through decode steps or not
+        cont.decode_extension_tokens = args.decode_extension_tokens
     inner = type("Inner", (), {"engine": engine, "pushes_weights": False})()
     mt = MultiTurnRollout(inner, tok, limits, executor=executor, asynchronous=asynchronous)
     mt.reentry_wait_steps = args.reentry_wait_steps
@@ -148,6 +154,7 @@ def engine_counts(engine) -> dict:
         return {}
     return {"prefill_tokens": cont.prefilled_tokens, "prefill_calls": cont.prefill_calls,
             "decode_steps": cont.decode_steps, "decode_rows_sum": cont.decode_rows,
+            "decode_fed_tokens": cont.decode_fed_tokens,
             "evicted": cont.scheduler.evicted, "prefill_s": cont.prefill_seconds,
             "decode_s": cont.decode_seconds}
 
@@ -169,6 +176,12 @@ def main() -> None:
     ap.add_argument("--sweep-wait-steps", type=int, nargs="*", default=[],
                     help="also run the tools case at each of these re-entry gathering steps "
                          "(cases tools_wait<W>; their ratios in ratio_by_wait_steps)")
+    ap.add_argument("--decode-extension-tokens", type=int, default=None, help="re-entries "
+                    "with at most this many new tokens run in the next decode step (default: "
+                    "the engine's; 0: every re-entry prefilled)")
+    ap.add_argument("--compare-prefilled-reentries", action="store_true", help="also run the "
+                    "tools case with every re-entry prefilled (case tools_prefilled_reentries: "
+                    "the behaviour before re-entries were fed through decode steps)")
     ap.add_argument("--tiny", action="store_true", help="a CPU smoke run: a tiny model, 8 "
                     "conversations, 8-token turns")
     ap.add_argument("--skip-sync", action="store_true", help="leave out the case "
@@ -215,6 +228,10 @@ def main() -> None:
             args.reentry_wait_steps = wait_steps
             cases[f"tools_wait{wait_steps}"] = run_case(model, tok, prompts, args, latency, True)
     args.reentry_wait_steps = default_wait
+    if args.compare_prefilled_reentries:
+        feed, args.decode_extension_tokens = args.decode_extension_tokens, 0
+        cases["tools_prefilled_reentries"] = run_case(model, tok, prompts, args, latency, True)
+        args.decode_extension_tokens = feed
     streams = [c.pop("_streams") for c in cases.values()]
     work = [c.pop("_work") for c in cases.values()]
     baseline = max((n for n in cases if n.startswith("no_latency")),

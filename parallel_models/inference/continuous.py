@@ -39,6 +39,8 @@ import torch
 
 from parallel_models.inference.bucket_step import BucketStep, bucket_sizes
 from parallel_models.inference.continuous_output import generation_output, request_seed
+from parallel_models.inference.decode_layout import (DecodeLayout, build_layout, entry_count,
+                                                     sampling_of)
 from parallel_models.inference.generation import (_broadcast_in_tp_group,
                                                   check_generation_layout, sequence_parallel_off)
 from parallel_models.inference.kv_extend import prefill_extensions
@@ -53,6 +55,8 @@ from parallel_models.llama.layers import exact
 from parallel_models.options import option
 
 DEFAULT_MAX_PREFILL_TOKENS = 16384  # prompt tokens per prefill pack (the memory plan may lower it)
+# a re-entry with at most this many new tokens runs them in the next decode step (decode_layout)
+DEFAULT_DECODE_EXTENSION_TOKENS = 64
 
 @dataclasses.dataclass
 class Sample:
@@ -104,18 +108,9 @@ class _Row:
     seed: int
     token: int = 0    # the last drawn token, fed by the next decode step
     generated: int = 0
+    feed: list | None = None  # a re-entry's new tokens, run by the next decode step instead
 
 
-@dataclasses.dataclass(eq=False)
-class _Layout:
-    """The running rows of a decode bucket, in batch order, and their draw settings."""
-
-    rows: list
-    size: int
-    spec: list
-    k_max: int
-    seeds: torch.Tensor | None
-    steps: torch.Tensor | None
 
 
 @dataclasses.dataclass(eq=False)
@@ -124,7 +119,7 @@ class _Drawn:
     tokens, log-probs) is filled by an asynchronous copy that ``ready`` marks done."""
 
     rows: list
-    layout: _Layout | None
+    layout: DecodeLayout | None
     host: torch.Tensor
     ready: object
     top: tuple | None
@@ -136,19 +131,23 @@ class ContinuousEngine:
     positions (this rank's heads), at most ``max_rows`` samples decoding at once, at most
     ``max_row_tokens`` positions (prompt + new tokens) per sample (default: the budget, capped by
     the model's positions); prompts starting together are prefilled in packs of at most
-    ``max_prefill_tokens`` tokens. ``pipeline`` (default: the option ``decode_pipeline``, auto =
+    ``max_prefill_tokens`` tokens; a resumed request with at most ``decode_extension_tokens``
+    new tokens runs them in the next decode step instead (``decode_layout``; 0: never).
+    ``pipeline`` (default: the option ``decode_pipeline``, auto =
     on CUDA): queue each decode step before reading the previous
     one's tokens (:meth:`_decode`)."""
 
     def __init__(self, model, kv_budget_tokens: int, *, max_rows: int = 64,
                  max_row_tokens: int | None = None, prefix_cache_tokens: int = 0,
-                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, pipeline: bool | None = None):
+                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, pipeline: bool | None = None,
+                 decode_extension_tokens: int = DEFAULT_DECODE_EXTENSION_TOKENS):
         if model.head_kind != "causal_lm":
             raise TypeError(f"{type(model).__name__} has no LM head; generation needs a CausalLM")
         self.parallel_layout = check_generation_layout(model)  # the model's (its TP group)
         self.model = model
         self.device = model.device
         self.max_prefill_tokens = max_prefill_tokens
+        self.decode_extension_tokens = max(0, int(decode_extension_tokens))
         positions = int(getattr(model.config, "max_position_embeddings", 0) or kv_budget_tokens)
         self.max_row_tokens = int(max_row_tokens or min(kv_budget_tokens, positions))
         self.scheduler = Scheduler(kv_budget_tokens, max_rows, self.max_row_tokens)
@@ -169,7 +168,7 @@ class ContinuousEngine:
         self.pipeline = pipeline
         self._pending: _Drawn | None = None  # a decode step queued, its tokens not yet read
         self.running: list[_Row] = []
-        self._layout: _Layout | None = None  # None: rebuild the decode buffers next step
+        self._layout: DecodeLayout | None = None  # None: rebuild the decode buffers next step
         self._last_tokens: torch.Tensor | None = None
         self.steps = 0
         self.prefilled_prompts = 0  # prompts run through the model (prefix hits excluded)
@@ -177,6 +176,7 @@ class ContinuousEngine:
         self.prefilled_tokens = 0   # tokens they ran (an extension: its new tokens only)
         self.decode_steps = 0       # decode steps launched
         self.decode_rows = 0        # the running rows of those steps, summed
+        self.decode_fed_tokens = 0  # re-entries' new tokens run in decode steps (not prefilled)
         self.generated_tokens = 0
         # host wall seconds in step()'s prefills and decode steps (each waits for the device's
         # tokens of its own or the previous step: together, the engine's busy time)
@@ -260,12 +260,22 @@ class ContinuousEngine:
     def _prefill(self, admitted) -> None:
         device, cache = self.device, self.cache
         logits_of: dict[int, torch.Tensor] = {}
-        misses, first_of, copy_of, extending = [], {}, {}, []
+        misses, first_of, copy_of, extending, fed = [], {}, {}, [], []
+        # decode entries of the next step: a row each, plus a fed row's other new tokens
+        entries = entry_count(self.running) + sum(req.n for req, _ in admitted)
         for i, (req, starts) in enumerate(admitted):
             if req.extend_from and self.extends:
                 if req.moved_from is not None:  # the kept KV, into the larger region
                     cache.copy(req.moved_from, starts, req.extend_from)
-                extending.append(i)
+                new = len(req.prompt) - req.extend_from
+                # the next decode step runs its new tokens when its bucket has the room
+                if new <= self.decode_extension_tokens \
+                        and entries + new - 1 <= self.scheduler.max_rows:
+                    entries += new - 1
+                    fed.append(i)
+                    self.decode_fed_tokens += new
+                else:
+                    extending.append(i)
                 continue
             key = tuple(req.prompt)
             if key in first_of:  # the same prompt admitted twice now: one prefill serves both
@@ -301,7 +311,16 @@ class ContinuousEngine:
             logits_of.update(zip(extending, logits))
             self.prefilled_prompts += len(extending)
         rows, row_logits = [], []
+        for i in fed:  # no logits yet: their first token comes from the next decode step
+            req, starts = admitted[i]
+            req.samples, req.rows_left = [Sample(top_logprobs=[] if req.top_logprobs else None)], 1
+            self.running.append(_Row(req, 0, starts[0], req.extend_from, row_seed(req.seed, 0),
+                                     feed=req.prompt[req.extend_from:]))
+            self.prefilled_prompts += 1
+            self._layout = None
         for i, (req, starts) in enumerate(admitted):
+            if i in fed:
+                continue
             p = len(req.prompt)
             if i in copy_of:
                 source = copy_of[i]
@@ -318,7 +337,8 @@ class ContinuousEngine:
             for j, start in enumerate(starts):
                 rows.append(_Row(req, j, start, p, row_seed(req.seed, j)))
                 row_logits.append(logits_of[i])
-        self._draw_and_accept(rows, torch.stack(row_logits), newly_admitted=True)
+        if rows:
+            self._draw_and_accept(rows, torch.stack(row_logits), newly_admitted=True)
 
     def _prefill_chunks(self, misses: list[int], admitted) -> list[list[int]]:
         """``misses`` in packs of at most ``max_prefill_tokens`` prompt tokens (one prompt over
@@ -345,7 +365,7 @@ class ContinuousEngine:
         """
         pending, self._pending = self._pending, None
         if pending is not None:
-            if pending.layout is self._layout:  # no row joined or left since it was queued
+            if pending.layout is self._layout:  # no row joined, left or was fed since
                 if any(r.generated + 1 < r.request.params.max_new_tokens
                        for r in self._layout.rows):  # (not when every row ends with `pending`)
                     self._pending = self._launch(self._layout)
@@ -360,20 +380,15 @@ class ContinuousEngine:
         else:
             self._accept(drawn)
 
-    def _launch(self, lay: _Layout | None) -> _Drawn:
+    def _launch(self, lay: DecodeLayout | None) -> _Drawn:
         """Queue one decode step of the running rows (``lay``, or a new layout when None) and
         its draw; nothing waits for the device."""
         if lay is None:
-            rows = sorted(self.running, key=lambda r: r.offset)  # ascending region starts
-            size = next(b for b in self.buckets if b >= len(rows))
-            pad = size - len(rows)
-            host = torch.tensor(
-                [[r.token for r in rows] + [0] * pad,
-                 [r.offset for r in rows] + [self.cache.scratch(i) for i in range(pad)],
-                 [r.length for r in rows] + [0] * pad], dtype=torch.long)
-            self._steps[size].rows.load(host.to(self.device, non_blocking=True),
-                                        span=max(r.length for r in rows) + 1)
-            lay = self._layout = _Layout(rows, size, *self._sampling_of(rows))
+            lay, host, span = build_layout(self.running, self.buckets, self.cache.scratch,
+                                           self.device)
+            self._steps[lay.size].rows.load(host.to(self.device, non_blocking=True), span=span)
+            # a layout with fed rows serves this step only: the next one is built again
+            self._layout = None if lay.transient else lay
         else:
             buffers, n = self._steps[lay.size].rows, len(lay.rows)
             buffers.tokens[:n].copy_(self._last_tokens)
@@ -386,34 +401,16 @@ class ContinuousEngine:
             r.length += 1
         self.decode_steps += 1
         self.decode_rows += len(lay.rows)
-        return self._draw(lay.rows, logits[:len(lay.rows)], lay)
-
-    def _sampling_of(self, rows: list[_Row]):
-        """(draw groups, top-k width, seeds, steps) of ``rows``: one group when they share their
-        sampling knobs; seeds / steps only when some row samples (greedy draws no noise)."""
-        groups: dict = {}
-        for i, r in enumerate(rows):
-            p = r.request.params
-            key = (p.greedy, p.temperature, p.top_k, p.top_p) if not p.greedy else (True,)
-            groups.setdefault(key, (p, []))[1].append(i)
-        if len(groups) == 1:
-            spec = [(None, next(iter(groups.values()))[0])]
-        else:
-            spec = [(torch.tensor(idx, device=self.device), p) for p, idx in groups.values()]
-        seeds = steps = None
-        if any(not p.greedy for _, p in spec):
-            meta = torch.tensor([[r.seed for r in rows], [r.generated for r in rows]],
-                                dtype=torch.long).to(self.device)
-            seeds, steps = meta[0], meta[1].clone()
-        return spec, max(r.request.top_logprobs for r in rows), seeds, steps
+        logits = logits[:len(lay.rows)] if lay.take is None else logits[lay.take]
+        return self._draw(lay.rows, logits, lay)
 
     def _draw_and_accept(self, rows: list[_Row], logits: torch.Tensor, lay=None,
                          newly_admitted: bool = False) -> None:
         if lay is None:
-            lay = _Layout(rows, 0, *self._sampling_of(rows))
+            lay = DecodeLayout(rows, 0, *sampling_of(rows, self.device))
         self._accept(self._draw(rows, logits, lay), newly_admitted)
 
-    def _draw(self, rows: list[_Row], logits: torch.Tensor, lay: _Layout) -> _Drawn:
+    def _draw(self, rows: list[_Row], logits: torch.Tensor, lay: DecodeLayout) -> _Drawn:
         """Queue the draw of ``rows``' next tokens and their copy to the host."""
         tokens, logp, top = draw(logits, lay.seeds, lay.steps, lay.spec, lay.k_max)
         tokens, logp = _broadcast_in_tp_group(self.parallel_layout, tokens, logp)

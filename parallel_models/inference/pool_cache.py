@@ -7,8 +7,11 @@ bucket write and read there (one position each), so a bucket of fixed size needs
 
 - Prefill (``begin_prefill``): packed prompts, sequence i written at ``offsets[i] + 0..len-1``;
   attention is the usual varlen causal kernel on the new tokens.
-- Decode (``begin_decode`` with a :class:`DecodeRows`): one token per row, written at
-  ``offset + length``; attention over the row's ``length + 1`` positions. On CUDA fp16/bf16 it is
+- Decode (``begin_decode`` with a :class:`DecodeRows`): one token per entry, written at
+  ``offset + length``; attention over the entry's ``length + 1`` positions (a re-entering row
+  fed several tokens in one step is several entries of one region, ``decode_layout``: every
+  path below writes all entries' k / v before any of them is read, the split-KV kernel by
+  reading a row's earlier entries from the step's new k / v). On CUDA fp16/bf16 it is
   PyTorch's flash kernel with ``cu_seqlens_k`` = the region starts and ``seqused_k`` = the
   lengths (flash decoding straight from the pool, GQA heads as they are); elsewhere SDPA over a
   gathered ``[rows, span]`` window with a mask. With triton on CUDA fp16/bf16 (default; the
@@ -56,15 +59,19 @@ class DecodeRows:
         self.lengths = torch.zeros(size, dtype=torch.long, device=device)  # = the positions
         self.write = torch.zeros(size, dtype=torch.long, device=device)
         self.used = torch.ones(size, dtype=torch.int32, device=device)
+        # entries of the same row before this one in the step (a fed re-entry; decode_layout)
+        self.back = torch.zeros(size, dtype=torch.int32, device=device)
         self.cu_q = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.cu_k = torch.full((size + 1,), pool_end, dtype=torch.int32, device=device)
         self.span = 1  # host: max(lengths) + 1 (the SDPA path's window)
 
     def load(self, packed: torch.Tensor, span: int) -> None:
-        """``packed``: ``[3, size]`` (tokens, offsets, lengths) on the device; offsets ascending."""
+        """``packed``: ``[4, size]`` (tokens, offsets, lengths, back) on the device; offsets
+        ascending."""
         self.tokens.copy_(packed[0])
         self.offsets.copy_(packed[1])
         self.lengths.copy_(packed[2])
+        self.back.copy_(packed[3])
         self.cu_k[:-1].copy_(packed[1])
         self.span = span
 
@@ -125,7 +132,8 @@ class PoolKVCache:
         if self.decode_kernel == "triton" and not exact.enabled():  # writes k / v itself
             rows = self._rows
             return split_kv_decode(q, k, v, self.k[layer], self.v[layer], rows.offsets,
-                                   rows.used, self.max_row_tokens, scale, rope=rope)
+                                   rows.used, self.max_row_tokens, scale, rope=rope,
+                                   back=rows.back)
         self.write_kv(layer, k, v)
         return self.decode_attention(layer, q, scale)
 

@@ -14,7 +14,9 @@ being the token decoded now (its k/v come in as ``k_new`` / ``v_new``).
   A second small kernel merges the splits' partial outputs with their log-sum-exps (skipped when
   one split covers ``max_row_tokens``).
 - The new token's k/v are written into the pool by the program whose split holds it, so the
-  decode step needs no separate KV write (``index_copy_``) launches.
+  decode step needs no separate KV write (``index_copy_``) launches. Several entries of one row
+  (a re-entry's new tokens fed in one step, ``decode_layout``; ``back``) read each other's k/v
+  from the step's ``k_new`` / ``v_new``, never from the pool those programs are writing.
 
 Launch settings (tile, warps, stages, split): ``split_kv_config`` (an env var or a table by shape).
 The kernels live in ``split_kv_kernels``, imported lazily (:func:`available`): without triton
@@ -161,7 +163,8 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     k_pool: torch.Tensor, v_pool: torch.Tensor, offsets: torch.Tensor,
                     used: torch.Tensor, max_row_tokens: int, scale: float,
                     split: int | None = None,
-                    config: LaunchConfig | None = None, rope=None) -> torch.Tensor:
+                    config: LaunchConfig | None = None, rope=None,
+                    back: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per row over its pool region; writes ``k_new`` / ``v_new``
     at ``offsets + used - 1`` of the pools.
 
@@ -171,6 +174,9 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     ``config``: the launch settings (default: ``split_kv_config.launch_config`` of the bucket);
     ``split`` overrides its split size. ``rope``: ``(cos, sin)`` ``[B, D]`` to rotate ``q`` and
     ``k_new`` in the kernel (they come in unrotated; the pool gets the rotated k).
+    ``back``: ``[B]`` int32, how many entries right before each one belong to the same row
+    (consecutive positions of one region, a fed re-entry: ``decode_layout``); an entry reads
+    their k / v from ``k_new`` / ``v_new``, not the pool. Default: none (0).
     """
     triton, split_kernel, combine_kernel = _kernels()
     b, heads, dim = q.shape
@@ -207,14 +213,20 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                              f"contiguous in head_dim (got {tuple(cos.shape)})")
     else:
         cos = sin = q  # unused
+    if back is None:
+        back = torch.zeros(b, dtype=torch.int32, device=q.device)
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     split_kernel[(b, kv_heads, num_splits)](
-        q, k_new, v_new, k_pool, v_pool, offsets, used, out, part_out, part_lse, cos, sin, scale,
+        q, k_new, v_new, k_pool, v_pool, offsets, used, back, out, part_out, part_lse, cos, sin,
+        scale,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1), k_pool.stride(0),
         k_pool.stride(1), out.stride(0), out.stride(1), cos.stride(0),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
         SPLIT=split, NUM_SPLITS=num_splits, H=heads, IEEE=q.dtype == torch.float32,
-        RUNTIME_LOOP=os.environ.get("TRITON_INTERPRET") != "1", ROPE=rope is not None,
+        RUNTIME_LOOP=not interpreted, ROPE=rope is not None,
+        # the interpreter loops a fixed count over a row's earlier entries (compiled: any)
+        MAX_BACK=int(back.max()) if interpreted else 0,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if num_splits > 1:
         combine_kernel[(b, heads)](part_out, part_lse, used, out, out.stride(0), out.stride(1),

@@ -46,18 +46,48 @@ def _rope(x, partner, cos, sin, sign):
 
 
 @triton.jit
-def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Out, PartOut, PartLse, Cos, Sin,
-                 scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+def _one_token(q, k, v, m_i, l_i, acc, scale):
+    """The online softmax update of one key / value (fp32 products, as a tile's)."""
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], 1) * scale
+    m_new = tl.maximum(m_i, s)
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new)
+    return m_new, l_i * alpha + p, acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]
+
+
+@triton.jit
+def _earlier_entry(q, KNew, VNew, Cos, Sin, src, kvh, m_i, l_i, acc, scale, stride_kb,
+                   stride_kh, stride_vb, stride_vh, stride_cos, d, ROPE: tl.constexpr,
+                   D: tl.constexpr):
+    """Attend to the new k / v of entry ``src`` of this step (the same row's earlier token)."""
+    k_ptr = KNew + src * stride_kb + kvh * stride_kh
+    if ROPE:
+        cos = tl.load(Cos + src * stride_cos + d).to(tl.float32)
+        sin = tl.load(Sin + src * stride_cos + d).to(tl.float32)
+        sign = tl.where(d < D // 2, -1.0, 1.0)
+        k = _rope(tl.load(k_ptr + d), tl.load(k_ptr + (d + D // 2) % D), cos, sin, sign)
+    else:
+        k = tl.load(k_ptr + d)
+    v = tl.load(VNew + src * stride_vb + kvh * stride_vh + d)
+    return _one_token(q, k, v, m_i, l_i, acc, scale)
+
+
+@triton.jit
+def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Back, Out, PartOut, PartLse, Cos,
+                 Sin, scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                  stride_pt, stride_ph, stride_ob, stride_oh, stride_cos,
                  G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                  BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
                  H: tl.constexpr, IEEE: tl.constexpr, RUNTIME_LOOP: tl.constexpr,
-                 ROPE: tl.constexpr):
+                 ROPE: tl.constexpr, MAX_BACK: tl.constexpr):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     used = tl.load(Used + row).to(tl.int32)
     last = used - 1  # the position of the token decoded now (comes from KNew / VNew)
+    # positions first .. last - 1: the same row's earlier entries of this step (a fed re-entry),
+    # read from KNew / VNew too (their programs write them into the pool concurrently)
+    first = last - tl.load(Back + row).to(tl.int32)
     start = split * SPLIT
     end = tl.minimum(start + SPLIT, used)
     g = tl.arange(0, BLOCK_G)
@@ -86,7 +116,7 @@ def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Out, PartOut, PartL
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
-    pool_end = tl.minimum(end, last)  # positions before the new token come from the pool
+    pool_end = tl.minimum(end, first)  # positions before this step's come from the pool
     if RUNTIME_LOOP:  # compiled: loop to the split's end (the loads get pipelined)
         for n0 in range(start, pool_end, BLOCK_N):
             m_i, l_i, acc = _tile(q, k_base, v_base, offset, n0, pool_end, m_i, l_i, acc, scale,
@@ -98,14 +128,22 @@ def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Out, PartOut, PartL
             if n0 < pool_end:
                 m_i, l_i, acc = _tile(q, k_base, v_base, offset, n0, pool_end, m_i, l_i, acc,
                                       scale, stride_pt, d, BLOCK_N, IEEE)
+    lo = tl.maximum(first, start)
+    hi = tl.minimum(last, end)
+    if RUNTIME_LOOP:
+        for pos in range(lo, hi):
+            m_i, l_i, acc = _earlier_entry(q, KNew, VNew, Cos, Sin, row - (last - pos), kvh,
+                                           m_i, l_i, acc, scale, stride_kb, stride_kh,
+                                           stride_vb, stride_vh, stride_cos, d, ROPE, D)
+    else:  # (the interpreter: a fixed trip count)
+        for j in range(0, MAX_BACK):
+            pos = lo + j
+            if pos < hi:
+                m_i, l_i, acc = _earlier_entry(q, KNew, VNew, Cos, Sin, row - (last - pos),
+                                               kvh, m_i, l_i, acc, scale, stride_kb, stride_kh,
+                                               stride_vb, stride_vh, stride_cos, d, ROPE, D)
     if (last >= start) & (last < start + SPLIT):  # this program owns the new token
-        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
-        m_new = tl.maximum(m_i, s_new)
-        alpha = tl.exp(m_i - m_new)
-        p_new = tl.exp(s_new - m_new)
-        l_i = l_i * alpha + p_new
-        acc = acc * alpha[:, None] + p_new[:, None] * v_new.to(tl.float32)[None, :]
-        m_i = m_new
+        m_i, l_i, acc = _one_token(q, k_new, v_new, m_i, l_i, acc, scale)
         new_addr = (offset + last.to(tl.int64)) * stride_pt + d
         tl.store(k_base + new_addr, k_new)
         tl.store(v_base + new_addr, v_new)

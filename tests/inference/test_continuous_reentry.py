@@ -1,8 +1,9 @@
 """Prefix-extending re-entry of the continuous engine (``submit(keep_kv=True)`` then
-``submit(resume=request.kept)``; inference/kv_extend.py), fp32 on gloo ranks at TP=1 and TP=2:
-a resumed request returns the greedy tokens and log-probs of a fresh engine prefilling its whole
-prompt (the previous behaviour), while prefilling only its new tokens, the resumes admitted
-together in one call; a kept region that is large enough is taken over, a small one is copied
+``submit(resume=request.kept)``), fp32 on gloo ranks at TP=1 and TP=2: a resumed request returns
+the greedy tokens and log-probs of a fresh engine prefilling its whole prompt (the previous
+behaviour), while running only its new tokens: fed through the next decode step when the bucket
+has room (decode_layout.py; no prefill call), else prefilled (inference/kv_extend.py), the
+resumes admitted together in one call, or some of each; a kept region that is large enough is taken over, a small one is copied
 into a new region; a kept region is evicted when a request cannot fit (its resume then prefills
 the whole prompt); released regions leave the pool empty. The scheduler alone: a moved
 region is freed at the next admission, eviction takes the latest kept region first and the one
@@ -42,31 +43,38 @@ def check_reentry(path: str, tp: int) -> dict:
     prompts = _prompts(3, seed=5)
     appended = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
 
-    # -- two re-entries of three conversations, each batch of resumes admitted together --
-    eng = ContinuousEngine(model, 400, max_rows=4)
-    reqs = [eng.submit(p, greedy, keep_kv=True) for p in prompts]
-    eng.run()
-    contexts = [list(p) for p in prompts]
-    res["turns_equal"], res["logp_err"], res["new_tokens"], res["calls"] = [], 0.0, [], []
-    res["moved"] = []
-    for turn in range(2):
-        contexts = [c + r.samples[0].token_ids + a for c, r, a in zip(contexts, reqs, appended)]
-        tokens, calls = eng.prefilled_tokens, eng.prefill_calls
-        reqs = [eng.submit(c, greedy, keep_kv=True, resume=r.kept)
-                for c, r in zip(contexts, reqs)]
-        eng.run()
-        res["new_tokens"].append(eng.prefilled_tokens - tokens)
-        res["calls"].append(eng.prefill_calls - calls)
-        res["moved"].append([r.moved_from is not None for r in reqs])
-        for c, r in zip(contexts, reqs):
-            same, err = _diff(r.samples[0], _fresh(model, c, greedy))
-            res["turns_equal"].append(same)
-            res["logp_err"] = max(res["logp_err"], err)
+    # -- two re-entries of three conversations, each batch of resumes admitted together: fed
+    # through the decode step (16 rows: room for all), prefilled (feeding off), some of each
+    # (4 rows: only the 2 new tokens of the second fit beside the three rows) --
     res["expected_new_tokens"] = [sum(len(a) + 1 for a in appended)] * 2
-    for r in reqs:
-        eng.release_kept(r.kept)
-        eng.release_kept(r.kept)  # twice: a no-op
-    res["pool_used_after"] = eng.scheduler.pool.used
+    for case, kwargs in (("fed", dict(max_rows=16)),
+                         ("prefilled", dict(max_rows=4, decode_extension_tokens=0)),
+                         ("mixed", dict(max_rows=4))):
+        eng = ContinuousEngine(model, 400, **kwargs)
+        reqs = [eng.submit(p, greedy, keep_kv=True) for p in prompts]
+        eng.run()
+        contexts = [list(p) for p in prompts]
+        out = res[case] = {"turns_equal": [], "logp_err": 0.0, "prefilled": [], "fed": [],
+                           "calls": [], "moved": []}
+        for turn in range(2):
+            contexts = [c + r.samples[0].token_ids + a
+                        for c, r, a in zip(contexts, reqs, appended)]
+            tokens, fed, calls = eng.prefilled_tokens, eng.decode_fed_tokens, eng.prefill_calls
+            reqs = [eng.submit(c, greedy, keep_kv=True, resume=r.kept)
+                    for c, r in zip(contexts, reqs)]
+            eng.run()
+            out["prefilled"].append(eng.prefilled_tokens - tokens)
+            out["fed"].append(eng.decode_fed_tokens - fed)
+            out["calls"].append(eng.prefill_calls - calls)
+            out["moved"].append([r.moved_from is not None for r in reqs])
+            for c, r in zip(contexts, reqs):
+                same, err = _diff(r.samples[0], _fresh(model, c, greedy))
+                out["turns_equal"].append(same)
+                out["logp_err"] = max(out["logp_err"], err)
+        for r in reqs:
+            eng.release_kept(r.kept)
+            eng.release_kept(r.kept)  # twice: a no-op
+        out["pool_used_after"] = eng.scheduler.pool.used
 
     # -- a kept region large enough is taken over (no copy) --
     long = SamplingParams(greedy=True, max_new_tokens=30)
@@ -124,16 +132,24 @@ def results(hf_models):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_resume_equals_a_fresh_prefill_and_prefills_only_new_tokens(results, tp):
-    for r in results[tp]:
+@pytest.mark.parametrize("case", ["fed", "prefilled", "mixed"])
+def test_resume_equals_a_fresh_prefill_and_runs_only_new_tokens(results, tp, case):
+    for rank in results[tp]:
+        r = rank[case]
         assert all(r["turns_equal"]), "a resumed request drew other tokens than a fresh one"
         assert r["logp_err"] <= 1e-5
         # the last drawn id of each turn (never fed) + the appended ids, nothing else
-        assert r["new_tokens"] == r["expected_new_tokens"]
-        assert r["calls"] == [1, 1], "resumes admitted together share one prefill call"
+        new = [p + f for p, f in zip(r["prefilled"], r["fed"])]
+        assert new == rank["expected_new_tokens"]
+        if case == "fed":  # no prefill call: the next decode step ran them
+            assert r["calls"] == [0, 0] and r["prefilled"] == [0, 0]
+        elif case == "prefilled":  # resumes admitted together share one prefill call
+            assert r["calls"] == [1, 1] and r["fed"] == [0, 0]
+        else:  # 4 rows: the second conversation's 2 new tokens fit beside the three rows
+            assert r["calls"] == [1, 1] and r["fed"] == [2, 2]
         assert all(all(m) for m in r["moved"]), "longer rows were meant to move region"
         assert r["pool_used_after"] == 0
-    assert results[tp][0]["turns_equal"] == results[tp][-1]["turns_equal"]
+    assert results[tp][0][case]["turns_equal"] == results[tp][-1][case]["turns_equal"]
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -81,6 +81,23 @@ def _engine_tokens(path: str) -> dict:
             eng.step()
         eng.run()
         out[kernel] = [(r.samples[0].token_ids, r.samples[0].log_probs) for r in reqs]
+        # a re-entry fed through the decode step (5 entries of one row, decode_layout) while
+        # another row decodes; then the same context prefilled whole by a fresh engine
+        eng = ContinuousEngine(model, 120, max_rows=8, max_row_tokens=40)
+        eng.cache.decode_kernel = kernel.split("_")[0]
+        first = eng.submit(prompts[1], params, keep_kv=True)
+        eng.run()
+        context = prompts[1] + first.samples[0].token_ids + [5, 6, 7, 8]
+        other = eng.submit(prompts[2], params)
+        eng.step()
+        again = eng.submit(context, params, resume=first.kept)
+        eng.run()
+        fresh = ContinuousEngine(model, 120, max_rows=4, max_row_tokens=40)
+        fresh.cache.decode_kernel = "aten"
+        whole = fresh.submit(context, params)
+        fresh.run()
+        out[kernel + "_reentry"] = [(r.samples[0].token_ids, r.samples[0].log_probs)
+                                    for r in (again, whole, other)] + [eng.decode_fed_tokens]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     out["hf"] = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                              max_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
@@ -97,6 +114,10 @@ def test_engine_through_the_kernel_equals_sdpa_and_transformers(hf_models):
         assert tok_t == tok_r == tok_a == ref
         assert max(abs(a - b) for a, b in zip(lp_a, lp_t)) < 1e-5
         assert max(abs(a - b) for a, b in zip(lp_a, lp_r)) < 1e-5
+    for kernel in ("aten", "triton", "triton_rope_apart"):
+        (tok_fed, lp_fed), (tok_whole, lp_whole), (tok_other, _), fed = out[kernel + "_reentry"]
+        assert fed == 5 and tok_fed == tok_whole and tok_other == out["aten"][2][0]
+        assert max(abs(a - b) for a, b in zip(lp_fed, lp_whole)) < 1e-5
 
 
 def test_split_size_fills_the_gpu_without_needless_splits(monkeypatch):
@@ -117,12 +138,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from parallel_models.inference import split_kv_kernels as K
 types = dict(Q="*bf16", KNew="*bf16", VNew="*bf16", KPool="*bf16", VPool="*bf16",
-             Offsets="*i64", Used="*i32", Out="*bf16", PartOut="*fp32", PartLse="*fp32",
+             Offsets="*i64", Used="*i32", Back="*i32", Out="*bf16", PartOut="*fp32", PartLse="*fp32",
              Cos="*bf16", Sin="*bf16", scale="fp32")
 types.update({n: "i32" for n in K.split_kernel.arg_names if n.startswith("stride")})
 for split, splits, rope in ((512, 1, False), (128, 3, True)):
     consts = dict(G=2, BLOCK_G=16, D=128, BLOCK_N=64, SPLIT=split, NUM_SPLITS=splits, H=16,
-                  IEEE=False, RUNTIME_LOOP=True, ROPE=rope)
+                  IEEE=False, RUNTIME_LOOP=True, ROPE=rope, MAX_BACK=0)
     sig = {n: "constexpr" if n in consts else types[n] for n in K.split_kernel.arg_names}
     triton.compile(ASTSource(K.split_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=4, num_stages=2))
@@ -202,4 +223,38 @@ def test_rope_in_the_kernel_matches_rotary_then_attention():
                           rope=(cos.to(DEV), sin.to(DEV)))
     assert (got.cpu() - ref).abs().max().item() < 1e-5
     if DEV == "cpu":
+        assert (k_pool - k_ref).abs().max().item() < 1e-6 and torch.equal(v_pool, v_ref)
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_a_rows_entries_fed_in_one_step_read_each_other_not_the_pool(rope):
+    """A re-entry's new tokens fed in one step (``back``: decode_layout) are consecutive entries
+    of one region: each attends to the pool before the first and to its earlier entries' new k / v
+    (in the kernel: from ``k_new``, not the pool other programs are writing), as SDPA over the
+    tokens written in order; splits cut through the fed run; rows around it decode as usual."""
+    from parallel_models.llama.layers.rotary import apply_rotary
+
+    g = torch.Generator().manual_seed(11)
+    heads, kv_heads, d, max_row = 4, 2, 16, 64
+    # row A: 1 entry; row B: 5 entries at positions 28..32 (a split boundary at 32); row C: 1
+    offsets = torch.tensor([0, 64, 64, 64, 64, 64, 128])
+    used_t = torch.tensor([9, 29, 30, 31, 32, 33, 40], dtype=torch.int32)
+    back = torch.tensor([0, 0, 1, 2, 3, 4, 0], dtype=torch.int32)
+    rows = len(used_t)
+    k_pool = torch.randn(200, kv_heads, d, generator=g)
+    v_pool = torch.randn(200, kv_heads, d, generator=g)
+    k_pool[64 + 28:64 + 40] = 7.0  # stale values where the fed entries go: must not be read
+    q = torch.randn(rows, heads, d, generator=g)
+    k_new, v_new = torch.randn(2, rows, kv_heads, d, generator=g)
+    angles = used_t[:, None].float() * torch.rand(d // 2, generator=g)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    q_ref, k_ref_new = (apply_rotary(q, cos, sin), apply_rotary(k_new, cos, sin)) if rope \
+        else (q, k_new)
+    k_ref, v_ref = k_pool.clone(), v_pool.clone()
+    ref = reference_decode(q_ref, k_ref_new, v_new, k_ref, v_ref, offsets, used_t, 0.3)
+    got = split_kv_decode(q.to(DEV), k_new.to(DEV), v_new.to(DEV), k_pool.to(DEV),
+                          v_pool.to(DEV), offsets.to(DEV), used_t.to(DEV), max_row, 0.3, split=16,
+                          rope=(cos.to(DEV), sin.to(DEV)) if rope else None, back=back.to(DEV))
+    assert (got.cpu() - ref).abs().max().item() < 1e-5
+    if DEV == "cpu":  # every entry's k / v landed at its position
         assert (k_pool - k_ref).abs().max().item() < 1e-6 and torch.equal(v_pool, v_ref)

@@ -241,7 +241,9 @@ def _tiny_model_both_ways(path: str, env_file: str) -> dict:
             if way == "server":
                 out[(name, way)]["requests"] = server.requests
             if way == "async":
+                # a re-entry's new tokens: prefilled or fed through a decode step
                 out[(name, way)]["prefilled"] = made[0].prefilled_tokens
+                out[(name, way)]["fed"] = made[0].decode_fed_tokens
                 out[(name, way)]["prompt_lengths"] = [len(p) for p in prompts]
     return out
 
@@ -273,15 +275,17 @@ def test_tiny_model_equals_turn_synchronous(tiny_model, kind, way):
 
 
 def test_reentry_prefills_only_the_appended_tokens(tiny_model):
-    """Each re-entry prefills the turn's last generated id (never fed to the model) and the
-    appended messages' ids: the conversation before them keeps its KV."""
+    """Each re-entry runs the turn's last generated id (never fed to the model) and the
+    appended messages' ids (in the next decode step: few of them): the conversation before them
+    keeps its KV."""
     run = tiny_model[("greedy", "async")]
     mask = run["response_mask"]
     real = run["attention_mask"][:, -mask.shape[1]:] == 1  # (not the padding)
     appended = int(((mask == 0) & real).sum())
     reentries = int(((mask[:, 1:] == 1) & (mask[:, :-1] == 0) & real[:, 1:]).sum())
     assert reentries == 3  # one per conversation (two turns each)
-    assert run["prefilled"] == sum(run["prompt_lengths"]) + appended + reentries
+    assert run["prefilled"] + run["fed"] == sum(run["prompt_lengths"]) + appended + reentries
+    assert run["fed"] == appended + reentries  # short re-entries: run in decode steps
 
 
 def test_server_samples_are_cut_as_if_generation_had_stopped():

@@ -14,12 +14,15 @@ tool to finish.
 Re-entry costs only the new tokens: every turn is submitted with ``keep_kv`` and the next one
 with ``resume`` (``ContinuousEngine``): a row leaving for a tool gives its decode slot back but
 keeps its KV region, and on re-entry only its last generated id and the appended tool /
-observation ids are prefilled (``inference/kv_extend.py``); the engine evicts kept regions when
-it runs out of KV (that conversation then prefills all of it again). Re-entries are gathered:
-a conversation ready to re-enter waits until ``reentry_wait_steps`` decode steps have passed
-since the first one that became ready (or until nothing decodes), and all of them are submitted
-together, so they share one prefill call instead of each breaking into the decode steps with a
-prefill of its own. Kept regions are given back when a conversation ends.
+observation ids run through the model; the engine evicts kept regions when it runs out of KV
+(that conversation then prefills all of it again). A re-entry with few new tokens (at most the
+engine's ``decode_extension_tokens``) re-enters at once: the next decode step runs its tokens
+beside the other rows (``inference/decode_layout.py``), no prefill call. Longer ones (and
+evicted ones) are prefilled (``inference/kv_extend.py``) and gathered: such a conversation waits
+until ``reentry_wait_steps`` decode steps have passed since the first one that became ready (or
+until nothing decodes), and all of them are submitted together, so they share one prefill call
+instead of each breaking into the decode steps with a prefill of its own. Kept regions are given
+back when a conversation ends.
 
 Same tokens as the turn-synchronous driver: a turn's draws use the seed
 ``row_seed(conversation seed, turn)`` in both, so its tokens do not depend on what else runs
@@ -112,6 +115,8 @@ class AsyncTurns:
                         seconds += self.turns.after_tools(c, end, records)
                         if c.done:
                             self._release(cont, kept.pop(i, None))
+                        elif self._fed_in_decode(cont, kept.get(i), c):
+                            self._submit(cont, finished, kept, i, c, one, max_new_tokens)
                         else:
                             held_since = held_since if held else cont.steps
                             held.append(i)
@@ -127,6 +132,14 @@ class AsyncTurns:
             if not self.engine.keep_kv:
                 self.engine._continuous = None
         return seconds
+
+    @staticmethod
+    def _fed_in_decode(cont, region, c: Conversation) -> bool:
+        """Whether ``c``'s re-entry would run in a decode step (its kept region still there and
+        few new tokens), so gathering it with others saves nothing."""
+        limit = getattr(cont, "decode_extension_tokens", 0)  # (0: an engine without it)
+        return bool(limit) and region is not None and region.live and cont.extends \
+            and len(c.context) - region.length <= limit
 
     @staticmethod
     def _release(cont, region) -> None:

@@ -39,8 +39,7 @@ import torch
 
 from parallel_models.inference.bucket_step import BucketStep, bucket_sizes
 from parallel_models.inference.continuous_output import generation_output, request_seed
-from parallel_models.inference.decode_layout import (DecodeLayout, build_layout, entry_count,
-                                                     sampling_of)
+from parallel_models.inference.decode_layout import DecodeLayout, build_layout, sampling_of
 from parallel_models.inference.generation import (_broadcast_in_tp_group,
                                                   check_generation_layout, sequence_parallel_off)
 from parallel_models.inference.kv_extend import prefill_extensions
@@ -151,12 +150,16 @@ class ContinuousEngine:
         positions = int(getattr(model.config, "max_position_embeddings", 0) or kv_budget_tokens)
         self.max_row_tokens = int(max_row_tokens or min(kv_budget_tokens, positions))
         self.scheduler = Scheduler(kv_budget_tokens, max_rows, self.max_row_tokens)
+        # decode entries a step may hold: the rows, plus room for one fed re-entry's others
+        self.max_entries = max_rows + max(0, self.decode_extension_tokens - 1)
         attn = model.model.layers[0].self_attn.qkv_proj
-        self.cache = PoolKVCache(len(model.model.layers), kv_budget_tokens, max_rows,
+        self.cache = PoolKVCache(len(model.model.layers), kv_budget_tokens, self.max_entries,
                                  self.max_row_tokens, attn.num_kv_heads_per_rank, attn.head_dim,
                                  model.dtype, self.device)
         self.prefixes = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self.buckets = bucket_sizes(max_rows)
+        if self.max_entries > max_rows:  # a bucket for the steps that feed re-entries beside
+            self.buckets.append(self.max_entries)  # (nearly) every row
         use_graph = (self.device.type == "cuda" and self.cache.flash_decode
                      and not model.config.rope_depends_on_length
                      and option("cuda_graphs"))
@@ -177,6 +180,7 @@ class ContinuousEngine:
         self.decode_steps = 0       # decode steps launched
         self.decode_rows = 0        # the running rows of those steps, summed
         self.decode_fed_tokens = 0  # re-entries' new tokens run in decode steps (not prefilled)
+        self.fed_waiting_steps = 0  # decode steps a fed re-entry waited out (no room)
         self.generated_tokens = 0
         # host wall seconds in step()'s prefills and decode steps (each waits for the device's
         # tokens of its own or the previous step: together, the engine's busy time)
@@ -261,17 +265,13 @@ class ContinuousEngine:
         device, cache = self.device, self.cache
         logits_of: dict[int, torch.Tensor] = {}
         misses, first_of, copy_of, extending, fed = [], {}, {}, [], []
-        # decode entries of the next step: a row each, plus a fed row's other new tokens
-        entries = entry_count(self.running) + sum(req.n for req, _ in admitted)
         for i, (req, starts) in enumerate(admitted):
             if req.extend_from and self.extends:
                 if req.moved_from is not None:  # the kept KV, into the larger region
                     cache.copy(req.moved_from, starts, req.extend_from)
                 new = len(req.prompt) - req.extend_from
-                # the next decode step runs its new tokens when its bucket has the room
-                if new <= self.decode_extension_tokens \
-                        and entries + new - 1 <= self.scheduler.max_rows:
-                    entries += new - 1
+                # a decode step runs its new tokens: the next one with room (decode_layout)
+                if new <= self.decode_extension_tokens:
                     fed.append(i)
                     self.decode_fed_tokens += new
                 else:
@@ -386,6 +386,9 @@ class ContinuousEngine:
         if lay is None:
             lay, host, span = build_layout(self.running, self.buckets, self.cache.scratch,
                                            self.device)
+            if not lay.rows:  # (only fed rows waiting for room: cannot happen, one always fits)
+                raise RuntimeError("decode step with no row")
+            self.fed_waiting_steps += any(r.feed for r in self.running)
             self._steps[lay.size].rows.load(host.to(self.device, non_blocking=True), span=span)
             # a layout with fed rows serves this step only: the next one is built again
             self._layout = None if lay.transient else lay

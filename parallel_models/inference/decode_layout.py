@@ -10,8 +10,11 @@ re-entry costs no prefill call of its own (an eager launch that stalls every row
 extra entries in a step the other rows run anyway. An entry's ``back`` counts its row's entries
 before it in the step, whose k / v it reads from the step's own new k / v
 (``split_kv_attention``; the PyTorch paths write every entry's k / v into the pool before the
-attention reads it, so they need nothing). A layout with fed rows serves one step only
-(``transient``): the next one is built again with one entry per row.
+attention reads it, so they need nothing). A step holds at most the largest bucket's entries
+(the engine's ``max_rows`` plus one largest re-entry's others): fed rows that do not fit wait
+for a later step, in the order they joined, holding no entry (never a prefill instead: one
+costs far more than a step's wait). A layout with fed rows serves one step only
+(``transient``): the next one is built again.
 """
 
 from __future__ import annotations
@@ -37,11 +40,6 @@ class DecodeLayout:
     transient: bool = False
 
 
-def entry_count(rows) -> int:
-    """Decode entries ``rows`` take in one step (a fed row: one per new token)."""
-    return sum(len(r.feed) if r.feed else 1 for r in rows)
-
-
 def sampling_of(rows: list, device):
     """(draw groups, top-k width, seeds, steps) of ``rows``: one group when they share their
     sampling knobs; seeds / steps only when some row samples (greedy draws no noise)."""
@@ -62,16 +60,25 @@ def sampling_of(rows: list, device):
     return spec, max(r.request.top_logprobs for r in rows), seeds, steps
 
 
-def build_layout(rows: list, buckets: list[int], scratch, device) -> tuple[DecodeLayout,
-                                                                           torch.Tensor, int]:
-    """The layout of ``rows`` (sorted by region start) and its packed entries ``[4, size]``
-    (tokens, region starts, positions, back) on the host, padded to the smallest bucket that
-    holds them (padding entry ``i`` at ``scratch(i)``), with the step's span (the longest
-    entry's positions + 1). Fed rows' feeds are consumed: their lengths advance by all of it
-    minus the one the caller adds after every step."""
-    rows = sorted(rows, key=lambda r: r.offset)  # ascending region starts
+def build_layout(running: list, buckets: list[int], scratch, device) -> tuple[DecodeLayout,
+                                                                              torch.Tensor, int]:
+    """The layout of the ``running`` rows that fit (every unfed row, then fed ones in joining
+    order while the largest bucket has room; sorted by region start) and its packed entries
+    ``[4, size]`` (tokens, region starts, positions, back) on the host, padded to the smallest
+    bucket that holds them (padding entry ``i`` at ``scratch(i)``), with the step's span (the
+    longest entry's positions + 1). The feeds taken are consumed: those rows' lengths advance by
+    all of it minus the one the caller adds after every step."""
+    room = buckets[-1] - sum(1 for r in running if not r.feed)
+    rows, fed, waiting = [], False, False
+    for r in running:
+        if r.feed:
+            if waiting or len(r.feed) > room:  # a later step runs it (first come, first fed:
+                waiting = True                 # the first waiting one always fits the next)
+                continue
+            room -= len(r.feed)
+        rows.append(r)
+    rows.sort(key=lambda r: r.offset)  # ascending region starts
     tokens, offsets, lengths, back, take = [], [], [], [], []
-    fed = False
     for r in rows:
         feed = r.feed or [r.token]
         for j, tok in enumerate(feed):
@@ -93,8 +100,8 @@ def build_layout(rows: list, buckets: list[int], scratch, device) -> tuple[Decod
     lay = DecodeLayout(rows, size, *sampling_of(rows, device))
     if fed:
         lay.take = torch.tensor(take, device=device)
-        lay.transient = True
+    lay.transient = fed or waiting
     return lay, host, max(lengths) + 1
 
 
-__all__ = ["DecodeLayout", "build_layout", "entry_count", "sampling_of"]
+__all__ = ["DecodeLayout", "build_layout", "sampling_of"]

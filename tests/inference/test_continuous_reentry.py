@@ -43,13 +43,15 @@ def check_reentry(path: str, tp: int) -> dict:
     prompts = _prompts(3, seed=5)
     appended = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
 
-    # -- two re-entries of three conversations, each batch of resumes admitted together: fed
-    # through the decode step (16 rows: room for all), prefilled (feeding off), some of each
-    # (4 rows: only the 2 new tokens of the second fit beside the three rows) --
+    # -- two re-entries of three conversations (4, 2 and 6 new tokens), each batch of resumes
+    # admitted together: fed through decode steps, prefilled (feeding off), some of each (at
+    # most 4 new tokens fed), fed with a step too small for all (4 rows + 5: the third waits
+    # a step) --
     res["expected_new_tokens"] = [sum(len(a) + 1 for a in appended)] * 2
-    for case, kwargs in (("fed", dict(max_rows=16)),
+    for case, kwargs in (("fed", dict(max_rows=4)),
                          ("prefilled", dict(max_rows=4, decode_extension_tokens=0)),
-                         ("mixed", dict(max_rows=4))):
+                         ("mixed", dict(max_rows=4, decode_extension_tokens=4)),
+                         ("fed_waiting", dict(max_rows=4, decode_extension_tokens=6))):
         eng = ContinuousEngine(model, 400, **kwargs)
         reqs = [eng.submit(p, greedy, keep_kv=True) for p in prompts]
         eng.run()
@@ -75,6 +77,7 @@ def check_reentry(path: str, tp: int) -> dict:
             eng.release_kept(r.kept)
             eng.release_kept(r.kept)  # twice: a no-op
         out["pool_used_after"] = eng.scheduler.pool.used
+        out["waited"] = eng.fed_waiting_steps > 0
 
     # -- a kept region large enough is taken over (no copy) --
     long = SamplingParams(greedy=True, max_new_tokens=30)
@@ -132,7 +135,7 @@ def results(hf_models):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("case", ["fed", "prefilled", "mixed"])
+@pytest.mark.parametrize("case", ["fed", "prefilled", "mixed", "fed_waiting"])
 def test_resume_equals_a_fresh_prefill_and_runs_only_new_tokens(results, tp, case):
     for rank in results[tp]:
         r = rank[case]
@@ -141,12 +144,14 @@ def test_resume_equals_a_fresh_prefill_and_runs_only_new_tokens(results, tp, cas
         # the last drawn id of each turn (never fed) + the appended ids, nothing else
         new = [p + f for p, f in zip(r["prefilled"], r["fed"])]
         assert new == rank["expected_new_tokens"]
-        if case == "fed":  # no prefill call: the next decode step ran them
+        if case.startswith("fed"):  # no prefill call: decode steps ran them
             assert r["calls"] == [0, 0] and r["prefilled"] == [0, 0]
         elif case == "prefilled":  # resumes admitted together share one prefill call
             assert r["calls"] == [1, 1] and r["fed"] == [0, 0]
-        else:  # 4 rows: the second conversation's 2 new tokens fit beside the three rows
-            assert r["calls"] == [1, 1] and r["fed"] == [2, 2]
+        else:  # the third's 6 new tokens are over the 4 fed: prefilled
+            assert r["calls"] == [1, 1] and r["fed"] == [6, 6]
+        if case == "fed_waiting":  # 12 entries, 9 a step: the third joined a step later
+            assert r["waited"]
         assert all(all(m) for m in r["moved"]), "longer rows were meant to move region"
         assert r["pool_used_after"] == 0
     assert results[tp][0][case]["turns_equal"] == results[tp][-1][case]["turns_equal"]

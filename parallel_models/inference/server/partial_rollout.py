@@ -44,6 +44,8 @@ def recompute_running_kv(engine) -> int:
             for r in pack:
                 fed = r.request.samples[r.index].token_ids[:-1]  # the last one is fed next
                 seq = list(r.request.prompt) + list(fed)
+                if r.feed:  # a re-entry waiting for its decode step: its kept positions only
+                    seq = seq[:r.length]
                 if len(seq) != r.length:
                     raise RuntimeError(f"row at {r.offset}: {len(seq)} tokens fed, the cache "
                                        f"holds {r.length}")

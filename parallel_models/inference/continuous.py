@@ -110,8 +110,6 @@ class _Row:
     feed: list | None = None  # a re-entry's new tokens, run by the next decode step instead
 
 
-
-
 @dataclasses.dataclass(eq=False)
 class _Drawn:
     """The tokens drawn for ``rows`` by one step, on their way to the host: ``host`` (``[2, B]``
@@ -235,6 +233,10 @@ class ContinuousEngine:
         if kept is not None:
             self.scheduler.release_kept(kept)
 
+    def feeds(self, new_tokens: int) -> bool:
+        """Whether a resume with ``new_tokens`` past its kept KV runs them in a decode step."""
+        return self.extends and new_tokens <= self.decode_extension_tokens
+
     @property
     def extends(self) -> bool:
         """Whether a resumed request prefills only its new tokens (else its whole prompt)."""
@@ -271,7 +273,7 @@ class ContinuousEngine:
                     cache.copy(req.moved_from, starts, req.extend_from)
                 new = len(req.prompt) - req.extend_from
                 # a decode step runs its new tokens: the next one with room (decode_layout)
-                if new <= self.decode_extension_tokens:
+                if self.feeds(new):
                     fed.append(i)
                     self.decode_fed_tokens += new
                 else:
@@ -388,7 +390,7 @@ class ContinuousEngine:
                                            self.device)
             if not lay.rows:  # (only fed rows waiting for room: cannot happen, one always fits)
                 raise RuntimeError("decode step with no row")
-            self.fed_waiting_steps += any(r.feed for r in self.running)
+            self.fed_waiting_steps += lay.waiting
             self._steps[lay.size].rows.load(host.to(self.device, non_blocking=True), span=span)
             # a layout with fed rows serves this step only: the next one is built again
             self._layout = None if lay.transient else lay

@@ -28,7 +28,7 @@ import torch
 class DecodeLayout:
     """The running rows of a decode bucket, in batch order, and their draw settings. ``take``:
     the entries whose logits draw the rows' tokens (None: the first ``len(rows)``, one entry a
-    row); ``transient``: some row was fed (rebuild for the next step)."""
+    row: no row fed); ``waiting``: some fed row did not fit this step."""
 
     rows: list
     size: int
@@ -37,7 +37,12 @@ class DecodeLayout:
     seeds: torch.Tensor | None
     steps: torch.Tensor | None
     take: torch.Tensor | None = None
-    transient: bool = False
+    waiting: bool = False
+
+    @property
+    def transient(self) -> bool:
+        """Rows were fed or wait to be: the next step needs a layout of its own."""
+        return self.take is not None or self.waiting
 
 
 def sampling_of(rows: list, device):
@@ -97,10 +102,8 @@ def build_layout(running: list, buckets: list[int], scratch, device) -> tuple[De
                          offsets + [scratch(i) for i in range(pad)],
                          lengths + [0] * pad,
                          back + [0] * pad], dtype=torch.long)
-    lay = DecodeLayout(rows, size, *sampling_of(rows, device))
-    if fed:
-        lay.take = torch.tensor(take, device=device)
-    lay.transient = fed or waiting
+    lay = DecodeLayout(rows, size, *sampling_of(rows, device),
+                       take=torch.tensor(take, device=device) if fed else None, waiting=waiting)
     return lay, host, max(lengths) + 1
 
 

@@ -137,9 +137,9 @@ class AsyncTurns:
     def _fed_in_decode(cont, region, c: Conversation) -> bool:
         """Whether ``c``'s re-entry would run in a decode step (its kept region still there and
         few new tokens), so gathering it with others saves nothing."""
-        limit = getattr(cont, "decode_extension_tokens", 0)  # (0: an engine without it)
-        return bool(limit) and region is not None and region.live and cont.extends \
-            and len(c.context) - region.length <= limit
+        feeds = getattr(cont, "feeds", None)  # (None: an engine without it)
+        return feeds is not None and region is not None and region.live \
+            and feeds(len(c.context) - region.length)
 
     @staticmethod
     def _release(cont, region) -> None:

@@ -41,8 +41,8 @@ class HybridRollout:
     """``HybridRollout(actor_chunks, tensor_parallel_size, eos_token_id=, pad_token_id=,
     bucket_bytes=, share_weights=, release_copy=, engine_options=)``; build it on every rank at
     once (it makes process groups). ``release_copy``: the rollout copy holds no device memory
-    between rollouts (the trainer sets it on CUDA). ``engine_options``: the rollout engine's batching settings (``kv_budget_tokens``,
-    ``max_rows``: continuous batching)."""
+    between rollouts (the trainer sets it on CUDA). ``engine_options``: the rollout engine's
+    batching settings (``kv_budget_tokens``, ``max_rows``: continuous batching)."""
 
     def __init__(self, actor_chunks, tensor_parallel_size: int | None = None, *,
                  eos_token_id=None, pad_token_id: int = 0,

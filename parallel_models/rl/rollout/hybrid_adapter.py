@@ -44,8 +44,8 @@ class HybridEngineRollout:
         self.version = version
 
     def release_memory(self) -> None:
-        """The rollout copy off the device when the hybrid engine offloads it (``trainer.offload``
-        on CUDA, a copy of its own); each generate brings it back and syncs it first."""
+        """The rollout copy off the device when the hybrid engine releases it (a copy of its
+        own, on CUDA); each generate brings it back and syncs it first."""
         self.hybrid.release_memory()
 
     def resume_memory(self) -> None:

@@ -251,8 +251,9 @@ class PushJob:
         else:
             group = engine.group if engine.world > 1 else None
             try:
-                answer = engine.rollout.update_weights(TensorReader(problem, "<weights group>"),
-                                                       group=group, keep_old=False)
+                reader = TensorReader(problem, "<weights group>")
+                answer = engine.swap_in_flight(lambda: engine.rollout.update_weights(
+                    reader, group=group, keep_old=False))
                 answer["receive_seconds"], failed, error = received, 0, None
             except Exception as exc:  # noqa: BLE001 - reported to the trainer below
                 error = exc

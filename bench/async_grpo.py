@@ -293,8 +293,8 @@ def main(argv=None):
     p.add_argument("--staleness", type=int, default=1, help="async: rollout.max_staleness")
     p.add_argument("--partial", action="store_true", help="async: rollout.partial=true")
     p.add_argument("--weight-push", choices=["stream", "group", "folder"], default="stream",
-                   help="async: rollout.weight_push (group: NCCL between the GPUs; not with "
-                        "--partial)")
+                   help="async: rollout.weight_push (group: NCCL / CUDA IPC between the "
+                        "trainer and the server)")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=256)

@@ -2,7 +2,9 @@
 join a process group beside their own worlds and the actor is broadcast bucket by bucket. A push
 serves exactly what loading the same folder serves (bit for bit: equal log-probs) and bumps
 the version; a NaN weight or a trainer killed midway leaves the old version serving the old
-weights, and the next trainer joins afresh (PPO over the group: test_weight_group_ppo.py)."""
+weights, and the next trainer joins afresh (PPO over the group: test_weight_group_ppo.py). The
+server runs with ``--partial-rollouts``: a push landing while requests are in flight lets them go
+on under the new weights (``Engine.swap_in_flight``), each token under the version that drew it."""
 
 import pytest
 
@@ -15,13 +17,15 @@ from tests.helpers import weight_group_checks
 from tests.helpers.server_launch import start_server, stop_server
 
 MAX_NEW = 6
+IN_FLIGHT_NEW = 10  # the in-flight test's response length
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     models = server_checks.served_models(tmp_path_factory.mktemp("group"), 6, 10, MAX_NEW)
     port = free_port()
-    proc = start_server(models["paths"][0], port, log_path=str(models["root"] / "server.log"))
+    proc = start_server(models["paths"][0], port, log_path=str(models["root"] / "server.log"),
+                        extra=("--partial-rollouts",))
     client = RolloutClient(f"http://127.0.0.1:{port}", timeout=60)
     yield dict(models, client=client, url=f"http://127.0.0.1:{port}")
     client.close()
@@ -117,3 +121,30 @@ def test_bad_requests_are_refused_at_once(served):
         served["client"].weights_group("init", {"master_addr": "127.0.0.1", "master_port": 1,
                                                 "world_size": 5})
     assert _serves(served, 0) == version
+
+
+def test_push_lands_while_rows_are_in_flight(served):
+    """``--partial-rollouts``: a group push that lands while a request's rows are in flight (the
+    request queued between two pushes on purpose: ``weight_group_checks.push_while_in_flight``)
+    does not abort them: they finish under the new weights, every token recorded with the
+    version that drew it (two versions in each sample), each token the greedy choice and its
+    behaviour log-prob the log-prob of that version's weights, per transformers over the whole
+    sample (so the KV of the prefix was recomputed at the swap)."""
+    version = _serves(served, 0)
+    prompts = served["prompts"][:3]
+    out = run_distributed(weight_group_checks.push_while_in_flight, 1, *served["paths"],
+                          served["url"], prompts, IN_FLIGHT_NEW)[0]
+    assert "error" not in out, out
+    old, new = out["versions"]
+    assert (old, new) == (version + 1, version + 2) and out["weight_version"] == new, out
+    assert len(out["samples"]) == len(prompts)
+    for s in out["samples"]:
+        assert s["finish_reason"] == "length" and len(s["token_ids"]) == IN_FLIGHT_NEW, s
+        # push 1's weights drew the prefill's token and the decode step's queued ahead of the swap
+        assert s["weight_versions"] == [old] * 2 + [new] * (IN_FLIGHT_NEW - 2), s
+        assert s["token_ids"] == s["greedy"], s
+        assert len(s["recomputed"]) == IN_FLIGHT_NEW
+        for got, want in zip(s["log_probs"], s["recomputed"]):
+            assert abs(got - want) <= 1e-4 + 1e-4 * abs(want), (s["log_probs"], s["recomputed"])
+    served["client"].update_weights(served["paths"][0])  # the next test starts from model 0
+    _serves(served, 0)

@@ -27,3 +27,19 @@ def test_kv_budget_reaches_the_server_command_line():
         assert opts[opts.index("--kv-budget-tokens") + 1] == budget
         args = build_parser().parse_args(["--model", "m", *opts])
         assert args.kv_budget_tokens == parsed
+
+
+def test_partial_rollouts_take_the_group_push():
+    """``rollout.partial`` with ``rollout.weight_push=group`` is accepted (the group push lands
+    in flight as the stream and folder pushes do: tests/inference/test_weight_group_push.py)
+    and turns on the server's partial rollouts; without ``trainer.mode=async`` it is refused."""
+    import pytest
+
+    from parallel_models.rl.config import ConfigError
+
+    over = ["rollout.partial=true", "rollout.weight_push=group"]
+    cfg = load_config(None, ["trainer.mode=async", *over])
+    assert cfg.rollout.partial and cfg.rollout.weight_push == "group"
+    assert "--partial-rollouts" in server_options(cfg)
+    with pytest.raises(ConfigError, match="rollout.partial=true needs trainer.mode=async"):
+        load_config(None, over)

@@ -164,10 +164,18 @@ class Engine:
 
     def _do_update(self, path: str) -> dict:
         group = self.group if self.world > 1 else None
+        return self.swap_in_flight(lambda: self.rollout.update_weights(path, group=group))
+
+    def swap_in_flight(self, swap) -> dict:
+        """``swap()`` (a weight update of this rank) with partial rollouts around it: the rows in
+        flight go on under the new weights, their KV recomputed (``partial_rollout.py``); every
+        push transport (folder, stream, group) goes through here. It runs where the engine's
+        steps run, between two of them: on rank 0 the batcher's thread (an ``update`` job), on
+        the other ranks :func:`worker_loop`, in command order."""
         running = self.rollout._continuous if self.partial_rollouts else None
-        if running is not None:  # partial rollouts: the rows in flight go on (partial_rollout.py)
+        if running is not None:
             read_queued_step(running)
-        answer = self.rollout.update_weights(path, group=group)
+        answer = swap()
         if running is not None:
             recompute_running_kv(running)
         return answer

@@ -15,7 +15,9 @@ Endpoints (JSON; the push's bytes never go through HTTP):
   group is joined; else 202 ``{"status": "receiving"}`` and, between batches, every rank
   receives the buckets into staging buffers (on the GPU for nccl / ipc, host memory for gloo),
   checks them finite, and only when every rank has them all and all are finite, loads them (no
-  snapshot needed: nothing can fail any more) and bumps the version.
+  snapshot needed: nothing can fail any more) and bumps the version. With
+  ``--partial-rollouts`` the job runs between two decode steps and the rows in flight go on
+  under the new weights (``Engine.swap_in_flight``, as for the stream and folder pushes).
 - ``GET /weights_group/status`` -> ``{"joined", "joining", "transport", "weight_version", "last",
   "last_push"}``: the last join / push job's result or error, and the last push's outcome as
   the server reported it to the trainer (what the trainer reads after a push that failed).
@@ -251,8 +253,9 @@ class PushJob:
         else:
             group = engine.group if engine.world > 1 else None
             try:
-                answer = engine.rollout.update_weights(TensorReader(problem, "<weights group>"),
-                                                       group=group, keep_old=False)
+                reader = TensorReader(problem, "<weights group>")
+                answer = engine.swap_in_flight(lambda: engine.rollout.update_weights(
+                    reader, group=group, keep_old=False))
                 answer["receive_seconds"], failed, error = received, 0, None
             except Exception as exc:  # noqa: BLE001 - reported to the trainer below
                 error = exc

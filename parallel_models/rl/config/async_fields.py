@@ -59,9 +59,6 @@ def async_problems(cfg) -> list[str]:
     if r.multi_turn.max_turns > 1 or r.multi_turn.tools or r.multi_turn.environment:
         errors.append("trainer.mode=async: rollout.multi_turn conversations need "
                       "trainer.mode=sync")
-    if r.partial and r.weight_push == "group":
-        errors.append("rollout.partial=true: the server applies in-flight updates of the stream "
-                      "and folder pushes (rollout.weight_push=stream or folder)")
     if r.exact:
         errors.append("trainer.mode=async: rollout.exact=true needs the in-process rollout "
                       "(trainer.mode=sync)")

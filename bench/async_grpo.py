@@ -75,7 +75,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -83,6 +82,8 @@ import tempfile
 import time
 
 import torch
+
+from parallel_models.utils.process_tree import stop_process_tree
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from grpo_scale import SHAPES as SCALE_SHAPES  # noqa: E402
@@ -229,8 +230,7 @@ def run_mode(args, mode: str, model: str, data: str, root: str, env: dict) -> di
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:  # keep the steps logged so far
         log(f"{mode}: over {timeout} s, stopping it")
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        stop_process_tree(proc)  # torchrun's ranks and the rollout server too
     rows = []
     path = os.path.join(out, "metrics.jsonl")
     if os.path.isfile(path):

@@ -63,13 +63,14 @@ import argparse
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 
 import torch
+
+from parallel_models.utils.process_tree import stop_process_tree
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import HostMemoryWatch  # noqa: E402
@@ -264,8 +265,7 @@ def run_layout(args, layout, model, data, caps, root, prompt_len, new_tokens, en
             proc.wait(timeout=args.timeout_s)
         except subprocess.TimeoutExpired:  # keep the steps logged so far; free the GPUs
             log(f"{layout}: over {args.timeout_s} s, stopping it")
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            stop_process_tree(proc)  # torchrun's ranks too (they run in sessions of their own)
     wall = time.time() - t0
     log(f"{layout}: host memory {host.result()}")
     metrics_path = os.path.join(out, "metrics.jsonl")

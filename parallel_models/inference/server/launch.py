@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+from parallel_models.utils.process_tree import stop_process_tree
+
 
 def start_server(model: str, port: int, *, tp: int = 1, api_key: str | None = None,
                  extra: tuple[str, ...] = (), log_path: str | None = None,
@@ -74,17 +76,6 @@ def wait_until_healthy(proc, port: int, timeout: float, log_path: str | None = N
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> int:
-    """SIGTERM the server (its process group: torchrun and its ranks) and wait."""
-    import signal
-
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-    return proc.returncode
+    """SIGTERM the server (its process group, torchrun and its ranks, which run in sessions of
+    their own) and wait; SIGKILL whatever is left after ``timeout`` seconds."""
+    return stop_process_tree(proc, grace=timeout)

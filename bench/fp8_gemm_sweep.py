@@ -139,7 +139,7 @@ def kernel_case(args, kernel, x, q, bf16_us, timer, gbps) -> dict:
         res["configs"].append({**cfg.as_dict(), "us": us, "gbps": gbps(us, fp8_bytes)})
     chosen = decode_tuning.choose(rows, out, inp, q.granularity, dev,
                                   lambda cfg: launch(x, q, y, cfg), kernel=kernel)
-    decode_gemm_shared.release_unused_workspaces()  # (the split-K buffers of the configs not chosen)
+    decode_gemm_shared.release_unused_workspaces()  # (split-K buffers of the configs not chosen)
     timed = [c for c in res["configs"]
              if "us" in c and all(c[f] == v for f, v in chosen.as_dict().items())]
     res["config"] = chosen.as_dict()

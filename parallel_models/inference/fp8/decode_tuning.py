@@ -8,16 +8,17 @@ input features per step of the K loop, ``split_k`` programs sharing one output t
 (their fp32 partial sums added by the last one to finish), and Triton's ``num_warps`` /
 ``num_stages`` (the software pipeline's depth).
 
-The choice is keyed on (row bucket, out, in, granularity, device, kernel), the row bucket
-being the smallest power of two >= the rows (at least 16): the continuous engine's decode buckets
-are powers of two, so a captured bucket always meets the key its eager warm-up tuned. :func:`choose`, for a
-key not seen yet, times every :func:`candidates` config on the real operands (CUDA events, the L2
-cache flushed before each run, the median of a few runs) and keeps the fastest; that happens in
-the eager run before a CUDA graph is captured (``generation.capture_cuda_graph`` runs the step
-once eagerly first), so the graph holds the chosen kernel. A config whose output disagrees with
-the default config's is passed over. Inside a capture, on the CPU (the
-Triton interpreter), above :data:`TUNED_ROWS` rows, or with :data:`TUNE` off, the
-:func:`default_config` runs untimed. ``bench/fp8_gemm_sweep.py`` prints every candidate's time.
+The choice is keyed on (row bucket, out, in, granularity, device, kernel), the row bucket being
+the smallest power of two >= the rows (at least 16): the continuous engine's decode buckets are
+powers of two, so a captured bucket always meets the key its eager warm-up tuned.
+:func:`choose`, for a key not seen yet, times every :func:`candidates` config on the real
+operands (CUDA events, the L2 cache flushed before each run, the median of a few runs) and keeps
+the fastest; that happens in the eager run before a CUDA graph is captured
+(``generation.capture_cuda_graph`` runs the step once eagerly first), so the graph holds the
+chosen kernel. A config whose output disagrees with the default config's is passed over. Inside
+a capture, on the CPU (the Triton interpreter), above :data:`TUNED_ROWS` rows, or with
+:data:`TUNE` off, the :func:`default_config` runs untimed. ``bench/fp8_gemm_sweep.py`` prints
+every candidate's time.
 """
 
 from __future__ import annotations
@@ -295,6 +296,6 @@ def chosen_configs() -> dict:
     return dict(_chosen)
 
 
-__all__ = ["DecodeConfig", "KERNELS", "MAX_STAGES", "TUNE", "TUNED_ROWS", "candidates", "choose", "chosen_configs",
-           "default_config", "key_of", "l2_flush_buffer", "row_bucket", "sm_count", "smem_bytes",
-           "stage_bytes", "time_ms", "timings", "tune"]
+__all__ = ["DecodeConfig", "KERNELS", "MAX_STAGES", "TUNE", "TUNED_ROWS", "candidates", "choose",
+           "chosen_configs", "default_config", "key_of", "l2_flush_buffer", "row_bucket",
+           "sm_count", "smem_bytes", "stage_bytes", "time_ms", "timings", "tune"]

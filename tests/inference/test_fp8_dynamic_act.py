@@ -6,8 +6,10 @@ CPU interpreter (on CUDA where present) against the prefill's recipe it must rep
 fp32 -> e4m3 conversion is wrong, see the module docstring). Block and channel weight scales,
 decode row counts, widths that are not multiples of the tiles or of 128, an all-zero activation
 group, the tile configs the tuning chooses among (row tiles, K splits with empty splits, one or
-two groups a K step, strips spanning scale-block rows), and the e4m3 rounding the interpreter
-path uses against torch's conversion. Skipped without triton (not a dependency)."""
+two groups a K step, strips spanning scale-block rows), the e4m3 rounding the interpreter
+path uses against torch's conversion, and ``gemm.DECODE_KERNEL``'s choice of kernel (checked
+once when selected, the other kernel where one fails). Skipped without triton (not a
+dependency)."""
 
 import os
 
@@ -125,3 +127,35 @@ def test_interpreter_rounding_equals_torch_e4m3():
     _round_kernel[(triton.cdiv(v.numel(), 1024),)](v, got, v.numel(), BLOCK=1024)
     want = v.to(torch.float8_e4m3fn).float()
     assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+
+
+def test_decode_kernel_switch_checks_the_selected_kernel_and_falls_back(monkeypatch):
+    """``gemm.DECODE_KERNEL`` picks the kernel of decode-sized products; selecting one runs its
+    device check (once) outside a capture; a kernel that failed its check gives way to the
+    other; neither passing leaves the product to ``_scaled_mm`` / the emulation (None)."""
+    from parallel_models.inference.fp8 import gemm
+    from parallel_models.inference.fp8.weight_only_kernel import weight_only_mm
+
+    verdicts = {"dynamic": True, "weight_only": True}
+    checked = []
+
+    def fake_check(device, granularity, kernel):
+        checked.append(kernel)
+        return verdicts[kernel], "fails on purpose"
+
+    monkeypatch.setattr(gemm, "_decode_check", fake_check)
+    monkeypatch.setattr(gemm, "_decode_checked", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    dev = torch.device("cpu")
+    assert gemm.DECODE_KERNEL == "dynamic"  # the default
+    assert gemm._decode_mm(dev, "block") is dynamic_act_kernel.dynamic_act_mm
+    assert gemm._decode_mm(dev, "block") is dynamic_act_kernel.dynamic_act_mm
+    assert checked == ["dynamic"]  # once
+    monkeypatch.setattr(gemm, "DECODE_KERNEL", "weight_only")
+    assert gemm._decode_mm(dev, "block") is weight_only_mm and checked[-1] == "weight_only"
+    verdicts["dynamic"] = False  # a device where the W8A8 kernel fails: the weight-only one
+    monkeypatch.setattr(gemm, "DECODE_KERNEL", "dynamic")
+    assert gemm._decode_mm(dev, "channel") is weight_only_mm
+    assert checked[-2:] == ["dynamic", "weight_only"]
+    verdicts["weight_only"] = False
+    assert gemm._decode_mm(dev, "other") is None

@@ -73,8 +73,6 @@ def gemm_backend(x: torch.Tensor, weight: QuantizedWeight) -> str:
     ``"emulated"`` (see the module docstring)."""
     if not x.is_cuda:
         return "emulated"
-    if not torch.cuda.is_current_stream_capturing():
-        _check_decode_kernels(x.device, weight.granularity)  # (decode-sized products)
     if not hasattr(torch, "_scaled_mm"):
         return "emulated"
     out, inp = weight.shape
@@ -195,10 +193,14 @@ def _check_decode_kernels(device: torch.device, granularity: str) -> None:
 
 
 def _decode_mm(device: torch.device, granularity: str):
-    """The decode kernel's ``mm(x2, weight)`` for decode-sized products: :data:`DECODE_KERNEL`'s
-    where it passed its check, else the other's where that passed, else None."""
+    """The decode kernel's ``mm(x2, weight)`` for decode-sized products on CUDA:
+    :data:`DECODE_KERNEL`'s where it passed its check (run here, outside a graph capture, the
+    first time this kernel is selected on this device), else the other's where that passed,
+    else None."""
     from parallel_models.inference.fp8.decode_tuning import KERNELS
 
+    if not torch.cuda.is_current_stream_capturing():
+        _check_decode_kernels(device, granularity)
     for kernel in (DECODE_KERNEL, *(k for k in KERNELS if k != DECODE_KERNEL)):
         if _decode_checked.get((str(device), granularity, kernel)):
             if kernel == "dynamic":

@@ -159,3 +159,6 @@ def test_decode_kernel_switch_checks_the_selected_kernel_and_falls_back(monkeypa
     assert checked[-2:] == ["dynamic", "weight_only"]
     verdicts["weight_only"] = False
     assert gemm._decode_mm(dev, "other") is None
+    monkeypatch.setattr(gemm, "DECODE_KERNEL", "w8a8")
+    with pytest.raises(ValueError, match="DECODE_KERNEL must be one of"):
+        gemm._decode_mm(dev, "block")

@@ -35,7 +35,7 @@ bf16 weights); the program mapping, the split-K hand-over and its workspace and 
 
 Triton's CPU interpreter converts fp32 -> e4m3 wrongly (no carry into the exponent, subnormals
 cut): there (``_INTERPRETED``) the kernel rounds to e4m3 values itself (:func:`_round_to_e4m3`,
-integer ops on the fp32 bits) and takes the dot of the dequantized-exact fp32 values, so the
+integer ops on the fp32 bits) and takes an fp32 dot of those exact e4m3 values, so the
 interpreter checks the quantization logic, the scales and the reduction; the GPU's e4m3 dot is
 checked by ``gemm``'s device check and ``tests/gpu``.
 """

@@ -199,6 +199,9 @@ def _decode_mm(device: torch.device, granularity: str):
     else None."""
     from parallel_models.inference.fp8.decode_tuning import KERNELS
 
+    if DECODE_KERNEL not in KERNELS:
+        raise ValueError(f"fp8 gemm.DECODE_KERNEL must be one of {KERNELS}, got "
+                         f"{DECODE_KERNEL!r}")
     if not torch.cuda.is_current_stream_capturing():
         _check_decode_kernels(device, granularity)
     for kernel in (DECODE_KERNEL, *(k for k in KERNELS if k != DECODE_KERNEL)):
@@ -213,7 +216,7 @@ def _decode_mm(device: torch.device, granularity: str):
 
 def weight_only_matmul(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """``x2 @ dequantize(W)^T`` with ``x2`` as it is (weight-only FP8), in fp32, cast to its
-    dtype: what the decode kernel computes, up to the accumulation order."""
+    dtype: what the weight-only decode kernel computes, up to the accumulation order."""
     return (x2.float() @ weight.dequantize(torch.float32).t()).to(x2.dtype)
 
 

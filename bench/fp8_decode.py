@@ -1,29 +1,36 @@
 """FP8 rollout vs bf16: the continuous engine's decode step, alternated in one process.
 
     python bench/fp8_decode.py [--shapes 0.89b 8b] [--batches 64 256] [--scales block]
+                               [--decode-kernels dynamic weight_only]
                                [--rounds 3] [--iters 5] [--out fp8.json]
     python bench/fp8_decode.py --grpo [--grpo-prompts 64 --grpo-n 8 --grpo-cap 2048]
     python bench/fp8_decode.py --tiny --device cpu       # smoke run (a few seconds on the CPU)
 
 Per shape (``0.89b``, ``8b``: bench/common.py's Llama shapes, random weights drawn on the device
-as ``common.build_random_llama`` does, bf16; ``--tiny``: a 2-layer 64-wide model) and batch size B: one model, two ``ContinuousEngine`` s on it, B rows each (prompt
-``--prompt`` tokens, greedy, EOS ignored), one whose decode runs the bf16 linears and one whose
-linears run on FP8 copies (``inference/fp8``: ``Fp8Linears``, ``--scales`` block | channel).
-Each engine's first step prefills and captures its bucket's CUDA graph (the FP8 one with the
-FP8 linears on, so replaying it runs the FP8 GEMMs whatever the switch says after). Then
-``engine.step()`` of the two engines is timed side by side (``common.alternate``: ``--rounds``
+as ``common.build_random_llama`` does, bf16; ``--tiny``: a 2-layer 64-wide model) and batch size
+B: one model, ``ContinuousEngine`` s on it, B rows each (prompt ``--prompt`` tokens, greedy, EOS
+ignored): one whose decode runs the bf16 linears (``bf16``) and, per ``--decode-kernels`` entry,
+one whose linears run on FP8 copies (``inference/fp8``: ``Fp8Linears``, ``--scales`` block |
+channel) with ``gemm.DECODE_KERNEL`` set to that kernel (``fp8_dynamic``: W8A8, the activations
+quantized inside the decode GEMM; ``fp8_weight_only``: W8A16) for the products of at most
+``gemm.DECODE_ROWS`` rows (larger ones run ``_scaled_mm`` either way). Each engine's first step
+prefills and captures its bucket's CUDA graph (the FP8 ones with the FP8 linears on and their
+kernel selected, so replaying it runs those GEMMs whatever the switches say after). Then
+``engine.step()`` of the engines is timed side by side (``common.alternate``: ``--rounds``
 rounds in rotated order, the median of ``--iters`` steps after ``--warmup``, CUDA events), and
-one JSON line per (shape, batch) is printed: both medians (ms), their spreads
-((max - min) / median over rounds), ``fp8_over_bf16``, the FP8 GEMM backend used
-(``scaled_mm``, or ``emulated`` where the GPU / torch cannot) and ``decode_tiles``: the weight-only
-decode kernel's tiles ``inference/fp8/decode_tuning`` chose per linear shape (timed during the
-FP8 engine's first, eager decode step). ``--out`` also writes every line
-and the run's settings as one JSON file. The 8B shape needs about 35 GiB at B = 256 (weights,
-their FP8 copy, two KV pools of B x (prompt + 25) positions).
+one JSON line per (shape, batch) is printed: per engine its median (``<name>_step_ms``), its
+spread ((max - min) / median over rounds) and, for the FP8 ones, ``<name>_over_bf16``; the FP8
+GEMM backend of the larger products (``scaled_mm``, or ``emulated`` where the GPU / torch
+cannot), ``decode_kernel_checks`` (per kernel, whether it passed ``gemm``'s device check: one
+that failed is replaced by the other) and ``decode_tiles``: per kernel, the tiles
+``inference/fp8/decode_tuning`` chose per linear shape (timed during the FP8 engine's first,
+eager decode step). ``--out`` also writes every line and the run's settings as one JSON file.
+The 8B shape needs about 40 GiB at B = 256 with both kernels (weights, their FP8 copy, three KV
+pools of B x (prompt + 25) positions).
 
 ``--grpo`` (first shape only): bench/rollout_bench.py's GRPO-shaped workload (``grpo_case``:
 prompts x n samples, lognormal response lengths, static and continuous batching) once with the
-bf16 linears and once with the FP8 ones; one JSON line each (useful tokens/s).
+bf16 linears and once per decode kernel with the FP8 ones; one JSON line each (useful tokens/s).
 """
 
 from __future__ import annotations
@@ -81,55 +88,77 @@ def _engine(model, batch: int, prompt: int, new: int, vocab: int, seed: int):
 
 
 def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
+    from parallel_models.inference.fp8 import gemm
+
     spec = SHAPES[shape]
     new = 4 + args.rounds * (args.warmup + args.iters)  # rows never finish while timed
+    default_kernel = gemm.DECODE_KERNEL
     fp8.active = False
-    bf16_engine = _engine(model, batch, args.prompt, new, spec["vocab"], batch)
+    engines = {"bf16": (_engine(model, batch, args.prompt, new, spec["vocab"], batch), None)}
     fp8.active = True
-    fp8_engine = _engine(model, batch, args.prompt, new, spec["vocab"], batch)
+    for kernel in args.decode_kernels:
+        gemm.DECODE_KERNEL = kernel
+        engines[f"fp8_{kernel}"] = (_engine(model, batch, args.prompt, new, spec["vocab"],
+                                            batch), kernel)
 
-    def step(engine, active):
-        fp8.active = active  # (eager parts of a step; the captured graphs hold their GEMMs)
+    def step(engine, kernel):
+        # (eager parts of a step; the captured graphs hold their GEMMs)
+        fp8.active = kernel is not None
+        gemm.DECODE_KERNEL = kernel or default_kernel
         engine.step()
 
-    contenders = {"bf16": lambda: step(bf16_engine, False), "fp8": lambda: step(fp8_engine, True)}
+    contenders = {name: (lambda e=engine, k=kernel: step(e, k))
+                  for name, (engine, kernel) in engines.items()}
     if dev.type == "cuda":
         timing = alternate(contenders, rounds=args.rounds, warmup=args.warmup, iters=args.iters,
                            clock_log_ms=0)
     else:
         timing = _cpu_alternate(contenders, args.rounds, args.warmup, args.iters)
     fp8.active = False
+    gemm.DECODE_KERNEL = default_kernel
     backends = sorted({m.fp8_backend for _, m in fp8.modules if m.fp8_backend})
+    fp8_engines = [engine for engine, kernel in engines.values() if kernel is not None]
     row = {"shape": shape, "batch": batch, "prompt": args.prompt, "scales": fp8.granularity,
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-           "cuda_graph": any(s.graph is not None for s in fp8_engine._steps.values()),
-           "fp8_gemm": backends}
+           "cuda_graph": all(any(s.graph is not None for s in e._steps.values())
+                             for e in fp8_engines),
+           "fp8_gemm": backends, "decode_rows": gemm.DECODE_ROWS,
+           "decode_kernel_checks": {f"{k[2]}": ok for k, ok in gemm._decode_checked.items()
+                                    if k[1] == fp8.granularity}}
     from parallel_models.inference.fp8.decode_tuning import chosen_configs, row_bucket
 
-    row["decode_tiles"] = {f"{key[1]}x{key[2]}": cfg.as_dict()  # (out x in: the tuned tiles)
-                           for key, cfg in chosen_configs().items()
-                           if key[0] == row_bucket(batch) and key[3] == fp8.granularity}
+    row["decode_tiles"] = {kernel: {f"{key[1]}x{key[2]}": cfg.as_dict()  # (out x in)
+                                    for key, cfg in chosen_configs().items()
+                                    if key[0] == row_bucket(batch) and key[3] == fp8.granularity
+                                    and key[5] == kernel}
+                           for kernel in args.decode_kernels}
     for name in contenders:
         row[f"{name}_step_ms"] = 1e3 * timing[name]["median_s"]
         row[f"{name}_spread"] = timing[name]["spread"]
-    row["fp8_over_bf16"] = row["fp8_step_ms"] / row["bf16_step_ms"]
-    del bf16_engine, fp8_engine
+        if name != "bf16":
+            row[f"{name}_over_bf16"] = row[f"{name}_step_ms"] / row["bf16_step_ms"]
+    del engines, fp8_engines, contenders
     return row
 
 
 def grpo_both_ways(args, shape: str, model, fp8) -> list[dict]:
-    """rollout_bench's GRPO workload with the bf16 linears, then with the FP8 ones."""
+    """rollout_bench's GRPO workload with the bf16 linears, then with the FP8 ones (once per
+    decode kernel)."""
     from rollout_bench import grpo_case
 
+    from parallel_models.inference.fp8 import gemm
+
     cfg = types.SimpleNamespace(vocab_size=SHAPES[shape]["vocab"])
-    out = []
-    for dtype in ("bf16", "fp8"):
+    out, default_kernel = [], gemm.DECODE_KERNEL
+    for dtype, kernel in [("bf16", None)] + [("fp8", k) for k in args.decode_kernels]:
         fp8.active = dtype == "fp8"
-        row = {"shape": shape, "case": "grpo", "weights": dtype,
+        gemm.DECODE_KERNEL = kernel or default_kernel
+        row = {"shape": shape, "case": "grpo", "weights": dtype, "decode_kernel": kernel,
                **grpo_case(args, cfg, model)}
         print(json.dumps(row), flush=True)
         out.append(row)
     fp8.active = False
+    gemm.DECODE_KERNEL = default_kernel
     return out
 
 
@@ -141,6 +170,10 @@ def main(argv=None) -> list[dict]:
                     help="default 64 256 (--tiny: 4)")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--scales", choices=("block", "channel"), default="block")
+    ap.add_argument("--decode-kernels", nargs="+", default=["dynamic", "weight_only"],
+                    choices=("dynamic", "weight_only"),
+                    help="one FP8 engine per decode kernel (gemm.DECODE_KERNEL), alternated "
+                         "with the bf16 engine")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)

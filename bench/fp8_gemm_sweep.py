@@ -1,8 +1,10 @@
-"""FP8 decode GEMM sweep: bf16 ``F.linear`` vs our weight-only FP8 kernel (every candidate tile
-config and the one ``decode_tuning`` picks) vs ``torch._scaled_mm`` row-wise, per linear shape.
+"""FP8 decode GEMM sweep: bf16 ``F.linear`` vs our two FP8 decode kernels (W8A16 weight-only and
+W8A8 with the activations quantized in the kernel; every candidate tile config and the one
+``decode_tuning`` picks) vs ``torch._scaled_mm`` row-wise, per linear shape.
 
     python bench/fp8_gemm_sweep.py [--shapes 8b 0.89b] [--rows 1 16 64 128 256]
-                                   [--scales block channel] [--reps 30] [--out sweep.json]
+                                   [--scales block channel] [--kernels dynamic weight_only]
+                                   [--reps 30] [--out sweep.json]
     python bench/fp8_gemm_sweep.py --tiny     # CPU smoke (Triton's interpreter), seconds
     python bench/fp8_gemm_sweep.py --compile-only 90 [--shapes 8b --rows 64]  # no GPU
 
@@ -16,20 +18,25 @@ weights from HBM) of
 - ``bf16``: ``F.linear`` on the bf16 weight;
 - ``scaled_mm_rowwise``: ``torch._scaled_mm`` on the channel-scaled FP8 weight with activations
   quantized per row beforehand (the GEMM alone; rows padded to 16), or the error it raised;
-- ``configs``: our kernel (``inference/fp8/weight_only_kernel.py``) with each of
-  ``decode_tuning.candidates``; ``fp8``: the config ``decode_tuning.choose`` settles on in this
-  process (what the rollout engine would run), with its time from this sweep;
+- per decode kernel (``--kernels``; ``weight_only``: ``inference/fp8/weight_only_kernel.py``,
+  ``dynamic``: ``inference/fp8/dynamic_act_kernel.py``), a dict under the kernel's name:
+  ``configs``, the kernel with each of its ``decode_tuning.candidates``; ``config``, the one
+  ``decode_tuning.choose`` settles on in this process (what the rollout engine would run), with
+  its time from this sweep (``us``, ``gbps``), ``over_bf16``, and ``max_rel_err`` against the
+  kernel's emulation (``gemm.weight_only_matmul``: ``x @ dequantize(W)^T``; ``gemm.
+  dynamic_matmul``: ``x`` quantized per token and 128-wide group first; fp32);
 
-each as microseconds and GB/s (the weight's bytes, its scales, the activations read and the
-output written, over the time); ``fp8_over_bf16``; ``max_rel_err`` of the chosen config against
-``gemm.weight_only_matmul`` (``x @ dequantize(W)^T`` in fp32). Then one ``best`` line per
-(shape, linear, row bucket, scales): the fastest candidate config (``decode_tuning.DecodeConfig``
-fields), and per (shape, rows, scales) a ``layer`` line: the four linears' times summed, bf16 vs
-FP8 (one decoder layer's GEMMs). ``--compile-only SM``: no timing, no GPU: each distinct
-candidate kernel compiled for that architecture, with its shared memory, registers and spills
-(a kernel edit checked where no GPU is at hand). ``--tiny``: one 256 x 256 linear, rows 1 and
-16, two configs (the default and a K split), block scales, one run each on the CPU (wall time,
-interpreter: correctness, not speed).
+times as microseconds and GB/s (the weight's bytes, its scales, the activations read and the
+output written, over the time). Then one ``best`` line per (shape, linear, row bucket, scales,
+kernel): the fastest candidate config (``decode_tuning.DecodeConfig`` fields), and per (shape,
+rows, scales) a ``layer`` line: the four linears' times summed (one decoder layer's GEMMs), bf16,
+each kernel's chosen config and ``_scaled_mm`` row-wise (where it ran for all four), and each
+over bf16. ``--compile-only SM``: no timing, no GPU: each distinct candidate kernel of each
+``--kernels`` compiled for that architecture, with its MMA, shared memory (``fits``: within the
+architecture's per-block limit), registers and spills (a kernel edit checked where no GPU is at
+hand). ``--tiny``: one 256 x 256 linear, rows 1 and 16, two configs per kernel (the default and a
+K split), block scales, one run each on the CPU (wall time, interpreter: correctness, not
+speed).
 """
 
 from __future__ import annotations
@@ -50,6 +57,11 @@ from common import LLAMA3_8B, LLAMA_089B  # noqa: E402
 
 SHAPES = {"8b": LLAMA3_8B, "0.89b": LLAMA_089B}
 TINY_LINEARS = {"tiny": {"proj": (256, 256)}}
+KERNELS = ("dynamic", "weight_only")
+# kernel -> (module of inference/fp8, its emulation in gemm, the --tiny run's K-split config)
+KERNEL_PARTS = {"weight_only": ("weight_only_kernel", "weight_only_matmul", (32, 16, 64, 2)),
+                "dynamic": ("dynamic_act_kernel", "dynamic_matmul", (32, 16, 128, 2))}
+SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # per block, opt-in
 
 
 def linears(spec: dict) -> dict:
@@ -98,12 +110,49 @@ def _scaled_mm_rowwise(x, qc):
                                     out_dtype=torch.bfloat16)
 
 
-def run_case(args, shape, name, out, inp, rows, granularity, dev, timer, cache) -> dict:
-    from parallel_models.inference.fp8 import decode_tuning
-    from parallel_models.inference.fp8.gemm import weight_only_matmul
-    from parallel_models.inference.fp8.weight_only_kernel import (launch, release_unused_workspaces,
-                                                                  weight_only_mm)
+def kernel_case(args, kernel, x, q, bf16_us, timer, gbps) -> dict:
+    """One decode kernel on one product: every candidate config timed, the chosen one, its error
+    against the kernel's emulation."""
+    import importlib
 
+    from parallel_models.inference.fp8 import decode_gemm_shared, decode_tuning, gemm
+
+    module, emulation, split_cfg = KERNEL_PARTS[kernel]
+    launch = importlib.import_module(f"parallel_models.inference.fp8.{module}").launch
+    rows, inp = x.shape
+    out = q.shape[0]
+    dev = x.device
+    y = torch.empty(rows, out, dtype=x.dtype, device=dev)
+    fp8_bytes = q.data.numel() + 4 * q.scale.numel()
+    configs = decode_tuning.candidates(rows, out, inp, q.granularity, decode_tuning.sm_count(dev),
+                                       decode_tuning.smem_bytes(dev), kernel=kernel)
+    if args.tiny:  # the default + a K split
+        configs = [decode_tuning.default_config(rows, out, inp, q.granularity, kernel=kernel),
+                   decode_tuning.DecodeConfig(*split_cfg, num_warps=4, num_stages=2)]
+    res = {"configs": []}
+    for cfg in configs:
+        try:
+            us = timer(lambda: launch(x, q, y, cfg))
+        except Exception as exc:  # noqa: BLE001 - a config that does not build here
+            res["configs"].append({**cfg.as_dict(), "error": f"{type(exc).__name__}: {exc}"[:200]})
+            continue
+        res["configs"].append({**cfg.as_dict(), "us": us, "gbps": gbps(us, fp8_bytes)})
+    chosen = decode_tuning.choose(rows, out, inp, q.granularity, dev,
+                                  lambda cfg: launch(x, q, y, cfg), kernel=kernel)
+    decode_gemm_shared.release_unused_workspaces()  # (split-K buffers of the configs not chosen)
+    timed = [c for c in res["configs"]
+             if "us" in c and all(c[f] == v for f, v in chosen.as_dict().items())]
+    res["config"] = chosen.as_dict()
+    res["us"] = timed[0]["us"] if timed else timer(lambda: launch(x, q, y, chosen))
+    res["gbps"] = gbps(res["us"], fp8_bytes)
+    res["over_bf16"] = res["us"] / bf16_us
+    want = getattr(gemm, emulation)(x, q).float()
+    got = launch(x, q, y, chosen).float()
+    res["max_rel_err"] = float(((got - want).abs() / (want.abs() + 1.0)).max())
+    return res
+
+
+def run_case(args, shape, name, out, inp, rows, granularity, dev, timer, cache) -> dict:
     gen = torch.Generator(device=dev).manual_seed(out * 7 + inp)
     if (name, out, inp, granularity) not in cache:
         cache.clear()  # one shape's weights at a time
@@ -116,7 +165,6 @@ def run_case(args, shape, name, out, inp, rows, granularity, dev, timer, cache) 
     def gbps(us, weight_bytes):
         return (weight_bytes + act_bytes) / (us * 1e3)
 
-    fp8_bytes = q.data.numel() + 4 * q.scale.numel()
     row = {"shape": shape, "linear": name, "n": out, "k": inp, "rows": rows,
            "scales": granularity, "device": torch.cuda.get_device_name(dev)
            if dev.type == "cuda" else "cpu (interpreter)"}
@@ -131,65 +179,52 @@ def run_case(args, shape, name, out, inp, rows, granularity, dev, timer, cache) 
             row["scaled_mm_rowwise_gbps"] = gbps(row["scaled_mm_rowwise_us"], w.numel() + 4 * out)
         except RuntimeError as exc:
             row["scaled_mm_rowwise_error"] = f"{type(exc).__name__}: {exc}"[:200]
-    y = torch.empty(rows, out, dtype=x.dtype, device=dev)
-    configs = decode_tuning.candidates(rows, out, inp, granularity, decode_tuning.sm_count(dev),
-                                       decode_tuning.smem_bytes(dev))
-    if args.tiny:
-        configs = [decode_tuning.default_config(rows, out, inp, granularity),  # + a K split
-                   decode_tuning.DecodeConfig(32, 16, 64, 2, num_warps=4, num_stages=2)]
-    row["configs"] = []
-    for cfg in configs:
-        try:
-            us = timer(lambda: launch(x, q, y, cfg))
-        except Exception as exc:  # noqa: BLE001 - a config that does not build here
-            row["configs"].append({**cfg.as_dict(), "error": f"{type(exc).__name__}: {exc}"[:200]})
-            continue
-        row["configs"].append({**cfg.as_dict(), "us": us, "gbps": gbps(us, fp8_bytes)})
-    chosen = decode_tuning.choose(rows, out, inp, granularity, dev,
-                                  lambda cfg: launch(x, q, y, cfg))
-    release_unused_workspaces()  # (the split-K buffers of the configs not chosen)
-    timed = [c for c in row["configs"]
-             if "us" in c and all(c[f] == v for f, v in chosen.as_dict().items())]
-    row["config"] = chosen.as_dict()
-    row["fp8_us"] = timed[0]["us"] if timed else timer(lambda: launch(x, q, y, chosen))
-    row["fp8_gbps"] = gbps(row["fp8_us"], fp8_bytes)
-    row["fp8_over_bf16"] = row["fp8_us"] / row["bf16_us"]
-    want = weight_only_matmul(x, q).float()
-    got = weight_only_mm(x, q, chosen).float()
-    row["max_rel_err"] = float(((got - want).abs() / (want.abs() + 1.0)).max())
+    for kernel in args.kernels:
+        row[kernel] = kernel_case(args, kernel, x, q, row["bf16_us"], timer, gbps)
     return row
 
 
-def best_lines(rows: list[dict]) -> list[dict]:
-    """The fastest candidate per (shape, linear, row bucket, scales)."""
+def best_lines(rows: list[dict], kernels) -> list[dict]:
+    """The fastest candidate per (shape, linear, row bucket, scales, kernel)."""
     from parallel_models.inference.fp8.decode_tuning import row_bucket
 
     best = {}
     for r in rows:
-        key = (r["shape"], r["linear"], r["n"], r["k"], row_bucket(r["rows"]), r["scales"])
-        for c in r["configs"]:
-            if "us" in c and (key not in best or c["us"] < best[key]["us"]):
-                best[key] = c
-    return [{"best": dict(zip(("shape", "linear", "n", "k", "row_bucket", "scales"), key)),
+        for kernel in kernels:
+            key = (r["shape"], r["linear"], r["n"], r["k"], row_bucket(r["rows"]), r["scales"],
+                   kernel)
+            for c in r[kernel]["configs"]:
+                if "us" in c and (key not in best or c["us"] < best[key]["us"]):
+                    best[key] = c
+    return [{"best": dict(zip(("shape", "linear", "n", "k", "row_bucket", "scales", "kernel"),
+                              key)),
              "config": {f: v for f, v in c.items() if f not in ("us", "gbps")}, "us": c["us"],
              "gbps": c["gbps"]} for key, c in best.items()]
 
 
-def layer_lines(rows: list[dict]) -> list[dict]:
-    """Per (shape, rows, scales): one decoder layer's four GEMMs, bf16 vs the chosen FP8."""
-    sums = {}
+def layer_lines(rows: list[dict], kernels) -> list[dict]:
+    """Per (shape, rows, scales): one decoder layer's four GEMMs, bf16 vs each kernel's chosen
+    config vs ``_scaled_mm`` row-wise (the GEMM alone, where it ran for every linear)."""
+    groups = {}
     for r in rows:
-        s = sums.setdefault((r["shape"], r["rows"], r["scales"]), [0.0, 0.0, 0])
-        s[0], s[1], s[2] = s[0] + r["bf16_us"], s[1] + r["fp8_us"], s[2] + 1
-    return [{"layer": {"shape": k[0], "rows": k[1], "scales": k[2]}, "linears": n,
-             "bf16_us": b, "fp8_us": f, "fp8_over_bf16": f / b}
-            for k, (b, f, n) in sums.items()]
+        groups.setdefault((r["shape"], r["rows"], r["scales"]), []).append(r)
+    out = []
+    for (shape, n_rows, scales), rs in groups.items():
+        line = {"layer": {"shape": shape, "rows": n_rows, "scales": scales}, "linears": len(rs),
+                "bf16_us": sum(r["bf16_us"] for r in rs)}
+        timed = {kernel: sum(r[kernel]["us"] for r in rs) for kernel in kernels}
+        if all("scaled_mm_rowwise_us" in r for r in rs):
+            timed["scaled_mm_rowwise"] = sum(r["scaled_mm_rowwise_us"] for r in rs)
+        for name, us in timed.items():
+            line[f"{name}_us"] = us
+            line[f"{name}_over_bf16"] = us / line["bf16_us"]
+        out.append(line)
+    return out
 
 
-def compile_only(plan: dict, rows_list, scales, arch: int) -> list[dict]:
-    """Every distinct candidate kernel of the plan compiled for ``sm_<arch>`` without a GPU
-    (Triton's ``compile`` with a target, the ptxas it ships): its MMA (``wgmma`` or ``mma``),
-    shared memory, registers and spill bytes (``cuobjdump --dump-resource-usage``)."""
+def _compile(kernel_fn, consts: dict, cfg, arch: int) -> dict:
+    """One kernel variant compiled for ``sm_<arch>``: its MMA, shared memory, registers and
+    spill bytes."""
     import re
     import subprocess
     import tempfile
@@ -198,48 +233,63 @@ def compile_only(plan: dict, rows_list, scales, arch: int) -> list[dict]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from parallel_models.inference.fp8.decode_tuning import candidates
-    from parallel_models.inference.fp8.weight_only_kernel import _w8a16_kernel as kernel
-
     ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_sn", "ws_rows",
             "SPLIT_K")
     sig = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32", "Y": "*bf16", "P": "*fp32", "C": "*i32",
            **{n: "i32" for n in ints}}
     aligned = ("X", "W", "S", "Y", "P", "C", "N", "K", "stride_xm", "stride_wn", "stride_ym")
-    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    attrs = {(kernel_fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                              "cuobjdump")
+    src = ASTSource(fn=kernel_fn, signature={**sig, **{c: "constexpr" for c in consts}},
+                    constexprs=consts, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={
+        "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
+                               capture_output=True, text=True).stdout
+    found = {m: int(v) for m, v in re.findall(r"(REG|STACK):(\d+)", usage)}
+    shared = k.metadata.shared
+    return {"wgmma": "warp_group_dot" in k.asm["ttgir"], "shared": shared,
+            "fits": shared <= SMEM_LIMIT.get(arch, SMEM_LIMIT[90]), "registers": found.get("REG"),
+            "spill_bytes": found.get("STACK")}
+
+
+def compile_only(plan: dict, rows_list, scales, arch: int, kernels=KERNELS) -> list[dict]:
+    """Every distinct candidate kernel of the plan compiled for ``sm_<arch>`` without a GPU
+    (Triton's ``compile`` with a target, the ptxas it ships): its MMA (``wgmma`` or ``mma``),
+    shared memory (and whether it fits the architecture's per-block limit), registers and
+    spill bytes (``cuobjdump --dump-resource-usage``)."""
+    from parallel_models.inference.fp8.decode_tuning import candidates
+    from parallel_models.inference.fp8.dynamic_act_kernel import _w8a8_dynamic_kernel
+    from parallel_models.inference.fp8.quantize import E4M3_MAX
+    from parallel_models.inference.fp8.weight_only_kernel import _w8a16_kernel
+
+    fns = {"weight_only": (_w8a16_kernel, {"BIT_CONVERT": True}),
+           "dynamic": (_w8a8_dynamic_kernel, {"FP8_MAX": E4M3_MAX, "EMULATE": False})}
     lines, seen = [], set()
-    for lins in plan.values():
-        for out, inp in lins.values():
-            for rows in rows_list:
-                for gran in scales:
-                    for cfg in candidates(rows, out, inp, gran):
-                        key = (gran, cfg.block_n, cfg.block_m, cfg.block_k, cfg.num_warps,
-                               cfg.num_stages, inp % cfg.block_k == 0)
-                        if key in seen:
-                            continue
-                        seen.add(key)
-                        consts = {"BLOCK_SCALES": gran == "block", "EVEN_K": key[-1],
-                                  "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                                  "BLOCK_K": cfg.block_k, "GROUP": 128, "BIT_CONVERT": True}
-                        src = ASTSource(fn=kernel, signature={**sig, **{c: "constexpr"
-                                                                       for c in consts}},
-                                        constexprs=consts, attrs=attrs)
-                        k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={
-                            "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-                        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                            f.write(k.asm["cubin"])
-                            f.flush()
-                            usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
-                                                   capture_output=True, text=True).stdout
-                        found = {m: int(v) for m, v in re.findall(r"(REG|STACK):(\d+)", usage)}
-                        tiles = {f: v for f, v in cfg.as_dict().items() if f != "split_k"}
-                        lines.append({"compiled": {"scales": gran, **tiles},  # (split: run time)
-                                      "sm": arch, "wgmma": "warp_group_dot" in k.asm["ttgir"],
-                                      "shared": k.metadata.shared, "registers": found.get("REG"),
-                                      "spill_bytes": found.get("STACK")})
-                        print(json.dumps(lines[-1]), flush=True)
+    for kernel in kernels:
+        kernel_fn, own = fns[kernel]
+        for lins in plan.values():
+            for out, inp in lins.values():
+                for rows in rows_list:
+                    for gran in scales:
+                        for cfg in candidates(rows, out, inp, gran, kernel=kernel):
+                            key = (kernel, gran, cfg.block_n, cfg.block_m, cfg.block_k,
+                                   cfg.num_warps, cfg.num_stages, inp % cfg.block_k == 0)
+                            if key in seen:
+                                continue
+                            seen.add(key)
+                            consts = {"BLOCK_SCALES": gran == "block", "EVEN_K": key[-1],
+                                      "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                                      "BLOCK_K": cfg.block_k, "GROUP": 128, **own}
+                            tiles = {f: v for f, v in cfg.as_dict().items() if f != "split_k"}
+                            lines.append({"compiled": {"kernel": kernel, "scales": gran,
+                                                       **tiles},  # (split: run time)
+                                          "sm": arch, **_compile(kernel_fn, consts, cfg, arch)})
+                            print(json.dumps(lines[-1]), flush=True)
     return lines
 
 
@@ -249,6 +299,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 128, 256])
     ap.add_argument("--scales", nargs="+", default=["block", "channel"],
                     choices=("block", "channel"))
+    ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
+                    help="the FP8 decode kernels to time (or compile)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run (Triton's interpreter)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -266,7 +318,7 @@ def main(argv=None) -> list[dict]:
     else:
         plan = {shape: linears(SHAPES[shape]) for shape in args.shapes}
     if args.compile_only:
-        return compile_only(plan, args.rows, args.scales, args.compile_only)
+        return compile_only(plan, args.rows, args.scales, args.compile_only, args.kernels)
     from parallel_models.inference.fp8.decode_tuning import l2_flush_buffer
 
     timer = _timer(dev, args.reps, l2_flush_buffer(dev) if dev.type == "cuda" else None)
@@ -280,7 +332,7 @@ def main(argv=None) -> list[dict]:
                                        cache)
                         print(json.dumps(row), flush=True)
                         rows.append(row)
-    summary = best_lines(rows) + layer_lines(rows)
+    summary = best_lines(rows, args.kernels) + layer_lines(rows, args.kernels)
     for line in summary:
         print(json.dumps(line), flush=True)
     print(json.dumps({"sweep_s": time.perf_counter() - started}), flush=True)

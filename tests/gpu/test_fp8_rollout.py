@@ -42,10 +42,15 @@ def test_scaled_mm_matches_emulation_and_bf16(granularity, tokens):
 
     got = gemm._scaled_mm(x, q).float()
     emulated = emulated_matmul(x.float(), q)
-    # fp8_linear runs decode-sized products (<= DECODE_ROWS rows) weight-only, larger ones on
-    # _scaled_mm: it must give what the path it picks gives
+    # fp8_linear runs decode-sized products (<= DECODE_ROWS rows) on the decode kernel
+    # (DECODE_KERNEL: W8A8-dynamic or weight-only), larger ones on _scaled_mm: it must give what
+    # the path it picks gives
     routed = fp8_linear(x, q).float()
-    want = gemm.weight_only_matmul(x, q).float() if tokens <= gemm.DECODE_ROWS else got
+    want = got
+    if tokens <= gemm.DECODE_ROWS:
+        assert gemm._decode_checked[(str(x.device), granularity, gemm.DECODE_KERNEL)]
+        want = (gemm.dynamic_matmul if gemm.DECODE_KERNEL == "dynamic"
+                else gemm.weight_only_matmul)(x, q).float()
     assert ((routed - want).abs() <= 1e-2 * (want.abs() + 1.0)).all()
     # the same quantized operands: only the accumulation (order, fp32 vs tensor cores) and the
     # bf16 output rounding differ
@@ -109,9 +114,10 @@ def test_fp8_engine_vs_bf16_on_089b(single_rank):
     from parallel_models.inference.fp8 import gemm
 
     # the FP8 engine's sampled log-probs are its model's. The engine prefills through W8A8
-    # _scaled_mm and decodes through the weight-only kernel; a fresh forward cannot mix the two
-    # per position, so this engine runs weight-only everywhere (prefill too) and a fresh
-    # weight-only forward of its sequences must give its log-probs (bf16 batch-shape noise only)
+    # _scaled_mm and decodes through the decode kernel (gemm.DECODE_KERNEL); a fresh forward
+    # cannot mix the two per position, so this engine runs the decode kernel everywhere (prefill
+    # too) and a fresh forward through it of its sequences must give its log-probs (bf16
+    # batch-shape noise only)
     rows, gemm.DECODE_ROWS = gemm.DECODE_ROWS, 1 << 30
     try:
         wo = engine.generate(prompts, params)
@@ -186,18 +192,28 @@ def test_fp8_grouped_experts_gemm_on_hopper():
     assert (got - want).abs().max() <= 1e-2 * scale + 1e-2 * want.abs().max()
 
 
+@pytest.mark.parametrize("kernel", ["dynamic", "weight_only"])
 @pytest.mark.parametrize("granularity", ["block", "channel"])
-def test_weight_only_decode_gemm_configs_tuning_and_graph_replay(granularity):
-    """The weight-only decode GEMM at 8B shapes (down 4096 x 14336 at 64 rows, qkv 6144 x 4096
-    at 256 rows): every candidate tile config, the tuned choice, and the tuned kernel captured in
-    a CUDA graph and replayed on new activations (the split-K partial sums' hand-over between
-    programs, many times) agree with ``x @ dequantize(W)^T``; the split counters end at 0."""
+def test_decode_gemm_configs_tuning_and_graph_replay(granularity, kernel):
+    """The decode GEMM kernels (W8A8-dynamic: the activations quantized in the kernel, and
+    weight-only) at 8B shapes (down 4096 x 14336 at 64 rows, qkv 6144 x 4096 at 256 rows):
+    every candidate tile config, the tuned choice, and the tuned kernel captured in a CUDA graph
+    and replayed on new activations (the split-K partial sums' hand-over between programs, many
+    times) agree with the kernel's emulation (``gemm.dynamic_matmul``: ``x`` quantized per token
+    and 128-wide group, then ``x @ dequantize(W)^T``; ``gemm.weight_only_matmul``); the split
+    counters end at 0."""
     pytest.importorskip("triton")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("e4m3 needs SM 8.9+")
-    from parallel_models.inference.fp8 import decode_tuning, gemm, weight_only_kernel
+    import importlib
+
+    from parallel_models.inference.fp8 import decode_gemm_shared, decode_tuning, gemm
     from parallel_models.inference.fp8.quantize import QuantizedWeight, quantize_weight
 
+    module = importlib.import_module("parallel_models.inference.fp8." + (
+        "dynamic_act_kernel" if kernel == "dynamic" else "weight_only_kernel"))
+    mm = module.dynamic_act_mm if kernel == "dynamic" else module.weight_only_mm
+    emulation = gemm.dynamic_matmul if kernel == "dynamic" else gemm.weight_only_matmul
     g = torch.Generator(device=DEV).manual_seed(0)
     for rows, out, inp in ((64, 4096, 14336), (256, 6144, 4096)):
         w = torch.randn(out, inp, device=DEV, generator=g) * 0.02
@@ -209,7 +225,7 @@ def test_weight_only_decode_gemm_configs_tuning_and_graph_replay(granularity):
         x = torch.randn(rows, inp, device=DEV, generator=g).bfloat16()
 
         def check(got, x=x):
-            want = gemm.weight_only_matmul(x, q).float()
+            want = emulation(x, q).float()
             tol = 2.0 ** -7 * (want.abs() + want.abs().max() * 2.0 ** -4)
             assert ((got.float() - want).abs() <= tol).all()
 
@@ -217,19 +233,19 @@ def test_weight_only_decode_gemm_configs_tuning_and_graph_replay(granularity):
         dev = torch.device(DEV)
         for cfg in decode_tuning.candidates(rows, out, inp, granularity,
                                             decode_tuning.sm_count(dev),
-                                            decode_tuning.smem_bytes(dev)):
-            check(weight_only_kernel.launch(x, q, y, cfg))
-        check(weight_only_kernel.weight_only_mm(x, q))  # tunes this key
+                                            decode_tuning.smem_bytes(dev), kernel=kernel):
+            check(module.launch(x, q, y, cfg))
+        check(mm(x, q))  # tunes this key
         chosen = decode_tuning.chosen_configs()[decode_tuning.key_of(
-            rows, out, inp, granularity, x.device)]
-        print(f"\n{granularity} {rows} x {out} x {inp}: {chosen}")
+            rows, out, inp, granularity, x.device, kernel)]
+        print(f"\n{kernel} {granularity} {rows} x {out} x {inp}: {chosen}")
         static = x.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = weight_only_kernel.weight_only_mm(static, q)
+            captured = mm(static, q)
         for _ in range(20):
             static.normal_(generator=g)
             graph.replay()
             check(captured, static)
-        for _, counters in weight_only_kernel._workspaces.values():
+        for _, counters in decode_gemm_shared._workspaces.values():
             assert int(counters.abs().sum()) == 0

@@ -1,11 +1,12 @@
-"""The FP8 decode GEMM's tile choice (``inference/fp8/decode_tuning.py``), on the CPU without
-triton: the row buckets match the continuous engine's decode buckets; every candidate config for
-the 8B and 0.89B linears at decode row counts keeps within the kernel's limits (block scales: no
-K step crosses a 128 x 128 scale block, a tile spans block rows only whole; the pipeline's stages
-fit the shared memory; accumulators and split-K workspaces bounded) and some candidate fills an
-H100's 132 SMs; the default is a candidate; and ``choose`` times a key once, keeps the fastest
-whose output agrees with the default's, runs the default untimed inside a graph capture (without
-caching it) and on the CPU."""
+"""The FP8 decode GEMMs' tile choice (``inference/fp8/decode_tuning.py``), on the CPU without
+triton: the row buckets match the continuous engine's decode buckets; every candidate config of
+either kernel for the 8B and 0.89B linears at decode row counts keeps within the kernel's limits
+(weight-only with block scales: no K step crosses a 128 x 128 scale block; W8A8-dynamic: K steps
+of whole 128-wide activation groups, row tiles of at most 128; a tile spans block rows only
+whole; the pipeline's stages fit the shared memory; accumulators and split-K workspaces bounded)
+and some candidate fills an H100's 132 SMs; the default is a candidate; and ``choose`` times a
+key (per kernel) once, keeps the fastest whose output agrees with the default's, runs the
+default untimed inside a graph capture (without caching it) and on the CPU."""
 
 import os
 
@@ -29,15 +30,21 @@ def test_row_buckets_cover_the_engine_buckets():
         assert dt.row_bucket(size) == max(16, size)
 
 
+@pytest.mark.parametrize("kernel", dt.KERNELS)
 @pytest.mark.parametrize("granularity", ["block", "channel"])
 @pytest.mark.parametrize("rows", [1, 16, 64, 128, 256])
-def test_candidates_keep_the_kernel_limits_and_fill_the_sms(granularity, rows):
+def test_candidates_keep_the_kernel_limits_and_fill_the_sms(granularity, rows, kernel):
     for out, inp in LINEARS:
-        cands = dt.candidates(rows, out, inp, granularity, 132)
+        cands = dt.candidates(rows, out, inp, granularity, 132, kernel=kernel)
         assert cands and len(cands) == len(set(cands)) and len(cands) <= 16
         for c in cands:
+            if kernel == "dynamic":
+                assert c.block_k % 128 == 0 and c.block_m <= 128, c
+            elif granularity == "block":
+                assert 128 % c.block_k == 0
             if granularity == "block":
-                assert 128 % c.block_k == 0 and (128 % c.block_n == 0 or c.block_n % 128 == 0)
+                assert 128 % c.block_n == 0 or c.block_n % 128 == 0
+            assert c.num_stages <= dt.MAX_STAGES[kernel]
             assert c.num_stages * (c.block_n * c.block_k + 2 * c.block_m * c.block_k) \
                 <= dt.SMEM_BYTES or c.num_stages == 2, c
             assert c.block_n * c.block_m <= 128 * 128 and c.block_m <= dt.row_bucket(rows)
@@ -46,7 +53,7 @@ def test_candidates_keep_the_kernel_limits_and_fill_the_sms(granularity, rows):
             assert -(-inp // c.block_k) >= 4 * c.split_k or c.split_k == 1, c  # >= 4 K steps
         # (within 5% of the SM count: 0.89B's o_proj at 64 rows gets 128 programs of 4 K steps)
         assert max(c.grid(rows, out) for c in cands) >= 0.95 * 132, (out, inp)
-        assert dt.default_config(rows, out, inp, granularity, 132) in cands
+        assert dt.default_config(rows, out, inp, granularity, 132, kernel=kernel) in cands
 
 
 def test_a_device_with_less_shared_memory_gets_shallower_pipelines():
@@ -58,6 +65,12 @@ def test_a_device_with_less_shared_memory_gets_shallower_pipelines():
         small = dt.default_config(rows, 4096, 14336, "block", 132, smem).num_stages
         big = dt.default_config(rows, 4096, 14336, "block", 132).num_stages
         assert small < big if rows >= 64 else small == big  # (16-row tiles fit either way)
+        for c in dt.candidates(rows, 4096, 14336, "block", 132, smem, kernel="dynamic"):
+            assert c.num_stages * dt.stage_bytes(c.block_n, c.block_m, c.block_k) <= smem \
+                or c.num_stages == 2, c
+        small = dt.default_config(rows, 4096, 14336, "block", 132, smem, kernel="dynamic")
+        big = dt.default_config(rows, 4096, 14336, "block", 132, kernel="dynamic")
+        assert small.num_stages < big.num_stages  # (8 deep where the SM has room)
 
 
 def test_choose_times_once_keeps_the_fastest_agreeing_and_never_tunes_in_a_capture(
@@ -93,7 +106,14 @@ def test_choose_times_once_keeps_the_fastest_agreeing_and_never_tunes_in_a_captu
     assert dt.choose(33, 4096, 4096, "block", cuda, run) == cands[-2] and len(timed) == 1
     capturing[0] = False
     assert dt.choose(64, 4096, 4096, "channel", cuda, run) != default and len(timed) == 2
+    dyn = dt.candidates(64, 4096, 4096, "block", 132, kernel="dynamic")  # its own key
+    wrong = dyn[-1]
+    assert dt.choose(64, 4096, 4096, "block", cuda, run, kernel="dynamic") == dyn[-2]
+    assert len(timed) == 3 and timed[-1] == len(dyn)
+    assert dt.choose(64, 4096, 4096, "block", cuda, run) == cands[-2]  # (still weight-only's)
     assert dt.choose(300, 4096, 4096, "block", cuda, run) == \
-        dt.default_config(300, 4096, 4096, "block", 132) and len(timed) == 2  # prefill-sized
+        dt.default_config(300, 4096, 4096, "block", 132) and len(timed) == 3  # prefill-sized
     assert dt.choose(64, 4096, 4096, "block", torch.device("cpu"), run) == default
-    assert len(timed) == 2
+    assert len(timed) == 3
+    with pytest.raises(ValueError, match="weight_only"):
+        dt.choose(64, 4096, 4096, "block", cuda, run, kernel="w8a8")

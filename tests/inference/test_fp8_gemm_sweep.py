@@ -1,7 +1,8 @@
 """The FP8 decode GEMM sweep (``bench/fp8_gemm_sweep.py --tiny``) in Triton's CPU interpreter:
-one JSON line per (linear, rows) with bf16 and our kernel's times for each config timed, the
-chosen config among them, its result equal to the dequantized product, and the ``best`` and
-``layer`` summary lines. Skipped without triton (not a dependency)."""
+one JSON line per (linear, rows) with bf16 and, for each of our two decode kernels, its times
+for each config timed, the chosen config among them, its result equal to the kernel's emulation
+(the dequantized product; the activations quantized first for the W8A8 kernel), and the ``best``
+(per kernel) and ``layer`` summary lines. Skipped without triton (not a dependency)."""
 
 import os
 import sys
@@ -26,16 +27,25 @@ def test_tiny_sweep_lines():
     lines = fp8_gemm_sweep.main(["--tiny", "--device", "cpu"])
     cases = [line for line in lines if "linear" in line]
     assert [c["rows"] for c in cases] == [1, 16]
+    kernels = ("dynamic", "weight_only")
     for c in cases:
-        assert (c["n"], c["k"], c["scales"]) == (256, 256, "block")
-        assert c["bf16_us"] > 0 and c["fp8_us"] > 0 and c["fp8_gbps"] > 0
-        assert len(c["configs"]) == 2 and all(cfg["us"] > 0 for cfg in c["configs"])
-        assert any(cfg["split_k"] == 2 for cfg in c["configs"])
-        chosen = {f: v for f, v in c["configs"][0].items() if f not in ("us", "gbps")}
-        assert c["config"] == chosen  # the CPU takes the default, untimed
-        assert c["max_rel_err"] < 1e-5  # fp32 in the interpreter
+        assert (c["n"], c["k"], c["scales"]) == (256, 256, "block") and c["bf16_us"] > 0
+        for kernel in kernels:
+            k = c[kernel]
+            assert k["us"] > 0 and k["gbps"] > 0 and k["over_bf16"] == k["us"] / c["bf16_us"]
+            assert len(k["configs"]) == 2 and all(cfg["us"] > 0 for cfg in k["configs"])
+            assert any(cfg["split_k"] == 2 for cfg in k["configs"])
+            chosen = {f: v for f, v in k["configs"][0].items() if f not in ("us", "gbps")}
+            assert k["config"] == chosen  # the CPU takes the default, untimed
+            assert k["max_rel_err"] < 1e-5  # fp32 in the interpreter
+        assert c["dynamic"]["configs"][0]["block_k"] % 128 == 0
     best = [line for line in lines if "best" in line]
-    assert len(best) == 1 and best[0]["best"]["row_bucket"] == 16
-    assert best[0]["us"] == min(cfg["us"] for c in cases for cfg in c["configs"])
+    assert sorted(b["best"]["kernel"] for b in best) == sorted(kernels)
+    for b in best:
+        assert b["best"]["row_bucket"] == 16
+        assert b["us"] == min(cfg["us"] for c in cases for cfg in c[b["best"]["kernel"]]["configs"])
     layers = [line for line in lines if "layer" in line]
     assert [line["layer"]["rows"] for line in layers] == [1, 16]
+    for line in layers:
+        for kernel in kernels:
+            assert line[f"{kernel}_over_bf16"] == line[f"{kernel}_us"] / line["bf16_us"]

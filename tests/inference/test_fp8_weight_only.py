@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU
 pytest.importorskip("triton")
 
-from parallel_models.inference.fp8 import weight_only_kernel  # noqa: E402
+from parallel_models.inference.fp8 import decode_gemm_shared, weight_only_kernel  # noqa: E402
 from parallel_models.inference.fp8.decode_tuning import DecodeConfig, row_bucket  # noqa: E402
 from parallel_models.inference.fp8.gemm import (block_scale_storage,  # noqa: E402
                                                 weight_only_matmul)
@@ -80,7 +80,7 @@ def test_tile_configs_and_k_splits(granularity, rows, out, inp, cfg):
         return
     _check(weight_only_mm(x, q, cfg), x, q)
     if cfg.split_k > 1:  # the last program of each tile reset its counter for the next call
-        _, counters = weight_only_kernel._workspaces[(str(x.device), cfg.split_k,
+        _, counters = decode_gemm_shared._workspaces[(str(x.device), cfg.split_k,
                                                       row_bucket(rows), out)]
         assert int(counters.abs().sum()) == 0
 

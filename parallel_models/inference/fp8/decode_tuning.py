@@ -1,5 +1,6 @@
-"""Tile configurations of the FP8 weight-only decode GEMM (``weight_only_kernel``) and the choice
-of one per decode shape, measured on the device once per process.
+"""Tile configurations of the FP8 decode GEMM kernels (``weight_only_kernel``: W8A16;
+``dynamic_act_kernel``: W8A8 with the activations quantized in the kernel) and the choice of one
+per decode shape and kernel, measured on the device once per process.
 
 A :class:`DecodeConfig` says how the ``[rows, in] x [out, in]^T`` product is cut into programs:
 ``block_n`` output features (weight rows) by ``block_m`` activation rows per program, ``block_k``
@@ -7,16 +8,17 @@ input features per step of the K loop, ``split_k`` programs sharing one output t
 (their fp32 partial sums added by the last one to finish), and Triton's ``num_warps`` /
 ``num_stages`` (the software pipeline's depth).
 
-The choice is keyed on (row bucket, out, in, granularity, device), the row bucket being the
-smallest power of two >= the rows (at least 16): the continuous engine's decode buckets are powers
-of two, so a captured bucket always meets the key its eager warm-up tuned. :func:`choose`, for a
-key not seen yet, times every :func:`candidates` config on the real operands (CUDA events, the L2
-cache flushed before each run, the median of a few runs) and keeps the fastest; that happens in
-the eager run before a CUDA graph is captured (``generation.capture_cuda_graph`` runs the step
-once eagerly first), so the graph holds the chosen kernel. A config whose output disagrees with
-the default config's is passed over. Inside a capture, on the CPU (the
-Triton interpreter), above :data:`TUNED_ROWS` rows, or with :data:`TUNE` off, the
-:func:`default_config` runs untimed. ``bench/fp8_gemm_sweep.py`` prints every candidate's time.
+The choice is keyed on (row bucket, out, in, granularity, device, kernel), the row bucket being
+the smallest power of two >= the rows (at least 16): the continuous engine's decode buckets are
+powers of two, so a captured bucket always meets the key its eager warm-up tuned.
+:func:`choose`, for a key not seen yet, times every :func:`candidates` config on the real
+operands (CUDA events, the L2 cache flushed before each run, the median of a few runs) and keeps
+the fastest; that happens in the eager run before a CUDA graph is captured
+(``generation.capture_cuda_graph`` runs the step once eagerly first), so the graph holds the
+chosen kernel. A config whose output disagrees with the default config's is passed over. Inside
+a capture, on the CPU (the Triton interpreter), above :data:`TUNED_ROWS` rows, or with
+:data:`TUNE` off, the :func:`default_config` runs untimed. ``bench/fp8_gemm_sweep.py`` prints
+every candidate's time.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ log = logging.getLogger(__name__)
 TUNE = True
 """Time the candidates per key (False: always :func:`default_config`)."""
 TUNED_ROWS = 256
+KERNELS = ("weight_only", "dynamic")
+"""The decode GEMM kernels (``weight_only_kernel.KERNEL``, ``dynamic_act_kernel.KERNEL``)."""
+MAX_STAGES = {"weight_only": 5, "dynamic": 8}  # the W8A8 kernel's loop does less ALU work per
+# weight byte, so a deeper pipeline can keep more loads in flight
 """Keys of at most this many rows are tuned (decode); larger products take the default."""
 SMEM_BYTES = 192 * 1024  # shared memory the pipeline's stages may take (an H100 SM has 227 KiB;
 # a device with less: smem_bytes)
@@ -102,15 +108,26 @@ def _split_for(tiles: int, k_tiles: int, sms: int) -> int:
     return split
 
 
+def _check_kernel(kernel: str) -> None:
+    if kernel not in KERNELS:
+        raise ValueError(f"fp8 decode GEMM kernel must be one of {KERNELS}, got {kernel!r}")
+
+
+def stage_bytes(block_n: int, block_m: int, block_k: int) -> int:
+    """Shared memory of one pipeline stage: the e4m3 weight tile and the 16-bit activations."""
+    return block_n * block_k + 2 * block_m * block_k
+
+
 def _config(rows: int, out: int, inp: int, block_n: int, block_m: int, block_k: int,
-            split_k: int | None, sms: int, smem: int) -> DecodeConfig:
+            split_k: int | None, sms: int, smem: int, kernel: str = "weight_only"
+            ) -> DecodeConfig:
     tiles = _cdiv(row_bucket(rows), block_m) * _cdiv(out, block_n)
     if split_k is None:
         split_k = _split_for(tiles, _cdiv(inp, block_k), sms)
-    stage = block_n * block_k + 2 * block_m * block_k  # e4m3 weight tile + 16-bit activation tile
+    stage = stage_bytes(block_n, block_m, block_k)
     return DecodeConfig(block_n, block_m, block_k, split_k,
                         num_warps=4 if block_n * block_m <= 64 * 64 else 8,
-                        num_stages=max(2, min(5, smem // stage)))
+                        num_stages=max(2, min(MAX_STAGES[kernel], smem // stage)))
 
 
 def _workspace_ok(cfg: DecodeConfig, rows: int, out: int) -> bool:
@@ -118,41 +135,57 @@ def _workspace_ok(cfg: DecodeConfig, rows: int, out: int) -> bool:
 
 
 def default_config(rows: int, out: int, inp: int, granularity: str, sms: int = 132,
-                   smem: int = SMEM_BYTES) -> DecodeConfig:
+                   smem: int = SMEM_BYTES, kernel: str = "weight_only") -> DecodeConfig:
     """The untimed choice: 64 output features (128 from 64 rows on: the activation tile's L2
     reads per weight byte halve) by all the rows (128-row tiles above 128), 128-wide K steps, K
-    split until the SMs have two programs each."""
+    split until the SMs have two programs each (either kernel)."""
+    _check_kernel(kernel)
     bucket = row_bucket(rows)
     block_m, block_n = min(bucket, 128), 64 if bucket <= 32 else 128
-    cfg = _config(rows, out, inp, block_n, block_m, 128, None, sms, smem)
+    cfg = _config(rows, out, inp, block_n, block_m, 128, None, sms, smem, kernel)
     while not _workspace_ok(cfg, rows, out):
         cfg = dataclasses.replace(cfg, split_k=cfg.split_k // 2)
     return cfg
 
 
+def _block_ks(kernel: str, granularity: str, block_n: int, block_m: int) -> list[int]:
+    """K steps tried for a tile, the first also at half its K split and shallower. The weight-only
+    kernel: 128 (64 with 256 rows; 256 too for channel scales with small tiles: a block-scaled
+    step must lie inside one scale block). The W8A8 kernel's steps are whole 128-wide
+    activation groups: 128, and 256 (the same bytes a step as 128 bf16 weights) where the
+    accumulators are at most 64 x 128 values."""
+    if kernel == "dynamic":
+        return [128, 256] if block_n * block_m <= 128 * 64 else [128]
+    block_ks = [128 if block_m <= 128 else 64]
+    if granularity == "channel" and block_m <= 64 and block_n <= 64:
+        block_ks.append(256)
+    return block_ks
+
+
 def candidates(rows: int, out: int, inp: int, granularity: str, sms: int = 132,
-               smem: int = SMEM_BYTES) -> list[DecodeConfig]:
+               smem: int = SMEM_BYTES, kernel: str = "weight_only") -> list[DecodeConfig]:
     """The configs timed for a key: 32 / 64 / 128 output features (from 64 rows: 64 / 128 /
     256) by all the bucket's rows or (128 rows and more) half of them (accumulators of at most
-    128 x 128 values); 128-wide K
-    steps (64 with 256 rows; 256 too for channel scales with small tiles), each at the K split
-    that fills the SMs (the first K step also at half of it, and for 4-warp programs with a
-    pipeline shallow enough for two programs per SM)."""
+    128 x 128 values; the W8A8 kernel's row tiles at most 128); the kernel's K steps
+    (:func:`_block_ks`), each at the K split that fills the SMs (the first K step also at half
+    of it, and for 4-warp programs with a pipeline shallow enough for two programs per SM)."""
+    _check_kernel(kernel)
     bucket = min(row_bucket(rows), TUNED_ROWS)
     out_list = []
     for block_m in sorted({bucket, bucket // 2 if bucket >= 128 else bucket}):
+        if kernel == "dynamic" and block_m > 128:  # (the x tile's registers would spill)
+            continue
         for block_n in (32, 64, 128) if bucket <= 32 else (64, 128, 256):
             if block_n * block_m > 128 * 128:
                 continue
-            block_ks = [128 if block_m <= 128 else 64]
-            if granularity == "channel" and block_m <= 64 and block_n <= 64:
-                block_ks.append(256)
+            block_ks = _block_ks(kernel, granularity, block_n, block_m)
             for block_k in block_ks:
-                full = _config(rows, out, inp, block_n, block_m, block_k, None, sms, smem)
+                full = _config(rows, out, inp, block_n, block_m, block_k, None, sms, smem,
+                               kernel)
                 halved = max(1, full.split_k // 2) if block_k == block_ks[0] else full.split_k
                 variants = [dataclasses.replace(full, split_k=s)
                             for s in sorted({full.split_k, halved})]
-                stage = block_n * block_k + 2 * block_m * block_k
+                stage = stage_bytes(block_n, block_m, block_k)
                 two_per_sm = min(full.num_stages, min(TWO_PER_SM_BYTES, smem // 2) // stage)
                 if block_k == block_ks[0] and full.num_warps == 4 and \
                         3 <= two_per_sm < full.num_stages:
@@ -226,20 +259,22 @@ def _fastest_agreeing(results: list[tuple], default: DecodeConfig, run) -> Decod
     return default
 
 
-def key_of(rows: int, out: int, inp: int, granularity: str, device: torch.device) -> tuple:
-    return (row_bucket(rows), out, inp, granularity, str(device))
+def key_of(rows: int, out: int, inp: int, granularity: str, device: torch.device,
+           kernel: str = "weight_only") -> tuple:
+    return (row_bucket(rows), out, inp, granularity, str(device), kernel)
 
 
 def choose(rows: int, out: int, inp: int, granularity: str, device: torch.device,
-           run) -> DecodeConfig:
-    """The config for this product (see the module docstring); ``run(config)`` launches the
-    kernel on the real operands and returns its output (overwritten by each run)."""
-    key = key_of(rows, out, inp, granularity, device)
+           run, kernel: str = "weight_only") -> DecodeConfig:
+    """The config of ``kernel`` for this product (see the module docstring); ``run(config)``
+    launches the kernel on the real operands and returns its output (overwritten by each
+    run)."""
+    key = key_of(rows, out, inp, granularity, device, kernel)
     cfg = _chosen.get(key)
     if cfg is not None:
         return cfg
     limits = (sm_count(device), smem_bytes(device))
-    default = default_config(rows, out, inp, granularity, *limits)
+    default = default_config(rows, out, inp, granularity, *limits, kernel=kernel)
     if device.type != "cuda" or not TUNE or rows > TUNED_ROWS:
         return default
     if torch.cuda.is_current_stream_capturing():
@@ -248,7 +283,7 @@ def choose(rows: int, out: int, inp: int, granularity: str, device: torch.device
             log.warning("fp8 decode GEMM: %s first met inside a CUDA graph capture: its default "
                         "tiles %s, untuned", key, default)
         return default
-    results = tune(candidates(rows, out, inp, granularity, *limits), run, device)
+    results = tune(candidates(rows, out, inp, granularity, *limits, kernel=kernel), run, device)
     timings[key] = results
     _chosen[key] = _fastest_agreeing(results, default, run)
     log.info("fp8 decode GEMM %s: %s (%.1f us of %d candidates)", key, _chosen[key],
@@ -261,6 +296,6 @@ def chosen_configs() -> dict:
     return dict(_chosen)
 
 
-__all__ = ["DecodeConfig", "TUNE", "TUNED_ROWS", "candidates", "choose", "chosen_configs",
-           "default_config", "key_of", "l2_flush_buffer", "row_bucket", "sm_count", "smem_bytes",
-           "time_ms", "timings", "tune"]
+__all__ = ["DecodeConfig", "KERNELS", "MAX_STAGES", "TUNE", "TUNED_ROWS", "candidates", "choose",
+           "chosen_configs", "default_config", "key_of", "l2_flush_buffer", "row_bucket",
+           "sm_count", "smem_bytes", "stage_bytes", "time_ms", "timings", "tune"]

@@ -16,13 +16,16 @@ Backends (:func:`gemm_backend`):
   (outside a CUDA graph capture) a small product checks that ``_scaled_mm`` takes these layouts
   and agrees with the emulation; if not, a warning names the error and the emulation runs.
 - decode-sized products (at most :data:`DECODE_ROWS` rows) on CUDA, whichever backend the
-  larger ones take, run weight-only instead (``weight_only_kernel``: e4m3 weights read once,
-  activations kept in bf16, block scales applied to the fp32 partial products; its tiles timed
-  per shape on the first eager call, ``decode_tuning``), where that Triton kernel passed its
-  check on the device (with its default tiles and with a K split): a decode step is
-  memory-bound, and on an H100 the W8A8 ``_scaled_mm`` decode (quantize kernel + cuBLAS's
-  block-scaled GEMM at 64-256 rows) was slower than bf16. Prefill keeps ``_scaled_mm``'s FP8
-  tensor-core throughput.
+  larger ones take, run one of two Triton decode kernels instead (:data:`DECODE_KERNEL`; tiles
+  timed per shape on the first eager call, ``decode_tuning``), where it passed its check on the
+  device (with its default tiles and with a K split): ``"dynamic"`` (``dynamic_act_kernel``:
+  W8A8, the bf16 activations quantized inside the kernel per token and 128-wide group, the
+  prefill's recipe, an e4m3 x e4m3 tensor-core dot; what :func:`dynamic_matmul` emulates) or
+  ``"weight_only"`` (``weight_only_kernel``: W8A16, the e4m3 weights converted to bf16 in
+  registers; :func:`weight_only_matmul`). Where the selected kernel fails its check the other
+  one is tried. A decode step is memory-bound, and on an H100 the W8A8 ``_scaled_mm`` decode
+  (quantize kernel + cuBLAS's block-scaled GEMM at 64-256 rows) was slower than bf16. Prefill
+  keeps ``_scaled_mm``'s FP8 tensor-core throughput.
 - ``"emulated"`` (the CPU, and shapes or devices the kernels do not take): the activations are
   quantized and dequantized with the same recipe, the weight dequantized, and the product taken
   in the activation dtype, so the emulation carries the FP8 rounding error the GPU path has
@@ -41,13 +44,18 @@ from parallel_models.inference.fp8.quantize import (BLOCK, QuantizedWeight,
 log = logging.getLogger(__name__)
 _warned: set = set()
 _probed: dict = {}  # (device, granularity) -> whether _scaled_mm ran and agreed with the emulation
-_weight_only: dict = {}  # (device, granularity) -> whether the W8A16 decode kernel agreed
+_decode_checked: dict = {}  # (device, granularity, kernel) -> whether that decode kernel agreed
 DECODE_ROWS = 64
-"""Products of at most this many rows (decode steps) run weight-only (``weight_only_kernel``:
-e4m3 weights, 16-bit activations) where that kernel passed its check; larger ones (prefill, big
-decode batches) run ``_scaled_mm`` with quantized activations. 0 = every product on
-``_scaled_mm``. 64: on an H100 the kernel's four 8B linears took 0.77-0.79x bf16's time at 64
-rows but 1.48-1.72x at 256 (``bench/fp8_gemm_sweep.py``, docs/PERFORMANCE.md)."""
+"""Products of at most this many rows (decode steps) run a Triton decode kernel
+(:data:`DECODE_KERNEL`) where it passed its check; larger ones (prefill, big decode batches) run
+``_scaled_mm`` with quantized activations. 0 = every product on ``_scaled_mm``. 64: on an H100
+the weight-only kernel's four 8B linears took 0.77-0.79x bf16's time at 64 rows but 1.48-1.72x
+at 256 (``bench/fp8_gemm_sweep.py``, docs/PERFORMANCE.md)."""
+DECODE_KERNEL = "dynamic"
+"""The decode kernel of the products of at most :data:`DECODE_ROWS` rows: ``"dynamic"`` (W8A8,
+activations quantized in the kernel, ``dynamic_act_kernel``) or ``"weight_only"`` (W8A16,
+``weight_only_kernel``: the comparison). Read at each call: a captured CUDA graph keeps the
+kernel it captured."""
 _fused_quant: dict = {}  # device -> whether the Triton activation quantization is used there
 
 
@@ -65,8 +73,6 @@ def gemm_backend(x: torch.Tensor, weight: QuantizedWeight) -> str:
     ``"emulated"`` (see the module docstring)."""
     if not x.is_cuda:
         return "emulated"
-    if not torch.cuda.is_current_stream_capturing():
-        _check_weight_only(x.device, weight.granularity)  # (decode-sized products, any backend)
     if not hasattr(torch, "_scaled_mm"):
         return "emulated"
     out, inp = weight.shape
@@ -83,8 +89,8 @@ def gemm_backend(x: torch.Tensor, weight: QuantizedWeight) -> str:
         if key not in _warned:
             _warned.add(key)
             log.warning("fp8: no FP8 GEMM for a %s-scaled %s weight on %s: emulated "
-                        "(dequantized) instead, but for decode-sized products where the "
-                        "weight-only kernel passed its check", weight.granularity,
+                        "(dequantized) instead, but for decode-sized products where a "
+                        "decode kernel passed its check", weight.granularity,
                         tuple(weight.shape), torch.cuda.get_device_name(x.device))
     return "scaled_mm" if ok else "emulated"
 
@@ -141,40 +147,76 @@ def _checked_once(cache: dict, key, check, warning: str) -> bool:
     return cache[key]
 
 
-def _check_weight_only(device: torch.device, granularity: str) -> None:
-    """Once per device and granularity: use the W8A16 decode kernel if triton imports and the
-    kernel agrees with :func:`weight_only_matmul` (to bf16 rounding and accumulation order),
-    with its default tiles and with row tiles and a K split (the partial sums' reduction)."""
-    def check():
-        from parallel_models.inference.fp8.decode_tuning import (DecodeConfig, default_config,
-                                                                 sm_count, smem_bytes)
-        from parallel_models.inference.fp8.quantize import quantize_weight
-        from parallel_models.inference.fp8.weight_only_kernel import weight_only_mm
+def _decode_check(device: torch.device, granularity: str, kernel: str):
+    """The check of one decode kernel: triton imports and the kernel agrees with its emulation
+    (:func:`dynamic_matmul` / :func:`weight_only_matmul`, to bf16 rounding and accumulation
+    order) with its default tiles and with row tiles and a K split (the partial sums'
+    reduction; the W8A8 kernel: two activation groups a K step, the last one partial)."""
+    from parallel_models.inference.fp8.decode_tuning import (DecodeConfig, default_config,
+                                                             sm_count, smem_bytes)
+    from parallel_models.inference.fp8.quantize import quantize_weight
 
-        g = torch.Generator(device=device).manual_seed(2)
-        x = torch.randn(37, 300, device=device, generator=g, dtype=torch.bfloat16)
-        storage = block_scale_storage(200, 300, device) if granularity == "block" else None
-        q = quantize_weight(torch.randn(200, 300, device=device, generator=g), granularity)
-        if storage is not None:  # the layout the rollout linears keep their scales in
-            storage.copy_(q.scale)
-            q = QuantizedWeight(q.data, storage, granularity)
-        want = weight_only_matmul(x, q).float()
-        err = 0.0
-        for cfg in (default_config(37, 200, 300, granularity, sm_count(device),
-                                   smem_bytes(device)),
-                    DecodeConfig(block_n=32, block_m=16, block_k=64, split_k=2, num_warps=4,
-                                 num_stages=3)):
-            got = weight_only_mm(x, q, cfg).float()
-            err = max(err, float(((got - want).abs() / (want.abs() + 1.0)).max()))
-        return err < 2e-2, f"differs from the emulation by {err:.3g}"
+    if kernel == "dynamic":
+        from parallel_models.inference.fp8.dynamic_act_kernel import dynamic_act_mm as mm
+        emulation, split_cfg = dynamic_matmul, DecodeConfig(64, 16, 256, 2, num_warps=4,
+                                                            num_stages=3)
+    else:
+        from parallel_models.inference.fp8.weight_only_kernel import weight_only_mm as mm
+        emulation, split_cfg = weight_only_matmul, DecodeConfig(32, 16, 64, 2, num_warps=4,
+                                                                num_stages=3)
+    g = torch.Generator(device=device).manual_seed(2)
+    x = torch.randn(37, 300, device=device, generator=g, dtype=torch.bfloat16)
+    storage = block_scale_storage(200, 300, device) if granularity == "block" else None
+    q = quantize_weight(torch.randn(200, 300, device=device, generator=g), granularity)
+    if storage is not None:  # the layout the rollout linears keep their scales in
+        storage.copy_(q.scale)
+        q = QuantizedWeight(q.data, storage, granularity)
+    want = emulation(x, q).float()
+    err = 0.0
+    for cfg in (default_config(37, 200, 300, granularity, sm_count(device), smem_bytes(device),
+                               kernel=kernel), split_cfg):
+        got = mm(x, q, cfg).float()
+        err = max(err, float(((got - want).abs() / (want.abs() + 1.0)).max()))
+    return err < 2e-2, f"differs from the emulation by {err:.3g}"
 
-    _checked_once(_weight_only, (str(device), granularity), check,
-                  "fp8: the weight-only decode kernel %s; decode runs _scaled_mm")
+
+def _check_decode_kernels(device: torch.device, granularity: str) -> None:
+    """Once per device, granularity and kernel: check :data:`DECODE_KERNEL` (see
+    :func:`_decode_check`), and the other decode kernel where that one fails."""
+    from parallel_models.inference.fp8.decode_tuning import KERNELS
+
+    for kernel in (DECODE_KERNEL, *(k for k in KERNELS if k != DECODE_KERNEL)):
+        if _checked_once(_decode_checked, (str(device), granularity, kernel),
+                         lambda: _decode_check(device, granularity, kernel),
+                         f"fp8: the {kernel} decode kernel %s; not used"):
+            return
+
+
+def _decode_mm(device: torch.device, granularity: str):
+    """The decode kernel's ``mm(x2, weight)`` for decode-sized products on CUDA:
+    :data:`DECODE_KERNEL`'s where it passed its check (run here, outside a graph capture, the
+    first time this kernel is selected on this device), else the other's where that passed,
+    else None."""
+    from parallel_models.inference.fp8.decode_tuning import KERNELS
+
+    if DECODE_KERNEL not in KERNELS:
+        raise ValueError(f"fp8 gemm.DECODE_KERNEL must be one of {KERNELS}, got "
+                         f"{DECODE_KERNEL!r}")
+    if not torch.cuda.is_current_stream_capturing():
+        _check_decode_kernels(device, granularity)
+    for kernel in (DECODE_KERNEL, *(k for k in KERNELS if k != DECODE_KERNEL)):
+        if _decode_checked.get((str(device), granularity, kernel)):
+            if kernel == "dynamic":
+                from parallel_models.inference.fp8.dynamic_act_kernel import dynamic_act_mm
+                return dynamic_act_mm
+            from parallel_models.inference.fp8.weight_only_kernel import weight_only_mm
+            return weight_only_mm
+    return None
 
 
 def weight_only_matmul(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """``x2 @ dequantize(W)^T`` with ``x2`` as it is (weight-only FP8), in fp32, cast to its
-    dtype: what the decode kernel computes, up to the accumulation order."""
+    dtype: what the weight-only decode kernel computes, up to the accumulation order."""
     return (x2.float() @ weight.dequantize(torch.float32).t()).to(x2.dtype)
 
 
@@ -241,25 +283,35 @@ def _scaled_mm(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return out[:tokens]
 
 
-def emulated_matmul(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-    """``x2 @ W^T`` with ``x2`` quantized and dequantized per token (group), in its dtype."""
-    xq, xs = quantize_activation(x2, weight.granularity)
-    x_deq = dequantize_activation(xq, xs, weight.granularity, x2.dtype)
+def emulated_matmul(x2: torch.Tensor, weight: QuantizedWeight,
+                    act_groups: str | None = None) -> torch.Tensor:
+    """``x2 @ W^T`` with ``x2`` quantized and dequantized per token (group), in its dtype;
+    ``act_groups``: the activations' granularity (``quantize_activation``'s; default: the
+    weight's, as ``_scaled_mm`` pairs them)."""
+    groups = act_groups or weight.granularity
+    xq, xs = quantize_activation(x2, groups)
+    x_deq = dequantize_activation(xq, xs, groups, x2.dtype)
     return x_deq @ weight.dequantize(x2.dtype).t()
+
+
+def dynamic_matmul(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """What the W8A8-dynamic decode kernel computes, up to the accumulation order: ``x2``
+    quantized per token and 128-wide group (whatever the weight's granularity: the prefill's
+    recipe) times ``dequantize(W)^T``, in fp32, cast to ``x2``'s dtype."""
+    return emulated_matmul(x2.float(), weight, act_groups="block").to(x2.dtype)
 
 
 def fp8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                backend: str | None = None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for ``x`` ``[..., in]`` in the activation dtype; ``backend``: force
     ``"scaled_mm"`` or ``"emulated"`` (default: :func:`gemm_backend`) for the products that do
-    not run weight-only (see the module docstring)."""
+    not run a decode kernel (see the module docstring)."""
     x2 = x.reshape(-1, x.shape[-1])
     backend = backend or gemm_backend(x2, weight)
-    if x2.is_cuda and x2.shape[0] <= DECODE_ROWS and \
-            _weight_only.get((str(x2.device), weight.granularity)):
-        from parallel_models.inference.fp8.weight_only_kernel import weight_only_mm
-
-        out = weight_only_mm(x2, weight).to(x.dtype)
+    decode_mm = _decode_mm(x2.device, weight.granularity) \
+        if x2.is_cuda and x2.shape[0] <= DECODE_ROWS else None
+    if decode_mm is not None:
+        out = decode_mm(x2, weight).to(x.dtype)
     elif backend == "scaled_mm":
         out = _scaled_mm(x2, weight).to(x.dtype)
     elif backend == "emulated":
@@ -271,5 +323,5 @@ def fp8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-__all__ = ["DECODE_ROWS", "block_scale_storage", "emulated_matmul", "fp8_linear", "gemm_backend",
-           "weight_only_matmul"]
+__all__ = ["DECODE_KERNEL", "DECODE_ROWS", "block_scale_storage", "dynamic_matmul",
+           "emulated_matmul", "fp8_linear", "gemm_backend", "weight_only_matmul"]

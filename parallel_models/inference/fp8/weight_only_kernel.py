@@ -32,26 +32,28 @@ shape by ``decode_tuning.choose``):
 
 The result is ``x @ dequantize(W)^T`` up to the accumulation order, what ``gemm.
 weight_only_matmul`` emulates; ``gemm`` checks the two agree once per device before using it.
-The split-K workspace and counters belong to one (device, split, row bucket, out) and are kept
-for the process (a captured graph holds their addresses); launches on one stream at a time.
+The program mapping, the split-K hand-over and its workspace (kept for the process: a captured
+graph holds their addresses) and the launch are ``decode_gemm_shared``'s, shared with the
+W8A8-dynamic sibling ``dynamic_act_kernel``.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from parallel_models.inference.fp8 import decode_tuning
+from parallel_models.inference.fp8 import decode_gemm_shared as shared
+from parallel_models.inference.fp8.decode_gemm_shared import hand_over_splits, program_tile
 from parallel_models.inference.fp8.decode_tuning import DecodeConfig
 from parallel_models.inference.fp8.quantize import BLOCK, QuantizedWeight
 from parallel_models.llama.layers.exact import interpreter_fix
 
 interpreter_fix.apply()  # (the CPU interpreter's loop bounds; nothing on the GPU)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # (no inline PTX there)
+KERNEL = "weight_only"  # (its name in ``decode_tuning``'s keys)
 
 
 # two fp16 values (exactly e4m3 values) -> two bf16 in one 32-bit word: sign kept, exponent and
@@ -87,14 +89,7 @@ def _w8a16_kernel(X, W, S, Y, P, C, M, N, K, stride_xm, stride_wn, stride_ym, st
                   ws_rows, SPLIT_K, BLOCK_SCALES: tl.constexpr, EVEN_K: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP: tl.constexpr, BIT_CONVERT: tl.constexpr):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    pid_m = pid % num_m  # row tiles of one weight strip are neighbours: the strip hits L2
-    pid_k = (pid // num_m) % SPLIT_K
-    pid_n = pid // (num_m * SPLIT_K)
-    k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
-    k_begin = tl.multiple_of(pid_k * k_span, BLOCK_K)
-    k_end = tl.minimum(k_begin + k_span, K)
+    pid_m, pid_k, pid_n, num_m, k_begin, k_end = program_tile(M, K, SPLIT_K, BLOCK_M, BLOCK_K)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
@@ -128,82 +123,22 @@ def _w8a16_kernel(X, W, S, Y, P, C, M, N, K, stride_xm, stride_wn, stride_ym, st
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     write = n_ok[:, None] & m_ok[None, :]
-    if SPLIT_K > 1:
-        part_ptrs = P + rm[None, :].to(tl.int64) * N + rn[:, None]
-        tl.store(part_ptrs + pid_k * ws_rows * N, acc, mask=write)
-        tl.debug_barrier()  # every thread's partial stored before the release below
-        tile = pid_n * num_m + pid_m
-        arrived = tl.atomic_add(C + tile, 1)  # acq_rel, GPU scope
-        last = arrived == SPLIT_K - 1
-        if last:  # the tile's last split: add the partials in split order
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-            for split in range(SPLIT_K):
-                acc += tl.load(part_ptrs + split * ws_rows * N, mask=write, other=0.0,
-                               cache_modifier=".cg")
-            tl.atomic_xchg(C + tile, 0)
-        write = write & last
+    acc, write = hand_over_splits(acc, P, C, rm, rn, write, pid_m, pid_k, pid_n, num_m, N,
+                                  ws_rows, SPLIT_K, BLOCK_N, BLOCK_M)
     if not BLOCK_SCALES:
         acc = acc * tl.load(S + rn, mask=n_ok, other=0.0)[:, None]
     tl.store(Y + rm[None, :].to(tl.int64) * stride_ym + rn[:, None],
              acc.to(Y.dtype.element_ty), mask=write)
 
 
-_workspaces: dict = {}  # (device, split, row bucket, out) -> (fp32 partials, int32 counters)
-_captured: set = set()  # workspaces a CUDA graph captured: kept whatever was chosen
-
-
-def _workspace(device: torch.device, split: int, rows: int, out: int):
-    key = (str(device), split, decode_tuning.row_bucket(rows), out)
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        _captured.add(key)
-    if key not in _workspaces:
-        bucket = key[2]
-        counters = -(-out // 16) * -(-bucket // 16)  # tiles of the smallest config (16 x 16)
-        _workspaces[key] = (torch.empty(split, bucket, out, dtype=torch.float32, device=device),
-                            torch.zeros(counters, dtype=torch.int32, device=device))
-    return _workspaces[key]
-
-
-@functools.lru_cache(maxsize=None)
-def _unused_pointers(device: torch.device):
-    return (torch.zeros(1, dtype=torch.float32, device=device),
-            torch.zeros(1, dtype=torch.int32, device=device))
-
-
-def release_unused_workspaces() -> None:
-    """Drop the split-K workspaces that no chosen config uses and no captured graph holds (the
-    ones tuning tried)."""
-    keep = _captured | {(key[4], cfg.split_k, key[0], key[1])
-                        for key, cfg in decode_tuning.chosen_configs().items()}
-    for key in list(_workspaces):
-        if key not in keep:
-            del _workspaces[key]
-
-
 def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
            cfg: DecodeConfig) -> torch.Tensor:
     """Run the kernel with ``cfg`` into ``y`` ``[rows, out]`` (``x2`` unit-strided along K);
     returns ``y``."""
-    rows, inp = x2.shape
-    out = weight.shape[0]
-    block = weight.granularity == "block"
-    if block and (BLOCK % cfg.block_k or BLOCK % cfg.block_n and cfg.block_n % BLOCK):
+    if weight.granularity == "block" and BLOCK % cfg.block_k:
         raise ValueError(f"fp8 decode GEMM: {cfg} crosses the 128 x 128 scale blocks")
-    if cfg.split_k > 1:
-        partials, counters = _workspace(x2.device, cfg.split_k, rows, out)
-        ws_rows = partials.shape[1]
-    else:  # (not read by the kernel: pointers of the right types)
-        partials, counters = _unused_pointers(x2.device)
-        ws_rows = 0
-    scale = weight.scale
-    _w8a16_kernel[(cfg.grid(rows, out),)](
-        x2, weight.data, scale, y, partials, counters, rows, out, inp, x2.stride(0),
-        weight.data.stride(0), y.stride(0), scale.stride(0) if block else 0, ws_rows,
-        cfg.split_k, BLOCK_SCALES=block, EVEN_K=inp % cfg.block_k == 0, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP=BLOCK,
-        BIT_CONVERT=x2.dtype == torch.bfloat16 and not _INTERPRETED, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
-    return y
+    return shared.launch(_w8a16_kernel, x2, weight, y, cfg,
+                         BIT_CONVERT=x2.dtype == torch.bfloat16 and not _INTERPRETED)
 
 
 def weight_only_mm(x2: torch.Tensor, weight: QuantizedWeight,
@@ -211,21 +146,9 @@ def weight_only_mm(x2: torch.Tensor, weight: QuantizedWeight,
     """``x2 @ dequantize(W)^T`` for ``x2`` ``[rows, in]`` (CUDA: bf16/fp16; the interpreter:
     fp32 too), in ``x2``'s dtype; ``config``: these tiles (default: ``decode_tuning.choose``,
     which times the candidates on the first product of a new shape outside a graph capture)."""
-    rows, inp = x2.shape
-    out = weight.shape[0]
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    y = torch.empty(rows, out, dtype=x2.dtype, device=x2.device)
-    if rows == 0:
-        return y
-    if config is None:
-        tuned_before = len(decode_tuning.timings)
-        config = decode_tuning.choose(rows, out, inp, weight.granularity, x2.device,
-                                      lambda cfg: launch(x2, weight, y, cfg))
-        if len(decode_tuning.timings) != tuned_before:
-            release_unused_workspaces()
-    launch(x2, weight, y, config)
-    return y
+    return shared.product(KERNEL, launch, x2, weight, config)
 
 
-__all__ = ["launch", "release_unused_workspaces", "weight_only_mm"]
+release_unused_workspaces = shared.release_unused_workspaces
+
+__all__ = ["KERNEL", "launch", "release_unused_workspaces", "weight_only_mm"]

@@ -51,11 +51,13 @@ DECODE_ROWS = 64
 ``_scaled_mm`` with quantized activations. 0 = every product on ``_scaled_mm``. 64: on an H100
 the weight-only kernel's four 8B linears took 0.77-0.79x bf16's time at 64 rows but 1.48-1.72x
 at 256 (``bench/fp8_gemm_sweep.py``, docs/PERFORMANCE.md)."""
-DECODE_KERNEL = "dynamic"
-"""The decode kernel of the products of at most :data:`DECODE_ROWS` rows: ``"dynamic"`` (W8A8,
-activations quantized in the kernel, ``dynamic_act_kernel``) or ``"weight_only"`` (W8A16,
-``weight_only_kernel``: the comparison). Read at each call: a captured CUDA graph keeps the
-kernel it captured."""
+DECODE_KERNEL = "weight_only"
+"""The decode kernel of the products of at most :data:`DECODE_ROWS` rows: ``"weight_only"``
+(W8A16, ``weight_only_kernel``: the one measured on an H100, 0.82-0.85x bf16's 8B decode step at
+batch 64) or ``"dynamic"`` (W8A8, activations quantized in the kernel per token and 128-wide
+group, e4m3 x e4m3 tensor-core dot, ``dynamic_act_kernel``; checked on the CPU and compiled for
+sm_90, not yet timed on a GPU: ``bench/fp8_decode.py --decode-kernels`` times both). Read at each
+call: a captured CUDA graph keeps the kernel it captured."""
 _fused_quant: dict = {}  # device -> whether the Triton activation quantization is used there
 
 

@@ -6,7 +6,8 @@ the whole step's tokens/s/GPU counted as NeMo-RL counts it.
     python bench/grpo_scale.py --shape tiny --layout tp2 pp2 --steps 1   # the CPU smoke (gloo)
 
 The runs of issue 33 (2x H100 80 GB; each layout prints one JSON line: per step its time and
-each phase's seconds and peak GiB, the median and spread after the first step):
+each phase's seconds, peak GiB allocated and reserved and the allocator's retries, the median
+and spread after the first step):
 
     # 8B GRPO at TP=2 and at PP=2, 5 steps (>= 4 after warm-up)
     python bench/grpo_scale.py --layout tp2 pp2 --steps 5 --timeout 900 \
@@ -232,7 +233,9 @@ def step_report(shape, metrics: dict, seq_lengths: list[int], response_tokens: i
         phase = key[len("timing/"):-2]
         if value < 1e-3:  # a phase that did nothing (e.g. the critic's update without a critic)
             continue
-        row = {"s": value, "peak_gib": metrics.get(f"memory/{phase}_peak_gib")}
+        row = {"s": value, "peak_gib": metrics.get(f"memory/{phase}_peak_gib"),
+               "reserved_gib": metrics.get(f"memory/{phase}_reserved_gib"),
+               "alloc_retries": metrics.get(f"memory/{phase}_alloc_retries")}
         count, flops = work.get(phase, (None, None))
         if count and value > 0:
             row["tokens_per_s_per_gpu"] = count / value / gpus
@@ -294,12 +297,14 @@ def print_table(result: dict) -> None:
     print(f"\n{result['layout']}, step {len(result['steps'])}: {last['step_s']:.1f} s, "
           f"{last['tokens']} tokens ({last['response_tokens']} generated), "
           f"NeMo-RL tokens/s/GPU {last['nemo_rl_tokens_per_s_per_gpu']:.0f}")
-    print("| phase | s | peak GiB | tokens/s/GPU | TFLOP/s/GPU | MFU (989) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| phase | s | peak GiB | reserved GiB | allocator retries | tokens/s/GPU | TFLOP/s/GPU "
+          "| MFU (989) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for phase, r in last["phases"].items():
         def fmt(key, spec):
             return format(r[key], spec) if r.get(key) is not None else ""
         print(f"| {phase} | {r['s']:.2f} | {fmt('peak_gib', '.1f')} | "
+              f"{fmt('reserved_gib', '.1f')} | {fmt('alloc_retries', 'd')} | "
               f"{fmt('tokens_per_s_per_gpu', '.0f')} | {fmt('tflops_per_gpu', '.0f')} | "
               f"{fmt('mfu_h200_dense', '.1%')} |")
 

@@ -222,7 +222,7 @@ class PPOTrainer:
             self._update_rollout_weights()
         metrics.update({f"timing/{k}_s": v for k, v in timings.items()})
         metrics["timing/step_s"] = sum(timings.values())
-        metrics.update({f"memory/{k}_peak_gib": v for k, v in memory.items()})
+        metrics.update({f"memory/{k}": v for k, v in memory.items()})
         return metrics
 
     rollout_metrics: dict = {}

@@ -367,6 +367,33 @@ def test_timer_records_phase_seconds():
     import torch
 
     if torch.cuda.is_available():
-        assert memory["gen"] >= 0.0
+        assert memory["gen_peak_gib"] >= 0.0
     else:
         assert memory == {} and t.peak_memory_gib is None
+
+
+def test_timer_records_peaks_reserved_memory_and_allocator_retries(monkeypatch):
+    """A phase's peak allocated / reserved GiB and its allocator retries (the counter's change
+    over the phase); a repeated phase keeps the maxima and adds the retries."""
+    import torch
+
+    gib = 2 ** 30
+    state = {"allocated": 0, "reserved": 0, "retries": 7}
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: state["allocated"])
+    monkeypatch.setattr(cuda, "max_memory_reserved", lambda device=None: state["reserved"])
+    monkeypatch.setattr(cuda, "memory_stats",
+                        lambda device=None: {"num_alloc_retries": state["retries"]})
+    memory = {}
+    with Timer("train_actor", {}, memory) as t:
+        state.update(allocated=50 * gib, reserved=70 * gib, retries=10)
+    assert t.peak_memory_gib == 50.0
+    assert memory == {"train_actor_peak_gib": 50.0, "train_actor_reserved_gib": 70.0,
+                      "train_actor_alloc_retries": 3}
+    with Timer("train_actor", {}, memory):
+        state.update(allocated=40 * gib, reserved=75 * gib, retries=12)
+    assert memory == {"train_actor_peak_gib": 50.0, "train_actor_reserved_gib": 75.0,
+                      "train_actor_alloc_retries": 5}

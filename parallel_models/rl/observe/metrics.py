@@ -223,9 +223,15 @@ class Timer:
     """Time a phase: ``with Timer("gen", timings, memory): ...``.
 
     Adds the phase's wall seconds to ``timings[name]`` (summing repeated phases). On CUDA it
-    synchronizes around the phase, resets the peak-memory counter on entry, and stores the
-    phase's peak allocated memory in GiB in ``memory[name]`` (when a ``memory`` dict is given;
-    also the attribute ``peak_memory_gib``; None off CUDA). ``seconds`` holds the duration.
+    synchronizes around the phase, resets the peak-memory counters on entry, and, when a
+    ``memory`` dict is given, stores the phase's figures under metric-name suffixes (the
+    trainer logs them as ``memory/<suffix>``; repeated phases keep the maximum, retries add up):
+    ``<name>_peak_gib`` the peak allocated memory in GiB (also the attribute
+    ``peak_memory_gib``; None off CUDA), ``<name>_reserved_gib`` the peak the caching allocator
+    reserved (allocated + cached blocks: the gap is fragmentation), ``<name>_alloc_retries``
+    the allocations that found no free block, flushed the allocator's cache and retried (each a
+    device-wide synchronization: a phase slowed by memory pressure shows them). ``seconds``
+    holds the duration.
     """
 
     def __init__(self, name: str, timings: dict[str, float] | None = None,
@@ -237,11 +243,13 @@ class Timer:
         self.seconds = 0.0
         self.peak_memory_gib: float | None = None
         self._cuda = torch.cuda.is_available()
+        self._retries = 0
 
     def __enter__(self) -> "Timer":
         if self._cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            self._retries = _alloc_retries(self.device)
         self._start = time.perf_counter()
         return self
 
@@ -253,7 +261,18 @@ class Timer:
         if self.timings is not None:
             self.timings[self.name] = self.timings.get(self.name, 0.0) + self.seconds
         if self.memory is not None and self.peak_memory_gib is not None:
-            self.memory[self.name] = max(self.memory.get(self.name, 0.0), self.peak_memory_gib)
+            name, memory = self.name, self.memory
+            reserved = torch.cuda.max_memory_reserved(self.device) / 2**30
+            retries = _alloc_retries(self.device) - self._retries
+            memory[f"{name}_peak_gib"] = max(memory.get(f"{name}_peak_gib", 0.0),
+                                             self.peak_memory_gib)
+            memory[f"{name}_reserved_gib"] = max(memory.get(f"{name}_reserved_gib", 0.0),
+                                                 reserved)
+            memory[f"{name}_alloc_retries"] = memory.get(f"{name}_alloc_retries", 0) + retries
+
+
+def _alloc_retries(device) -> int:
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
 __all__ = ["MetricsLogger", "Timer", "read_metrics"]

@@ -254,9 +254,13 @@ def step_report(shape, metrics: dict, seq_lengths: list[int], response_tokens: i
 def run_layout(args, layout, model, data, caps, root, prompt_len, new_tokens, env) -> dict:
     out = os.path.join(root, f"run_{layout}")
     launch = ["-m", "parallel_models.rl.train"]
-    if args.device_mib:  # the trainer inside a smaller card's memory (bench/device_envelope.py)
-        launch = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "device_envelope.py"),
-                  "--device-mib", str(args.device_mib), *launch]
+    here = os.path.dirname(os.path.abspath(__file__))
+    envelope = ["--device-mib", str(args.device_mib)] if args.device_mib else []
+    if args.memory_trace:  # live GPU memory by allocating code, per step (bench/memory_trace.py)
+        launch = [os.path.join(here, "memory_trace.py"), "--out",
+                  os.path.join(args.memory_trace, layout), *envelope, *launch]
+    elif envelope:  # the trainer inside a smaller card's memory (bench/device_envelope.py)
+        launch = [os.path.join(here, "device_envelope.py"), *envelope, *launch]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(29500 + (layout == "pp2")), *launch,
            *overrides(args, layout, model, data, out, prompt_len, new_tokens)]
@@ -408,6 +412,9 @@ def main():
     p.add_argument("--device-mib", type=int, default=0,
                    help="run the trainer as if each card had this many MiB (81559: an H100 "
                         "80GB on a larger card; bench/device_envelope.py)")
+    p.add_argument("--memory-trace", default=None, metavar="DIR",
+                   help="write the live GPU memory by allocating code after every step to "
+                        "DIR/<layout>/rank<R>.jsonl (bench/memory_trace.py)")
     p.add_argument("--root", default=None, help="folder for the model, data and runs")
     p.add_argument("--out", default=None)
     args = p.parse_args()

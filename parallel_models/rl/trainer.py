@@ -110,8 +110,7 @@ class PPOTrainer:
 
             self.validator = Validator(val_dataset, self.tokenizer, d.val_batch_size or d.batch_size,
                                        num_samples=tcfg.val_samples_logged, dp_rank=self.dp_rank,
-                                       dp_size=self.dp_size,
-                                       dp_group=mpu.get_data_parallel_group())
+                                       dp_size=self.dp_size, dp_group=mpu.get_data_parallel_group())
         trackers = []
         if _rank() == 0:
             from parallel_models.rl.observe.trackers import build_trackers
@@ -145,9 +144,7 @@ class PPOTrainer:
         """Warn when the built-in tokenizer rewrites the run's prompts (lowercase, no accents)."""
         from parallel_models.tokenizer import builtin_tokenizer_note
 
-        for ds in datasets:
-            if ds is None:
-                continue
+        for ds in filter(None, datasets):
             key, mkey = ds.prompt_key, ds.messages_key
             texts = [rec[key] if rec.get(mkey) is None else
                      " ".join(m["content"] for m in rec[mkey]) for rec in ds.records]
@@ -173,10 +170,12 @@ class PPOTrainer:
         return offload_enabled(self.cfg)
 
     def _use(self, role, with_optimizer: bool = False):
-        """``role`` (and its optimizer states) on the device for a phase, when offloading."""
-        if role is None or not self._offload_enabled():
+        """``role`` (and its optimizer states) on the device for a phase with trainer.offload;
+        without it, an update phase gets what the role releases between updates back."""
+        offload = self._offload_enabled()
+        if role is None or not (offload or with_optimizer):
             return contextlib.nullcontext()
-        return role.on_device(with_optimizer=with_optimizer)
+        return role.on_device(with_optimizer=with_optimizer) if offload else role.updating()
 
     def _offload_all(self) -> int:
         """Every role to host memory (trainer.offload on CUDA); returns the bytes moved."""

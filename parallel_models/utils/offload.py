@@ -41,12 +41,12 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["Offloader"]
+__all__ = ["Offloader", "OffloadingRole", "ddp_grad_buffers"]
 
 MODEL, OPTIMIZER = "model", "optimizer"
 
 
-def _ddp_grad_buffers(module) -> list[torch.Tensor]:
+def ddp_grad_buffers(module) -> list[torch.Tensor]:
     """The ``grad_data`` tensors of a megatron-core DDP wrapper (empty for other modules)."""
     out = []
     for attr in ("buffers", "expert_parallel_buffers"):
@@ -176,7 +176,7 @@ class Offloader:
                 for h, k in _optimizer_holders(self.optimizer)]
 
     def grad_buffers(self) -> list[torch.Tensor]:
-        return [g for chunk in self.modules for g in _ddp_grad_buffers(chunk)]
+        return [g for chunk in self.modules for g in ddp_grad_buffers(chunk)]
 
     def param_buffers(self) -> list[torch.Tensor]:
         return [g for chunk in self.modules for g in _ddp_param_buffers(chunk)]
@@ -333,3 +333,9 @@ class OffloadingRole:
 
     def on_device(self, with_optimizer: bool = False):
         return self.offloader.on_device(with_optimizer=with_optimizer)
+
+    def updating(self):
+        """An update phase of a role that stays resident (no trainer.offload): what it releases
+        between updates comes back for it (nothing here; megatron roles: their gradient
+        buffers, ``utils/idle_grad_buffers.py``)."""
+        return contextlib.nullcontext()

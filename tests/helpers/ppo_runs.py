@@ -38,7 +38,7 @@ def run_ppo(args, timeout=300, check=True, env=None):
 def run_ppo_ranks(args, nproc: int, timeout=300, env=None):
     """``torchrun --nproc-per-node nproc -m parallel_models.rl.train *args`` to its end, each
     rank forked from the preloaded forkserver (``parallel_models.testing.start_main_ranks``);
-    raises with the end of the ranks' stderr when it fails."""
+    raises with the end of the ranks' stderr when it fails; returns their stderr."""
     from parallel_models.testing import start_main_ranks
 
     run = start_main_ranks(MAIN, list(args), nproc, env or ENV)
@@ -50,6 +50,7 @@ def run_ppo_ranks(args, nproc: int, timeout=300, env=None):
             raise
         if code != 0:
             raise AssertionError(f"exit {code}\n{run.stderr[-3000:]}")
+        return run.stderr
     finally:
         run.close()
 

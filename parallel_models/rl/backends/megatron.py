@@ -8,12 +8,16 @@ into TP' that holds every layer and expert. The fsdp backend's counterpart is
 
 from __future__ import annotations
 
+import logging
 import os
 
 import parallel_models as pm
 from parallel_models.config import ConfigError
 from parallel_models.rl.backends.builtin_model import BUILTIN_MOE, builtin_model_config
-from parallel_models.rl.backends.roles import Roles, rule_reward, special_tokens
+from parallel_models.rl.backends.roles import (Roles, idle_grads_released, rule_reward,
+                                               special_tokens)
+
+logger = logging.getLogger(__name__)
 
 
 def check_model(cfg) -> None:
@@ -89,6 +93,10 @@ def build_roles(cfg, tokenizer, model_path: str) -> Roles:
         critic_state = build_optimizer([critic_model], c.optim_config(tcfg.total_steps))
         critic = CriticRole(critic_model, critic_state, max_tokens=budget, cfg=c,
                             loss_agg_mode=a.loss_agg_mode)
+    if idle_grads_released(cfg):  # (trainer.release_idle_grads) until their first update
+        freed = sum(role.release_idle_grads() for role in (actor, critic) if role is not None)
+        logger.info("trainer.release_idle_grads: %.1f MiB of gradient buffers freed outside "
+                    "the update phases on this rank", freed / 2**20)
     reward = rule_reward(cfg, tokenizer)
     if reward is None:
         from parallel_models.rl.rewards.model import RewardModel  # issue: reward model role

@@ -58,6 +58,17 @@ def offload_enabled(cfg) -> bool:
     return bool(cfg.trainer.offload) and torch.cuda.is_available()
 
 
+def idle_grads_released(cfg) -> bool:
+    """``trainer.release_idle_grads`` takes effect: null = on CUDA; never with trainer.offload
+    (its Offloader releases the gradient buffers with everything else)."""
+    import torch
+
+    if offload_enabled(cfg):
+        return False
+    flag = cfg.trainer.release_idle_grads
+    return torch.cuda.is_available() if flag is None else bool(flag)
+
+
 def rule_reward(cfg, tokenizer):
     """``reward.type=rule``: the reward function of the config on the decoded text; None for a
     reward model (each backend loads its own)."""

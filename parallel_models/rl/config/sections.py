@@ -412,6 +412,11 @@ class TrainerSection(BaseModel):
                            "usable older one (with a warning) instead of stopping")
     offload: StrictBool = Field(False, description="CUDA only: idle models / optimizer states "
                                                    "to CPU")
+    release_idle_grads: Optional[StrictBool] = Field(
+        None, description="megatron backend without trainer.offload: the trainable roles' "
+                          "gradient buffers are freed outside their update phases and come "
+                          "back zeroed (4 bytes a parameter for the rollout's KV pool); "
+                          "null = on CUDA")
     loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
         ["jsonl", "tensorboard"], description="where metrics go: jsonl | tensorboard | wandb | "
                                               "mlflow (the last two: pip install -e "

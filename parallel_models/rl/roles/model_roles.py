@@ -64,6 +64,8 @@ class ScoreRole(Role, Protocol):
 class TrainableRole(Role, Protocol):
     def update(self, batch) -> dict[str, float]: ...
 
+    def updating(self) -> ContextManager: ...
+
 
 PER_SAMPLE_KEYS = ("sequences", "attention_mask", "prompt_lengths", "response_mask",
                    "old_log_probs", "ref_log_probs", "advantages", "returns", "values",
@@ -188,8 +190,24 @@ def value_loss(values, mb, cliprange_value: float, mode: str):
 class _ModelRole(OffloadingRole):
     """Offload plumbing shared by the model-backed roles."""
 
+    idle_grads = None  # an IdleGradBuffers once release_idle_grads() was called
+
     def _init_offload(self, chunks, optimizer) -> None:
         self._offload_parts, self._offloader = (chunks, optimizer), None
+
+    def release_idle_grads(self) -> int:
+        """From now on the role's gradient buffers are released outside its update phases
+        (``trainer.release_idle_grads``); released now. The bytes freed."""
+        from parallel_models.utils.idle_grad_buffers import IdleGradBuffers
+
+        if self.idle_grads is None:
+            self.idle_grads = IdleGradBuffers(self._offload_parts[0])
+        return self.idle_grads.release()
+
+    def updating(self):
+        if self.idle_grads is None:
+            return contextlib.nullcontext()
+        return self.idle_grads.in_use()
 
     @property
     def offloader(self) -> Offloader:

@@ -64,6 +64,22 @@ def hand_over_splits(acc, P, C, rm, rn, write, pid_m, pid_k, pid_n, num_m, N, ws
     return acc, write
 
 
+@triton.jit
+def finish_tile(acc, Y, S, P, C, rm, rn, n_ok, m_ok, pid_m, pid_k, pid_n, num_m, N, ws_rows,
+                stride_ym, SPLIT_K, BLOCK_SCALES: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """A program's ``[BLOCK_N, BLOCK_M]`` fp32 tile to ``Y`` (``[rows, out]``): the split-K
+    hand-over (only the tile's last split writes), channel scales (``S[out]``, where not
+    ``BLOCK_SCALES``: those were applied per K step) and the cast to ``Y``'s dtype."""
+    write = n_ok[:, None] & m_ok[None, :]
+    acc, write = hand_over_splits(acc, P, C, rm, rn, write, pid_m, pid_k, pid_n, num_m, N,
+                                  ws_rows, SPLIT_K, BLOCK_N, BLOCK_M)
+    if not BLOCK_SCALES:
+        acc = acc * tl.load(S + rn, mask=n_ok, other=0.0)[:, None]
+    tl.store(Y + rm[None, :].to(tl.int64) * stride_ym + rn[:, None],
+             acc.to(Y.dtype.element_ty), mask=write)
+
+
 _workspaces: dict = {}  # (device, split, row bucket, out) -> (fp32 partials, int32 counters)
 _captured: set = set()  # workspaces a CUDA graph captured: kept whatever was chosen
 
@@ -146,5 +162,5 @@ def product(kernel_name: str, launch_with, x2: torch.Tensor, weight: QuantizedWe
     return y
 
 
-__all__ = ["hand_over_splits", "launch", "program_tile", "product", "release_unused_workspaces",
-           "workspace"]
+__all__ = ["finish_tile", "hand_over_splits", "launch", "program_tile", "product",
+           "release_unused_workspaces", "workspace"]

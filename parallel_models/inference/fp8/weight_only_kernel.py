@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from parallel_models.inference.fp8 import decode_gemm_shared as shared
-from parallel_models.inference.fp8.decode_gemm_shared import hand_over_splits, program_tile
+from parallel_models.inference.fp8.decode_gemm_shared import finish_tile, program_tile
 from parallel_models.inference.fp8.decode_tuning import DecodeConfig
 from parallel_models.inference.fp8.quantize import BLOCK, QuantizedWeight
 from parallel_models.llama.layers.exact import interpreter_fix
@@ -122,13 +122,8 @@ def _w8a16_kernel(X, W, S, Y, P, C, M, N, K, stride_xm, stride_wn, stride_ym, st
             acc = tl.dot(w, x, acc)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    write = n_ok[:, None] & m_ok[None, :]
-    acc, write = hand_over_splits(acc, P, C, rm, rn, write, pid_m, pid_k, pid_n, num_m, N,
-                                  ws_rows, SPLIT_K, BLOCK_N, BLOCK_M)
-    if not BLOCK_SCALES:
-        acc = acc * tl.load(S + rn, mask=n_ok, other=0.0)[:, None]
-    tl.store(Y + rm[None, :].to(tl.int64) * stride_ym + rn[:, None],
-             acc.to(Y.dtype.element_ty), mask=write)
+    finish_tile(acc, Y, S, P, C, rm, rn, n_ok, m_ok, pid_m, pid_k, pid_n, num_m, N, ws_rows,
+                stride_ym, SPLIT_K, BLOCK_SCALES, BLOCK_N, BLOCK_M)
 
 
 def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,

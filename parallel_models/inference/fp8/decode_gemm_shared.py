@@ -43,6 +43,22 @@ def program_tile(M, K, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def tile_pointers(X, W, S, M, N, pid_m, pid_n, k_begin, stride_xm, stride_wn, stride_sn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDTH: tl.constexpr,
+                  GROUP: tl.constexpr):
+    """-> (weight rows ``rn``, activation rows ``rm``, their masks, the weight tile's pointers
+    ``[BLOCK_N, WIDTH]``, the activation tile's ``[WIDTH, BLOCK_M]`` at ``k_begin``, the strip's
+    first block-scale row) of a program's tile."""
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, WIDTH)
+    w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + (k_begin + rk)[None, :]
+    x_ptrs = X + rm[None, :].to(tl.int64) * stride_xm + (k_begin + rk)[:, None]
+    scale_row = S + ((pid_n * BLOCK_N) // GROUP) * stride_sn
+    return rn, rm, rn < N, rm < M, w_ptrs, x_ptrs, scale_row
+
+
+@triton.jit
 def hand_over_splits(acc, P, C, rm, rn, write, pid_m, pid_k, pid_n, num_m, N, ws_rows, SPLIT_K,
                      BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
     """The split-K hand-over of an ``[BLOCK_N, BLOCK_M]`` fp32 tile: -> (the tile's full sum in
@@ -163,4 +179,4 @@ def product(kernel_name: str, launch_with, x2: torch.Tensor, weight: QuantizedWe
 
 
 __all__ = ["finish_tile", "hand_over_splits", "launch", "program_tile", "product",
-           "release_unused_workspaces", "workspace"]
+           "release_unused_workspaces", "tile_pointers", "workspace"]

@@ -49,7 +49,8 @@ import triton
 import triton.language as tl
 
 from parallel_models.inference.fp8 import decode_gemm_shared as shared
-from parallel_models.inference.fp8.decode_gemm_shared import finish_tile, program_tile
+from parallel_models.inference.fp8.decode_gemm_shared import (finish_tile, program_tile,
+                                                              tile_pointers)
 from parallel_models.inference.fp8.decode_tuning import DecodeConfig
 from parallel_models.inference.fp8.quantize import BLOCK, E4M3_MAX, QuantizedWeight
 from parallel_models.llama.layers.exact import interpreter_fix
@@ -105,14 +106,10 @@ def _w8a8_dynamic_kernel(X, W, S, Y, P, C, M, N, K, stride_xm, stride_wn, stride
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP: tl.constexpr, FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
     pid_m, pid_k, pid_n, num_m, k_begin, k_end = program_tile(M, K, SPLIT_K, BLOCK_M, BLOCK_K)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn, rm, n_ok, m_ok, w_ptrs, x_ptrs, scale_row = tile_pointers(
+        X, W, S, M, N, pid_m, pid_n, k_begin, stride_xm, stride_wn, stride_sn, BLOCK_M, BLOCK_N,
+        GROUP, GROUP)
     rg = tl.arange(0, GROUP)
-    n_ok = rn < N
-    m_ok = rm < M
-    w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + (k_begin + rg)[None, :]
-    x_ptrs = X + rm[None, :].to(tl.int64) * stride_xm + (k_begin + rg)[:, None]
-    scale_row = S + ((pid_n * BLOCK_N) // GROUP) * stride_sn
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         for g in tl.static_range(BLOCK_K // GROUP):  # the step's 128-wide groups

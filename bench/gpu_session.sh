@@ -25,7 +25,18 @@
 #                                      # (overlap off, k=2 + kernel table, k=4, k=2 with
 #                                      # CUDA_DEVICE_MAX_CONNECTIONS=1), TP=2+SP (off, k=2),
 #                                      # pp_bench PP=2 x 16 microbatches (16/16, 17/15, 15/17)
-# Logs and JSON go to $OUT (default /tmp/pm_gpu_out).
+#   bash bench/gpu_session.sh fp8      # issue 37, one GPU, ~5 min: fp8_gemm_sweep (8B, 64 and
+#                                      # 256 rows, both decode kernels), fp8_decode (8B, batch
+#                                      # 64, block and channel scales, both kernels), its GPU test
+#   bash bench/gpu_session.sh async    # issue 35, 2 GPUs, ~8 min: async_grpo long-tail, sync vs
+#                                      # async k=3 with the group weight push
+#   bash bench/gpu_session.sh critic   # issue 33, 2 GPUs, ~15 min, longer than one device call:
+#                                      # the 8B PPO + LoRA critic at TP=2 started in a session of
+#                                      # its own (it outlives the call), then waited on ~9 min;
+#   bash bench/gpu_session.sh poll [S] # the next call: wait on it up to S s (560), print, copy
+#   bash bench/gpu_session.sh pp2trace # issue 33, 2 GPUs, ~8 min: 8B GRPO at PP=2 with the
+#                                      # memory trace (what grows 128 MiB a step)
+# Logs and JSON go to $OUT (default /tmp/pm_gpu_out); the background run's to /tmp/pm_bg.
 set -uo pipefail
 OUT=${OUT:-/tmp/pm_gpu_out}
 mkdir -p "$OUT"
@@ -34,7 +45,48 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch, megatron.core, transformers; print('torch', torch.__version__, \
 'megatron-core', megatron.core.__version__, 'transformers', transformers.__version__)" | tee "$OUT/versions.txt"
+BG=/tmp/pm_bg
+wait_bg() {  # wait up to $1 s for the background run to end; print its progress; copy it to $OUT
+    local end=$((SECONDS + $1))
+    while [ $SECONDS -lt $end ] && pgrep -f "bench/grpo_scale.py" > /dev/null; do sleep 10; done
+    grep -v "it/s\]" "$BG/run.log" | grep -E "step [0-9]+/|phase|\| |case|exit|over" | tail -30
+    cp -r "$BG"/. "$OUT"/ 2>/dev/null
+    pgrep -f "bench/grpo_scale.py" > /dev/null && echo "still running" || echo "finished"
+}
 case "${1:-gpu}" in
+  fp8)
+    nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
+    timeout 200 python3 bench/fp8_gemm_sweep.py --shapes 8b --rows 64 256 --out "$OUT/sweep.json" \
+        2>&1 | grep -E '"best"|"layer"' | tail -30
+    for scales in block channel; do
+      timeout 150 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales $scales \
+          2>&1 | tee "$OUT/fp8_decode_$scales.log" | tail -6
+    done
+    timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_rollout.py 2>&1 \
+        | tee "$OUT/fp8_tests.log" | tail -15
+    ;;
+  async)
+    timeout 560 python3 bench/async_grpo.py --mode both --preset long-tail --steps 7 --warmup 2 \
+        --weight-push group > "$OUT/async.log" 2>&1
+    grep -E '^\{"mode"' "$OUT/async.log" | cut -c1-1500
+    ;;
+  critic)
+    mkdir -p "$BG"
+    setsid nohup python3 bench/grpo_scale.py --layout tp2 --critic --steps 5 --timeout 1500 \
+        --device-mib 81559 --no-trainer-offload --actor optimizer_offload_fraction=1 \
+        recompute=full --critic-opt lora.rank=64 recompute=full --memory-trace "$BG/trace" \
+        --out "$BG/ppo_tp2.json" > "$BG/run.log" 2>&1 < /dev/null &
+    wait_bg 540
+    ;;
+  poll)
+    wait_bg "${2:-560}"
+    ;;
+  pp2trace)
+    timeout 560 python3 bench/grpo_scale.py --layout pp2 --steps 5 --timeout 530 \
+        --device-mib 81559 --no-trainer-offload --actor optimizer_offload_fraction=1 \
+        recompute=full --memory-trace "$OUT/trace" --out "$OUT/pp2.json" 2>&1 \
+        | grep -v "it/s\]" | tail -30
+    ;;
   gpu)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
     timeout 240 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25

@@ -18,6 +18,7 @@ for MoE routes
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import queue
 import random
@@ -32,13 +33,7 @@ log = logging.getLogger(__name__)
 
 def _groups(rows: list[list[int]]) -> list[tuple[list[int], int]]:
     """Consecutive identical rows as (prompt, count)."""
-    out: list = []
-    for row in rows:
-        if out and out[-1][0] == row:
-            out[-1][1] += 1
-        else:
-            out.append([row, 1])
-    return [(p, n) for p, n in out]
+    return [(row, len(list(run))) for row, run in itertools.groupby(rows)]
 
 
 @dataclasses.dataclass(eq=False)

@@ -57,10 +57,14 @@ from common import LLAMA3_8B, LLAMA_089B  # noqa: E402
 
 SHAPES = {"8b": LLAMA3_8B, "0.89b": LLAMA_089B}
 TINY_LINEARS = {"tiny": {"proj": (256, 256)}}
-KERNELS = ("dynamic", "weight_only")
-# kernel -> (module of inference/fp8, its emulation in gemm, the --tiny run's K-split config)
-KERNEL_PARTS = {"weight_only": ("weight_only_kernel", "weight_only_matmul", (32, 16, 64, 2)),
-                "dynamic": ("dynamic_act_kernel", "dynamic_matmul", (32, 16, 128, 2))}
+KERNELS = ("dynamic", "w8a8", "weight_only")
+# kernel -> (module of inference/fp8, its launch there, its emulation in gemm, the --tiny run's
+# K-split config)
+KERNEL_PARTS = {"weight_only": ("weight_only_kernel", "launch", "weight_only_matmul",
+                                (32, 16, 64, 2)),
+                "dynamic": ("dynamic_act_kernel", "launch", "dynamic_matmul", (32, 16, 128, 2)),
+                "w8a8": ("dynamic_act_kernel", "launch_prequantized", "dynamic_matmul",
+                         (32, 16, 128, 2))}
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # per block, opt-in
 
 
@@ -117,8 +121,9 @@ def kernel_case(args, kernel, x, q, bf16_us, timer, gbps) -> dict:
 
     from parallel_models.inference.fp8 import decode_gemm_shared, decode_tuning, gemm
 
-    module, emulation, split_cfg = KERNEL_PARTS[kernel]
-    launch = importlib.import_module(f"parallel_models.inference.fp8.{module}").launch
+    module, launch_name, emulation, split_cfg = KERNEL_PARTS[kernel]
+    launch = getattr(importlib.import_module(f"parallel_models.inference.fp8.{module}"),
+                     launch_name)
     rows, inp = x.shape
     out = q.shape[0]
     dev = x.device
@@ -234,9 +239,11 @@ def _compile(kernel_fn, consts: dict, cfg, arch: int) -> dict:
     from triton.compiler import ASTSource
 
     ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_sn", "ws_rows",
-            "SPLIT_K")
-    sig = {"X": "*bf16", "W": "*fp8e4nv", "S": "*fp32", "Y": "*bf16", "P": "*fp32", "C": "*i32",
-           **{n: "i32" for n in ints}}
+            "SPLIT_K", "stride_xsm", "stride_xsg")
+    x_type = "*fp8e4nv" if consts.get("PREQUANT") else "*bf16"
+    sig = {"X": x_type, "W": "*fp8e4nv", "S": "*fp32", "Y": "*bf16", "P": "*fp32", "C": "*i32",
+           "XS": "*fp32", **{n: "i32" for n in ints}}
+    sig = {n: sig[n] for n in kernel_fn.arg_names if n in sig}  # (this kernel's arguments)
     aligned = ("X", "W", "S", "Y", "P", "C", "N", "K", "stride_xm", "stride_wn", "stride_ym")
     attrs = {(kernel_fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
@@ -268,7 +275,10 @@ def compile_only(plan: dict, rows_list, scales, arch: int, kernels=KERNELS) -> l
     from parallel_models.inference.fp8.weight_only_kernel import _w8a16_kernel
 
     fns = {"weight_only": (_w8a16_kernel, {"BIT_CONVERT": True}),
-           "dynamic": (_w8a8_dynamic_kernel, {"FP8_MAX": E4M3_MAX, "EMULATE": False})}
+           "dynamic": (_w8a8_dynamic_kernel, {"FP8_MAX": E4M3_MAX, "EMULATE": False,
+                                              "PREQUANT": False}),
+           "w8a8": (_w8a8_dynamic_kernel, {"FP8_MAX": E4M3_MAX, "EMULATE": False,
+                                           "PREQUANT": True})}
     lines, seen = [], set()
     for kernel in kernels:
         kernel_fn, own = fns[kernel]

@@ -49,7 +49,7 @@ def test_scaled_mm_matches_emulation_and_bf16(granularity, tokens):
     want = got
     if tokens <= gemm.DECODE_ROWS:
         assert gemm._decode_checked[(str(x.device), granularity, gemm.DECODE_KERNEL)]
-        want = (gemm.dynamic_matmul if gemm.DECODE_KERNEL == "dynamic"
+        want = (gemm.dynamic_matmul if gemm.DECODE_KERNEL != "weight_only"
                 else gemm.weight_only_matmul)(x, q).float()
     assert ((routed - want).abs() <= 1e-2 * (want.abs() + 1.0)).all()
     # the same quantized operands: only the accumulation (order, fp32 vs tensor cores) and the
@@ -192,11 +192,11 @@ def test_fp8_grouped_experts_gemm_on_hopper():
     assert (got - want).abs().max() <= 1e-2 * scale + 1e-2 * want.abs().max()
 
 
-@pytest.mark.parametrize("kernel", ["dynamic", "weight_only"])
+@pytest.mark.parametrize("kernel", ["dynamic", "w8a8", "weight_only"])
 @pytest.mark.parametrize("granularity", ["block", "channel"])
 def test_decode_gemm_configs_tuning_and_graph_replay(granularity, kernel):
-    """The decode GEMM kernels (W8A8-dynamic: the activations quantized in the kernel, and
-    weight-only) at 8B shapes (down 4096 x 14336 at 64 rows, qkv 6144 x 4096 at 256 rows):
+    """The decode GEMM kernels (W8A8-dynamic: the activations quantized in the kernel; W8A8 on
+    activations quantized before it; weight-only) at 8B shapes (down 4096 x 14336 at 64 rows, qkv 6144 x 4096 at 256 rows):
     every candidate tile config, the tuned choice, and the tuned kernel captured in a CUDA graph
     and replayed on new activations (the split-K partial sums' hand-over between programs, many
     times) agree with the kernel's emulation (``gemm.dynamic_matmul``: ``x`` quantized per token
@@ -211,9 +211,11 @@ def test_decode_gemm_configs_tuning_and_graph_replay(granularity, kernel):
     from parallel_models.inference.fp8.quantize import QuantizedWeight, quantize_weight
 
     module = importlib.import_module("parallel_models.inference.fp8." + (
-        "dynamic_act_kernel" if kernel == "dynamic" else "weight_only_kernel"))
-    mm = module.dynamic_act_mm if kernel == "dynamic" else module.weight_only_mm
-    emulation = gemm.dynamic_matmul if kernel == "dynamic" else gemm.weight_only_matmul
+        "weight_only_kernel" if kernel == "weight_only" else "dynamic_act_kernel"))
+    mm, launch = {"dynamic": (module.dynamic_act_mm, module.launch),
+                  "w8a8": (module.prequantized_mm, module.launch_prequantized),
+                  "weight_only": (module.weight_only_mm, module.launch)}[kernel]
+    emulation = gemm.weight_only_matmul if kernel == "weight_only" else gemm.dynamic_matmul
     g = torch.Generator(device=DEV).manual_seed(0)
     for rows, out, inp in ((64, 4096, 14336), (256, 6144, 4096)):
         w = torch.randn(out, inp, device=DEV, generator=g) * 0.02
@@ -234,7 +236,7 @@ def test_decode_gemm_configs_tuning_and_graph_replay(granularity, kernel):
         for cfg in decode_tuning.candidates(rows, out, inp, granularity,
                                             decode_tuning.sm_count(dev),
                                             decode_tuning.smem_bytes(dev), kernel=kernel):
-            check(module.launch(x, q, y, cfg))
+            check(launch(x, q, y, cfg))
         check(mm(x, q))  # tunes this key
         chosen = decode_tuning.chosen_configs()[decode_tuning.key_of(
             rows, out, inp, granularity, x.device, kernel)]

@@ -38,7 +38,7 @@ def test_candidates_keep_the_kernel_limits_and_fill_the_sms(granularity, rows, k
         cands = dt.candidates(rows, out, inp, granularity, 132, kernel=kernel)
         assert cands and len(cands) == len(set(cands)) and len(cands) <= 16
         for c in cands:
-            if kernel == "dynamic":
+            if kernel in dt.W8A8_KERNELS:
                 assert c.block_k % 128 == 0 and c.block_m <= 128, c
             elif granularity == "block":
                 assert 128 % c.block_k == 0
@@ -116,4 +116,4 @@ def test_choose_times_once_keeps_the_fastest_agreeing_and_never_tunes_in_a_captu
     assert dt.choose(64, 4096, 4096, "block", torch.device("cpu"), run) == default
     assert len(timed) == 3
     with pytest.raises(ValueError, match="weight_only"):
-        dt.choose(64, 4096, 4096, "block", cuda, run, kernel="w8a8")
+        dt.choose(64, 4096, 4096, "block", cuda, run, kernel="w4a16")

@@ -1,5 +1,6 @@
-"""The FP8 rollout's W8A8-dynamic decode GEMM (``inference/fp8/dynamic_act_kernel.py``: e4m3
-weights, bf16 activations quantized inside the kernel per token and 128-wide group) in Triton's
+"""The FP8 rollout's W8A8 decode GEMMs (``inference/fp8/dynamic_act_kernel.py``: e4m3 weights,
+bf16 activations quantized per token and 128-wide group inside the kernel, or by a quantization
+kernel before it: ``prequantized_mm``, the ``"w8a8"`` kernel) in Triton's
 CPU interpreter (on CUDA where present) against the prefill's recipe it must reproduce:
 ``quantize.quantize_activation(x, "block")`` dequantized, times the dequantized weight, in fp32
 (the kernel's interpreter path rounds to e4m3 itself and takes an fp32 dot: the interpreter's own
@@ -65,11 +66,16 @@ def _check(got, x, q):
     return want
 
 
+# the two W8A8 kernels: activations quantized in the GEMM's K loop, or by a kernel before it
+MMS = {"dynamic": dynamic_act_kernel.dynamic_act_mm, "w8a8": dynamic_act_kernel.prequantized_mm}
+
+
+@pytest.mark.parametrize("kernel", sorted(MMS))
 @pytest.mark.parametrize("granularity", ["block", "channel"])
 @pytest.mark.parametrize("rows,out,inp", [(1, 256, 384), (16, 200, 300), (64, 128, 256)])
-def test_kernel_equals_the_prefill_recipe(granularity, rows, out, inp):
+def test_kernel_equals_the_prefill_recipe(granularity, rows, out, inp, kernel):
     x, q = _operands(rows, out, inp, granularity)
-    got = dynamic_act_kernel.dynamic_act_mm(x, q).float()
+    got = MMS[kernel](x, q).float()
     want = _check(got, x, q)
     torch.testing.assert_close(dynamic_matmul(x, q).float(), want, rtol=1e-5 if DEV == "cpu"
                                else 2 ** -7, atol=1e-4 * want.abs().max().item())
@@ -87,21 +93,23 @@ CONFIGS = [  # (rows, out, inp, config)
 ]  # scale-block rows
 
 
+@pytest.mark.parametrize("kernel", sorted(MMS))
 @pytest.mark.parametrize("granularity", ["block", "channel"])
 @pytest.mark.parametrize("rows,out,inp,cfg", CONFIGS)
-def test_tile_configs_and_k_splits(granularity, rows, out, inp, cfg):
+def test_tile_configs_and_k_splits(granularity, rows, out, inp, cfg, kernel):
     x, q = _operands(rows, out, inp, granularity, seed=1)
-    _check(dynamic_act_kernel.dynamic_act_mm(x, q, cfg), x, q)
+    _check(MMS[kernel](x, q, cfg), x, q)
     if cfg.split_k > 1:  # the last program of each tile reset its counter for the next call
         _, counters = decode_gemm_shared._workspaces[(str(x.device), cfg.split_k,
                                                       row_bucket(rows), out)]
         assert int(counters.abs().sum()) == 0
 
 
-def test_k_steps_must_be_whole_activation_groups():
+@pytest.mark.parametrize("kernel", sorted(MMS))
+def test_k_steps_must_be_whole_activation_groups(kernel):
     x, q = _operands(16, 128, 256, "channel")
     with pytest.raises(ValueError, match="multiple of the 128-wide activation groups"):
-        dynamic_act_kernel.dynamic_act_mm(x, q, DecodeConfig(64, 16, 64, 1, 4, 2))
+        MMS[kernel](x, q, DecodeConfig(64, 16, 64, 1, 4, 2))
 
 
 @triton.jit
@@ -136,7 +144,7 @@ def test_decode_kernel_switch_checks_the_selected_kernel_and_falls_back(monkeypa
     from parallel_models.inference.fp8 import gemm
     from parallel_models.inference.fp8.weight_only_kernel import weight_only_mm
 
-    verdicts = {"dynamic": True, "weight_only": True}
+    verdicts = {"dynamic": True, "weight_only": True, "w8a8": True}
     checked = []
 
     def fake_check(device, granularity, kernel):
@@ -158,8 +166,12 @@ def test_decode_kernel_switch_checks_the_selected_kernel_and_falls_back(monkeypa
     monkeypatch.setattr(gemm, "DECODE_KERNEL", "dynamic")
     assert gemm._decode_mm(dev, "channel") is weight_only_mm
     assert checked[-2:] == ["dynamic", "weight_only"]
-    verdicts["weight_only"] = False
-    assert gemm._decode_mm(dev, "other") is None
+    verdicts["weight_only"] = False  # then the pre-quantized W8A8 kernel
+    assert gemm._decode_mm(dev, "other") is dynamic_act_kernel.prequantized_mm
     monkeypatch.setattr(gemm, "DECODE_KERNEL", "w8a8")
+    assert gemm._decode_mm(dev, "other") is dynamic_act_kernel.prequantized_mm
+    verdicts["w8a8"] = False
+    assert gemm._decode_mm(dev, "third") is None
+    monkeypatch.setattr(gemm, "DECODE_KERNEL", "w4a16")
     with pytest.raises(ValueError, match="DECODE_KERNEL must be one of"):
         gemm._decode_mm(dev, "block")

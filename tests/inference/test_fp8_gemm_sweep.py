@@ -27,7 +27,7 @@ def test_tiny_sweep_lines():
     lines = fp8_gemm_sweep.main(["--tiny", "--device", "cpu"])
     cases = [line for line in lines if "linear" in line]
     assert [c["rows"] for c in cases] == [1, 16]
-    kernels = ("dynamic", "weight_only")
+    kernels = ("dynamic", "w8a8", "weight_only")
     for c in cases:
         assert (c["n"], c["k"], c["scales"]) == (256, 256, "block") and c["bf16_us"] > 0
         for kernel in kernels:
@@ -39,6 +39,7 @@ def test_tiny_sweep_lines():
             assert k["config"] == chosen  # the CPU takes the default, untimed
             assert k["max_rel_err"] < 1e-5  # fp32 in the interpreter
         assert c["dynamic"]["configs"][0]["block_k"] % 128 == 0
+        assert c["w8a8"]["configs"][0]["block_k"] % 128 == 0
     best = [line for line in lines if "best" in line]
     assert sorted(b["best"]["kernel"] for b in best) == sorted(kernels)
     for b in best:

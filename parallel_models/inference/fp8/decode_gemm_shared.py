@@ -114,7 +114,9 @@ def workspace(device: torch.device, split: int, rows: int, out: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _unused_pointers(device: torch.device):
+def unused_pointers(device: torch.device):
+    """(fp32, int32) one-element tensors on ``device``: pointer arguments a launch passes but
+    its kernel does not read."""
     return (torch.zeros(1, dtype=torch.float32, device=device),
             torch.zeros(1, dtype=torch.int32, device=device))
 
@@ -130,10 +132,11 @@ def release_unused_workspaces() -> None:
 
 
 def launch(kernel, x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
-           cfg: DecodeConfig, **constexprs) -> torch.Tensor:
-    """Run a decode GEMM ``kernel`` with ``cfg`` (and the kernel's own ``constexprs``) into ``y``
-    ``[rows, out]`` (``x2`` unit-strided along K); returns ``y``. (The caller checks its K step
-    against the scale blocks; a strip spans block rows only whole, checked here.)"""
+           cfg: DecodeConfig, extra: tuple = (), **constexprs) -> torch.Tensor:
+    """Run a decode GEMM ``kernel`` with ``cfg`` (and the kernel's own arguments: ``extra``
+    after the shared ones, ``constexprs``) into ``y`` ``[rows, out]`` (``x2`` unit-strided
+    along K); returns ``y``. (The caller checks its K step against the scale blocks; a strip
+    spans block rows only whole, checked here.)"""
     rows, inp = x2.shape
     out = weight.shape[0]
     block = weight.granularity == "block"
@@ -143,15 +146,15 @@ def launch(kernel, x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
         partials, counters = workspace(x2.device, cfg.split_k, rows, out)
         ws_rows = partials.shape[1]
     else:  # (not read by the kernel: pointers of the right types)
-        partials, counters = _unused_pointers(x2.device)
+        partials, counters = unused_pointers(x2.device)
         ws_rows = 0
     scale = weight.scale
     kernel[(cfg.grid(rows, out),)](
         x2, weight.data, scale, y, partials, counters, rows, out, inp, x2.stride(0),
         weight.data.stride(0), y.stride(0), scale.stride(0) if block else 0, ws_rows,
-        cfg.split_k, BLOCK_SCALES=block, EVEN_K=inp % cfg.block_k == 0, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP=BLOCK, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **constexprs)
+        cfg.split_k, *extra, BLOCK_SCALES=block, EVEN_K=inp % cfg.block_k == 0,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP=BLOCK,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs)
     return y
 
 
@@ -179,4 +182,4 @@ def product(kernel_name: str, launch_with, x2: torch.Tensor, weight: QuantizedWe
 
 
 __all__ = ["finish_tile", "hand_over_splits", "launch", "program_tile", "product",
-           "release_unused_workspaces", "tile_pointers", "workspace"]
+           "release_unused_workspaces", "tile_pointers", "unused_pointers", "workspace"]

@@ -34,11 +34,14 @@ log = logging.getLogger(__name__)
 TUNE = True
 """Time the candidates per key (False: always :func:`default_config`)."""
 TUNED_ROWS = 256
-KERNELS = ("weight_only", "dynamic")
-"""The decode GEMM kernels (``weight_only_kernel.KERNEL``, ``dynamic_act_kernel.KERNEL``)."""
-MAX_STAGES = {"weight_only": 5, "dynamic": 8}  # the W8A8 kernel's loop does less ALU work per
-# weight byte, so a deeper pipeline can keep more loads in flight
 """Keys of at most this many rows are tuned (decode); larger products take the default."""
+KERNELS = ("weight_only", "dynamic", "w8a8")
+"""The decode GEMM kernels (``weight_only_kernel.KERNEL``, ``dynamic_act_kernel.KERNEL`` and
+``KERNEL_PREQUANT``: the W8A8 GEMM quantizing its activations itself, or reading them quantized
+by a kernel before it)."""
+W8A8_KERNELS = ("dynamic", "w8a8")  # e4m3 x e4m3 dots, K steps of whole 128-wide groups
+MAX_STAGES = {"weight_only": 5, "dynamic": 8, "w8a8": 8}  # the W8A8 kernels' loops do less ALU
+# work per weight byte, so a deeper pipeline can keep more loads in flight
 SMEM_BYTES = 192 * 1024  # shared memory the pipeline's stages may take (an H100 SM has 227 KiB;
 # a device with less: smem_bytes)
 TWO_PER_SM_BYTES = 100 * 1024  # ... where two programs share an SM (the shallower variants)
@@ -154,7 +157,7 @@ def _block_ks(kernel: str, granularity: str, block_n: int, block_m: int) -> list
     step must lie inside one scale block). The W8A8 kernel's steps are whole 128-wide
     activation groups: 128, and 256 (the same bytes a step as 128 bf16 weights) where the
     accumulators are at most 64 x 128 values."""
-    if kernel == "dynamic":
+    if kernel in W8A8_KERNELS:
         return [128, 256] if block_n * block_m <= 128 * 64 else [128]
     block_ks = [128 if block_m <= 128 else 64]
     if granularity == "channel" and block_m <= 64 and block_n <= 64:
@@ -173,7 +176,7 @@ def candidates(rows: int, out: int, inp: int, granularity: str, sms: int = 132,
     bucket = min(row_bucket(rows), TUNED_ROWS)
     out_list = []
     for block_m in sorted({bucket, bucket // 2 if bucket >= 128 else bucket}):
-        if kernel == "dynamic" and block_m > 128:  # (the x tile's registers would spill)
+        if kernel in W8A8_KERNELS and block_m > 128:  # (the x tile's registers would spill)
             continue
         for block_n in (32, 64, 128) if bucket <= 32 else (64, 128, 256):
             if block_n * block_m > 128 * 128:
@@ -296,6 +299,7 @@ def chosen_configs() -> dict:
     return dict(_chosen)
 
 
-__all__ = ["DecodeConfig", "KERNELS", "MAX_STAGES", "TUNE", "TUNED_ROWS", "candidates", "choose",
+__all__ = ["DecodeConfig", "KERNELS", "MAX_STAGES", "TUNE", "TUNED_ROWS", "W8A8_KERNELS",
+           "candidates", "choose",
            "chosen_configs", "default_config", "key_of", "l2_flush_buffer", "row_bucket",
            "sm_count", "smem_bytes", "stage_bytes", "time_ms", "timings", "tune"]

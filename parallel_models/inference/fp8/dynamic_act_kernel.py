@@ -52,12 +52,14 @@ from parallel_models.inference.fp8 import decode_gemm_shared as shared
 from parallel_models.inference.fp8.decode_gemm_shared import (finish_tile, program_tile,
                                                               tile_pointers)
 from parallel_models.inference.fp8.decode_tuning import DecodeConfig
-from parallel_models.inference.fp8.quantize import BLOCK, E4M3_MAX, QuantizedWeight
+from parallel_models.inference.fp8.quantize import (BLOCK, E4M3_MAX, QuantizedWeight,
+                                                    quantize_activation)
 from parallel_models.llama.layers.exact import interpreter_fix
 
 interpreter_fix.apply()  # (the CPU interpreter's loop bounds; nothing on the GPU)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL = "dynamic"  # (its name in ``decode_tuning``'s keys)
+KERNEL_PREQUANT = "w8a8"  # the same GEMM on activations quantized beforehand
 
 # fp32 bits: e4m3 keeps 3 of fp32's 23 mantissa bits (20 dropped: round half to even, then cut);
 # its normals start at 2^-6 (fp32 bits 0x3C800000); its subnormals are multiples of 2^-9, which
@@ -102,9 +104,11 @@ def _group_product(w, x, EMULATE: tl.constexpr, FP8_MAX: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def _w8a8_dynamic_kernel(X, W, S, Y, P, C, M, N, K, stride_xm, stride_wn, stride_ym, stride_sn,
-                         ws_rows, SPLIT_K, BLOCK_SCALES: tl.constexpr, EVEN_K: tl.constexpr,
+                         ws_rows, SPLIT_K, XS, stride_xsm, stride_xsg,
+                         BLOCK_SCALES: tl.constexpr, EVEN_K: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP: tl.constexpr, FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
+                         GROUP: tl.constexpr, FP8_MAX: tl.constexpr, EMULATE: tl.constexpr,
+                         PREQUANT: tl.constexpr):
     pid_m, pid_k, pid_n, num_m, k_begin, k_end = program_tile(M, K, SPLIT_K, BLOCK_M, BLOCK_K)
     rn, rm, n_ok, m_ok, w_ptrs, x_ptrs, scale_row = tile_pointers(
         X, W, S, M, N, pid_m, pid_n, k_begin, stride_xm, stride_wn, stride_sn, BLOCK_M, BLOCK_N,
@@ -120,7 +124,15 @@ def _w8a8_dynamic_kernel(X, W, S, Y, P, C, M, N, K, stride_xm, stride_wn, stride
                 k_ok = k0 + g * GROUP + rg < K
                 w = tl.load(w_ptrs + g * GROUP, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
                 x = tl.load(x_ptrs + g * GROUP, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-            part, x_scale = _group_product(w, x, EMULATE, FP8_MAX)
+            if PREQUANT:  # x: e4m3 already, its scales per (token, group) in XS
+                x_scale = tl.load(XS + rm * stride_xsm + (k0 // GROUP + g) * stride_xsg,
+                                  mask=m_ok, other=0.0)
+                if EMULATE:
+                    part = tl.dot(w.to(tl.float32), x.to(tl.float32))
+                else:
+                    part = tl.dot(w, x)
+            else:
+                part, x_scale = _group_product(w, x, EMULATE, FP8_MAX)
             if BLOCK_SCALES:
                 if BLOCK_N <= GROUP:  # the tile lies inside one scale block row
                     w_scale = tl.load(scale_row + k0 // GROUP + g)
@@ -144,8 +156,34 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
     if cfg.block_k % BLOCK:
         raise ValueError(f"fp8 W8A8-dynamic decode GEMM: {cfg}: block_k must be a multiple of "
                          f"the {BLOCK}-wide activation groups")
-    return shared.launch(_w8a8_dynamic_kernel, x2, weight, y, cfg, FP8_MAX=E4M3_MAX,
-                         EMULATE=_INTERPRETED)
+    unused = shared.unused_pointers(x2.device)[0]
+    return shared.launch(_w8a8_dynamic_kernel, x2, weight, y, cfg, extra=(unused, 0, 0),
+                         FP8_MAX=E4M3_MAX, EMULATE=_INTERPRETED, PREQUANT=False)
+
+
+def quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x2`` per token and 128-wide group -> (e4m3 ``[rows, in]``, fp32 scales ``[rows,
+    groups]``, any strides): the Triton quantization kernel on the GPU (``act_quant_kernel``),
+    torch's (``quantize.quantize_activation``) in the interpreter."""
+    if _INTERPRETED or not x2.is_cuda:
+        return quantize_activation(x2.float(), "block")
+    from parallel_models.inference.fp8.act_quant_kernel import quantize_token_groups
+
+    return quantize_token_groups(x2)
+
+
+def launch_prequantized(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
+                        cfg: DecodeConfig) -> torch.Tensor:
+    """The ``"w8a8"`` kernel: ``x2`` quantized first (:func:`quantize_rows`, one launch), then
+    the same GEMM reading the e4m3 activations and their scales (no quantization work in the
+    K loop); into ``y``; returns ``y``."""
+    if cfg.block_k % BLOCK:
+        raise ValueError(f"fp8 W8A8 decode GEMM: {cfg}: block_k must be a multiple of the "
+                         f"{BLOCK}-wide activation groups")
+    q, scales = quantize_rows(x2)
+    return shared.launch(_w8a8_dynamic_kernel, q, weight, y, cfg,
+                         extra=(scales, scales.stride(0), scales.stride(1)), FP8_MAX=E4M3_MAX,
+                         EMULATE=_INTERPRETED, PREQUANT=True)
 
 
 def dynamic_act_mm(x2: torch.Tensor, weight: QuantizedWeight,
@@ -157,4 +195,13 @@ def dynamic_act_mm(x2: torch.Tensor, weight: QuantizedWeight,
     return shared.product(KERNEL, launch, x2, weight, config)
 
 
-__all__ = ["KERNEL", "dynamic_act_mm", "launch"]
+def prequantized_mm(x2: torch.Tensor, weight: QuantizedWeight,
+                    config: DecodeConfig | None = None) -> torch.Tensor:
+    """The same product as :func:`dynamic_act_mm` (the activations quantized per token and
+    128-wide group first, by a kernel of their own), in ``x2``'s dtype; ``config`` as there,
+    among the ``"w8a8"`` kernel's candidates."""
+    return shared.product(KERNEL_PREQUANT, launch_prequantized, x2, weight, config)
+
+
+__all__ = ["KERNEL", "KERNEL_PREQUANT", "dynamic_act_mm", "launch", "launch_prequantized",
+           "prequantized_mm", "quantize_rows"]

@@ -16,14 +16,16 @@ Backends (:func:`gemm_backend`):
   (outside a CUDA graph capture) a small product checks that ``_scaled_mm`` takes these layouts
   and agrees with the emulation; if not, a warning names the error and the emulation runs.
 - decode-sized products (at most :data:`DECODE_ROWS` rows) on CUDA, whichever backend the
-  larger ones take, run one of two Triton decode kernels instead (:data:`DECODE_KERNEL`; tiles
-  timed per shape on the first eager call, ``decode_tuning``), where it passed its check on the
-  device (with its default tiles and with a K split): ``"dynamic"`` (``dynamic_act_kernel``:
-  W8A8, the bf16 activations quantized inside the kernel per token and 128-wide group, the
-  prefill's recipe, an e4m3 x e4m3 tensor-core dot; what :func:`dynamic_matmul` emulates) or
-  ``"weight_only"`` (``weight_only_kernel``: W8A16, the e4m3 weights converted to bf16 in
-  registers; :func:`weight_only_matmul`). Where the selected kernel fails its check the other
-  one is tried. A decode step is memory-bound, and on an H100 the W8A8 ``_scaled_mm`` decode
+  larger ones take, run one of three Triton decode kernels instead (:data:`DECODE_KERNEL`;
+  tiles timed per shape on the first eager call, ``decode_tuning``), where it passed its check
+  on the device (with its default tiles and with a K split): ``"dynamic"``
+  (``dynamic_act_kernel``: W8A8, the bf16 activations quantized inside the kernel per token and
+  128-wide group, the prefill's recipe, an e4m3 x e4m3 tensor-core dot; what
+  :func:`dynamic_matmul` emulates), ``"w8a8"`` (the same GEMM on activations quantized with the
+  same recipe by ``act_quant_kernel`` first: one more launch, no quantization work in its K
+  loop) or ``"weight_only"`` (``weight_only_kernel``: W8A16, the e4m3 weights converted to bf16
+  in registers; :func:`weight_only_matmul`). Where the selected kernel fails its check the
+  others are tried in turn. A decode step is memory-bound, and on an H100 the W8A8 ``_scaled_mm`` decode
   (quantize kernel + cuBLAS's block-scaled GEMM at 64-256 rows) was slower than bf16. Prefill
   keeps ``_scaled_mm``'s FP8 tensor-core throughput.
 - ``"emulated"`` (the CPU, and shapes or devices the kernels do not take): the activations are
@@ -54,10 +56,11 @@ at 256 (``bench/fp8_gemm_sweep.py``, docs/PERFORMANCE.md)."""
 DECODE_KERNEL = "weight_only"
 """The decode kernel of the products of at most :data:`DECODE_ROWS` rows: ``"weight_only"``
 (W8A16, ``weight_only_kernel``: the one measured on an H100, 0.82-0.85x bf16's 8B decode step at
-batch 64) or ``"dynamic"`` (W8A8, activations quantized in the kernel per token and 128-wide
-group, e4m3 x e4m3 tensor-core dot, ``dynamic_act_kernel``; checked on the CPU and compiled for
-sm_90, not yet timed on a GPU: ``bench/fp8_decode.py --decode-kernels`` times both). Read at each
-call: a captured CUDA graph keeps the kernel it captured."""
+batch 64), ``"dynamic"`` (W8A8, activations quantized in the kernel per token and 128-wide
+group, e4m3 x e4m3 tensor-core dot, ``dynamic_act_kernel``) or ``"w8a8"`` (the same GEMM on
+activations quantized by a kernel before it); the W8A8 ones are checked on the CPU and compiled
+for sm_90, not yet timed on a GPU (``bench/fp8_decode.py --decode-kernels`` times all three).
+Read at each call: a captured CUDA graph keeps the kernel it captured."""
 _fused_quant: dict = {}  # device -> whether the Triton activation quantization is used there
 
 
@@ -158,14 +161,13 @@ def _decode_check(device: torch.device, granularity: str, kernel: str):
                                                              sm_count, smem_bytes)
     from parallel_models.inference.fp8.quantize import quantize_weight
 
-    if kernel == "dynamic":
-        from parallel_models.inference.fp8.dynamic_act_kernel import dynamic_act_mm as mm
-        emulation, split_cfg = dynamic_matmul, DecodeConfig(64, 16, 256, 2, num_warps=4,
-                                                            num_stages=3)
-    else:
-        from parallel_models.inference.fp8.weight_only_kernel import weight_only_mm as mm
+    mm = _kernel_mm(kernel)
+    if kernel == "weight_only":
         emulation, split_cfg = weight_only_matmul, DecodeConfig(32, 16, 64, 2, num_warps=4,
                                                                 num_stages=3)
+    else:  # (both W8A8 kernels: the prefill's activation recipe)
+        emulation, split_cfg = dynamic_matmul, DecodeConfig(64, 16, 256, 2, num_warps=4,
+                                                            num_stages=3)
     g = torch.Generator(device=device).manual_seed(2)
     x = torch.randn(37, 300, device=device, generator=g, dtype=torch.bfloat16)
     storage = block_scale_storage(200, 300, device) if granularity == "block" else None
@@ -208,12 +210,18 @@ def _decode_mm(device: torch.device, granularity: str):
         _check_decode_kernels(device, granularity)
     for kernel in (DECODE_KERNEL, *(k for k in KERNELS if k != DECODE_KERNEL)):
         if _decode_checked.get((str(device), granularity, kernel)):
-            if kernel == "dynamic":
-                from parallel_models.inference.fp8.dynamic_act_kernel import dynamic_act_mm
-                return dynamic_act_mm
-            from parallel_models.inference.fp8.weight_only_kernel import weight_only_mm
-            return weight_only_mm
+            return _kernel_mm(kernel)
     return None
+
+
+def _kernel_mm(kernel: str):
+    """The ``mm(x2, weight, config=None)`` of a decode kernel (imported here: triton)."""
+    if kernel == "weight_only":
+        from parallel_models.inference.fp8.weight_only_kernel import weight_only_mm
+        return weight_only_mm
+    from parallel_models.inference.fp8 import dynamic_act_kernel
+    return (dynamic_act_kernel.dynamic_act_mm if kernel == "dynamic"
+            else dynamic_act_kernel.prequantized_mm)
 
 
 def weight_only_matmul(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:

@@ -25,9 +25,10 @@
 #                                      # (overlap off, k=2 + kernel table, k=4, k=2 with
 #                                      # CUDA_DEVICE_MAX_CONNECTIONS=1), TP=2+SP (off, k=2),
 #                                      # pp_bench PP=2 x 16 microbatches (16/16, 17/15, 15/17)
-#   bash bench/gpu_session.sh fp8      # issue 37, one GPU, ~5 min: fp8_gemm_sweep (8B, 64 and
-#                                      # 256 rows, both decode kernels), fp8_decode (8B, batch
-#                                      # 64, block and channel scales, both kernels), its GPU test
+#   bash bench/gpu_session.sh fp8      # issue 37, one GPU, <= 9 min: fp8_gemm_sweep (8B, 64 and
+#                                      # 256 rows, the three decode kernels), fp8_decode (8B,
+#                                      # batch 64, block scales, bf16 vs each kernel), GPU test
+#   bash bench/gpu_session.sh fp8_channel  # the decode step with channel scales, <= 4 min
 #   bash bench/gpu_session.sh async    # issue 35, 2 GPUs, ~8 min: async_grpo long-tail, sync vs
 #                                      # async k=3 with the group weight push
 #   bash bench/gpu_session.sh critic   # issue 33, 2 GPUs, ~15 min, longer than one device call:
@@ -56,14 +57,16 @@ wait_bg() {  # wait up to $1 s for the background run to end; print its progress
 case "${1:-gpu}" in
   fp8)
     nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
-    timeout 200 python3 bench/fp8_gemm_sweep.py --shapes 8b --rows 64 256 --out "$OUT/sweep.json" \
+    timeout 220 python3 bench/fp8_gemm_sweep.py --shapes 8b --rows 64 256 --out "$OUT/sweep.json" \
         2>&1 | grep -E '"best"|"layer"' | tail -30
-    for scales in block channel; do
-      timeout 150 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales $scales \
-          2>&1 | tee "$OUT/fp8_decode_$scales.log" | tail -6
-    done
-    timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_rollout.py 2>&1 \
+    timeout 200 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales block \
+        2>&1 | tee "$OUT/fp8_decode_block.log" | tail -6
+    timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_rollout.py 2>&1 \
         | tee "$OUT/fp8_tests.log" | tail -15
+    ;;
+  fp8_channel)
+    timeout 230 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales channel \
+        2>&1 | tee "$OUT/fp8_decode_channel.log" | tail -6
     ;;
   async)
     timeout 560 python3 bench/async_grpo.py --mode both --preset long-tail --steps 7 --warmup 2 \

@@ -9,14 +9,18 @@ The runs of issue 33 (2x H100 80 GB; each layout prints one JSON line: per step 
 each phase's seconds, peak GiB allocated and reserved and the allocator's retries, the median
 and spread after the first step):
 
-    # 8B GRPO at TP=2 and at PP=2, 5 steps (>= 4 after warm-up)
-    python bench/grpo_scale.py --layout tp2 pp2 --steps 5 --timeout 900 \
-        --actor optimizer_offload_fraction=1 recompute=selective --out grpo_8b.json
-    # the PPO + critic variant (GAE, an 8B critic too; trainer.offload moves each role's
-    # distributed-optimizer buffers off the GPU between phases)
-    python bench/grpo_scale.py --layout tp2 pp2 --critic --steps 5 --timeout 900 \
-        --actor optimizer_offload_fraction=1 recompute=selective \
-        --critic-opt optimizer_offload_fraction=1 recompute=selective --out ppo_8b.json
+    # 8B GRPO at TP=2 and at PP=2, 5 steps (>= 4 after warm-up), each under 10 minutes
+    # (--device-mib 81559: an H100 80GB's memory on a larger card; docs/PERFORMANCE.md)
+    python bench/grpo_scale.py --layout tp2 --steps 5 --timeout 540 --no-trainer-offload \
+        --actor optimizer_offload_fraction=1 --out grpo_tp2.json
+    python bench/grpo_scale.py --layout pp2 --steps 5 --timeout 545 --no-trainer-offload \
+        --actor optimizer_offload_fraction=1 recompute=full --out grpo_pp2.json
+    # the PPO + critic variant (GAE; the critic a rank-64 LoRA on the 8B base with a trainable
+    # value head: a full 8B critic's optimizer states do not fit a 256 GiB host beside the
+    # actor's); ~170 s a step, so longer than one device call: bench/gpu_session.sh critic
+    python bench/grpo_scale.py --layout tp2 --critic --steps 5 --timeout 1500 \
+        --no-trainer-offload --actor optimizer_offload_fraction=1 recompute=full \
+        --critic-opt lora.rank=64 recompute=full --out ppo_8b.json
     # GRPO with 8k-16k-token responses at the 1.5B and the 0.5B shape
     python bench/grpo_scale.py --preset long-responses --layout tp2 --steps 3 \
         --actor recompute=full --out long_1p5b.json

@@ -2,7 +2,7 @@
 
     python bench/fp8_decode.py [--shapes 0.89b 8b] [--batches 64 256] [--scales block]
                                [--decode-kernels dynamic weight_only]
-                               [--rounds 3] [--iters 5] [--out fp8.json]
+                               [--rounds 3] [--iters 5] [--out fp8.json] [--kv-fp8]
     python bench/fp8_decode.py --grpo [--grpo-prompts 64 --grpo-n 8 --grpo-cap 2048]
     python bench/fp8_decode.py --tiny --device cpu       # smoke run (a few seconds on the CPU)
 
@@ -24,7 +24,10 @@ GEMM backend of the larger products (``scaled_mm``, or ``emulated`` where the GP
 cannot), ``decode_kernel_checks`` (per kernel, whether it passed ``gemm``'s device check: one
 that failed is replaced by the other) and ``decode_tiles``: per kernel, the tiles
 ``inference/fp8/decode_tuning`` chose per linear shape (timed during the FP8 engine's first,
-eager decode step). ``--out`` also writes every line and the run's settings as one JSON file.
+eager decode step). ``--kv-fp8``: two engines more with the KV pool in e4m3
+(``rollout.kv_cache_dtype=fp8``, ``pool_cache``): ``bf16_kvfp8`` (bf16 linears) and
+``fp8_<first decode kernel>_kvfp8`` (FP8 linears too). ``--out`` also writes every line and the
+run's settings as one JSON file.
 The 8B shape needs about 40 GiB at B = 256 with both kernels (weights, their FP8 copy, three KV
 pools of B x (prompt + 25) positions).
 
@@ -73,12 +76,14 @@ def _cpu_alternate(contenders: dict, rounds: int, warmup: int, iters: int) -> di
     return out
 
 
-def _engine(model, batch: int, prompt: int, new: int, vocab: int, seed: int):
+def _engine(model, batch: int, prompt: int, new: int, vocab: int, seed: int,
+            kv_cache_dtype: str = "bf16"):
     from parallel_models.inference.continuous import ContinuousEngine
     from parallel_models.inference.sampling import SamplingParams
 
     row_tokens = prompt + new
-    eng = ContinuousEngine(model, batch * row_tokens, max_rows=batch, max_row_tokens=row_tokens)
+    eng = ContinuousEngine(model, batch * row_tokens, max_rows=batch, max_row_tokens=row_tokens,
+                           kv_cache_dtype=kv_cache_dtype)
     g = torch.Generator().manual_seed(seed)
     params = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=new)
     for p in torch.randint(0, vocab, (batch, prompt), generator=g).tolist():
@@ -100,6 +105,12 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
         gemm.DECODE_KERNEL = kernel
         engines[f"fp8_{kernel}"] = (_engine(model, batch, args.prompt, new, spec["vocab"],
                                             batch), kernel)
+    if args.kv_fp8:  # the KV pool in e4m3: with the bf16 linears, and with the first kernel's
+        for kernel in [None] + args.decode_kernels[:1]:
+            fp8.active = kernel is not None
+            gemm.DECODE_KERNEL = kernel or default_kernel
+            engines[f"{'fp8_' + kernel if kernel else 'bf16'}_kvfp8"] = (
+                _engine(model, batch, args.prompt, new, spec["vocab"], batch, "fp8"), kernel)
 
     def step(engine, kernel):
         # (eager parts of a step; the captured graphs hold their GEMMs)
@@ -174,6 +185,8 @@ def main(argv=None) -> list[dict]:
                     choices=("dynamic", "w8a8", "weight_only"),
                     help="one FP8 engine per decode kernel (gemm.DECODE_KERNEL), alternated "
                          "with the bf16 engine")
+    ap.add_argument("--kv-fp8", action="store_true",
+                    help="also engines with the KV pool in e4m3 (rollout.kv_cache_dtype=fp8)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)

@@ -130,14 +130,15 @@ class ContinuousEngine:
     the model's positions); prompts starting together are prefilled in packs of at most
     ``max_prefill_tokens`` tokens; a resumed request with at most ``decode_extension_tokens``
     new tokens runs them in the next decode step instead (``decode_layout``; 0: never).
-    ``pipeline`` (default: the option ``decode_pipeline``, auto =
-    on CUDA): queue each decode step before reading the previous
-    one's tokens (:meth:`_decode`)."""
+    ``pipeline`` (default: the option ``decode_pipeline``, auto = on CUDA): queue each decode
+    step before reading the previous one's tokens (:meth:`_decode`). ``kv_cache_dtype``: the
+    pool's storage, bf16 (the model's dtype) | fp8 (e4m3 + scales, ``pool_cache``)."""
 
     def __init__(self, model, kv_budget_tokens: int, *, max_rows: int = 64,
                  max_row_tokens: int | None = None, prefix_cache_tokens: int = 0,
                  max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, pipeline: bool | None = None,
-                 decode_extension_tokens: int = DEFAULT_DECODE_EXTENSION_TOKENS):
+                 decode_extension_tokens: int = DEFAULT_DECODE_EXTENSION_TOKENS,
+                 kv_cache_dtype: str = "bf16"):
         if model.head_kind != "causal_lm":
             raise TypeError(f"{type(model).__name__} has no LM head; generation needs a CausalLM")
         self.parallel_layout = check_generation_layout(model)  # the model's (its TP group)
@@ -153,14 +154,13 @@ class ContinuousEngine:
         attn = model.model.layers[0].self_attn.qkv_proj
         self.cache = PoolKVCache(len(model.model.layers), kv_budget_tokens, self.max_entries,
                                  self.max_row_tokens, attn.num_kv_heads_per_rank, attn.head_dim,
-                                 model.dtype, self.device)
+                                 model.dtype, self.device, kv_cache_dtype)
         self.prefixes = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self.buckets = bucket_sizes(max_rows)
         if self.max_entries > max_rows:  # a bucket for the steps that feed re-entries beside
             self.buckets.append(self.max_entries)  # (nearly) every row
-        use_graph = (self.device.type == "cuda" and self.cache.flash_decode
-                     and not model.config.rope_depends_on_length
-                     and option("cuda_graphs"))
+        use_graph = (self.device.type == "cuda" and self.cache.graph_safe
+                     and not model.config.rope_depends_on_length and option("cuda_graphs"))
         self._steps = {b: BucketStep(model, self.cache, DecodeRows(b, self.device, self.cache.end),
                                       use_graph) for b in self.buckets}
         if pipeline is None:  # the option: "auto" = on CUDA; true: everywhere; false: off

@@ -103,11 +103,13 @@ class RolloutEngine:
     """``RolloutEngine(model, eos_token_id=None, pad_token_id=0, weights_path=None,
     kv_budget_tokens=None, max_rows=64, prefix_cache_tokens=0, keep_kv=False,
     gpu_memory_utilization=0.9, weight_dtype="bf16", fp8_scales="block",
-    shares_training_weights=False)``; ``kv_budget_tokens``: None (static batches), a KV size in
+    shares_training_weights=False, kv_cache_dtype="bf16")``; ``kv_budget_tokens``: None (static batches), a KV size in
     tokens, or ``"auto"`` (planned, see the module docstring). ``weight_dtype="fp8"``: the
     decoder linears run on FP8 copies of their weights (``inference/fp8``; ``fp8_scales``:
     block | channel), re-quantized after every load and after :meth:`weights_changed`;
-    ``shares_training_weights``: the model is the actor's (FP8 only inside generate)."""
+    ``shares_training_weights``: the model is the actor's (FP8 only inside generate).
+    ``kv_cache_dtype="fp8"``: the continuous engine's KV pool in e4m3 with per-(position, head)
+    scales (``pool_cache``; static batches keep the model's dtype)."""
 
     def __init__(self, model, *, eos_token_id: int | list[int] | None = None,
                  pad_token_id: int = 0, weights_path: str | None = None,
@@ -115,7 +117,7 @@ class RolloutEngine:
                  prefix_cache_tokens: int = 0, keep_kv: bool = False,
                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
                  weight_dtype: str = "bf16", fp8_scales: str = "block",
-                 shares_training_weights: bool = False):
+                 shares_training_weights: bool = False, kv_cache_dtype: str = "bf16"):
         if model.head_kind != "causal_lm":
             raise TypeError(f"{type(model).__name__} has no LM head; a rollout engine needs a "
                             "CausalLM")
@@ -138,6 +140,15 @@ class RolloutEngine:
         self.max_rows = max_rows
         self.prefix_cache_tokens = prefix_cache_tokens
         self.keep_kv = keep_kv
+        from parallel_models.inference.kv_quant import KV_CACHE_DTYPES
+
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
+                             f"{kv_cache_dtype!r}")
+        self.kv_cache_dtype = kv_cache_dtype
+        if kv_cache_dtype == "fp8" and not kv_budget_tokens:
+            log.warning("kv_cache_dtype=fp8: static batches (no kv_budget_tokens) keep their KV "
+                        "cache in the model's dtype; the fp8 pool is the continuous engine's")
         self._continuous = None
         # weight_dtype="fp8": the linears run on FP8 copies of their weights (inference/fp8),
         # refreshed after every load / sync; on the actor's own weights only inside generate
@@ -172,7 +183,8 @@ class RolloutEngine:
                                        kv_budget_tokens or self.kv_budget_tokens)
             self._continuous = ContinuousEngine(
                 self.model, budget, max_rows=self.max_rows,
-                prefix_cache_tokens=self.prefix_cache_tokens, max_prefill_tokens=chunk)
+                prefix_cache_tokens=self.prefix_cache_tokens, max_prefill_tokens=chunk,
+                kv_cache_dtype=self.kv_cache_dtype)
             self._continuous.on_tokens = self._count_tokens
         return self._continuous
 
@@ -193,7 +205,7 @@ class RolloutEngine:
         plan = plan_for_model(self.model, utilization=self.gpu_memory_utilization,
                               longest_prompt=longest_prompt, longest_row=longest_row, rows=rows,
                               max_prefill_tokens=DEFAULT_MAX_PREFILL_TOKENS,
-                              kv_budget_tokens=explicit)
+                              kv_budget_tokens=explicit, kv_cache_dtype=self.kv_cache_dtype)
         if plan is None:  # no device memory to plan (CPU)
             return explicit or rows * longest_row, DEFAULT_MAX_PREFILL_TOKENS
         self.memory_plan = plan

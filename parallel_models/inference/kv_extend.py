@@ -49,14 +49,13 @@ class ExtendingPrefill:
 
     def attend(self, layer: int, q, k, v, cu_seqlens, max_seqlen, scale, rope=None):
         cache = self.cache
-        cache.k[layer].index_copy_(0, self.write, k)
-        cache.v[layer].index_copy_(0, self.write, v)
+        cache.store(layer, self.write, k, v)  # (an fp8 pool: quantized)
         b, t = self.shape
         heads, d = q.shape[1], q.shape[2]
         padded = q.new_zeros((b, t, heads, d))
         padded[self.q_slot] = q
-        keys = cache.k[layer][self.key_index].transpose(1, 2)  # [B, kv, Tk, d]
-        values = cache.v[layer][self.key_index].transpose(1, 2)
+        keys, values = cache.gather(layer, self.key_index)  # (an fp8 pool: dequantized)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, kv, Tk, d]
         out = F.scaled_dot_product_attention(padded.transpose(1, 2), keys, values,
                                              attn_mask=self.mask, scale=scale,
                                              enable_gqa=keys.shape[1] != heads)

@@ -16,7 +16,8 @@ holds but does not use counts as free. What is left is split between
   ``max_prefill_tokens`` unless its activations would take more than ``PREFILL_SHARE`` of the
   memory left, never below the longest prompt (a prompt over the chunk is prefilled alone);
 - the KV pool, which gets the rest (``kv_bytes_per_token`` each: K and V of every layer for this
-  rank's KV heads), capped at what the requests can use at once (rows x longest row).
+  rank's KV heads; an fp8 pool, ``kv_cache_dtype="fp8"``: 1 byte per element plus an fp32 scale
+  per head, about half), capped at what the requests can use at once (rows x longest row).
 
 An explicit ``kv_budget_tokens`` overrides the KV share; the prefill chunk is then sized from what
 remains. A plan that cannot hold one row of the longest request (prompt + ``max_new_tokens``
@@ -47,7 +48,8 @@ class MemoryPlanError(KVBudgetError):
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
     """What the plan needs of a model, per rank: ``kv_heads`` and ``heads`` are this TP rank's,
-    ``intermediate`` this rank's MLP width (MoE: top-k x the expert width, if larger)."""
+    ``intermediate`` this rank's MLP width (MoE: top-k x the expert width, if larger);
+    ``kv_fp8``: the KV pool in e4m3 with fp32 scales per (position, head) (``pool_cache``)."""
 
     layers: int
     hidden: int
@@ -57,10 +59,12 @@ class ModelShape:
     head_dim: int
     vocab: int
     dtype_bytes: int
+    kv_fp8: bool = False
 
     @classmethod
-    def of(cls, model) -> "ModelShape":
-        """The shape of a parallel CausalLM (this rank's share of the heads and the MLP)."""
+    def of(cls, model, kv_cache_dtype: str = "bf16") -> "ModelShape":
+        """The shape of a parallel CausalLM (this rank's share of the heads and the MLP) with
+        its KV pool in ``kv_cache_dtype`` (bf16: the model's dtype | fp8)."""
         cfg = model.config
         attn = model.model.layers[0].self_attn.qkv_proj
         tp = model.parallel_layout.tensor_parallel_size
@@ -72,11 +76,15 @@ class ModelShape:
         return cls(layers=len(model.model.layers), hidden=int(cfg.hidden_size),
                    intermediate=-(-inter // tp), heads=heads,
                    kv_heads=int(attn.num_kv_heads_per_rank), head_dim=int(attn.head_dim),
-                   vocab=int(cfg.vocab_size), dtype_bytes=model.dtype.itemsize)
+                   vocab=int(cfg.vocab_size), dtype_bytes=model.dtype.itemsize,
+                   kv_fp8=kv_cache_dtype == "fp8")
 
 
 def kv_bytes_per_token(shape: ModelShape) -> int:
-    """K and V of one token position in every layer (this rank's KV heads)."""
+    """K and V of one token position in every layer (this rank's KV heads); fp8: one byte per
+    element and a 4-byte scale per head."""
+    if shape.kv_fp8:
+        return 2 * shape.layers * shape.kv_heads * (shape.head_dim + 4)
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * shape.dtype_bytes
 
 
@@ -189,13 +197,15 @@ def weight_bytes(model) -> int:
 
 def plan_for_model(model, *, utilization: float, longest_prompt: int, longest_row: int,
                    rows: int, max_prefill_tokens: int,
-                   kv_budget_tokens: int | None = None) -> MemoryPlan | None:
-    """:func:`plan_memory` for ``model`` on its device now; None off CUDA."""
+                   kv_budget_tokens: int | None = None,
+                   kv_cache_dtype: str = "bf16") -> MemoryPlan | None:
+    """:func:`plan_memory` for ``model`` (its KV pool in ``kv_cache_dtype``) on its device now;
+    None off CUDA."""
     memory = device_memory(model.device)
     if memory is None:
         return None
     total, in_use = memory
-    return plan_memory(ModelShape.of(model), total=total, in_use=in_use,
+    return plan_memory(ModelShape.of(model, kv_cache_dtype), total=total, in_use=in_use,
                        weights=weight_bytes(model), utilization=utilization,
                        longest_prompt=longest_prompt, longest_row=longest_row, rows=rows,
                        max_prefill_tokens=max_prefill_tokens, kv_budget_tokens=kv_budget_tokens)

@@ -23,6 +23,18 @@ bucket write and read there (one position each), so a bucket of fixed size needs
   A decode step reads every index from the fixed
   buffers of its :class:`DecodeRows`, so it can be captured once per bucket in a CUDA graph.
 - ``copy`` duplicates a prompt's KV into other regions (prefix sharing of the n samples).
+
+``kv_cache_dtype="fp8"`` (``rollout.kv_cache_dtype``; vLLM's ``kv_cache_dtype=fp8``): K and V
+are stored in e4m3 with one fp32 scale per (position, KV head) (``k_scale`` / ``v_scale``, the
+pool's shape minus head_dim): ``scale = amax / 448`` over the head_dim values (1 for all-zero),
+computed whenever an entry is written (prefill, extension, decode: :meth:`PoolKVCache.store`),
+dequantized as ``e4m3 * scale`` by every read (the SDPA gathers, :meth:`PoolKVCache.gather`;
+the split-KV kernel per key entry). Half the KV bytes per decode step, twice the tokens per
+budget (``memory_plan``). Prefill attention runs on the step's unquantized k / v, and the
+split-KV kernel attends to the step's own new entries unquantized too (the PyTorch decode paths
+read them back from the pool); PyTorch's flash kernel takes no e4m3, so on CUDA an fp8 pool
+decodes through the split-KV kernel (or SDPA, not graph-captured, without triton). The default
+(``"bf16"``: the model's dtype) is the pool as it always was.
 """
 
 from __future__ import annotations
@@ -35,16 +47,19 @@ from parallel_models.llama.layers.attention_kernels import varlen_causal_attenti
 from parallel_models.inference import split_kv_attention
 from parallel_models.options import option
 from parallel_models.inference.kv_cache import _flash_decode_supported
+from parallel_models.inference.kv_quant import KV_CACHE_DTYPES, dequantize_kv, quantize_kv
 from parallel_models.inference.split_kv_attention import split_kv_decode
 
-def _decode_kernel(device: torch.device, dtype: torch.dtype, heads_dim: tuple) -> str:
+def _decode_kernel(device: torch.device, dtype: torch.dtype, heads_dim: tuple,
+                   fp8: bool = False) -> str:
     """``"triton"`` (split-KV, ``split_kv_attention``) on CUDA fp16/bf16 when triton imports and
     the kernel passes its check against SDPA on this device, else ``"aten"`` (PyTorch's
     kernels); the option ``decode_attention`` = ``"aten"`` forces PyTorch's (the bench
     compares). Graph capture of decode steps needs either of the CUDA ones."""
     choice = option("decode_attention")  # "triton" | "aten" (validated there)
     if choice == "triton" and device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) \
-            and split_kv_attention.supported(device, dtype, *heads_dim):
+            and split_kv_attention.supported(device, dtype, *heads_dim) \
+            and (not fp8 or split_kv_attention.supported(device, dtype, *heads_dim, fp8_kv=True)):
         return "triton"
     return "aten"
 
@@ -77,21 +92,43 @@ class DecodeRows:
 
 
 class PoolKVCache:
+    """K / V ``[layers, capacity + max_rows, kv_heads, head_dim]`` in ``dtype`` (the model's,
+    what reads return), or e4m3 with ``k_scale`` / ``v_scale`` ``[layers, positions, kv_heads]``
+    for ``kv_cache_dtype="fp8"`` (see the module docstring)."""
+
     def __init__(self, num_layers: int, capacity: int, max_rows: int, max_row_tokens: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device):
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device,
+                 kv_cache_dtype: str = "bf16"):
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
+                             f"{kv_cache_dtype!r}")
         self.capacity, self.max_rows, self.max_row_tokens = capacity, max_rows, max_row_tokens
         self.end = capacity + max_rows  # scratch positions of the padding rows at the end
+        self.dtype, self.fp8 = dtype, kv_cache_dtype == "fp8"
         shape = (num_layers, self.end, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.flash_decode = _flash_decode_supported(torch.device(device), dtype)
-        self.decode_kernel = _decode_kernel(torch.device(device), dtype, (num_kv_heads, head_dim))
+        stored = torch.float8_e4m3fn if self.fp8 else dtype
+        self.k = torch.zeros(shape, dtype=stored, device=device)
+        self.v = torch.zeros(shape, dtype=stored, device=device)
+        self.k_scale = self.v_scale = None
+        if self.fp8:
+            self.k_scale = torch.ones(shape[:-1], dtype=torch.float32, device=device)
+            self.v_scale = torch.ones(shape[:-1], dtype=torch.float32, device=device)
+        # PyTorch's flash kernel reads no e4m3: an fp8 pool decodes through the split-KV kernel
+        self.flash_decode = not self.fp8 and _flash_decode_supported(torch.device(device), dtype)
+        self.decode_kernel = _decode_kernel(torch.device(device), dtype, (num_kv_heads, head_dim),
+                                            self.fp8)
         self._heads_dim = (num_kv_heads, head_dim)
         if self.decode_kernel == "triton":  # its one-off check now, before any graph capture
             split_kv_attention.rope_supported(self.k.device, dtype, *self._heads_dim)
         self._write = None
         self._rows: DecodeRows | None = None
         self.decoding = False
+
+    @property
+    def graph_safe(self) -> bool:
+        """The decode step can be captured in a CUDA graph: PyTorch's flash kernel, or (an fp8
+        pool) the split-KV kernel."""
+        return self.flash_decode or (self.fp8 and self.decode_kernel == "triton")
 
     def scratch(self, i: int) -> int:
         """Region start of padding row ``i`` (one position, never part of a real region)."""
@@ -121,7 +158,7 @@ class PoolKVCache:
         and training, which takes rotated q / k) nor with the option ``decode_fuse_rope`` off."""
         return self.decoding and self.decode_kernel == "triton" and not exact.enabled() \
             and option("decode_fuse_rope") \
-            and split_kv_attention.rope_supported(self.k.device, self.k.dtype, *self._heads_dim)
+            and split_kv_attention.rope_supported(self.k.device, self.dtype, *self._heads_dim)
 
     def attend(self, layer: int, q, k, v, cu_seqlens, max_seqlen, scale, rope=None):
         if rope is not None and not self.fuses_rope():
@@ -131,22 +168,50 @@ class PoolKVCache:
             return varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, scale=scale)
         if self.decode_kernel == "triton" and not exact.enabled():  # writes k / v itself
             rows = self._rows
+            scales = (self.k_scale[layer], self.v_scale[layer]) if self.fp8 else None
             return split_kv_decode(q, k, v, self.k[layer], self.v[layer], rows.offsets,
                                    rows.used, self.max_row_tokens, scale, rope=rope,
-                                   back=rows.back)
+                                   back=rows.back, kv_scales=scales)
         self.write_kv(layer, k, v)
         return self.decode_attention(layer, q, scale)
 
     def write_kv(self, layer: int, k, v) -> None:
         """The step's new k / v at their pool positions."""
-        self.k[layer].index_copy_(0, self._write, k)
-        self.v[layer].index_copy_(0, self._write, v)
+        self.store(layer, self._write, k, v)
+
+    def store(self, layer: int, index: torch.Tensor, k, v) -> None:
+        """``k`` / ``v`` ``[n, kv_heads, d]`` (model dtype) at pool positions ``index`` of
+        ``layer`` (fp8: quantized, their scales beside)."""
+        if self.fp8:
+            k, k_scale = quantize_kv(k)
+            v, v_scale = quantize_kv(v)
+            self.k_scale[layer].index_copy_(0, index, k_scale)
+            self.v_scale[layer].index_copy_(0, index, v_scale)
+            # (as bytes: PyTorch's CPU index_copy_ / indexing take no e4m3)
+            self.k[layer].view(torch.uint8).index_copy_(0, index, k.view(torch.uint8))
+            self.v[layer].view(torch.uint8).index_copy_(0, index, v.view(torch.uint8))
+            return
+        self.k[layer].index_copy_(0, index, k)
+        self.v[layer].index_copy_(0, index, v)
+
+    def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at pool positions ``index`` (any shape) of ``layer``, in the model dtype
+        (fp8: dequantized) -> ``[*index.shape, kv_heads, d]`` each."""
+        if not self.fp8:
+            return self.k[layer][index], self.v[layer][index]
+        k = self.k[layer].view(torch.uint8)[index].view(self.k.dtype)
+        v = self.v[layer].view(torch.uint8)[index].view(self.v.dtype)
+        return (dequantize_kv(k, self.k_scale[layer][index], self.dtype),
+                dequantize_kv(v, self.v_scale[layer][index], self.dtype))
 
     def decode_attention(self, layer: int, q, scale):
         """PyTorch's kernels: flash with ``seqused_k`` on CUDA fp16/bf16, else masked SDPA (exact
         mode: the attention kernel of prefill and training, ``layers/exact``)."""
         rows = self._rows
         if exact.enabled():  # the kernel of prefill and training (layers/exact)
+            if self.fp8:
+                raise ValueError("exact mode reads the KV pool in the model's dtype: "
+                                 "kv_cache_dtype=fp8 cannot go with it")
             from parallel_models.llama.layers.exact import ops
 
             return ops.decode_attention(q, self.k[layer], self.v[layer], rows.offsets,
@@ -165,27 +230,35 @@ class PoolKVCache:
         span = rows.span
         window = torch.arange(span, device=q.device)
         index = (rows.offsets[:, None] + window[None, :]).clamp_(max=self.end - 1)  # [B, span]
-        keys = self.k[layer][index].transpose(1, 2)  # [B, kv, span, d]
-        values = self.v[layer][index].transpose(1, 2)
+        keys, values = self.gather(layer, index)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)  # [B, kv, span, d]
         kv = keys.shape[1]
         valid = window[None, :] <= rows.lengths[:, None]
         out = F.scaled_dot_product_attention(q.view(b, kv, heads // kv, d), keys, values,
                                              attn_mask=valid[:, None, None, :], scale=scale)
         return out.reshape(b, heads, d)
 
+    def _stored(self) -> tuple[torch.Tensor, ...]:
+        """The pool's tensors, position on dim 1 (k, v; fp8: and their scales)."""
+        return (self.k, self.v) + ((self.k_scale, self.v_scale) if self.fp8 else ())
+
     def copy(self, src: int, dsts: list[int], length: int) -> None:
         """Copy positions ``src .. src+length`` of every layer to each start in ``dsts``."""
         for dst in dsts:
-            self.k[:, dst:dst + length].copy_(self.k[:, src:src + length])
-            self.v[:, dst:dst + length].copy_(self.v[:, src:src + length])
+            for t in self._stored():
+                t[:, dst:dst + length].copy_(t[:, src:src + length])
 
-    def read(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of a region's first ``length`` positions (``[layers, length, kv, d]`` each)."""
-        return (self.k[:, start:start + length].clone(), self.v[:, start:start + length].clone())
+    def read(self, start: int, length: int) -> tuple:
+        """Copies of a region's first ``length`` positions: ``(k, v)`` ``[layers, length, kv,
+        d]`` each (fp8: each a ``(e4m3, scales)`` pair), what :meth:`write` takes."""
+        got = [t[:, start:start + length].clone() for t in self._stored()]
+        return (got[0], got[1]) if not self.fp8 else ((got[0], got[2]), (got[1], got[3]))
 
-    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[:, start:start + k.shape[1]].copy_(k)
-        self.v[:, start:start + v.shape[1]].copy_(v)
+    def write(self, start: int, k, v) -> None:
+        """Put a :meth:`read` of a region at ``start``."""
+        parts = (k, v) if not self.fp8 else (k[0], v[0], k[1], v[1])
+        for t, part in zip(self._stored(), parts):
+            t[:, start:start + part.shape[1]].copy_(part)
 
 
 __all__ = ["DecodeRows", "PoolKVCache"]

@@ -18,6 +18,14 @@ being the token decoded now (its k/v come in as ``k_new`` / ``v_new``).
   (a re-entry's new tokens fed in one step, ``decode_layout``; ``back``) read each other's k/v
   from the step's ``k_new`` / ``v_new``, never from the pool those programs are writing.
 
+- An fp8 pool (``kv_scales``: e4m3 pools and fp32 scales per (position, KV head),
+  ``pool_cache``): each tile loads its e4m3 keys / values and their scales; the scores are
+  ``q . k_e4m3`` times the key's scale and the values' weights ``p`` times the value's scale, in
+  fp32 (``q . (k_e4m3 * s) == (q . k_e4m3) * s``: the dequantization without a rounding of the
+  dequantized values), and the new token is quantized (amax / 448 per KV head) as it is
+  written. The step's own entries (the new token, a re-entry's ``back`` ones) are attended
+  unquantized, from ``k_new`` / ``v_new``.
+
 Launch settings (tile, warps, stages, split): ``split_kv_config`` (an env var or a table by shape).
 The kernels live in ``split_kv_kernels``, imported lazily (:func:`available`): without triton
 the cache keeps PyTorch's kernels.
@@ -32,6 +40,7 @@ import warnings
 
 import torch
 
+from parallel_models.inference.kv_quant import dequantize_kv, quantize_kv
 from parallel_models.inference.split_kv_config import LaunchConfig, launch_config
 from parallel_models.options import option
 
@@ -71,10 +80,11 @@ def available() -> bool:
 
 
 @functools.cache
-def supported(device: torch.device, dtype: torch.dtype, kv_heads: int, head_dim: int) -> bool:
+def supported(device: torch.device, dtype: torch.dtype, kv_heads: int, head_dim: int,
+              fp8_kv: bool = False) -> bool:
     """Triton imports, ``head_dim`` suits the kernel, and the kernel matches SDPA (a few rows,
-    several splits) on ``device`` in ``dtype``: checked once; a failure warns and returns False
-    (the caller keeps PyTorch's kernels)."""
+    several splits) on ``device`` in ``dtype`` (``fp8_kv``: on e4m3 pools with scales): checked
+    once; a failure warns and returns False (the caller keeps PyTorch's kernels)."""
     if not available() or head_dim < 16 or head_dim & (head_dim - 1):
         return False
     try:
@@ -89,8 +99,14 @@ def supported(device: torch.device, dtype: torch.dtype, kv_heads: int, head_dim:
                            rand(rows, kv_heads, head_dim))
         offsets = torch.tensor([0, 10, 80, 200], device=device)
         used = torch.tensor([1, 64, 100, 33], device=device, dtype=torch.int32)
-        ref = reference_decode(q, k_new, v_new, k_pool, v_pool, offsets, used, 0.1)
-        got = split_kv_decode(q, k_new, v_new, k_pool, v_pool, offsets, used, 100, 0.1, split=32)
+        scales = None
+        if fp8_kv:
+            (k_pool, k_scale), (v_pool, v_scale) = quantize_kv(k_pool), quantize_kv(v_pool)
+            scales = (k_scale, v_scale)
+        ref = reference_decode(q, k_new, v_new, k_pool.clone(), v_pool.clone(), offsets, used,
+                               0.1, kv_scales=scales and (scales[0].clone(), scales[1].clone()))
+        got = split_kv_decode(q, k_new, v_new, k_pool, v_pool, offsets, used, 100, 0.1, split=32,
+                              kv_scales=scales)
         err = ((got.float() - ref.float()).abs() - 2e-2 * ref.float().abs()).max().item()
         if not err < 3e-2:  # bf16: a few units in the last place of outputs up to ~4
             raise AssertionError(f"error {err} vs SDPA (beyond 2% of the value)")
@@ -136,15 +152,27 @@ def rope_supported(device: torch.device, dtype: torch.dtype, kv_heads: int,
     return True
 
 
-def reference_decode(q, k_new, v_new, k_pool, v_pool, offsets, used, scale) -> torch.Tensor:
+def reference_decode(q, k_new, v_new, k_pool, v_pool, offsets, used, scale,
+                     kv_scales=None) -> torch.Tensor:
     """What :func:`split_kv_decode` computes, with SDPA row by row (host loop: tests only);
-    writes ``k_new`` / ``v_new`` into the pools like it."""
+    writes ``k_new`` / ``v_new`` into the pools like it (``kv_scales``: e4m3 pools, the new
+    entries quantized into them and attended unquantized)."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_pool.shape[1]
     for i, (start, n) in enumerate(zip(offsets.tolist(), used.tolist())):
-        k_pool[start + n - 1], v_pool[start + n - 1] = k_new[i], v_new[i]
-        keys = k_pool[start:start + n].transpose(0, 1).repeat_interleave(group, 0)
-        values = v_pool[start:start + n].transpose(0, 1).repeat_interleave(group, 0)
+        last = start + n - 1
+        if kv_scales is None:
+            k_pool[last], v_pool[last] = k_new[i], v_new[i]
+            keys, values = k_pool[start:start + n], v_pool[start:start + n]
+        else:
+            (k_pool[last], kv_scales[0][last]), (v_pool[last], kv_scales[1][last]) = (
+                quantize_kv(k_new[i]), quantize_kv(v_new[i]))
+            keys = torch.cat([dequantize_kv(k_pool[start:last], kv_scales[0][start:last],
+                                            q.dtype), k_new[i][None]])
+            values = torch.cat([dequantize_kv(v_pool[start:last], kv_scales[1][start:last],
+                                              q.dtype), v_new[i][None]])
+        keys = keys.transpose(0, 1).repeat_interleave(group, 0)
+        values = values.transpose(0, 1).repeat_interleave(group, 0)
         out[i] = torch.nn.functional.scaled_dot_product_attention(
             q[i][:, None], keys, values, scale=scale)[:, 0]
     return out
@@ -164,7 +192,7 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     used: torch.Tensor, max_row_tokens: int, scale: float,
                     split: int | None = None,
                     config: LaunchConfig | None = None, rope=None,
-                    back: torch.Tensor | None = None) -> torch.Tensor:
+                    back: torch.Tensor | None = None, kv_scales=None) -> torch.Tensor:
     """Attention of one query token per row over its pool region; writes ``k_new`` / ``v_new``
     at ``offsets + used - 1`` of the pools.
 
@@ -177,6 +205,8 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     ``back``: ``[B]`` int32, how many entries right before each one belong to the same row
     (consecutive positions of one region, a fed re-entry: ``decode_layout``); an entry reads
     their k / v from ``k_new`` / ``v_new``, not the pool. Default: none (0).
+    ``kv_scales``: ``(k_scale, v_scale)`` fp32 ``[positions, kv_heads]`` of e4m3 pools (the
+    new k / v quantized into them as they are written); None: the pools in ``q``'s dtype.
     """
     triton, split_kernel, combine_kernel = _kernels()
     b, heads, dim = q.shape
@@ -215,16 +245,24 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         cos = sin = q  # unused
     if back is None:
         back = torch.zeros(b, dtype=torch.int32, device=q.device)
+    k_scale, v_scale = kv_scales if kv_scales is not None else (q, q)  # (q: unused)
+    if kv_scales is not None and (k_pool.dtype != torch.float8_e4m3fn
+                                  or k_scale.shape != k_pool.shape[:2]
+                                  or k_scale.stride() != v_scale.stride()
+                                  or k_scale.stride(1) != 1):
+        raise ValueError("split-KV decode kv_scales needs e4m3 pools and fp32 scales "
+                         "[positions, kv_heads] alike, contiguous in the heads")
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     split_kernel[(b, kv_heads, num_splits)](
         q, k_new, v_new, k_pool, v_pool, offsets, used, back, out, part_out, part_lse, cos, sin,
-        scale,
+        k_scale, v_scale, scale,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1), k_pool.stride(0),
-        k_pool.stride(1), out.stride(0), out.stride(1), cos.stride(0),
+        k_pool.stride(1), out.stride(0), out.stride(1), cos.stride(0), k_scale.stride(0),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
         SPLIT=split, NUM_SPLITS=num_splits, H=heads, IEEE=q.dtype == torch.float32,
-        RUNTIME_LOOP=not interpreted, ROPE=rope is not None,
+        RUNTIME_LOOP=not interpreted, ROPE=rope is not None, FP8_KV=kv_scales is not None,
+        INTERPRETED=interpreted,
         # the interpreter loops a fixed count over a row's earlier entries (compiled: any)
         MAX_BACK=int(back.max()) if interpreted else 0,
         num_warps=config.num_warps, num_stages=config.num_stages)

@@ -3,32 +3,52 @@
 
 ``split_kernel``: program (row, KV head, split) runs an online softmax over its split's positions
 for all query heads of the KV head; ``combine_kernel`` merges the splits by their log-sum-exps.
-See ``split_kv_attention`` for the layout and the contract.
+See ``split_kv_attention`` for the layout and the contract. ``FP8_KV``: e4m3 pools with fp32
+scales per (position, KV head): a tile's scores are scaled by its keys' scales and its softmax
+weights by its values' scales (fp32), and the new token is quantized as it is stored (in the
+CPU interpreter, whose fp32 -> e4m3 conversion is wrong, rounded by ``_round_to_e4m3`` first).
 """
 
 import triton
 import triton.language as tl
 
+# (the interpreter's stand-in for the e4m3 conversion; the FP8 rollout's GEMM uses it alike)
+from parallel_models.inference.fp8.dynamic_act_kernel import _round_to_e4m3
+
+E4M3_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
+
 
 @triton.jit
-def _tile(q, k_base, v_base, offset, n0, end, m_i, l_i, acc, scale, stride_pt, d,
-          BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+def _tile(q, k_base, v_base, ks_base, vs_base, offset, n0, end, m_i, l_i, acc, scale,
+          stride_pt, stride_st, d, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+          FP8_KV: tl.constexpr):
     """One tile of BLOCK_N pool positions from n0, below end (online softmax update of m_i,
-    l_i, acc). The loads feed the dots directly, so the compiler can pipeline them."""
+    l_i, acc). The loads feed the dots directly, so the compiler can pipeline them. FP8_KV:
+    e4m3 k / v (exact in q's dtype) and their scales at ``ks_base`` / ``vs_base``."""
     pos = n0 + tl.arange(0, BLOCK_N)
     valid = pos < end
     addr = (offset + pos.to(tl.int64))[:, None] * stride_pt + d[None, :]
     k = tl.load(k_base + addr, mask=valid[:, None], other=0.0)
     v = tl.load(v_base + addr, mask=valid[:, None], other=0.0)
+    if FP8_KV:
+        s_addr = (offset + pos.to(tl.int64)) * stride_st
+        k_scale = tl.load(ks_base + s_addr, mask=valid, other=0.0)
+        v_scale = tl.load(vs_base + s_addr, mask=valid, other=0.0)
+        k = k.to(tl.float32).to(q.dtype)
+        v = v.to(tl.float32).to(q.dtype)
     if IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
+    if FP8_KV:
+        s = s * k_scale[None, :]
     s = tl.where(valid[None, :], s * scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: the tile holds a valid position
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
+    if FP8_KV:
+        p = p * v_scale[None, :]
     if IEEE:
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
     else:
@@ -43,6 +63,21 @@ def _rope(x, partner, cos, sin, sign):
     ``fused_ops.rotary``)."""
     out = x.to(tl.float32) * cos + sign * partner.to(tl.float32) * sin
     return out.to(x.dtype)
+
+
+@triton.jit
+def _store_quantized(base, scale_ptr, addr, x, INTERPRETED: tl.constexpr):
+    """Store ``x`` [D] as e4m3 at ``base + addr`` and its fp32 scale (amax / 448, 1 for
+    all-zero) at ``scale_ptr``, as ``pool_cache.quantize_kv``."""
+    x = x.to(tl.float32)
+    amax = tl.max(tl.abs(x), 0)
+    s = tl.where(amax > 0, tl.math.div_rn(amax, E4M3_MAX), 1.0)
+    scaled = tl.minimum(tl.maximum(tl.math.div_rn(x, s + tl.zeros_like(x)), -E4M3_MAX),
+                        E4M3_MAX)
+    if INTERPRETED:
+        scaled = _round_to_e4m3(scaled)
+    tl.store(base + addr, scaled.to(base.dtype.element_ty))
+    tl.store(scale_ptr, s)
 
 
 @triton.jit
@@ -74,12 +109,13 @@ def _earlier_entry(q, KNew, VNew, Cos, Sin, src, kvh, m_i, l_i, acc, scale, stri
 
 @triton.jit
 def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Back, Out, PartOut, PartLse, Cos,
-                 Sin, scale, stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                 stride_pt, stride_ph, stride_ob, stride_oh, stride_cos,
-                 G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                 Sin, KScale, VScale, scale, stride_qb, stride_qh, stride_kb, stride_kh,
+                 stride_vb, stride_vh, stride_pt, stride_ph, stride_ob, stride_oh, stride_cos,
+                 stride_st, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
                  BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
                  H: tl.constexpr, IEEE: tl.constexpr, RUNTIME_LOOP: tl.constexpr,
-                 ROPE: tl.constexpr, MAX_BACK: tl.constexpr):
+                 ROPE: tl.constexpr, MAX_BACK: tl.constexpr, FP8_KV: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -113,21 +149,25 @@ def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Back, Out, PartOut,
     v_new = tl.load(VNew + row * stride_vb + kvh * stride_vh + d)
     k_base = KPool + kvh * stride_ph
     v_base = VPool + kvh * stride_ph
+    ks_base = KScale + kvh  # (FP8_KV: the scales [positions, kv heads]; else unused)
+    vs_base = VScale + kvh
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     pool_end = tl.minimum(end, first)  # positions before this step's come from the pool
     if RUNTIME_LOOP:  # compiled: loop to the split's end (the loads get pipelined)
         for n0 in range(start, pool_end, BLOCK_N):
-            m_i, l_i, acc = _tile(q, k_base, v_base, offset, n0, pool_end, m_i, l_i, acc, scale,
-                                  stride_pt, d, BLOCK_N, IEEE)
+            m_i, l_i, acc = _tile(q, k_base, v_base, ks_base, vs_base, offset, n0, pool_end,
+                                  m_i, l_i, acc, scale, stride_pt, stride_st, d, BLOCK_N, IEEE,
+                                  FP8_KV)
     else:  # the interpreter cannot loop to a runtime bound: a fixed trip count, tiles past the
         # split's end skipped (an empty split reads nothing)
         for tile in range(0, SPLIT // BLOCK_N):
             n0 = start + tile * BLOCK_N
             if n0 < pool_end:
-                m_i, l_i, acc = _tile(q, k_base, v_base, offset, n0, pool_end, m_i, l_i, acc,
-                                      scale, stride_pt, d, BLOCK_N, IEEE)
+                m_i, l_i, acc = _tile(q, k_base, v_base, ks_base, vs_base, offset, n0, pool_end,
+                                      m_i, l_i, acc, scale, stride_pt, stride_st, d, BLOCK_N,
+                                      IEEE, FP8_KV)
     lo = tl.maximum(first, start)
     hi = tl.minimum(last, end)
     if RUNTIME_LOOP:
@@ -145,8 +185,13 @@ def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Back, Out, PartOut,
     if (last >= start) & (last < start + SPLIT):  # this program owns the new token
         m_i, l_i, acc = _one_token(q, k_new, v_new, m_i, l_i, acc, scale)
         new_addr = (offset + last.to(tl.int64)) * stride_pt + d
-        tl.store(k_base + new_addr, k_new)
-        tl.store(v_base + new_addr, v_new)
+        if FP8_KV:
+            scale_addr = (offset + last.to(tl.int64)) * stride_st
+            _store_quantized(k_base, ks_base + scale_addr, new_addr, k_new, INTERPRETED)
+            _store_quantized(v_base, vs_base + scale_addr, new_addr, v_new, INTERPRETED)
+        else:
+            tl.store(k_base + new_addr, k_new)
+            tl.store(v_base + new_addr, v_new)
     nonempty = start < used
     denom = tl.where(l_i > 0, l_i, 1.0)
     out = acc / denom[:, None]

@@ -139,12 +139,16 @@ from triton.compiler import ASTSource
 from parallel_models.inference import split_kv_kernels as K
 types = dict(Q="*bf16", KNew="*bf16", VNew="*bf16", KPool="*bf16", VPool="*bf16",
              Offsets="*i64", Used="*i32", Back="*i32", Out="*bf16", PartOut="*fp32", PartLse="*fp32",
-             Cos="*bf16", Sin="*bf16", scale="fp32")
+             Cos="*bf16", Sin="*bf16", KScale="*fp32", VScale="*fp32", scale="fp32")
 types.update({n: "i32" for n in K.split_kernel.arg_names if n.startswith("stride")})
-for split, splits, rope in ((512, 1, False), (128, 3, True)):
+for split, splits, rope, fp8 in ((512, 1, False, False), (128, 3, True, False),
+                                 (128, 3, True, True)):  # fp8: e4m3 pools with scales
     consts = dict(G=2, BLOCK_G=16, D=128, BLOCK_N=64, SPLIT=split, NUM_SPLITS=splits, H=16,
-                  IEEE=False, RUNTIME_LOOP=True, ROPE=rope, MAX_BACK=0)
-    sig = {n: "constexpr" if n in consts else types[n] for n in K.split_kernel.arg_names}
+                  IEEE=False, RUNTIME_LOOP=True, ROPE=rope, MAX_BACK=0, FP8_KV=fp8,
+                  INTERPRETED=False)
+    pools = dict(KPool="*fp8e4nv", VPool="*fp8e4nv") if fp8 else {}
+    sig = {n: "constexpr" if n in consts else pools.get(n, types[n])
+           for n in K.split_kernel.arg_names}
     triton.compile(ASTSource(K.split_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=4, num_stages=2))
 consts = dict(H=16, D=128, SPLIT=128, NUM_SPLITS=3, BLOCK_S=4)

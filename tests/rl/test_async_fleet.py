@@ -43,3 +43,9 @@ def test_partial_rollouts_take_the_group_push():
     assert "--partial-rollouts" in server_options(cfg)
     with pytest.raises(ConfigError, match="rollout.partial=true needs trainer.mode=async"):
         load_config(None, over)
+
+
+def test_fp8_kv_cache_reaches_the_server_command_line():
+    assert "--kv-cache-dtype" not in _options()  # default: the server's (the model dtype)
+    opts = _options("rollout.kv_cache_dtype=fp8")
+    assert build_parser().parse_args(["--model", "m", *opts]).kv_cache_dtype == "fp8"

@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "re-quantized at every weight load or push")
     p.add_argument("--fp8-scales", choices=("block", "channel"), default="block",
                    help="--quantization fp8: weight scales per 128x128 block | per out channel")
+    p.add_argument("--kv-cache-dtype", choices=("bf16", "fp8"), default="bf16",
+                   help="the continuous batcher's KV pool: bf16 = --dtype (as before) | fp8 = "
+                        "e4m3 with a scale per (token, KV head): twice the tokens per budget")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id; one that does "
                    "not load is an error (default: the --model folder, and when none loads "
                    "there only token-id prompts are served)")
@@ -314,7 +317,7 @@ def _serve(args, sock) -> int:
                             kv_budget_tokens=budget, max_rows=args.max_batch,
                             prefix_cache_tokens=max(0, args.prefix_cache_tokens), keep_kv=True,
                             weight_dtype="fp8" if args.quantization == "fp8" else "bf16",
-                            fp8_scales=args.fp8_scales)
+                            fp8_scales=args.fp8_scales, kv_cache_dtype=args.kv_cache_dtype)
     engine = Engine(rollout, args.tp, group)
     engine.partial_rollouts = args.partial_rollouts and not args.static_batching
     try:

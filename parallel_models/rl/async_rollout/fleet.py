@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 def server_options(cfg) -> tuple[str, ...]:
     """Command-line limits of the server that fit every request of the run (and
     ``--partial-rollouts`` with ``rollout.partial``; its KV pool ``rollout.kv_budget_tokens``
-    when set: a token count, or auto = planned from the server GPU's memory)."""
+    when set: a token count, or auto = planned from the server GPU's memory; in e4m3 with
+    ``rollout.kv_cache_dtype=fp8``)."""
     r = cfg.rollout
     rows = cfg.data.batch_size * r.n
     budget = r.kv_budget_tokens
@@ -28,7 +29,8 @@ def server_options(cfg) -> tuple[str, ...]:
             "--max-new-tokens", str(r.max_new_tokens),
             "--max-prompt-tokens", str(max(1024, cfg.data.max_prompt_length)),
             "--dtype", cfg.model.dtype) + (("--partial-rollouts",) if r.partial else ()) + (
-                ("--kv-budget-tokens", str(budget)) if budget else ())
+                ("--kv-budget-tokens", str(budget)) if budget else ()) + (
+                ("--kv-cache-dtype", "fp8") if r.kv_cache_dtype == "fp8" else ())
 
 
 class RolloutFleet:

@@ -10,6 +10,10 @@ step whenever the rollout returns its log-probs, FP8 or not.
 
 With ``rollout.backend=server`` the server's own ``--quantization`` decides how it rolls out;
 ``rollout.dtype`` there only sets the correction default.
+
+``rollout.kv_cache_dtype=fp8`` (the continuous engine's KV pool in e4m3, ``inference/
+pool_cache``) changes the rollout's numerics too, so it cannot go with ``rollout.exact`` either;
+it leaves the correction default as it is (``rollout.dtype`` sets it).
 """
 
 from __future__ import annotations
@@ -40,11 +44,15 @@ def fp8_rollout_defaults(cfg) -> None:
 
 
 def fp8_rollout_problems(cfg) -> list[str]:
-    """Settings ``rollout.dtype=fp8`` cannot go with."""
+    """Settings ``rollout.dtype=fp8`` and ``rollout.kv_cache_dtype=fp8`` cannot go with."""
     r = cfg.rollout
-    if r.dtype != "fp8":
-        return []
     problems = []
+    if r.kv_cache_dtype == "fp8" and r.exact:
+        problems.append("rollout.kv_cache_dtype=fp8 with rollout.exact=true: exact mode makes "
+                        "the rollout log-probs equal the training ones bit for bit, which an "
+                        "e4m3 KV cache cannot; set one of them")
+    if r.dtype != "fp8":
+        return problems
     if r.exact:
         problems.append("rollout.dtype=fp8 with rollout.exact=true: exact mode makes the "
                         "rollout log-probs equal the training ones bit for bit, which FP8 "

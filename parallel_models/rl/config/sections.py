@@ -165,6 +165,11 @@ class RolloutSection(SamplingFields, AsyncRolloutFields):
                                           "dtype (as before) | fp8 = e4m3 copies (inference/fp8)")
     fp8_scales: Literal["block", "channel"] = Field("block", description="dtype=fp8: weight "
                                                     "scales per 128x128 block | per out channel")
+    kv_cache_dtype: Literal["bf16", "fp8"] = Field(
+        "bf16", description="continuous engine's KV pool: bf16 = model.dtype (as before) | fp8 "
+                            "= e4m3 with fp32 scales per (token, KV head): half the bytes per "
+                            "token (backend=server: the server's --kv-cache-dtype decides; "
+                            "trainer.mode=async passes it to the server it starts)")
     exact: StrictBool = Field(False, description="batch-invariant kernels (needs Triton): rollout "
                               "log-probs == training log-probs bit for bit (megatron backend, "
                               "inprocess rollout)")
@@ -199,7 +204,8 @@ class RolloutSection(SamplingFields, AsyncRolloutFields):
         same for the engine on the actor's weights, the hybrid engine's and the fsdp backend's."""
         return {"kv_budget_tokens": self.kv_budget_tokens or None, "max_rows": self.max_batch_rows,
                 "gpu_memory_utilization": self.gpu_memory_utilization,
-                "weight_dtype": self.dtype, "fp8_scales": self.fp8_scales}
+                "weight_dtype": self.dtype, "fp8_scales": self.fp8_scales,
+                "kv_cache_dtype": self.kv_cache_dtype}
 
 
 class LoraSection(BaseModel):

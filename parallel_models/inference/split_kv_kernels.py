@@ -6,14 +6,14 @@ for all query heads of the KV head; ``combine_kernel`` merges the splits by thei
 See ``split_kv_attention`` for the layout and the contract. ``FP8_KV``: e4m3 pools with fp32
 scales per (position, KV head): a tile's scores are scaled by its keys' scales and its softmax
 weights by its values' scales (fp32), and the new token is quantized as it is stored (in the
-CPU interpreter, whose fp32 -> e4m3 conversion is wrong, rounded by ``_round_to_e4m3`` first).
+CPU interpreter, whose fp32 -> e4m3 conversion is wrong, rounded by ``fp8.e4m3_rounding.round_to_e4m3`` first).
 """
 
 import triton
 import triton.language as tl
 
 # (the interpreter's stand-in for the e4m3 conversion; the FP8 rollout's GEMM uses it alike)
-from parallel_models.inference.fp8.dynamic_act_kernel import _round_to_e4m3
+from parallel_models.inference.fp8.e4m3_rounding import round_to_e4m3
 
 E4M3_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
 
@@ -75,7 +75,7 @@ def _store_quantized(base, scale_ptr, addr, x, INTERPRETED: tl.constexpr):
     scaled = tl.minimum(tl.maximum(tl.math.div_rn(x, s + tl.zeros_like(x)), -E4M3_MAX),
                         E4M3_MAX)
     if INTERPRETED:
-        scaled = _round_to_e4m3(scaled)
+        scaled = round_to_e4m3(scaled)
     tl.store(base + addr, scaled.to(base.dtype.element_ty))
     tl.store(scale_ptr, s)
 

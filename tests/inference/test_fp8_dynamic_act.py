@@ -24,7 +24,8 @@ pytest.importorskip("triton")
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from parallel_models.inference.fp8 import decode_gemm_shared, dynamic_act_kernel  # noqa: E402
+from parallel_models.inference.fp8 import (decode_gemm_shared, dynamic_act_kernel,  # noqa: E402
+                                           e4m3_rounding)
 from parallel_models.inference.fp8.decode_tuning import DecodeConfig, row_bucket  # noqa: E402
 from parallel_models.inference.fp8.gemm import (block_scale_storage,  # noqa: E402
                                                 dynamic_matmul, weight_only_matmul)
@@ -116,7 +117,7 @@ def test_k_steps_must_be_whole_activation_groups(kernel):
 def _round_kernel(V, R, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
-    tl.store(R + offs, dynamic_act_kernel._round_to_e4m3(tl.load(V + offs, mask=ok)), mask=ok)
+    tl.store(R + offs, e4m3_rounding.round_to_e4m3(tl.load(V + offs, mask=ok)), mask=ok)
 
 
 @pytest.mark.skipif(DEV == "cuda", reason="the interpreter's stand-in for the e4m3 conversion")

@@ -34,8 +34,8 @@ bf16 weights); the program mapping, the split-K hand-over and its workspace and 
 ``decode_gemm_shared``'s.
 
 Triton's CPU interpreter converts fp32 -> e4m3 wrongly (no carry into the exponent, subnormals
-cut): there (``_INTERPRETED``) the kernel rounds to e4m3 values itself (:func:`_round_to_e4m3`,
-integer ops on the fp32 bits) and takes an fp32 dot of those exact e4m3 values, so the
+cut): there (``_INTERPRETED``) the kernel rounds to e4m3 values itself
+(``e4m3_rounding.round_to_e4m3``, integer ops on the fp32 bits) and takes an fp32 dot of those exact e4m3 values, so the
 interpreter checks the quantization logic, the scales and the reduction; the GPU's e4m3 dot is
 checked by ``gemm``'s device check and ``tests/gpu``.
 """
@@ -52,6 +52,7 @@ from parallel_models.inference.fp8 import decode_gemm_shared as shared
 from parallel_models.inference.fp8.decode_gemm_shared import (finish_tile, program_tile,
                                                               tile_pointers)
 from parallel_models.inference.fp8.decode_tuning import DecodeConfig
+from parallel_models.inference.fp8.e4m3_rounding import round_to_e4m3
 from parallel_models.inference.fp8.quantize import (BLOCK, E4M3_MAX, QuantizedWeight,
                                                     quantize_activation)
 from parallel_models.llama.layers.exact import interpreter_fix
@@ -60,30 +61,6 @@ interpreter_fix.apply()  # (the CPU interpreter's loop bounds; nothing on the GP
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL = "dynamic"  # (its name in ``decode_tuning``'s keys)
 KERNEL_PREQUANT = "w8a8"  # the same GEMM on activations quantized beforehand
-
-# fp32 bits: e4m3 keeps 3 of fp32's 23 mantissa bits (20 dropped: round half to even, then cut);
-# its normals start at 2^-6 (fp32 bits 0x3C800000); its subnormals are multiples of 2^-9, which
-# (|v| + 2^14) - 2^14 rounds to in fp32 (the ulp at 2^14 is 2^-9)
-DROPPED_BITS = 20
-ROUND_HALF: tl.constexpr = tl.constexpr((1 << (DROPPED_BITS - 1)) - 1)
-KEEP_BITS: tl.constexpr = tl.constexpr(-(1 << DROPPED_BITS))  # (~0xFFFFF as an int32)
-ODD_BIT: tl.constexpr = tl.constexpr(DROPPED_BITS)
-E4M3_MIN_NORMAL_BITS: tl.constexpr = tl.constexpr(0x3C800000)
-SUBNORMAL_SHIFTER: tl.constexpr = tl.constexpr(16384.0)
-SIGN_BIT: tl.constexpr = tl.constexpr(-(1 << 31))  # (0x80000000 as an int32: -0 stays -0)
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """fp32 ``v`` (|v| <= 448) rounded to the nearest e4m3 value (ties to even), as fp32: the
-    interpreter's stand-in for the hardware conversion."""
-    bits = v.to(tl.int32, bitcast=True)
-    normal = ((bits + ROUND_HALF + ((bits >> ODD_BIT) & 1)) & KEEP_BITS).to(tl.float32,
-                                                                            bitcast=True)
-    tiny = (tl.abs(v) + SUBNORMAL_SHIFTER) - SUBNORMAL_SHIFTER
-    tiny = (tiny.to(tl.int32, bitcast=True) | (bits & SIGN_BIT)).to(tl.float32, bitcast=True)
-    return tl.where((bits & 0x7FFFFFFF) >= E4M3_MIN_NORMAL_BITS, normal, tiny)
-
 
 @triton.jit
 def _group_product(w, x, EMULATE: tl.constexpr, FP8_MAX: tl.constexpr):
@@ -96,7 +73,7 @@ def _group_product(w, x, EMULATE: tl.constexpr, FP8_MAX: tl.constexpr):
     scaled = x * tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[None, :]
     if EMULATE:  # (the interpreter: exact e4m3 values in fp32, an fp32 dot)
         scaled = tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)
-        return tl.dot(w.to(tl.float32), _round_to_e4m3(scaled)), scale
+        return tl.dot(w.to(tl.float32), round_to_e4m3(scaled)), scale
     # the GPU's conversion saturates (cvt.rn.satfinite): |x * (1 / scale)| exceeds 448 by at
     # most an ulp, which rounds to 448 as the clamp would
     return tl.dot(w, scaled.to(tl.float8e4nv)), scale

@@ -1,0 +1,35 @@
+"""fp32 -> the nearest e4m3 value (round half to even), as fp32, in a Triton kernel with integer
+ops on the fp32 bits: the CPU interpreter's stand-in for the hardware conversion, which the
+interpreter gets wrong (no carry into the exponent, subnormals cut). The FP8 decode GEMM
+(``dynamic_act_kernel``) and the split-KV attention's FP8 KV pool (``split_kv_kernels``) quantize
+through it when interpreted, so the CPU tests check the same rounding the GPU does.
+"""
+
+import triton
+import triton.language as tl
+
+# fp32 bits: e4m3 keeps 3 of fp32's 23 mantissa bits (20 dropped: round half to even, then cut);
+# its normals start at 2^-6 (fp32 bits 0x3C800000); its subnormals are multiples of 2^-9, which
+# (|v| + 2^14) - 2^14 rounds to in fp32 (the ulp at 2^14 is 2^-9)
+DROPPED_BITS = 20
+ROUND_HALF: tl.constexpr = tl.constexpr((1 << (DROPPED_BITS - 1)) - 1)
+KEEP_BITS: tl.constexpr = tl.constexpr(-(1 << DROPPED_BITS))  # (~0xFFFFF as an int32)
+ODD_BIT: tl.constexpr = tl.constexpr(DROPPED_BITS)
+E4M3_MIN_NORMAL_BITS: tl.constexpr = tl.constexpr(0x3C800000)
+SUBNORMAL_SHIFTER: tl.constexpr = tl.constexpr(16384.0)
+SIGN_BIT: tl.constexpr = tl.constexpr(-(1 << 31))  # (0x80000000 as an int32: -0 stays -0)
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """fp32 ``v`` (|v| <= 448) rounded to the nearest e4m3 value (ties to even), as fp32: the
+    interpreter's stand-in for the hardware conversion."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + ROUND_HALF + ((bits >> ODD_BIT) & 1)) & KEEP_BITS).to(tl.float32,
+                                                                            bitcast=True)
+    tiny = (tl.abs(v) + SUBNORMAL_SHIFTER) - SUBNORMAL_SHIFTER
+    tiny = (tiny.to(tl.int32, bitcast=True) | (bits & SIGN_BIT)).to(tl.float32, bitcast=True)
+    return tl.where((bits & 0x7FFFFFFF) >= E4M3_MIN_NORMAL_BITS, normal, tiny)
+
+
+__all__ = ["round_to_e4m3"]

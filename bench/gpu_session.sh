@@ -29,6 +29,9 @@
 #                                      # 256 rows, the three decode kernels), fp8_decode (8B,
 #                                      # batch 64, block scales, bf16 vs each kernel), GPU test
 #   bash bench/gpu_session.sh fp8_channel  # the decode step with channel scales, <= 4 min
+#   bash bench/gpu_session.sh fp8_kv   # the FP8 KV pool (rollout.kv_cache_dtype=fp8), <= 6 min:
+#                                      # its GPU-side tests, the 8B decode step at batch 64 and
+#                                      # 256, bf16 / FP8 linears x model-dtype / e4m3 KV pool
 #   bash bench/gpu_session.sh async    # issue 35, 2 GPUs, ~8 min: async_grpo long-tail, sync vs
 #                                      # async k=3 with the group weight push
 #   bash bench/gpu_session.sh critic   # issue 33, 2 GPUs, ~15 min, longer than one device call:
@@ -63,6 +66,13 @@ case "${1:-gpu}" in
         2>&1 | tee "$OUT/fp8_decode_block.log" | tail -6
     timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_rollout.py 2>&1 \
         | tee "$OUT/fp8_tests.log" | tail -15
+    ;;
+  fp8_kv)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/inference/test_split_kv_fp8.py \
+        tests/inference/test_fp8_kv_cache.py tests/inference/test_split_kv_attention.py 2>&1 \
+        | tee "$OUT/fp8_kv_tests.log" | tail -8
+    timeout 240 python3 bench/fp8_decode.py --shapes 8b --batches 64 256 --scales block \
+        --decode-kernels weight_only --kv-fp8 2>&1 | tee "$OUT/fp8_kv_decode.log" | tail -8
     ;;
   fp8_channel)
     timeout 230 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales channel \

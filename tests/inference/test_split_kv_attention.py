@@ -58,29 +58,17 @@ def test_bad_shapes_are_refused():
 
 
 def _engine_tokens(path: str) -> dict:
-    import parallel_models as pm
     from transformers import AutoModelForCausalLM
 
     from parallel_models.inference.continuous import ContinuousEngine
-    from parallel_models.inference.sampling import SamplingParams
+    from tests.helpers.split_kv_engine import staggered_run, tiny_model_and_prompts
 
-    pm.init_parallel(tensor_parallel_size=1)
-    model = pm.AutoModelForCausalLM.from_pretrained(path, rmpad=True, dtype=torch.float32)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (3, 9, 14)]
-    params = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=6)
+    model, prompts, params = tiny_model_and_prompts(path)
     out = {}
     for kernel in ("aten", "triton", "triton_rope_apart"):
         os.environ["PARALLEL_MODELS_DECODE_FUSE_ROPE"] = "0" if kernel.endswith("apart") else "1"
-        eng = ContinuousEngine(model, 120, max_rows=4, max_row_tokens=40)
         # "aten" on the CPU = masked SDPA over the pool; "triton" rotates q / k in the kernel
-        eng.cache.decode_kernel = kernel.split("_")[0]
-        reqs = []
-        for p in prompts:  # staggered: rows join a running batch
-            reqs.append(eng.submit(p, params))
-            eng.step()
-        eng.run()
-        out[kernel] = [(r.samples[0].token_ids, r.samples[0].log_probs) for r in reqs]
+        out[kernel] = staggered_run(model, prompts, params, kernel.split("_")[0])[0]
         # a re-entry fed through the decode step (5 entries of one row, decode_layout) while
         # another row decodes; then the same context prefilled whole by a fresh engine
         eng = ContinuousEngine(model, 120, max_rows=8, max_row_tokens=40)

@@ -83,27 +83,12 @@ def test_self_check_passes_on_an_fp8_pool_and_bad_scales_are_refused():
 
 
 def _engine_tokens(path: str) -> dict:
-    import parallel_models as pm
+    from tests.helpers.split_kv_engine import staggered_run, tiny_model_and_prompts
 
-    from parallel_models.inference.continuous import ContinuousEngine
-    from parallel_models.inference.sampling import SamplingParams
-
-    pm.init_parallel(tensor_parallel_size=1)
-    model = pm.AutoModelForCausalLM.from_pretrained(path, rmpad=True, dtype=torch.float32)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (3, 9, 14)]
-    params = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=6)
-    out = {}
-    for kernel in ("aten", "triton"):
-        eng = ContinuousEngine(model, 120, max_rows=4, max_row_tokens=40, kv_cache_dtype="fp8")
-        eng.cache.decode_kernel = kernel  # "aten" on the CPU: masked SDPA over the fp8 pool
-        reqs = []
-        for p in prompts:  # staggered: rows join a running batch
-            reqs.append(eng.submit(p, params))
-            eng.step()
-        eng.run()
-        out[kernel] = [(r.samples[0].token_ids, r.samples[0].log_probs) for r in reqs]
-    return out
+    model, prompts, params = tiny_model_and_prompts(path)
+    # "aten" on the CPU: masked SDPA over the fp8 pool
+    return {kernel: staggered_run(model, prompts, params, kernel, kv_cache_dtype="fp8")[0]
+            for kernel in ("aten", "triton")}
 
 
 def test_engine_through_the_kernel_on_an_fp8_pool_stays_close_to_sdpa(hf_models):

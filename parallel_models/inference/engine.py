@@ -103,10 +103,11 @@ class RolloutEngine:
     """``RolloutEngine(model, eos_token_id=None, pad_token_id=0, weights_path=None,
     kv_budget_tokens=None, max_rows=64, prefix_cache_tokens=0, keep_kv=False,
     gpu_memory_utilization=0.9, weight_dtype="bf16", fp8_scales="block",
-    shares_training_weights=False, kv_cache_dtype="bf16")``; ``kv_budget_tokens``: None (static batches), a KV size in
-    tokens, or ``"auto"`` (planned, see the module docstring). ``weight_dtype="fp8"``: the
-    decoder linears run on FP8 copies of their weights (``inference/fp8``; ``fp8_scales``:
-    block | channel), re-quantized after every load and after :meth:`weights_changed`;
+    shares_training_weights=False, kv_cache_dtype="bf16")``; ``kv_budget_tokens``: None (static
+    batches), a KV size in tokens, or ``"auto"`` (planned, see the module docstring).
+    ``weight_dtype="fp8"``: the decoder linears run on FP8 copies of their weights
+    (``inference/fp8``; ``fp8_scales``: block | channel), re-quantized after every load and
+    after :meth:`weights_changed`;
     ``shares_training_weights``: the model is the actor's (FP8 only inside generate).
     ``kv_cache_dtype="fp8"``: the continuous engine's KV pool in e4m3 with per-(position, head)
     scales (``pool_cache``; static batches keep the model's dtype)."""
@@ -140,12 +141,9 @@ class RolloutEngine:
         self.max_rows = max_rows
         self.prefix_cache_tokens = prefix_cache_tokens
         self.keep_kv = keep_kv
-        from parallel_models.inference.kv_quant import KV_CACHE_DTYPES
+        from parallel_models.inference.kv_quant import check_kv_cache_dtype
 
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
-                             f"{kv_cache_dtype!r}")
-        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)  # (now, not at the first pool)
         if kv_cache_dtype == "fp8" and not kv_budget_tokens:
             log.warning("kv_cache_dtype=fp8: static batches (no kv_budget_tokens) keep their KV "
                         "cache in the model's dtype; the fp8 pool is the continuous engine's")

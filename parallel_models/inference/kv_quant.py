@@ -12,6 +12,15 @@ from parallel_models.inference.fp8.quantize import quantize_activation
 KV_CACHE_DTYPES = ("bf16", "fp8")  # bf16: the model's dtype (as before) | fp8: e4m3 + scales
 
 
+def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    """``kv_cache_dtype`` if it is one of :data:`KV_CACHE_DTYPES`, else a ValueError naming
+    them."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
+                         f"{kv_cache_dtype!r}")
+    return kv_cache_dtype
+
+
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``[..., heads, d]`` -> (e4m3 ``[..., heads, d]``, fp32 scales ``[..., heads]``)."""
     data, scale = quantize_activation(x.reshape(-1, x.shape[-1]), "channel")
@@ -23,4 +32,4 @@ def dequantize_kv(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
     return (data.float() * scale[..., None]).to(dtype)
 
 
-__all__ = ["KV_CACHE_DTYPES", "dequantize_kv", "quantize_kv"]
+__all__ = ["KV_CACHE_DTYPES", "check_kv_cache_dtype", "dequantize_kv", "quantize_kv"]

@@ -47,7 +47,7 @@ from parallel_models.llama.layers.attention_kernels import varlen_causal_attenti
 from parallel_models.inference import split_kv_attention
 from parallel_models.options import option
 from parallel_models.inference.kv_cache import _flash_decode_supported
-from parallel_models.inference.kv_quant import KV_CACHE_DTYPES, dequantize_kv, quantize_kv
+from parallel_models.inference.kv_quant import check_kv_cache_dtype, dequantize_kv, quantize_kv
 from parallel_models.inference.split_kv_attention import split_kv_decode
 
 def _decode_kernel(device: torch.device, dtype: torch.dtype, heads_dim: tuple,
@@ -99,9 +99,7 @@ class PoolKVCache:
     def __init__(self, num_layers: int, capacity: int, max_rows: int, max_row_tokens: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device,
                  kv_cache_dtype: str = "bf16"):
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
-                             f"{kv_cache_dtype!r}")
+        check_kv_cache_dtype(kv_cache_dtype)
         self.capacity, self.max_rows, self.max_row_tokens = capacity, max_rows, max_row_tokens
         self.end = capacity + max_rows  # scratch positions of the padding rows at the end
         self.dtype, self.fp8 = dtype, kv_cache_dtype == "fp8"

@@ -25,9 +25,9 @@ Backends (:func:`gemm_backend`):
   same recipe by ``act_quant_kernel`` first: one more launch, no quantization work in its K
   loop) or ``"weight_only"`` (``weight_only_kernel``: W8A16, the e4m3 weights converted to bf16
   in registers; :func:`weight_only_matmul`). Where the selected kernel fails its check the
-  others are tried in turn. A decode step is memory-bound, and on an H100 the W8A8 ``_scaled_mm`` decode
-  (quantize kernel + cuBLAS's block-scaled GEMM at 64-256 rows) was slower than bf16. Prefill
-  keeps ``_scaled_mm``'s FP8 tensor-core throughput.
+  others are tried in turn. A decode step is memory-bound, and on an H100 the W8A8
+  ``_scaled_mm`` decode (quantize kernel + cuBLAS's block-scaled GEMM at 64-256 rows) was
+  slower than bf16. Prefill keeps ``_scaled_mm``'s FP8 tensor-core throughput.
 - ``"emulated"`` (the CPU, and shapes or devices the kernels do not take): the activations are
   quantized and dequantized with the same recipe, the weight dequantized, and the product taken
   in the activation dtype, so the emulation carries the FP8 rounding error the GPU path has
@@ -184,12 +184,21 @@ def _decode_check(device: torch.device, granularity: str, kernel: str):
     return err < 2e-2, f"differs from the emulation by {err:.3g}"
 
 
-def _check_decode_kernels(device: torch.device, granularity: str) -> None:
-    """Once per device, granularity and kernel: check :data:`DECODE_KERNEL` (see
-    :func:`_decode_check`), and the other decode kernel where that one fails."""
+def _kernel_preference() -> tuple[str, ...]:
+    """:data:`DECODE_KERNEL`, then the other decode kernels in ``decode_tuning.KERNELS``'
+    order (a kernel that fails its check gives way to the next)."""
     from parallel_models.inference.fp8.decode_tuning import KERNELS
 
-    for kernel in (DECODE_KERNEL, *(k for k in KERNELS if k != DECODE_KERNEL)):
+    if DECODE_KERNEL not in KERNELS:
+        raise ValueError(f"fp8 gemm.DECODE_KERNEL must be one of {KERNELS}, got "
+                         f"{DECODE_KERNEL!r}")
+    return (DECODE_KERNEL, *(k for k in KERNELS if k != DECODE_KERNEL))
+
+
+def _check_decode_kernels(device: torch.device, granularity: str) -> None:
+    """Once per device, granularity and kernel: check :data:`DECODE_KERNEL` (see
+    :func:`_decode_check`), and the others in turn where it fails."""
+    for kernel in _kernel_preference():
         if _checked_once(_decode_checked, (str(device), granularity, kernel),
                          lambda: _decode_check(device, granularity, kernel),
                          f"fp8: the {kernel} decode kernel %s; not used"):
@@ -199,16 +208,12 @@ def _check_decode_kernels(device: torch.device, granularity: str) -> None:
 def _decode_mm(device: torch.device, granularity: str):
     """The decode kernel's ``mm(x2, weight)`` for decode-sized products on CUDA:
     :data:`DECODE_KERNEL`'s where it passed its check (run here, outside a graph capture, the
-    first time this kernel is selected on this device), else the other's where that passed,
-    else None."""
-    from parallel_models.inference.fp8.decode_tuning import KERNELS
-
-    if DECODE_KERNEL not in KERNELS:
-        raise ValueError(f"fp8 gemm.DECODE_KERNEL must be one of {KERNELS}, got "
-                         f"{DECODE_KERNEL!r}")
+    first time this kernel is selected on this device), else the next one's that passed
+    (:func:`_kernel_preference`), else None."""
+    preference = _kernel_preference()
     if not torch.cuda.is_current_stream_capturing():
         _check_decode_kernels(device, granularity)
-    for kernel in (DECODE_KERNEL, *(k for k in KERNELS if k != DECODE_KERNEL)):
+    for kernel in preference:
         if _decode_checked.get((str(device), granularity, kernel)):
             return _kernel_mm(kernel)
     return None

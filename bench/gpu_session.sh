@@ -87,7 +87,7 @@ case "${1:-gpu}" in
     mkdir -p "$BG"
     setsid nohup python3 bench/grpo_scale.py --layout tp2 --critic --steps 5 --timeout 1500 \
         --device-mib 81559 --no-trainer-offload --actor optimizer_offload_fraction=1 \
-        recompute=full --critic-opt lora.rank=64 recompute=full --memory-trace "$BG/trace" \
+        recompute=full --critic-opt lora.rank=64 recompute=full \
         --out "$BG/ppo_tp2.json" > "$BG/run.log" 2>&1 < /dev/null &
     wait_bg 540
     ;;

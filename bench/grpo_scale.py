@@ -68,6 +68,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -279,13 +280,18 @@ def run_layout(args, layout, model, data, caps, root, prompt_len, new_tokens, en
             stop_process_tree(proc)  # torchrun's ranks too (they run in sessions of their own)
     wall = time.time() - t0
     log(f"{layout}: host memory {host.result()}")
-    metrics_path = os.path.join(out, "metrics.jsonl")
+    result = {"layout": layout, "returncode": proc.returncode, "wall_s": wall, **host.result()}
+    return read_steps(args, result, os.path.join(out, "metrics.jsonl"), caps, prompt_len)
+
+
+def read_steps(args, result: dict, metrics_path: str, caps: list[int], prompt_len: int) -> dict:
+    """``result`` with its ``steps``: each logged step of the run's ``metrics.jsonl`` reported
+    per phase (the step's samples are the prompts' response caps, in order)."""
     rows = []
     if os.path.isfile(metrics_path):
         with open(metrics_path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-    result = {"layout": layout, "returncode": proc.returncode, "wall_s": wall, "steps": [],
-              **host.result()}
+    result["steps"] = []
     for step, m in enumerate(rows):
         batch_caps = caps[step * args.prompts:(step + 1) * args.prompts]
         lengths = [prompt_len + c for c in batch_caps for _ in range(args.n)]
@@ -294,7 +300,8 @@ def run_layout(args, layout, model, data, caps, root, prompt_len, new_tokens, en
         r["response_length_mean_logged"] = m.get("response_length/mean")
         r["reward_mean"] = m.get("reward/mean")
         result["steps"].append(r)
-    log(f"{layout}: exit {proc.returncode} after {wall:.0f} s, {len(rows)} step(s) logged")
+    log(f"{result['layout']}: exit {result['returncode']} after {result['wall_s'] or 0:.0f} s, "
+        f"{len(rows)} step(s) logged")
     return result
 
 
@@ -312,7 +319,7 @@ def print_table(result: dict) -> None:
         def fmt(key, spec):
             return format(r[key], spec) if r.get(key) is not None else ""
         print(f"| {phase} | {r['s']:.2f} | {fmt('peak_gib', '.1f')} | "
-              f"{fmt('reserved_gib', '.1f')} | {fmt('alloc_retries', 'd')} | "
+              f"{fmt('reserved_gib', '.1f')} | {fmt('alloc_retries', '.0f')} | "
               f"{fmt('tokens_per_s_per_gpu', '.0f')} | {fmt('tflops_per_gpu', '.0f')} | "
               f"{fmt('mfu_h200_dense', '.1%')} |")
 
@@ -362,7 +369,7 @@ def case_line(result: dict, args) -> dict:
             "returncode": result["returncode"], "steps": len(steps),
             "host_rss_peak_gib": result.get("host_rss_peak_gib"),
             "host_available_min_gib": result.get("host_available_min_gib"),
-            "median_step_s": sorted(timed)[len(timed) // 2] if timed else None,
+            "median_step_s": statistics.median(timed) if timed else None,
             "spread_step_s": [min(timed), max(timed)] if timed else None,
             "nemo_rl_tokens_per_s_per_gpu": [s["nemo_rl_tokens_per_s_per_gpu"] for s in steps],
             "phases": [{k: {"s": v["s"], "peak_gib": v["peak_gib"]}
@@ -381,6 +388,24 @@ def actor_option(text: str) -> tuple[str, str]:
     if not sep:
         raise argparse.ArgumentTypeError(f"--actor takes key=value, got {text!r}")
     return key, value
+
+
+def report_from_metrics(args) -> None:
+    """The table and JSON line of a finished run from its ``metrics.jsonl`` alone (e.g. a run
+    that outlived the bench, or whose report failed), on any machine: the data is rebuilt."""
+    with tempfile.TemporaryDirectory(prefix="grpo_scale_report_") as root:
+        caps = build_data(os.path.join(root, "prompts.jsonl"), args.prompts * args.steps,
+                          args.prompt_len, SHAPES[args.shape]["vocab_size"], args.max_new,
+                          median=args.response_median, low=args.response_min)
+    args.matmul_peak = None
+    result = read_steps(args, {"layout": args.layout[0], "returncode": None, "wall_s": None},
+                        args.from_metrics, caps, args.prompt_len)
+    print_table(result)
+    print(json.dumps(case_line(result, args)), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"from_metrics": args.from_metrics, "args": vars(args), "runs": [result]},
+                      f, indent=1)
 
 
 def main():
@@ -419,10 +444,15 @@ def main():
     p.add_argument("--memory-trace", default=None, metavar="DIR",
                    help="write the live GPU memory by allocating code after every step to "
                         "DIR/<layout>/rank<R>.jsonl (bench/memory_trace.py)")
+    p.add_argument("--from-metrics", default=None, metavar="METRICS_JSONL",
+                   help="no run: the report of a finished run's metrics.jsonl (the same "
+                        "--layout, --critic, --steps and data options as the run's)")
     p.add_argument("--root", default=None, help="folder for the model, data and runs")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     apply_preset(args, p)
+    if args.from_metrics:
+        return report_from_metrics(args)
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available through NVML:
     cuda = torch.cuda.is_available()  # no CUDA context in this process, the runs get it all
     args.dtype = "bfloat16" if cuda else "float32"

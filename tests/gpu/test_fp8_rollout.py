@@ -212,9 +212,9 @@ def test_decode_gemm_configs_tuning_and_graph_replay(granularity, kernel):
 
     module = importlib.import_module("parallel_models.inference.fp8." + (
         "weight_only_kernel" if kernel == "weight_only" else "dynamic_act_kernel"))
-    mm, launch = {"dynamic": (module.dynamic_act_mm, module.launch),
-                  "w8a8": (module.prequantized_mm, module.launch_prequantized),
-                  "weight_only": (module.weight_only_mm, module.launch)}[kernel]
+    mm, launch = (getattr(module, name) for name in {
+        "dynamic": ("dynamic_act_mm", "launch"), "w8a8": ("prequantized_mm", "launch_prequantized"),
+        "weight_only": ("weight_only_mm", "launch")}[kernel])
     emulation = gemm.weight_only_matmul if kernel == "weight_only" else gemm.dynamic_matmul
     g = torch.Generator(device=DEV).manual_seed(0)
     for rows, out, inp in ((64, 4096, 14336), (256, 6144, 4096)):

@@ -1,6 +1,6 @@
 """The FP8 rollout's activation quantization as one Triton kernel (CUDA; imported lazily:
 triton is not a dependency): per token and 128-wide group of the input features, ``scale =
-amax / 448`` (1 for an all-zero group), ``q = e4m3(clamp(x / scale))``, the scales written
+amax / 448`` (1 for an all-zero group), ``q = e4m3(clamp(x * (1 / scale)))``, the scales written
 straight into the token-major (column-major, token count padded to 4) layout
 ``torch._scaled_mm``'s 1 x 128 block-wise mode reads. The torch version
 (``quantize.quantize_activation`` + ``gemm._token_major``) takes about eleven kernels per linear,
@@ -26,8 +26,11 @@ def _quantize_groups_kernel(X, Q, S, n_cols, stride_x, stride_q, ld_s,
     mask = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
-    scale = tl.where(amax > 0, amax / FP8_MAX, 1.0)
-    q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)  # (`/`: approximate)
+    # times the correctly rounded reciprocal, as quantize_activation and the decode kernels do
+    # (Triton's ``x / scale`` is an approximate division, and a division rounds exact ties apart)
+    q = x * tl.math.div_rn(1.0, scale)
+    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
     tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + group * ld_s + row, scale)
 

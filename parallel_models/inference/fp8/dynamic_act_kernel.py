@@ -12,11 +12,11 @@ quantization launch that made ``_scaled_mm``'s W8A8 decode slow.
 
 Numerics, the DeepSeek-V3 recipe of the prefill (``quantize.quantize_activation`` with
 ``"block"``, the 1 x 128 tiles ``_scaled_mm`` reads): per token and group ``scale = amax / 448``
-(1 for an all-zero group), ``q = e4m3(clamp(x / scale))`` (round to nearest even), so decode and
-prefill round the activations alike, whatever the weight's granularity. The kernel multiplies by
-the reciprocal of the scale (correctly rounded) instead of dividing: in ~1 of 10^7 elements
-``x * (1 / scale)`` lands on the other side of an e4m3 rounding boundary than ``x / scale``, one
-e4m3 step in that element. Each group's product is its own ``tl.dot`` (a fresh fp32
+(1 for an all-zero group), ``q = e4m3(clamp(x * (1 / scale)))`` (the reciprocal correctly
+rounded, round to nearest even), so decode and prefill round the activations alike, whatever the
+weight's granularity. (Until session 16 the recipe divided, ``x / scale``: bf16 activations land
+on exact e4m3 ties in ~5 of 10^4 elements, which the division and the kernel's multiply round
+apart, one e4m3 step; the GPU test found the outputs up to 6 % off.) Each group's product is its own ``tl.dot`` (a fresh fp32
 accumulator: Hopper's FP8 MMA accumulates in reduced precision, so the sum is promoted to fp32
 every 128 inputs, as DeepSeek-V3 does) and is added to the fp32 total times (activation group
 scale per row) x (the weight's block scale: one scalar for a tile inside one block row, one per

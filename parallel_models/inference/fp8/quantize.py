@@ -17,6 +17,14 @@ weight blocks), or per token (``[tokens]``) for ``"channel"``.
 A block whose amax is 0 gets scale 1 (all its values quantize to 0 exactly). Rounding is
 round-to-nearest-even by the ``.to(torch.float8_e4m3fn)`` cast, so a normal value's error is at
 most 2^-4 of its magnitude and a subnormal's at most 2^-10 * scale (half the step 2^-9).
+
+Weights are divided by their scale; activations are multiplied by the correctly rounded
+reciprocal of theirs (``x * (1 / scale)``), which is what the decode kernels compute in registers
+(a multiply per element instead of a division) and the activation-quantization kernel too, so
+every path rounds the same activations to the same e4m3 values. The two differ: bf16 activations
+over a bf16 amax often land exactly on an e4m3 tie (x / scale = 200.0 between 192 and 208, ~5 in
+10^4 elements of random bf16 activations), which the division rounds to even and the
+reciprocal's product (200.00002) rounds up.
 """
 
 from __future__ import annotations
@@ -48,6 +56,11 @@ def _scale_of(amax: torch.Tensor) -> torch.Tensor:
 
 def _to_e4m3(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (values.float() / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def _activation_to_e4m3(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Activations: times the reciprocal of the scale (the kernels' recipe: module docstring)."""
+    return (values.float() * torch.reciprocal(scale)).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
 def _pad_to(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -126,11 +139,11 @@ def quantize_activation(x: torch.Tensor, granularity: str = "block"
     tokens, cols = x.shape
     if granularity == "channel":
         scale = _scale_of(x.abs().amax(dim=1))
-        return _to_e4m3(x, scale[:, None]), scale
+        return _activation_to_e4m3(x, scale[:, None]), scale
     kb = _ceil_div(cols, BLOCK)
     grouped = _pad_to(x, tokens, kb * BLOCK).view(tokens, kb, BLOCK)
     scale = _scale_of(grouped.abs().amax(dim=2))
-    data = _to_e4m3(grouped, scale[:, :, None]).view(tokens, kb * BLOCK)[:, :cols]
+    data = _activation_to_e4m3(grouped, scale[:, :, None]).view(tokens, kb * BLOCK)[:, :cols]
     return data, scale
 
 

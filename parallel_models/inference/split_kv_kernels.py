@@ -72,8 +72,9 @@ def _store_quantized(base, scale_ptr, addr, x, INTERPRETED: tl.constexpr):
     x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), 0)
     s = tl.where(amax > 0, tl.math.div_rn(amax, E4M3_MAX), 1.0)
-    scaled = tl.minimum(tl.maximum(tl.math.div_rn(x, s + tl.zeros_like(x)), -E4M3_MAX),
-                        E4M3_MAX)
+    # times the correctly rounded reciprocal (fp8.quantize's activation recipe: a division
+    # rounds exact e4m3 ties of bf16 values apart from it)
+    scaled = tl.minimum(tl.maximum(x * tl.math.div_rn(1.0, s), -E4M3_MAX), E4M3_MAX)
     if INTERPRETED:
         scaled = round_to_e4m3(scaled)
     tl.store(base + addr, scaled.to(base.dtype.element_ty))

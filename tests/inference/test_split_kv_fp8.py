@@ -72,6 +72,30 @@ def test_fp8_pool_matches_sdpa_on_the_dequantized_pool(heads, kv_heads, split, m
         assert torch.equal(v_s, refs[3])
 
 
+def test_new_bf16_tokens_on_e4m3_ties_land_as_quantize_kv_stores_them():
+    """bf16 keys / values over a bf16 amax land exactly on e4m3 ties in ~5 of 10^4 elements; the
+    kernel's store rounds them as ``quantize_kv`` (x times the reciprocal of the scale) does."""
+    g = torch.Generator().manual_seed(1)
+    rows, kv_heads, d, max_row = 16, 4, 128, 4
+    k_new, v_new = ((torch.randn(rows, kv_heads, d, generator=g) * 3).bfloat16().float()
+                    for _ in range(2))
+    scale = k_new.abs().amax(-1, keepdim=True) / 448
+    assert ((k_new / scale).to(torch.float8_e4m3fn).float()
+            != (k_new * (1 / scale)).to(torch.float8_e4m3fn).float()).any()  # ties present
+    pool = max_row * rows
+    (k_q, k_s), (v_q, v_s) = (quantize_kv(torch.zeros(pool, kv_heads, d)) for _ in range(2))
+    offsets = torch.arange(rows) * max_row
+    used = torch.ones(rows, dtype=torch.int32)  # the new token at each row's first position
+    q = torch.randn(rows, kv_heads, d, generator=g)
+    k_q, v_q, k_s, v_s = (t.to(DEV) for t in (k_q, v_q, k_s, v_s))
+    split_kv_decode(q.to(DEV), k_new.to(DEV), v_new.to(DEV), k_q, v_q, offsets.to(DEV),
+                    used.to(DEV), max_row, 0.1, split=16, kv_scales=(k_s, v_s))
+    for got_q, got_s, new in ((k_q, k_s, k_new), (v_q, v_s, v_new)):
+        want_q, want_s = quantize_kv(new)
+        assert torch.equal(got_q.cpu()[offsets].view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(got_s.cpu()[offsets], want_s)
+
+
 def test_self_check_passes_on_an_fp8_pool_and_bad_scales_are_refused():
     assert supported(torch.device(DEV), torch.float32, 2, 16, fp8_kv=True)
     q, kv = torch.zeros(1, 2, 16), torch.zeros(1, 2, 16)

@@ -38,6 +38,7 @@
 #                                      # the 8B PPO + LoRA critic at TP=2 started in a session of
 #                                      # its own (it outlives the call), then waited on ~9 min;
 #   bash bench/gpu_session.sh poll [S] # the next call: wait on it up to S s (560), print, copy
+#                                      # (if the report is missing: grpo_scale.py --from-metrics)
 #   bash bench/gpu_session.sh pp2trace # issue 33, 2 GPUs, ~8 min: 8B GRPO at PP=2 with the
 #                                      # memory trace (what grows 128 MiB a step)
 # Logs and JSON go to $OUT (default /tmp/pm_gpu_out); the background run's to /tmp/pm_bg.
@@ -50,11 +51,16 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch, megatron.core, transformers; print('torch', torch.__version__, \
 'megatron-core', megatron.core.__version__, 'transformers', transformers.__version__)" | tee "$OUT/versions.txt"
 BG=/tmp/pm_bg
-wait_bg() {  # wait up to $1 s for the background run to end; print its progress; copy it to $OUT
+wait_bg() {  # wait up to $1 s for the background run to end; print its progress; copy its
+    # report, its metrics.jsonl and its log without progress bars or warnings to $OUT (the raw
+    # log, 93 MB in session 16, is too large to come back)
     local end=$((SECONDS + $1))
     while [ $SECONDS -lt $end ] && pgrep -f "bench/grpo_scale.py" > /dev/null; do sleep 10; done
-    grep -v "it/s\]" "$BG/run.log" | grep -E "step [0-9]+/|phase|\| |case|exit|over" | tail -30
-    cp -r "$BG"/. "$OUT"/ 2>/dev/null
+    tr '\r' '\n' < "$BG/run.log" | grep -v "it/s\]\|s/it\]\|torch/_dynamo" \
+        | tail -c 4000000 > "$OUT/run_filtered.log"
+    grep -E "step [0-9]+/|phase|\| |case|exit|over" "$OUT/run_filtered.log" | tail -30
+    cp "$BG"/*.json "$OUT"/ 2>/dev/null
+    find "$BG/root" -name metrics.jsonl -exec cp {} "$OUT/" \; 2>/dev/null
     pgrep -f "bench/grpo_scale.py" > /dev/null && echo "still running" || echo "finished"
 }
 case "${1:-gpu}" in
@@ -64,7 +70,8 @@ case "${1:-gpu}" in
         2>&1 | grep -E '"best"|"layer"' | tail -30
     timeout 200 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales block \
         2>&1 | tee "$OUT/fp8_decode_block.log" | tail -6
-    timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_rollout.py 2>&1 \
+    timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_rollout.py \
+        tests/inference/test_fp8_dynamic_act.py tests/inference/test_split_kv_fp8.py 2>&1 \
         | tee "$OUT/fp8_tests.log" | tail -15
     ;;
   fp8_kv)
@@ -87,7 +94,7 @@ case "${1:-gpu}" in
     mkdir -p "$BG"
     setsid nohup python3 bench/grpo_scale.py --layout tp2 --critic --steps 5 --timeout 1500 \
         --device-mib 81559 --no-trainer-offload --actor optimizer_offload_fraction=1 \
-        recompute=full --critic-opt lora.rank=64 recompute=full \
+        recompute=full --critic-opt lora.rank=64 recompute=full --root "$BG/root" \
         --out "$BG/ppo_tp2.json" > "$BG/run.log" 2>&1 < /dev/null &
     wait_bg 540
     ;;

@@ -65,7 +65,9 @@ class PerVariantCompile:
     further call re-checked its 8 entries, failed and logged before running eagerly (113,022
     times in the 8B PPO + LoRA-critic run). With a code copy per variant, dynamo sees one variant
     per code object and only its shapes vary (dynamic after the first change). A variant that
-    still hits the limit runs eagerly from then on, without calling dynamo again.
+    still hits the limit runs eagerly from then on, without calling dynamo again. (PyTorch 2.13
+    added ``torch.compile(..., isolate_recompiles=True)``, a region of entries per compile call,
+    to the same end; the GPU hosts run 2.11, so the code copies, which work on every version.)
     """
 
     def __init__(self, eager_fn, backend: str = "inductor"):

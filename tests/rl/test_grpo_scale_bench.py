@@ -98,3 +98,28 @@ def test_long_responses_preset_fills_defaults_only():
     bench.apply_preset(args, p)
     assert args.shape == "0.5b" and args.max_new == 16384 and args.response_min == 8192
     assert args.micro_tokens >= args.prompt_len + args.max_new
+
+
+def test_report_from_a_kept_metrics_file(tmp_path, monkeypatch, capsys):
+    """``--from-metrics``: the report of the 8B PPO + LoRA-critic run (2x H200, session 16) from
+    its ``metrics.jsonl`` in bench/results, with the data rebuilt: the figures
+    docs/PERFORMANCE.md quotes."""
+    kept = os.path.join(os.path.dirname(BENCH), "results",
+                        "ppo_critic_tp2_8b_2026-11-27.metrics.jsonl")
+    spec = importlib.util.spec_from_file_location("grpo_scale_report_run", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "r.json"
+    monkeypatch.setattr(sys, "argv", [BENCH, "--layout", "tp2", "--critic", "--steps", "5",
+                                      "--from-metrics", kept, "--out", str(out)])
+    bench.main()
+    (line,) = _case_lines(capsys.readouterr().out)
+    assert line["case"] == "8b-tp2-ppo_critic" and line["steps"] == 5
+    assert round(line["median_step_s"], 1) == 166.5  # steps 2-5: 175.1, 170.0, 163.1, 149.0
+    assert [round(x) for x in line["spread_step_s"]] == [149, 175]
+    timed = sorted(line["nemo_rl_tokens_per_s_per_gpu"][1:])
+    assert [round(timed[0]), round((timed[1] + timed[2]) / 2), round(timed[-1])] == [1284, 1359,
+                                                                                   1480]
+    step5 = json.loads(out.read_text())["runs"][0]["steps"][-1]
+    assert step5["response_tokens"] == 178928 and step5["tokens"] == 441072
+    assert round(step5["phases"]["gen"]["peak_gib"], 1) == 66.7

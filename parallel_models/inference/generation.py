@@ -129,11 +129,20 @@ def _last_token_logits(model, hidden, last_index):
     return model._head(hidden[last_index], 0, full_vocab=True)
 
 
+_warmup_streams: dict = {}  # device index -> the side stream of every capture's warm-up
+
+
 def capture_cuda_graph(forward):
     """``forward()`` run once eagerly on a side stream (compiles kernels, initializes libraries),
     then captured as a CUDA graph; returns ``(graph, output)`` where replaying the graph rewrites
-    ``output`` in place."""
-    side = torch.cuda.Stream()
+    ``output`` in place. The side stream is one per device for every capture: with a new one per
+    capture (``torch.cuda.Stream()`` hands out the pool's 32 streams in turn, and each continuous
+    engine captures its buckets again), cuBLAS gets a workspace for each stream it meets and
+    keeps it for the process."""
+    device = torch.cuda.current_device()
+    side = _warmup_streams.get(device)
+    if side is None:
+        side = _warmup_streams[device] = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         forward()

@@ -79,7 +79,7 @@ from parallel_models.utils.process_tree import stop_process_tree
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import HostMemoryWatch  # noqa: E402
-from grpo_scale_report import case_line, log, print_table, read_steps  # noqa: E402
+from grpo_scale_report import case_line, print_table, read_steps  # noqa: E402
 
 SHAPES = {
     "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
@@ -98,6 +98,10 @@ PRESETS = {"long-responses": dict(shape="1.5b", prompts=16, n=8, prompt_len=512,
                                   response_min=8192, response_median=12000, mini_batch=64,
                                   micro_tokens=34816, timeout=[590])}
 SPECIALS = ["<pad>", "<s>", "</s>"]
+
+
+def log(msg: str) -> None:
+    print(f"[grpo_scale {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def build_model(folder: str, shape: dict, device: str, max_positions: int = 8192) -> None:
@@ -158,13 +162,20 @@ def build_tokenizer(vocab_size: int):
                                    eos_token="</s>", unk_token="<pad>")
 
 
+def response_caps(g: torch.Generator, prompts: int, cap: int, median: float = 300.0,
+                  low: int = 16) -> list[int]:
+    """``prompts`` long-tailed response caps drawn from ``g`` (lognormal around ``median``, sigma
+    0.8, clipped to ``low`` .. ``cap``)."""
+    caps = torch.exp(math.log(median) + 0.8 * torch.randn(prompts, generator=g))
+    return caps.round().clamp(min(low, cap), cap).long().tolist()
+
+
 def build_data(path: str, prompts: int, prompt_len: int, vocab: int, cap: int, seed: int = 0,
                median: float = 300.0, low: int = 16):
-    """``prompts`` records of ``prompt_len`` words and a long-tailed response cap (lognormal
-    around ``median``, sigma 0.8, clipped to ``low`` .. ``cap``); -> the caps."""
+    """``prompts`` records of ``prompt_len`` words and a long-tailed response cap
+    (:func:`response_caps`, drawn first from the seeded generator); -> the caps."""
     g = torch.Generator().manual_seed(seed)
-    caps = torch.exp(math.log(median) + 0.8 * torch.randn(prompts, generator=g))
-    caps = caps.round().clamp(min(low, cap), cap).long().tolist()
+    caps = response_caps(g, prompts, cap, median, low)
     with open(path, "w") as f:
         for i in range(prompts):
             ids = torch.randint(len(SPECIALS), vocab, (prompt_len,), generator=g).tolist()
@@ -230,8 +241,11 @@ def run_layout(args, layout, model, data, caps, root, prompt_len, new_tokens, en
     wall = time.time() - t0
     log(f"{layout}: host memory {host.result()}")
     result = {"layout": layout, "returncode": proc.returncode, "wall_s": wall, **host.result()}
-    return read_steps(args, SHAPES[args.shape], result, os.path.join(out, "metrics.jsonl"),
-                      caps, prompt_len)
+    result = read_steps(args, SHAPES[args.shape], result, os.path.join(out, "metrics.jsonl"),
+                        caps, prompt_len)
+    log(f"{layout}: exit {proc.returncode} after {wall:.0f} s, {len(result['steps'])} step(s) "
+        "logged")
+    return result
 
 
 def gpu_setup(folder: str | None, shape: dict, max_positions: int = 8192) -> dict:
@@ -286,11 +300,10 @@ def actor_option(text: str) -> tuple[str, str]:
 
 def report_from_metrics(args) -> None:
     """The table and JSON line of a finished run from its ``metrics.jsonl`` alone (e.g. a run
-    that outlived the bench, or whose report failed), on any machine: the data is rebuilt."""
-    with tempfile.TemporaryDirectory(prefix="grpo_scale_report_") as root:
-        caps = build_data(os.path.join(root, "prompts.jsonl"), args.prompts * args.steps,
-                          args.prompt_len, SHAPES[args.shape]["vocab_size"], args.max_new,
-                          median=args.response_median, low=args.response_min)
+    that outlived the bench, or whose report failed), on any machine: the response caps are
+    drawn again as ``build_data`` drew them (seed 0)."""
+    caps = response_caps(torch.Generator().manual_seed(0), args.prompts * args.steps,
+                         args.max_new, args.response_median, args.response_min)
     args.matmul_peak = None
     result = read_steps(args, SHAPES[args.shape],
                         {"layout": args.layout[0], "returncode": None, "wall_s": None},

@@ -9,13 +9,8 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 
 H200_BF16_DENSE_TFLOPS = 989.0
-
-
-def log(msg: str) -> None:
-    print(f"[grpo_scale {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def flops_per_token_pass(shape: dict) -> float:
@@ -81,8 +76,6 @@ def read_steps(args, shape: dict, result: dict, metrics_path: str, caps: list[in
         r["response_length_mean_logged"] = m.get("response_length/mean")
         r["reward_mean"] = m.get("reward/mean")
         result["steps"].append(r)
-    log(f"{result['layout']}: exit {result['returncode']} after {result['wall_s'] or 0:.0f} s, "
-        f"{len(rows)} step(s) logged")
     return result
 
 

@@ -111,7 +111,6 @@ def compiled_on_gpu(eager_fn):
             return eager_fn(*args)
         return compiled(*args)
 
-    call.variants = compiled
     return call
 
 

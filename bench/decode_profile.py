@@ -6,7 +6,9 @@ each category's HBM byte floor.
     python bench/decode_profile.py --device cpu --hidden 64 --layers 2 --heads 4 --kv-heads 2 \\
         --intermediate 128 --vocab 512 --batches 4 --prompt 8 --new 16     # smoke run
 
-Model: the 0.89B Llama shape of bench/rollout_bench.py (random weights, bf16; fp32 on the CPU).
+Model: the 0.89B Llama shape of bench/rollout_bench.py (random weights, bf16; fp32 on the CPU);
+``--fp8 block|channel``: the decoder linears in FP8 (``inference/fp8.Fp8Linears``, decode
+products on ``--fp8-kernel``), their GEMM floors at one byte a weight.
 Per batch size B and engine variant (``--variants``; ``ours`` = split-KV triton attention
 (``inference/split_kv_attention.py``) + fused draw + pipelined decode, ``aten_attention`` = the
 same with PyTorch's flash kernel and two ``index_copy_`` KV writes, ``no_pipeline``,
@@ -161,7 +163,7 @@ def labels(model, cache):
     patch(attention, "rotary", "rope")
     patch(decoder_layer, "add_rms_norm", "norm")
     patch(modeling, "add_rms_norm", "norm")  # the residual sum fused into the next norm
-    patch(mlp, "swiglu", "activation")
+    patch(mlp, "gated_activation", "activation")
     patch(pool_cache, "split_kv_decode", "attention")  # the triton kernel writes the KV too
     patch(cache, "write_kv", "kv_write")
     patch(cache, "decode_attention", "attention")
@@ -248,18 +250,21 @@ def profile_step(step_fn, dev, iters: int = 3) -> dict:
             "unlabelled_top": dict(unlabelled.most_common(12))}
 
 
-def byte_floors(cfg, batch: int, context_used: int, dtype_bytes: int) -> dict:
+def byte_floors(cfg, batch: int, context_used: int, dtype_bytes: int,
+                linear_bytes: int | None = None) -> dict:
     """Bytes each category must move at least in one decode step of ``batch`` rows whose
-    attention spans ``context_used`` positions each (including the new one)."""
+    attention spans ``context_used`` positions each (including the new one); the decoder
+    linears' weights at ``linear_bytes`` a value (default ``dtype_bytes``; 1: FP8)."""
     h, L, ffn, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size, cfg.vocab_size
     d = h // cfg.num_attention_heads
     qd, kvd = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     act = batch * dtype_bytes
+    wb = linear_bytes or dtype_bytes
     return {
-        "qkv_gemm": L * (h * (qd + 2 * kvd) * dtype_bytes + act * (h + qd + 2 * kvd)),
-        "o_gemm": L * (qd * h * dtype_bytes + act * (qd + h)),
-        "gate_up_gemm": L * (h * 2 * ffn * dtype_bytes + act * (h + 2 * ffn)),
-        "down_gemm": L * (ffn * h * dtype_bytes + act * (ffn + h)),
+        "qkv_gemm": L * (h * (qd + 2 * kvd) * wb + act * (h + qd + 2 * kvd)),
+        "o_gemm": L * (qd * h * wb + act * (qd + h)),
+        "gate_up_gemm": L * (h * 2 * ffn * wb + act * (h + 2 * ffn)),
+        "down_gemm": L * (ffn * h * wb + act * (ffn + h)),
         "lm_head_gemm": vocab * h * dtype_bytes + act * h + batch * vocab * dtype_bytes,
         "attention": L * (2 * kvd * dtype_bytes * batch * context_used + act * 2 * qd),
         "kv_write": L * 2 * 2 * act * kvd,
@@ -370,7 +375,13 @@ def run_case(args, cfg, model, dev, batch: int, variant: str) -> dict:
     out["eager_step_ms"] = wall_ms(eager_step, dev, 5)
     used = context + 1 + args.steps  # about where the profiled steps are
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    floors = byte_floors(cfg, batch, used, 2 if dev.type == "cuda" else 4)
+    floors = byte_floors(cfg, batch, used, 2 if dev.type == "cuda" else 4,
+                         1 if args.fp8 else None)
+    if args.fp8:  # the decoder linears read as e4m3 (their bf16 parameters stay, unread)
+        from parallel_models.inference.fp8.rollout_linears import quantized_modules
+
+        weights -= sum(m.weight.numel() * (m.weight.element_size() - 1)
+                       for _, m in quantized_modules(model))
     bw = bandwidth(dev)
     out["bench_floor_ms"] = 1e3 * (weights + floors["attention"]) / bw  # rollout_bench's formula
     if profiled:
@@ -446,6 +457,11 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                     help="engine settings compared (ours, aten_attention and baseline are "
                          "profiled by category)")
+    ap.add_argument("--fp8", choices=("block", "channel"), default=None,
+                    help="the decoder linears in FP8 (inference/fp8: Fp8Linears with these "
+                         "scales; decode products on --fp8-kernel)")
+    ap.add_argument("--fp8-kernel", default="weight_only",
+                    help="gemm.DECODE_KERNEL of the FP8 decode products")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -459,6 +475,11 @@ def main() -> None:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg, folder = save_llama_model(args, max_positions=max(8192, 2 * (args.prompt + args.new)))
     model = pm.LlamaForCausalLMRmPad.from_pretrained(folder, dtype=dtype)
+    if args.fp8:
+        from parallel_models.inference.fp8 import Fp8Linears, gemm
+
+        gemm.DECODE_KERNEL = args.fp8_kernel
+        Fp8Linears(model, args.fp8, active=True)
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
            "args": vars(args), "cases": [], "attention_micro": [], "errors": []}

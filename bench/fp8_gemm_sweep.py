@@ -57,18 +57,14 @@ from common import LLAMA3_8B, LLAMA_089B  # noqa: E402
 
 SHAPES = {"8b": LLAMA3_8B, "0.89b": LLAMA_089B}
 TINY_LINEARS = {"tiny": {"proj": (256, 256)}}
-KERNELS = ("dynamic", "w8a8", "weight_only", "stream_k")
+KERNELS = ("dynamic", "w8a8", "weight_only")
 # kernel -> (module of inference/fp8, its launch there, its emulation in gemm, the --tiny run's
-# second config: a K split, or for stream-K programs every strip shared)
+# K-split config)
 KERNEL_PARTS = {"weight_only": ("weight_only_kernel", "launch", "weight_only_matmul",
-                                dict(block_n=32, block_m=16, block_k=64, split_k=2)),
-                "dynamic": ("dynamic_act_kernel", "launch", "dynamic_matmul",
-                            dict(block_n=32, block_m=16, block_k=128, split_k=2)),
+                                (32, 16, 64, 2)),
+                "dynamic": ("dynamic_act_kernel", "launch", "dynamic_matmul", (32, 16, 128, 2)),
                 "w8a8": ("dynamic_act_kernel", "launch_prequantized", "dynamic_matmul",
-                         dict(block_n=32, block_m=16, block_k=128, split_k=2)),
-                "stream_k": ("stream_k_kernel", "launch", "weight_only_matmul",
-                             dict(block_n=64, block_m=16, block_k=128, split_k=1,
-                                  programs_per_sm=2))}
+                         (32, 16, 128, 2))}
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # per block, opt-in
 
 
@@ -137,7 +133,7 @@ def kernel_case(args, kernel, x, q, bf16_us, timer, gbps) -> dict:
                                        decode_tuning.smem_bytes(dev), kernel=kernel)
     if args.tiny:  # the default + a K split
         configs = [decode_tuning.default_config(rows, out, inp, q.granularity, kernel=kernel),
-                   decode_tuning.DecodeConfig(**split_cfg, num_warps=4, num_stages=2)]
+                   decode_tuning.DecodeConfig(*split_cfg, num_warps=4, num_stages=2)]
     res = {"configs": []}
     for cfg in configs:
         try:
@@ -243,7 +239,7 @@ def _compile(kernel_fn, consts: dict, cfg, arch: int) -> dict:
     from triton.compiler import ASTSource
 
     ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_sn", "ws_rows",
-            "SPLIT_K", "stride_xsm", "stride_xsg", "K_STEPS", "UNITS", "UNITS_PER_PROGRAM")
+            "SPLIT_K", "stride_xsm", "stride_xsg")
     x_type = "*fp8e4nv" if consts.get("PREQUANT") else "*bf16"
     sig = {"X": x_type, "W": "*fp8e4nv", "S": "*fp32", "Y": "*bf16", "P": "*fp32", "C": "*i32",
            "XS": "*fp32", **{n: "i32" for n in ints}}
@@ -278,10 +274,7 @@ def compile_only(plan: dict, rows_list, scales, arch: int, kernels=KERNELS) -> l
     from parallel_models.inference.fp8.quantize import E4M3_MAX
     from parallel_models.inference.fp8.weight_only_kernel import _w8a16_kernel
 
-    from parallel_models.inference.fp8 import stream_k_kernel as sk
-
     fns = {"weight_only": (_w8a16_kernel, {"BIT_CONVERT": True}),
-           "stream_k": (sk._stream_k_kernel, {"BIT_CONVERT": True}),
            "dynamic": (_w8a8_dynamic_kernel, {"FP8_MAX": E4M3_MAX, "EMULATE": False,
                                               "PREQUANT": False}),
            "w8a8": (_w8a8_dynamic_kernel, {"FP8_MAX": E4M3_MAX, "EMULATE": False,

@@ -5,6 +5,7 @@ throughput, occupancy, warp stalls); nothing is timed here.
     ncu --clock-control none --profile-from-start off --section SpeedOfLight \
         --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
         python bench/fp8_kernel_profile.py [--linears gate_up qkv] [--scales channel]
+    bash bench/gpu_session.sh fp8prof     # that, and the 8B decode step by category
 
 Per linear, in order: bf16 ``F.linear`` (cuBLAS), ``torch._scaled_mm`` row-wise, then each
 ``--kernels`` entry with its ``--configs`` (``decode_tuning.DecodeConfig`` fields as JSON, one per
@@ -34,7 +35,7 @@ def main(argv=None) -> None:
     ap.add_argument("--linears", nargs="+", default=["gate_up", "qkv"])
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--scales", default="channel", choices=("block", "channel"))
-    ap.add_argument("--kernels", nargs="+", default=["weight_only", "stream_k"],
+    ap.add_argument("--kernels", nargs="+", default=["weight_only", "w8a8"],
                     choices=list(KERNEL_PARTS))
     ap.add_argument("--configs", nargs="*", default=[],
                     help="kernel=JSON of DecodeConfig fields, e.g. weight_only='{...}'")

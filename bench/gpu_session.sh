@@ -29,9 +29,9 @@
 #                                      # 256 rows, the three decode kernels), fp8_decode (8B,
 #                                      # batch 64, block scales, bf16 vs each kernel), GPU test
 #   bash bench/gpu_session.sh fp8_channel  # the decode step with channel scales, <= 4 min
-#   bash bench/gpu_session.sh fp8sk    # issue 37, one GPU, <= 10 min: the stream-K decode kernels:
-#                                      # their tests on CUDA, the sweep (8B, 64 rows) against the
-#                                      # split-K ones, the 8B decode step at batch 64 (channel)
+#   bash bench/gpu_session.sh fp8prof  # issue 37, one GPU, ~1 min: Nsight Compute's counters of the
+#                                      # decode GEMMs (bench/fp8_kernel_profile.py) and the 8B
+#                                      # decode step by category, bf16 and FP8 (decode_profile)
 #   bash bench/gpu_session.sh fp8_kv   # the FP8 KV pool (rollout.kv_cache_dtype=fp8), <= 6 min:
 #                                      # its GPU-side tests, the 8B decode step at batch 64 and
 #                                      # 256, bf16 / FP8 linears x model-dtype / e4m3 KV pool
@@ -77,15 +77,18 @@ case "${1:-gpu}" in
         tests/inference/test_fp8_dynamic_act.py tests/inference/test_split_kv_fp8.py 2>&1 \
         | tee "$OUT/fp8_tests.log" | tail -15
     ;;
-  fp8sk)
-    nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
-    timeout 170 python3 -m pytest -q -x -p no:cacheprovider tests/inference/test_fp8_stream_k.py \
-        tests/gpu/test_fp8_rollout.py -k "stream_k or weight_only or not decode_gemm" 2>&1 \
-        | tee "$OUT/fp8sk_tests.log" | tail -8
-    timeout 190 python3 bench/fp8_gemm_sweep.py --shapes 8b --rows 64 --kernels weight_only \
-        stream_k --out "$OUT/sweep_sk.json" 2>&1 | grep -E '"layer"' | cut -c1-400
-    timeout 230 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales channel \
-        --decode-kernels weight_only stream_k 2>&1 | tee "$OUT/fp8sk_decode.log" | tail -6
+  fp8prof)
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+    timeout 300 "$NCU" --clock-control none --profile-from-start off --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+        --section LaunchStats python3 bench/fp8_kernel_profile.py > "$OUT/ncu.txt" 2>&1
+    grep -E "rows 64:|^  [a-zA-Z_].*\(|Duration|DRAM Throughput|SM Active Cycles|Warp Cycles Per \
+Issued" "$OUT/ncu.txt" | cut -c1-120
+    S="--hidden 4096 --layers 32 --heads 32 --kv-heads 8 --intermediate 14336 --vocab 128256"
+    for m in "" "--fp8 channel"; do
+      timeout 280 python3 bench/decode_profile.py $S --batches 64 --prompt 128 --new 64 \
+          --variants ours --steps 10 $m 2>&1 | grep -A24 "### batch" | head -24
+    done
     ;;
   fp8_kv)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/inference/test_split_kv_fp8.py \

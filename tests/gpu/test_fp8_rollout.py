@@ -190,17 +190,16 @@ def test_fp8_grouped_experts_gemm_on_hopper():
     assert (got - want).abs().max() <= 1e-2 * scale + 1e-2 * want.abs().max()
 
 
-@pytest.mark.parametrize("kernel", ["dynamic", "w8a8", "weight_only", "stream_k"])
+@pytest.mark.parametrize("kernel", ["dynamic", "w8a8", "weight_only"])
 @pytest.mark.parametrize("granularity", ["block", "channel"])
 def test_decode_gemm_configs_tuning_and_graph_replay(granularity, kernel):
     """The decode GEMM kernels (W8A8-dynamic: the activations quantized in the kernel; W8A8 on
-    activations quantized before it; weight-only; weight-only in persistent stream-K programs)
-    at 8B shapes (down 4096 x 14336 at 64 rows, qkv 6144 x 4096 at 256 rows, 128 for the
-    stream-K kernels): every candidate tile config, the tuned choice, and the tuned kernel
-    captured in a CUDA graph and replayed on new activations (the partial sums' hand-over between
-    programs, many times) agree with the kernel's emulation (``gemm.dynamic_matmul``: ``x``
-    quantized per token and 128-wide group, then ``x @ dequantize(W)^T``; ``gemm.
-    weight_only_matmul``); the hand-over counters end at 0."""
+    activations quantized before it; weight-only) at 8B shapes (down 4096 x 14336 at 64 rows, qkv 6144 x 4096 at 256 rows):
+    every candidate tile config, the tuned choice, and the tuned kernel captured in a CUDA graph
+    and replayed on new activations (the split-K partial sums' hand-over between programs, many
+    times) agree with the kernel's emulation (``gemm.dynamic_matmul``: ``x`` quantized per token
+    and 128-wide group, then ``x @ dequantize(W)^T``; ``gemm.weight_only_matmul``); the split
+    counters end at 0."""
     pytest.importorskip("triton")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("e4m3 needs SM 8.9+")
@@ -209,17 +208,14 @@ def test_decode_gemm_configs_tuning_and_graph_replay(granularity, kernel):
     from parallel_models.inference.fp8 import decode_gemm_shared, decode_tuning, gemm
     from parallel_models.inference.fp8.quantize import QuantizedWeight, quantize_weight
 
-    module_name, launch_name = {"dynamic": ("dynamic_act_kernel", "launch"),
-                                "w8a8": ("dynamic_act_kernel", "launch_prequantized"),
-                                "weight_only": ("weight_only_kernel", "launch"),
-                                "stream_k": ("stream_k_kernel", "launch")}[kernel]
-    module = importlib.import_module("parallel_models.inference.fp8." + module_name)
-    mm, launch = gemm._kernel_mm(kernel), getattr(module, launch_name)
-    stream_k = kernel in decode_tuning.STREAM_K_KERNELS
-    emulation = (gemm.weight_only_matmul if kernel in ("weight_only", "stream_k")
-                 else gemm.dynamic_matmul)
+    module = importlib.import_module("parallel_models.inference.fp8." + (
+        "weight_only_kernel" if kernel == "weight_only" else "dynamic_act_kernel"))
+    mm, launch = (getattr(module, name) for name in {
+        "dynamic": ("dynamic_act_mm", "launch"), "w8a8": ("prequantized_mm", "launch_prequantized"),
+        "weight_only": ("weight_only_mm", "launch")}[kernel])
+    emulation = gemm.weight_only_matmul if kernel == "weight_only" else gemm.dynamic_matmul
     g = torch.Generator(device=DEV).manual_seed(0)
-    for rows, out, inp in ((64, 4096, 14336), (128 if stream_k else 256, 6144, 4096)):
+    for rows, out, inp in ((64, 4096, 14336), (256, 6144, 4096)):
         w = torch.randn(out, inp, device=DEV, generator=g) * 0.02
         q = quantize_weight(w, granularity)
         if granularity == "block":
@@ -253,5 +249,3 @@ def test_decode_gemm_configs_tuning_and_graph_replay(granularity, kernel):
             check(captured, static)
         for _, counters in decode_gemm_shared._workspaces.values():
             assert int(counters.abs().sum()) == 0
-        if stream_k:
-            assert int(module._counters(dev).abs().sum()) == 0

@@ -30,9 +30,9 @@ def test_row_buckets_cover_the_engine_buckets():
         assert dt.row_bucket(size) == max(16, size)
 
 
-@pytest.mark.parametrize("kernel", [k for k in dt.KERNELS if k not in dt.STREAM_K_KERNELS])
+@pytest.mark.parametrize("kernel", dt.KERNELS)
 @pytest.mark.parametrize("granularity", ["block", "channel"])
-@pytest.mark.parametrize("rows", [1, 16, 64, 128, 256])  # (stream-K: test_fp8_stream_k.py)
+@pytest.mark.parametrize("rows", [1, 16, 64, 128, 256])
 def test_candidates_keep_the_kernel_limits_and_fill_the_sms(granularity, rows, kernel):
     for out, inp in LINEARS:
         cands = dt.candidates(rows, out, inp, granularity, 132, kernel=kernel)

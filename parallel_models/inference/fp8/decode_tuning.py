@@ -35,16 +35,13 @@ TUNE = True
 """Time the candidates per key (False: always :func:`default_config`)."""
 TUNED_ROWS = 256
 """Keys of at most this many rows are tuned (decode); larger products take the default."""
-KERNELS = ("weight_only", "dynamic", "w8a8", "stream_k")
+KERNELS = ("weight_only", "dynamic", "w8a8")
 """The decode GEMM kernels (``weight_only_kernel.KERNEL``, ``dynamic_act_kernel.KERNEL`` and
 ``KERNEL_PREQUANT``: the W8A8 GEMM quantizing its activations itself, or reading them quantized
-by a kernel before it; ``stream_k_kernel.KERNEL``: weight-only in persistent stream-K
-programs)."""
+by a kernel before it)."""
 W8A8_KERNELS = ("dynamic", "w8a8")  # e4m3 x e4m3 dots, K steps of whole 128-wide groups
-STREAM_K_KERNELS = ("stream_k",)  # one row tile, persistent programs
-MAX_STAGES = {"weight_only": 5, "dynamic": 8, "w8a8": 8, "stream_k": 5}
-# the W8A8 kernels' loops do less ALU work per weight byte, so a deeper pipeline can keep more
-# loads in flight
+MAX_STAGES = {"weight_only": 5, "dynamic": 8, "w8a8": 8}  # the W8A8 kernels' loops do less ALU
+# work per weight byte, so a deeper pipeline can keep more loads in flight
 SMEM_BYTES = 192 * 1024  # shared memory the pipeline's stages may take (an H100 SM has 227 KiB;
 # a device with less: smem_bytes)
 TWO_PER_SM_BYTES = 100 * 1024  # ... where two programs share an SM (the shallower variants)
@@ -68,11 +65,9 @@ class DecodeConfig:
     split_k: int
     num_warps: int
     num_stages: int
-    programs_per_sm: int = 0  # the stream-K kernels' persistent programs per SM (0: split K)
 
     def grid(self, rows: int, out: int) -> int:
-        """Programs of a ``rows`` x ``out`` product (one dimension) of a split-K kernel (the
-        stream-K kernels' count: ``stream_k_kernel.plan``)."""
+        """Programs of a ``rows`` x ``out`` product (one dimension)."""
         return _cdiv(rows, self.block_m) * self.split_k * _cdiv(out, self.block_n)
 
     def as_dict(self) -> dict:
@@ -148,46 +143,12 @@ def default_config(rows: int, out: int, inp: int, granularity: str, sms: int = 1
     reads per weight byte halve) by all the rows (128-row tiles above 128), 128-wide K steps, K
     split until the SMs have two programs each (either kernel)."""
     _check_kernel(kernel)
-    if kernel in STREAM_K_KERNELS:
-        return _stream_k_config(rows, 128, 1, smem, kernel)
     bucket = row_bucket(rows)
     block_m, block_n = min(bucket, 128), 64 if bucket <= 32 else 128
     cfg = _config(rows, out, inp, block_n, block_m, 128, None, sms, smem, kernel)
     while not _workspace_ok(cfg, rows, out):
         cfg = dataclasses.replace(cfg, split_k=cfg.split_k // 2)
     return cfg
-
-
-def _stream_k_config(rows: int, block_n: int, programs_per_sm: int, smem: int, kernel: str,
-                     num_warps: int | None = None) -> DecodeConfig:
-    """A stream-K kernel's config: one row tile of the whole bucket (at most 128 rows), 128-wide
-    K steps, the pipeline as deep as the shared memory of ``programs_per_sm`` programs allows."""
-    block_m = row_bucket(rows)
-    if block_m > 128:
-        raise ValueError(f"fp8 decode GEMM kernel {kernel!r} takes at most 128 rows, got {rows}")
-    stage = stage_bytes(block_n, block_m, 128)
-    return DecodeConfig(block_n, block_m, 128, 1,
-                        num_warps=num_warps or (4 if block_n * block_m <= 64 * 64 else 8),
-                        num_stages=max(2, min(MAX_STAGES[kernel],
-                                              smem // programs_per_sm // stage)),
-                        programs_per_sm=programs_per_sm)
-
-
-def _stream_k_candidates(rows: int, smem: int, kernel: str) -> list[DecodeConfig]:
-    """64 / 128 / 256 output features (256: at most 64 rows) by the bucket's rows: one program
-    per SM (128-wide strips with 8 and with 4 warps), and two per SM for 4-warp programs (two
-    8-warp programs would need more than an SM's 64 K registers)."""
-    out_list = []
-    for block_n in (64, 128, 256):
-        if block_n * row_bucket(rows) > 256 * 64:
-            continue
-        one = _stream_k_config(rows, block_n, 1, smem, kernel)
-        out_list.append(one)
-        if block_n == 128 and one.num_warps == 8:
-            out_list.append(dataclasses.replace(one, num_warps=4))
-        if block_n * row_bucket(rows) <= 128 * 64:
-            out_list.append(_stream_k_config(rows, block_n, 2, smem, kernel, num_warps=4))
-    return out_list
 
 
 def _block_ks(kernel: str, granularity: str, block_n: int, block_m: int) -> list[int]:
@@ -212,8 +173,6 @@ def candidates(rows: int, out: int, inp: int, granularity: str, sms: int = 132,
     (:func:`_block_ks`), each at the K split that fills the SMs (the first K step also at half
     of it, and for 4-warp programs with a pipeline shallow enough for two programs per SM)."""
     _check_kernel(kernel)
-    if kernel in STREAM_K_KERNELS:
-        return _stream_k_candidates(rows, smem, kernel)
     bucket = min(row_bucket(rows), TUNED_ROWS)
     out_list = []
     for block_m in sorted({bucket, bucket // 2 if bucket >= 128 else bucket}):
@@ -340,8 +299,7 @@ def chosen_configs() -> dict:
     return dict(_chosen)
 
 
-__all__ = ["DecodeConfig", "KERNELS", "MAX_STAGES", "STREAM_K_KERNELS", "TUNE", "TUNED_ROWS",
-           "W8A8_KERNELS",
+__all__ = ["DecodeConfig", "KERNELS", "MAX_STAGES", "TUNE", "TUNED_ROWS", "W8A8_KERNELS",
            "candidates", "choose",
            "chosen_configs", "default_config", "key_of", "l2_flush_buffer", "row_bucket",
            "sm_count", "smem_bytes", "stage_bytes", "time_ms", "timings", "tune"]

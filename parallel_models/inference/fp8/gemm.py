@@ -162,15 +162,12 @@ def _decode_check(device: torch.device, granularity: str, kernel: str):
     from parallel_models.inference.fp8.quantize import quantize_weight
 
     mm = _kernel_mm(kernel)
-    if kernel == "stream_k":  # 64-wide strips: 4 strips x 3 K steps, one unit a program (every
-        # strip shared by 3 programs)
-        split_cfg = DecodeConfig(64, 64, 128, 1, num_warps=4, num_stages=3, programs_per_sm=1)
-    elif kernel == "weight_only":
-        split_cfg = DecodeConfig(32, 16, 64, 2, num_warps=4, num_stages=3)
-    else:
-        split_cfg = DecodeConfig(64, 16, 256, 2, num_warps=4, num_stages=3)
-    # (the W8A8 kernels: the prefill's activation recipe)
-    emulation = weight_only_matmul if kernel in ("weight_only", "stream_k") else dynamic_matmul
+    if kernel == "weight_only":
+        emulation, split_cfg = weight_only_matmul, DecodeConfig(32, 16, 64, 2, num_warps=4,
+                                                                num_stages=3)
+    else:  # (both W8A8 kernels: the prefill's activation recipe)
+        emulation, split_cfg = dynamic_matmul, DecodeConfig(64, 16, 256, 2, num_warps=4,
+                                                            num_stages=3)
     g = torch.Generator(device=device).manual_seed(2)
     x = torch.randn(37, 300, device=device, generator=g, dtype=torch.bfloat16)
     storage = block_scale_storage(200, 300, device) if granularity == "block" else None
@@ -227,9 +224,6 @@ def _kernel_mm(kernel: str):
     if kernel == "weight_only":
         from parallel_models.inference.fp8.weight_only_kernel import weight_only_mm
         return weight_only_mm
-    if kernel == "stream_k":
-        from parallel_models.inference.fp8.stream_k_kernel import stream_k_mm
-        return stream_k_mm
     from parallel_models.inference.fp8 import dynamic_act_kernel
     return (dynamic_act_kernel.dynamic_act_mm if kernel == "dynamic"
             else dynamic_act_kernel.prequantized_mm)

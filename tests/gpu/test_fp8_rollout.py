@@ -153,10 +153,11 @@ def test_triton_activation_quantization_matches_torch():
     from parallel_models.inference.fp8.quantize import quantize_activation
 
     pytest.importorskip("triton")
-    from parallel_models.inference.fp8.act_quant_kernel import quantize_token_groups
+    from parallel_models.inference.fp8.act_quant_kernel import (quantize_token_groups,
+                                                                quantize_tokens)
 
     g = torch.Generator(device=DEV).manual_seed(0)
-    for tokens, cols in ((1, 2048), (64, 5632), (37, 300)):
+    for tokens, cols in ((1, 2048), (64, 5632), (37, 300), (256, 14336)):
         x = torch.randn(tokens, cols, device=DEV, generator=g).bfloat16()
         x[0, :128] = 0
         q, s = quantize_token_groups(x)
@@ -165,8 +166,12 @@ def test_triton_activation_quantization_matches_torch():
         # one recipe, bit for bit (the torch scales divide by a tensor: CUDA's division by a
         # Python scalar multiplies by its reciprocal, 0.16 % of the values one step apart)
         assert torch.equal(s, s_ref) and torch.equal(q.float(), q_ref.float())
+        q, s = quantize_tokens(x)  # per token: _scaled_mm's row-wise scale_a [tokens, 1]
+        q_ref, s_ref = quantize_activation(x, "channel")
+        assert s.shape == (tokens, 1) and torch.equal(s[:, 0], s_ref)
+        assert torch.equal(q.float(), q_ref.float())
     gemm._check_fused_quant(torch.device(DEV))
-    assert gemm._fused_quant[str(torch.device(DEV))], "the engine would not use the kernel"
+    assert gemm._fused_quant[str(torch.device(DEV))], "the engine would not use the kernels"
 
 
 def test_fp8_grouped_experts_gemm_on_hopper():

@@ -10,9 +10,10 @@ Backends (:func:`gemm_backend`):
   ``[in/128, out/128]`` with a leading dimension padded to 4, as torch's own tests lay them out)
   and in/out multiples of 128;
   channel weights (row-wise: scale_a ``[tokens, 1]``, scale_b ``[1, out]``) need SM 8.9+ and
-  in/out multiples of 16. The output is bf16 (cast to the activation dtype after). Block-scaled
-  activations are quantized by one Triton kernel (``act_quant_kernel``) where triton imports and
-  the kernel agrees with the torch ops, by torch ops otherwise. Once per device and granularity
+  in/out multiples of 16. The output is bf16 (cast to the activation dtype after). The
+  activations are quantized by one Triton kernel (``act_quant_kernel``: per 128-wide group for
+  block weights, per token for channel ones) where triton imports and the kernels agree with the
+  torch ops bit for bit, by torch ops otherwise. Once per device and granularity
   (outside a CUDA graph capture) a small product checks that ``_scaled_mm`` takes these layouts
   and agrees with the emulation; if not, a warning names the error and the emulation runs.
 - decode-sized products (at most :data:`DECODE_ROWS` rows) on CUDA, whichever backend the
@@ -107,8 +108,7 @@ def _probe(device: torch.device, granularity: str) -> bool:
     from parallel_models.inference.fp8.quantize import quantize_weight
 
     key = (str(device), granularity)
-    if granularity == "block":
-        _check_fused_quant(device)
+    _check_fused_quant(device)
     if key not in _probed:
         g = torch.Generator(device=device).manual_seed(0)
         # 512 wide: 4 blocks of 128, so the scale rows need no padding (torch 2.11 refuses a
@@ -250,33 +250,38 @@ def _token_major(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_for_mm(x2: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 activations, scale_a in ``_scaled_mm``'s layout): the Triton kernel for block
-    scales where it passed its check on this device (:func:`_check_fused_quant`), else torch
-    ops."""
-    if granularity == "block" and _fused_quant.get(str(x2.device)):
-        from parallel_models.inference.fp8.act_quant_kernel import quantize_token_groups
+    """(e4m3 activations, scale_a in ``_scaled_mm``'s layout): one Triton kernel (per token and
+    128-wide group for block weights, per token for channel weights) where it passed its check
+    on this device (:func:`_check_fused_quant`), else torch ops."""
+    if _fused_quant.get(str(x2.device)):
+        from parallel_models.inference.fp8 import act_quant_kernel
 
-        return quantize_token_groups(x2)
+        return (act_quant_kernel.quantize_token_groups(x2) if granularity == "block"
+                else act_quant_kernel.quantize_tokens(x2))
     xq, xs = quantize_activation(x2, granularity)
     return xq, (_token_major(xs) if granularity == "block" else xs[:, None].contiguous())
 
 
 def _check_fused_quant(device: torch.device) -> None:
-    """Once per device: use the Triton activation quantization if triton imports and the
-    kernel's scales and values agree with the torch version (values within one e4m3 step: the
-    division may round differently)."""
+    """Once per device: use the Triton activation quantization if triton imports and both
+    kernels' scales and values agree with the torch version (bit for bit: one recipe; the
+    group kernel's scales token-major, as ``_scaled_mm`` reads them)."""
     def check():
-        from parallel_models.inference.fp8.act_quant_kernel import quantize_token_groups
+        from parallel_models.inference.fp8 import act_quant_kernel
 
         g = torch.Generator(device=device).manual_seed(1)
-        x = torch.randn(37, 300, device=device, generator=g, dtype=torch.bfloat16)
+        x = torch.randn(37, 1100, device=device, generator=g, dtype=torch.bfloat16)
         x[3, 128:256] = 0
-        q, s = quantize_token_groups(x)
-        q_ref, s_ref = quantize_activation(x, "block")
-        same_scales = torch.allclose(s, s_ref, rtol=1e-6, atol=0)
-        step = (q.float() - q_ref.float()).abs() <= 2.0 ** -3 * q_ref.float().abs() + 2.0 ** -9
-        return (bool(same_scales and step.all() and s.stride(0) == 1),
-                "disagrees with the torch version")
+        x[5] = 0
+        agree = True
+        for granularity, quantize in (("block", act_quant_kernel.quantize_token_groups),
+                                      ("channel", act_quant_kernel.quantize_tokens)):
+            q, s = quantize(x)
+            q_ref, s_ref = quantize_activation(x, granularity)
+            agree &= torch.equal(s.reshape(s_ref.shape), s_ref) and torch.equal(q.float(),
+                                                                                q_ref.float())
+            agree &= s.stride(0) == 1  # (block: token-major; channel: [tokens, 1])
+        return bool(agree), "disagrees with the torch version"
 
     _checked_once(_fused_quant, str(device), check, "fp8: the Triton activation quantization "
                   "%s; torch ops instead (slower at decode)")

@@ -32,6 +32,9 @@
 #   bash bench/gpu_session.sh fp8prof  # issue 37, one GPU, ~1 min: Nsight Compute's counters of the
 #                                      # decode GEMMs (bench/fp8_kernel_profile.py) and the 8B
 #                                      # decode step by category, bf16 and FP8 (decode_profile)
+#   bash bench/gpu_session.sh fp8_256  # issue 37, one GPU, <= 9 min: the decode step FP8 (channel
+#                                      # scales, the default) vs bf16 at batch 64 and 256 (0.89B,
+#                                      # 8B) and the GRPO-shaped workload both ways (0.89B)
 #   bash bench/gpu_session.sh fp8_kv   # the FP8 KV pool (rollout.kv_cache_dtype=fp8), <= 6 min:
 #                                      # its GPU-side tests, the 8B decode step at batch 64 and
 #                                      # 256, bf16 / FP8 linears x model-dtype / e4m3 KV pool
@@ -89,6 +92,11 @@ Issued" "$OUT/ncu.txt" | cut -c1-120
       timeout 280 python3 bench/decode_profile.py $S --batches 64 --prompt 128 --new 64 \
           --variants ours --steps 10 $m 2>&1 | grep -A24 "### batch" | head -24
     done
+    ;;
+  fp8_256)
+    timeout 420 python3 bench/fp8_decode.py --shapes 0.89b 8b --batches 64 256 --scales channel \
+        --decode-kernels weight_only --grpo --out "$OUT/fp8_decode.json" 2>&1 \
+        | grep -E '^\{' | cut -c1-700
     ;;
   fp8_kv)
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/inference/test_split_kv_fp8.py \

@@ -102,7 +102,7 @@ def _prompt_seeds(seeds, prompts: int) -> list[int] | None:
 class RolloutEngine:
     """``RolloutEngine(model, eos_token_id=None, pad_token_id=0, weights_path=None,
     kv_budget_tokens=None, max_rows=64, prefix_cache_tokens=0, keep_kv=False,
-    gpu_memory_utilization=0.9, weight_dtype="bf16", fp8_scales="block",
+    gpu_memory_utilization=0.9, weight_dtype="bf16", fp8_scales="channel",
     shares_training_weights=False, kv_cache_dtype="bf16")``; ``kv_budget_tokens``: None (static
     batches), a KV size in tokens, or ``"auto"`` (planned, see the module docstring).
     ``weight_dtype="fp8"``: the decoder linears run on FP8 copies of their weights
@@ -117,7 +117,7 @@ class RolloutEngine:
                  kv_budget_tokens: int | str | None = None, max_rows: int = 64,
                  prefix_cache_tokens: int = 0, keep_kv: bool = False,
                  gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
-                 weight_dtype: str = "bf16", fp8_scales: str = "block",
+                 weight_dtype: str = "bf16", fp8_scales: str = "channel",
                  shares_training_weights: bool = False, kv_cache_dtype: str = "bf16"):
         if model.head_kind != "causal_lm":
             raise TypeError(f"{type(model).__name__} has no LM head; a rollout engine needs a "

@@ -37,7 +37,8 @@ def _module_matches_quant_math(engine, name_suffix: str) -> float:
 
     _, module = next((n, m) for n, m in engine.fp8.modules if n.endswith(name_suffix))
     x = torch.randn(5, 1, module.weight.shape[1])
-    expect = emulated_matmul(x.view(5, -1), quantize_weight(module.weight.detach(), "block"))
+    expect = emulated_matmul(x.view(5, -1), quantize_weight(module.weight.detach(),
+                                                            engine.fp8.granularity))
     if module.bias is not None:
         expect = expect + module.bias
     with torch.no_grad(), engine.fp8.enabled():
@@ -80,8 +81,8 @@ def check_fp8_engine(llama: str, other: str, moe: str) -> dict:
         qkv.weight.mul_(1.5)
     engine.weights_changed()
     _greedy(engine, prompts[:1])
-    res["followed_step"] = torch.equal(
-        qkv.fp8_weight.float(), quantize_weight(qkv.weight.detach(), "block").data.float())
+    res["followed_step"] = torch.equal(qkv.fp8_weight.float(), quantize_weight(
+        qkv.weight.detach(), engine.fp8.granularity).data.float())
     # the hybrid engine's copy (weight sync from the actor): re-quantized after each sync
     from parallel_models.rl.rollout.hybrid import HybridRollout
 
@@ -93,8 +94,8 @@ def check_fp8_engine(llama: str, other: str, moe: str) -> dict:
     hybrid.sync(version=2)
     _greedy(hybrid.engine, prompts[:1])
     copy_qkv = hybrid.engine.fp8.modules[0][1]
-    res["followed_sync"] = torch.equal(
-        copy_qkv.fp8_weight.float(), quantize_weight(qkv.weight.detach(), "block").data.float())
+    res["followed_sync"] = torch.equal(copy_qkv.fp8_weight.float(), quantize_weight(
+        qkv.weight.detach(), hybrid.engine.fp8.granularity).data.float())
     # a dedicated rollout model: FP8 always on; loading a folder re-quantizes at once
     rollout = load(llama)
     server = RolloutEngine(rollout, weight_dtype="fp8", kv_budget_tokens=96, max_rows=3)
@@ -103,8 +104,8 @@ def check_fp8_engine(llama: str, other: str, moe: str) -> dict:
     res["continuous_equal"] = torch.equal(cont.responses, static.responses)
     server.update_weights(other)
     down = next(m for n, m in server.fp8.modules if n.endswith("down_proj"))
-    res["followed_load"] = torch.equal(
-        down.fp8_weight.float(), quantize_weight(down.weight.detach(), "block").data.float())
+    res["followed_load"] = torch.equal(down.fp8_weight.float(), quantize_weight(
+        down.weight.detach(), server.fp8.granularity).data.float())
     # MoE: the routed and shared experts' linears are quantized; the grouped GEMM forced on
     # runs them too (the same tokens and log-probs as the per-expert loop)
     moe_model = load(moe)

@@ -47,11 +47,11 @@ def quantized_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
 
 
 class Fp8Linears:
-    """``Fp8Linears(model, granularity="block", active=True)``: quantize ``model``'s linears (see
+    """``Fp8Linears(model, granularity="channel", active=True)``: quantize ``model``'s linears (see
     the module docstring) now; :meth:`refresh` after their weights changed; :meth:`enabled` (a
     context) runs the FP8 forward inside it whatever :attr:`active` says."""
 
-    def __init__(self, model: torch.nn.Module, granularity: str = "block", active: bool = True):
+    def __init__(self, model: torch.nn.Module, granularity: str = "channel", active: bool = True):
         self.model = model
         self.granularity = granularity
         self.active = active

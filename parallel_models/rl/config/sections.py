@@ -163,8 +163,9 @@ class RolloutSection(SamplingFields, AsyncRolloutFields):
                                                        "at once at most")
     dtype: Literal["bf16", "fp8"] = Field("bf16", description="bf16 = decoder linears in model."
                                           "dtype (as before) | fp8 = e4m3 copies (inference/fp8)")
-    fp8_scales: Literal["block", "channel"] = Field("block", description="dtype=fp8: weight "
-                                                    "scales per 128x128 block | per out channel")
+    fp8_scales: Literal["block", "channel"] = Field(
+        "channel", description="dtype=fp8: weight scales per out channel (measured faster at "
+                               "decode: docs/PERFORMANCE.md, issue 37) | per 128x128 block")
     kv_cache_dtype: Literal["bf16", "fp8"] = Field(
         "bf16", description="continuous engine's KV pool: bf16 = model.dtype (as before) | fp8 "
                             "= e4m3 with fp32 scales per (token, KV head): half the bytes per "

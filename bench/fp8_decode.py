@@ -13,7 +13,8 @@ ignored): one whose decode runs the bf16 linears (``bf16``) and, per ``--decode-
 one whose linears run on FP8 copies (``inference/fp8``: ``Fp8Linears``, ``--scales`` block |
 channel) with ``gemm.DECODE_KERNEL`` set to that kernel (``fp8_dynamic``: W8A8, the activations
 quantized inside the decode GEMM; ``fp8_weight_only``: W8A16) for the products of at most
-``gemm.DECODE_ROWS`` rows (larger ones run ``_scaled_mm`` either way). Each engine's first step
+``gemm.DECODE_ROWS`` rows (larger ones run ``_scaled_mm`` either way; ``fp8_scaled_mm``: no decode
+kernel, ``_scaled_mm`` at every size). Each engine's first step
 prefills and captures its bucket's CUDA graph (the FP8 ones with the FP8 linears on and their
 kernel selected, so replaying it runs those GEMMs whatever the switches say after). Then
 ``engine.step()`` of the engines is timed side by side (``common.alternate``: ``--rounds``
@@ -97,25 +98,30 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
 
     spec = SHAPES[shape]
     new = 4 + args.rounds * (args.warmup + args.iters)  # rows never finish while timed
-    default_kernel = gemm.DECODE_KERNEL
+    default_kernel, default_rows = gemm.DECODE_KERNEL, gemm.DECODE_ROWS
+
+    def select(kernel):  # "scaled_mm": no decode kernel (DECODE_ROWS 0), _scaled_mm throughout
+        gemm.DECODE_KERNEL = default_kernel if kernel in (None, "scaled_mm") else kernel
+        gemm.DECODE_ROWS = 0 if kernel == "scaled_mm" else default_rows
+
     fp8.active = False
     engines = {"bf16": (_engine(model, batch, args.prompt, new, spec["vocab"], batch), None)}
     fp8.active = True
     for kernel in args.decode_kernels:
-        gemm.DECODE_KERNEL = kernel
+        select(kernel)
         engines[f"fp8_{kernel}"] = (_engine(model, batch, args.prompt, new, spec["vocab"],
                                             batch), kernel)
     if args.kv_fp8:  # the KV pool in e4m3: with the bf16 linears, and with the first kernel's
         for kernel in [None] + args.decode_kernels[:1]:
             fp8.active = kernel is not None
-            gemm.DECODE_KERNEL = kernel or default_kernel
+            select(kernel)
             engines[f"{'fp8_' + kernel if kernel else 'bf16'}_kvfp8"] = (
                 _engine(model, batch, args.prompt, new, spec["vocab"], batch, "fp8"), kernel)
 
     def step(engine, kernel):
         # (eager parts of a step; the captured graphs hold their GEMMs)
         fp8.active = kernel is not None
-        gemm.DECODE_KERNEL = kernel or default_kernel
+        select(kernel)
         engine.step()
 
     contenders = {name: (lambda e=engine, k=kernel: step(e, k))
@@ -126,7 +132,7 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
     else:
         timing = _cpu_alternate(contenders, args.rounds, args.warmup, args.iters)
     fp8.active = False
-    gemm.DECODE_KERNEL = default_kernel
+    select(None)
     backends = sorted({m.fp8_backend for _, m in fp8.modules if m.fp8_backend})
     fp8_engines = [engine for engine, kernel in engines.values() if kernel is not None]
     row = {"shape": shape, "batch": batch, "prompt": args.prompt, "scales": fp8.granularity,
@@ -180,9 +186,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--batches", type=int, nargs="+", default=None,
                     help="default 64 256 (--tiny: 4)")
     ap.add_argument("--prompt", type=int, default=128)
-    ap.add_argument("--scales", choices=("block", "channel"), default="block")
+    ap.add_argument("--scales", choices=("block", "channel"), default="channel")
     ap.add_argument("--decode-kernels", nargs="+", default=["dynamic", "w8a8", "weight_only"],
-                    choices=("dynamic", "w8a8", "weight_only"),
+                    choices=("dynamic", "w8a8", "weight_only", "scaled_mm"),
                     help="one FP8 engine per decode kernel (gemm.DECODE_KERNEL), alternated "
                          "with the bf16 engine")
     ap.add_argument("--kv-fp8", action="store_true",

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 # (the interpreter's stand-in for the e4m3 conversion; the FP8 rollout's GEMM uses it alike)
-from parallel_models.inference.fp8.e4m3_rounding import round_to_e4m3
+from parallel_models.inference.fp8.e4m3_rounding import e4m3_scale, scaled_for_e4m3
 
 E4M3_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
 
@@ -70,13 +70,8 @@ def _store_quantized(base, scale_ptr, addr, x, INTERPRETED: tl.constexpr):
     """Store ``x`` [D] as e4m3 at ``base + addr`` and its fp32 scale (amax / 448, 1 for
     all-zero) at ``scale_ptr``, as ``pool_cache.quantize_kv``."""
     x = x.to(tl.float32)
-    amax = tl.max(tl.abs(x), 0)
-    s = tl.where(amax > 0, tl.math.div_rn(amax, E4M3_MAX), 1.0)
-    # times the correctly rounded reciprocal (fp8.quantize's activation recipe: a division
-    # rounds exact e4m3 ties of bf16 values apart from it)
-    scaled = tl.minimum(tl.maximum(x * tl.math.div_rn(1.0, s), -E4M3_MAX), E4M3_MAX)
-    if INTERPRETED:
-        scaled = round_to_e4m3(scaled)
+    s = e4m3_scale(tl.max(tl.abs(x), 0), E4M3_MAX)
+    scaled = scaled_for_e4m3(x, s, E4M3_MAX, INTERPRETED)  # (fp8.quantize's activation recipe)
     tl.store(base + addr, scaled.to(base.dtype.element_ty))
     tl.store(scale_ptr, s)
 

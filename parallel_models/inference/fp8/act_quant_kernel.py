@@ -14,7 +14,8 @@ eleven kernels per linear, which at decode batch sizes cost more than the GEMM t
 H100, the 8B decode step at batch 256 with channel scales took 1.35x bf16's, docs/
 PERFORMANCE.md); these are one. ``gemm`` checks them against the torch version once per device
 before using them. In Triton's CPU interpreter (whose fp32 -> e4m3 conversion is wrong) the
-values are rounded by ``e4m3_rounding.round_to_e4m3`` first, so the tests check the recipe.
+values are rounded by ``e4m3_rounding.round_to_e4m3`` first, so the tests check the recipe (its
+steps: ``e4m3_rounding.e4m3_scale`` and ``scaled_for_e4m3``).
 """
 
 from __future__ import annotations
@@ -25,26 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel_models.inference.fp8.e4m3_rounding import round_to_e4m3
+from parallel_models.inference.fp8.e4m3_rounding import e4m3_scale, scaled_for_e4m3
 from parallel_models.inference.fp8.quantize import BLOCK, E4M3, E4M3_MAX
 from parallel_models.llama.layers.exact import interpreter_fix
 
 interpreter_fix.apply()  # (the CPU interpreter's loop bounds; nothing on the GPU)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TOKEN_BLOCK = 1024  # input features a program reads per step of the per-token kernel
-
-
-@triton.jit
-def _to_e4m3(x, scale, FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
-    """fp32 ``x`` over ``scale`` -> the clamped values to store as e4m3 (the interpreter: already
-    rounded to e4m3 values)."""
-    # times the correctly rounded reciprocal, as quantize_activation and the decode kernels do
-    # (Triton's ``x / scale`` is an approximate division, and a division rounds exact ties apart)
-    q = x * tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
-    if EMULATE:
-        q = round_to_e4m3(q)
-    return q
 
 
 @triton.jit
@@ -56,8 +44,8 @@ def _quantize_groups_kernel(X, Q, S, n_cols, stride_x, stride_q, ld_s,
     mask = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)  # (`/`: approximate)
-    q = _to_e4m3(x, scale, FP8_MAX, EMULATE)
+    scale = e4m3_scale(amax, FP8_MAX)
+    q = scaled_for_e4m3(x, scale, FP8_MAX, EMULATE)
     tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + group * ld_s + row, scale)
 
@@ -72,11 +60,11 @@ def _quantize_tokens_kernel(X, Q, S, n_cols, stride_x, stride_q, FP8_MAX: tl.con
         x = tl.load(X + row * stride_x + start + offs, mask=start + offs < n_cols, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
     amax_row = tl.max(amax, axis=0)
-    scale = tl.where(amax_row > 0, tl.math.div_rn(amax_row, FP8_MAX), 1.0)
+    scale = e4m3_scale(amax_row, FP8_MAX)
     for start in range(0, n_cols, BLOCK_COLS):
         mask = start + offs < n_cols
         x = tl.load(X + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-        q = _to_e4m3(x, scale, FP8_MAX, EMULATE)
+        q = scaled_for_e4m3(x, scale, FP8_MAX, EMULATE)
         tl.store(Q + row * stride_q + start + offs, q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + row, scale)
 

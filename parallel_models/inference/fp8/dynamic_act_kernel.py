@@ -52,7 +52,7 @@ from parallel_models.inference.fp8 import decode_gemm_shared as shared
 from parallel_models.inference.fp8.decode_gemm_shared import (finish_tile, program_tile,
                                                               tile_pointers)
 from parallel_models.inference.fp8.decode_tuning import DecodeConfig
-from parallel_models.inference.fp8.e4m3_rounding import round_to_e4m3
+from parallel_models.inference.fp8.e4m3_rounding import e4m3_scale, round_to_e4m3
 from parallel_models.inference.fp8.quantize import (BLOCK, E4M3_MAX, QuantizedWeight,
                                                     quantize_activation)
 from parallel_models.llama.layers.exact import interpreter_fix
@@ -69,7 +69,7 @@ def _group_product(w, x, EMULATE: tl.constexpr, FP8_MAX: tl.constexpr):
     ``[BLOCK_M]``)."""
     x = x.to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+    scale = e4m3_scale(amax, FP8_MAX)
     scaled = x * tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)[None, :]
     if EMULATE:  # (the interpreter: exact e4m3 values in fp32, an fp32 dot)
         scaled = tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)

@@ -1,8 +1,16 @@
-"""fp32 -> the nearest e4m3 value (round half to even), as fp32, in a Triton kernel with integer
-ops on the fp32 bits: the CPU interpreter's stand-in for the hardware conversion, which the
-interpreter gets wrong (no carry into the exponent, subnormals cut). The FP8 decode GEMM
-(``dynamic_act_kernel``) and the split-KV attention's FP8 KV pool (``split_kv_kernels``) quantize
-through it when interpreted, so the CPU tests check the same rounding the GPU does.
+"""The FP8 activation recipe's e4m3 rounding in Triton kernels.
+
+- :func:`round_to_e4m3`: fp32 -> the nearest e4m3 value (round half to even), as fp32, with
+  integer ops on the fp32 bits: the CPU interpreter's stand-in for the hardware conversion, which
+  the interpreter gets wrong (no carry into the exponent, subnormals cut). The FP8 decode GEMM
+  (``dynamic_act_kernel``), the activation quantization (``act_quant_kernel``) and the split-KV
+  attention's FP8 KV pool (``split_kv_kernels``) quantize through it when interpreted, so the
+  CPU tests check the same rounding the GPU does.
+- :func:`e4m3_scale` and :func:`scaled_for_e4m3`: ``quantize.quantize_activation``'s recipe,
+  ``scale = amax / 448`` (1 for an all-zero group) and ``clamp(x * (1 / scale))`` (the division
+  and the reciprocal correctly rounded: Triton's ``/`` is approximate, and a division rounds the
+  exact e4m3 ties of bf16 values apart from the reciprocal's product), shared by the activation
+  quantization and the FP8 KV store.
 """
 
 import triton
@@ -32,4 +40,23 @@ def round_to_e4m3(v):
     return tl.where((bits & 0x7FFFFFFF) >= E4M3_MIN_NORMAL_BITS, normal, tiny)
 
 
-__all__ = ["round_to_e4m3"]
+@triton.jit
+def e4m3_scale(amax, FP8_MAX: tl.constexpr):
+    """fp32 scale of values whose absolute maximum is ``amax``: ``amax / FP8_MAX``, 1 where
+    ``amax`` is 0."""
+    return tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+
+
+@triton.jit
+def scaled_for_e4m3(x, scale, FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
+    """fp32 ``x`` times the correctly rounded reciprocal of ``scale``, clamped to +-``FP8_MAX``:
+    the values to store as e4m3 (``EMULATE``, the interpreter: already rounded to e4m3
+    values)."""
+    q = x * tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    if EMULATE:
+        q = round_to_e4m3(q)
+    return q
+
+
+__all__ = ["e4m3_scale", "round_to_e4m3", "scaled_for_e4m3"]

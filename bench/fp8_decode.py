@@ -93,17 +93,27 @@ def _engine(model, batch: int, prompt: int, new: int, vocab: int, seed: int,
     return eng
 
 
+def _selector():
+    """``select(kernel)``: ``gemm``'s decode switches for one FP8 engine (``kernel``: a decode
+    kernel; ``"scaled_mm"``: no decode kernel, ``DECODE_ROWS`` 0, ``_scaled_mm`` at every size;
+    None: the defaults, which ``select`` restores), the defaults read now."""
+    from parallel_models.inference.fp8 import gemm
+
+    default_kernel, default_rows = gemm.DECODE_KERNEL, gemm.DECODE_ROWS
+
+    def select(kernel):
+        gemm.DECODE_KERNEL = default_kernel if kernel in (None, "scaled_mm") else kernel
+        gemm.DECODE_ROWS = 0 if kernel == "scaled_mm" else default_rows
+
+    return select
+
+
 def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
     from parallel_models.inference.fp8 import gemm
 
     spec = SHAPES[shape]
     new = 4 + args.rounds * (args.warmup + args.iters)  # rows never finish while timed
-    default_kernel, default_rows = gemm.DECODE_KERNEL, gemm.DECODE_ROWS
-
-    def select(kernel):  # "scaled_mm": no decode kernel (DECODE_ROWS 0), _scaled_mm throughout
-        gemm.DECODE_KERNEL = default_kernel if kernel in (None, "scaled_mm") else kernel
-        gemm.DECODE_ROWS = 0 if kernel == "scaled_mm" else default_rows
-
+    select = _selector()
     fp8.active = False
     engines = {"bf16": (_engine(model, batch, args.prompt, new, spec["vocab"], batch), None)}
     fp8.active = True
@@ -163,19 +173,17 @@ def grpo_both_ways(args, shape: str, model, fp8) -> list[dict]:
     decode kernel)."""
     from rollout_bench import grpo_case
 
-    from parallel_models.inference.fp8 import gemm
-
     cfg = types.SimpleNamespace(vocab_size=SHAPES[shape]["vocab"])
-    out, default_kernel = [], gemm.DECODE_KERNEL
+    out, select = [], _selector()
     for dtype, kernel in [("bf16", None)] + [("fp8", k) for k in args.decode_kernels]:
         fp8.active = dtype == "fp8"
-        gemm.DECODE_KERNEL = kernel or default_kernel
+        select(kernel)
         row = {"shape": shape, "case": "grpo", "weights": dtype, "decode_kernel": kernel,
                **grpo_case(args, cfg, model)}
         print(json.dumps(row), flush=True)
         out.append(row)
     fp8.active = False
-    gemm.DECODE_KERNEL = default_kernel
+    select(None)
     return out
 
 

@@ -196,7 +196,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--scales", choices=("block", "channel"), default="channel")
     ap.add_argument("--decode-kernels", nargs="+", default=["dynamic", "w8a8", "weight_only"],
-                    choices=("dynamic", "w8a8", "weight_only", "scaled_mm"),
+                    choices=("dynamic", "w8a8", "weight_only", "tma", "scaled_mm"),
                     help="one FP8 engine per decode kernel (gemm.DECODE_KERNEL), alternated "
                          "with the bf16 engine")
     ap.add_argument("--kv-fp8", action="store_true",

@@ -35,7 +35,7 @@ over bf16. ``--compile-only SM``: no timing, no GPU: each distinct candidate ker
 ``--kernels`` compiled for that architecture, with its MMA, shared memory (``fits``: within the
 architecture's per-block limit), registers and spills (a kernel edit checked where no GPU is at
 hand). ``--tiny``: one 256 x 256 linear, rows 1 and 16, two configs per kernel (the default and a
-K split), block scales, one run each on the CPU (wall time, interpreter: correctness, not
+K split), block scales (and channel ones for the channel-only TMA kernel), one run each on the CPU (wall time, interpreter: correctness, not
 speed).
 """
 
@@ -57,14 +57,16 @@ from common import LLAMA3_8B, LLAMA_089B  # noqa: E402
 
 SHAPES = {"8b": LLAMA3_8B, "0.89b": LLAMA_089B}
 TINY_LINEARS = {"tiny": {"proj": (256, 256)}}
-KERNELS = ("dynamic", "w8a8", "weight_only")
+KERNELS = ("dynamic", "w8a8", "weight_only", "tma")
 # kernel -> (module of inference/fp8, its launch there, its emulation in gemm, the --tiny run's
 # K-split config)
 KERNEL_PARTS = {"weight_only": ("weight_only_kernel", "launch", "weight_only_matmul",
                                 (32, 16, 64, 2)),
                 "dynamic": ("dynamic_act_kernel", "launch", "dynamic_matmul", (32, 16, 128, 2)),
                 "w8a8": ("dynamic_act_kernel", "launch_prequantized", "dynamic_matmul",
-                         (32, 16, 128, 2))}
+                         (32, 16, 128, 2)),
+                "tma": ("tma_decode_kernel", "launch", "token_matmul", (32, 16, 128, 2))}
+CHANNEL_ONLY = ("tma",)  # kernels that take channel-scaled weights only
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # per block, opt-in
 
 
@@ -128,13 +130,20 @@ def kernel_case(args, kernel, x, q, bf16_us, timer, gbps) -> dict:
     out = q.shape[0]
     dev = x.device
     y = torch.empty(rows, out, dtype=x.dtype, device=dev)
+    quant_us = None
+    if kernel == "tma":  # the GEMM alone: its e4m3 input left on x, as a fused producer leaves it
+        from parallel_models.inference.fp8 import tma_decode_kernel
+
+        x = x.detach().clone()
+        quant_us = timer(lambda: tma_decode_kernel.quantize_tokens(x))
+        setattr(x, tma_decode_kernel.QUANTIZED, tma_decode_kernel.quantize_tokens(x))
     fp8_bytes = q.data.numel() + 4 * q.scale.numel()
     configs = decode_tuning.candidates(rows, out, inp, q.granularity, decode_tuning.sm_count(dev),
                                        decode_tuning.smem_bytes(dev), kernel=kernel)
     if args.tiny:  # the default + a K split
         configs = [decode_tuning.default_config(rows, out, inp, q.granularity, kernel=kernel),
                    decode_tuning.DecodeConfig(*split_cfg, num_warps=4, num_stages=2)]
-    res = {"configs": []}
+    res = {"configs": []} if quant_us is None else {"configs": [], "quantize_us": quant_us}
     for cfg in configs:
         try:
             us = timer(lambda: launch(x, q, y, cfg))
@@ -185,6 +194,8 @@ def run_case(args, shape, name, out, inp, rows, granularity, dev, timer, cache) 
         except RuntimeError as exc:
             row["scaled_mm_rowwise_error"] = f"{type(exc).__name__}: {exc}"[:200]
     for kernel in args.kernels:
+        if kernel in CHANNEL_ONLY and granularity != "channel":
+            continue
         row[kernel] = kernel_case(args, kernel, x, q, row["bf16_us"], timer, gbps)
     return row
 
@@ -198,7 +209,7 @@ def best_lines(rows: list[dict], kernels) -> list[dict]:
         for kernel in kernels:
             key = (r["shape"], r["linear"], r["n"], r["k"], row_bucket(r["rows"]), r["scales"],
                    kernel)
-            for c in r[kernel]["configs"]:
+            for c in r.get(kernel, {}).get("configs", ()):
                 if "us" in c and (key not in best or c["us"] < best[key]["us"]):
                     best[key] = c
     return [{"best": dict(zip(("shape", "linear", "n", "k", "row_bucket", "scales", "kernel"),
@@ -217,7 +228,8 @@ def layer_lines(rows: list[dict], kernels) -> list[dict]:
     for (shape, n_rows, scales), rs in groups.items():
         line = {"layer": {"shape": shape, "rows": n_rows, "scales": scales}, "linears": len(rs),
                 "bf16_us": sum(r["bf16_us"] for r in rs)}
-        timed = {kernel: sum(r[kernel]["us"] for r in rs) for kernel in kernels}
+        timed = {kernel: sum(r[kernel]["us"] for r in rs) for kernel in kernels
+                 if all(kernel in r for r in rs)}
         if all("scaled_mm_rowwise_us" in r for r in rs):
             timed["scaled_mm_rowwise"] = sum(r["scaled_mm_rowwise_us"] for r in rs)
         for name, us in timed.items():
@@ -242,10 +254,14 @@ def _compile(kernel_fn, consts: dict, cfg, arch: int) -> dict:
             "SPLIT_K", "stride_xsm", "stride_xsg")
     x_type = "*fp8e4nv" if consts.get("PREQUANT") else "*bf16"
     sig = {"X": x_type, "W": "*fp8e4nv", "S": "*fp32", "Y": "*bf16", "P": "*fp32", "C": "*i32",
-           "XS": "*fp32", **{n: "i32" for n in ints}}
+           "XS": "*fp32", **{n: "i32" for n in ints},
+           "x_desc": f"tensordesc<fp8e4nv[{cfg.block_m}, {cfg.block_k}]>",  # (the TMA kernel)
+           "w_desc": f"tensordesc<fp8e4nv[{cfg.block_n}, {cfg.block_k}]>"}
     sig = {n: sig[n] for n in kernel_fn.arg_names if n in sig}  # (this kernel's arguments)
     aligned = ("X", "W", "S", "Y", "P", "C", "N", "K", "stride_xm", "stride_wn", "stride_ym")
-    attrs = {(kernel_fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    attrs = {(kernel_fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned
+             if n in kernel_fn.arg_names}
+    consts = {c: v for c, v in consts.items() if c in kernel_fn.arg_names}
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                              "cuobjdump")
     src = ASTSource(fn=kernel_fn, signature={**sig, **{c: "constexpr" for c in consts}},
@@ -272,13 +288,15 @@ def compile_only(plan: dict, rows_list, scales, arch: int, kernels=KERNELS) -> l
     from parallel_models.inference.fp8.decode_tuning import candidates
     from parallel_models.inference.fp8.dynamic_act_kernel import _w8a8_dynamic_kernel
     from parallel_models.inference.fp8.quantize import E4M3_MAX
+    from parallel_models.inference.fp8.tma_decode_kernel import PROMOTE_EVERY, _w8a8_tma_kernel
     from parallel_models.inference.fp8.weight_only_kernel import _w8a16_kernel
 
     fns = {"weight_only": (_w8a16_kernel, {"BIT_CONVERT": True}),
            "dynamic": (_w8a8_dynamic_kernel, {"FP8_MAX": E4M3_MAX, "EMULATE": False,
                                               "PREQUANT": False}),
            "w8a8": (_w8a8_dynamic_kernel, {"FP8_MAX": E4M3_MAX, "EMULATE": False,
-                                           "PREQUANT": True})}
+                                           "PREQUANT": True}),
+           "tma": (_w8a8_tma_kernel, {"PROMOTE": PROMOTE_EVERY, "EMULATE": False})}
     lines, seen = [], set()
     for kernel in kernels:
         kernel_fn, own = fns[kernel]
@@ -286,6 +304,8 @@ def compile_only(plan: dict, rows_list, scales, arch: int, kernels=KERNELS) -> l
             for out, inp in lins.values():
                 for rows in rows_list:
                     for gran in scales:
+                        if kernel in CHANNEL_ONLY and gran != "channel":
+                            continue
                         for cfg in candidates(rows, out, inp, gran, kernel=kernel):
                             key = (kernel, gran, cfg.block_n, cfg.block_m, cfg.block_k,
                                    cfg.num_warps, cfg.num_stages, inp % cfg.block_k == 0)
@@ -324,7 +344,8 @@ def main(argv=None) -> list[dict]:
         dev = torch.device("cuda", torch.cuda.current_device())
     if args.tiny:
         plan = {"tiny": TINY_LINEARS["tiny"]}
-        args.rows, args.scales = [1, 16], ["block"]
+        args.rows = [1, 16]
+        args.scales = ["block"] + (["channel"] if set(args.kernels) & set(CHANNEL_ONLY) else [])
     else:
         plan = {shape: linears(SHAPES[shape]) for shape in args.shapes}
     if args.compile_only:

@@ -32,6 +32,9 @@
 #   bash bench/gpu_session.sh fp8prof  # issue 37, one GPU, ~1 min: Nsight Compute's counters of the
 #                                      # decode GEMMs (bench/fp8_kernel_profile.py) and the 8B
 #                                      # decode step by category, bf16 and FP8 (decode_profile)
+#   bash bench/gpu_session.sh fp8tma   # issue 37, one GPU, ~8 min: the TMA W8A8 decode kernel's
+#                                      # GPU tests, its sweep (8B, 64 rows) and the 8B decode
+#                                      # step at batch 64, weight-only vs TMA
 #   bash bench/gpu_session.sh fp8_256  # issue 37, one GPU, <= 9 min: the decode step FP8 (channel
 #                                      # scales, the default) vs bf16 at batch 64 and 256 (0.89B,
 #                                      # 8B) and the GRPO-shaped workload both ways (0.89B)
@@ -92,6 +95,17 @@ Issued" "$OUT/ncu.txt" | cut -c1-120
       timeout 280 python3 bench/decode_profile.py $S --batches 64 --prompt 128 --new 64 \
           --variants ours --steps 10 $m 2>&1 | grep -A24 "### batch" | head -24
     done
+    ;;
+  fp8tma)
+    nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
+    timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_rollout.py \
+        -k "tma or scaled_mm_matches" 2>&1 | tee "$OUT/fp8_tma_tests.log" | tail -4
+    timeout 200 python3 bench/fp8_gemm_sweep.py --shapes 8b --rows 64 --scales channel \
+        --kernels weight_only tma --reps 20 --out "$OUT/sweep.json" 2>&1 \
+        | grep -E '"best"|"layer"|quantize_us' | cut -c1-400
+    timeout 240 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales channel \
+        --decode-kernels weight_only tma --out "$OUT/fp8_decode.json" 2>&1 | grep -E '^\{' \
+        | cut -c1-600
     ;;
   fp8_256)
     timeout 420 python3 bench/fp8_decode.py --shapes 0.89b 8b --batches 64 256 --scales channel \

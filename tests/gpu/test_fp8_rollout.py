@@ -195,7 +195,7 @@ def test_fp8_grouped_experts_gemm_on_hopper():
     assert (got - want).abs().max() <= 1e-2 * scale + 1e-2 * want.abs().max()
 
 
-@pytest.mark.parametrize("kernel", ["dynamic", "w8a8", "weight_only"])
+@pytest.mark.parametrize("kernel", ["dynamic", "w8a8", "weight_only", "tma"])
 @pytest.mark.parametrize("granularity", ["block", "channel"])
 def test_decode_gemm_configs_tuning_and_graph_replay(granularity, kernel):
     """The decode GEMM kernels (W8A8-dynamic: the activations quantized in the kernel; W8A8 on
@@ -208,17 +208,21 @@ def test_decode_gemm_configs_tuning_and_graph_replay(granularity, kernel):
     pytest.importorskip("triton")
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("e4m3 needs SM 8.9+")
+    if kernel == "tma" and (granularity == "block" or torch.cuda.get_device_capability() < (9, 0)):
+        pytest.skip("the TMA kernel: channel scales, SM 9.0+")
     import importlib
 
     from parallel_models.inference.fp8 import decode_gemm_shared, decode_tuning, gemm
     from parallel_models.inference.fp8.quantize import QuantizedWeight, quantize_weight
 
-    module = importlib.import_module("parallel_models.inference.fp8." + (
-        "weight_only_kernel" if kernel == "weight_only" else "dynamic_act_kernel"))
+    module = importlib.import_module("parallel_models.inference.fp8." + {
+        "weight_only": "weight_only_kernel", "tma": "tma_decode_kernel"}.get(
+            kernel, "dynamic_act_kernel"))
     mm, launch = (getattr(module, name) for name in {
         "dynamic": ("dynamic_act_mm", "launch"), "w8a8": ("prequantized_mm", "launch_prequantized"),
-        "weight_only": ("weight_only_mm", "launch")}[kernel])
-    emulation = gemm.weight_only_matmul if kernel == "weight_only" else gemm.dynamic_matmul
+        "weight_only": ("weight_only_mm", "launch"), "tma": ("tma_mm", "launch")}[kernel])
+    emulation = {"weight_only": gemm.weight_only_matmul, "tma": gemm.token_matmul}.get(
+        kernel, gemm.dynamic_matmul)
     g = torch.Generator(device=DEV).manual_seed(0)
     for rows, out, inp in ((64, 4096, 14336), (256, 6144, 4096)):
         w = torch.randn(out, inp, device=DEV, generator=g) * 0.02

@@ -2,7 +2,8 @@
 token and 128-wide group, and per token) in Triton's CPU interpreter (on CUDA where present)
 against ``quantize.quantize_activation``, bit for bit: the same scales and e4m3 values, on bf16
 activations that land on e4m3 ties, rows wider than one step of the per-token kernel and not a
-multiple of it, all-zero rows and groups. Skipped without triton (not a dependency)."""
+multiple of it (held whole in registers, and wider than that: the two-pass kernel), all-zero
+rows and groups. Skipped without triton (not a dependency)."""
 
 import os
 
@@ -35,7 +36,8 @@ def _activations(tokens, cols):
 
 
 @pytest.mark.parametrize("tokens,cols", [(1, 128), (5, 300), (3, 2048),
-                                         (4, act_quant_kernel.TOKEN_BLOCK + 77)])
+                                         (4, act_quant_kernel.TOKEN_BLOCK + 77),
+                                         (3, act_quant_kernel.WHOLE_ROW_COLS + 77)])
 def test_per_token_kernel_equals_the_recipe(tokens, cols):
     x = _activations(tokens, cols)
     q, s = act_quant_kernel.quantize_tokens(x)

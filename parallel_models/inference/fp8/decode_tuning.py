@@ -35,13 +35,14 @@ TUNE = True
 """Time the candidates per key (False: always :func:`default_config`)."""
 TUNED_ROWS = 256
 """Keys of at most this many rows are tuned (decode); larger products take the default."""
-KERNELS = ("weight_only", "dynamic", "w8a8")
+KERNELS = ("weight_only", "dynamic", "w8a8", "tma")
 """The decode GEMM kernels (``weight_only_kernel.KERNEL``, ``dynamic_act_kernel.KERNEL`` and
 ``KERNEL_PREQUANT``: the W8A8 GEMM quantizing its activations itself, or reading them quantized
-by a kernel before it)."""
-W8A8_KERNELS = ("dynamic", "w8a8")  # e4m3 x e4m3 dots, K steps of whole 128-wide groups
-MAX_STAGES = {"weight_only": 5, "dynamic": 8, "w8a8": 8}  # the W8A8 kernels' loops do less ALU
-# work per weight byte, so a deeper pipeline can keep more loads in flight
+by a kernel before it; ``tma_decode_kernel.KERNEL``: W8A8 on per-token activations, TMA loads)."""
+W8A8_KERNELS = ("dynamic", "w8a8", "tma")  # e4m3 x e4m3 dots, K steps of whole 128-wide groups
+MAX_STAGES = {"weight_only": 5, "dynamic": 8, "w8a8": 8, "tma": 8}  # the W8A8 kernels' loops do
+# less ALU work per weight byte, so a deeper pipeline can keep more loads in flight
+FP8_ACTIVATIONS = ("tma",)  # kernels whose activation tiles are e4m3 in shared memory
 SMEM_BYTES = 192 * 1024  # shared memory the pipeline's stages may take (an H100 SM has 227 KiB;
 # a device with less: smem_bytes)
 TWO_PER_SM_BYTES = 100 * 1024  # ... where two programs share an SM (the shallower variants)
@@ -116,9 +117,10 @@ def _check_kernel(kernel: str) -> None:
         raise ValueError(f"fp8 decode GEMM kernel must be one of {KERNELS}, got {kernel!r}")
 
 
-def stage_bytes(block_n: int, block_m: int, block_k: int) -> int:
-    """Shared memory of one pipeline stage: the e4m3 weight tile and the 16-bit activations."""
-    return block_n * block_k + 2 * block_m * block_k
+def stage_bytes(block_n: int, block_m: int, block_k: int, kernel: str = "weight_only") -> int:
+    """Shared memory of one pipeline stage: the e4m3 weight tile and the activations (16-bit;
+    e4m3 for :data:`FP8_ACTIVATIONS`)."""
+    return block_n * block_k + (1 if kernel in FP8_ACTIVATIONS else 2) * block_m * block_k
 
 
 def _config(rows: int, out: int, inp: int, block_n: int, block_m: int, block_k: int,
@@ -127,7 +129,7 @@ def _config(rows: int, out: int, inp: int, block_n: int, block_m: int, block_k: 
     tiles = _cdiv(row_bucket(rows), block_m) * _cdiv(out, block_n)
     if split_k is None:
         split_k = _split_for(tiles, _cdiv(inp, block_k), sms)
-    stage = stage_bytes(block_n, block_m, block_k)
+    stage = stage_bytes(block_n, block_m, block_k, kernel)
     return DecodeConfig(block_n, block_m, block_k, split_k,
                         num_warps=4 if block_n * block_m <= 64 * 64 else 8,
                         num_stages=max(2, min(MAX_STAGES[kernel], smem // stage)))
@@ -188,7 +190,11 @@ def candidates(rows: int, out: int, inp: int, granularity: str, sms: int = 132,
                 halved = max(1, full.split_k // 2) if block_k == block_ks[0] else full.split_k
                 variants = [dataclasses.replace(full, split_k=s)
                             for s in sorted({full.split_k, halved})]
-                stage = stage_bytes(block_n, block_m, block_k)
+                stage = stage_bytes(block_n, block_m, block_k, kernel)
+                if kernel in FP8_ACTIVATIONS and full.num_warps == 8 and \
+                        block_n * block_m <= 128 * 64 and block_k == block_ks[0]:
+                    # (one warpgroup holds the 128 x 64 accumulators)
+                    variants.append(dataclasses.replace(full, num_warps=4))
                 two_per_sm = min(full.num_stages, min(TWO_PER_SM_BYTES, smem // 2) // stage)
                 if block_k == block_ks[0] and full.num_warps == 4 and \
                         3 <= two_per_sm < full.num_stages:
@@ -201,16 +207,18 @@ def candidates(rows: int, out: int, inp: int, granularity: str, sms: int = 132,
 def time_ms(fn, warmup: int = TIMING_WARMUP, reps: int = TIMING_REPS,
             flush: torch.Tensor | None = None) -> float:
     """Median milliseconds of ``fn()`` on the current CUDA stream (CUDA events), ``flush``
-    (a buffer larger than the L2 cache) overwritten before each timed run so the weights are
-    read from HBM as in a decode step, and the GPU kept busy while ``fn`` is launched (a decode
-    step replays its kernels from a CUDA graph: their launch cost is not theirs)."""
+    (a buffer larger than the L2 cache) read before each timed run so the weights are read from
+    HBM as in a decode step (read, not written: evicting dirty lines during ``fn`` would bill it
+    for the flush's write-back, ~7-10 us a GEMM on an H100), and the GPU kept busy while ``fn``
+    is launched (a decode step replays its kernels from a CUDA graph: their launch cost is not
+    theirs)."""
     for _ in range(warmup):
         fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(reps)]
     for start, end in events:
         if flush is not None:
-            flush.zero_()
+            flush.max()  # (a read of every line: clean evictions)
         torch.cuda._sleep(LAUNCH_COVER_CYCLES)  # the GPU busy while the host enqueues fn
         start.record()
         fn()
@@ -299,7 +307,7 @@ def chosen_configs() -> dict:
     return dict(_chosen)
 
 
-__all__ = ["DecodeConfig", "KERNELS", "MAX_STAGES", "TUNE", "TUNED_ROWS", "W8A8_KERNELS",
+__all__ = ["DecodeConfig", "FP8_ACTIVATIONS", "KERNELS", "MAX_STAGES", "TUNE", "TUNED_ROWS", "W8A8_KERNELS",
            "candidates", "choose",
            "chosen_configs", "default_config", "key_of", "l2_flush_buffer", "row_bucket",
            "sm_count", "smem_bytes", "stage_bytes", "time_ms", "timings", "tune"]

@@ -162,22 +162,29 @@ def _decode_check(device: torch.device, granularity: str, kernel: str):
     from parallel_models.inference.fp8.quantize import quantize_weight
 
     mm = _kernel_mm(kernel)
+    inp = 300
     if kernel == "weight_only":
         emulation, split_cfg = weight_only_matmul, DecodeConfig(32, 16, 64, 2, num_warps=4,
                                                                 num_stages=3)
+    elif kernel == "tma":  # (channel scales only: the prefill's row-wise recipe)
+        if granularity != "channel":
+            return False, "takes channel-scaled weights only"
+        emulation, split_cfg = token_matmul, DecodeConfig(64, 16, 128, 2, num_warps=4,
+                                                          num_stages=3)
+        inp = 304  # (TMA: 16-byte rows; still a partial last K step)
     else:  # (both W8A8 kernels: the prefill's activation recipe)
         emulation, split_cfg = dynamic_matmul, DecodeConfig(64, 16, 256, 2, num_warps=4,
                                                             num_stages=3)
     g = torch.Generator(device=device).manual_seed(2)
-    x = torch.randn(37, 300, device=device, generator=g, dtype=torch.bfloat16)
-    storage = block_scale_storage(200, 300, device) if granularity == "block" else None
-    q = quantize_weight(torch.randn(200, 300, device=device, generator=g), granularity)
+    x = torch.randn(37, inp, device=device, generator=g, dtype=torch.bfloat16)
+    storage = block_scale_storage(200, inp, device) if granularity == "block" else None
+    q = quantize_weight(torch.randn(200, inp, device=device, generator=g), granularity)
     if storage is not None:  # the layout the rollout linears keep their scales in
         storage.copy_(q.scale)
         q = QuantizedWeight(q.data, storage, granularity)
     want = emulation(x, q).float()
     err = 0.0
-    for cfg in (default_config(37, 200, 300, granularity, sm_count(device), smem_bytes(device),
+    for cfg in (default_config(37, 200, inp, granularity, sm_count(device), smem_bytes(device),
                                kernel=kernel), split_cfg):
         got = mm(x, q, cfg).float()
         err = max(err, float(((got - want).abs() / (want.abs() + 1.0)).max()))
@@ -224,6 +231,9 @@ def _kernel_mm(kernel: str):
     if kernel == "weight_only":
         from parallel_models.inference.fp8.weight_only_kernel import weight_only_mm
         return weight_only_mm
+    if kernel == "tma":
+        from parallel_models.inference.fp8.tma_decode_kernel import tma_mm
+        return tma_mm
     from parallel_models.inference.fp8 import dynamic_act_kernel
     return (dynamic_act_kernel.dynamic_act_mm if kernel == "dynamic"
             else dynamic_act_kernel.prequantized_mm)
@@ -321,6 +331,13 @@ def dynamic_matmul(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     return emulated_matmul(x2.float(), weight, act_groups="block").to(x2.dtype)
 
 
+def token_matmul(x2: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """What the TMA decode kernel computes, up to the accumulation order: ``x2`` quantized per
+    token (``_scaled_mm``'s row-wise recipe, whatever the weight's granularity) times
+    ``dequantize(W)^T``, in fp32, cast to ``x2``'s dtype."""
+    return emulated_matmul(x2.float(), weight, act_groups="channel").to(x2.dtype)
+
+
 def fp8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                backend: str | None = None) -> torch.Tensor:
     """``x @ W^T (+ bias)`` for ``x`` ``[..., in]`` in the activation dtype; ``backend``: force
@@ -344,4 +361,4 @@ def fp8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | No
 
 
 __all__ = ["DECODE_KERNEL", "DECODE_ROWS", "block_scale_storage", "dynamic_matmul",
-           "emulated_matmul", "fp8_linear", "gemm_backend", "weight_only_matmul"]
+           "emulated_matmul", "fp8_linear", "gemm_backend", "token_matmul", "weight_only_matmul"]

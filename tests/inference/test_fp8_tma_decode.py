@@ -1,0 +1,77 @@
+"""The FP8 rollout's TMA W8A8 decode GEMM (``inference/fp8/tma_decode_kernel.py``) in Triton's CPU
+interpreter (on CUDA where present) against ``gemm.token_matmul`` (activations quantized per
+token, ``_scaled_mm``'s row-wise recipe, times the dequantized channel-scaled weight): tiles
+larger than the product, partial K steps, K splits (the partial sums' hand-over), row tiles;
+the e4m3 copy a producer leaves on its output is the one the kernel reads; products it does not
+take (block scales, rows not 16-byte aligned) go to the weight-only kernel. Skipped without
+triton (not a dependency)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU
+pytest.importorskip("triton")
+
+from parallel_models.inference.fp8 import gemm, tma_decode_kernel  # noqa: E402
+from parallel_models.inference.fp8.decode_tuning import DecodeConfig  # noqa: E402
+from parallel_models.inference.fp8.quantize import quantize_weight  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ACT = torch.bfloat16 if DEV == "cuda" else torch.float32  # (the interpreter: fp32 dots)
+
+
+def _operands(rows, out, inp, granularity="channel", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, inp, generator=g).to(DEV, ACT)
+    q = quantize_weight((0.02 * torch.randn(out, inp, generator=g)).to(DEV), granularity)
+    return x, q
+
+
+def _close(got, want):
+    tol = 2.0 ** -7 * (want.abs() + want.abs().max() * 2.0 ** -4) + 1e-6
+    return bool(((got.float() - want.float()).abs() <= tol).all())
+
+
+@pytest.mark.parametrize("rows,out,inp,cfg", [
+    (37, 200, 304, DecodeConfig(64, 64, 128, 1, 4, 2)),   # tiles past the rows, outputs, K
+    (37, 200, 304, DecodeConfig(64, 16, 128, 2, 4, 3)),   # row tiles, a K split, partial step
+    (5, 96, 512, DecodeConfig(32, 16, 256, 2, 4, 2)),     # 256-wide steps, two splits
+    (1, 64, 1024, DecodeConfig(64, 16, 128, 4, 4, 2)),    # one row, four splits
+])
+def test_kernel_matches_the_row_wise_recipe(rows, out, inp, cfg):
+    x, q = _operands(rows, out, inp)
+    y = torch.empty(rows, out, dtype=x.dtype, device=DEV)
+    got = tma_decode_kernel.launch(x, q, y, cfg)
+    want = gemm.token_matmul(x, q)
+    assert _close(got, want)
+    # and not the weight-only product (the activations' e4m3 rounding is in it)
+    assert not torch.equal(got, gemm.weight_only_matmul(x, q))
+
+
+def test_the_producers_e4m3_copy_is_what_the_kernel_reads():
+    x, q = _operands(16, 128, 256, seed=1)
+    cfg = DecodeConfig(64, 16, 128, 1, 4, 2)
+    y = torch.empty(16, 128, dtype=x.dtype, device=DEV)
+    # a copy of other activations left on x: the kernel must multiply those
+    other = torch.randn(16, 256, generator=torch.Generator().manual_seed(9)).to(DEV, ACT)
+    setattr(x, tma_decode_kernel.QUANTIZED, tma_decode_kernel.quantize_tokens(other))
+    assert _close(tma_decode_kernel.launch(x, q, y, cfg), gemm.token_matmul(other, q))
+    # a copy of another shape is not used
+    setattr(x, tma_decode_kernel.QUANTIZED, tma_decode_kernel.quantize_tokens(other[:8]))
+    assert _close(tma_decode_kernel.launch(x, q, y, cfg), gemm.token_matmul(x, q))
+
+
+def test_products_it_does_not_take_run_the_weight_only_kernel():
+    x, q = _operands(4, 256, 256, granularity="block")
+    assert not tma_decode_kernel.supports(x, q)
+    with pytest.raises(ValueError, match="channel scales"):
+        tma_decode_kernel.launch(x, q, torch.empty(4, 256, dtype=x.dtype, device=DEV),
+                                 DecodeConfig(64, 16, 128, 1, 4, 2))
+    assert _close(tma_decode_kernel.tma_mm(x, q, DecodeConfig(64, 16, 128, 1, 4, 2)),
+                  gemm.weight_only_matmul(x, q))
+    x, q = _operands(4, 64, 200)  # 200 inputs: TMA rows must be 16-byte aligned
+    assert not tma_decode_kernel.supports(x, q)
+    assert _close(tma_decode_kernel.tma_mm(x, q), gemm.weight_only_matmul(x, q))

@@ -40,6 +40,7 @@ bf16 linears and once per decode kernel with the FP8 ones; one JSON line each (u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -108,31 +109,47 @@ def _selector():
     return select
 
 
+def _producing(fp8, kernel):
+    """An FP8 contender's steps as the engine's generate runs them: the norms and SwiGLU writing
+    e4m3 copies for the TMA kernel (``fused_producers``); the bf16 contender's keep their own
+    kernels."""
+    from parallel_models.inference.fp8 import fused_producers
+
+    return fused_producers.tracking(fp8) if kernel is not None else contextlib.nullcontext()
+
+
 def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
     from parallel_models.inference.fp8 import gemm
 
     spec = SHAPES[shape]
     new = 4 + args.rounds * (args.warmup + args.iters)  # rows never finish while timed
     select = _selector()
+
+    def producing(kernel):
+        return _producing(fp8, kernel)
+
     fp8.active = False
     engines = {"bf16": (_engine(model, batch, args.prompt, new, spec["vocab"], batch), None)}
     fp8.active = True
     for kernel in args.decode_kernels:
         select(kernel)
-        engines[f"fp8_{kernel}"] = (_engine(model, batch, args.prompt, new, spec["vocab"],
-                                            batch), kernel)
+        with producing(kernel):
+            engines[f"fp8_{kernel}"] = (_engine(model, batch, args.prompt, new, spec["vocab"],
+                                                batch), kernel)
     if args.kv_fp8:  # the KV pool in e4m3: with the bf16 linears, and with the first kernel's
         for kernel in [None] + args.decode_kernels[:1]:
             fp8.active = kernel is not None
             select(kernel)
-            engines[f"{'fp8_' + kernel if kernel else 'bf16'}_kvfp8"] = (
-                _engine(model, batch, args.prompt, new, spec["vocab"], batch, "fp8"), kernel)
+            with producing(kernel):
+                engines[f"{'fp8_' + kernel if kernel else 'bf16'}_kvfp8"] = (
+                    _engine(model, batch, args.prompt, new, spec["vocab"], batch, "fp8"), kernel)
 
     def step(engine, kernel):
         # (eager parts of a step; the captured graphs hold their GEMMs)
         fp8.active = kernel is not None
         select(kernel)
-        engine.step()
+        with producing(kernel):
+            engine.step()
 
     contenders = {name: (lambda e=engine, k=kernel: step(e, k))
                   for name, (engine, kernel) in engines.items()}
@@ -178,8 +195,9 @@ def grpo_both_ways(args, shape: str, model, fp8) -> list[dict]:
     for dtype, kernel in [("bf16", None)] + [("fp8", k) for k in args.decode_kernels]:
         fp8.active = dtype == "fp8"
         select(kernel)
-        row = {"shape": shape, "case": "grpo", "weights": dtype, "decode_kernel": kernel,
-               **grpo_case(args, cfg, model)}
+        with _producing(fp8, kernel if dtype == "fp8" else None):
+            row = {"shape": shape, "case": "grpo", "weights": dtype, "decode_kernel": kernel,
+                   **grpo_case(args, cfg, model)}
         print(json.dumps(row), flush=True)
         out.append(row)
     fp8.active = False

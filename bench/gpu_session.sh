@@ -98,14 +98,16 @@ Issued" "$OUT/ncu.txt" | cut -c1-120
     ;;
   fp8tma)
     nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
-    timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_rollout.py \
-        -k "tma or scaled_mm_matches" 2>&1 | tee "$OUT/fp8_tma_tests.log" | tail -4
+    timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_rollout.py \
+        tests/inference/test_fp8_tma_decode.py tests/inference/test_fp8_producer_kernels.py \
+        tests/inference/test_fp8_act_quant.py -k "tma or scaled_mm_matches or producer or \
+        eager_output or token" 2>&1 | tee "$OUT/fp8_tma_tests.log" | grep -E "TMA|passed|failed|Error" | tail -8
     timeout 200 python3 bench/fp8_gemm_sweep.py --shapes 8b --rows 64 --scales channel \
         --kernels weight_only tma --reps 20 --out "$OUT/sweep.json" 2>&1 \
         | grep -E '"best"|"layer"|quantize_us' | cut -c1-400
-    timeout 240 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales channel \
+    timeout 300 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales channel \
         --decode-kernels weight_only tma --out "$OUT/fp8_decode.json" 2>&1 | grep -E '^\{' \
-        | cut -c1-600
+        | grep -o '"bf16_step_ms.*' | cut -c1-600
     ;;
   fp8_256)
     timeout 420 python3 bench/fp8_decode.py --shapes 0.89b 8b --batches 64 256 --scales channel \

@@ -258,3 +258,56 @@ def test_decode_gemm_configs_tuning_and_graph_replay(granularity, kernel):
             check(captured, static)
         for _, counters in decode_gemm_shared._workspaces.values():
             assert int(counters.abs().sum()) == 0
+
+
+def test_tma_decode_reads_the_producers_e4m3_copies(single_rank, monkeypatch):
+    """With the TMA decode kernel, the decoder's norms and SwiGLU write the e4m3 copies the
+    qkv / gate_up / down GEMMs read (``fused_producers``): only o_proj's input is quantized by the
+    GEMM's own launch (three copies read per one quantized), and the decode steps' log-probs
+    match those of the same engine with the producers off (every input quantized by the GEMM:
+    the same recipe; the norms' bf16 roundings aside)."""
+    pytest.importorskip("triton")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the TMA kernel needs SM 9.0+")
+    from parallel_models.inference import RolloutEngine
+    from parallel_models.inference.fp8 import fused_producers, gemm, tma_decode_kernel
+    from parallel_models.inference.fp8.quantize import QUANTIZED_COPY
+    from parallel_models.inference.sampling import SamplingParams
+    from parallel_models.llama.layers import fused_ops
+
+    model = _random_089b()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist()
+               for n in torch.randint(16, 48, (16,), generator=g)]
+    params = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=8)
+    monkeypatch.setattr(gemm, "DECODE_KERNEL", "tma")
+    counts = {"read": 0, "quantized": 0}
+    quantized_input = tma_decode_kernel.quantized_input
+
+    def counted(x2):
+        counts["read" if getattr(x2, QUANTIZED_COPY, None) is not None else "quantized"] += 1
+        return quantized_input(x2)
+
+    monkeypatch.setattr(tma_decode_kernel, "quantized_input", counted)
+
+    def generate():
+        engine = RolloutEngine(model, kv_budget_tokens=16 * 64, max_rows=16,
+                               weight_dtype="fp8", fp8_scales="channel")
+        return engine.generate(prompts, params)
+
+    generate()  # (tunes the decode tiles: every candidate's launch reads its input)
+    runs = {}
+    for producers in (True, False):
+        fused_ops.set_output_quantizer(fused_producers.QUANTIZER if producers else None)
+        counts.update(read=0, quantized=0)
+        try:
+            runs[producers] = (generate(), dict(counts))
+        finally:
+            fused_ops.set_output_quantizer(fused_producers.QUANTIZER)
+    (fused, n_fused), (alone, n_alone) = runs[True], runs[False]
+    print(f"\nTMA decode inputs, producers on: {n_fused}; off: {n_alone}")
+    assert n_fused["quantized"] > 0 and n_fused["read"] == 3 * n_fused["quantized"]
+    assert n_alone["read"] == 0 and n_alone["quantized"] == 4 * n_fused["quantized"]
+    # the first decode step (token 1: token 0 comes from the prefill, the same either way)
+    assert torch.equal(fused.responses[:, 0], alone.responses[:, 0])
+    assert (fused.log_probs[:, 1] - alone.log_probs[:, 1]).abs().max().item() <= 2e-2

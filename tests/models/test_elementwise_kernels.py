@@ -5,6 +5,7 @@ within a few units in the last place; odd widths (masking), 2-D / 3-D and non-co
 several row tiles per backward program, gradients of one output only. Skipped without triton
 (not a dependency)."""
 
+import dataclasses
 import os
 
 import pytest
@@ -17,36 +18,17 @@ pytest.importorskip("triton")
 from parallel_models.llama.layers import elementwise_triton as et  # noqa: E402
 from parallel_models.llama.layers.fused_ops import (_add_rms_norm, _rms_norm,  # noqa: E402
                                                     _swiglu)
+from tests.helpers.triton_interpreter import bf16_rounds_to_nearest_even  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _bf16_rounds_to_nearest_even():
-    """Triton 3.6's interpreter converts fp32 -> bf16 by dropping bits (or rounds half away
-    from zero); the GPU rounds to nearest even, like PyTorch. For this module's tests the
-    interpreter does that too (torch's conversion), so the bf16 checks hold it to the GPU's
-    roundings."""
-    if DEV != "cpu":
+    """The interpreter's fp32 -> bf16 conversion held to the GPU's (round to nearest even), so
+    the bf16 checks hold the kernels to the GPU's roundings (tests/helpers/triton_interpreter)."""
+    with bf16_rounds_to_nearest_even():
         yield
-        return
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    original = interpreter._convert_float
-
-    def convert(data, src, dst, rounding_mode):
-        if src == tl.float32 and dst == tl.bfloat16:
-            out = torch.from_numpy(np.ascontiguousarray(data).view(np.float32)).bfloat16()
-            return out.view(torch.int16).numpy().view(np.uint16)
-        return original(data, src, dst, rounding_mode)
-
-    interpreter._convert_float = convert
-    try:
-        yield
-    finally:
-        interpreter._convert_float = original
 
 
 # (abs, rel) per dtype: fp32 is ulp-level; half types allow a rounding step or two of outputs ~1-4
@@ -105,13 +87,13 @@ def test_swiglu_non_contiguous_and_masked_block():
     base = _rand((6, 2 * 2100 + 3), torch.float32, 2)
     gate_up = base[:, 3:]  # rows strided by 2 * 2100 + 3: a view, no copy
     dout = _rand((6, 2100), torch.float32, 3).t().contiguous().t()  # column-major gradient
-    old = et.CONFIG.swiglu_block
-    et.CONFIG.swiglu_block = 512  # 2100 = 4 blocks + a masked one
-    try:
+    old = et.CONFIG
+    et.CONFIG = dataclasses.replace(et.launch_config(), swiglu_block=512)  # 2100 = 4 blocks
+    try:  # + a masked one
         (want,), want_g = _grads(_swiglu, [gate_up], [dout])
         (got,), got_g = _grads(et.swiglu, [gate_up], [dout])
     finally:
-        et.CONFIG.swiglu_block = old
+        et.CONFIG = old
     _close(got, want, torch.float32, "out")
     _close(got_g[0], want_g[0], torch.float32, "grad")
     with pytest.raises(ValueError, match="even"):
@@ -137,13 +119,13 @@ def test_rms_norm_backward_walks_several_tiles_per_program():
     x = _rand((4 * 1000 + 3, 24), torch.float32, 7)  # 128 rows a tile, 32 tiles
     w = _rand((24,), torch.float32, 8)
     dy = _rand(x.shape, torch.float32, 9)
-    old = et.CONFIG.norm_programs_per_sm
-    et.CONFIG.norm_programs_per_sm = 1
+    old = et.CONFIG
+    et.CONFIG = dataclasses.replace(et.launch_config(), norm_programs_per_sm=1)
     try:
         (want,), want_g = _grads(lambda a, b: _rms_norm(a, b, 1e-5), [x, w], [dy])
         (got,), got_g = _grads(lambda a, b: et.rms_norm(a, b, 1e-5), [x, w], [dy])
     finally:
-        et.CONFIG.norm_programs_per_sm = old
+        et.CONFIG = old
     _close(got, want, torch.float32, "y")
     _close(got_g[0], want_g[0], torch.float32, "dx")
     _close_dw(got_g[1], x, dy, 1e-5, torch.float32)

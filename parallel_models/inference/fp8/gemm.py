@@ -41,7 +41,7 @@ import logging
 
 import torch
 
-from parallel_models.inference.fp8.quantize import (BLOCK, QuantizedWeight,
+from parallel_models.inference.fp8.quantize import (BLOCK, QUANTIZED_COPY, QuantizedWeight,
                                                     dequantize_activation, quantize_activation)
 
 log = logging.getLogger(__name__)
@@ -344,6 +344,9 @@ def fp8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | No
     ``"scaled_mm"`` or ``"emulated"`` (default: :func:`gemm_backend`) for the products that do
     not run a decode kernel (see the module docstring)."""
     x2 = x.reshape(-1, x.shape[-1])
+    copy = getattr(x, QUANTIZED_COPY, None)  # (its producer's e4m3 copy: fused_producers)
+    if copy is not None and x2 is not x:
+        setattr(x2, QUANTIZED_COPY, copy)
     backend = backend or gemm_backend(x2, weight)
     decode_mm = _decode_mm(x2.device, weight.granularity) \
         if x2.is_cuda and x2.shape[0] <= DECODE_ROWS else None

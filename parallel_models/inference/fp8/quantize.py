@@ -37,6 +37,12 @@ E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
 BLOCK = 128
 GRANULARITIES = ("block", "channel")
+QUANTIZED_COPY = "fp8_token_quantized"
+"""The attribute under which a kernel that produced an activation leaves its per-token e4m3 copy
+``(e4m3 [rows, in], fp32 scales [rows])`` for the FP8 linear that reads it (``fused_producers``,
+``tma_decode_kernel.quantized_input``)."""
+MAX_PRODUCER_COLS = 32768
+"""The widest row the fused producer kernels hold in one program (``producer_kernels``)."""
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -162,5 +168,6 @@ def dequantize_activation(data: torch.Tensor, scale: torch.Tensor, granularity: 
     return (data.float() * full).to(dtype)
 
 
-__all__ = ["BLOCK", "E4M3", "E4M3_MAX", "GRANULARITIES", "QuantizedWeight", "dequantize_activation",
-           "dequantize_weight", "quantize_activation", "quantize_weight", "weight_scale_shape"]
+__all__ = ["BLOCK", "E4M3", "E4M3_MAX", "GRANULARITIES", "MAX_PRODUCER_COLS", "QUANTIZED_COPY",
+           "QuantizedWeight", "dequantize_activation", "dequantize_weight", "quantize_activation",
+           "quantize_weight", "weight_scale_shape"]

@@ -29,6 +29,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.tensor_parallel.mappings import (gather_from_tensor_model_parallel_region,
                                                     reduce_from_tensor_model_parallel_region)
 
+from parallel_models.inference.fp8 import fused_producers
 from parallel_models.inference.fp8.gemm import block_scale_storage, fp8_linear, gemm_backend
 from parallel_models.inference.fp8.grouped_experts import (EXPERT_GRANULARITY, expert_linears,
                                                            fp8_experts_forward, pack_experts)
@@ -130,13 +131,17 @@ class Fp8Linears:
 
     @contextlib.contextmanager
     def enabled(self):
-        """Run the FP8 forward inside (refreshed first if stale)."""
+        """Run the FP8 forward inside (refreshed first if stale), the decoder's norms and SwiGLU
+        writing e4m3 copies of their outputs for it where it decodes through the TMA kernel
+        (``fused_producers``: only inside, so another model's steps in the process keep their
+        own kernels)."""
         self.refresh_if_stale()
         before, self.active = self.active, True
-        try:
-            yield self
-        finally:
-            self.active = before
+        with fused_producers.tracking(self):
+            try:
+                yield self
+            finally:
+                self.active = before
 
     @property
     def weight_bytes(self) -> int:

@@ -43,14 +43,15 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from parallel_models.inference.fp8 import decode_gemm_shared as shared
 from parallel_models.inference.fp8.decode_gemm_shared import finish_tile, program_tile
 from parallel_models.inference.fp8.decode_tuning import DecodeConfig
-from parallel_models.inference.fp8.quantize import E4M3, QuantizedWeight, quantize_activation
+from parallel_models.inference.fp8.quantize import (E4M3, QUANTIZED_COPY, QuantizedWeight,
+                                                    quantize_activation)
 from parallel_models.llama.layers.exact import interpreter_fix
 
 interpreter_fix.apply()  # (the CPU interpreter's loop bounds; nothing on the GPU)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL = "tma"  # (its name in ``decode_tuning``'s keys)
 PROMOTE_EVERY = 128  # inputs the FP8 MMA sums in its own precision before the fp32 accumulator
-QUANTIZED = "_fp8_token_quantized"  # the attribute a producer leaves its e4m3 copy in
+QUANTIZED = QUANTIZED_COPY  # the attribute a producer leaves its e4m3 copy in
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])

@@ -15,6 +15,11 @@ With the option ``triton_elementwise`` on (``PARALLEL_MODELS_TRITON_ELEMENTWISE=
 the two RMSNorms go to hand-written Triton kernels on CUDA instead (``elementwise_triton``: one
 pass each way, where inductor's backwards read their inputs twice; opt-in, see there why). Exact
 mode keeps its own kernels.
+
+An FP8 rollout can install an output quantizer (:func:`set_output_quantizer`,
+``inference/fp8/fused_producers``): the RMSNorms and SwiGLU it wants (decode-sized CUDA rows while
+its TMA decode GEMM is on) run its kernels instead, which also leave an e4m3 copy of their output
+for the FP8 linear after them. Exact mode and the Gemma variants never go there.
 """
 
 from __future__ import annotations
@@ -75,6 +80,22 @@ _compiled_rms_norm_unit_offset = compiled_on_gpu(_rms_norm_unit_offset)
 _compiled_add_rms_norm_unit_offset = compiled_on_gpu(_add_rms_norm_unit_offset)
 
 
+_output_quantizer = None  # inference/fp8/fused_producers' OutputQuantizer, once imported
+
+
+def set_output_quantizer(quantizer) -> None:
+    """Install ``quantizer`` (``wanted(*tensors) -> bool``, ``rms_norm(x, residual, weight, eps)
+    -> (total or None, y)``, ``swiglu(gate_up) -> y``) for the ops it wants; None removes it."""
+    global _output_quantizer
+    _output_quantizer = quantizer
+
+
+def _quantizing(*tensors: torch.Tensor):
+    """The installed output quantizer where it wants these operands, else None."""
+    quantizer = _output_quantizer
+    return quantizer if quantizer is not None and quantizer.wanted(*tensors) else None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
              ) -> torch.Tensor:
     """RMSNorm over the last dim (the batch-invariant kernel in exact mode: layers/exact);
@@ -85,6 +106,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: boo
         from parallel_models.llama.layers.exact import ops
 
         return ops.rms_norm(x, weight, eps, reference=_rms_norm)
+    quantizer = _quantizing(x, weight)
+    if quantizer is not None:
+        return quantizer.rms_norm(x, None, weight, eps)[1]
     if elementwise_triton.use_for(x, weight):
         return elementwise_triton.rms_norm(x, weight, eps)
     return _compiled_rms_norm(x, weight, eps)
@@ -98,6 +122,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     if exact.enabled():
         total = x + residual
         return total, rms_norm(total, weight, eps)
+    quantizer = _quantizing(x, residual, weight)
+    if quantizer is not None:
+        return quantizer.rms_norm(x, residual, weight, eps)
     if elementwise_triton.use_for(x, residual, weight):
         return elementwise_triton.add_rms_norm(x, residual, weight, eps)
     return _compiled_add_rms_norm(x, residual, weight, eps)
@@ -109,7 +136,12 @@ _compiled_swiglu = compiled_on_gpu(_swiglu)
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """``[..., 2 * inter]`` holding [gate; up] -> silu(gate) * up (eager in exact mode)."""
-    if not exact.enabled() and elementwise_triton.use_for(gate_up):
+    if exact.enabled():
+        return _compiled_swiglu(gate_up)
+    quantizer = _quantizing(gate_up)
+    if quantizer is not None:
+        return quantizer.swiglu(gate_up)
+    if elementwise_triton.use_for(gate_up):
         return elementwise_triton.swiglu(gate_up)
     return _compiled_swiglu(gate_up)
 

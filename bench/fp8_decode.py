@@ -96,17 +96,31 @@ def _engine(model, batch: int, prompt: int, new: int, vocab: int, seed: int,
 
 def _selector():
     """``select(kernel)``: ``gemm``'s decode switches for one FP8 engine (``kernel``: a decode
-    kernel; ``"scaled_mm"``: no decode kernel, ``DECODE_ROWS`` 0, ``_scaled_mm`` at every size;
-    None: the defaults, which ``select`` restores), the defaults read now."""
+    kernel, ``"<kernel>@<rows>"`` with ``DECODE_ROWS`` set to rows; ``"scaled_mm"``: no decode
+    kernel, ``DECODE_ROWS`` 0, ``_scaled_mm`` at every size; None: the defaults, which
+    ``select`` restores), the defaults read now."""
     from parallel_models.inference.fp8 import gemm
 
     default_kernel, default_rows = gemm.DECODE_KERNEL, gemm.DECODE_ROWS
 
     def select(kernel):
-        gemm.DECODE_KERNEL = default_kernel if kernel in (None, "scaled_mm") else kernel
-        gemm.DECODE_ROWS = 0 if kernel == "scaled_mm" else default_rows
+        name, _, rows = (kernel or "").partition("@")
+        gemm.DECODE_KERNEL = default_kernel if name in ("", "scaled_mm") else name
+        gemm.DECODE_ROWS = 0 if name == "scaled_mm" else int(rows or default_rows)
 
     return select
+
+
+DECODE_CONTENDERS = ("dynamic", "w8a8", "weight_only", "tma", "scaled_mm")
+
+
+def _contender(text: str) -> str:
+    """``--decode-kernels`` entry: a decode kernel or ``scaled_mm``, optionally ``@rows``."""
+    name, _, rows = text.partition("@")
+    if name not in DECODE_CONTENDERS or (rows and not rows.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r}: one of {DECODE_CONTENDERS}, optionally "
+                                         "@<rows> (gemm.DECODE_ROWS)")
+    return text
 
 
 def _producing(fp8, kernel):
@@ -174,7 +188,7 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
     row["decode_tiles"] = {kernel: {f"{key[1]}x{key[2]}": cfg.as_dict()  # (out x in)
                                     for key, cfg in chosen_configs().items()
                                     if key[0] == row_bucket(batch) and key[3] == fp8.granularity
-                                    and key[5] == kernel}
+                                    and key[5] == kernel.partition("@")[0]}
                            for kernel in args.decode_kernels}
     for name in contenders:
         row[f"{name}_step_ms"] = 1e3 * timing[name]["median_s"]
@@ -214,9 +228,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--scales", choices=("block", "channel"), default="channel")
     ap.add_argument("--decode-kernels", nargs="+", default=["dynamic", "w8a8", "weight_only"],
-                    choices=("dynamic", "w8a8", "weight_only", "tma", "scaled_mm"),
-                    help="one FP8 engine per decode kernel (gemm.DECODE_KERNEL), alternated "
-                         "with the bf16 engine")
+                    type=_contender,
+                    help="one FP8 engine per decode kernel (gemm.DECODE_KERNEL; kernel@rows: "
+                         "with gemm.DECODE_ROWS rows), alternated with the bf16 engine")
     ap.add_argument("--kv-fp8", action="store_true",
                     help="also engines with the KV pool in e4m3 (rollout.kv_cache_dtype=fp8)")
     ap.add_argument("--rounds", type=int, default=3)

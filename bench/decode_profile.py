@@ -460,8 +460,9 @@ def main() -> None:
     ap.add_argument("--fp8", choices=("block", "channel"), default=None,
                     help="the decoder linears in FP8 (inference/fp8: Fp8Linears with these "
                          "scales; decode products on --fp8-kernel)")
-    ap.add_argument("--fp8-kernel", default="weight_only",
-                    help="gemm.DECODE_KERNEL of the FP8 decode products")
+    ap.add_argument("--fp8-kernel", default="tma",
+                    help="gemm.DECODE_KERNEL of the FP8 decode products (tma: the norms and "
+                         "SwiGLU write the e4m3 copies it reads, as in the engine's generate)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -475,16 +476,17 @@ def main() -> None:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg, folder = save_llama_model(args, max_positions=max(8192, 2 * (args.prompt + args.new)))
     model = pm.LlamaForCausalLMRmPad.from_pretrained(folder, dtype=dtype)
+    fp8 = None
     if args.fp8:
         from parallel_models.inference.fp8 import Fp8Linears, gemm
 
         gemm.DECODE_KERNEL = args.fp8_kernel
-        Fp8Linears(model, args.fp8, active=True)
+        fp8 = Fp8Linears(model, args.fp8, active=True)
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M"),
            "args": vars(args), "cases": [], "attention_micro": [], "errors": []}
     t0 = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), fp8.enabled() if fp8 is not None else contextlib.nullcontext():
         for batch in args.batches:
             for variant in args.variants:
                 try:

@@ -17,9 +17,13 @@ Backends (:func:`gemm_backend`):
   (outside a CUDA graph capture) a small product checks that ``_scaled_mm`` takes these layouts
   and agrees with the emulation; if not, a warning names the error and the emulation runs.
 - decode-sized products (at most :data:`DECODE_ROWS` rows) on CUDA, whichever backend the
-  larger ones take, run one of three Triton decode kernels instead (:data:`DECODE_KERNEL`;
+  larger ones take, run one of four Triton decode kernels instead (:data:`DECODE_KERNEL`;
   tiles timed per shape on the first eager call, ``decode_tuning``), where it passed its check
-  on the device (with its default tiles and with a K split): ``"dynamic"``
+  on the device (with its default tiles and with a K split): ``"tma"`` (the default for
+  channel-scaled weights on SM 9.0+: ``tma_decode_kernel``, W8A8 on per-token activations, the
+  prefill's row-wise recipe, TMA loads; the activations come quantized by the norm or SwiGLU
+  that produced them, ``fused_producers``, or by ``act_quant_kernel`` first;
+  :func:`token_matmul`), ``"dynamic"``
   (``dynamic_act_kernel``: W8A8, the bf16 activations quantized inside the kernel per token and
   128-wide group, the prefill's recipe, an e4m3 x e4m3 tensor-core dot; what
   :func:`dynamic_matmul` emulates), ``"w8a8"`` (the same GEMM on activations quantized with the
@@ -54,14 +58,16 @@ DECODE_ROWS = 64
 ``_scaled_mm`` with quantized activations. 0 = every product on ``_scaled_mm``. 64: on an H100
 the weight-only kernel's four 8B linears took 0.77-0.79x bf16's time at 64 rows but 1.48-1.72x
 at 256 (``bench/fp8_gemm_sweep.py``, docs/PERFORMANCE.md)."""
-DECODE_KERNEL = "weight_only"
-"""The decode kernel of the products of at most :data:`DECODE_ROWS` rows: ``"weight_only"``
-(W8A16, ``weight_only_kernel``: the one measured on an H100, 0.82-0.85x bf16's 8B decode step at
-batch 64), ``"dynamic"`` (W8A8, activations quantized in the kernel per token and 128-wide
-group, e4m3 x e4m3 tensor-core dot, ``dynamic_act_kernel``) or ``"w8a8"`` (the same GEMM on
-activations quantized by a kernel before it); the W8A8 ones are checked on the CPU and compiled
-for sm_90, not yet timed on a GPU (``bench/fp8_decode.py --decode-kernels`` times all three).
-Read at each call: a captured CUDA graph keeps the kernel it captured."""
+DECODE_KERNEL = "tma"
+"""The decode kernel of the products of at most :data:`DECODE_ROWS` rows: ``"tma"`` (W8A8 with
+TMA loads on per-token activations, ``tma_decode_kernel``; channel scales, SM 9.0+: on an H100
+the 8B decode step at batch 64 took 0.80x bf16's, against 0.84x with the weight-only kernel in
+the same process, docs/PERFORMANCE.md; block-scaled weights and older GPUs take the next kernel
+that passes its check), ``"weight_only"`` (W8A16, ``weight_only_kernel``: 0.82-0.85x),
+``"dynamic"`` (W8A8, activations quantized in the kernel per token and 128-wide group, e4m3 x
+e4m3 tensor-core dot, ``dynamic_act_kernel``) or ``"w8a8"`` (the same GEMM on activations
+quantized by a kernel before it); ``bench/fp8_decode.py --decode-kernels`` times them. Read at
+each call: a captured CUDA graph keeps the kernel it captured."""
 _fused_quant: dict = {}  # device -> whether the Triton activation quantization is used there
 
 
@@ -169,6 +175,8 @@ def _decode_check(device: torch.device, granularity: str, kernel: str):
     elif kernel == "tma":  # (channel scales only: the prefill's row-wise recipe)
         if granularity != "channel":
             return False, "takes channel-scaled weights only"
+        if torch.cuda.get_device_capability(device) < (9, 0):
+            return False, "needs the tensor memory accelerator (SM 9.0+)"
         emulation, split_cfg = token_matmul, DecodeConfig(64, 16, 128, 2, num_warps=4,
                                                           num_stages=3)
         inp = 304  # (TMA: 16-byte rows; still a partial last K step)
@@ -191,21 +199,23 @@ def _decode_check(device: torch.device, granularity: str, kernel: str):
     return err < 2e-2, f"differs from the emulation by {err:.3g}"
 
 
-def _kernel_preference() -> tuple[str, ...]:
+def _kernel_preference(granularity: str) -> tuple[str, ...]:
     """:data:`DECODE_KERNEL`, then the other decode kernels in ``decode_tuning.KERNELS``'
-    order (a kernel that fails its check gives way to the next)."""
+    order (a kernel that fails its check gives way to the next); block-scaled weights skip the
+    channel-only TMA kernel."""
     from parallel_models.inference.fp8.decode_tuning import KERNELS
 
     if DECODE_KERNEL not in KERNELS:
         raise ValueError(f"fp8 gemm.DECODE_KERNEL must be one of {KERNELS}, got "
                          f"{DECODE_KERNEL!r}")
-    return (DECODE_KERNEL, *(k for k in KERNELS if k != DECODE_KERNEL))
+    order = (DECODE_KERNEL, *(k for k in KERNELS if k != DECODE_KERNEL))
+    return tuple(k for k in order if granularity == "channel" or k != "tma")
 
 
 def _check_decode_kernels(device: torch.device, granularity: str) -> None:
     """Once per device, granularity and kernel: check :data:`DECODE_KERNEL` (see
     :func:`_decode_check`), and the others in turn where it fails."""
-    for kernel in _kernel_preference():
+    for kernel in _kernel_preference(granularity):
         if _checked_once(_decode_checked, (str(device), granularity, kernel),
                          lambda: _decode_check(device, granularity, kernel),
                          f"fp8: the {kernel} decode kernel %s; not used"):
@@ -217,13 +227,24 @@ def _decode_mm(device: torch.device, granularity: str):
     :data:`DECODE_KERNEL`'s where it passed its check (run here, outside a graph capture, the
     first time this kernel is selected on this device), else the next one's that passed
     (:func:`_kernel_preference`), else None."""
-    preference = _kernel_preference()
+    kernel = decode_kernel(device, granularity)
+    return _kernel_mm(kernel) if kernel is not None else None
+
+
+def decode_kernel(device: torch.device, granularity: str) -> str | None:
+    """The name of the decode kernel that decode-sized products with ``granularity`` weights
+    run on ``device`` (see :func:`_decode_mm`), or None."""
     if not torch.cuda.is_current_stream_capturing():
         _check_decode_kernels(device, granularity)
-    for kernel in preference:
+    for kernel in _kernel_preference(granularity):
         if _decode_checked.get((str(device), granularity, kernel)):
-            return _kernel_mm(kernel)
+            return kernel
     return None
+
+
+def decode_emulation(kernel: str):
+    """What ``kernel`` computes, up to the accumulation order: ``emulation(x2, weight)``."""
+    return {"weight_only": weight_only_matmul, "tma": token_matmul}.get(kernel, dynamic_matmul)
 
 
 def _kernel_mm(kernel: str):
@@ -363,5 +384,6 @@ def fp8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-__all__ = ["DECODE_KERNEL", "DECODE_ROWS", "block_scale_storage", "dynamic_matmul",
+__all__ = ["DECODE_KERNEL", "DECODE_ROWS", "block_scale_storage", "decode_emulation",
+           "decode_kernel", "dynamic_matmul",
            "emulated_matmul", "fp8_linear", "gemm_backend", "token_matmul", "weight_only_matmul"]

@@ -118,7 +118,13 @@ def test_fp8_engine_vs_bf16_on_089b(single_rank):
     # _scaled_mm and decodes through the decode kernel (gemm.DECODE_KERNEL); a fresh forward
     # cannot mix the two per position, so this engine runs the decode kernel everywhere (prefill
     # too) and a fresh forward through it of its sequences must give its log-probs (bf16
-    # batch-shape noise only)
+    # batch-shape noise only: the KV cache's attention vs the packed one). A W8A8 kernel (the
+    # TMA default) quantizes the activations, so that noise moves some of them to the next e4m3
+    # value (measured on an H100: 0.095 with the TMA kernel; a W8A8 prefill with a weight-only
+    # decode gave 0.074); the weight-only kernel keeps it at bf16's size. Both stay far below
+    # FP8 against bf16 (0.27 above) and a wrong kernel's errors (order 1)
+    kernel = gemm.decode_kernel(torch.device(model.device), engine.fp8.granularity)
+    bound = 5e-2 if kernel == "weight_only" else 0.15
     rows, gemm.DECODE_ROWS = gemm.DECODE_ROWS, 1 << 30
     try:
         wo = engine.generate(prompts, params)
@@ -131,7 +137,10 @@ def test_fp8_engine_vs_bf16_on_089b(single_rank):
     P = wo.prompts.shape[1]
     fresh = logp[:, P - 1:-1].gather(-1, wo.responses[..., None]).squeeze(-1)
     wo_mask = wo.response_mask.bool()
-    assert (fresh - wo.log_probs)[wo_mask].abs().mean().item() <= 5e-2
+    fresh_diff = (fresh - wo.log_probs)[wo_mask].abs().mean().item()
+    print(f"{kernel} decode kernel everywhere: engine vs a fresh forward, mean |logprob diff| "
+          f"{fresh_diff:.4f}")
+    assert fresh_diff <= bound
     # FP8 against bf16 on the same context (the prompts' next-token logits): e4m3 keeps 3
     # mantissa bits (relative 2^-4 per element); a wrong kernel gives errors of order 1
     with torch.no_grad():

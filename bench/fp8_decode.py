@@ -97,7 +97,8 @@ def _engine(model, batch: int, prompt: int, new: int, vocab: int, seed: int,
 def _selector():
     """``select(kernel)``: ``gemm``'s decode switches for one FP8 engine (``kernel``: a decode
     kernel, ``"<kernel>@<rows>"`` with ``DECODE_ROWS`` set to rows, ``.../nopdl`` with plain
-    launches instead of programmatic dependent ones (``dependent_launch.ENABLED``);
+    launches instead of programmatic dependent ones (``dependent_launch.ENABLED``),
+    ``.../noprefetch`` with them but no L2 prefetch of the weights (``PREFETCH``);
     ``"scaled_mm"``: no decode kernel, ``DECODE_ROWS`` 0, ``_scaled_mm`` at every size; None:
     the defaults, which ``select`` restores), the defaults read now."""
     from parallel_models.inference.fp8 import gemm
@@ -105,9 +106,9 @@ def _selector():
     try:
         from parallel_models.inference.fp8 import dependent_launch
     except ImportError:  # (no triton: no decode kernels, nothing to launch either way)
-        dependent_launch = types.SimpleNamespace(ENABLED=False)
+        dependent_launch = types.SimpleNamespace(ENABLED=False, PREFETCH=False)
     default_kernel, default_rows = gemm.DECODE_KERNEL, gemm.DECODE_ROWS
-    default_pdl = dependent_launch.ENABLED
+    default_pdl, default_prefetch = dependent_launch.ENABLED, dependent_launch.PREFETCH
 
     def select(kernel):
         spec, _, flag = (kernel or "").partition("/")
@@ -115,6 +116,7 @@ def _selector():
         gemm.DECODE_KERNEL = default_kernel if name in ("", "scaled_mm") else name
         gemm.DECODE_ROWS = 0 if name == "scaled_mm" else int(rows or default_rows)
         dependent_launch.ENABLED = default_pdl and flag != "nopdl"
+        dependent_launch.PREFETCH = default_prefetch and flag != "noprefetch"
 
     return select
 
@@ -127,10 +129,11 @@ def _contender(text: str) -> str:
     optionally ``/nopdl``."""
     spec, _, flag = text.partition("/")
     name, _, rows = spec.partition("@")
-    if name not in DECODE_CONTENDERS or (rows and not rows.isdigit()) or flag not in ("",
-                                                                                      "nopdl"):
+    if name not in DECODE_CONTENDERS or (rows and not rows.isdigit()) or \
+            flag not in ("", "nopdl", "noprefetch"):
         raise argparse.ArgumentTypeError(f"{text!r}: one of {DECODE_CONTENDERS}, optionally "
-                                         "@<rows> (gemm.DECODE_ROWS), then optionally /nopdl")
+                                         "@<rows> (gemm.DECODE_ROWS), then optionally /nopdl "
+                                         "or /noprefetch")
     return text
 
 

@@ -297,7 +297,7 @@ def compile_only(plan: dict, rows_list, scales, arch: int, kernels=KERNELS) -> l
            "w8a8": (_w8a8_dynamic_kernel, {"FP8_MAX": E4M3_MAX, "EMULATE": False,
                                            "PREQUANT": True}),
            "tma": (_w8a8_tma_kernel, {"PROMOTE": PROMOTE_EVERY, "EMULATE": False,
-                                      "PDL": True})}
+                                      "PDL": True, "PREFETCH": True})}
     lines, seen = [], set()
     for kernel in kernels:
         kernel_fn, own = fns[kernel]

@@ -145,7 +145,7 @@ Issued" "$OUT/ncu.txt" | cut -c1-120
         tests/inference/test_fp8_act_quant.py 2>&1 | tee "$OUT/fp8_tests.log" \
         | grep -E "TMA|fp8 vs|everywhere|passed|failed|Error" | tail -8
     timeout 300 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales channel \
-        --decode-kernels weight_only tma tma/nopdl --out "$OUT/fp8_decode.json" 2>&1 \
+        --decode-kernels weight_only tma tma/nopdl tma/noprefetch --out "$OUT/fp8_decode.json" 2>&1 \
         | grep -E '^\{' | grep -o '"bf16_step_ms.*' | cut -c1-700
     ;;
   fp8_256)

@@ -33,6 +33,9 @@ import triton.language as tl
 ENABLED = True
 """Launch the FP8 decode GEMMs and their producers with programmatic dependent launch where the
 GPU has it (SM 9.0+). False: plain launches (``bench/fp8_decode.py``'s ``/nopdl`` contenders)."""
+PREFETCH = True
+"""With programmatic dependent launch, the TMA GEMM's programs prefetch their weight rows into L2
+before they wait (False: they only wait)."""
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -58,4 +61,4 @@ def prefetch_rows_to_l2(ptrs, nbytes, mask):
         dtype=tl.int32, is_pure=False, pack=1)
 
 
-__all__ = ["ENABLED", "prefetch_rows_to_l2", "use_pdl"]
+__all__ = ["ENABLED", "PREFETCH", "prefetch_rows_to_l2", "use_pdl"]

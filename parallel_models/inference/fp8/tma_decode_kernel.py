@@ -47,6 +47,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from parallel_models.inference.fp8 import decode_gemm_shared as shared
 from parallel_models.inference.fp8.decode_gemm_shared import finish_tile, program_tile
+from parallel_models.inference.fp8 import dependent_launch
 from parallel_models.inference.fp8.dependent_launch import prefetch_rows_to_l2, use_pdl
 from parallel_models.inference.fp8.decode_tuning import DecodeConfig
 from parallel_models.inference.fp8.quantize import (E4M3, QUANTIZED_COPY, QuantizedWeight,
@@ -63,13 +64,14 @@ QUANTIZED = QUANTIZED_COPY  # the attribute a producer leaves its e4m3 copy in
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def _w8a8_tma_kernel(x_desc, w_desc, W, XS, S, Y, P, C, M, N, K, stride_ym, ws_rows, SPLIT_K,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PROMOTE: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+                     PROMOTE: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
+                     PREFETCH: tl.constexpr):
     pid_m, pid_k, pid_n, num_m, k_begin, k_end = program_tile(M, K, SPLIT_K, BLOCK_M, BLOCK_K)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok, m_ok = rn < N, rm < M
     if PDL:  # (dependent_launch) this program's weights into L2 while the kernel before ends
-        if pid_m == 0:
+        if PREFETCH and pid_m == 0:
             prefetch_rows_to_l2(W + rn.to(tl.int64) * K + k_begin, k_end - k_begin, n_ok)
         gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
@@ -142,6 +144,7 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
         x_desc, w_desc, weight.data, scales, weight.scale, y, partials, counters, rows, out, inp,
         y.stride(0), ws_rows, cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, PROMOTE=PROMOTE_EVERY, EMULATE=_INTERPRETED, PDL=pdl,
+        PREFETCH=dependent_launch.PREFETCH,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
     return y
 

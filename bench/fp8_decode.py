@@ -96,27 +96,17 @@ def _engine(model, batch: int, prompt: int, new: int, vocab: int, seed: int,
 
 def _selector():
     """``select(kernel)``: ``gemm``'s decode switches for one FP8 engine (``kernel``: a decode
-    kernel, ``"<kernel>@<rows>"`` with ``DECODE_ROWS`` set to rows, ``.../nopdl`` with plain
-    launches instead of programmatic dependent ones (``dependent_launch.ENABLED``),
-    ``.../noprefetch`` with them but no L2 prefetch of the weights (``PREFETCH``);
-    ``"scaled_mm"``: no decode kernel, ``DECODE_ROWS`` 0, ``_scaled_mm`` at every size; None:
-    the defaults, which ``select`` restores), the defaults read now."""
+    kernel, ``"<kernel>@<rows>"`` with ``DECODE_ROWS`` set to rows; ``"scaled_mm"``: no decode
+    kernel, ``DECODE_ROWS`` 0, ``_scaled_mm`` at every size; None: the defaults, which
+    ``select`` restores), the defaults read now."""
     from parallel_models.inference.fp8 import gemm
 
-    try:
-        from parallel_models.inference.fp8 import dependent_launch
-    except ImportError:  # (no triton: no decode kernels, nothing to launch either way)
-        dependent_launch = types.SimpleNamespace(ENABLED=False, PREFETCH=False)
     default_kernel, default_rows = gemm.DECODE_KERNEL, gemm.DECODE_ROWS
-    default_pdl, default_prefetch = dependent_launch.ENABLED, dependent_launch.PREFETCH
 
     def select(kernel):
-        spec, _, flag = (kernel or "").partition("/")
-        name, _, rows = spec.partition("@")
+        name, _, rows = (kernel or "").partition("@")
         gemm.DECODE_KERNEL = default_kernel if name in ("", "scaled_mm") else name
         gemm.DECODE_ROWS = 0 if name == "scaled_mm" else int(rows or default_rows)
-        dependent_launch.ENABLED = default_pdl and flag != "nopdl"
-        dependent_launch.PREFETCH = default_prefetch and flag != "noprefetch"
 
     return select
 
@@ -125,15 +115,11 @@ DECODE_CONTENDERS = ("dynamic", "w8a8", "weight_only", "tma", "scaled_mm")
 
 
 def _contender(text: str) -> str:
-    """``--decode-kernels`` entry: a decode kernel or ``scaled_mm``, optionally ``@rows``, then
-    optionally ``/nopdl``."""
-    spec, _, flag = text.partition("/")
-    name, _, rows = spec.partition("@")
-    if name not in DECODE_CONTENDERS or (rows and not rows.isdigit()) or \
-            flag not in ("", "nopdl", "noprefetch"):
+    """``--decode-kernels`` entry: a decode kernel or ``scaled_mm``, optionally ``@rows``."""
+    name, _, rows = text.partition("@")
+    if name not in DECODE_CONTENDERS or (rows and not rows.isdigit()):
         raise argparse.ArgumentTypeError(f"{text!r}: one of {DECODE_CONTENDERS}, optionally "
-                                         "@<rows> (gemm.DECODE_ROWS), then optionally /nopdl "
-                                         "or /noprefetch")
+                                         "@<rows> (gemm.DECODE_ROWS)")
     return text
 
 
@@ -202,7 +188,7 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
     row["decode_tiles"] = {kernel: {f"{key[1]}x{key[2]}": cfg.as_dict()  # (out x in)
                                     for key, cfg in chosen_configs().items()
                                     if key[0] == row_bucket(batch) and key[3] == fp8.granularity
-                                    and key[5] == kernel.partition("/")[0].partition("@")[0]}
+                                    and key[5] == kernel.partition("@")[0]}
                            for kernel in args.decode_kernels}
     for name in contenders:
         row[f"{name}_step_ms"] = 1e3 * timing[name]["median_s"]

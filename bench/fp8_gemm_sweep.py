@@ -296,8 +296,7 @@ def compile_only(plan: dict, rows_list, scales, arch: int, kernels=KERNELS) -> l
                                               "PREQUANT": False}),
            "w8a8": (_w8a8_dynamic_kernel, {"FP8_MAX": E4M3_MAX, "EMULATE": False,
                                            "PREQUANT": True}),
-           "tma": (_w8a8_tma_kernel, {"PROMOTE": PROMOTE_EVERY, "EMULATE": False,
-                                      "PDL": True, "PREFETCH": True})}
+           "tma": (_w8a8_tma_kernel, {"PROMOTE": PROMOTE_EVERY, "EMULATE": False})}
     lines, seen = [], set()
     for kernel in kernels:
         kernel_fn, own = fns[kernel]

@@ -35,15 +35,12 @@
 #   bash bench/gpu_session.sh fp8tma   # issue 37, one GPU, ~8 min: the TMA W8A8 decode kernel's
 #                                      # GPU tests, its sweep (8B, 64 rows) and the 8B decode
 #                                      # step at batch 64, weight-only vs TMA
-#   bash bench/gpu_session.sh fp8tma_h100  # issue 37, one GPU, ~8 min: the producers' GPU test,
-#                                      # the 8B decode step at batch 64 / 256, weight-only vs
-#                                      # TMA (64-row and 256-row decode)
+#   bash bench/gpu_session.sh fp8tma_h100  # issue 37, one GPU, ~9 min: the FP8 GPU tests, the
+#                                      # 8B decode step at batch 64 / 256, weight-only vs TMA
+#                                      # (64-row and 256-row decode)
 #   bash bench/gpu_session.sh fp8tma_089  # issue 37, one GPU, ~9 min: the FP8 GPU tests with the
 #                                      # TMA default, the 0.89B decode step at batch 64 / 256 and
 #                                      # the GRPO workload, weight-only vs TMA
-#   bash bench/gpu_session.sh fp8pdl   # issue 37, one GPU, ~6 min: the FP8 GPU tests, the 8B
-#                                      # decode step at batch 64: weight-only, TMA with and
-#                                      # without programmatic dependent launch
 #   bash bench/gpu_session.sh fp8_256  # issue 37, one GPU, <= 9 min: the decode step FP8 (channel
 #                                      # scales, the default) vs bf16 at batch 64 and 256 (0.89B,
 #                                      # 8B) and the GRPO-shaped workload both ways (0.89B)
@@ -120,8 +117,10 @@ Issued" "$OUT/ncu.txt" | cut -c1-120
     ;;
   fp8tma_h100)
     nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
-    timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_rollout.py \
-        -k "producers" 2>&1 | tee "$OUT/fp8_tma_tests.log" | grep -E "TMA|first decode|passed|failed|Error" | tail -6
+    timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_rollout.py \
+        tests/inference/test_fp8_tma_decode.py tests/inference/test_fp8_producer_kernels.py \
+        tests/inference/test_fp8_act_quant.py 2>&1 | tee "$OUT/fp8_tests.log" \
+        | grep -E "TMA|fp8 vs|everywhere|passed|failed|Error" | tail -8
     timeout 420 python3 bench/fp8_decode.py --shapes 8b --batches 64 256 --scales channel \
         --decode-kernels weight_only tma tma@256 --out "$OUT/fp8_decode.json" 2>&1 \
         | grep -E '^\{' | grep -o '"bf16_step_ms.*' | cut -c1-700
@@ -137,16 +136,6 @@ Issued" "$OUT/ncu.txt" | cut -c1-120
     python3 -c "import json,sys; [print({k: v for k, v in json.loads(l).items() if k not in \
         ('decode_tiles', 'args')}) for l in open(sys.argv[1]) if l.startswith('{')]" \
         "$OUT/fp8_decode_089.log" | cut -c1-900
-    ;;
-  fp8pdl)
-    nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
-    timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_rollout.py \
-        tests/inference/test_fp8_tma_decode.py tests/inference/test_fp8_producer_kernels.py \
-        tests/inference/test_fp8_act_quant.py 2>&1 | tee "$OUT/fp8_tests.log" \
-        | grep -E "TMA|fp8 vs|everywhere|passed|failed|Error" | tail -8
-    timeout 300 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales channel \
-        --decode-kernels weight_only tma tma/nopdl tma/noprefetch --out "$OUT/fp8_decode.json" 2>&1 \
-        | grep -E '^\{' | grep -o '"bf16_step_ms.*' | cut -c1-700
     ;;
   fp8_256)
     timeout 420 python3 bench/fp8_decode.py --shapes 0.89b 8b --batches 64 256 --scales channel \

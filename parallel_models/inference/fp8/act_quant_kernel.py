@@ -26,9 +26,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from parallel_models.inference.fp8.dependent_launch import use_pdl
 from parallel_models.inference.fp8.e4m3_rounding import e4m3_scale, scaled_for_e4m3
 from parallel_models.inference.fp8.quantize import BLOCK, E4M3, E4M3_MAX
 from parallel_models.llama.layers.exact import interpreter_fix
@@ -76,11 +74,8 @@ def _quantize_tokens_kernel(X, Q, S, n_cols, stride_x, stride_q, FP8_MAX: tl.con
 
 @triton.jit
 def _quantize_rows_kernel(X, Q, S, n_cols, stride_x, stride_q, FP8_MAX: tl.constexpr,
-                          BLOCK_COLS: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+                          BLOCK_COLS: tl.constexpr, EMULATE: tl.constexpr):
     """One program per token, the whole row in registers: one read, one write."""
-    if PDL:  # (dependent_launch) the kernel before done; the GEMM after may launch
-        gdc_wait()
-        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_COLS)
     mask = offs < n_cols
@@ -119,12 +114,10 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
     if tokens and cols <= WHOLE_ROW_COLS:  # (decode: a latency-bound kernel, one pass)
         block = triton.next_power_of_2(cols)
-        pdl = use_pdl(x.device)
         _quantize_rows_kernel[(tokens,)](x, q, scales, cols, x.stride(0), q.stride(0),
                                          FP8_MAX=E4M3_MAX, BLOCK_COLS=block,
-                                         EMULATE=_INTERPRETED, PDL=pdl,
-                                         num_warps=max(4, min(16, block // 1024)),
-                                         launch_pdl=pdl)
+                                         EMULATE=_INTERPRETED,
+                                         num_warps=max(4, min(16, block // 1024)))
     elif tokens:
         _quantize_tokens_kernel[(tokens,)](x, q, scales, cols, x.stride(0), q.stride(0),
                                            FP8_MAX=E4M3_MAX, BLOCK_COLS=TOKEN_BLOCK,

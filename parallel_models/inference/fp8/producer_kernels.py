@@ -16,9 +16,7 @@ The per-token quantization is ``quantize.quantize_activation(y, "channel")`` app
 rounded output: ``scale = amax / 448``, and the values multiplied by the correctly rounded
 reciprocal (the steps are ``e4m3_rounding``'s). So the copy holds the same values that
 ``act_quant_kernel.quantize_tokens`` would give from the output. One program handles one token,
-with the whole row in registers (rows of up to :data:`MAX_COLS` values). On SM 9.0+ they are
-programmatic dependent launches that let the GEMM after them start at once
-(``dependent_launch``).
+with the whole row in registers (rows of up to :data:`MAX_COLS` values).
 """
 
 from __future__ import annotations
@@ -28,9 +26,7 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from parallel_models.inference.fp8.dependent_launch import use_pdl
 from parallel_models.inference.fp8.e4m3_rounding import e4m3_scale, scaled_for_e4m3
 from parallel_models.inference.fp8.quantize import E4M3, E4M3_MAX, MAX_PRODUCER_COLS
 from parallel_models.llama.layers.exact import interpreter_fix
@@ -56,13 +52,10 @@ def _quantize_row(y, Q, S, row, offs, mask, stride_q, FP8_MAX: tl.constexpr,
 @triton.jit
 def _rms_norm_quant_kernel(X, R, T, W, Y, Q, S, n, stride_x, stride_r, stride_t, stride_y,
                            stride_q, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                           FP8_MAX: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+                           FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
-    if PDL:  # (dependent_launch) the kernel before done; the GEMM after may launch
-        gdc_wait()
-        gdc_launch_dependents()
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:  # the sum, rounded to the model's dtype, is what is normed
         r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
@@ -79,13 +72,10 @@ def _rms_norm_quant_kernel(X, R, T, W, Y, Q, S, n, stride_x, stride_r, stride_t,
 
 @triton.jit
 def _swiglu_quant_kernel(GU, Y, Q, S, inter, stride_gu, stride_y, stride_q, BLOCK: tl.constexpr,
-                         FP8_MAX: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+                         FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < inter
-    if PDL:  # (dependent_launch) the kernel before done; the GEMM after may launch
-        gdc_wait()
-        gdc_launch_dependents()
     gate = tl.load(GU + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(GU + row * stride_gu + inter + offs, mask=mask, other=0.0).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty)
@@ -119,12 +109,11 @@ def rms_norm_quantized(x2: torch.Tensor, residual2: torch.Tensor | None, weight:
     if rows:
         res = residual2 if residual2 is not None else x2
         out_total = total if total is not None else x2
-        pdl = use_pdl(x2.device)
         _rms_norm_quant_kernel[(rows,)](
             x2, res, out_total, weight, y, q, s, n, x2.stride(0), res.stride(0),
             out_total.stride(0), y.stride(0), q.stride(0), float(eps),
             HAS_RESIDUAL=residual2 is not None, BLOCK=block, FP8_MAX=E4M3_MAX,
-            EMULATE=_INTERPRETED, PDL=pdl, num_warps=_warps(block), launch_pdl=pdl)
+            EMULATE=_INTERPRETED, num_warps=_warps(block))
     return total, y, (q, s)
 
 
@@ -139,11 +128,9 @@ def swiglu_quantized(gate_up2: torch.Tensor):
     q, s = _copy_buffers(rows, inter, gate_up2.device)
     block = triton.next_power_of_2(inter)
     if rows:
-        pdl = use_pdl(gate_up2.device)
         _swiglu_quant_kernel[(rows,)](gate_up2, y, q, s, inter, gate_up2.stride(0), y.stride(0),
                                       q.stride(0), BLOCK=block, FP8_MAX=E4M3_MAX,
-                                      EMULATE=_INTERPRETED, PDL=pdl, num_warps=_warps(block),
-                                      launch_pdl=pdl)
+                                      EMULATE=_INTERPRETED, num_warps=_warps(block))
     return y, (q, s)
 
 

@@ -24,10 +24,6 @@ wait and the wgmma.
 - The activations come quantized: by ``act_quant_kernel.quantize_tokens`` (one launch) or by
   the kernel that produced them (``fp8.fused_producers``: RMSNorm, SwiGLU), which leaves the
   e4m3 copy on its output (:func:`quantized_input`).
-- On SM 9.0+ it is launched as a programmatic dependent launch (``dependent_launch``): its
-  programs may start while the kernel before finishes, ask L2 for their weight rows, then wait
-  for that kernel (``gdc_wait``) before reading the activations; they let the next kernel
-  launch once their K loops are done.
 
 The result is ``gemm.emulated_matmul(x, W)`` with channel scales (``quantize_activation(x,
 "channel")``) up to the accumulation order; ``gemm`` checks the two agree once per device before
@@ -42,13 +38,10 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from parallel_models.inference.fp8 import decode_gemm_shared as shared
 from parallel_models.inference.fp8.decode_gemm_shared import finish_tile, program_tile
-from parallel_models.inference.fp8 import dependent_launch
-from parallel_models.inference.fp8.dependent_launch import prefetch_rows_to_l2, use_pdl
 from parallel_models.inference.fp8.decode_tuning import DecodeConfig
 from parallel_models.inference.fp8.quantize import (E4M3, QUANTIZED_COPY, QuantizedWeight,
                                                     quantize_activation)
@@ -62,18 +55,13 @@ QUANTIZED = QUANTIZED_COPY  # the attribute a producer leaves its e4m3 copy in
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
-def _w8a8_tma_kernel(x_desc, w_desc, W, XS, S, Y, P, C, M, N, K, stride_ym, ws_rows, SPLIT_K,
+def _w8a8_tma_kernel(x_desc, w_desc, XS, S, Y, P, C, M, N, K, stride_ym, ws_rows, SPLIT_K,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PROMOTE: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
-                     PREFETCH: tl.constexpr):
+                     PROMOTE: tl.constexpr, EMULATE: tl.constexpr):
     pid_m, pid_k, pid_n, num_m, k_begin, k_end = program_tile(M, K, SPLIT_K, BLOCK_M, BLOCK_K)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok, m_ok = rn < N, rm < M
-    if PDL:  # (dependent_launch) this program's weights into L2 while the kernel before ends
-        if PREFETCH and pid_m == 0:
-            prefetch_rows_to_l2(W + rn.to(tl.int64) * K + k_begin, k_end - k_begin, n_ok)
-        gdc_wait()
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(k_begin, k_end, BLOCK_K):
         w = w_desc.load([pid_n * BLOCK_N, k])
@@ -82,8 +70,6 @@ def _w8a8_tma_kernel(x_desc, w_desc, W, XS, S, Y, P, C, M, N, K, stride_ym, ws_r
             acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)))
         else:
             acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE)
-    if PDL:  # the next kernel may launch once every program got here
-        gdc_launch_dependents()
     acc = acc * tl.load(XS + rm, mask=m_ok, other=0.0)[None, :]
     finish_tile(acc, Y, S, P, C, rm, rn, n_ok, m_ok, pid_m, pid_k, pid_n, num_m, N, ws_rows,
                 stride_ym, SPLIT_K, False, BLOCK_N, BLOCK_M)
@@ -92,8 +78,7 @@ def _w8a8_tma_kernel(x_desc, w_desc, W, XS, S, Y, P, C, M, N, K, stride_ym, ws_r
 def supports(x2: torch.Tensor, weight: QuantizedWeight) -> bool:
     """Whether this kernel takes the product: channel scales, 16-byte aligned rows."""
     return weight.granularity == "channel" and x2.shape[1] % 16 == 0 and \
-        weight.data.stride(0) == x2.shape[1] and weight.data.stride(1) == 1 and \
-        weight.data.data_ptr() % 16 == 0
+        weight.data.stride(0) % 16 == 0 and weight.data.data_ptr() % 16 == 0
 
 
 def quantize_tokens(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,13 +124,11 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
     else:  # (not read by the kernel: pointers of the right types)
         partials, counters = shared.unused_pointers(x2.device)
         ws_rows = 0
-    pdl = use_pdl(x2.device)
     _w8a8_tma_kernel[(cfg.grid(rows, out),)](
-        x_desc, w_desc, weight.data, scales, weight.scale, y, partials, counters, rows, out, inp,
-        y.stride(0), ws_rows, cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, PROMOTE=PROMOTE_EVERY, EMULATE=_INTERPRETED, PDL=pdl,
-        PREFETCH=dependent_launch.PREFETCH,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
+        x_desc, w_desc, scales, weight.scale, y, partials, counters, rows, out, inp, y.stride(0),
+        ws_rows, cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PROMOTE=PROMOTE_EVERY, EMULATE=_INTERPRETED, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return y
 
 

@@ -164,11 +164,13 @@ def test_interpreter_rounding_equals_torch_e4m3():
 def test_decode_kernel_switch_checks_the_selected_kernel_and_falls_back(monkeypatch):
     """``gemm.DECODE_KERNEL`` picks the kernel of decode-sized products; selecting one runs its
     device check (once) outside a capture; a kernel that failed its check gives way to the
-    other; neither passing leaves the product to ``_scaled_mm`` / the emulation (None)."""
+    other; neither passing leaves the product to ``_scaled_mm`` / the emulation (None). The
+    default, the TMA kernel, takes channel-scaled weights only: block ones skip it unchecked."""
     from parallel_models.inference.fp8 import gemm
+    from parallel_models.inference.fp8.tma_decode_kernel import tma_mm
     from parallel_models.inference.fp8.weight_only_kernel import weight_only_mm
 
-    verdicts = {"dynamic": True, "weight_only": True, "w8a8": True}
+    verdicts = {"dynamic": True, "weight_only": True, "w8a8": True, "tma": True}
     checked = []
 
     def fake_check(device, granularity, kernel):
@@ -179,7 +181,13 @@ def test_decode_kernel_switch_checks_the_selected_kernel_and_falls_back(monkeypa
     monkeypatch.setattr(gemm, "_decode_checked", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     dev = torch.device("cpu")
-    assert gemm.DECODE_KERNEL == "weight_only"  # the default (measured on an H100)
+    assert gemm.DECODE_KERNEL == "tma"  # the default (measured on an H100)
+    assert gemm._decode_mm(dev, "channel") is tma_mm and checked == ["tma"]
+    assert gemm._decode_mm(dev, "block") is weight_only_mm and checked == ["tma", "weight_only"]
+    assert gemm.decode_kernel(dev, "block") == "weight_only"
+    assert gemm.decode_emulation("tma") is gemm.token_matmul
+    checked.clear()
+    monkeypatch.setattr(gemm, "_decode_checked", {})
     monkeypatch.setattr(gemm, "DECODE_KERNEL", "dynamic")
     assert gemm._decode_mm(dev, "block") is dynamic_act_kernel.dynamic_act_mm
     assert gemm._decode_mm(dev, "block") is dynamic_act_kernel.dynamic_act_mm

@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel_models.inference.fp8.e4m3_rounding import e4m3_scale, scaled_for_e4m3
+from parallel_models.inference.fp8.e4m3_rounding import (e4m3_scale, quantize_and_store,
+                                                          scaled_for_e4m3)
 from parallel_models.inference.fp8.quantize import BLOCK, E4M3, E4M3_MAX
 from parallel_models.llama.layers.exact import interpreter_fix
 
@@ -46,10 +47,7 @@ def _quantize_groups_kernel(X, Q, S, n_cols, stride_x, stride_q, ld_s,
     cols = group * GROUP + tl.arange(0, GROUP)
     mask = cols < n_cols
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
-    scale = e4m3_scale(amax, FP8_MAX)
-    q = scaled_for_e4m3(x, scale, FP8_MAX, EMULATE)
-    tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
+    scale = quantize_and_store(x, Q + row * stride_q + cols, mask, FP8_MAX, EMULATE)
     tl.store(S + group * ld_s + row, scale)
 
 
@@ -69,21 +67,6 @@ def _quantize_tokens_kernel(X, Q, S, n_cols, stride_x, stride_q, FP8_MAX: tl.con
         x = tl.load(X + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
         q = scaled_for_e4m3(x, scale, FP8_MAX, EMULATE)
         tl.store(Q + row * stride_q + start + offs, q.to(Q.dtype.element_ty), mask=mask)
-    tl.store(S + row, scale)
-
-
-@triton.jit
-def _quantize_rows_kernel(X, Q, S, n_cols, stride_x, stride_q, FP8_MAX: tl.constexpr,
-                          BLOCK_COLS: tl.constexpr, EMULATE: tl.constexpr):
-    """One program per token, the whole row in registers: one read, one write."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_COLS)
-    mask = offs < n_cols
-    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
-    scale = e4m3_scale(amax, FP8_MAX)
-    q = scaled_for_e4m3(x, scale, FP8_MAX, EMULATE)
-    tl.store(Q + row * stride_q + offs, q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + row, scale)
 
 
@@ -112,12 +95,11 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.contiguous()
     q = torch.empty(tokens, cols, dtype=E4M3, device=x.device)
     scales = torch.empty(tokens, 1, dtype=torch.float32, device=x.device)
-    if tokens and cols <= WHOLE_ROW_COLS:  # (decode: a latency-bound kernel, one pass)
-        block = triton.next_power_of_2(cols)
-        _quantize_rows_kernel[(tokens,)](x, q, scales, cols, x.stride(0), q.stride(0),
-                                         FP8_MAX=E4M3_MAX, BLOCK_COLS=block,
-                                         EMULATE=_INTERPRETED,
-                                         num_warps=max(4, min(16, block // 1024)))
+    if tokens and cols <= WHOLE_ROW_COLS:  # (decode: a latency-bound kernel, one pass: the
+        block = triton.next_power_of_2(cols)  # group kernel with one group as wide as the row)
+        _quantize_groups_kernel[(tokens, 1)](x, q, scales, cols, x.stride(0), q.stride(0), 0,
+                                             FP8_MAX=E4M3_MAX, GROUP=block, EMULATE=_INTERPRETED,
+                                             num_warps=max(4, min(16, block // 1024)))
     elif tokens:
         _quantize_tokens_kernel[(tokens,)](x, q, scales, cols, x.stride(0), q.stride(0),
                                            FP8_MAX=E4M3_MAX, BLOCK_COLS=TOKEN_BLOCK,

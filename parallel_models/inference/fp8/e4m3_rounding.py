@@ -59,4 +59,16 @@ def scaled_for_e4m3(x, scale, FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
     return q
 
 
-__all__ = ["e4m3_scale", "round_to_e4m3", "scaled_for_e4m3"]
+@triton.jit
+def quantize_and_store(x, q_ptrs, mask, FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
+    """fp32 ``x`` (a token's values, or a group of them; 0 where not ``mask``) stored to
+    ``q_ptrs`` as e4m3 with one scale, :func:`e4m3_scale` of their absolute maximum, which is
+    returned."""
+    amax = tl.max(tl.abs(x), axis=0)
+    scale = e4m3_scale(amax, FP8_MAX)
+    q = scaled_for_e4m3(x, scale, FP8_MAX, EMULATE)
+    tl.store(q_ptrs, q.to(q_ptrs.dtype.element_ty), mask=mask)
+    return scale
+
+
+__all__ = ["e4m3_scale", "quantize_and_store", "round_to_e4m3", "scaled_for_e4m3"]

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from parallel_models.inference.fp8.e4m3_rounding import e4m3_scale, scaled_for_e4m3
+from parallel_models.inference.fp8.e4m3_rounding import quantize_and_store
 from parallel_models.inference.fp8.quantize import E4M3, E4M3_MAX, MAX_PRODUCER_COLS
 from parallel_models.llama.layers.exact import interpreter_fix
 
@@ -42,10 +42,7 @@ def _quantize_row(y, Q, S, row, offs, mask, stride_q, FP8_MAX: tl.constexpr,
     """Store fp32 ``y`` (a row of values already in the model's dtype) to ``Q`` as e4m3 with its
     per-token scale in ``S``."""
     y = tl.where(mask, y, 0.0)
-    amax = tl.max(tl.abs(y), axis=0)
-    scale = e4m3_scale(amax, FP8_MAX)
-    q = scaled_for_e4m3(y, scale, FP8_MAX, EMULATE)
-    tl.store(Q + row * stride_q + offs, q.to(Q.dtype.element_ty), mask=mask)
+    scale = quantize_and_store(y, Q + row * stride_q + offs, mask, FP8_MAX, EMULATE)
     tl.store(S + row, scale)
 
 

@@ -123,13 +123,11 @@ def _contender(text: str) -> str:
     return text
 
 
-def _producing(fp8, kernel):
-    """An FP8 contender's steps as the engine's generate runs them: the norms and SwiGLU writing
-    e4m3 copies for the TMA kernel (``fused_producers``); the bf16 contender's keep their own
-    kernels."""
-    from parallel_models.inference.fp8 import fused_producers
-
-    return fused_producers.tracking(fp8) if kernel is not None else contextlib.nullcontext()
+def _fp8_on(fp8, kernel):
+    """An FP8 contender runs inside ``fp8.enabled()``, as the engine's generate does (the FP8
+    forward on, the norms and SwiGLU writing e4m3 copies for the TMA kernel: ``fused_producers``);
+    the bf16 contender (``kernel`` None) outside it (``fp8`` is built inactive)."""
+    return fp8.enabled() if kernel is not None else contextlib.nullcontext()
 
 
 def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
@@ -138,31 +136,23 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
     spec = SHAPES[shape]
     new = 4 + args.rounds * (args.warmup + args.iters)  # rows never finish while timed
     select = _selector()
-
-    def producing(kernel):
-        return _producing(fp8, kernel)
-
-    fp8.active = False
     engines = {"bf16": (_engine(model, batch, args.prompt, new, spec["vocab"], batch), None)}
-    fp8.active = True
     for kernel in args.decode_kernels:
         select(kernel)
-        with producing(kernel):
+        with _fp8_on(fp8, kernel):
             engines[f"fp8_{kernel}"] = (_engine(model, batch, args.prompt, new, spec["vocab"],
                                                 batch), kernel)
     if args.kv_fp8:  # the KV pool in e4m3: with the bf16 linears, and with the first kernel's
         for kernel in [None] + args.decode_kernels[:1]:
-            fp8.active = kernel is not None
             select(kernel)
-            with producing(kernel):
+            with _fp8_on(fp8, kernel):
                 engines[f"{'fp8_' + kernel if kernel else 'bf16'}_kvfp8"] = (
                     _engine(model, batch, args.prompt, new, spec["vocab"], batch, "fp8"), kernel)
 
     def step(engine, kernel):
         # (eager parts of a step; the captured graphs hold their GEMMs)
-        fp8.active = kernel is not None
         select(kernel)
-        with producing(kernel):
+        with _fp8_on(fp8, kernel):
             engine.step()
 
     contenders = {name: (lambda e=engine, k=kernel: step(e, k))
@@ -172,7 +162,6 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
                            clock_log_ms=0)
     else:
         timing = _cpu_alternate(contenders, args.rounds, args.warmup, args.iters)
-    fp8.active = False
     select(None)
     backends = sorted({m.fp8_backend for _, m in fp8.modules if m.fp8_backend})
     fp8_engines = [engine for engine, kernel in engines.values() if kernel is not None]
@@ -207,14 +196,12 @@ def grpo_both_ways(args, shape: str, model, fp8) -> list[dict]:
     cfg = types.SimpleNamespace(vocab_size=SHAPES[shape]["vocab"])
     out, select = [], _selector()
     for dtype, kernel in [("bf16", None)] + [("fp8", k) for k in args.decode_kernels]:
-        fp8.active = dtype == "fp8"
         select(kernel)
-        with _producing(fp8, kernel if dtype == "fp8" else None):
+        with _fp8_on(fp8, kernel):
             row = {"shape": shape, "case": "grpo", "weights": dtype, "decode_kernel": kernel,
                    **grpo_case(args, cfg, model)}
         print(json.dumps(row), flush=True)
         out.append(row)
-    fp8.active = False
     select(None)
     return out
 

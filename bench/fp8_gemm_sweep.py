@@ -35,8 +35,8 @@ over bf16. ``--compile-only SM``: no timing, no GPU: each distinct candidate ker
 ``--kernels`` compiled for that architecture, with its MMA, shared memory (``fits``: within the
 architecture's per-block limit), registers and spills (a kernel edit checked where no GPU is at
 hand). ``--tiny``: one 256 x 256 linear, rows 1 and 16, two configs per kernel (the default and a
-K split), block scales (and channel ones for the channel-only TMA kernel), one run each on the CPU (wall time, interpreter: correctness, not
-speed).
+K split), block scales (and channel ones for the channel-only TMA kernel), one run each on the
+CPU (wall time, interpreter: correctness, not speed).
 """
 
 from __future__ import annotations
@@ -58,14 +58,12 @@ from common import LLAMA3_8B, LLAMA_089B  # noqa: E402
 SHAPES = {"8b": LLAMA3_8B, "0.89b": LLAMA_089B}
 TINY_LINEARS = {"tiny": {"proj": (256, 256)}}
 KERNELS = ("dynamic", "w8a8", "weight_only", "tma")
-# kernel -> (module of inference/fp8, its launch there, its emulation in gemm, the --tiny run's
-# K-split config)
-KERNEL_PARTS = {"weight_only": ("weight_only_kernel", "launch", "weight_only_matmul",
-                                (32, 16, 64, 2)),
-                "dynamic": ("dynamic_act_kernel", "launch", "dynamic_matmul", (32, 16, 128, 2)),
-                "w8a8": ("dynamic_act_kernel", "launch_prequantized", "dynamic_matmul",
-                         (32, 16, 128, 2)),
-                "tma": ("tma_decode_kernel", "launch", "token_matmul", (32, 16, 128, 2))}
+# kernel -> (module of inference/fp8, its launch there, the --tiny run's K-split config); its
+# emulation: gemm.decode_emulation
+KERNEL_PARTS = {"weight_only": ("weight_only_kernel", "launch", (32, 16, 64, 2)),
+                "dynamic": ("dynamic_act_kernel", "launch", (32, 16, 128, 2)),
+                "w8a8": ("dynamic_act_kernel", "launch_prequantized", (32, 16, 128, 2)),
+                "tma": ("tma_decode_kernel", "launch", (32, 16, 128, 2))}
 CHANNEL_ONLY = ("tma",)  # kernels that take channel-scaled weights only
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # per block, opt-in
 
@@ -123,7 +121,7 @@ def kernel_case(args, kernel, x, q, bf16_us, timer, gbps) -> dict:
 
     from parallel_models.inference.fp8 import decode_gemm_shared, decode_tuning, gemm
 
-    module, launch_name, emulation, split_cfg = KERNEL_PARTS[kernel]
+    module, launch_name, split_cfg = KERNEL_PARTS[kernel]
     launch = getattr(importlib.import_module(f"parallel_models.inference.fp8.{module}"),
                      launch_name)
     rows, inp = x.shape
@@ -133,10 +131,11 @@ def kernel_case(args, kernel, x, q, bf16_us, timer, gbps) -> dict:
     quant_us = None
     if kernel == "tma":  # the GEMM alone: its e4m3 input left on x, as a fused producer leaves it
         from parallel_models.inference.fp8 import tma_decode_kernel
+        from parallel_models.inference.fp8.quantize import QUANTIZED_COPY
 
         x = x.detach().clone()
         quant_us = timer(lambda: tma_decode_kernel.quantize_tokens(x))
-        setattr(x, tma_decode_kernel.QUANTIZED, tma_decode_kernel.quantize_tokens(x))
+        setattr(x, QUANTIZED_COPY, tma_decode_kernel.quantize_tokens(x))
     fp8_bytes = q.data.numel() + 4 * q.scale.numel()
     configs = decode_tuning.candidates(rows, out, inp, q.granularity, decode_tuning.sm_count(dev),
                                        decode_tuning.smem_bytes(dev), kernel=kernel)
@@ -160,7 +159,7 @@ def kernel_case(args, kernel, x, q, bf16_us, timer, gbps) -> dict:
     res["us"] = timed[0]["us"] if timed else timer(lambda: launch(x, q, y, chosen))
     res["gbps"] = gbps(res["us"], fp8_bytes)
     res["over_bf16"] = res["us"] / bf16_us
-    want = getattr(gemm, emulation)(x, q).float()
+    want = gemm.decode_emulation(kernel)(x, q).float()
     got = launch(x, q, y, chosen).float()
     res["max_rel_err"] = float(((got - want).abs() / (want.abs() + 1.0)).max())
     return res

@@ -107,7 +107,8 @@ Issued" "$OUT/ncu.txt" | cut -c1-120
     timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_rollout.py \
         tests/inference/test_fp8_tma_decode.py tests/inference/test_fp8_producer_kernels.py \
         tests/inference/test_fp8_act_quant.py -k "tma or scaled_mm_matches or producer or \
-        eager_output or token" 2>&1 | tee "$OUT/fp8_tma_tests.log" | grep -E "TMA|passed|failed|Error" | tail -8
+        eager_output or token" 2>&1 | tee "$OUT/fp8_tma_tests.log" \
+        | grep -E "TMA|passed|failed|Error" | tail -8
     timeout 200 python3 bench/fp8_gemm_sweep.py --shapes 8b --rows 64 --scales channel \
         --kernels weight_only tma --reps 20 --out "$OUT/sweep.json" 2>&1 \
         | grep -E '"best"|"layer"|quantize_us' | cut -c1-400

@@ -231,8 +231,7 @@ def test_decode_gemm_configs_tuning_and_graph_replay(granularity, kernel):
     mm, launch = (getattr(module, name) for name in {
         "dynamic": ("dynamic_act_mm", "launch"), "w8a8": ("prequantized_mm", "launch_prequantized"),
         "weight_only": ("weight_only_mm", "launch"), "tma": ("tma_mm", "launch")}[kernel])
-    emulation = {"weight_only": gemm.weight_only_matmul, "tma": gemm.token_matmul}.get(
-        kernel, gemm.dynamic_matmul)
+    emulation = gemm.decode_emulation(kernel)
     g = torch.Generator(device=DEV).manual_seed(0)
     for rows, out, inp in ((64, 4096, 14336), (256, 6144, 4096)):
         w = torch.randn(out, inp, device=DEV, generator=g) * 0.02

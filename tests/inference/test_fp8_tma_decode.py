@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from parallel_models.inference.fp8 import gemm, tma_decode_kernel  # noqa: E402
 from parallel_models.inference.fp8.decode_tuning import DecodeConfig  # noqa: E402
-from parallel_models.inference.fp8.quantize import quantize_weight  # noqa: E402
+from parallel_models.inference.fp8.quantize import QUANTIZED_COPY, quantize_weight  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ACT = torch.bfloat16 if DEV == "cuda" else torch.float32  # (the interpreter: fp32 dots)
@@ -57,10 +57,10 @@ def test_the_producers_e4m3_copy_is_what_the_kernel_reads():
     y = torch.empty(16, 128, dtype=x.dtype, device=DEV)
     # a copy of other activations left on x: the kernel must multiply those
     other = torch.randn(16, 256, generator=torch.Generator().manual_seed(9)).to(DEV, ACT)
-    setattr(x, tma_decode_kernel.QUANTIZED, tma_decode_kernel.quantize_tokens(other))
+    setattr(x, QUANTIZED_COPY, tma_decode_kernel.quantize_tokens(other))
     assert _close(tma_decode_kernel.launch(x, q, y, cfg), gemm.token_matmul(other, q))
     # a copy of another shape is not used
-    setattr(x, tma_decode_kernel.QUANTIZED, tma_decode_kernel.quantize_tokens(other[:8]))
+    setattr(x, QUANTIZED_COPY, tma_decode_kernel.quantize_tokens(other[:8]))
     assert _close(tma_decode_kernel.launch(x, q, y, cfg), gemm.token_matmul(x, q))
 
 

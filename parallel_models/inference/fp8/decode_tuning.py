@@ -307,7 +307,7 @@ def chosen_configs() -> dict:
     return dict(_chosen)
 
 
-__all__ = ["DecodeConfig", "FP8_ACTIVATIONS", "KERNELS", "MAX_STAGES", "TUNE", "TUNED_ROWS", "W8A8_KERNELS",
-           "candidates", "choose",
+__all__ = ["DecodeConfig", "FP8_ACTIVATIONS", "KERNELS", "MAX_STAGES", "TUNE", "TUNED_ROWS",
+           "W8A8_KERNELS", "candidates", "choose",
            "chosen_configs", "default_config", "key_of", "l2_flush_buffer", "row_bucket",
            "sm_count", "smem_bytes", "stage_bytes", "time_ms", "timings", "tune"]

@@ -15,7 +15,7 @@ imported) whether it wants a given op. It says yes only under all of these condi
   generating (inside its ``enabled()``: :func:`tracking`);
 - the TMA kernel is the decode kernel;
 - the rows are decode-sized (at most ``gemm.DECODE_ROWS``);
-- the tensors are CUDA bf16/fp16, without gradients, laid out as flat rows;
+- the tensors are CUDA bf16/fp16, contiguous, without gradients;
 - a row fits one program (``quantize.MAX_PRODUCER_COLS``).
 
 Otherwise the op runs as before. The output in the model's dtype is the eager reference's
@@ -52,10 +52,6 @@ def tracking(state):
             _active.discard(state)
 
 
-def _flat(t: torch.Tensor) -> bool:
-    return t.dim() >= 1 and t.stride(-1) == 1 and (t.dim() == 1 or t.is_contiguous())
-
-
 class OutputQuantizer:
     """What ``fused_ops`` calls (see the module docstring)."""
 
@@ -67,7 +63,7 @@ class OutputQuantizer:
         rows = x.numel() // max(cols, 1)
         return (0 < rows <= gemm.DECODE_ROWS and cols <= MAX_PRODUCER_COLS and cols % 16 == 0
                 and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-                and all(t.dtype in DTYPES and _flat(t) for t in tensors))
+                and all(t.dtype in DTYPES and t.is_contiguous() for t in tensors))
 
     def rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float):
@@ -76,8 +72,7 @@ class OutputQuantizer:
 
         n = x.shape[-1]
         total, y, copy = rms_norm_quantized(x.reshape(-1, n), None if residual is None
-                                            else residual.reshape(-1, n), weight.contiguous(),
-                                            eps)
+                                            else residual.reshape(-1, n), weight, eps)
         y = y.view(x.shape)
         setattr(y, QUANTIZED_COPY, copy)
         return (total.view(x.shape) if total is not None else None), y

@@ -167,22 +167,17 @@ def _decode_check(device: torch.device, granularity: str, kernel: str):
                                                              sm_count, smem_bytes)
     from parallel_models.inference.fp8.quantize import quantize_weight
 
-    mm = _kernel_mm(kernel)
+    mm, emulation = _kernel_mm(kernel), decode_emulation(kernel)
     inp = 300
     if kernel == "weight_only":
-        emulation, split_cfg = weight_only_matmul, DecodeConfig(32, 16, 64, 2, num_warps=4,
-                                                                num_stages=3)
-    elif kernel == "tma":  # (channel scales only: the prefill's row-wise recipe)
-        if granularity != "channel":
-            return False, "takes channel-scaled weights only"
+        split_cfg = DecodeConfig(32, 16, 64, 2, num_warps=4, num_stages=3)
+    elif kernel == "tma":  # (channel scales only: _kernel_preference skips it for block ones)
         if torch.cuda.get_device_capability(device) < (9, 0):
             return False, "needs the tensor memory accelerator (SM 9.0+)"
-        emulation, split_cfg = token_matmul, DecodeConfig(64, 16, 128, 2, num_warps=4,
-                                                          num_stages=3)
+        split_cfg = DecodeConfig(64, 16, 128, 2, num_warps=4, num_stages=3)
         inp = 304  # (TMA: 16-byte rows; still a partial last K step)
     else:  # (both W8A8 kernels: the prefill's activation recipe)
-        emulation, split_cfg = dynamic_matmul, DecodeConfig(64, 16, 256, 2, num_warps=4,
-                                                            num_stages=3)
+        split_cfg = DecodeConfig(64, 16, 256, 2, num_warps=4, num_stages=3)
     g = torch.Generator(device=device).manual_seed(2)
     x = torch.randn(37, inp, device=device, generator=g, dtype=torch.bfloat16)
     storage = block_scale_storage(200, inp, device) if granularity == "block" else None

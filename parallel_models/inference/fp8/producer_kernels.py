@@ -28,12 +28,11 @@ import triton
 import triton.language as tl
 
 from parallel_models.inference.fp8.e4m3_rounding import quantize_and_store
-from parallel_models.inference.fp8.quantize import E4M3, E4M3_MAX, MAX_PRODUCER_COLS
+from parallel_models.inference.fp8.quantize import E4M3, E4M3_MAX, MAX_PRODUCER_COLS as MAX_COLS
 from parallel_models.llama.layers.exact import interpreter_fix
 
 interpreter_fix.apply()  # (the CPU interpreter's loop bounds; nothing on the GPU)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-MAX_COLS = MAX_PRODUCER_COLS  # the widest row a program holds (SwiGLU: gate and up of 16384)
 
 
 @triton.jit

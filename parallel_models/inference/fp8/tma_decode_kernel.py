@@ -40,18 +40,17 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from parallel_models.inference.fp8 import act_quant_kernel
 from parallel_models.inference.fp8 import decode_gemm_shared as shared
 from parallel_models.inference.fp8.decode_gemm_shared import finish_tile, program_tile
 from parallel_models.inference.fp8.decode_tuning import DecodeConfig
-from parallel_models.inference.fp8.quantize import (E4M3, QUANTIZED_COPY, QuantizedWeight,
-                                                    quantize_activation)
+from parallel_models.inference.fp8.quantize import QUANTIZED_COPY, QuantizedWeight
 from parallel_models.llama.layers.exact import interpreter_fix
 
 interpreter_fix.apply()  # (the CPU interpreter's loop bounds; nothing on the GPU)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL = "tma"  # (its name in ``decode_tuning``'s keys)
 PROMOTE_EVERY = 128  # inputs the FP8 MMA sums in its own precision before the fp32 accumulator
-QUANTIZED = QUANTIZED_COPY  # the attribute a producer leaves its e4m3 copy in
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
@@ -82,21 +81,16 @@ def supports(x2: torch.Tensor, weight: QuantizedWeight) -> bool:
 
 
 def quantize_tokens(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x2`` per token -> (e4m3 ``[rows, in]`` contiguous, fp32 scales ``[rows]``): the Triton
-    kernel on the GPU (``act_quant_kernel``), torch's recipe in the interpreter."""
-    if _INTERPRETED or not x2.is_cuda:
-        q, s = quantize_activation(x2.float(), "channel")
-        return q.contiguous(), s
-    from parallel_models.inference.fp8.act_quant_kernel import quantize_tokens as kernel
-
-    q, s = kernel(x2)
+    """``x2`` per token -> (e4m3 ``[rows, in]``, fp32 scales ``[rows]``): one launch of
+    ``act_quant_kernel.quantize_tokens`` (the interpreter runs it too)."""
+    q, s = act_quant_kernel.quantize_tokens(x2)
     return q, s.view(-1)
 
 
 def quantized_input(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The e4m3 copy and per-token scales of ``x2``: the ones its producer left on it (see the
     module docstring), else quantized now (:func:`quantize_tokens`)."""
-    left = getattr(x2, QUANTIZED, None)
+    left = getattr(x2, QUANTIZED_COPY, None)
     if left is not None and left[0].shape == x2.shape:
         return left
     return quantize_tokens(x2)
@@ -144,5 +138,5 @@ def tma_mm(x2: torch.Tensor, weight: QuantizedWeight,
     return shared.product(KERNEL, launch, x2, weight, config)
 
 
-__all__ = ["E4M3", "KERNEL", "PROMOTE_EVERY", "QUANTIZED", "launch", "quantize_tokens",
-           "quantized_input", "supports", "tma_mm"]
+__all__ = ["KERNEL", "PROMOTE_EVERY", "launch", "quantize_tokens", "quantized_input",
+           "supports", "tma_mm"]

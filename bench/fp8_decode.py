@@ -18,8 +18,13 @@ kernel, ``_scaled_mm`` at every size). Each engine's first step
 prefills and captures its bucket's CUDA graph (the FP8 ones with the FP8 linears on and their
 kernel selected, so replaying it runs those GEMMs whatever the switches say after). Then
 ``engine.step()`` of the engines is timed side by side (``common.alternate``: ``--rounds``
-rounds in rotated order, the median of ``--iters`` steps after ``--warmup``, CUDA events), and
-one JSON line per (shape, batch) is printed: per engine its median (``<name>_step_ms``), its
+rounds in rotated order, the median of ``--iters`` timed calls after ``--warmup``, CUDA events;
+each call runs ``--chain`` consecutive steps, as ``generate`` does: the continuous engine's
+pipelined decode queues a step before reading the previous one's tokens, so the host's part of
+a step runs while the GPU works on the one before and a step costs its GPU time; ``--chain 1``
+times every step alone, the synchronization after it exposing the host's part, as the figures
+of sessions <= 18 did), and one JSON line per (shape, batch) is printed: per engine its median
+per step (``<name>_step_ms``), its
 spread ((max - min) / median over rounds) and, for the FP8 ones, ``<name>_over_bf16``; the FP8
 GEMM backend of the larger products (``scaled_mm``, or ``emulated`` where the GPU / torch
 cannot), ``decode_kernel_checks`` (per kernel, whether it passed ``gemm``'s device check: one
@@ -134,7 +139,7 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
     from parallel_models.inference.fp8 import gemm
 
     spec = SHAPES[shape]
-    new = 4 + args.rounds * (args.warmup + args.iters)  # rows never finish while timed
+    new = 4 + args.rounds * (args.warmup + args.iters) * args.chain  # rows never finish
     select = _selector()
     engines = {"bf16": (_engine(model, batch, args.prompt, new, spec["vocab"], batch), None)}
     for kernel in args.decode_kernels:
@@ -153,7 +158,8 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
         # (eager parts of a step; the captured graphs hold their GEMMs)
         select(kernel)
         with _fp8_on(fp8, kernel):
-            engine.step()
+            for _ in range(args.chain):
+                engine.step()
 
     contenders = {name: (lambda e=engine, k=kernel: step(e, k))
                   for name, (engine, kernel) in engines.items()}
@@ -165,7 +171,8 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
     select(None)
     backends = sorted({m.fp8_backend for _, m in fp8.modules if m.fp8_backend})
     fp8_engines = [engine for engine, kernel in engines.values() if kernel is not None]
-    row = {"shape": shape, "batch": batch, "prompt": args.prompt, "scales": fp8.granularity,
+    row = {"shape": shape, "batch": batch, "prompt": args.prompt, "chain": args.chain,
+           "scales": fp8.granularity,
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "cuda_graph": all(any(s.graph is not None for s in e._steps.values())
                              for e in fp8_engines),
@@ -180,7 +187,7 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
                                     and key[5] == kernel.partition("@")[0]}
                            for kernel in args.decode_kernels}
     for name in contenders:
-        row[f"{name}_step_ms"] = 1e3 * timing[name]["median_s"]
+        row[f"{name}_step_ms"] = 1e3 * timing[name]["median_s"] / args.chain
         row[f"{name}_spread"] = timing[name]["spread"]
         if name != "bf16":
             row[f"{name}_over_bf16"] = row[f"{name}_step_ms"] / row["bf16_step_ms"]
@@ -223,6 +230,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--chain", type=int, default=4,
+                    help="consecutive engine steps per timed call (1: each step alone)")
     ap.add_argument("--grpo", action="store_true", help="also the GRPO-shaped workload")
     ap.add_argument("--grpo-prompts", type=int, default=64)
     ap.add_argument("--grpo-n", type=int, default=8)

@@ -307,13 +307,15 @@ def compile_only(plan: dict, rows_list, scales, arch: int, kernels=KERNELS) -> l
                             continue
                         for cfg in candidates(rows, out, inp, gran, kernel=kernel):
                             key = (kernel, gran, cfg.block_n, cfg.block_m, cfg.block_k,
-                                   cfg.num_warps, cfg.num_stages, inp % cfg.block_k == 0)
+                                   cfg.num_warps, cfg.num_stages, cfg.tokens_first,
+                                   inp % cfg.block_k == 0)
                             if key in seen:
                                 continue
                             seen.add(key)
                             consts = {"BLOCK_SCALES": gran == "block", "EVEN_K": key[-1],
                                       "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                                      "BLOCK_K": cfg.block_k, "GROUP": 128, **own}
+                                      "BLOCK_K": cfg.block_k, "GROUP": 128,
+                                      "TOKENS_FIRST": cfg.tokens_first, **own}
                             tiles = {f: v for f, v in cfg.as_dict().items() if f != "split_k"}
                             lines.append({"compiled": {"kernel": kernel, "scales": gran,
                                                        **tiles},  # (split: run time)

@@ -4,7 +4,8 @@ either kernel for the 8B and 0.89B linears at decode row counts keeps within the
 (weight-only with block scales: no K step crosses a 128 x 128 scale block; W8A8-dynamic: K steps
 of whole 128-wide activation groups, row tiles of at most 128; a tile spans block rows only
 whole; the pipeline's stages fit the shared memory; accumulators and split-K workspaces bounded)
-and some candidate fills an H100's 132 SMs; the default is a candidate; and ``choose`` times a
+and some candidate fills an H100's 132 SMs, each tile at every power-of-two K split up to
+the one that does; the default is a candidate; and ``choose`` times a
 key (per kernel) once, keeps the fastest whose output agrees with the default's, runs the
 default untimed inside a graph capture (without caching it) and on the CPU."""
 
@@ -36,7 +37,16 @@ def test_row_buckets_cover_the_engine_buckets():
 def test_candidates_keep_the_kernel_limits_and_fill_the_sms(granularity, rows, kernel):
     for out, inp in LINEARS:
         cands = dt.candidates(rows, out, inp, granularity, 132, kernel=kernel)
-        assert cands and len(cands) == len(set(cands)) and len(cands) <= 16
+        assert cands and len(cands) == len(set(cands)) and len(cands) <= 48
+
+        def tile(c):
+            return c.block_n, c.block_m, c.block_k, c.tokens_first
+        for t in {tile(c) for c in cands}:  # each tile at every power-of-two split to its largest
+            splits = {c.split_k for c in cands if tile(c) == t}
+            assert splits == {1 << s for s in range(max(splits).bit_length())}, (t, splits)
+        first = [c for c in cands if c.tokens_first]  # (the MMA's long side: 64 decode rows)
+        assert all(c.block_m == 64 and c.block_n in (16, 32) for c in first)
+        assert bool(first) == (kernel in dt.TOKENS_FIRST and dt.row_bucket(rows) in (64, 128))
         for c in cands:
             if kernel in dt.W8A8_KERNELS:
                 assert c.block_k % 128 == 0 and c.block_m <= 128, c

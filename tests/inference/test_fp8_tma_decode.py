@@ -40,6 +40,9 @@ def _close(got, want):
     (37, 200, 304, DecodeConfig(64, 16, 128, 2, 4, 3)),   # row tiles, a K split, partial step
     (5, 96, 512, DecodeConfig(32, 16, 256, 2, 4, 2)),     # 256-wide steps, two splits
     (1, 64, 1024, DecodeConfig(64, 16, 128, 4, 4, 2)),    # one row, four splits
+    # the decode rows the MMA's long side: strips past the outputs, rows past the tile
+    (37, 200, 304, DecodeConfig(16, 64, 128, 1, 4, 2, tokens_first=True)),
+    (70, 96, 512, DecodeConfig(32, 64, 256, 2, 4, 2, tokens_first=True)),  # 2 row tiles, split
 ])
 def test_kernel_matches_the_row_wise_recipe(rows, out, inp, cfg):
     x, q = _operands(rows, out, inp)

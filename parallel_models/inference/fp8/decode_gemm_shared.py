@@ -59,19 +59,31 @@ def tile_pointers(X, W, S, M, N, pid_m, pid_n, k_begin, stride_xm, stride_wn, st
 
 
 @triton.jit
+def tile_offsets(rm, rn, stride_m, TOKENS_FIRST: tl.constexpr):
+    """Offsets of a tile's elements in a row-major ``[rows, out]`` array (``stride_m`` apart):
+    ``[BLOCK_N, BLOCK_M]`` (weight rows first) or, ``TOKENS_FIRST``, ``[BLOCK_M, BLOCK_N]``."""
+    if TOKENS_FIRST:
+        return rm[:, None].to(tl.int64) * stride_m + rn[None, :]
+    else:
+        return rm[None, :].to(tl.int64) * stride_m + rn[:, None]
+
+
+@triton.jit
 def hand_over_splits(acc, P, C, rm, rn, write, pid_m, pid_k, pid_n, num_m, N, ws_rows, SPLIT_K,
-                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """The split-K hand-over of an ``[BLOCK_N, BLOCK_M]`` fp32 tile: -> (the tile's full sum in
-    its last split, the write mask: false in every other split)."""
+                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                     TOKENS_FIRST: tl.constexpr = False):
+    """The split-K hand-over of an ``[BLOCK_N, BLOCK_M]`` fp32 tile (``TOKENS_FIRST``: ``[BLOCK_M,
+    BLOCK_N]``): -> (the tile's full sum in its last split, the write mask: false in every other
+    split)."""
     if SPLIT_K > 1:
-        part_ptrs = P + rm[None, :].to(tl.int64) * N + rn[:, None]
+        part_ptrs = P + tile_offsets(rm, rn, N, TOKENS_FIRST)
         tl.store(part_ptrs + pid_k * ws_rows * N, acc, mask=write)
         tl.debug_barrier()  # every thread's partial stored before the release below
         tile = pid_n * num_m + pid_m
         arrived = tl.atomic_add(C + tile, 1)  # acq_rel, GPU scope
         last = arrived == SPLIT_K - 1
         if last:  # the tile's last split: add the partials in split order
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc = tl.zeros(acc.shape, dtype=tl.float32)
             for split in range(SPLIT_K):
                 acc += tl.load(part_ptrs + split * ws_rows * N, mask=write, other=0.0,
                                cache_modifier=".cg")
@@ -83,17 +95,25 @@ def hand_over_splits(acc, P, C, rm, rn, write, pid_m, pid_k, pid_n, num_m, N, ws
 @triton.jit
 def finish_tile(acc, Y, S, P, C, rm, rn, n_ok, m_ok, pid_m, pid_k, pid_n, num_m, N, ws_rows,
                 stride_ym, SPLIT_K, BLOCK_SCALES: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_M: tl.constexpr):
-    """A program's ``[BLOCK_N, BLOCK_M]`` fp32 tile to ``Y`` (``[rows, out]``): the split-K
-    hand-over (only the tile's last split writes), channel scales (``S[out]``, where not
-    ``BLOCK_SCALES``: those were applied per K step) and the cast to ``Y``'s dtype."""
-    write = n_ok[:, None] & m_ok[None, :]
+                BLOCK_M: tl.constexpr, TOKENS_FIRST: tl.constexpr = False):
+    """A program's ``[BLOCK_N, BLOCK_M]`` fp32 tile (``TOKENS_FIRST``: ``[BLOCK_M, BLOCK_N]``)
+    to ``Y`` (``[rows, out]``): the split-K hand-over (only the tile's last split writes),
+    channel scales (``S[out]``, where not ``BLOCK_SCALES``: those were applied per K step) and
+    the cast to ``Y``'s dtype."""
+    if TOKENS_FIRST:
+        write = m_ok[:, None] & n_ok[None, :]
+    else:
+        write = n_ok[:, None] & m_ok[None, :]
     acc, write = hand_over_splits(acc, P, C, rm, rn, write, pid_m, pid_k, pid_n, num_m, N,
-                                  ws_rows, SPLIT_K, BLOCK_N, BLOCK_M)
+                                  ws_rows, SPLIT_K, BLOCK_N, BLOCK_M, TOKENS_FIRST)
     if not BLOCK_SCALES:
-        acc = acc * tl.load(S + rn, mask=n_ok, other=0.0)[:, None]
-    tl.store(Y + rm[None, :].to(tl.int64) * stride_ym + rn[:, None],
-             acc.to(Y.dtype.element_ty), mask=write)
+        scale = tl.load(S + rn, mask=n_ok, other=0.0)
+        if TOKENS_FIRST:
+            acc = acc * scale[None, :]
+        else:
+            acc = acc * scale[:, None]
+    tl.store(Y + tile_offsets(rm, rn, stride_ym, TOKENS_FIRST), acc.to(Y.dtype.element_ty),
+             mask=write)
 
 
 _workspaces: dict = {}  # (device, split, row bucket, out) -> (fp32 partials, int32 counters)
@@ -181,5 +201,5 @@ def product(kernel_name: str, launch_with, x2: torch.Tensor, weight: QuantizedWe
     return y
 
 
-__all__ = ["finish_tile", "hand_over_splits", "launch", "program_tile", "product",
+__all__ = ["finish_tile", "hand_over_splits", "tile_offsets", "launch", "program_tile", "product",
            "release_unused_workspaces", "tile_pointers", "unused_pointers", "workspace"]

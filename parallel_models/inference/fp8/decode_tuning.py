@@ -43,6 +43,11 @@ W8A8_KERNELS = ("dynamic", "w8a8", "tma")  # e4m3 x e4m3 dots, K steps of whole 
 MAX_STAGES = {"weight_only": 5, "dynamic": 8, "w8a8": 8, "tma": 8}  # the W8A8 kernels' loops do
 # less ALU work per weight byte, so a deeper pipeline can keep more loads in flight
 FP8_ACTIVATIONS = ("tma",)  # kernels whose activation tiles are e4m3 in shared memory
+TOKENS_FIRST = ("tma",)  # kernels that also take ``tokens_first`` configs
+TOKENS_FIRST_ROWS = (64, 128)  # ... for these row buckets (64-row tiles: the MMA's long side)
+TOKENS_FIRST_TILES = ((16, 128, 8), (16, 256, 5), (32, 128, 8), (32, 256, 4))
+"""(weight rows, K step, pipeline stages at most) of the ``tokens_first`` candidates: the tiles
+and depths that came out fastest for the 8B o_proj / down_proj at 64 rows on an H100."""
 SMEM_BYTES = 192 * 1024  # shared memory the pipeline's stages may take (an H100 SM has 227 KiB;
 # a device with less: smem_bytes)
 TWO_PER_SM_BYTES = 100 * 1024  # ... where two programs share an SM (the shallower variants)
@@ -66,6 +71,9 @@ class DecodeConfig:
     split_k: int
     num_warps: int
     num_stages: int
+    tokens_first: bool = False
+    """The MMA's long side the decode rows, the weight rows its short one (:data:`TOKENS_FIRST`
+    kernels): strips of 16 or 32 weight rows."""
 
     def grid(self, rows: int, out: int) -> int:
         """Programs of a ``rows`` x ``out`` product (one dimension)."""
@@ -172,8 +180,12 @@ def candidates(rows: int, out: int, inp: int, granularity: str, sms: int = 132,
     """The configs timed for a key: 32 / 64 / 128 output features (from 64 rows: 64 / 128 /
     256) by all the bucket's rows or (128 rows and more) half of them (accumulators of at most
     128 x 128 values; the W8A8 kernel's row tiles at most 128); the kernel's K steps
-    (:func:`_block_ks`), each at the K split that fills the SMs (the first K step also at half
-    of it, and for 4-warp programs with a pipeline shallow enough for two programs per SM)."""
+    (:func:`_block_ks`), each at every power-of-two K split up to the one that fills the SMs
+    (and for 4-warp programs with a pipeline shallow enough for two programs per SM). The
+    smaller splits are there because filling the SMs is not always fastest: each split adds
+    its fp32 partial sums' traffic and the last program's serial hand-over; at 64 rows on an
+    H100 the 8B qkv / o / down GEMMs ran 15.0 / 14.2 / 29.4 us with 1 / 1 / 2 splits against
+    22.5 / 16.8 / 35.4 us at the SM-filling ones (docs/PERFORMANCE.md, session 19)."""
     _check_kernel(kernel)
     bucket = min(row_bucket(rows), TUNED_ROWS)
     out_list = []
@@ -187,9 +199,8 @@ def candidates(rows: int, out: int, inp: int, granularity: str, sms: int = 132,
             for block_k in block_ks:
                 full = _config(rows, out, inp, block_n, block_m, block_k, None, sms, smem,
                                kernel)
-                halved = max(1, full.split_k // 2) if block_k == block_ks[0] else full.split_k
-                variants = [dataclasses.replace(full, split_k=s)
-                            for s in sorted({full.split_k, halved})]
+                variants = [dataclasses.replace(full, split_k=1 << s)
+                            for s in range(full.split_k.bit_length())]
                 stage = stage_bytes(block_n, block_m, block_k, kernel)
                 if kernel in FP8_ACTIVATIONS and full.num_warps == 8 and \
                         block_n * block_m <= 128 * 64 and block_k == block_ks[0]:
@@ -201,7 +212,26 @@ def candidates(rows: int, out: int, inp: int, granularity: str, sms: int = 132,
                     variants.append(dataclasses.replace(full, num_stages=two_per_sm))
                 out_list += [cfg for cfg in variants
                              if _workspace_ok(cfg, rows, out) and cfg not in out_list]
+    if kernel in TOKENS_FIRST and bucket in TOKENS_FIRST_ROWS:
+        out_list += [cfg for cfg in _tokens_first(rows, out, inp, sms, smem, kernel)
+                     if _workspace_ok(cfg, rows, out) and cfg not in out_list]
     return out_list
+
+
+def _tokens_first(rows: int, out: int, inp: int, sms: int, smem: int,
+                  kernel: str) -> list[DecodeConfig]:
+    """The ``tokens_first`` candidates: 64-row tiles by :data:`TOKENS_FIRST_TILES`, each at every
+    power-of-two K split up to the one that fills the SMs."""
+    configs = []
+    for block_n, block_k, stages in TOKENS_FIRST_TILES:
+        if _cdiv(inp, block_k) < 4:
+            continue
+        full = _config(rows, out, inp, block_n, 64, block_k, None, sms, smem, kernel)
+        full = dataclasses.replace(full, tokens_first=True,
+                                   num_stages=min(stages, full.num_stages))
+        configs += [dataclasses.replace(full, split_k=1 << s)
+                    for s in range(full.split_k.bit_length())]
+    return configs
 
 
 def time_ms(fn, warmup: int = TIMING_WARMUP, reps: int = TIMING_REPS,
@@ -307,7 +337,8 @@ def chosen_configs() -> dict:
     return dict(_chosen)
 
 
-__all__ = ["DecodeConfig", "FP8_ACTIVATIONS", "KERNELS", "MAX_STAGES", "TUNE", "TUNED_ROWS",
+__all__ = ["DecodeConfig", "FP8_ACTIVATIONS", "KERNELS", "MAX_STAGES", "TOKENS_FIRST",
+           "TOKENS_FIRST_ROWS", "TOKENS_FIRST_TILES", "TUNE", "TUNED_ROWS",
            "W8A8_KERNELS", "candidates", "choose",
            "chosen_configs", "default_config", "key_of", "l2_flush_buffer", "row_bucket",
            "sm_count", "smem_bytes", "stage_bytes", "time_ms", "timings", "tune"]

@@ -162,19 +162,21 @@ def _decode_check(device: torch.device, granularity: str, kernel: str):
     """The check of one decode kernel: triton imports and the kernel agrees with its emulation
     (:func:`dynamic_matmul` / :func:`weight_only_matmul`, to bf16 rounding and accumulation
     order) with its default tiles and with row tiles and a K split (the partial sums'
-    reduction; the W8A8 kernel: two activation groups a K step, the last one partial)."""
+    reduction; the W8A8 kernel: two activation groups a K step, the last one partial; the
+    TMA kernel: a ``tokens_first`` config too)."""
     from parallel_models.inference.fp8.decode_tuning import (DecodeConfig, default_config,
                                                              sm_count, smem_bytes)
     from parallel_models.inference.fp8.quantize import quantize_weight
 
     mm, emulation = _kernel_mm(kernel), decode_emulation(kernel)
-    inp = 300
+    inp, extra = 300, []
     if kernel == "weight_only":
         split_cfg = DecodeConfig(32, 16, 64, 2, num_warps=4, num_stages=3)
     elif kernel == "tma":  # (channel scales only: _kernel_preference skips it for block ones)
         if torch.cuda.get_device_capability(device) < (9, 0):
             return False, "needs the tensor memory accelerator (SM 9.0+)"
         split_cfg = DecodeConfig(64, 16, 128, 2, num_warps=4, num_stages=3)
+        extra = [DecodeConfig(32, 64, 128, 2, num_warps=4, num_stages=3, tokens_first=True)]
         inp = 304  # (TMA: 16-byte rows; still a partial last K step)
     else:  # (both W8A8 kernels: the prefill's activation recipe)
         split_cfg = DecodeConfig(64, 16, 256, 2, num_warps=4, num_stages=3)
@@ -188,7 +190,7 @@ def _decode_check(device: torch.device, granularity: str, kernel: str):
     want = emulation(x, q).float()
     err = 0.0
     for cfg in (default_config(37, 200, inp, granularity, sm_count(device), smem_bytes(device),
-                               kernel=kernel), split_cfg):
+                               kernel=kernel), split_cfg, *extra):
         got = mm(x, q, cfg).float()
         err = max(err, float(((got - want).abs() / (want.abs() + 1.0)).max()))
     return err < 2e-2, f"differs from the emulation by {err:.3g}"

@@ -16,7 +16,10 @@ wait and the wgmma.
   ``decode_tuning.choose`` among this kernel's candidates); the weight tile ``[block_n,
   block_k]`` is the dot's first operand and the activations ``[block_m, block_k]``, transposed
   in shared memory, its second (the MMA's long side the weight rows, its short side the decode
-  rows; both K-major, as Hopper's FP8 MMA needs).
+  rows; both K-major, as Hopper's FP8 MMA needs). ``tokens_first`` configs swap the two (the
+  MMA's 64-long side the decode rows): a program may then take 16 or 32 weight rows, so a
+  small linear fills the SMs with whole-K strips instead of K splits (the 8B o_proj at 64 rows:
+  12.96 us with 16-row strips against 14.27 us, docs/PERFORMANCE.md session 19).
 - Accumulation: Hopper's FP8 MMA adds in reduced precision, so the product is promoted to the
   fp32 accumulator every 128 inputs (``max_num_imprecise_acc``), as DeepSeek-V3 and cuBLAS do.
 - Scales: the finished fp32 sums times the token's scale (before the split-K hand-over: the
@@ -56,22 +59,35 @@ PROMOTE_EVERY = 128  # inputs the FP8 MMA sums in its own precision before the f
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def _w8a8_tma_kernel(x_desc, w_desc, XS, S, Y, P, C, M, N, K, stride_ym, ws_rows, SPLIT_K,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PROMOTE: tl.constexpr, EMULATE: tl.constexpr):
+                     PROMOTE: tl.constexpr, EMULATE: tl.constexpr, TOKENS_FIRST: tl.constexpr):
     pid_m, pid_k, pid_n, num_m, k_begin, k_end = program_tile(M, K, SPLIT_K, BLOCK_M, BLOCK_K)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok, m_ok = rn < N, rm < M
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    if TOKENS_FIRST:  # the decode rows the MMA's long side, the weight rows its short one
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(k_begin, k_end, BLOCK_K):
         w = w_desc.load([pid_n * BLOCK_N, k])
         x = x_desc.load([pid_m * BLOCK_M, k])
-        if EMULATE:  # (the interpreter: an fp32 dot of the exact e4m3 values)
-            acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)))
+        if TOKENS_FIRST:
+            if EMULATE:  # (the interpreter: an fp32 dot of the exact e4m3 values)
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+            else:
+                acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
         else:
-            acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE)
-    acc = acc * tl.load(XS + rm, mask=m_ok, other=0.0)[None, :]
+            if EMULATE:
+                acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)))
+            else:
+                acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE)
+    token_scale = tl.load(XS + rm, mask=m_ok, other=0.0)
+    if TOKENS_FIRST:
+        acc = acc * token_scale[:, None]
+    else:
+        acc = acc * token_scale[None, :]
     finish_tile(acc, Y, S, P, C, rm, rn, n_ok, m_ok, pid_m, pid_k, pid_n, num_m, N, ws_rows,
-                stride_ym, SPLIT_K, False, BLOCK_N, BLOCK_M)
+                stride_ym, SPLIT_K, False, BLOCK_N, BLOCK_M, TOKENS_FIRST)
 
 
 def supports(x2: torch.Tensor, weight: QuantizedWeight) -> bool:
@@ -121,7 +137,8 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
     _w8a8_tma_kernel[(cfg.grid(rows, out),)](
         x_desc, w_desc, scales, weight.scale, y, partials, counters, rows, out, inp, y.stride(0),
         ws_rows, cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PROMOTE=PROMOTE_EVERY, EMULATE=_INTERPRETED, num_warps=cfg.num_warps,
+        PROMOTE=PROMOTE_EVERY, EMULATE=_INTERPRETED, TOKENS_FIRST=cfg.tokens_first,
+        num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return y
 

@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from parallel_models.testing import run_distributed, save_tiny_hf_model  # noqa: E402
-from tests import exact_checks  # noqa: E402
+from tests.helpers import exact_checks  # noqa: E402
 
 
 @pytest.mark.parametrize("family,prompts,new_tokens", [("llama", 4, 5), ("qwen3_moe", 2, 4)])

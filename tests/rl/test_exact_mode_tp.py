@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from parallel_models.testing import run_distributed, save_tiny_hf_model  # noqa: E402
-from tests import exact_checks  # noqa: E402
+from tests.helpers import exact_checks  # noqa: E402
 
 
 def test_tp2_rollout_log_probs_equal_training_bitwise(tmp_path):

@@ -5,8 +5,9 @@ per decode shape and kernel, measured on the device once per process.
 A :class:`DecodeConfig` says how the ``[rows, in] x [out, in]^T`` product is cut into programs:
 ``block_n`` output features (weight rows) by ``block_m`` activation rows per program, ``block_k``
 input features per step of the K loop, ``split_k`` programs sharing one output tile's K range
-(their fp32 partial sums added by the last one to finish), and Triton's ``num_warps`` /
-``num_stages`` (the software pipeline's depth).
+(their fp32 partial sums added by the last one to finish), Triton's ``num_warps`` /
+``num_stages`` (the software pipeline's depth) and, for the TMA kernel, ``tokens_first`` (the
+decode rows the MMA's long side instead of the weight rows).
 
 The choice is keyed on (row bucket, out, in, granularity, device, kernel), the row bucket being
 the smallest power of two >= the rows (at least 16): the continuous engine's decode buckets are

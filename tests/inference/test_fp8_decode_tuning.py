@@ -128,3 +128,25 @@ def test_choose_times_once_keeps_the_fastest_agreeing_and_never_tunes_in_a_captu
     assert len(timed) == 3
     with pytest.raises(ValueError, match="weight_only"):
         dt.choose(64, 4096, 4096, "block", cuda, run, kernel="w4a16")
+
+
+def test_tune_times_the_fastest_again_round_robin(monkeypatch):
+    a, b, c, d = dt.candidates(64, 4096, 4096, "channel", 132, kernel="tma")[:4]
+    first = {a: 1.0, b: 1.1, c: 1.2, d: 2.0}  # a was lucky in the first pass
+    again = {a: 1.3, b: 1.1, c: 1.2}
+    calls = []
+
+    def fake_time_ms(fn, warmup=dt.TIMING_WARMUP, reps=dt.TIMING_REPS, flush=None):
+        cfg = fn()
+        calls.append(cfg)
+        return (first if calls.count(cfg) == 1 else again)[cfg]
+
+    monkeypatch.setattr(dt, "time_ms", fake_time_ms)
+    monkeypatch.setattr(dt, "l2_flush_buffer", lambda device: None)
+    results = dt.tune([a, b, c, d], lambda cfg: cfg, torch.device("cuda", 0))
+    assert [cfg for cfg, _ in results] == [b, c, a, d]  # ranked by the median of the rounds
+    assert calls == [a, b, c, d] + [a, b, c] * dt.REFINE_ROUNDS  # the top 3, round-robin
+    assert dict(results)[d] == 2.0
+    calls.clear()
+    assert [cfg for cfg, _ in dt.tune([d], lambda cfg: cfg, torch.device("cuda", 0))] == [d]
+    assert calls == [d]  # one candidate: nothing to compare

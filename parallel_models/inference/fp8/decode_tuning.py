@@ -13,8 +13,8 @@ The choice is keyed on (row bucket, out, in, granularity, device, kernel), the r
 the smallest power of two >= the rows (at least 16): the continuous engine's decode buckets are
 powers of two, so a captured bucket always meets the key its eager warm-up tuned.
 :func:`choose`, for a key not seen yet, times every :func:`candidates` config on the real
-operands (CUDA events, the L2 cache flushed before each run, the median of a few runs) and keeps
-the fastest; that happens in the eager run before a CUDA graph is captured
+operands (CUDA events, the L2 cache flushed before each run, the median of a few runs; the
+fastest three timed again, round-robin: :func:`tune`) and keeps the fastest; that happens in the eager run before a CUDA graph is captured
 (``generation.capture_cuda_graph`` runs the step once eagerly first), so the graph holds the
 chosen kernel. A config whose output disagrees with the default config's is passed over. Inside
 a capture, on the CPU (the Triton interpreter), above :data:`TUNED_ROWS` rows, or with
@@ -54,6 +54,7 @@ SMEM_BYTES = 192 * 1024  # shared memory the pipeline's stages may take (an H100
 TWO_PER_SM_BYTES = 100 * 1024  # ... where two programs share an SM (the shallower variants)
 MAX_WORKSPACE_BYTES = 32 << 20  # split-K partial sums of one (split, bucket, out) at most
 TIMING_WARMUP, TIMING_REPS = 2, 10
+REFINE_TOP, REFINE_ROUNDS = 3, 3  # the fastest few timed again, round-robin (see tune)
 LAUNCH_COVER_CYCLES = 200_000  # ~100 us of GPU spin before each timed run: longer than a Triton
 # launch on the host, so the events time the kernel, not the launch (CUDA graphs replay without)
 
@@ -266,7 +267,11 @@ def l2_flush_buffer(device: torch.device) -> torch.Tensor:
 
 def tune(configs: list[DecodeConfig], run, device: torch.device) -> list[tuple]:
     """``[(config, ms)]`` of ``run(config)`` for each config that builds (a config that does not
-    build here, e.g. out of shared memory, is left out), fastest first."""
+    build here, e.g. out of shared memory, is left out), fastest first. The :data:`REFINE_TOP`
+    fastest are timed again in :data:`REFINE_ROUNDS` round-robin rounds and ranked by the median
+    of their rounds: the candidates are often within 0.5 us of each other, about the noise of
+    one median of 10 runs, and a drift of the clock during the first pass would favour whichever
+    ran then (an 8B o_proj once got a 2 us slower tile so)."""
     try:
         flush = l2_flush_buffer(device)
     except torch.OutOfMemoryError:  # (a tight memory plan: time with the L2 warm instead)
@@ -277,8 +282,15 @@ def tune(configs: list[DecodeConfig], run, device: torch.device) -> list[tuple]:
             results.append((cfg, time_ms(lambda: run(cfg), flush=flush)))
         except Exception as exc:  # noqa: BLE001 - Triton's OutOfResources, a PTX error, ...
             log.debug("fp8 decode GEMM: %s does not run here: %s", cfg, exc)
+    results.sort(key=lambda r: r[1])
+    top = [cfg for cfg, _ in results[:REFINE_TOP]]
+    rounds = {cfg: [ms] for cfg, ms in results[:REFINE_TOP]}
+    for _ in range(REFINE_ROUNDS if len(top) > 1 else 0):
+        for cfg in top:
+            rounds[cfg].append(time_ms(lambda: run(cfg), warmup=1, flush=flush))
     del flush
-    return sorted(results, key=lambda r: r[1])
+    refined = sorted(((cfg, statistics.median(rounds[cfg])) for cfg in top), key=lambda r: r[1])
+    return refined + results[len(top):]
 
 
 def _fastest_agreeing(results: list[tuple], default: DecodeConfig, run) -> DecodeConfig:
@@ -338,7 +350,8 @@ def chosen_configs() -> dict:
     return dict(_chosen)
 
 
-__all__ = ["DecodeConfig", "FP8_ACTIVATIONS", "KERNELS", "MAX_STAGES", "TOKENS_FIRST",
+__all__ = ["DecodeConfig", "FP8_ACTIVATIONS", "KERNELS", "MAX_STAGES", "REFINE_ROUNDS",
+           "REFINE_TOP", "TOKENS_FIRST",
            "TOKENS_FIRST_ROWS", "TOKENS_FIRST_TILES", "TUNE", "TUNED_ROWS",
            "W8A8_KERNELS", "candidates", "choose",
            "chosen_configs", "default_config", "key_of", "l2_flush_buffer", "row_bucket",

@@ -254,8 +254,13 @@ def _compile(kernel_fn, consts: dict, cfg, arch: int) -> dict:
     x_type = "*fp8e4nv" if consts.get("PREQUANT") else "*bf16"
     sig = {"X": x_type, "W": "*fp8e4nv", "S": "*fp32", "Y": "*bf16", "P": "*fp32", "C": "*i32",
            "XS": "*fp32", **{n: "i32" for n in ints},
-           "x_desc": f"tensordesc<fp8e4nv[{cfg.block_m}, {cfg.block_k}]>",  # (the TMA kernel)
-           "w_desc": f"tensordesc<fp8e4nv[{cfg.block_n}, {cfg.block_k}]>"}
+           "x_desc": f"tensordesc<fp8e4nv[{cfg.block_m}, {cfg.block_k}]>"}  # (the TMA kernel)
+    if "w_desc" in kernel_fn.arg_names:  # (one weight descriptor per strip part)
+        from parallel_models.inference.fp8.tma_decode_kernel import descriptor_blocks
+
+        for name, (rows, cols) in zip(("w_desc", "w_desc2", "w_desc3", "w_desc4"),
+                                      descriptor_blocks(cfg)):
+            sig[name] = f"tensordesc<fp8e4nv[{rows}, {cols}]>"
     sig = {n: sig[n] for n in kernel_fn.arg_names if n in sig}  # (this kernel's arguments)
     aligned = ("X", "W", "S", "Y", "P", "C", "N", "K", "stride_xm", "stride_wn", "stride_ym")
     attrs = {(kernel_fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned
@@ -287,7 +292,8 @@ def compile_only(plan: dict, rows_list, scales, arch: int, kernels=KERNELS) -> l
     from parallel_models.inference.fp8.decode_tuning import candidates
     from parallel_models.inference.fp8.dynamic_act_kernel import _w8a8_dynamic_kernel
     from parallel_models.inference.fp8.quantize import E4M3_MAX
-    from parallel_models.inference.fp8.tma_decode_kernel import PROMOTE_EVERY, _w8a8_tma_kernel
+    from parallel_models.inference.fp8.tma_decode_kernel import (
+        PROMOTE_EVERY, _w8a8_tma_kernel, _w8a8_tma_strip_kernel, part_constexprs, strip_of_parts)
     from parallel_models.inference.fp8.weight_only_kernel import _w8a16_kernel
 
     fns = {"weight_only": (_w8a16_kernel, {"BIT_CONVERT": True}),
@@ -316,10 +322,14 @@ def compile_only(plan: dict, rows_list, scales, arch: int, kernels=KERNELS) -> l
                                       "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                                       "BLOCK_K": cfg.block_k, "GROUP": 128,
                                       "TOKENS_FIRST": cfg.tokens_first, **own}
+                            fn = kernel_fn
+                            if kernel == "tma" and strip_of_parts(cfg):  # (BLOCK_N: part 1)
+                                fn = _w8a8_tma_strip_kernel
+                                consts.update(part_constexprs(cfg))
                             tiles = {f: v for f, v in cfg.as_dict().items() if f != "split_k"}
                             lines.append({"compiled": {"kernel": kernel, "scales": gran,
                                                        **tiles},  # (split: run time)
-                                          "sm": arch, **_compile(kernel_fn, consts, cfg, arch)})
+                                          "sm": arch, **_compile(fn, consts, cfg, arch)})
                             print(json.dumps(lines[-1]), flush=True)
     return lines
 

@@ -45,7 +45,9 @@ def test_candidates_keep_the_kernel_limits_and_fill_the_sms(granularity, rows, k
             splits = {c.split_k for c in cands if tile(c) == t}
             assert splits == {1 << s for s in range(max(splits).bit_length())}, (t, splits)
         first = [c for c in cands if c.tokens_first]  # (the MMA's long side: 64 decode rows)
-        assert all(c.block_m == 64 and c.block_n in (16, 32) for c in first)
+        assert all(c.block_m == 64 for c in first)
+        for c in first:  # 16 / 32-row strips, or one SM's share in parts without a K split
+            assert c.block_n in (16, 32) or c.split_k == 1 and len(dt.strip_parts(c.block_n)) > 1
         assert bool(first) == (kernel in dt.TOKENS_FIRST and dt.row_bucket(rows) in (64, 128))
         for c in cands:
             if kernel in dt.W8A8_KERNELS:
@@ -150,3 +152,15 @@ def test_tune_times_the_fastest_again_round_robin(monkeypatch):
     calls.clear()
     assert [cfg for cfg, _ in dt.tune([d], lambda cfg: cfg, torch.device("cuda", 0))] == [d]
     assert calls == [d]  # one candidate: nothing to compare
+
+
+def test_an_sm_share_strip_in_power_of_two_parts():
+    strips = {c.block_n for c in dt.candidates(64, 28672, 4096, "channel", 132, kernel="tma")
+              if c.tokens_first}
+    assert 224 in strips and -(-28672 // 224) == 128  # 8B gate_up: one wave of 128 programs
+    assert dt.strip_parts(224) == (128, 64, 32) and dt.strip_parts(48) == (32, 16)
+    assert not any(c.block_n == 32 and c.split_k == 1 and c.num_warps == 8  # (4096 / 132 -> 32:
+                   for c in dt.candidates(64, 4096, 4096, "channel", 132, kernel="tma"))  # a tile)
+    for bad in (8, 40, 256):
+        with pytest.raises(ValueError, match="strip of"):
+            dt.strip_parts(bad)

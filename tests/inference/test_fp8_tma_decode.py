@@ -43,6 +43,9 @@ def _close(got, want):
     # the decode rows the MMA's long side: strips past the outputs, rows past the tile
     (37, 200, 304, DecodeConfig(16, 64, 128, 1, 4, 2, tokens_first=True)),
     (70, 96, 512, DecodeConfig(32, 64, 256, 2, 4, 2, tokens_first=True)),  # 2 row tiles, split
+    # strips of several power-of-two parts (128 + 64 + 32; 32 + 16), the last strip partial
+    (37, 300, 304, DecodeConfig(224, 64, 128, 1, 4, 2, tokens_first=True)),
+    (70, 200, 512, DecodeConfig(48, 64, 256, 1, 4, 2, tokens_first=True)),
 ])
 def test_kernel_matches_the_row_wise_recipe(rows, out, inp, cfg):
     x, q = _operands(rows, out, inp)
@@ -78,3 +81,15 @@ def test_products_it_does_not_take_run_the_weight_only_kernel():
     x, q = _operands(4, 64, 200)  # 200 inputs: TMA rows must be 16-byte aligned
     assert not tma_decode_kernel.supports(x, q)
     assert _close(tma_decode_kernel.tma_mm(x, q), gemm.weight_only_matmul(x, q))
+
+
+def test_a_strip_of_parts_gets_a_descriptor_each_and_no_k_split():
+    cfg = DecodeConfig(224, 64, 128, 1, 4, 2, tokens_first=True)
+    assert tma_decode_kernel.descriptor_blocks(cfg) == [(128, 128), (64, 128), (32, 128),
+                                                        (128, 128)]
+    assert tma_decode_kernel.part_constexprs(cfg) == {"BLOCK_N": 128, "PARTS": 3, "BN2": 64,
+                                                      "BN3": 32, "BN4": 16, "STRIP": 224}
+    x, q = _operands(4, 448, 256)
+    with pytest.raises(ValueError, match="no K split"):  # (one counter per program)
+        tma_decode_kernel.launch(x, q, torch.empty(4, 448, dtype=x.dtype, device=DEV),
+                                 DecodeConfig(224, 64, 128, 2, 4, 2, tokens_first=True))

@@ -46,6 +46,7 @@ MAX_STAGES = {"weight_only": 5, "dynamic": 8, "w8a8": 8, "tma": 8}  # the W8A8 k
 FP8_ACTIVATIONS = ("tma",)  # kernels whose activation tiles are e4m3 in shared memory
 TOKENS_FIRST = ("tma",)  # kernels that also take ``tokens_first`` configs
 TOKENS_FIRST_ROWS = (64, 128)  # ... for these row buckets (64-row tiles: the MMA's long side)
+MAX_STRIP, MAX_PARTS = 240, 4  # a tokens-first strip: weight rows, power-of-two parts (16-128)
 TOKENS_FIRST_TILES = ((16, 128, 8), (16, 256, 5), (32, 128, 8), (32, 256, 4))
 """(weight rows, K step, pipeline stages at most) of the ``tokens_first`` candidates: the tiles
 and depths that came out fastest for the 8B o_proj / down_proj at 64 rows on an H100."""
@@ -215,16 +216,38 @@ def candidates(rows: int, out: int, inp: int, granularity: str, sms: int = 132,
                 out_list += [cfg for cfg in variants
                              if _workspace_ok(cfg, rows, out) and cfg not in out_list]
     if kernel in TOKENS_FIRST and bucket in TOKENS_FIRST_ROWS:
-        out_list += [cfg for cfg in _tokens_first(rows, out, inp, sms, smem, kernel)
+        out_list += [cfg for cfg in _tokens_first(rows, out, inp, granularity, sms, smem,
+                                                  kernel)
                      if _workspace_ok(cfg, rows, out) and cfg not in out_list]
     return out_list
 
 
-def _tokens_first(rows: int, out: int, inp: int, sms: int, smem: int,
+def strip_parts(width: int) -> tuple[int, ...]:
+    """The power-of-two parts (largest first) of a tokens-first strip ``width`` weight rows
+    wide: its binary digits from 16 up (one part where ``width`` is a power of two; at most
+    :data:`MAX_PARTS`, as ``width`` <= :data:`MAX_STRIP`)."""
+    if width % 16 or not 16 <= width <= MAX_STRIP:
+        raise ValueError(f"fp8 decode GEMM: a tokens-first strip of {width} rows; it takes "
+                         f"multiples of 16 up to {MAX_STRIP}")
+    return tuple(1 << b for b in range(width.bit_length() - 1, 3, -1) if width >> b & 1)
+
+
+def _tokens_first(rows: int, out: int, inp: int, granularity: str, sms: int, smem: int,
                   kernel: str) -> list[DecodeConfig]:
     """The ``tokens_first`` candidates: 64-row tiles by :data:`TOKENS_FIRST_TILES`, each at every
-    power-of-two K split up to the one that fills the SMs."""
+    power-of-two K split up to the one that fills the SMs; and (no K split) strips of one SM's
+    share of the output features rounded up to 16, where that is no power of two (several
+    parts, one activation tile: the 8B gate_up's 224 rows make 128 programs, one wave; channel
+    scales only, as the TMA kernel takes)."""
     configs = []
+    strip = -(-_cdiv(out, sms) // 16) * 16
+    if granularity == "channel" and strip & (strip - 1) and 48 <= strip <= MAX_STRIP:
+        warps = 8 if strip > 128 else 4  # (4 warps would spill a 224-row strip's sums)
+        for block_k, num_warps in sorted({(128, warps), (128, 8), (256, warps)}):
+            if _cdiv(inp, block_k) >= 4:
+                stages = max(2, min(MAX_STAGES[kernel],
+                                    smem // stage_bytes(strip, 64, block_k, kernel)))
+                configs.append(DecodeConfig(strip, 64, block_k, 1, num_warps, stages, True))
     for block_n, block_k, stages in TOKENS_FIRST_TILES:
         if _cdiv(inp, block_k) < 4:
             continue
@@ -350,9 +373,10 @@ def chosen_configs() -> dict:
     return dict(_chosen)
 
 
-__all__ = ["DecodeConfig", "FP8_ACTIVATIONS", "KERNELS", "MAX_STAGES", "REFINE_ROUNDS",
+__all__ = ["DecodeConfig", "FP8_ACTIVATIONS", "KERNELS", "MAX_PARTS", "MAX_STAGES", "MAX_STRIP",
+           "REFINE_ROUNDS",
            "REFINE_TOP", "TOKENS_FIRST",
            "TOKENS_FIRST_ROWS", "TOKENS_FIRST_TILES", "TUNE", "TUNED_ROWS",
            "W8A8_KERNELS", "candidates", "choose",
            "chosen_configs", "default_config", "key_of", "l2_flush_buffer", "row_bucket",
-           "sm_count", "smem_bytes", "stage_bytes", "time_ms", "timings", "tune"]
+           "sm_count", "smem_bytes", "stage_bytes", "strip_parts", "time_ms", "timings", "tune"]

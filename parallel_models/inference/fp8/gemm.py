@@ -163,7 +163,8 @@ def _decode_check(device: torch.device, granularity: str, kernel: str):
     (:func:`dynamic_matmul` / :func:`weight_only_matmul`, to bf16 rounding and accumulation
     order) with its default tiles and with row tiles and a K split (the partial sums'
     reduction; the W8A8 kernel: two activation groups a K step, the last one partial; the
-    TMA kernel: a ``tokens_first`` config too)."""
+    TMA kernel: a ``tokens_first`` config with a K split too; its strips of several parts are
+    left to the tuner, which uses one only where it agrees with the default tiles)."""
     from parallel_models.inference.fp8.decode_tuning import (DecodeConfig, default_config,
                                                              sm_count, smem_bytes)
     from parallel_models.inference.fp8.quantize import quantize_weight

@@ -20,6 +20,11 @@ wait and the wgmma.
   MMA's 64-long side the decode rows): a program may then take 16 or 32 weight rows, so a
   small linear fills the SMs with whole-K strips instead of K splits (the 8B o_proj at 64 rows:
   12.96 us with 16-row strips against 14.27 us, docs/PERFORMANCE.md session 19).
+- A tokens-first strip may also be one SM's share of the output features, any multiple of 16
+  up to ``decode_tuning.MAX_STRIP`` (:func:`_w8a8_tma_strip_kernel`): its power-of-two parts
+  (224 = 128 + 64 + 32) each get a weight descriptor, an accumulator and a dot on the same
+  activation tile, so a wide linear runs one wave of programs that each read the activations
+  once per K step (no K split). The tuner offers these; not yet timed on a GPU (session 19).
 - Accumulation: Hopper's FP8 MMA adds in reduced precision, so the product is promoted to the
   fp32 accumulator every 128 inputs (``max_num_imprecise_acc``), as DeepSeek-V3 and cuBLAS do.
 - Scales: the finished fp32 sums times the token's scale (before the split-K hand-over: the
@@ -46,7 +51,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from parallel_models.inference.fp8 import act_quant_kernel
 from parallel_models.inference.fp8 import decode_gemm_shared as shared
 from parallel_models.inference.fp8.decode_gemm_shared import finish_tile, program_tile
-from parallel_models.inference.fp8.decode_tuning import DecodeConfig
+from parallel_models.inference.fp8.decode_tuning import MAX_PARTS, DecodeConfig, strip_parts
 from parallel_models.inference.fp8.quantize import QUANTIZED_COPY, QuantizedWeight
 from parallel_models.llama.layers.exact import interpreter_fix
 
@@ -90,6 +95,89 @@ def _w8a8_tma_kernel(x_desc, w_desc, XS, S, Y, P, C, M, N, K, stride_ym, ws_rows
                 stride_ym, SPLIT_K, False, BLOCK_N, BLOCK_M, TOKENS_FIRST)
 
 
+@triton.jit
+def _part_dot(x, w, acc, PROMOTE: tl.constexpr, EMULATE: tl.constexpr):
+    """``acc + x @ w^T`` on e4m3 tiles (the interpreter: an fp32 dot of the exact e4m3
+    values)."""
+    if EMULATE:
+        return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
+    else:
+        return tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
+
+
+@triton.jit
+def _finish_part(acc, token_scale, first, Y, S, P, C, rm, m_ok, pid_m, pid_n, num_m, N,
+                 stride_ym, WIDTH: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A ``[BLOCK_M, WIDTH]`` part of a strip (output features ``first`` on) to ``Y``: the token
+    scales, then ``finish_tile`` (no K split)."""
+    rn = first + tl.arange(0, WIDTH)
+    finish_tile(acc * token_scale[:, None], Y, S, P, C, rm, rn, rn < N, m_ok, pid_m, 0, pid_n,
+                num_m, N, 0, stride_ym, 1, False, WIDTH, BLOCK_M, True)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8a8_tma_strip_kernel(x_desc, w_desc, w_desc2, w_desc3, w_desc4, XS, S, Y, P, C, M, N, K,
+                           stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr, EMULATE: tl.constexpr,
+                           PARTS: tl.constexpr, BN2: tl.constexpr, BN3: tl.constexpr,
+                           BN4: tl.constexpr, STRIP: tl.constexpr):
+    """Tokens first, a strip of ``STRIP`` weight rows in ``PARTS`` (2-4) power-of-two parts
+    (``BLOCK_N``, ``BN2``, ...), one activation tile per K step for all of them, no K split."""
+    pid_m, _, pid_n, num_m, k_begin, k_end = program_tile(M, K, 1, BLOCK_M, BLOCK_K)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = rm < M
+    first = pid_n * STRIP
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_M, BN2), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BN3), dtype=tl.float32)
+    acc4 = tl.zeros((BLOCK_M, BN4), dtype=tl.float32)
+    for k in range(k_begin, k_end, BLOCK_K):
+        x = x_desc.load([pid_m * BLOCK_M, k])
+        acc = _part_dot(x, w_desc.load([first, k]), acc, PROMOTE, EMULATE)
+        acc2 = _part_dot(x, w_desc2.load([first + BLOCK_N, k]), acc2, PROMOTE, EMULATE)
+        if PARTS > 2:
+            acc3 = _part_dot(x, w_desc3.load([first + BLOCK_N + BN2, k]), acc3, PROMOTE,
+                             EMULATE)
+        if PARTS > 3:
+            acc4 = _part_dot(x, w_desc4.load([first + BLOCK_N + BN2 + BN3, k]), acc4, PROMOTE,
+                             EMULATE)
+    token_scale = tl.load(XS + rm, mask=m_ok, other=0.0)
+    _finish_part(acc, token_scale, first, Y, S, P, C, rm, m_ok, pid_m, pid_n, num_m, N,
+                 stride_ym, BLOCK_N, BLOCK_M)
+    _finish_part(acc2, token_scale, first + BLOCK_N, Y, S, P, C, rm, m_ok, pid_m, pid_n, num_m,
+                 N, stride_ym, BN2, BLOCK_M)
+    if PARTS > 2:
+        _finish_part(acc3, token_scale, first + BLOCK_N + BN2, Y, S, P, C, rm, m_ok, pid_m,
+                     pid_n, num_m, N, stride_ym, BN3, BLOCK_M)
+    if PARTS > 3:
+        _finish_part(acc4, token_scale, first + BLOCK_N + BN2 + BN3, Y, S, P, C, rm, m_ok,
+                     pid_m, pid_n, num_m, N, stride_ym, BN4, BLOCK_M)
+
+
+def strip_of_parts(cfg: DecodeConfig) -> bool:
+    """Whether ``cfg`` runs :func:`_w8a8_tma_strip_kernel`: a tokens-first strip of several
+    power-of-two parts."""
+    return cfg.tokens_first and len(strip_parts(cfg.block_n)) > 1
+
+
+def descriptor_blocks(cfg: DecodeConfig) -> list[tuple[int, int]]:
+    """The weight descriptors' blocks (rows, block_k) of a launch with ``cfg``: one, or for a
+    strip of parts one per part (:data:`~.decode_tuning.MAX_PARTS`; the absent ones repeat the
+    first)."""
+    if not strip_of_parts(cfg):
+        return [(cfg.block_n, cfg.block_k)]
+    parts = strip_parts(cfg.block_n)
+    return [(rows, cfg.block_k) for rows in parts + (parts[0],) * (MAX_PARTS - len(parts))]
+
+
+def part_constexprs(cfg: DecodeConfig) -> dict:
+    """The strip kernel's constexprs naming a strip's parts (``BLOCK_N`` the first)."""
+    parts = strip_parts(cfg.block_n)
+    padded = parts + (16,) * (MAX_PARTS - len(parts))  # (absent parts: never touched)
+    return {"BLOCK_N": padded[0], "PARTS": len(parts), "BN2": padded[1], "BN3": padded[2],
+            "BN4": padded[3], "STRIP": cfg.block_n}
+
+
 def supports(x2: torch.Tensor, weight: QuantizedWeight) -> bool:
     """Whether this kernel takes the product: channel scales, 16-byte aligned rows."""
     return weight.granularity == "channel" and x2.shape[1] % 16 == 0 and \
@@ -125,9 +213,22 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
     q, scales = quantized_input(x2)
     rows, inp = q.shape
     out = weight.shape[0]
+    strip = strip_of_parts(cfg)
+    if strip and cfg.split_k > 1:
+        raise ValueError(f"fp8 TMA decode GEMM: {cfg}: a strip of several parts takes no K "
+                         "split")
     x_desc = TensorDescriptor(q, [rows, inp], [q.stride(0), 1], [cfg.block_m, cfg.block_k])
-    w_desc = TensorDescriptor(weight.data, [out, inp], [weight.data.stride(0), 1],
-                              [cfg.block_n, cfg.block_k])
+    w_descs = [TensorDescriptor(weight.data, [out, inp], [weight.data.stride(0), 1], list(block))
+               for block in descriptor_blocks(cfg)]
+    if strip:
+        partials, counters = shared.unused_pointers(x2.device)
+        _w8a8_tma_strip_kernel[(cfg.grid(rows, out),)](
+            x_desc, *w_descs, scales, weight.scale, y, partials, counters, rows, out, inp,
+            y.stride(0), BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, PROMOTE=PROMOTE_EVERY,
+            EMULATE=_INTERPRETED, **part_constexprs(cfg), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+        return y
+    w_desc = w_descs[0]
     if cfg.split_k > 1:
         partials, counters = shared.workspace(x2.device, cfg.split_k, rows, out)
         ws_rows = partials.shape[1]
@@ -155,5 +256,5 @@ def tma_mm(x2: torch.Tensor, weight: QuantizedWeight,
     return shared.product(KERNEL, launch, x2, weight, config)
 
 
-__all__ = ["KERNEL", "PROMOTE_EVERY", "launch", "quantize_tokens", "quantized_input",
-           "supports", "tma_mm"]
+__all__ = ["KERNEL", "PROMOTE_EVERY", "descriptor_blocks", "launch", "part_constexprs",
+           "quantize_tokens", "quantized_input", "strip_of_parts", "supports", "tma_mm"]

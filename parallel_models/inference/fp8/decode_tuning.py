@@ -14,9 +14,9 @@ the smallest power of two >= the rows (at least 16): the continuous engine's dec
 powers of two, so a captured bucket always meets the key its eager warm-up tuned.
 :func:`choose`, for a key not seen yet, times every :func:`candidates` config on the real
 operands (CUDA events, the L2 cache flushed before each run, the median of a few runs; the
-fastest three timed again, round-robin: :func:`tune`) and keeps the fastest; that happens in the eager run before a CUDA graph is captured
-(``generation.capture_cuda_graph`` runs the step once eagerly first), so the graph holds the
-chosen kernel. A config whose output disagrees with the default config's is passed over. Inside
+fastest three timed again, round-robin: :func:`tune`) and keeps the fastest; that happens in
+the eager run before a CUDA graph is captured (``generation.capture_cuda_graph`` runs the step
+once eagerly first), so the graph holds the chosen kernel. A config whose output disagrees with the default config's is passed over. Inside
 a capture, on the CPU (the Triton interpreter), above :data:`TUNED_ROWS` rows, or with
 :data:`TUNE` off, the :func:`default_config` runs untimed. ``bench/fp8_gemm_sweep.py`` prints
 every candidate's time.
@@ -76,7 +76,8 @@ class DecodeConfig:
     num_stages: int
     tokens_first: bool = False
     """The MMA's long side the decode rows, the weight rows its short one (:data:`TOKENS_FIRST`
-    kernels): strips of 16 or 32 weight rows."""
+    kernels): strips of 16 or 32 weight rows, or of any multiple of 16 up to
+    :data:`MAX_STRIP` in power-of-two parts (:func:`strip_parts`)."""
 
     def grid(self, rows: int, out: int) -> int:
         """Programs of a ``rows`` x ``out`` product (one dimension)."""

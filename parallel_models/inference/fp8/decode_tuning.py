@@ -16,9 +16,10 @@ powers of two, so a captured bucket always meets the key its eager warm-up tuned
 operands (CUDA events, the L2 cache flushed before each run, the median of a few runs; the
 fastest three timed again, round-robin: :func:`tune`) and keeps the fastest; that happens in
 the eager run before a CUDA graph is captured (``generation.capture_cuda_graph`` runs the step
-once eagerly first), so the graph holds the chosen kernel. A config whose output disagrees with the default config's is passed over. Inside
-a capture, on the CPU (the Triton interpreter), above :data:`TUNED_ROWS` rows, or with
-:data:`TUNE` off, the :func:`default_config` runs untimed. ``bench/fp8_gemm_sweep.py`` prints
+once eagerly first), so the graph holds the chosen kernel. A config whose output disagrees
+with the default config's is passed over. Inside a capture, on the CPU (the Triton
+interpreter), above :data:`TUNED_ROWS` rows, or with :data:`TUNE` off, the
+:func:`default_config` runs untimed. ``bench/fp8_gemm_sweep.py`` prints
 every candidate's time.
 """
 

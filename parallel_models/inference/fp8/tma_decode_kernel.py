@@ -61,6 +61,16 @@ KERNEL = "tma"  # (its name in ``decode_tuning``'s keys)
 PROMOTE_EVERY = 128  # inputs the FP8 MMA sums in its own precision before the fp32 accumulator
 
 
+@triton.jit
+def _part_dot(a, b, acc, PROMOTE: tl.constexpr, EMULATE: tl.constexpr):
+    """``acc + a @ b^T`` on e4m3 tiles, both K-major (the interpreter: an fp32 dot of the exact
+    e4m3 values), promoted to the fp32 accumulator every ``PROMOTE`` inputs."""
+    if EMULATE:
+        return acc + tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
+    else:
+        return tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
+
+
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def _w8a8_tma_kernel(x_desc, w_desc, XS, S, Y, P, C, M, N, K, stride_ym, ws_rows, SPLIT_K,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -77,15 +87,9 @@ def _w8a8_tma_kernel(x_desc, w_desc, XS, S, Y, P, C, M, N, K, stride_ym, ws_rows
         w = w_desc.load([pid_n * BLOCK_N, k])
         x = x_desc.load([pid_m * BLOCK_M, k])
         if TOKENS_FIRST:
-            if EMULATE:  # (the interpreter: an fp32 dot of the exact e4m3 values)
-                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
-            else:
-                acc = tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
+            acc = _part_dot(x, w, acc, PROMOTE, EMULATE)
         else:
-            if EMULATE:
-                acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)))
-            else:
-                acc = tl.dot(w, tl.trans(x), acc, max_num_imprecise_acc=PROMOTE)
+            acc = _part_dot(w, x, acc, PROMOTE, EMULATE)
     token_scale = tl.load(XS + rm, mask=m_ok, other=0.0)
     if TOKENS_FIRST:
         acc = acc * token_scale[:, None]
@@ -93,16 +97,6 @@ def _w8a8_tma_kernel(x_desc, w_desc, XS, S, Y, P, C, M, N, K, stride_ym, ws_rows
         acc = acc * token_scale[None, :]
     finish_tile(acc, Y, S, P, C, rm, rn, n_ok, m_ok, pid_m, pid_k, pid_n, num_m, N, ws_rows,
                 stride_ym, SPLIT_K, False, BLOCK_N, BLOCK_M, TOKENS_FIRST)
-
-
-@triton.jit
-def _part_dot(x, w, acc, PROMOTE: tl.constexpr, EMULATE: tl.constexpr):
-    """``acc + x @ w^T`` on e4m3 tiles (the interpreter: an fp32 dot of the exact e4m3
-    values)."""
-    if EMULATE:
-        return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
-    else:
-        return tl.dot(x, tl.trans(w), acc, max_num_imprecise_acc=PROMOTE)
 
 
 @triton.jit

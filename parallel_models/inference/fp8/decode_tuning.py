@@ -247,9 +247,9 @@ def _tokens_first(rows: int, out: int, inp: int, granularity: str, sms: int, sme
         warps = 8 if strip > 128 else 4  # (4 warps would spill a 224-row strip's sums)
         for block_k, num_warps in sorted({(128, warps), (128, 8), (256, warps)}):
             if _cdiv(inp, block_k) >= 4:
-                stages = max(2, min(MAX_STAGES[kernel],
-                                    smem // stage_bytes(strip, 64, block_k, kernel)))
-                configs.append(DecodeConfig(strip, 64, block_k, 1, num_warps, stages, True))
+                configs.append(dataclasses.replace(
+                    _config(rows, out, inp, strip, 64, block_k, 1, sms, smem, kernel),
+                    num_warps=num_warps, tokens_first=True))
     for block_n, block_k, stages in TOKENS_FIRST_TILES:
         if _cdiv(inp, block_k) < 4:
             continue

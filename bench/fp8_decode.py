@@ -102,29 +102,52 @@ def _engine(model, batch: int, prompt: int, new: int, vocab: int, seed: int,
 def _selector():
     """``select(kernel)``: ``gemm``'s decode switches for one FP8 engine (``kernel``: a decode
     kernel, ``"<kernel>@<rows>"`` with ``DECODE_ROWS`` set to rows; ``"scaled_mm"``: no decode
-    kernel, ``DECODE_ROWS`` 0, ``_scaled_mm`` at every size; None: the defaults, which
-    ``select`` restores), the defaults read now."""
-    from parallel_models.inference.fp8 import gemm
+    kernel, ``DECODE_ROWS`` 0, ``_scaled_mm`` at every size; ``+unfused``: the gate_up GEMM and
+    SwiGLU as two kernels (``fused_producers.FUSE_GATE_UP`` off); ``+nopdl``: no programmatic
+    dependent launch (``dependent_launch``); None: the defaults, which ``select`` restores), the
+    defaults read now. The switches hold at the engine's graph capture, so engines that differ
+    in them are timed side by side."""
+    from parallel_models.inference.fp8 import fused_producers, gemm
 
     default_kernel, default_rows = gemm.DECODE_KERNEL, gemm.DECODE_ROWS
+    default_fuse, pdl_env = fused_producers.FUSE_GATE_UP, {}
 
     def select(kernel):
-        name, _, rows = (kernel or "").partition("@")
+        base, *flags = (kernel or "").split("+")
+        name, _, rows = base.partition("@")
         gemm.DECODE_KERNEL = default_kernel if name in ("", "scaled_mm") else name
         gemm.DECODE_ROWS = 0 if name == "scaled_mm" else int(rows or default_rows)
+        fused_producers.FUSE_GATE_UP = default_fuse and "unfused" not in flags
+        if "nopdl" in flags and not pdl_env:  # (dependent_launch imports triton: only here;
+            try:                                # without triton there is no PDL to turn off)
+                from parallel_models.inference.fp8.dependent_launch import ENV
+                pdl_env.update(name=ENV, default=os.environ.get(ENV))
+            except ImportError:
+                pass
+        if pdl_env:
+            pdl = "0" if "nopdl" in flags else pdl_env["default"]
+            if pdl is None:
+                os.environ.pop(pdl_env["name"], None)
+            else:
+                os.environ[pdl_env["name"]] = pdl
 
     return select
 
 
 DECODE_CONTENDERS = ("dynamic", "w8a8", "weight_only", "tma", "scaled_mm")
+CONTENDER_FLAGS = ("unfused", "nopdl")
 
 
 def _contender(text: str) -> str:
-    """``--decode-kernels`` entry: a decode kernel or ``scaled_mm``, optionally ``@rows``."""
-    name, _, rows = text.partition("@")
-    if name not in DECODE_CONTENDERS or (rows and not rows.isdigit()):
+    """``--decode-kernels`` entry: a decode kernel or ``scaled_mm``, optionally ``@rows``, then
+    any of ``+unfused``, ``+nopdl``."""
+    base, *flags = text.split("+")
+    name, _, rows = base.partition("@")
+    if name not in DECODE_CONTENDERS or (rows and not rows.isdigit()) or \
+            any(flag not in CONTENDER_FLAGS for flag in flags):
         raise argparse.ArgumentTypeError(f"{text!r}: one of {DECODE_CONTENDERS}, optionally "
-                                         "@<rows> (gemm.DECODE_ROWS)")
+                                         "@<rows> (gemm.DECODE_ROWS), then any of "
+                                         f"{['+' + f for f in CONTENDER_FLAGS]}")
     return text
 
 
@@ -184,7 +207,8 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
     row["decode_tiles"] = {kernel: {f"{key[1]}x{key[2]}": cfg.as_dict()  # (out x in)
                                     for key, cfg in chosen_configs().items()
                                     if key[0] == row_bucket(batch) and key[3] == fp8.granularity
-                                    and key[5] == kernel.partition("@")[0]}
+                                    and key[5].startswith(kernel.partition("@")[0]
+                                                          .partition("+")[0])}
                            for kernel in args.decode_kernels}
     for name in contenders:
         row[f"{name}_step_ms"] = 1e3 * timing[name]["median_s"] / args.chain

@@ -274,7 +274,11 @@ def test_tma_decode_reads_the_producers_e4m3_copies(single_rank, monkeypatch):
     qkv / gate_up / down GEMMs read (``fused_producers``): only o_proj's input is quantized by the
     GEMM's own launch (three copies read per one quantized). The copies are what the GEMM would
     quantize itself: the same engine with the producers' outputs stripped of their copies (the
-    GEMM quantizing every input) samples the same tokens with the same log-probs, bit for bit."""
+    GEMM quantizing every input) samples the same tokens with the same log-probs, bit for bit
+    (both with the gate_up GEMM and SwiGLU as two kernels). With them as one
+    (``swiglu_gemm_kernel``, the default) its group-scaled copy is read too (three copies per
+    one quantized again), and the log-probs move only by that copy's finer scales: the first
+    response token (the prefill's) is the same, the second's log-prob within 0.05."""
     pytest.importorskip("triton")
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the TMA kernel needs SM 9.0+")
@@ -319,16 +323,26 @@ def test_tma_decode_reads_the_producers_e4m3_copies(single_rank, monkeypatch):
 
     generate()  # (tunes the decode tiles: every candidate's launch reads its input)
     runs = {}
-    for name, quantizer in (("copies", fused_producers.QUANTIZER), ("stripped", Stripped())):
+    for name, quantizer, fuse in (("copies", fused_producers.QUANTIZER, False),
+                                  ("stripped", Stripped(), False),
+                                  ("one_kernel", fused_producers.QUANTIZER, True)):
         fused_ops.set_output_quantizer(quantizer)
+        monkeypatch.setattr(fused_producers, "FUSE_GATE_UP", fuse)
         counts.update(read=0, quantized=0)
         try:
             runs[name] = (generate(), dict(counts))
         finally:
             fused_ops.set_output_quantizer(fused_producers.QUANTIZER)
     (fused, n_fused), (alone, n_alone) = runs["copies"], runs["stripped"]
-    print(f"\nTMA decode inputs, producers' copies read: {n_fused}; stripped: {n_alone}")
+    one, n_one = runs["one_kernel"]
+    print(f"\nTMA decode inputs, producers' copies read: {n_fused}; stripped: {n_alone}; "
+          f"gate_up + SwiGLU one kernel: {n_one}")
     assert n_fused["quantized"] > 0 and n_fused["read"] == 3 * n_fused["quantized"]
     assert n_alone["read"] == 0 and n_alone["quantized"] == 4 * n_fused["quantized"]
     assert torch.equal(fused.responses, alone.responses)
     assert torch.equal(fused.log_probs, alone.log_probs)
+    assert n_one == n_fused
+    assert torch.equal(one.responses[:, 0], fused.responses[:, 0])
+    second = (one.log_probs[:, 1] - fused.log_probs[:, 1]).abs().mean().item()
+    print(f"gate_up + SwiGLU in one kernel vs two: second token mean |logprob diff| {second:.5f}")
+    assert second <= 0.05

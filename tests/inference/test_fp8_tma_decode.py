@@ -93,3 +93,27 @@ def test_a_strip_of_parts_gets_a_descriptor_each_and_no_k_split():
     with pytest.raises(ValueError, match="no K split"):  # (one counter per program)
         tma_decode_kernel.launch(x, q, torch.empty(4, 448, dtype=x.dtype, device=DEV),
                                  DecodeConfig(224, 64, 128, 2, 4, 2, tokens_first=True))
+
+
+@pytest.mark.parametrize("cfg", [
+    DecodeConfig(64, 16, 256, 2, 4, 2),                       # two groups a K step, K split
+    DecodeConfig(16, 64, 128, 1, 4, 2, tokens_first=True),    # tokens first
+    DecodeConfig(48, 64, 128, 1, 4, 2, tokens_first=True),    # a strip of parts: per token
+])
+def test_group_scaled_copy_is_multiplied_group_by_group(cfg):
+    """A copy with scales per token and 128 inputs (the fused gate_up + SwiGLU kernel's) is
+    multiplied as such: ``gemm.dynamic_matmul``'s recipe; a config whose K step or strip does
+    not take groups quantizes the activations per token instead."""
+    from parallel_models.inference.fp8.quantize import quantize_activation
+
+    x, q = _operands(37, 200, 640, seed=3)
+    other = torch.randn(37, 640, generator=torch.Generator().manual_seed(4)).to(DEV, ACT)
+    xq, xs = quantize_activation(other, "block")
+    setattr(x, QUANTIZED_COPY, (xq, xs.contiguous()))
+    y = torch.empty(37, 200, dtype=x.dtype, device=DEV)
+    got = tma_decode_kernel.launch(x, q, y, cfg)
+    if tma_decode_kernel.strip_of_parts(cfg):
+        assert _close(got, gemm.token_matmul(x, q))
+    else:
+        assert _close(got, gemm.dynamic_matmul(other, q))
+        assert not _close(got, gemm.token_matmul(other, q))

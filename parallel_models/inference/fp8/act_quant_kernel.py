@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from parallel_models.inference.fp8.dependent_launch import (launch_options, release_dependents,
+                                                            wait_for_inputs)
 from parallel_models.inference.fp8.e4m3_rounding import (e4m3_scale, quantize_and_store,
                                                           scaled_for_e4m3)
 from parallel_models.inference.fp8.quantize import BLOCK, E4M3, E4M3_MAX
@@ -41,7 +43,10 @@ WHOLE_ROW_COLS = 16384  # rows up to this wide are quantized in one pass, held i
 
 @triton.jit
 def _quantize_groups_kernel(X, Q, S, n_cols, stride_x, stride_q, ld_s,
-                            FP8_MAX: tl.constexpr, GROUP: tl.constexpr, EMULATE: tl.constexpr):
+                            FP8_MAX: tl.constexpr, GROUP: tl.constexpr, EMULATE: tl.constexpr,
+                            PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
+    release_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     cols = group * GROUP + tl.arange(0, GROUP)
@@ -99,7 +104,8 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block = triton.next_power_of_2(cols)  # group kernel with one group as wide as the row)
         _quantize_groups_kernel[(tokens, 1)](x, q, scales, cols, x.stride(0), q.stride(0), 0,
                                              FP8_MAX=E4M3_MAX, GROUP=block, EMULATE=_INTERPRETED,
-                                             num_warps=max(4, min(16, block // 1024)))
+                                             num_warps=max(4, min(16, block // 1024)),
+                                             **launch_options(x.device))
     elif tokens:
         _quantize_tokens_kernel[(tokens,)](x, q, scales, cols, x.stride(0), q.stride(0),
                                            FP8_MAX=E4M3_MAX, BLOCK_COLS=TOKEN_BLOCK,

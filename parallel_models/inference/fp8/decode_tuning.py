@@ -41,10 +41,14 @@ KERNELS = ("weight_only", "dynamic", "w8a8", "tma")
 """The decode GEMM kernels (``weight_only_kernel.KERNEL``, ``dynamic_act_kernel.KERNEL`` and
 ``KERNEL_PREQUANT``: the W8A8 GEMM quantizing its activations itself, or reading them quantized
 by a kernel before it; ``tma_decode_kernel.KERNEL``: W8A8 on per-token activations, TMA loads)."""
+FUSED_KERNELS = ("tma_swiglu",)
+"""Decode kernels with more than the GEMM in them, tuned here but not decode GEMM choices of
+``gemm`` (``swiglu_gemm_kernel.KERNEL``: gate_up with SwiGLU and its output's e4m3 copy; its
+programs take 128 intermediate features, their gate and up rows: :func:`_swiglu_candidates`)."""
 W8A8_KERNELS = ("dynamic", "w8a8", "tma")  # e4m3 x e4m3 dots, K steps of whole 128-wide groups
-MAX_STAGES = {"weight_only": 5, "dynamic": 8, "w8a8": 8, "tma": 8}  # the W8A8 kernels' loops do
+MAX_STAGES = {"weight_only": 5, "dynamic": 8, "w8a8": 8, "tma": 8, "tma_swiglu": 8}  # the W8A8 kernels' loops do
 # less ALU work per weight byte, so a deeper pipeline can keep more loads in flight
-FP8_ACTIVATIONS = ("tma",)  # kernels whose activation tiles are e4m3 in shared memory
+FP8_ACTIVATIONS = ("tma", "tma_swiglu")  # kernels whose activation tiles are e4m3 in shared memory
 TOKENS_FIRST = ("tma",)  # kernels that also take ``tokens_first`` configs
 TOKENS_FIRST_ROWS = (64, 128)  # ... for these row buckets (64-row tiles: the MMA's long side)
 MAX_STRIP, MAX_PARTS = 240, 4  # a tokens-first strip: weight rows, power-of-two parts (16-128)
@@ -126,14 +130,33 @@ def _split_for(tiles: int, k_tiles: int, sms: int) -> int:
 
 
 def _check_kernel(kernel: str) -> None:
-    if kernel not in KERNELS:
-        raise ValueError(f"fp8 decode GEMM kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel not in KERNELS + FUSED_KERNELS:
+        raise ValueError(f"fp8 decode GEMM kernel must be one of {KERNELS + FUSED_KERNELS}, "
+                         f"got {kernel!r}")
 
 
 def stage_bytes(block_n: int, block_m: int, block_k: int, kernel: str = "weight_only") -> int:
-    """Shared memory of one pipeline stage: the e4m3 weight tile and the activations (16-bit;
-    e4m3 for :data:`FP8_ACTIVATIONS`)."""
-    return block_n * block_k + (1 if kernel in FP8_ACTIVATIONS else 2) * block_m * block_k
+    """Shared memory of one pipeline stage: the e4m3 weight tile (``tma_swiglu``: two, gate and
+    up) and the activations (16-bit; e4m3 for :data:`FP8_ACTIVATIONS`)."""
+    weight_rows = 2 * block_n if kernel in FUSED_KERNELS else block_n
+    return weight_rows * block_k + (1 if kernel in FP8_ACTIVATIONS else 2) * block_m * block_k
+
+
+def _swiglu_candidates(rows: int, smem: int) -> list[DecodeConfig]:
+    """``tma_swiglu``'s configs: 128 features (one e4m3 scale group) by up to 64 rows a program,
+    K steps of 128 and 256, 4 or 8 warps, either operand the MMA's long side (tokens first
+    with 64-row tiles only), the deepest pipeline that fits; no K split. The first is the
+    untimed default."""
+    block_m = min(row_bucket(rows), 64)
+    configs = []
+    for block_k in (128, 256):
+        stages = max(2, min(MAX_STAGES["tma_swiglu"],
+                            smem // stage_bytes(128, block_m, block_k, "tma_swiglu")))
+        for tokens_first in (False, True) if block_m == 64 else (False,):
+            for num_warps in (8, 4):
+                configs.append(DecodeConfig(128, block_m, block_k, 1, num_warps, stages,
+                                            tokens_first))
+    return configs
 
 
 def _config(rows: int, out: int, inp: int, block_n: int, block_m: int, block_k: int,
@@ -158,6 +181,8 @@ def default_config(rows: int, out: int, inp: int, granularity: str, sms: int = 1
     reads per weight byte halve) by all the rows (128-row tiles above 128), 128-wide K steps, K
     split until the SMs have two programs each (either kernel)."""
     _check_kernel(kernel)
+    if kernel in FUSED_KERNELS:
+        return _swiglu_candidates(rows, smem)[0]
     bucket = row_bucket(rows)
     block_m, block_n = min(bucket, 128), 64 if bucket <= 32 else 128
     cfg = _config(rows, out, inp, block_n, block_m, 128, None, sms, smem, kernel)
@@ -192,6 +217,8 @@ def candidates(rows: int, out: int, inp: int, granularity: str, sms: int = 132,
     H100 the 8B qkv / o / down GEMMs ran 15.0 / 14.2 / 29.4 us with 1 / 1 / 2 splits against
     22.5 / 16.8 / 35.4 us at the SM-filling ones (docs/PERFORMANCE.md, session 19)."""
     _check_kernel(kernel)
+    if kernel in FUSED_KERNELS:
+        return _swiglu_candidates(rows, smem)
     bucket = min(row_bucket(rows), TUNED_ROWS)
     out_list = []
     for block_m in sorted({bucket, bucket // 2 if bucket >= 128 else bucket}):
@@ -375,7 +402,7 @@ def chosen_configs() -> dict:
     return dict(_chosen)
 
 
-__all__ = ["DecodeConfig", "FP8_ACTIVATIONS", "KERNELS", "MAX_PARTS", "MAX_STAGES", "MAX_STRIP",
+__all__ = ["DecodeConfig", "FP8_ACTIVATIONS", "FUSED_KERNELS", "KERNELS", "MAX_PARTS", "MAX_STAGES", "MAX_STRIP",
            "REFINE_ROUNDS",
            "REFINE_TOP", "TOKENS_FIRST",
            "TOKENS_FIRST_ROWS", "TOKENS_FIRST_TILES", "TUNE", "TUNED_ROWS",

@@ -18,7 +18,10 @@ imported) whether it wants a given op. It says yes only under all of these condi
 - the tensors are CUDA bf16/fp16, contiguous, without gradients;
 - a row fits one program (``quantize.MAX_PRODUCER_COLS``).
 
-Otherwise the op runs as before. The output in the model's dtype is the eager reference's
+Otherwise the op runs as before. The dense MLP's gate_up GEMM and its SwiGLU go further: one
+kernel (``swiglu_gemm_kernel``) computes both and leaves the output's e4m3 copy with a scale per
+token and 128 features, which the down GEMM multiplies group by group
+(:meth:`OutputQuantizer.gated_mlp_input`, asked by ``fused_ops.gated_mlp_input``). The output in the model's dtype is the eager reference's
 rounding (see ``producer_kernels``). A copy that no FP8 linear reads (the final norm's, before
 the LM head) costs one small write.
 """
@@ -35,6 +38,9 @@ from parallel_models.inference.fp8.quantize import MAX_PRODUCER_COLS, QUANTIZED_
 from parallel_models.llama.layers import fused_ops
 
 _active = weakref.WeakSet()  # the channel-scaled Fp8Linears generating (Fp8Linears.enabled)
+FUSE_GATE_UP = True
+"""Run the dense MLP's gate_up GEMM and SwiGLU as one kernel at decode
+(:meth:`OutputQuantizer.gated_mlp_input`; False: the GEMM, then the SwiGLU producer)."""
 DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -76,6 +82,33 @@ class OutputQuantizer:
         y = y.view(x.shape)
         setattr(y, QUANTIZED_COPY, copy)
         return (total.view(x.shape) if total is not None else None), y
+
+    def gated_mlp_input(self, linear: torch.nn.Module, x: torch.Tensor,
+                        hidden_act: str) -> torch.Tensor | None:
+        """``silu(gate) * up`` of the FP8 ``[gate; up]`` ``linear`` on ``x`` from the fused
+        kernel (``swiglu_gemm_kernel``; its group-scaled e4m3 copy left on it), or None where
+        that does not apply (:data:`FUSE_GATE_UP` off, another activation, a bias, the linear
+        not generating in FP8, the conditions of :meth:`wanted`, a shape it does not take)."""
+        state = getattr(linear, "fp8_state", None)
+        if not FUSE_GATE_UP or hidden_act != "silu" or state not in _active or \
+                linear.bias is not None or getattr(linear, "gather_output", False) or \
+                not self.wanted(x):
+            return None
+        from parallel_models.inference.fp8 import swiglu_gemm_kernel
+        from parallel_models.inference.fp8.quantize import QuantizedWeight
+
+        weight = QuantizedWeight(linear.fp8_weight, linear.fp8_scale, linear.fp8_granularity)
+        x2 = x.reshape(-1, x.shape[-1])
+        if not swiglu_gemm_kernel.supports(x2, weight) or \
+                gemm.decode_kernel(x.device, weight.granularity) != "tma":
+            return None
+        copy = getattr(x, QUANTIZED_COPY, None)  # (the norm's: the kernel's e4m3 input)
+        if copy is not None and x2 is not x:
+            setattr(x2, QUANTIZED_COPY, copy)
+        h = swiglu_gemm_kernel.gate_up_swiglu(x2, weight)
+        out = h.view(*x.shape[:-1], h.shape[-1])
+        setattr(out, QUANTIZED_COPY, getattr(h, QUANTIZED_COPY))
+        return out
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` with its e4m3 copy left on it."""

@@ -2,6 +2,8 @@
 output: RMSNorm (with or without the residual add before it) and SwiGLU. Besides the output in
 the model's dtype, each writes the output quantized per token to e4m3, with its fp32 scale, so
 the FP8 linear that reads it next (``tma_decode_kernel``) needs no quantization launch of its own.
+Both launch with programmatic dependent launch where it is on (``dependent_launch``), so the
+GEMM after them can start and prefetch its weights while they run.
 CUDA only; imported lazily, since triton is not a dependency. ``fused_producers`` decides when
 they run.
 
@@ -27,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from parallel_models.inference.fp8.dependent_launch import (launch_options, release_dependents,
+                                                            wait_for_inputs)
 from parallel_models.inference.fp8.e4m3_rounding import quantize_and_store
 from parallel_models.inference.fp8.quantize import E4M3, E4M3_MAX, MAX_PRODUCER_COLS as MAX_COLS
 from parallel_models.llama.layers.exact import interpreter_fix
@@ -48,7 +52,9 @@ def _quantize_row(y, Q, S, row, offs, mask, stride_q, FP8_MAX: tl.constexpr,
 @triton.jit
 def _rms_norm_quant_kernel(X, R, T, W, Y, Q, S, n, stride_x, stride_r, stride_t, stride_y,
                            stride_q, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
-                           FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
+                           FP8_MAX: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
+    release_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -68,7 +74,9 @@ def _rms_norm_quant_kernel(X, R, T, W, Y, Q, S, n, stride_x, stride_r, stride_t,
 
 @triton.jit
 def _swiglu_quant_kernel(GU, Y, Q, S, inter, stride_gu, stride_y, stride_q, BLOCK: tl.constexpr,
-                         FP8_MAX: tl.constexpr, EMULATE: tl.constexpr):
+                         FP8_MAX: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
+    release_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < inter
@@ -109,7 +117,7 @@ def rms_norm_quantized(x2: torch.Tensor, residual2: torch.Tensor | None, weight:
             x2, res, out_total, weight, y, q, s, n, x2.stride(0), res.stride(0),
             out_total.stride(0), y.stride(0), q.stride(0), float(eps),
             HAS_RESIDUAL=residual2 is not None, BLOCK=block, FP8_MAX=E4M3_MAX,
-            EMULATE=_INTERPRETED, num_warps=_warps(block))
+            EMULATE=_INTERPRETED, num_warps=_warps(block), **launch_options(x2.device))
     return total, y, (q, s)
 
 
@@ -126,7 +134,8 @@ def swiglu_quantized(gate_up2: torch.Tensor):
     if rows:
         _swiglu_quant_kernel[(rows,)](gate_up2, y, q, s, inter, gate_up2.stride(0), y.stride(0),
                                       q.stride(0), BLOCK=block, FP8_MAX=E4M3_MAX,
-                                      EMULATE=_INTERPRETED, num_warps=_warps(block))
+                                      EMULATE=_INTERPRETED, num_warps=_warps(block),
+                                      **launch_options(gate_up2.device))
     return y, (q, s)
 
 

@@ -38,9 +38,10 @@ E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
 BLOCK = 128
 GRANULARITIES = ("block", "channel")
 QUANTIZED_COPY = "fp8_token_quantized"
-"""The attribute under which a kernel that produced an activation leaves its per-token e4m3 copy
-``(e4m3 [rows, in], fp32 scales [rows])`` for the FP8 linear that reads it (``fused_producers``,
-``tma_decode_kernel.quantized_input``)."""
+"""The attribute under which a kernel that produced an activation leaves its e4m3 copy
+``(e4m3 [rows, in], fp32 scales)`` for the FP8 linear that reads it (``fused_producers``,
+``tma_decode_kernel.quantized_input``): scales per token ``[rows]``, or per token and
+:data:`BLOCK` inputs ``[rows, in / BLOCK]`` (``swiglu_gemm_kernel``)."""
 MAX_PRODUCER_COLS = 32768
 """The widest row the fused producer kernels hold in one program (``producer_kernels``)."""
 

@@ -52,7 +52,9 @@ from parallel_models.inference.fp8 import act_quant_kernel
 from parallel_models.inference.fp8 import decode_gemm_shared as shared
 from parallel_models.inference.fp8.decode_gemm_shared import finish_tile, program_tile
 from parallel_models.inference.fp8.decode_tuning import MAX_PARTS, DecodeConfig, strip_parts
-from parallel_models.inference.fp8.quantize import QUANTIZED_COPY, QuantizedWeight
+from parallel_models.inference.fp8.dependent_launch import (launch_options, prefetch_rows,
+                                                            release_dependents, wait_for_inputs)
+from parallel_models.inference.fp8.quantize import BLOCK, QUANTIZED_COPY, QuantizedWeight
 from parallel_models.llama.layers.exact import interpreter_fix
 
 interpreter_fix.apply()  # (the CPU interpreter's loop bounds; nothing on the GPU)
@@ -62,7 +64,7 @@ PROMOTE_EVERY = 128  # inputs the FP8 MMA sums in its own precision before the f
 
 
 @triton.jit
-def _part_dot(a, b, acc, PROMOTE: tl.constexpr, EMULATE: tl.constexpr):
+def part_dot(a, b, acc, PROMOTE: tl.constexpr, EMULATE: tl.constexpr):
     """``acc + a @ b^T`` on e4m3 tiles, both K-major (the interpreter: an fp32 dot of the exact
     e4m3 values), promoted to the fp32 accumulator every ``PROMOTE`` inputs."""
     if EMULATE:
@@ -71,30 +73,59 @@ def _part_dot(a, b, acc, PROMOTE: tl.constexpr, EMULATE: tl.constexpr):
         return tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
 
 
+@triton.jit
+def _group_step(x_desc, w_desc, XS, acc, rm, m_ok, row0, n0, k, K, stride_xs,
+                GROUP: tl.constexpr, PROMOTE: tl.constexpr, EMULATE: tl.constexpr,
+                TOKENS_FIRST: tl.constexpr):
+    """``acc`` plus the dot of the ``GROUP`` inputs from ``k`` on, times their tokens' scales
+    (``XS[token, k // GROUP]``)."""
+    w = w_desc.load([n0, k])
+    x = x_desc.load([row0, k])
+    group_scale = tl.load(XS + rm.to(tl.int64) * stride_xs + k // GROUP, mask=m_ok & (k < K),
+                          other=0.0)
+    if TOKENS_FIRST:
+        part = part_dot(x, w, tl.zeros(acc.shape, dtype=tl.float32), PROMOTE, EMULATE)
+        return acc + part * group_scale[:, None]
+    else:
+        part = part_dot(w, x, tl.zeros(acc.shape, dtype=tl.float32), PROMOTE, EMULATE)
+        return acc + part * group_scale[None, :]
+
+
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
-def _w8a8_tma_kernel(x_desc, w_desc, XS, S, Y, P, C, M, N, K, stride_ym, ws_rows, SPLIT_K,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PROMOTE: tl.constexpr, EMULATE: tl.constexpr, TOKENS_FIRST: tl.constexpr):
+def _w8a8_tma_kernel(x_desc, w_desc, W, XS, S, Y, P, C, M, N, K, stride_w, stride_xs,
+                     stride_ym, ws_rows, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr, EMULATE: tl.constexpr,
+                     TOKENS_FIRST: tl.constexpr, PDL: tl.constexpr, GROUP: tl.constexpr = 0):
     pid_m, pid_k, pid_n, num_m, k_begin, k_end = program_tile(M, K, SPLIT_K, BLOCK_M, BLOCK_K)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    prefetch_rows(W, rn, N, stride_w, k_begin, k_end, PDL, BLOCK_N)
+    wait_for_inputs(PDL)
+    release_dependents(PDL)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_ok, m_ok = rn < N, rm < M
     if TOKENS_FIRST:  # the decode rows the MMA's long side, the weight rows its short one
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k in range(k_begin, k_end, BLOCK_K):
-        w = w_desc.load([pid_n * BLOCK_N, k])
-        x = x_desc.load([pid_m * BLOCK_M, k])
-        if TOKENS_FIRST:
-            acc = _part_dot(x, w, acc, PROMOTE, EMULATE)
-        else:
-            acc = _part_dot(w, x, acc, PROMOTE, EMULATE)
-    token_scale = tl.load(XS + rm, mask=m_ok, other=0.0)
-    if TOKENS_FIRST:
-        acc = acc * token_scale[:, None]
+    if GROUP:  # activation scales per token and GROUP inputs: a dot per group, then scaled
+        for k in range(k_begin, k_end, BLOCK_K):
+            for i in tl.static_range(BLOCK_K // GROUP):
+                acc = _group_step(x_desc, w_desc, XS, acc, rm, m_ok, pid_m * BLOCK_M,
+                                  pid_n * BLOCK_N, k + i * GROUP, K, stride_xs, GROUP, PROMOTE,
+                                  EMULATE, TOKENS_FIRST)
     else:
-        acc = acc * token_scale[None, :]
+        for k in range(k_begin, k_end, BLOCK_K):
+            w = w_desc.load([pid_n * BLOCK_N, k])
+            x = x_desc.load([pid_m * BLOCK_M, k])
+            if TOKENS_FIRST:
+                acc = part_dot(x, w, acc, PROMOTE, EMULATE)
+            else:
+                acc = part_dot(w, x, acc, PROMOTE, EMULATE)
+        token_scale = tl.load(XS + rm, mask=m_ok, other=0.0)
+        if TOKENS_FIRST:
+            acc = acc * token_scale[:, None]
+        else:
+            acc = acc * token_scale[None, :]
     finish_tile(acc, Y, S, P, C, rm, rn, n_ok, m_ok, pid_m, pid_k, pid_n, num_m, N, ws_rows,
                 stride_ym, SPLIT_K, False, BLOCK_N, BLOCK_M, TOKENS_FIRST)
 
@@ -110,30 +141,33 @@ def _finish_part(acc, token_scale, first, Y, S, P, C, rm, m_ok, pid_m, pid_n, nu
 
 
 @triton.jit(do_not_specialize=["M"])
-def _w8a8_tma_strip_kernel(x_desc, w_desc, w_desc2, w_desc3, w_desc4, XS, S, Y, P, C, M, N, K,
-                           stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _w8a8_tma_strip_kernel(x_desc, w_desc, w_desc2, w_desc3, w_desc4, W, XS, S, Y, P, C, M, N,
+                           K, stride_w, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr, EMULATE: tl.constexpr,
                            PARTS: tl.constexpr, BN2: tl.constexpr, BN3: tl.constexpr,
-                           BN4: tl.constexpr, STRIP: tl.constexpr):
+                           BN4: tl.constexpr, STRIP: tl.constexpr, PDL: tl.constexpr):
     """Tokens first, a strip of ``STRIP`` weight rows in ``PARTS`` (2-4) power-of-two parts
     (``BLOCK_N``, ``BN2``, ...), one activation tile per K step for all of them, no K split."""
     pid_m, _, pid_n, num_m, k_begin, k_end = program_tile(M, K, 1, BLOCK_M, BLOCK_K)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = rm < M
     first = pid_n * STRIP
+    prefetch_rows(W, first + tl.arange(0, BLOCK_N), N, stride_w, k_begin, k_end, PDL, BLOCK_N)
+    wait_for_inputs(PDL)
+    release_dependents(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_M, BN2), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BN3), dtype=tl.float32)
     acc4 = tl.zeros((BLOCK_M, BN4), dtype=tl.float32)
     for k in range(k_begin, k_end, BLOCK_K):
         x = x_desc.load([pid_m * BLOCK_M, k])
-        acc = _part_dot(x, w_desc.load([first, k]), acc, PROMOTE, EMULATE)
-        acc2 = _part_dot(x, w_desc2.load([first + BLOCK_N, k]), acc2, PROMOTE, EMULATE)
+        acc = part_dot(x, w_desc.load([first, k]), acc, PROMOTE, EMULATE)
+        acc2 = part_dot(x, w_desc2.load([first + BLOCK_N, k]), acc2, PROMOTE, EMULATE)
         if PARTS > 2:
-            acc3 = _part_dot(x, w_desc3.load([first + BLOCK_N + BN2, k]), acc3, PROMOTE,
+            acc3 = part_dot(x, w_desc3.load([first + BLOCK_N + BN2, k]), acc3, PROMOTE,
                              EMULATE)
         if PARTS > 3:
-            acc4 = _part_dot(x, w_desc4.load([first + BLOCK_N + BN2 + BN3, k]), acc4, PROMOTE,
+            acc4 = part_dot(x, w_desc4.load([first + BLOCK_N + BN2 + BN3, k]), acc4, PROMOTE,
                              EMULATE)
     token_scale = tl.load(XS + rm, mask=m_ok, other=0.0)
     _finish_part(acc, token_scale, first, Y, S, P, C, rm, m_ok, pid_m, pid_n, num_m, N,
@@ -186,12 +220,27 @@ def quantize_tokens(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantized_input(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The e4m3 copy and per-token scales of ``x2``: the ones its producer left on it (see the
-    module docstring), else quantized now (:func:`quantize_tokens`)."""
+    """The e4m3 copy of ``x2`` and its scales, per token (``[rows]``) or per token and
+    :data:`~.quantize.BLOCK` inputs (``[rows, in / BLOCK]``): the ones its producer left on it
+    (see the module docstring), else quantized now per token (:func:`quantize_tokens`)."""
     left = getattr(x2, QUANTIZED_COPY, None)
     if left is not None and left[0].shape == x2.shape:
         return left
     return quantize_tokens(x2)
+
+
+def _activations(x2: torch.Tensor, cfg: DecodeConfig) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(e4m3 activations, their scales, the inputs a scale covers: 0 per token) of a launch with
+    ``cfg``: :func:`quantized_input`, the copy with group scales only where the config's K step
+    holds whole groups and it is no strip of parts (else quantized per token from ``x2``)."""
+    q, scales = quantized_input(x2)
+    if scales.dim() == 1:
+        return q, scales, 0
+    if scales.shape == (x2.shape[0], x2.shape[1] // BLOCK) and x2.shape[1] % BLOCK == 0 and \
+            cfg.block_k % BLOCK == 0 and not strip_of_parts(cfg):
+        return q, scales, BLOCK
+    q, scales = quantize_tokens(x2)
+    return q, scales, 0
 
 
 def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
@@ -204,23 +253,24 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
     if cfg.block_k % PROMOTE_EVERY:
         raise ValueError(f"fp8 TMA decode GEMM: {cfg}: block_k must be a multiple of "
                          f"{PROMOTE_EVERY}")
-    q, scales = quantized_input(x2)
+    q, scales, group = _activations(x2, cfg)
     rows, inp = q.shape
     out = weight.shape[0]
     strip = strip_of_parts(cfg)
     if strip and cfg.split_k > 1:
         raise ValueError(f"fp8 TMA decode GEMM: {cfg}: a strip of several parts takes no K "
                          "split")
-    x_desc = TensorDescriptor(q, [rows, inp], [q.stride(0), 1], [cfg.block_m, cfg.block_k])
-    w_descs = [TensorDescriptor(weight.data, [out, inp], [weight.data.stride(0), 1], list(block))
-               for block in descriptor_blocks(cfg)]
+    step = group or cfg.block_k  # (the K extent of one tile load)
+    x_desc = TensorDescriptor(q, [rows, inp], [q.stride(0), 1], [cfg.block_m, step])
+    w_descs = [TensorDescriptor(weight.data, [out, inp], [weight.data.stride(0), 1],
+                                [block_rows, step]) for block_rows, _ in descriptor_blocks(cfg)]
     if strip:
         partials, counters = shared.unused_pointers(x2.device)
         _w8a8_tma_strip_kernel[(cfg.grid(rows, out),)](
-            x_desc, *w_descs, scales, weight.scale, y, partials, counters, rows, out, inp,
-            y.stride(0), BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, PROMOTE=PROMOTE_EVERY,
-            EMULATE=_INTERPRETED, **part_constexprs(cfg), num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+            x_desc, *w_descs, weight.data, scales, weight.scale, y, partials, counters, rows, out,
+            inp, weight.data.stride(0), y.stride(0), BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+            PROMOTE=PROMOTE_EVERY, EMULATE=_INTERPRETED, **part_constexprs(cfg),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x2.device))
         return y
     w_desc = w_descs[0]
     if cfg.split_k > 1:
@@ -230,11 +280,11 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
         partials, counters = shared.unused_pointers(x2.device)
         ws_rows = 0
     _w8a8_tma_kernel[(cfg.grid(rows, out),)](
-        x_desc, w_desc, scales, weight.scale, y, partials, counters, rows, out, inp, y.stride(0),
-        ws_rows, cfg.split_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PROMOTE=PROMOTE_EVERY, EMULATE=_INTERPRETED, TOKENS_FIRST=cfg.tokens_first,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        x_desc, w_desc, weight.data, scales, weight.scale, y, partials, counters, rows, out, inp,
+        weight.data.stride(0), scales.stride(0), y.stride(0), ws_rows, cfg.split_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROMOTE=PROMOTE_EVERY,
+        EMULATE=_INTERPRETED, TOKENS_FIRST=cfg.tokens_first, GROUP=group,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x2.device))
     return y
 
 
@@ -250,5 +300,5 @@ def tma_mm(x2: torch.Tensor, weight: QuantizedWeight,
     return shared.product(KERNEL, launch, x2, weight, config)
 
 
-__all__ = ["KERNEL", "PROMOTE_EVERY", "descriptor_blocks", "launch", "part_constexprs",
+__all__ = ["KERNEL", "PROMOTE_EVERY", "descriptor_blocks", "launch", "part_constexprs", "part_dot",
            "quantize_tokens", "quantized_input", "strip_of_parts", "supports", "tma_mm"]

@@ -85,7 +85,8 @@ _output_quantizer = None  # inference/fp8/fused_producers' OutputQuantizer, once
 
 def set_output_quantizer(quantizer) -> None:
     """Install ``quantizer`` (``wanted(*tensors) -> bool``, ``rms_norm(x, residual, weight, eps)
-    -> (total or None, y)``, ``swiglu(gate_up) -> y``) for the ops it wants; None removes it."""
+    -> (total or None, y)``, ``swiglu(gate_up) -> y``, ``gated_mlp_input(gate_up_linear, x,
+    hidden_act) -> y or None``) for the ops it wants; None removes it."""
     global _output_quantizer
     _output_quantizer = quantizer
 
@@ -147,6 +148,20 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 _compiled_geglu_tanh = compiled_on_gpu(_geglu_tanh)
+
+
+def gated_mlp_input(gate_up_linear: torch.nn.Module, x: torch.Tensor,
+                    hidden_act: str) -> torch.Tensor:
+    """``act(gate) * up`` of ``gate_up_linear(x)``: in one kernel where the installed output
+    quantizer fuses the two (the FP8 rollout's decode steps), else the linear, then
+    :func:`gated_activation`."""
+    quantizer = _output_quantizer
+    if quantizer is not None and not exact.enabled():
+        fused = quantizer.gated_mlp_input(gate_up_linear, x, hidden_act)
+        if fused is not None:
+            return fused
+    gate_up, _ = gate_up_linear(x)
+    return gated_activation(gate_up, hidden_act)
 
 
 def gated_activation(gate_up: torch.Tensor, hidden_act: str) -> torch.Tensor:

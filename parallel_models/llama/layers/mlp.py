@@ -7,7 +7,7 @@ import torch
 from megatron.core import ModelParallelConfig
 
 from parallel_models.config import ModelConfig
-from parallel_models.llama.layers.fused_ops import gated_activation
+from parallel_models.llama.layers.fused_ops import gated_mlp_input
 from parallel_models.llama.layers.linear import GateUpParallelLinear, ParallelRowLinear
 
 
@@ -24,6 +24,5 @@ class ParallelMLP(torch.nn.Module):
                                            layout=layout)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate_up, _ = self.gate_up_proj(hidden)
-        out, _ = self.down_proj(gated_activation(gate_up, self.hidden_act))
+        out, _ = self.down_proj(gated_mlp_input(self.gate_up_proj, hidden, self.hidden_act))
         return out

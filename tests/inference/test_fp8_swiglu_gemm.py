@@ -1,0 +1,82 @@
+"""The FP8 rollout's fused gate_up + SwiGLU decode kernel (``inference/fp8/swiglu_gemm_kernel.py``)
+in Triton's CPU interpreter (on CUDA where present): its output against SwiGLU of
+``gemm.token_matmul`` (the TMA GEMM's recipe) on the ``[gate; up]`` weight, its e4m3 copy
+against ``quantize_activation(., "block")`` of that output bit for bit, every tuning candidate
+and both MMA operand orders, and the down GEMM reading the copy group by group. Skipped without
+triton (not a dependency)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU
+pytest.importorskip("triton")
+
+from parallel_models.inference.fp8 import decode_tuning, gemm, swiglu_gemm_kernel  # noqa: E402
+from parallel_models.inference.fp8.decode_tuning import DecodeConfig  # noqa: E402
+from parallel_models.inference.fp8.quantize import (QUANTIZED_COPY,  # noqa: E402
+                                                    quantize_activation, quantize_weight)
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+ACT = torch.bfloat16 if DEV == "cuda" else torch.float32  # (the interpreter: fp32 dots)
+
+
+def _operands(rows, inter, inp, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, inp, generator=g).to(DEV, ACT)
+    w = quantize_weight((0.05 * torch.randn(2 * inter, inp, generator=g)).to(DEV), "channel")
+    return x, w
+
+
+def _swiglu_reference(x, w):
+    gate, up = gemm.token_matmul(x, w).float().chunk(2, dim=-1)
+    silu = (gate / (1.0 + torch.exp(-gate))).to(x.dtype).float()
+    return (silu * up).to(x.dtype)
+
+
+def _close(got, want):
+    tol = 2.0 ** -7 * (want.abs() + want.abs().max() * 2.0 ** -4) + 1e-6
+    return bool(((got.float() - want.float()).abs() <= tol).all())
+
+
+@pytest.mark.parametrize("rows,cfg", [
+    (37, DecodeConfig(128, 64, 128, 1, 8, 2)),                     # rows past the tile
+    (70, DecodeConfig(128, 64, 256, 1, 4, 2, tokens_first=True)),  # two row tiles, tokens first
+    (5, DecodeConfig(128, 16, 128, 1, 4, 2)),                      # a small bucket
+])
+def test_output_and_its_group_scaled_copy(rows, cfg):
+    x, w = _operands(rows, 256, 384)
+    h = swiglu_gemm_kernel.gate_up_swiglu(x, w, cfg)
+    assert h.shape == (rows, 256) and h.dtype == x.dtype
+    assert _close(h, _swiglu_reference(x, w))
+    q, s = getattr(h, QUANTIZED_COPY)
+    want_q, want_s = quantize_activation(h, "block")
+    assert torch.equal(s, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    # the down GEMM multiplies the copy group by group (the recipe of gemm.dynamic_matmul)
+    down = quantize_weight((0.05 * torch.randn(96, 256)).to(DEV), "channel")
+    from parallel_models.inference.fp8 import tma_decode_kernel
+    y = tma_decode_kernel.tma_mm(h, down, DecodeConfig(32, 64, 128, 1, 4, 2))
+    assert _close(y, gemm.dynamic_matmul(h, down))
+
+
+def test_the_norms_copy_is_what_it_multiplies_and_the_candidates_agree():
+    x, w = _operands(16, 128, 256, seed=2)
+    other = torch.randn(16, 256, generator=torch.Generator().manual_seed(5)).to(DEV, ACT)
+    from parallel_models.inference.fp8 import tma_decode_kernel
+    setattr(x, QUANTIZED_COPY, tma_decode_kernel.quantize_tokens(other))
+    want = _swiglu_reference(other, w)
+    for cfg in decode_tuning.candidates(16, 256, 256, "channel", kernel="tma_swiglu"):
+        assert _close(swiglu_gemm_kernel.gate_up_swiglu(x, w, cfg), want), cfg
+
+
+def test_what_it_does_not_take():
+    x, w = _operands(4, 192, 256)  # an intermediate size of 1.5 groups
+    assert not swiglu_gemm_kernel.supports(x, w)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        swiglu_gemm_kernel.gate_up_swiglu(x, w, DecodeConfig(128, 16, 128, 1, 4, 2))
+    x, w = _operands(4, 128, 256)
+    with pytest.raises(ValueError, match="128 features a program"):
+        swiglu_gemm_kernel.gate_up_swiglu(x, w, DecodeConfig(64, 16, 128, 1, 4, 2))

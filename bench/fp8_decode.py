@@ -151,6 +151,11 @@ def _contender(text: str) -> str:
     return text
 
 
+def _kernel_of(contender: str) -> str:
+    """The decode kernel of a ``--decode-kernels`` entry (``"tma@64+nopdl"`` -> ``"tma"``)."""
+    return contender.split("+")[0].partition("@")[0]
+
+
 def _fp8_on(fp8, kernel):
     """An FP8 contender runs inside ``fp8.enabled()``, as the engine's generate does (the FP8
     forward on, the norms and SwiGLU writing e4m3 copies for the TMA kernel: ``fused_producers``);
@@ -204,12 +209,14 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
                                     if k[1] == fp8.granularity}}
     from parallel_models.inference.fp8.decode_tuning import chosen_configs, row_bucket
 
-    row["decode_tiles"] = {kernel: {f"{key[1]}x{key[2]}": cfg.as_dict()  # (out x in)
-                                    for key, cfg in chosen_configs().items()
-                                    if key[0] == row_bucket(batch) and key[3] == fp8.granularity
-                                    and key[5].startswith(kernel.partition("@")[0]
-                                                          .partition("+")[0])}
-                           for kernel in args.decode_kernels}
+    def tiles(contender):  # (out x in, then a fused kernel's name) -> the chosen tiles
+        kernel = _kernel_of(contender)
+        return {f"{key[1]}x{key[2]}" + (f" {key[5]}" if key[5] != kernel else ""): cfg.as_dict()
+                for key, cfg in chosen_configs().items()
+                if key[0] == row_bucket(batch) and key[3] == fp8.granularity
+                and key[5].startswith(kernel)}
+
+    row["decode_tiles"] = {contender: tiles(contender) for contender in args.decode_kernels}
     for name in contenders:
         row[f"{name}_step_ms"] = 1e3 * timing[name]["median_s"] / args.chain
         row[f"{name}_spread"] = timing[name]["spread"]

@@ -250,7 +250,7 @@ def _compile(kernel_fn, consts: dict, cfg, arch: int) -> dict:
     from triton.compiler import ASTSource
 
     ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_sn", "ws_rows",
-            "SPLIT_K", "stride_xsm", "stride_xsg", "stride_w")
+            "SPLIT_K", "stride_xsm", "stride_xsg", "stride_xs")
     x_type = "*fp8e4nv" if consts.get("PREQUANT") else "*bf16"
     sig = {"X": x_type, "W": "*fp8e4nv", "S": "*fp32", "Y": "*bf16", "P": "*fp32", "C": "*i32",
            "XS": "*fp32", **{n: "i32" for n in ints},
@@ -262,8 +262,7 @@ def _compile(kernel_fn, consts: dict, cfg, arch: int) -> dict:
                                       descriptor_blocks(cfg)):
             sig[name] = f"tensordesc<fp8e4nv[{rows}, {cols}]>"
     sig = {n: sig[n] for n in kernel_fn.arg_names if n in sig}  # (this kernel's arguments)
-    aligned = ("X", "W", "S", "Y", "P", "C", "N", "K", "stride_xm", "stride_wn", "stride_ym",
-               "stride_w")
+    aligned = ("X", "W", "S", "Y", "P", "C", "N", "K", "stride_xm", "stride_wn", "stride_ym")
     attrs = {(kernel_fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned
              if n in kernel_fn.arg_names}
     consts = {c: v for c, v in consts.items() if c in kernel_fn.arg_names}

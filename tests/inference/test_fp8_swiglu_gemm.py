@@ -36,9 +36,16 @@ def _swiglu_reference(x, w):
     return (silu * up).to(x.dtype)
 
 
-def _close(got, want):
-    tol = 2.0 ** -7 * (want.abs() + want.abs().max() * 2.0 ** -4) + 1e-6
+def _close(got, want, rel=2.0 ** -7):
+    tol = rel * (want.abs() + want.abs().max() * 2.0 ** -4) + 1e-6
     return bool(((got.float() - want.float()).abs() <= tol).all())
+
+
+def _swiglu_close(got, want):
+    """Within SwiGLU's propagation of a GEMM output's last-bit difference (the accumulation
+    order; bf16 on CUDA): ``silu``'s relative slope ``1 + g (1 - sigmoid(g))`` reaches ~4 at
+    ``g = -5``, so 2^-5 relative, where a wrong kernel is off by order 1."""
+    return _close(got, want, rel=2.0 ** -5 if got.dtype == torch.bfloat16 else 2.0 ** -7)
 
 
 @pytest.mark.parametrize("rows,cfg", [
@@ -50,7 +57,7 @@ def test_output_and_its_group_scaled_copy(rows, cfg):
     x, w = _operands(rows, 256, 384)
     h = swiglu_gemm_kernel.gate_up_swiglu(x, w, cfg)
     assert h.shape == (rows, 256) and h.dtype == x.dtype
-    assert _close(h, _swiglu_reference(x, w))
+    assert _swiglu_close(h, _swiglu_reference(x, w))
     q, s = getattr(h, QUANTIZED_COPY)
     want_q, want_s = quantize_activation(h, "block")
     assert torch.equal(s, want_s)
@@ -69,7 +76,7 @@ def test_the_norms_copy_is_what_it_multiplies_and_the_candidates_agree():
     setattr(x, QUANTIZED_COPY, tma_decode_kernel.quantize_tokens(other))
     want = _swiglu_reference(other, w)
     for cfg in decode_tuning.candidates(16, 256, 256, "channel", kernel="tma_swiglu"):
-        assert _close(swiglu_gemm_kernel.gate_up_swiglu(x, w, cfg), want), cfg
+        assert _swiglu_close(swiglu_gemm_kernel.gate_up_swiglu(x, w, cfg), want), cfg
 
 
 def test_what_it_does_not_take():

@@ -10,11 +10,12 @@ The contract every kernel launched with :func:`launch_options` keeps (``PDL`` it
   workspace) or writes anything, it calls :func:`wait_for_inputs` (``griddepcontrol.wait``:
   returns once the kernel before it has completed and its writes are visible; that kernel
   waited for its own predecessor the same way, so every earlier kernel has completed too);
-- before that wait it touches only the weights, which no kernel of the step writes: the decode
-  GEMMs prefetch the start of their weight strip into L2 (:func:`prefetch_rows`);
 - after the wait it calls :func:`release_dependents`, so the next kernel may launch (it waits in
-  its turn); releasing only after the wait keeps at most two kernels resident at a time, so the
-  prefetches of one GEMM do not evict another's.
+  its turn); releasing only after the wait keeps at most two kernels resident at a time.
+
+Prefetching the start of a GEMM's weight strip into L2 before its wait (``cp.async.bulk.
+prefetch.L2``, 64 or 256 KiB a program) was measured and dropped: the 8B decode step at 64 rows
+took 5.25 / 4.91 ms with it against 4.84 ms without (H100, docs/PERFORMANCE.md, session 20).
 
 A kernel before a PDL one that does not release (torch's, cuBLAS's) releases implicitly as its
 programs exit. Off in Triton's CPU interpreter and below compute capability 9.0, and where
@@ -31,8 +32,6 @@ import triton
 import triton.language as tl
 
 ENV = "PARALLEL_MODELS_FP8_PDL"
-# bytes of weights a decode GEMM program prefetches to L2 before its wait (0: none)
-PREFETCH_BYTES = tl.constexpr(int(os.environ.get("PARALLEL_MODELS_FP8_PREFETCH_KB", "64")) * 1024)
 
 try:  # (triton >= 3.4)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -76,21 +75,4 @@ def release_dependents(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-@triton.jit
-def prefetch_rows(W, rows, N, stride_w, k_begin, k_end, PDL: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-    """Prefetch to L2 the first bytes of weight rows ``rows`` (``BLOCK_N`` of them, clamped to
-    ``N``) of the 1-byte ``W`` from column ``k_begin`` on: :data:`PREFETCH_BYTES` in all, at
-    most up to ``k_end`` (one bulk prefetch per row; ``stride_w``, ``k_begin`` and ``k_end`` multiples
-    of 16 bytes). A no-op unless ``PDL``."""
-    if PDL and PREFETCH_BYTES > 0:
-        per_row: tl.constexpr = (PREFETCH_BYTES // BLOCK_N) // 16 * 16
-        nbytes = tl.minimum(k_end - k_begin, per_row)
-        ptrs = W + tl.minimum(rows, N - 1).to(tl.int64) * stride_w + k_begin
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // dummy $0",
-                                  "=r,l,r", [ptrs, nbytes.to(tl.int32)], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-__all__ = ["ENV", "PREFETCH_BYTES", "enabled", "launch_options", "prefetch_rows",
-           "release_dependents", "wait_for_inputs"]
+__all__ = ["ENV", "enabled", "launch_options", "release_dependents", "wait_for_inputs"]

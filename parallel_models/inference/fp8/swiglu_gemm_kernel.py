@@ -35,8 +35,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from parallel_models.inference.fp8 import decode_tuning
 from parallel_models.inference.fp8.decode_tuning import DecodeConfig
-from parallel_models.inference.fp8.dependent_launch import (launch_options, prefetch_rows,
-                                                            release_dependents, wait_for_inputs)
+from parallel_models.inference.fp8.dependent_launch import (launch_options, release_dependents,
+                                                            wait_for_inputs)
 from parallel_models.inference.fp8.e4m3_rounding import e4m3_scale, scaled_for_e4m3
 from parallel_models.inference.fp8.quantize import (BLOCK, E4M3, E4M3_MAX, QUANTIZED_COPY,
                                                     QuantizedWeight)
@@ -58,10 +58,9 @@ def _scaled_product(acc, token_scale, S, cols, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gate_up_swiglu_kernel(x_desc, w_desc, W, XS, S, H, Q, QS, M, inter, K, stride_w,
-                           stride_h, stride_q, stride_qs, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PROMOTE: tl.constexpr, EMULATE: tl.constexpr,
+def _gate_up_swiglu_kernel(x_desc, w_desc, XS, S, H, Q, QS, M, inter, K, stride_h, stride_q,
+                           stride_qs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr, EMULATE: tl.constexpr,
                            TOKENS_FIRST: tl.constexpr, FP8_MAX: tl.constexpr,
                            PDL: tl.constexpr):
     pid = tl.program_id(0)
@@ -70,8 +69,6 @@ def _gate_up_swiglu_kernel(x_desc, w_desc, W, XS, S, H, Q, QS, M, inter, K, stri
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # intermediate features (rows of the gate)
     m_ok = rm < M
-    prefetch_rows(W, rn, inter, stride_w, 0, K, PDL, BLOCK_N)
-    prefetch_rows(W, inter + rn, 2 * inter, stride_w, 0, K, PDL, BLOCK_N)
     wait_for_inputs(PDL)
     release_dependents(PDL)
     if TOKENS_FIRST:
@@ -140,8 +137,7 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, h: torch.Tensor, cfg: Deco
                               [cfg.block_n, cfg.block_k])
     grid = -(-rows // cfg.block_m) * (inter // cfg.block_n)
     _gate_up_swiglu_kernel[(grid,)](
-        x_desc, w_desc, weight.data, scales, weight.scale, h, hq, hs, rows, inter, inp,
-        weight.data.stride(0), h.stride(0), hq.stride(0), hs.stride(0), BLOCK_M=cfg.block_m,
+        x_desc, w_desc, scales, weight.scale, h, hq, hs, rows, inter, inp, h.stride(0), hq.stride(0), hs.stride(0), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROMOTE=PROMOTE_EVERY, EMULATE=_INTERPRETED,
         TOKENS_FIRST=cfg.tokens_first, FP8_MAX=E4M3_MAX, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch_options(x2.device))

@@ -52,8 +52,8 @@ from parallel_models.inference.fp8 import act_quant_kernel
 from parallel_models.inference.fp8 import decode_gemm_shared as shared
 from parallel_models.inference.fp8.decode_gemm_shared import finish_tile, program_tile
 from parallel_models.inference.fp8.decode_tuning import MAX_PARTS, DecodeConfig, strip_parts
-from parallel_models.inference.fp8.dependent_launch import (launch_options, prefetch_rows,
-                                                            release_dependents, wait_for_inputs)
+from parallel_models.inference.fp8.dependent_launch import (launch_options, release_dependents,
+                                                            wait_for_inputs)
 from parallel_models.inference.fp8.quantize import BLOCK, QUANTIZED_COPY, QuantizedWeight
 from parallel_models.llama.layers.exact import interpreter_fix
 
@@ -92,13 +92,11 @@ def _group_step(x_desc, w_desc, XS, acc, rm, m_ok, row0, n0, k, K, stride_xs,
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
-def _w8a8_tma_kernel(x_desc, w_desc, W, XS, S, Y, P, C, M, N, K, stride_w, stride_xs,
-                     stride_ym, ws_rows, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr, EMULATE: tl.constexpr,
+def _w8a8_tma_kernel(x_desc, w_desc, XS, S, Y, P, C, M, N, K, stride_xs, stride_ym, ws_rows,
+                     SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr, EMULATE: tl.constexpr,
                      TOKENS_FIRST: tl.constexpr, PDL: tl.constexpr, GROUP: tl.constexpr = 0):
     pid_m, pid_k, pid_n, num_m, k_begin, k_end = program_tile(M, K, SPLIT_K, BLOCK_M, BLOCK_K)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    prefetch_rows(W, rn, N, stride_w, k_begin, k_end, PDL, BLOCK_N)
     wait_for_inputs(PDL)
     release_dependents(PDL)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -141,8 +139,8 @@ def _finish_part(acc, token_scale, first, Y, S, P, C, rm, m_ok, pid_m, pid_n, nu
 
 
 @triton.jit(do_not_specialize=["M"])
-def _w8a8_tma_strip_kernel(x_desc, w_desc, w_desc2, w_desc3, w_desc4, W, XS, S, Y, P, C, M, N,
-                           K, stride_w, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _w8a8_tma_strip_kernel(x_desc, w_desc, w_desc2, w_desc3, w_desc4, XS, S, Y, P, C, M, N,
+                           K, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr, EMULATE: tl.constexpr,
                            PARTS: tl.constexpr, BN2: tl.constexpr, BN3: tl.constexpr,
                            BN4: tl.constexpr, STRIP: tl.constexpr, PDL: tl.constexpr):
@@ -152,7 +150,6 @@ def _w8a8_tma_strip_kernel(x_desc, w_desc, w_desc2, w_desc3, w_desc4, W, XS, S, 
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = rm < M
     first = pid_n * STRIP
-    prefetch_rows(W, first + tl.arange(0, BLOCK_N), N, stride_w, k_begin, k_end, PDL, BLOCK_N)
     wait_for_inputs(PDL)
     release_dependents(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -267,8 +264,8 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
     if strip:
         partials, counters = shared.unused_pointers(x2.device)
         _w8a8_tma_strip_kernel[(cfg.grid(rows, out),)](
-            x_desc, *w_descs, weight.data, scales, weight.scale, y, partials, counters, rows, out,
-            inp, weight.data.stride(0), y.stride(0), BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+            x_desc, *w_descs, scales, weight.scale, y, partials, counters, rows, out, inp,
+            y.stride(0), BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
             PROMOTE=PROMOTE_EVERY, EMULATE=_INTERPRETED, **part_constexprs(cfg),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x2.device))
         return y
@@ -280,8 +277,8 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
         partials, counters = shared.unused_pointers(x2.device)
         ws_rows = 0
     _w8a8_tma_kernel[(cfg.grid(rows, out),)](
-        x_desc, w_desc, weight.data, scales, weight.scale, y, partials, counters, rows, out, inp,
-        weight.data.stride(0), scales.stride(0), y.stride(0), ws_rows, cfg.split_k,
+        x_desc, w_desc, scales, weight.scale, y, partials, counters, rows, out, inp,
+        scales.stride(0), y.stride(0), ws_rows, cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROMOTE=PROMOTE_EVERY,
         EMULATE=_INTERPRETED, TOKENS_FIRST=cfg.tokens_first, GROUP=group,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x2.device))

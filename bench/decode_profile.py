@@ -129,7 +129,7 @@ def _labelled(name, fn):
 def labels(model, cache):
     """Hooks and wrappers naming the decode step's parts (undone on exit)."""
     from parallel_models.llama import modeling
-    from parallel_models.llama.layers import attention, decoder_layer, mlp
+    from parallel_models.llama.layers import attention, decoder_layer, fused_ops
     from parallel_models.inference import pool_cache
 
     handles, patched = [], []
@@ -146,7 +146,8 @@ def labels(model, cache):
         handles.append(module.register_forward_hook(post))
 
     def patch(obj, attr, name):
-        patched.append((obj, attr, getattr(obj, attr)))
+        own = attr in vars(obj)  # (else a class's method: deleting the wrapper restores it)
+        patched.append((obj, attr, getattr(obj, attr) if own else None))
         setattr(obj, attr, _labelled(name, getattr(obj, attr)))
 
     inner = model.model
@@ -163,7 +164,9 @@ def labels(model, cache):
     patch(attention, "rotary", "rope")
     patch(decoder_layer, "add_rms_norm", "norm")
     patch(modeling, "add_rms_norm", "norm")  # the residual sum fused into the next norm
-    patch(mlp, "gated_activation", "activation")
+    patch(fused_ops, "gated_activation", "activation")  # (the MLP's, via gated_mlp_input)
+    if fused_ops._output_quantizer is not None:  # (FP8 decode: gate_up + SwiGLU in one kernel)
+        patch(fused_ops._output_quantizer, "gated_mlp_input", "gate_up_gemm")
     patch(pool_cache, "split_kv_decode", "attention")  # the triton kernel writes the KV too
     patch(cache, "write_kv", "kv_write")
     patch(cache, "decode_attention", "attention")
@@ -174,8 +177,8 @@ def labels(model, cache):
         for h in handles:
             h.remove()
         for obj, attr, old in reversed(patched):
-            if obj is cache:
-                delattr(cache, attr)  # back to the class's method
+            if old is None:
+                delattr(obj, attr)  # back to the class's method
             else:
                 setattr(obj, attr, old)
 

@@ -46,8 +46,9 @@ FUSED_KERNELS = ("tma_swiglu",)
 ``gemm`` (``swiglu_gemm_kernel.KERNEL``: gate_up with SwiGLU and its output's e4m3 copy; its
 programs take 128 intermediate features, their gate and up rows: :func:`_swiglu_candidates`)."""
 W8A8_KERNELS = ("dynamic", "w8a8", "tma")  # e4m3 x e4m3 dots, K steps of whole 128-wide groups
-MAX_STAGES = {"weight_only": 5, "dynamic": 8, "w8a8": 8, "tma": 8, "tma_swiglu": 8}  # the W8A8 kernels' loops do
-# less ALU work per weight byte, so a deeper pipeline can keep more loads in flight
+MAX_STAGES = {"weight_only": 5, "dynamic": 8, "w8a8": 8, "tma": 8, "tma_swiglu": 8}
+# (the W8A8 kernels' loops do less ALU work per weight byte, so a deeper pipeline can keep more
+# loads in flight)
 FP8_ACTIVATIONS = ("tma", "tma_swiglu")  # kernels whose activation tiles are e4m3 in shared memory
 TOKENS_FIRST = ("tma",)  # kernels that also take ``tokens_first`` configs
 TOKENS_FIRST_ROWS = (64, 128)  # ... for these row buckets (64-row tiles: the MMA's long side)
@@ -402,10 +403,9 @@ def chosen_configs() -> dict:
     return dict(_chosen)
 
 
-__all__ = ["DecodeConfig", "FP8_ACTIVATIONS", "FUSED_KERNELS", "KERNELS", "MAX_PARTS", "MAX_STAGES", "MAX_STRIP",
-           "REFINE_ROUNDS",
-           "REFINE_TOP", "TOKENS_FIRST",
-           "TOKENS_FIRST_ROWS", "TOKENS_FIRST_TILES", "TUNE", "TUNED_ROWS",
-           "W8A8_KERNELS", "candidates", "choose",
-           "chosen_configs", "default_config", "key_of", "l2_flush_buffer", "row_bucket",
-           "sm_count", "smem_bytes", "stage_bytes", "strip_parts", "time_ms", "timings", "tune"]
+__all__ = ["DecodeConfig", "FP8_ACTIVATIONS", "FUSED_KERNELS", "KERNELS", "MAX_PARTS",
+           "MAX_STAGES", "MAX_STRIP", "REFINE_ROUNDS", "REFINE_TOP", "TOKENS_FIRST",
+           "TOKENS_FIRST_ROWS", "TOKENS_FIRST_TILES", "TUNE", "TUNED_ROWS", "W8A8_KERNELS",
+           "candidates", "choose", "chosen_configs", "default_config", "key_of",
+           "l2_flush_buffer", "row_bucket", "sm_count", "smem_bytes", "stage_bytes",
+           "strip_parts", "time_ms", "timings", "tune"]

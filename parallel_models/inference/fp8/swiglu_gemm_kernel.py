@@ -137,7 +137,8 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, h: torch.Tensor, cfg: Deco
                               [cfg.block_n, cfg.block_k])
     grid = -(-rows // cfg.block_m) * (inter // cfg.block_n)
     _gate_up_swiglu_kernel[(grid,)](
-        x_desc, w_desc, scales, weight.scale, h, hq, hs, rows, inter, inp, h.stride(0), hq.stride(0), hs.stride(0), BLOCK_M=cfg.block_m,
+        x_desc, w_desc, scales, weight.scale, h, hq, hs, rows, inter, inp, h.stride(0),
+        hq.stride(0), hs.stride(0), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROMOTE=PROMOTE_EVERY, EMULATE=_INTERPRETED,
         TOKENS_FIRST=cfg.tokens_first, FP8_MAX=E4M3_MAX, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch_options(x2.device))

@@ -18,6 +18,9 @@ weights from HBM) of
 - ``bf16``: ``F.linear`` on the bf16 weight;
 - ``scaled_mm_rowwise``: ``torch._scaled_mm`` on the channel-scaled FP8 weight with activations
   quantized per row beforehand (the GEMM alone; rows padded to 16), or the error it raised;
+- on the gate_up linear, with ``tma``, on CUDA: ``tma_swiglu``, the gate_up GEMM with SwiGLU
+  in one kernel (``inference/fp8/swiglu_gemm_kernel.py``: each candidate, the chosen one)
+  against ``gemm_then_swiglu_us`` (the TMA GEMM's chosen config, then the SwiGLU producer);
 - per decode kernel (``--kernels``; ``weight_only``: ``inference/fp8/weight_only_kernel.py``,
   ``dynamic``: ``inference/fp8/dynamic_act_kernel.py``), a dict under the kernel's name:
   ``configs``, the kernel with each of its ``decode_tuning.candidates``; ``config``, the one
@@ -196,7 +199,41 @@ def run_case(args, shape, name, out, inp, rows, granularity, dev, timer, cache) 
         if kernel in CHANNEL_ONLY and granularity != "channel":
             continue
         row[kernel] = kernel_case(args, kernel, x, q, row["bf16_us"], timer, gbps)
+    if name == "gate_up" and "tma" in row and dev.type == "cuda":
+        row["tma_swiglu"] = swiglu_case(x, q, row["tma"], timer, gbps)
     return row
+
+
+def swiglu_case(x, q, tma: dict, timer, gbps) -> dict:
+    """The gate_up GEMM with SwiGLU and its output's e4m3 copy in one kernel
+    (``swiglu_gemm_kernel``): every candidate timed, the chosen one, against the TMA GEMM's
+    chosen config followed by the SwiGLU producer kernel (``producer_kernels``: what the
+    decode step ran before)."""
+    from parallel_models.inference.fp8 import decode_tuning, swiglu_gemm_kernel
+    from parallel_models.inference.fp8.producer_kernels import swiglu_quantized
+    from parallel_models.inference.fp8.quantize import QUANTIZED_COPY
+    from parallel_models.inference.fp8.tma_decode_kernel import quantize_tokens, tma_mm
+
+    x = x.detach().clone()  # (its e4m3 input left on it, as the norm leaves it: the GEMM alone)
+    setattr(x, QUANTIZED_COPY, quantize_tokens(x))
+    rows, inp = x.shape
+    kernel = swiglu_gemm_kernel.KERNEL
+    gate_up = tma_mm(x, q)
+    res = {"swiglu_kernel_us": timer(lambda: swiglu_quantized(gate_up))}
+    res["gemm_then_swiglu_us"] = tma["us"] + res["swiglu_kernel_us"]
+    fp8_bytes = q.data.numel() + 4 * q.scale.numel()
+    res["configs"] = []
+    for cfg in decode_tuning.candidates(rows, q.shape[0], inp, "channel", kernel=kernel):
+        us = timer(lambda: swiglu_gemm_kernel.gate_up_swiglu(x, q, cfg))
+        res["configs"].append({**cfg.as_dict(), "us": us, "gbps": gbps(us, fp8_bytes)})
+    chosen = swiglu_gemm_kernel.gate_up_swiglu(x, q)  # (tunes the key)
+    res["config"] = decode_tuning.chosen_configs()[decode_tuning.key_of(
+        rows, q.shape[0], inp, "channel", x.device, kernel)].as_dict()
+    res["us"] = min(c["us"] for c in res["configs"] if all(
+        c[f] == v for f, v in res["config"].items()))
+    res["over_gemm_then_swiglu"] = res["us"] / res["gemm_then_swiglu_us"]
+    res["scale_groups"] = getattr(chosen, QUANTIZED_COPY)[1].shape[1]
+    return res
 
 
 def best_lines(rows: list[dict], kernels) -> list[dict]:

@@ -17,7 +17,8 @@ pytest.importorskip("triton")
 from parallel_models.inference.fp8 import decode_tuning, gemm, swiglu_gemm_kernel  # noqa: E402
 from parallel_models.inference.fp8.decode_tuning import DecodeConfig  # noqa: E402
 from parallel_models.inference.fp8.quantize import (QUANTIZED_COPY,  # noqa: E402
-                                                    quantize_activation, quantize_weight)
+                                                    dequantize_activation, quantize_activation,
+                                                    quantize_weight)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ACT = torch.bfloat16 if DEV == "cuda" else torch.float32  # (the interpreter: fp32 dots)
@@ -48,10 +49,20 @@ def _swiglu_close(got, want):
     return _close(got, want, rel=2.0 ** -5 if got.dtype == torch.bfloat16 else 2.0 ** -7)
 
 
+def _group_matmul(x, weight, group):
+    """``x`` quantized per token and ``group`` inputs, dequantized, times ``dequantize(W)^T``
+    (``gemm.dynamic_matmul``'s recipe for any group), in fp32 cast to ``x``'s dtype."""
+    xq, xs = quantize_activation(x.float(), "block", group=group)
+    x_deq = dequantize_activation(xq, xs, "block", group=group)
+    return (x_deq @ weight.dequantize(torch.float32).t()).to(x.dtype)
+
+
 @pytest.mark.parametrize("rows,cfg", [
     (37, DecodeConfig(128, 64, 128, 1, 8, 2)),                     # rows past the tile
     (70, DecodeConfig(128, 64, 256, 1, 4, 2, tokens_first=True)),  # two row tiles, tokens first
     (5, DecodeConfig(128, 16, 128, 1, 4, 2)),                      # a small bucket
+    (37, DecodeConfig(64, 64, 128, 1, 4, 2)),                      # 64-feature groups
+    (70, DecodeConfig(64, 64, 256, 1, 4, 2, tokens_first=True)),
 ])
 def test_output_and_its_group_scaled_copy(rows, cfg):
     x, w = _operands(rows, 256, 384)
@@ -59,14 +70,17 @@ def test_output_and_its_group_scaled_copy(rows, cfg):
     assert h.shape == (rows, 256) and h.dtype == x.dtype
     assert _swiglu_close(h, _swiglu_reference(x, w))
     q, s = getattr(h, QUANTIZED_COPY)
-    want_q, want_s = quantize_activation(h, "block")
+    want_q, want_s = quantize_activation(h, "block", group=cfg.block_n)
     assert torch.equal(s, want_s)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
-    # the down GEMM multiplies the copy group by group (the recipe of gemm.dynamic_matmul)
+    # the down GEMM multiplies the copy group by group (128: gemm.dynamic_matmul's recipe)
     down = quantize_weight((0.05 * torch.randn(96, 256)).to(DEV), "channel")
     from parallel_models.inference.fp8 import tma_decode_kernel
     y = tma_decode_kernel.tma_mm(h, down, DecodeConfig(32, 64, 128, 1, 4, 2))
-    assert _close(y, gemm.dynamic_matmul(h, down))
+    assert _close(y, _group_matmul(h, down, cfg.block_n))
+    if cfg.block_n == 128:
+        assert _close(y, gemm.dynamic_matmul(h, down))
+    assert not _close(y, gemm.token_matmul(h, down))
 
 
 def test_the_norms_copy_is_what_it_multiplies_and_the_candidates_agree():
@@ -85,5 +99,5 @@ def test_what_it_does_not_take():
     with pytest.raises(ValueError, match="multiples of 128"):
         swiglu_gemm_kernel.gate_up_swiglu(x, w, DecodeConfig(128, 16, 128, 1, 4, 2))
     x, w = _operands(4, 128, 256)
-    with pytest.raises(ValueError, match="128 features a program"):
-        swiglu_gemm_kernel.gate_up_swiglu(x, w, DecodeConfig(64, 16, 128, 1, 4, 2))
+    with pytest.raises(ValueError, match="features a program"):
+        swiglu_gemm_kernel.gate_up_swiglu(x, w, DecodeConfig(32, 16, 128, 1, 4, 2))

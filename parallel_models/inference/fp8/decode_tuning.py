@@ -44,7 +44,8 @@ by a kernel before it; ``tma_decode_kernel.KERNEL``: W8A8 on per-token activatio
 FUSED_KERNELS = ("tma_swiglu",)
 """Decode kernels with more than the GEMM in them, tuned here but not decode GEMM choices of
 ``gemm`` (``swiglu_gemm_kernel.KERNEL``: gate_up with SwiGLU and its output's e4m3 copy; its
-programs take 128 intermediate features, their gate and up rows: :func:`_swiglu_candidates`)."""
+programs take 64 or 128 intermediate features, their gate and up rows:
+:func:`_swiglu_candidates`)."""
 W8A8_KERNELS = ("dynamic", "w8a8", "tma")  # e4m3 x e4m3 dots, K steps of whole 128-wide groups
 MAX_STAGES = {"weight_only": 5, "dynamic": 8, "w8a8": 8, "tma": 8, "tma_swiglu": 8}
 # (the W8A8 kernels' loops do less ALU work per weight byte, so a deeper pipeline can keep more
@@ -144,19 +145,20 @@ def stage_bytes(block_n: int, block_m: int, block_k: int, kernel: str = "weight_
 
 
 def _swiglu_candidates(rows: int, smem: int) -> list[DecodeConfig]:
-    """``tma_swiglu``'s configs: 128 features (one e4m3 scale group) by up to 64 rows a program,
-    K steps of 128 and 256, 4 or 8 warps, either operand the MMA's long side (tokens first
-    with 64-row tiles only), the deepest pipeline that fits; no K split. The first is the
-    untimed default."""
+    """``tma_swiglu``'s configs: 64 or 128 features (one e4m3 scale group) by up to 64 rows a
+    program, K steps of 128 and 256, 4 or 8 warps, either operand the MMA's long side (tokens
+    first with 64-row tiles only), the deepest pipeline that fits; no K split. The first is
+    the untimed default."""
     block_m = min(row_bucket(rows), 64)
     configs = []
-    for block_k in (128, 256):
-        stages = max(2, min(MAX_STAGES["tma_swiglu"],
-                            smem // stage_bytes(128, block_m, block_k, "tma_swiglu")))
-        for tokens_first in (False, True) if block_m == 64 else (False,):
-            for num_warps in (8, 4):
-                configs.append(DecodeConfig(128, block_m, block_k, 1, num_warps, stages,
-                                            tokens_first))
+    for block_n in (64, 128):
+        for block_k in (128, 256):
+            stages = max(2, min(MAX_STAGES["tma_swiglu"],
+                                smem // stage_bytes(block_n, block_m, block_k, "tma_swiglu")))
+            for tokens_first in (False, True) if block_m == 64 else (False,):
+                for num_warps in (4, 8) if block_n == 64 else (8, 4):
+                    configs.append(DecodeConfig(block_n, block_m, block_k, 1, num_warps,
+                                                stages, tokens_first))
     return configs
 
 

@@ -40,8 +40,8 @@ GRANULARITIES = ("block", "channel")
 QUANTIZED_COPY = "fp8_token_quantized"
 """The attribute under which a kernel that produced an activation leaves its e4m3 copy
 ``(e4m3 [rows, in], fp32 scales)`` for the FP8 linear that reads it (``fused_producers``,
-``tma_decode_kernel.quantized_input``): scales per token ``[rows]``, or per token and
-:data:`BLOCK` inputs ``[rows, in / BLOCK]`` (``swiglu_gemm_kernel``)."""
+``tma_decode_kernel.quantized_input``): scales per token ``[rows]``, or per token and group
+of inputs ``[rows, in / group]`` (groups of 64 or 128: ``swiglu_gemm_kernel``)."""
 MAX_PRODUCER_COLS = 32768
 """The widest row the fused producer kernels hold in one program (``producer_kernels``)."""
 
@@ -142,30 +142,31 @@ def dequantize_weight(data: torch.Tensor, scale: torch.Tensor, granularity: str,
 
 
 @torch.no_grad()
-def quantize_activation(x: torch.Tensor, granularity: str = "block"
+def quantize_activation(x: torch.Tensor, granularity: str = "block", group: int = BLOCK
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` ``[tokens, in]`` -> (e4m3 ``[tokens, in]``, fp32 scales): per token and 128-wide
-    group (``[tokens, ceil(in/128)]``, "block") or per token (``[tokens]``, "channel")."""
+    """``x`` ``[tokens, in]`` -> (e4m3 ``[tokens, in]``, fp32 scales): per token and ``group``-wide
+    group of inputs (``[tokens, ceil(in/group)]``, "block") or per token (``[tokens]``,
+    "channel")."""
     _check_granularity(granularity)
     tokens, cols = x.shape
     if granularity == "channel":
         scale = _scale_of(x.abs().amax(dim=1))
         return _activation_to_e4m3(x, scale[:, None]), scale
-    kb = _ceil_div(cols, BLOCK)
-    grouped = _pad_to(x, tokens, kb * BLOCK).view(tokens, kb, BLOCK)
+    kb = _ceil_div(cols, group)
+    grouped = _pad_to(x, tokens, kb * group).view(tokens, kb, group)
     scale = _scale_of(grouped.abs().amax(dim=2))
-    data = _activation_to_e4m3(grouped, scale[:, :, None]).view(tokens, kb * BLOCK)[:, :cols]
+    data = _activation_to_e4m3(grouped, scale[:, :, None]).view(tokens, kb * group)[:, :cols]
     return data, scale
 
 
 def dequantize_activation(data: torch.Tensor, scale: torch.Tensor, granularity: str,
-                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                          dtype: torch.dtype = torch.float32, group: int = BLOCK) -> torch.Tensor:
     """The activations an FP8 ``data`` with ``scale`` (from :func:`quantize_activation`) stand
     for, in ``dtype``."""
     _check_granularity(granularity)
     if granularity == "channel":
         return (data.float() * scale[:, None]).to(dtype)
-    full = scale.repeat_interleave(BLOCK, dim=1)[:, : data.shape[1]]
+    full = scale.repeat_interleave(group, dim=1)[:, : data.shape[1]]
     return (data.float() * full).to(dtype)
 
 

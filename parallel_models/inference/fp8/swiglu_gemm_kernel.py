@@ -5,21 +5,25 @@ that read the ``[rows, 2I]`` product back and wrote ``silu(gate) * up`` with its
 e4m3 copy (``producer_kernels``): 4.4 us a layer for the 8B shape at 64 rows on an H100, plus
 a launch.
 
-A program takes ``BLOCK_N`` = :data:`~.quantize.BLOCK` (128) intermediate features: their gate
-rows and their up rows of the ``[gate; up]`` weight (two TMA loads, one activation tile a K
-step, two fp32 accumulators), so it holds whole ``silu(gate) * up`` values. Its epilogue:
+A program takes ``BLOCK_N`` (64 or 128: ``tma_decode_kernel.SCALE_GROUPS``) intermediate
+features: their gate rows and their up rows of the ``[gate; up]`` weight (two TMA loads, one
+activation tile a K step, two fp32 accumulators), so it holds whole ``silu(gate) * up`` values.
+Its epilogue:
 
 - the GEMM's scales and rounding, as ``tma_decode_kernel`` finishes a tile: the fp32 sums times
   the token's scale, then the output feature's, rounded to the model's dtype;
 - SwiGLU as ``producer_kernels`` computes it (``silu(gate)`` rounded, times ``up``, rounded);
   written to ``H`` ``[rows, I]`` (the MLP's activation, as the unfused path has it);
-- the e4m3 copy of ``H`` with one scale per token and 128 features (``quantize.
-  quantize_activation(h, "block")``'s recipe: a program's features are one group, so no
-  reduction crosses programs, which a per-token scale would need), left on ``H`` for the
-  down GEMM (``tma_decode_kernel``'s group-scaled mode: a dot per group, scaled).
+- the e4m3 copy of ``H`` with one scale per token and ``BLOCK_N`` features (``quantize.
+  quantize_activation(h, "block", group=BLOCK_N)``'s recipe: a program's features are one
+  group, so no reduction crosses programs, which a per-token scale would need), left on ``H``
+  for the down GEMM (``tma_decode_kernel``'s group-scaled mode: a dot per group, scaled).
+
+The group is the tuned config's ``BLOCK_N``: 128-feature programs (256 weight rows) are fewer
+than an H100's SMs for the 8B shape (112), 64-feature ones are not (224).
 
 So the result is ``swiglu(token_matmul(x, W_gate_up))`` up to the accumulation order, and its
-copy what ``quantize_activation(., "block")`` gives from that; ``fused_producers`` routes the
+copy what ``quantize_activation(., "block", group)`` gives from that; ``fused_producers`` routes the
 dense MLP's decode steps here. Configs (K step, warps, pipeline depth, which operand is the
 MMA's long side) are tuned per shape by ``decode_tuning`` (kernel ``"tma_swiglu"``); no K split.
 """
@@ -38,10 +42,9 @@ from parallel_models.inference.fp8.decode_tuning import DecodeConfig
 from parallel_models.inference.fp8.dependent_launch import (launch_options, release_dependents,
                                                             wait_for_inputs)
 from parallel_models.inference.fp8.e4m3_rounding import e4m3_scale, scaled_for_e4m3
-from parallel_models.inference.fp8.quantize import (BLOCK, E4M3, E4M3_MAX, QUANTIZED_COPY,
-                                                    QuantizedWeight)
+from parallel_models.inference.fp8.quantize import E4M3, E4M3_MAX, QUANTIZED_COPY, QuantizedWeight
 from parallel_models.inference.fp8 import tma_decode_kernel
-from parallel_models.inference.fp8.tma_decode_kernel import PROMOTE_EVERY, part_dot
+from parallel_models.inference.fp8.tma_decode_kernel import PROMOTE_EVERY, SCALE_GROUPS, part_dot
 from parallel_models.llama.layers.exact import interpreter_fix
 
 interpreter_fix.apply()  # (the CPU interpreter's loop bounds; nothing on the GPU)
@@ -107,25 +110,28 @@ def _gate_up_swiglu_kernel(x_desc, w_desc, XS, S, H, Q, QS, M, inter, K, stride_
 
 def supports(x2: torch.Tensor, weight: QuantizedWeight) -> bool:
     """Whether the kernel takes ``x2`` times the ``[gate; up]`` ``weight``: channel scales,
-    16-byte aligned rows, an intermediate size of whole 128-feature groups."""
+    16-byte aligned rows, an intermediate size of whole 128-feature groups (so every config
+    applies)."""
     two_inter = weight.shape[0]
-    return weight.granularity == "channel" and two_inter % (2 * BLOCK) == 0 and \
+    return weight.granularity == "channel" and two_inter % (2 * max(SCALE_GROUPS)) == 0 and \
         x2.shape[1] % 16 == 0 and weight.data.stride(0) % 16 == 0 and \
         weight.data.data_ptr() % 16 == 0
 
 
 def launch(x2: torch.Tensor, weight: QuantizedWeight, h: torch.Tensor, cfg: DecodeConfig,
            copy: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Run the kernel with ``cfg`` (``block_n`` must be 128): ``h`` ``[rows, I]`` and ``copy``
-    (e4m3 ``[rows, I]``, fp32 scales ``[rows, I / 128]``) written; returns ``h``."""
+    """Run the kernel with ``cfg`` (``block_n``: the group, one of ``SCALE_GROUPS``): ``h``
+    ``[rows, I]`` and ``copy`` (e4m3 ``[rows, I]``, fp32 scales ``[rows, >= I / block_n]``: the
+    first ``I / block_n`` columns) written; returns ``h``."""
     if not supports(x2, weight):
         raise ValueError(f"fp8 gate_up + SwiGLU decode GEMM: a {weight.granularity}-scaled "
                          f"{tuple(weight.shape)} weight with {x2.shape[1]} inputs; it takes "
                          "channel scales, inputs in multiples of 16 and an intermediate size "
-                         f"in multiples of {BLOCK}")
-    if cfg.block_n != BLOCK or cfg.split_k != 1 or cfg.block_k % PROMOTE_EVERY:
-        raise ValueError(f"fp8 gate_up + SwiGLU decode GEMM: {cfg}: it takes {BLOCK} features "
-                         f"a program, no K split, K steps in multiples of {PROMOTE_EVERY}")
+                         f"in multiples of {max(SCALE_GROUPS)}")
+    if cfg.block_n not in SCALE_GROUPS or cfg.split_k != 1 or cfg.block_k % PROMOTE_EVERY:
+        raise ValueError(f"fp8 gate_up + SwiGLU decode GEMM: {cfg}: it takes {SCALE_GROUPS} "
+                         f"features a program, no K split, K steps in multiples of "
+                         f"{PROMOTE_EVERY}")
     q, scales = tma_decode_kernel.quantized_input(x2)
     if scales.dim() != 1:  # (a group-scaled copy: this kernel reads per-token scales)
         q, scales = tma_decode_kernel.quantize_tokens(x2)
@@ -157,14 +163,17 @@ def gate_up_swiglu(x2: torch.Tensor, weight: QuantizedWeight,
         x2 = x2.contiguous()
     h = torch.empty(rows, inter, dtype=x2.dtype, device=x2.device)
     copy = (torch.empty(rows, inter, dtype=E4M3, device=x2.device),
-            torch.empty(rows, inter // BLOCK, dtype=torch.float32, device=x2.device))
+            torch.empty(rows, inter // min(SCALE_GROUPS), dtype=torch.float32,
+                        device=x2.device))  # (scales: as many as the smallest group needs)
+    group = max(SCALE_GROUPS)  # (no rows: any)
     if rows:
         if config is None:
             config = decode_tuning.choose(rows, 2 * inter, inp, weight.granularity, x2.device,
                                           lambda cfg: launch(x2, weight, h, cfg, copy),
                                           kernel=KERNEL)
         launch(x2, weight, h, config, copy)
-    setattr(h, QUANTIZED_COPY, copy)
+        group = config.block_n
+    setattr(h, QUANTIZED_COPY, (copy[0], copy[1][:, :inter // group]))
     return h
 
 

@@ -26,9 +26,10 @@ wait and the wgmma.
   activation tile, so a wide linear runs one wave of programs that each read the activations
   once per K step (no K split). The tuner offers these; on an H100 the 8B gate_up's 224-row
   strips took 49.9 us against 48.6 us for 128-row tiles (session 20), so it passes them over.
-- Activation scales per token, or per token and 128 inputs (``GROUP``: the copy the fused
-  gate_up + SwiGLU kernel leaves, ``swiglu_gemm_kernel``): then a dot per group, its fp32
-  result times the group's scales before it is added (``gemm.dynamic_matmul``'s recipe).
+- Activation scales per token, or per token and 64 or 128 inputs (``GROUP``: the copy the
+  fused gate_up + SwiGLU kernel leaves, ``swiglu_gemm_kernel``): then a dot per group, its
+  fp32 result times the group's scales before it is added (with 128-input groups
+  ``gemm.dynamic_matmul``'s recipe).
 - Launched with programmatic dependent launch on Hopper (``dependent_launch``).
 - Accumulation: Hopper's FP8 MMA adds in reduced precision, so the product is promoted to the
   fp32 accumulator every 128 inputs (``max_num_imprecise_acc``), as DeepSeek-V3 and cuBLAS do.
@@ -59,13 +60,14 @@ from parallel_models.inference.fp8.decode_gemm_shared import finish_tile, progra
 from parallel_models.inference.fp8.decode_tuning import MAX_PARTS, DecodeConfig, strip_parts
 from parallel_models.inference.fp8.dependent_launch import (launch_options, release_dependents,
                                                             wait_for_inputs)
-from parallel_models.inference.fp8.quantize import BLOCK, QUANTIZED_COPY, QuantizedWeight
+from parallel_models.inference.fp8.quantize import QUANTIZED_COPY, QuantizedWeight
 from parallel_models.llama.layers.exact import interpreter_fix
 
 interpreter_fix.apply()  # (the CPU interpreter's loop bounds; nothing on the GPU)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL = "tma"  # (its name in ``decode_tuning``'s keys)
 PROMOTE_EVERY = 128  # inputs the FP8 MMA sums in its own precision before the fp32 accumulator
+SCALE_GROUPS = (64, 128)  # inputs one activation scale may cover besides a whole token
 
 
 @triton.jit
@@ -223,8 +225,8 @@ def quantize_tokens(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantized_input(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The e4m3 copy of ``x2`` and its scales, per token (``[rows]``) or per token and
-    :data:`~.quantize.BLOCK` inputs (``[rows, in / BLOCK]``): the ones its producer left on it
+    """The e4m3 copy of ``x2`` and its scales, per token (``[rows]``) or per token and group of
+    inputs (``[rows, in / group]``, :data:`SCALE_GROUPS`): the ones its producer left on it
     (see the module docstring), else quantized now per token (:func:`quantize_tokens`)."""
     left = getattr(x2, QUANTIZED_COPY, None)
     if left is not None and left[0].shape == x2.shape:
@@ -234,14 +236,18 @@ def quantized_input(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _activations(x2: torch.Tensor, cfg: DecodeConfig) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(e4m3 activations, their scales, the inputs a scale covers: 0 per token) of a launch with
-    ``cfg``: :func:`quantized_input`, the copy with group scales only where the config's K step
-    holds whole groups and it is no strip of parts (else quantized per token from ``x2``)."""
+    ``cfg``: :func:`quantized_input`, the copy with group scales (groups of
+    :data:`SCALE_GROUPS` inputs) only where the config's K step holds whole groups and it is
+    no strip of parts (else quantized per token from ``x2``)."""
     q, scales = quantized_input(x2)
     if scales.dim() == 1:
         return q, scales, 0
-    if scales.shape == (x2.shape[0], x2.shape[1] // BLOCK) and x2.shape[1] % BLOCK == 0 and \
-            cfg.block_k % BLOCK == 0 and not strip_of_parts(cfg):
-        return q, scales, BLOCK
+    rows, inp = x2.shape
+    groups = scales.shape[1]
+    group = inp // groups if groups and inp % groups == 0 else 0
+    if scales.shape[0] == rows and group in SCALE_GROUPS and cfg.block_k % group == 0 and \
+            not strip_of_parts(cfg):
+        return q, scales, group
     q, scales = quantize_tokens(x2)
     return q, scales, 0
 
@@ -285,7 +291,8 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
     _w8a8_tma_kernel[(cfg.grid(rows, out),)](
         x_desc, w_desc, scales, weight.scale, y, partials, counters, rows, out, inp,
         scales.stride(0), y.stride(0), ws_rows, cfg.split_k,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROMOTE=PROMOTE_EVERY,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PROMOTE=min(PROMOTE_EVERY, group or PROMOTE_EVERY),  # (a group's dot: at most its K)
         EMULATE=_INTERPRETED, TOKENS_FIRST=cfg.tokens_first, GROUP=group,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x2.device))
     return y
@@ -303,5 +310,5 @@ def tma_mm(x2: torch.Tensor, weight: QuantizedWeight,
     return shared.product(KERNEL, launch, x2, weight, config)
 
 
-__all__ = ["KERNEL", "PROMOTE_EVERY", "descriptor_blocks", "launch", "part_constexprs", "part_dot",
+__all__ = ["KERNEL", "PROMOTE_EVERY", "SCALE_GROUPS", "descriptor_blocks", "launch", "part_constexprs", "part_dot",
            "quantize_tokens", "quantized_input", "strip_of_parts", "supports", "tma_mm"]

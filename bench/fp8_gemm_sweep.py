@@ -54,6 +54,8 @@ import torch
 
 if __name__ == "__main__" and "--tiny" in sys.argv and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+# each kernel is timed alone: no programmatic dependent launch (inference/fp8/dependent_launch)
+os.environ.setdefault("PARALLEL_MODELS_FP8_PDL", "0")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import LLAMA3_8B, LLAMA_089B  # noqa: E402

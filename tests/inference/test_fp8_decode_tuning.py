@@ -154,6 +154,33 @@ def test_tune_times_the_fastest_again_round_robin(monkeypatch):
     assert calls == [d]  # one candidate: nothing to compare
 
 
+def test_candidates_are_timed_without_dependent_launch(monkeypatch):
+    """``timing()`` is True while tune() runs the candidates (dependent_launch stays off), and
+    False after it, also after candidates that raised and after an interrupted tune()."""
+    seen = []
+
+    def run(cfg):
+        seen.append(dt.timing())
+        if cfg.split_k > 1:
+            raise RuntimeError("does not build")
+        return cfg
+
+    monkeypatch.setattr(dt, "time_ms", lambda fn, **kw: fn() and 1.0)
+    monkeypatch.setattr(dt, "l2_flush_buffer", lambda device: None)
+    configs = dt.candidates(64, 4096, 4096, "channel", 132, kernel="tma")[:4]
+    assert not dt.timing()
+    dt.tune(configs, run, torch.device("cuda", 0))
+    assert seen and all(seen) and not dt.timing()
+
+    def interrupted(fn, **kw):
+        raise KeyboardInterrupt  # (not a candidate's failure: leaves tune)
+
+    monkeypatch.setattr(dt, "time_ms", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        dt.tune(configs, run, torch.device("cuda", 0))
+    assert not dt.timing()
+
+
 def test_an_sm_share_strip_in_power_of_two_parts():
     strips = {c.block_n for c in dt.candidates(64, 28672, 4096, "channel", 132, kernel="tma")
               if c.tokens_first}

@@ -67,6 +67,7 @@ LAUNCH_COVER_CYCLES = 200_000  # ~100 us of GPU spin before each timed run: long
 # launch on the host, so the events time the kernel, not the launch (CUDA graphs replay without)
 
 _chosen: dict = {}  # key -> DecodeConfig
+_timing = False  # inside tune(): the candidates launch without dependent launch
 timings: dict = {}  # key -> [(DecodeConfig, ms)] of the candidates timed for it
 _warned: set = set()
 
@@ -326,26 +327,39 @@ def tune(configs: list[DecodeConfig], run, device: torch.device) -> list[tuple]:
     fastest are timed again in :data:`REFINE_ROUNDS` round-robin rounds and ranked by the median
     of their rounds: the candidates are often within 0.5 us of each other, about the noise of
     one median of 10 runs, and a drift of the clock during the first pass would favour whichever
-    ran then (an 8B o_proj once got a 2 us slower tile so)."""
+    ran then (an 8B o_proj once got a 2 us slower tile so). The kernels run without
+    programmatic dependent launch here (:func:`timing`): launched early against the spin and
+    the events around them, they were timed erratically, and the choices of one process
+    differed from the next (the 8B o_proj: 16-row strips, 64 x 128 or 256 x 64 tiles with 2
+    splits; the step 0.67x to 0.72x bf16, session 20)."""
+    global _timing
     try:
         flush = l2_flush_buffer(device)
     except torch.OutOfMemoryError:  # (a tight memory plan: time with the L2 warm instead)
         flush = None
-    results = []
-    for cfg in configs:
-        try:
-            results.append((cfg, time_ms(lambda: run(cfg), flush=flush)))
-        except Exception as exc:  # noqa: BLE001 - Triton's OutOfResources, a PTX error, ...
-            log.debug("fp8 decode GEMM: %s does not run here: %s", cfg, exc)
-    results.sort(key=lambda r: r[1])
-    top = [cfg for cfg, _ in results[:REFINE_TOP]]
-    rounds = {cfg: [ms] for cfg, ms in results[:REFINE_TOP]}
-    for _ in range(REFINE_ROUNDS if len(top) > 1 else 0):
-        for cfg in top:
-            rounds[cfg].append(time_ms(lambda: run(cfg), warmup=1, flush=flush))
+    results, _timing = [], True
+    try:
+        for cfg in configs:
+            try:
+                results.append((cfg, time_ms(lambda: run(cfg), flush=flush)))
+            except Exception as exc:  # noqa: BLE001 - Triton's OutOfResources, a PTX error, ...
+                log.debug("fp8 decode GEMM: %s does not run here: %s", cfg, exc)
+        results.sort(key=lambda r: r[1])
+        top = [cfg for cfg, _ in results[:REFINE_TOP]]
+        rounds = {cfg: [ms] for cfg, ms in results[:REFINE_TOP]}
+        for _ in range(REFINE_ROUNDS if len(top) > 1 else 0):
+            for cfg in top:
+                rounds[cfg].append(time_ms(lambda: run(cfg), warmup=1, flush=flush))
+    finally:
+        _timing = False
     del flush
     refined = sorted(((cfg, statistics.median(rounds[cfg])) for cfg in top), key=lambda r: r[1])
     return refined + results[len(top):]
+
+
+def timing() -> bool:
+    """Whether :func:`tune` is timing candidates now (``dependent_launch`` stays off then)."""
+    return _timing
 
 
 def _fastest_agreeing(results: list[tuple], default: DecodeConfig, run) -> DecodeConfig:
@@ -410,4 +424,4 @@ __all__ = ["DecodeConfig", "FP8_ACTIVATIONS", "FUSED_KERNELS", "KERNELS", "MAX_P
            "TOKENS_FIRST_ROWS", "TOKENS_FIRST_TILES", "TUNE", "TUNED_ROWS", "W8A8_KERNELS",
            "candidates", "choose", "chosen_configs", "default_config", "key_of",
            "l2_flush_buffer", "row_bucket", "sm_count", "smem_bytes", "stage_bytes",
-           "strip_parts", "time_ms", "timings", "tune"]
+           "strip_parts", "time_ms", "timing", "timings", "tune"]

@@ -18,7 +18,8 @@ prefetch.L2``, 64 or 256 KiB a program) was measured and dropped: the 8B decode 
 took 5.25 / 4.91 ms with it against 4.84 ms without (H100, docs/PERFORMANCE.md, session 20).
 
 A kernel before a PDL one that does not release (torch's, cuBLAS's) releases implicitly as its
-programs exit. Off in Triton's CPU interpreter and below compute capability 9.0, and where
+programs exit. Off in Triton's CPU interpreter, below compute capability 9.0, while
+``decode_tuning`` times candidates (a kernel timed alone has nothing to overlap), and where
 ``PARALLEL_MODELS_FP8_PDL=0`` (docs/PERFORMANCE.md has the step time both ways).
 """
 
@@ -30,6 +31,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from parallel_models.inference.fp8 import decode_tuning
 
 ENV = "PARALLEL_MODELS_FP8_PDL"
 
@@ -48,7 +51,7 @@ def enabled(device: torch.device) -> bool:
     """Whether kernels on ``device`` launch with PDL (see the module docstring)."""
     if device.type != "cuda" or gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    if os.environ.get(ENV, "1") == "0":
+    if os.environ.get(ENV, "1") == "0" or decode_tuning.timing():
         return False
     return _device_supports(device.index if device.index is not None
                             else torch.cuda.current_device())

@@ -103,24 +103,21 @@ def _selector():
     """``select(kernel)``: ``gemm``'s decode switches for one FP8 engine (``kernel``: a decode
     kernel, ``"<kernel>@<rows>"`` with ``DECODE_ROWS`` set to rows; ``"scaled_mm"``: no decode
     kernel, ``DECODE_ROWS`` 0, ``_scaled_mm`` at every size; ``+unfused``: the gate_up GEMM and
-    SwiGLU as two kernels and o_proj quantizing its own input (``fused_producers``'
-    ``FUSE_GATE_UP`` and ``FUSE_ATTENTION_OUTPUT`` off: session 19's kernels); ``+nopdl``: no programmatic
+    SwiGLU as two kernels (``fused_producers.FUSE_GATE_UP`` off); ``+nopdl``: no programmatic
     dependent launch (``dependent_launch``); None: the defaults, which ``select`` restores), the
     defaults read now. The switches hold at the engine's graph capture, so engines that differ
     in them are timed side by side."""
     from parallel_models.inference.fp8 import fused_producers, gemm
 
     default_kernel, default_rows = gemm.DECODE_KERNEL, gemm.DECODE_ROWS
-    default_fuse = (fused_producers.FUSE_GATE_UP, fused_producers.FUSE_ATTENTION_OUTPUT)
-    pdl_env = {}
+    default_fuse, pdl_env = fused_producers.FUSE_GATE_UP, {}
 
     def select(kernel):
         base, *flags = (kernel or "").split("+")
         name, _, rows = base.partition("@")
         gemm.DECODE_KERNEL = default_kernel if name in ("", "scaled_mm") else name
         gemm.DECODE_ROWS = 0 if name == "scaled_mm" else int(rows or default_rows)
-        fused_producers.FUSE_GATE_UP = default_fuse[0] and "unfused" not in flags
-        fused_producers.FUSE_ATTENTION_OUTPUT = default_fuse[1] and "unfused" not in flags
+        fused_producers.FUSE_GATE_UP = default_fuse and "unfused" not in flags
         if "nopdl" in flags and not pdl_env:  # (dependent_launch imports triton: only here;
             try:                                # without triton there is no PDL to turn off)
                 from parallel_models.inference.fp8.dependent_launch import ENV

@@ -20,7 +20,7 @@ imported) whether it wants a given op. It says yes only under all of these condi
 
 Otherwise the op runs as before. The dense MLP's gate_up GEMM and its SwiGLU go further: one
 kernel (``swiglu_gemm_kernel``) computes both and leaves the output's e4m3 copy with a scale per
-token and 128 features, which the down GEMM multiplies group by group
+token and 64 or 128 features, which the down GEMM multiplies group by group
 (:meth:`OutputQuantizer.gated_mlp_input`, asked by ``fused_ops.gated_mlp_input``). The output
 in the model's dtype is the eager reference's rounding (see ``producer_kernels``). A copy that
 no FP8 linear reads (the final norm's, before the LM head) costs one small write.

@@ -20,7 +20,9 @@ Its epilogue:
   for the down GEMM (``tma_decode_kernel``'s group-scaled mode: a dot per group, scaled).
 
 The group is the tuned config's ``BLOCK_N``: 128-feature programs (256 weight rows) are fewer
-than an H100's SMs for the 8B shape (112), 64-feature ones are not (224).
+than an H100's SMs for the 8B shape (112), 64-feature ones are not (224); on an H100 the
+128-feature ones were faster all the same (49.2 against 52.5 us at 64 rows; the GEMM alone
+took 48.6 us and the SwiGLU kernel after it 8.4 us, docs/PERFORMANCE.md session 20).
 
 So the result is ``swiglu(token_matmul(x, W_gate_up))`` up to the accumulation order, and its
 copy what ``quantize_activation(., "block", group)`` gives from that; ``fused_producers`` routes the

@@ -101,3 +101,28 @@ def test_what_it_does_not_take():
     x, w = _operands(4, 128, 256)
     with pytest.raises(ValueError, match="features a program"):
         swiglu_gemm_kernel.gate_up_swiglu(x, w, DecodeConfig(32, 16, 128, 1, 4, 2))
+
+
+def test_dependent_launch_is_on_only_where_it_can_be(monkeypatch):
+    """``dependent_launch.launch_options``: PDL on a CUDA device of SM 9.0+, off on the CPU, in
+    the interpreter, with ``PARALLEL_MODELS_FP8_PDL=0`` and while the tuner times candidates
+    (``decode_tuning.timing``)."""
+    from parallel_models.inference.fp8 import dependent_launch as dl
+
+    if dl.gdc_wait is None:
+        pytest.skip("a triton without griddepcontrol")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(dl, "_device_supports", lambda index: index == 0)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(dl.ENV, raising=False)
+    assert dl.launch_options(cuda) == {"PDL": True, "launch_pdl": True}
+    assert dl.launch_options(torch.device("cuda", 1)) == {"PDL": False}  # (SM < 9.0 here)
+    assert dl.launch_options(torch.device("cpu")) == {"PDL": False}
+    monkeypatch.setattr(decode_tuning, "_timing", True)
+    assert dl.launch_options(cuda) == {"PDL": False}
+    monkeypatch.setattr(decode_tuning, "_timing", False)
+    monkeypatch.setenv(dl.ENV, "0")
+    assert dl.launch_options(cuda) == {"PDL": False}
+    monkeypatch.delenv(dl.ENV)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert dl.launch_options(cuda) == {"PDL": False}

@@ -34,7 +34,8 @@ import weakref
 import torch
 
 from parallel_models.inference.fp8 import gemm
-from parallel_models.inference.fp8.quantize import MAX_PRODUCER_COLS, QUANTIZED_COPY
+from parallel_models.inference.fp8.quantize import (MAX_PRODUCER_COLS, QUANTIZED_COPY,
+                                                    fp8_weight_of, reshape_keeping_copy)
 from parallel_models.llama.layers import fused_ops
 
 _active = weakref.WeakSet()  # the channel-scaled Fp8Linears generating (Fp8Linears.enabled)
@@ -95,20 +96,14 @@ class OutputQuantizer:
                 not self.wanted(x):
             return None
         from parallel_models.inference.fp8 import swiglu_gemm_kernel
-        from parallel_models.inference.fp8.quantize import QuantizedWeight
 
-        weight = QuantizedWeight(linear.fp8_weight, linear.fp8_scale, linear.fp8_granularity)
-        x2 = x.reshape(-1, x.shape[-1])
+        weight = fp8_weight_of(linear)
+        x2 = reshape_keeping_copy(x, -1, x.shape[-1])  # (the norm's copy: the kernel's input)
         if not swiglu_gemm_kernel.supports(x2, weight) or \
                 gemm.decode_kernel(x.device, weight.granularity) != "tma":
             return None
-        copy = getattr(x, QUANTIZED_COPY, None)  # (the norm's: the kernel's e4m3 input)
-        if copy is not None and x2 is not x:
-            setattr(x2, QUANTIZED_COPY, copy)
         h = swiglu_gemm_kernel.gate_up_swiglu(x2, weight)
-        out = h.view(*x.shape[:-1], h.shape[-1])
-        setattr(out, QUANTIZED_COPY, getattr(h, QUANTIZED_COPY))
-        return out
+        return reshape_keeping_copy(h, *x.shape[:-1], h.shape[-1])
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` with its e4m3 copy left on it."""

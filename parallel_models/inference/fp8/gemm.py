@@ -45,8 +45,8 @@ import logging
 
 import torch
 
-from parallel_models.inference.fp8.quantize import (BLOCK, QUANTIZED_COPY, QuantizedWeight,
-                                                    dequantize_activation, quantize_activation)
+from parallel_models.inference.fp8.quantize import (BLOCK, QuantizedWeight, dequantize_activation,
+                                                    quantize_activation, reshape_keeping_copy)
 
 log = logging.getLogger(__name__)
 _warned: set = set()
@@ -362,10 +362,7 @@ def fp8_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | No
     """``x @ W^T (+ bias)`` for ``x`` ``[..., in]`` in the activation dtype; ``backend``: force
     ``"scaled_mm"`` or ``"emulated"`` (default: :func:`gemm_backend`) for the products that do
     not run a decode kernel (see the module docstring)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    copy = getattr(x, QUANTIZED_COPY, None)  # (its producer's e4m3 copy: fused_producers)
-    if copy is not None and x2 is not x:
-        setattr(x2, QUANTIZED_COPY, copy)
+    x2 = reshape_keeping_copy(x, -1, x.shape[-1])  # (its producer's copy: fused_producers)
     backend = backend or gemm_backend(x2, weight)
     decode_mm = _decode_mm(x2.device, weight.granularity) \
         if x2.is_cuda and x2.shape[0] <= DECODE_ROWS else None

@@ -98,6 +98,22 @@ class QuantizedWeight:
         return dequantize_weight(self.data, self.scale, self.granularity, dtype)
 
 
+def fp8_weight_of(module: torch.nn.Module) -> QuantizedWeight:
+    """The FP8 copy ``rollout_linears.Fp8Linears`` keeps on a linear: its ``fp8_weight`` /
+    ``fp8_scale`` buffers and ``fp8_granularity``."""
+    return QuantizedWeight(module.fp8_weight, module.fp8_scale, module.fp8_granularity)
+
+
+def reshape_keeping_copy(x: torch.Tensor, *shape) -> torch.Tensor:
+    """``x.reshape(*shape)`` with the e4m3 copy its producer left on ``x`` (:data:`QUANTIZED_COPY`,
+    if any) left on the result too (a reshape is a new tensor object)."""
+    y = x.reshape(*shape)
+    copy = getattr(x, QUANTIZED_COPY, None)
+    if copy is not None and y is not x:
+        setattr(y, QUANTIZED_COPY, copy)
+    return y
+
+
 def weight_scale_shape(shape, granularity: str) -> tuple[int, ...]:
     """Shape of the scales of a ``[out, in]`` weight."""
     _check_granularity(granularity)
@@ -172,4 +188,5 @@ def dequantize_activation(data: torch.Tensor, scale: torch.Tensor, granularity: 
 
 __all__ = ["BLOCK", "E4M3", "E4M3_MAX", "GRANULARITIES", "MAX_PRODUCER_COLS", "QUANTIZED_COPY",
            "QuantizedWeight", "dequantize_activation", "dequantize_weight", "quantize_activation",
+           "fp8_weight_of", "reshape_keeping_copy",
            "quantize_weight", "weight_scale_shape"]

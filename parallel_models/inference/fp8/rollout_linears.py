@@ -33,7 +33,7 @@ from parallel_models.inference.fp8 import fused_producers
 from parallel_models.inference.fp8.gemm import block_scale_storage, fp8_linear, gemm_backend
 from parallel_models.inference.fp8.grouped_experts import (EXPERT_GRANULARITY, expert_linears,
                                                            fp8_experts_forward, pack_experts)
-from parallel_models.inference.fp8.quantize import E4M3, QuantizedWeight, quantize_weight
+from parallel_models.inference.fp8.quantize import E4M3, fp8_weight_of, quantize_weight
 
 # the decoder layers' projections (dense: layers/attention.py, layers/mlp.py; MoE experts and
 # shared experts: megatron-core's MLP names)
@@ -106,7 +106,7 @@ class Fp8Linears:
                     or (module.fp8_granularity == "block" and module.fp8_scale.stride(0) % 4)):
                 self._allocate(module)  # moved (offloaded and back): the kernel's layout again
             quantize_weight(module.weight.detach(), module.fp8_granularity,
-                            out=_weight_of(module))
+                            out=fp8_weight_of(module))
         self.stale = False
 
     def experts_forward(self, experts, x, tokens_per_expert, permuted_probs):
@@ -149,17 +149,13 @@ class Fp8Linears:
         return sum(m.fp8_weight.numel() + 4 * m.fp8_scale.numel() for _, m in self.modules)
 
 
-def _weight_of(module) -> QuantizedWeight:
-    return QuantizedWeight(module.fp8_weight, module.fp8_scale, module.fp8_granularity)
-
-
 def _fp8_forward(self, input_, *args, **kwargs):
     """Column/RowParallelLinear's forward on the FP8 copy (megatron's own while inactive or when
     called with its extra arguments)."""
     if not self.fp8_state.active or args or kwargs or torch.is_grad_enabled() and \
             self.weight.requires_grad:
         return type(self).forward(self, input_, *args, **kwargs)
-    weight = _weight_of(self)
+    weight = fp8_weight_of(self)
     if self.fp8_backend is None:
         self.fp8_backend = gemm_backend(input_, weight)
     bias = self.bias if not self.skip_bias_add else None

@@ -39,13 +39,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from parallel_models.inference.fp8 import decode_tuning
+from parallel_models.inference.fp8 import decode_tuning, tma_decode_kernel
 from parallel_models.inference.fp8.decode_tuning import DecodeConfig
 from parallel_models.inference.fp8.dependent_launch import (launch_options, release_dependents,
                                                             wait_for_inputs)
 from parallel_models.inference.fp8.e4m3_rounding import e4m3_scale, scaled_for_e4m3
 from parallel_models.inference.fp8.quantize import E4M3, E4M3_MAX, QUANTIZED_COPY, QuantizedWeight
-from parallel_models.inference.fp8 import tma_decode_kernel
 from parallel_models.inference.fp8.tma_decode_kernel import PROMOTE_EVERY, SCALE_GROUPS, part_dot
 from parallel_models.llama.layers.exact import interpreter_fix
 

@@ -310,5 +310,6 @@ def tma_mm(x2: torch.Tensor, weight: QuantizedWeight,
     return shared.product(KERNEL, launch, x2, weight, config)
 
 
-__all__ = ["KERNEL", "PROMOTE_EVERY", "SCALE_GROUPS", "descriptor_blocks", "launch", "part_constexprs", "part_dot",
-           "quantize_tokens", "quantized_input", "strip_of_parts", "supports", "tma_mm"]
+__all__ = ["KERNEL", "PROMOTE_EVERY", "SCALE_GROUPS", "descriptor_blocks", "launch",
+           "part_constexprs", "part_dot", "quantize_tokens", "quantized_input", "strip_of_parts",
+           "supports", "tma_mm"]

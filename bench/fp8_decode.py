@@ -99,52 +99,66 @@ def _engine(model, batch: int, prompt: int, new: int, vocab: int, seed: int,
     return eng
 
 
+def _flag_env(flag: str):
+    """(variable, value) a contender flag sets at graph capture, None for ``unfused`` (a
+    module switch): ``nopdl`` (the FP8 kernels' dependent launch off), ``noattnpdl`` (the
+    attention's), ``pf<KiB>`` (each FP8 decode GEMM program's L2 prefetch before its wait, KiB;
+    ``pf0``: none). The names come from ``dependent_launch``, which imports triton: only here."""
+    if flag == "unfused":
+        return None
+    from parallel_models.inference.fp8 import dependent_launch as dl
+
+    if flag == "nopdl":
+        return dl.ENV, "0"
+    if flag == "noattnpdl":
+        return dl.ATTENTION_ENV, "0"
+    return dl.PREFETCH_ENV, flag[2:]
+
+
 def _selector():
-    """``select(kernel)``: ``gemm``'s decode switches for one FP8 engine (``kernel``: a decode
+    """``select(kernel)``: ``gemm``'s decode switches for one engine (``kernel``: a decode
     kernel, ``"<kernel>@<rows>"`` with ``DECODE_ROWS`` set to rows; ``"scaled_mm"``: no decode
-    kernel, ``DECODE_ROWS`` 0, ``_scaled_mm`` at every size; ``+unfused``: the gate_up GEMM and
-    SwiGLU as two kernels (``fused_producers.FUSE_GATE_UP`` off); ``+nopdl``: no programmatic
-    dependent launch (``dependent_launch``); None: the defaults, which ``select`` restores), the
-    defaults read now. The switches hold at the engine's graph capture, so engines that differ
-    in them are timed side by side."""
+    kernel, ``DECODE_ROWS`` 0, ``_scaled_mm`` at every size; ``"bf16"``: the bf16 linears;
+    flags: ``+unfused``, the gate_up GEMM and SwiGLU as two kernels
+    (``fused_producers.FUSE_GATE_UP`` off), and the variables of :func:`_flag_env`; None: the
+    defaults, which ``select`` restores), the defaults read now. The switches hold at the
+    engine's graph capture, so engines that differ in them are timed side by side."""
     from parallel_models.inference.fp8 import fused_producers, gemm
 
     default_kernel, default_rows = gemm.DECODE_KERNEL, gemm.DECODE_ROWS
-    default_fuse, pdl_env = fused_producers.FUSE_GATE_UP, {}
+    default_fuse, env_defaults = fused_producers.FUSE_GATE_UP, {}
 
     def select(kernel):
         base, *flags = (kernel or "").split("+")
         name, _, rows = base.partition("@")
-        gemm.DECODE_KERNEL = default_kernel if name in ("", "scaled_mm") else name
+        gemm.DECODE_KERNEL = default_kernel if name in ("", "scaled_mm", "bf16") else name
         gemm.DECODE_ROWS = 0 if name == "scaled_mm" else int(rows or default_rows)
         fused_producers.FUSE_GATE_UP = default_fuse and "unfused" not in flags
-        if "nopdl" in flags and not pdl_env:  # (dependent_launch imports triton: only here;
-            try:                                # without triton there is no PDL to turn off)
-                from parallel_models.inference.fp8.dependent_launch import ENV
-                pdl_env.update(name=ENV, default=os.environ.get(ENV))
-            except ImportError:
-                pass
-        if pdl_env:
-            pdl = "0" if "nopdl" in flags else pdl_env["default"]
-            if pdl is None:
-                os.environ.pop(pdl_env["name"], None)
+        wanted = dict(filter(None, map(_flag_env, flags)))
+        for var in wanted:
+            env_defaults.setdefault(var, os.environ.get(var))
+        for var, default in env_defaults.items():
+            value = wanted.get(var, default)
+            if value is None:
+                os.environ.pop(var, None)
             else:
-                os.environ[pdl_env["name"]] = pdl
+                os.environ[var] = value
 
     return select
 
 
-DECODE_CONTENDERS = ("dynamic", "w8a8", "weight_only", "tma", "scaled_mm")
-CONTENDER_FLAGS = ("unfused", "nopdl")
+DECODE_CONTENDERS = ("dynamic", "w8a8", "weight_only", "tma", "scaled_mm", "bf16")
+CONTENDER_FLAGS = ("unfused", "nopdl", "noattnpdl", "pf<KiB>")
 
 
 def _contender(text: str) -> str:
-    """``--decode-kernels`` entry: a decode kernel or ``scaled_mm``, optionally ``@rows``, then
-    any of ``+unfused``, ``+nopdl``."""
+    """``--decode-kernels`` entry: a decode kernel, ``scaled_mm`` or ``bf16`` (another bf16
+    engine: with flags), optionally ``@rows``, then any of :data:`CONTENDER_FLAGS`."""
     base, *flags = text.split("+")
     name, _, rows = base.partition("@")
     if name not in DECODE_CONTENDERS or (rows and not rows.isdigit()) or \
-            any(flag not in CONTENDER_FLAGS for flag in flags):
+            any(flag not in CONTENDER_FLAGS[:-1] and not
+                (flag.startswith("pf") and flag[2:].isdigit()) for flag in flags):
         raise argparse.ArgumentTypeError(f"{text!r}: one of {DECODE_CONTENDERS}, optionally "
                                          "@<rows> (gemm.DECODE_ROWS), then any of "
                                          f"{['+' + f for f in CONTENDER_FLAGS]}")
@@ -156,11 +170,16 @@ def _kernel_of(contender: str) -> str:
     return contender.split("+")[0].partition("@")[0]
 
 
+def _is_fp8(kernel) -> bool:
+    """Whether a contender (None: the bf16 engine) runs the FP8 linears."""
+    return kernel is not None and _kernel_of(kernel) != "bf16"
+
+
 def _fp8_on(fp8, kernel):
     """An FP8 contender runs inside ``fp8.enabled()``, as the engine's generate does (the FP8
     forward on, the norms and SwiGLU writing e4m3 copies for the TMA kernel: ``fused_producers``);
     the bf16 contender (``kernel`` None) outside it (``fp8`` is built inactive)."""
-    return fp8.enabled() if kernel is not None else contextlib.nullcontext()
+    return fp8.enabled() if _is_fp8(kernel) else contextlib.nullcontext()
 
 
 def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
@@ -173,7 +192,7 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
     for kernel in args.decode_kernels:
         select(kernel)
         with _fp8_on(fp8, kernel):
-            engines[f"fp8_{kernel}"] = (_engine(model, batch, args.prompt, new, spec["vocab"],
+            engines[f"fp8_{kernel}" if _is_fp8(kernel) else kernel] = (_engine(model, batch, args.prompt, new, spec["vocab"],
                                                 batch), kernel)
     if args.kv_fp8:  # the KV pool in e4m3: with the bf16 linears, and with the first kernel's
         for kernel in [None] + args.decode_kernels[:1]:
@@ -198,7 +217,7 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
         timing = _cpu_alternate(contenders, args.rounds, args.warmup, args.iters)
     select(None)
     backends = sorted({m.fp8_backend for _, m in fp8.modules if m.fp8_backend})
-    fp8_engines = [engine for engine, kernel in engines.values() if kernel is not None]
+    fp8_engines = [engine for engine, kernel in engines.values() if _is_fp8(kernel)]
     row = {"shape": shape, "batch": batch, "prompt": args.prompt, "chain": args.chain,
            "scales": fp8.granularity,
            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -216,7 +235,8 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
                 if key[0] == row_bucket(batch) and key[3] == fp8.granularity
                 and key[5].startswith(kernel)}
 
-    row["decode_tiles"] = {contender: tiles(contender) for contender in args.decode_kernels}
+    row["decode_tiles"] = {contender: tiles(contender) for contender in args.decode_kernels
+                           if _is_fp8(contender)}
     for name in contenders:
         row[f"{name}_step_ms"] = 1e3 * timing[name]["median_s"] / args.chain
         row[f"{name}_spread"] = timing[name]["spread"]
@@ -233,7 +253,8 @@ def grpo_both_ways(args, shape: str, model, fp8) -> list[dict]:
 
     cfg = types.SimpleNamespace(vocab_size=SHAPES[shape]["vocab"])
     out, select = [], _selector()
-    for dtype, kernel in [("bf16", None)] + [("fp8", k) for k in args.decode_kernels]:
+    for dtype, kernel in [("bf16", None)] + [("fp8" if _is_fp8(k) else "bf16", k)
+                                             for k in args.decode_kernels]:
         select(kernel)
         with _fp8_on(fp8, kernel):
             row = {"shape": shape, "case": "grpo", "weights": dtype, "decode_kernel": kernel,

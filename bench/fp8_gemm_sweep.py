@@ -289,7 +289,7 @@ def _compile(kernel_fn, consts: dict, cfg, arch: int) -> dict:
     from triton.compiler import ASTSource
 
     ints = ("M", "N", "K", "stride_xm", "stride_wn", "stride_ym", "stride_sn", "ws_rows",
-            "SPLIT_K", "stride_xsm", "stride_xsg", "stride_xs")
+            "SPLIT_K", "stride_xsm", "stride_xsg", "stride_xs", "stride_w")
     x_type = "*fp8e4nv" if consts.get("PREQUANT") else "*bf16"
     sig = {"X": x_type, "W": "*fp8e4nv", "S": "*fp32", "Y": "*bf16", "P": "*fp32", "C": "*i32",
            "XS": "*fp32", **{n: "i32" for n in ints},
@@ -301,7 +301,8 @@ def _compile(kernel_fn, consts: dict, cfg, arch: int) -> dict:
                                       descriptor_blocks(cfg)):
             sig[name] = f"tensordesc<fp8e4nv[{rows}, {cols}]>"
     sig = {n: sig[n] for n in kernel_fn.arg_names if n in sig}  # (this kernel's arguments)
-    aligned = ("X", "W", "S", "Y", "P", "C", "N", "K", "stride_xm", "stride_wn", "stride_ym")
+    aligned = ("X", "W", "S", "Y", "P", "C", "N", "K", "stride_xm", "stride_wn", "stride_ym",
+               "stride_w")
     attrs = {(kernel_fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned
              if n in kernel_fn.arg_names}
     consts = {c: v for c, v in consts.items() if c in kernel_fn.arg_names}
@@ -329,6 +330,7 @@ def compile_only(plan: dict, rows_list, scales, arch: int, kernels=KERNELS) -> l
     shared memory (and whether it fits the architecture's per-block limit), registers and
     spill bytes (``cuobjdump --dump-resource-usage``)."""
     from parallel_models.inference.fp8.decode_tuning import candidates
+    from parallel_models.inference.fp8.dependent_launch import PREFETCH_KB, lines_for
     from parallel_models.inference.fp8.dynamic_act_kernel import _w8a8_dynamic_kernel
     from parallel_models.inference.fp8.quantize import E4M3_MAX
     from parallel_models.inference.fp8.tma_decode_kernel import (
@@ -366,6 +368,9 @@ def compile_only(plan: dict, rows_list, scales, arch: int, kernels=KERNELS) -> l
                             if kernel == "tma" and strip_of_parts(cfg):  # (BLOCK_N: part 1)
                                 fn = _w8a8_tma_strip_kernel
                                 consts.update(part_constexprs(cfg))
+                            elif kernel == "tma":  # (the default prefetch before the wait)
+                                consts["LINES"] = lines_for(PREFETCH_KB * 1024, cfg.block_n,
+                                                            inp // max(1, cfg.split_k or 1))
                             tiles = {f: v for f, v in cfg.as_dict().items() if f != "split_k"}
                             lines.append({"compiled": {"kernel": kernel, "scales": gran,
                                                        **tiles},  # (split: run time)

@@ -183,8 +183,13 @@ def _kernels():
     import triton
 
     from parallel_models.inference import split_kv_kernels
+    from parallel_models.inference.fp8 import dependent_launch
 
-    return triton, split_kv_kernels.split_kernel, split_kv_kernels.combine_kernel
+    def launch_options(device):  # (programmatic dependent launch where it is on)
+        return dependent_launch.launch_options(device, dependent_launch.ATTENTION_ENV)
+
+    return (triton, split_kv_kernels.split_kernel, split_kv_kernels.combine_kernel,
+            launch_options)
 
 
 def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -208,7 +213,7 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     ``kv_scales``: ``(k_scale, v_scale)`` fp32 ``[positions, kv_heads]`` of e4m3 pools (the
     new k / v quantized into them as they are written); None: the pools in ``q``'s dtype.
     """
-    triton, split_kernel, combine_kernel = _kernels()
+    triton, split_kernel, combine_kernel, launch_options = _kernels()
     b, heads, dim = q.shape
     kv_heads = k_pool.shape[1]
     if heads % kv_heads or dim & (dim - 1) or dim < 16:
@@ -265,12 +270,12 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         INTERPRETED=interpreted,
         # the interpreter loops a fixed count over a row's earlier entries (compiled: any)
         MAX_BACK=int(back.max()) if interpreted else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(q.device))
     if num_splits > 1:
         combine_kernel[(b, heads)](part_out, part_lse, used, out, out.stride(0), out.stride(1),
                                    H=heads, D=dim, SPLIT=split, NUM_SPLITS=num_splits,
                                    BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-                                   num_warps=4)
+                                   num_warps=4, **launch_options(q.device))
     return out
 
 

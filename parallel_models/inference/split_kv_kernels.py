@@ -7,6 +7,9 @@ See ``split_kv_attention`` for the layout and the contract. ``FP8_KV``: e4m3 poo
 scales per (position, KV head): a tile's scores are scaled by its keys' scales and its softmax
 weights by its values' scales (fp32), and the new token is quantized as it is stored (in the
 CPU interpreter, whose fp32 -> e4m3 conversion is wrong, rounded by ``fp8.e4m3_rounding.round_to_e4m3`` first).
+On Hopper both launch with programmatic dependent launch (``fp8.dependent_launch``, switched by
+``PARALLEL_MODELS_ATTENTION_PDL``): each waits for the kernel before it before it reads or
+writes anything, so its launch overlaps that kernel's end.
 """
 
 import triton
@@ -14,6 +17,8 @@ import triton.language as tl
 
 # (the interpreter's stand-in for the e4m3 conversion; the FP8 rollout's GEMM uses it alike)
 from parallel_models.inference.fp8.e4m3_rounding import e4m3_scale, scaled_for_e4m3
+# (programmatic dependent launch on Hopper: both kernels wait for the one before them first)
+from parallel_models.inference.fp8.dependent_launch import release_dependents, wait_for_inputs
 
 E4M3_MAX = tl.constexpr(448.0)  # e4m3's largest finite value
 
@@ -111,7 +116,9 @@ def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Back, Out, PartOut,
                  BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
                  H: tl.constexpr, IEEE: tl.constexpr, RUNTIME_LOOP: tl.constexpr,
                  ROPE: tl.constexpr, MAX_BACK: tl.constexpr, FP8_KV: tl.constexpr,
-                 INTERPRETED: tl.constexpr):
+                 INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)  # (every read and write after it)
+    release_dependents(PDL)
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -204,7 +211,9 @@ def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Back, Out, PartOut,
 @triton.jit
 def combine_kernel(PartOut, PartLse, Used, Out, stride_ob, stride_oh,
                    H: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+                   NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_inputs(PDL)
+    release_dependents(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     used = tl.load(Used + row).to(tl.int32)

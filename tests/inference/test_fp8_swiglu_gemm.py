@@ -126,3 +126,57 @@ def test_dependent_launch_is_on_only_where_it_can_be(monkeypatch):
     monkeypatch.delenv(dl.ENV)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert dl.launch_options(cuda) == {"PDL": False}
+
+
+def test_weight_prefetch_sizes_and_switches(monkeypatch):
+    """``dependent_launch.prefetch_lines``: a power of two of 128-byte lines a weight row that
+    keeps a program within ``PARALLEL_MODELS_FP8_PREFETCH_KB`` (at least one, at most the
+    program's K range); none where PDL is off or the variable is 0. The attention's dependent
+    launch has its own switch."""
+    from parallel_models.inference.fp8 import dependent_launch as dl
+
+    if dl.gdc_wait is None:
+        pytest.skip("a triton without griddepcontrol")
+    assert dl.lines_for(32 << 10, 256, 4096) == 1      # the 8B qkv tile: a line a row
+    assert dl.lines_for(32 << 10, 16, 4096) == 16      # o_proj's 16-row strips
+    assert dl.lines_for(32 << 10, 32, 512) == 4        # at most the program's K range
+    assert dl.lines_for(32 << 10, 48, 4096) == 4       # 5.3 lines -> 4 (a power of two)
+    assert dl.lines_for(1 << 10, 256, 4096) == 1       # at least one
+    assert dl.lines_for(0, 16, 4096) == 0
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(dl, "_device_supports", lambda index: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for var in (dl.ENV, dl.ATTENTION_ENV, dl.PREFETCH_ENV):
+        monkeypatch.delenv(var, raising=False)
+    assert dl.prefetch_lines(cuda, 16, 4096) == dl.lines_for(dl.PREFETCH_KB << 10, 16, 4096)
+    monkeypatch.setenv(dl.PREFETCH_ENV, "8")
+    assert dl.prefetch_lines(cuda, 16, 4096) == 4
+    monkeypatch.setenv(dl.PREFETCH_ENV, "0")
+    assert dl.prefetch_lines(cuda, 16, 4096) == 0
+    monkeypatch.delenv(dl.PREFETCH_ENV)
+    monkeypatch.setenv(dl.ATTENTION_ENV, "0")  # the attention's switch leaves the GEMMs on
+    assert dl.launch_options(cuda, dl.ATTENTION_ENV) == {"PDL": False}
+    assert dl.launch_options(cuda)["PDL"] and dl.prefetch_lines(cuda, 16, 4096) > 0
+    monkeypatch.setenv(dl.ENV, "0")
+    assert dl.prefetch_lines(cuda, 16, 4096) == 0
+    assert dl.launch_options(torch.device("cpu")) == {"PDL": False}
+    assert dl.prefetch_lines(torch.device("cpu"), 16, 4096) == 0
+
+
+def test_weight_prefetch_before_the_wait_changes_nothing(monkeypatch):
+    """Where dependent launch is on (Hopper), each program asks L2 for the first lines of its
+    gate and up rows before it waits: output and copy are the ones without, bit for bit."""
+    from parallel_models.inference.fp8 import dependent_launch as dl
+
+    if not dl.enabled(torch.device(DEV)):
+        pytest.skip("no dependent launch here (Hopper GPUs only): nothing is prefetched")
+    x, w = _operands(64, 256, 1024, seed=2)
+    cfg = DecodeConfig(128, 64, 128, 1, 4, 3, tokens_first=True)
+    monkeypatch.delenv(dl.PREFETCH_ENV, raising=False)
+    h = swiglu_gemm_kernel.gate_up_swiglu(x, w, cfg)
+    monkeypatch.setenv(dl.PREFETCH_ENV, "0")
+    h0 = swiglu_gemm_kernel.gate_up_swiglu(x, w, cfg)
+    assert torch.equal(h, h0)
+    for a, b in zip(getattr(h, QUANTIZED_COPY), getattr(h0, QUANTIZED_COPY)):
+        assert torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                           b.view(torch.uint8) if b.dtype != torch.float32 else b)

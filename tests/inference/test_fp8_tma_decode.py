@@ -117,3 +117,35 @@ def test_group_scaled_copy_is_multiplied_group_by_group(cfg):
     else:
         assert _close(got, gemm.dynamic_matmul(other, q))
         assert not _close(got, gemm.token_matmul(other, q))
+
+
+@pytest.mark.parametrize("cfg", [
+    DecodeConfig(256, 64, 128, 1, 8, 3, tokens_first=True),   # the 8B qkv's tile: a line a row
+    DecodeConfig(16, 64, 256, 1, 4, 3, tokens_first=True),    # o_proj's strips: 16 lines a row
+    DecodeConfig(32, 64, 128, 2, 4, 3, tokens_first=True),    # a K split
+])
+def test_weight_prefetch_before_the_wait_changes_nothing(monkeypatch, cfg):
+    """Where dependent launch is on (Hopper), a program asks L2 for its first weight lines
+    before it waits (``dependent_launch.prefetch_weights``): the product is the one without,
+    bit for bit (group-scaled copy too)."""
+    from parallel_models.inference.fp8 import dependent_launch as dl
+
+    if not dl.enabled(torch.device(DEV)):
+        pytest.skip("no dependent launch here (Hopper GPUs only): nothing is prefetched")
+    assert dl.prefetch_lines(torch.device(DEV), cfg.block_n, 1024) > 0
+    x, q = _operands(64, 384, 1024, seed=5)
+    for copy in (None, "block"):
+        if copy:
+            from parallel_models.inference.fp8.quantize import quantize_activation
+
+            setattr(x, QUANTIZED_COPY, tuple(t.contiguous() for t in
+                                             quantize_activation(x, copy)))
+        monkeypatch.delenv(dl.PREFETCH_ENV, raising=False)
+        with_prefetch = tma_decode_kernel.launch(x, q, torch.empty(64, 384, dtype=ACT,
+                                                                   device=DEV), cfg)
+        monkeypatch.setenv(dl.PREFETCH_ENV, "0")
+        without = tma_decode_kernel.launch(x, q, torch.empty(64, 384, dtype=ACT, device=DEV),
+                                           cfg)
+        assert torch.equal(with_prefetch, without)
+        assert _close(with_prefetch, gemm.token_matmul(x, q) if copy is None else
+                      gemm.dynamic_matmul(x, q))

@@ -133,13 +133,13 @@ for split, splits, rope, fp8 in ((512, 1, False, False), (128, 3, True, False),
                                  (128, 3, True, True)):  # fp8: e4m3 pools with scales
     consts = dict(G=2, BLOCK_G=16, D=128, BLOCK_N=64, SPLIT=split, NUM_SPLITS=splits, H=16,
                   IEEE=False, RUNTIME_LOOP=True, ROPE=rope, MAX_BACK=0, FP8_KV=fp8,
-                  INTERPRETED=False)
+                  INTERPRETED=False, PDL=True)  # (dependent launch, as on Hopper)
     pools = dict(KPool="*fp8e4nv", VPool="*fp8e4nv") if fp8 else {}
     sig = {n: "constexpr" if n in consts else pools.get(n, types[n])
            for n in K.split_kernel.arg_names}
     triton.compile(ASTSource(K.split_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=4, num_stages=2))
-consts = dict(H=16, D=128, SPLIT=128, NUM_SPLITS=3, BLOCK_S=4)
+consts = dict(H=16, D=128, SPLIT=128, NUM_SPLITS=3, BLOCK_S=4, PDL=True)
 types = dict(PartOut="*fp32", PartLse="*fp32", Used="*i32", Out="*bf16", stride_ob="i32",
              stride_oh="i32")
 sig = {n: "constexpr" if n in consts else types[n] for n in K.combine_kernel.arg_names}

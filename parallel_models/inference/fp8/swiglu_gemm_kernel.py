@@ -41,7 +41,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from parallel_models.inference.fp8 import decode_tuning, tma_decode_kernel
 from parallel_models.inference.fp8.decode_tuning import DecodeConfig
-from parallel_models.inference.fp8.dependent_launch import (launch_options, release_dependents,
+from parallel_models.inference.fp8.dependent_launch import (launch_options, prefetch_lines,
+                                                            prefetch_weights, release_dependents,
                                                             wait_for_inputs)
 from parallel_models.inference.fp8.e4m3_rounding import e4m3_scale, scaled_for_e4m3
 from parallel_models.inference.fp8.quantize import E4M3, E4M3_MAX, QUANTIZED_COPY, QuantizedWeight
@@ -62,17 +63,19 @@ def _scaled_product(acc, token_scale, S, cols, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gate_up_swiglu_kernel(x_desc, w_desc, XS, S, H, Q, QS, M, inter, K, stride_h, stride_q,
-                           stride_qs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _gate_up_swiglu_kernel(x_desc, w_desc, W, XS, S, H, Q, QS, M, inter, K, stride_w, stride_h,
+                           stride_q, stride_qs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr, EMULATE: tl.constexpr,
                            TOKENS_FIRST: tl.constexpr, FP8_MAX: tl.constexpr,
-                           PDL: tl.constexpr):
+                           PDL: tl.constexpr, LINES: tl.constexpr = 0):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     pid_m, pid_n = pid % num_m, pid // num_m
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # intermediate features (rows of the gate)
     m_ok = rm < M
+    prefetch_weights(W, rn, inter, stride_w, 0, K, LINES)  # (weights: before the wait)
+    prefetch_weights(W + inter.to(tl.int64) * stride_w, rn, inter, stride_w, 0, K, LINES)
     wait_for_inputs(PDL)
     release_dependents(PDL)
     if TOKENS_FIRST:
@@ -144,10 +147,11 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, h: torch.Tensor, cfg: Deco
                               [cfg.block_n, cfg.block_k])
     grid = -(-rows // cfg.block_m) * (inter // cfg.block_n)
     _gate_up_swiglu_kernel[(grid,)](
-        x_desc, w_desc, scales, weight.scale, h, hq, hs, rows, inter, inp, h.stride(0),
-        hq.stride(0), hs.stride(0), BLOCK_M=cfg.block_m,
+        x_desc, w_desc, weight.data, scales, weight.scale, h, hq, hs, rows, inter, inp,
+        weight.data.stride(0), h.stride(0), hq.stride(0), hs.stride(0), BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROMOTE=PROMOTE_EVERY, EMULATE=_INTERPRETED,
-        TOKENS_FIRST=cfg.tokens_first, FP8_MAX=E4M3_MAX, num_warps=cfg.num_warps,
+        TOKENS_FIRST=cfg.tokens_first, FP8_MAX=E4M3_MAX,
+        LINES=prefetch_lines(x2.device, 2 * cfg.block_n, inp), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch_options(x2.device))
     return h
 

@@ -30,7 +30,9 @@ wait and the wgmma.
   fused gate_up + SwiGLU kernel leaves, ``swiglu_gemm_kernel``): then a dot per group, its
   fp32 result times the group's scales before it is added (with 128-input groups
   ``gemm.dynamic_matmul``'s recipe).
-- Launched with programmatic dependent launch on Hopper (``dependent_launch``).
+- Launched with programmatic dependent launch on Hopper (``dependent_launch``); before it
+  waits for the kernel before, a program asks L2 for the first lines of its weight rows
+  (``dependent_launch.prefetch_weights``; not the strips of parts, which the tuner passes over).
 - Accumulation: Hopper's FP8 MMA adds in reduced precision, so the product is promoted to the
   fp32 accumulator every 128 inputs (``max_num_imprecise_acc``), as DeepSeek-V3 and cuBLAS do.
 - Scales: the finished fp32 sums times the token's scale (before the split-K hand-over: the
@@ -58,7 +60,8 @@ from parallel_models.inference.fp8 import act_quant_kernel
 from parallel_models.inference.fp8 import decode_gemm_shared as shared
 from parallel_models.inference.fp8.decode_gemm_shared import finish_tile, program_tile
 from parallel_models.inference.fp8.decode_tuning import MAX_PARTS, DecodeConfig, strip_parts
-from parallel_models.inference.fp8.dependent_launch import (launch_options, release_dependents,
+from parallel_models.inference.fp8.dependent_launch import (launch_options, prefetch_lines,
+                                                            prefetch_weights, release_dependents,
                                                             wait_for_inputs)
 from parallel_models.inference.fp8.quantize import QUANTIZED_COPY, QuantizedWeight
 from parallel_models.llama.layers.exact import interpreter_fix
@@ -99,12 +102,14 @@ def _group_step(x_desc, w_desc, XS, acc, rm, m_ok, row0, n0, k, K, stride_xs,
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
-def _w8a8_tma_kernel(x_desc, w_desc, XS, S, Y, P, C, M, N, K, stride_xs, stride_ym, ws_rows,
-                     SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _w8a8_tma_kernel(x_desc, w_desc, W, XS, S, Y, P, C, M, N, K, stride_w, stride_xs, stride_ym,
+                     ws_rows, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr, EMULATE: tl.constexpr,
-                     TOKENS_FIRST: tl.constexpr, PDL: tl.constexpr, GROUP: tl.constexpr = 0):
+                     TOKENS_FIRST: tl.constexpr, PDL: tl.constexpr, GROUP: tl.constexpr = 0,
+                     LINES: tl.constexpr = 0):
     pid_m, pid_k, pid_n, num_m, k_begin, k_end = program_tile(M, K, SPLIT_K, BLOCK_M, BLOCK_K)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    prefetch_weights(W, rn, N, stride_w, k_begin, k_end, LINES)  # (weights: before the wait)
     wait_for_inputs(PDL)
     release_dependents(PDL)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -288,12 +293,14 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
     else:  # (not read by the kernel: pointers of the right types)
         partials, counters = shared.unused_pointers(x2.device)
         ws_rows = 0
+    k_span = -(-inp // (cfg.block_k * cfg.split_k)) * cfg.block_k
     _w8a8_tma_kernel[(cfg.grid(rows, out),)](
-        x_desc, w_desc, scales, weight.scale, y, partials, counters, rows, out, inp,
-        scales.stride(0), y.stride(0), ws_rows, cfg.split_k,
+        x_desc, w_desc, weight.data, scales, weight.scale, y, partials, counters, rows, out,
+        inp, weight.data.stride(0), scales.stride(0), y.stride(0), ws_rows, cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         PROMOTE=min(PROMOTE_EVERY, group or PROMOTE_EVERY),  # (a group's dot: at most its K)
         EMULATE=_INTERPRETED, TOKENS_FIRST=cfg.tokens_first, GROUP=group,
+        LINES=prefetch_lines(x2.device, cfg.block_n, k_span),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x2.device))
     return y
 

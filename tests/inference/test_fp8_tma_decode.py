@@ -120,7 +120,7 @@ def test_group_scaled_copy_is_multiplied_group_by_group(cfg):
 
 
 @pytest.mark.parametrize("cfg", [
-    DecodeConfig(256, 64, 128, 1, 8, 3, tokens_first=True),   # the 8B qkv's tile: a line a row
+    DecodeConfig(128, 64, 128, 1, 8, 3),                      # weight rows first: 2 lines a row
     DecodeConfig(16, 64, 256, 1, 4, 3, tokens_first=True),    # o_proj's strips: 16 lines a row
     DecodeConfig(32, 64, 128, 2, 4, 3, tokens_first=True),    # a K split
 ])

@@ -100,11 +100,11 @@ def _engine(model, batch: int, prompt: int, new: int, vocab: int, seed: int,
 
 
 def _flag_env(flag: str):
-    """(variable, value) a contender flag sets at graph capture, None for ``unfused`` and
-    ``noattnq`` (module switches): ``nopdl`` (the FP8 kernels' dependent launch off), ``noattnpdl`` (the
+    """(variable, value) a contender flag sets at graph capture, None for ``unfused`` (a
+    module switch): ``nopdl`` (the FP8 kernels' dependent launch off), ``noattnpdl`` (the
     attention's), ``pf<KiB>`` (each FP8 decode GEMM program's L2 prefetch before its wait, KiB;
     ``pf0``: none). The names come from ``dependent_launch``, which imports triton: only here."""
-    if flag in ("unfused", "noattnq"):
+    if flag == "unfused":
         return None
     from parallel_models.inference.fp8 import dependent_launch as dl
 
@@ -119,25 +119,21 @@ def _selector():
     """``select(kernel)``: ``gemm``'s decode switches for one engine (``kernel``: a decode
     kernel, ``"<kernel>@<rows>"`` with ``DECODE_ROWS`` set to rows; ``"scaled_mm"``: no decode
     kernel, ``DECODE_ROWS`` 0, ``_scaled_mm`` at every size; ``"bf16"``: the bf16 linears;
-    flags: ``+unfused``, the gate_up GEMM and SwiGLU as two kernels and o_proj quantizing its
-    own input (``fused_producers``' ``FUSE_GATE_UP`` and ``FUSE_ATTENTION_OUTPUT`` off),
-    ``+noattnq``, only the latter, and the variables of :func:`_flag_env`; None: the
+    flags: ``+unfused``, the gate_up GEMM and SwiGLU as two kernels
+    (``fused_producers.FUSE_GATE_UP`` off), and the variables of :func:`_flag_env`; None: the
     defaults, which ``select`` restores), the defaults read now. The switches hold at the
     engine's graph capture, so engines that differ in them are timed side by side."""
     from parallel_models.inference.fp8 import fused_producers, gemm
 
     default_kernel, default_rows = gemm.DECODE_KERNEL, gemm.DECODE_ROWS
-    default_fuse = (fused_producers.FUSE_GATE_UP, fused_producers.FUSE_ATTENTION_OUTPUT)
-    env_defaults = {}
+    default_fuse, env_defaults = fused_producers.FUSE_GATE_UP, {}
 
     def select(kernel):
         base, *flags = (kernel or "").split("+")
         name, _, rows = base.partition("@")
         gemm.DECODE_KERNEL = default_kernel if name in ("", "scaled_mm", "bf16") else name
         gemm.DECODE_ROWS = 0 if name == "scaled_mm" else int(rows or default_rows)
-        fused_producers.FUSE_GATE_UP = default_fuse[0] and "unfused" not in flags
-        fused_producers.FUSE_ATTENTION_OUTPUT = default_fuse[1] and not \
-            {"unfused", "noattnq"} & set(flags)
+        fused_producers.FUSE_GATE_UP = default_fuse and "unfused" not in flags
         wanted = dict(filter(None, map(_flag_env, flags)))
         for var in wanted:
             env_defaults.setdefault(var, os.environ.get(var))
@@ -152,7 +148,7 @@ def _selector():
 
 
 DECODE_CONTENDERS = ("dynamic", "w8a8", "weight_only", "tma", "scaled_mm", "bf16")
-CONTENDER_FLAGS = ("unfused", "noattnq", "nopdl", "noattnpdl", "pf<KiB>")
+CONTENDER_FLAGS = ("unfused", "nopdl", "noattnpdl", "pf<KiB>")
 
 
 def _contender(text: str) -> str:

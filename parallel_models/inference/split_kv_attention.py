@@ -197,8 +197,7 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     used: torch.Tensor, max_row_tokens: int, scale: float,
                     split: int | None = None,
                     config: LaunchConfig | None = None, rope=None,
-                    back: torch.Tensor | None = None, kv_scales=None,
-                    quantized_out=None) -> torch.Tensor:
+                    back: torch.Tensor | None = None, kv_scales=None) -> torch.Tensor:
     """Attention of one query token per row over its pool region; writes ``k_new`` / ``v_new``
     at ``offsets + used - 1`` of the pools.
 
@@ -213,9 +212,6 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     their k / v from ``k_new`` / ``v_new``, not the pool. Default: none (0).
     ``kv_scales``: ``(k_scale, v_scale)`` fp32 ``[positions, kv_heads]`` of e4m3 pools (the
     new k / v quantized into them as they are written); None: the pools in ``q``'s dtype.
-    ``quantized_out``: ``(e4m3 [B, heads, D], fp32 [B, heads])`` contiguous buffers the kernel
-    fills with the output in e4m3, one scale per (row, head) (``amax / 448`` of the output
-    rounded to ``q``'s dtype; the FP8 rollout's o_proj input); None: not written.
     """
     triton, split_kernel, combine_kernel, launch_options = _kernels()
     b, heads, dim = q.shape
@@ -261,36 +257,25 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                                   or k_scale.stride(1) != 1):
         raise ValueError("split-KV decode kv_scales needs e4m3 pools and fp32 scales "
                          "[positions, kv_heads] alike, contiguous in the heads")
-    if quantized_out is not None:
-        out_q, out_s = quantized_out
-        if out_q.shape != q.shape or out_s.shape != q.shape[:2] or not out_q.is_contiguous() \
-                or not out_s.is_contiguous() or out_q.dtype != torch.float8_e4m3fn:
-            raise ValueError("split-KV decode quantized_out needs contiguous e4m3 "
-                             f"{tuple(q.shape)} and fp32 {tuple(q.shape[:2])} buffers")
-    else:
-        out_q = out_s = out  # unused
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     split_kernel[(b, kv_heads, num_splits)](
         q, k_new, v_new, k_pool, v_pool, offsets, used, back, out, part_out, part_lse, cos, sin,
-        k_scale, v_scale, out_q, out_s, scale,
+        k_scale, v_scale, scale,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1), k_pool.stride(0),
         k_pool.stride(1), out.stride(0), out.stride(1), cos.stride(0), k_scale.stride(0),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
         SPLIT=split, NUM_SPLITS=num_splits, H=heads, IEEE=q.dtype == torch.float32,
         RUNTIME_LOOP=not interpreted, ROPE=rope is not None, FP8_KV=kv_scales is not None,
-        INTERPRETED=interpreted, QUANT_OUT=quantized_out is not None,
+        INTERPRETED=interpreted,
         # the interpreter loops a fixed count over a row's earlier entries (compiled: any)
         MAX_BACK=int(back.max()) if interpreted else 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(q.device))
     if num_splits > 1:
-        combine_kernel[(b, heads)](part_out, part_lse, used, out, out_q, out_s, out.stride(0),
-                                   out.stride(1), H=heads, D=dim, SPLIT=split,
-                                   NUM_SPLITS=num_splits,
+        combine_kernel[(b, heads)](part_out, part_lse, used, out, out.stride(0), out.stride(1),
+                                   H=heads, D=dim, SPLIT=split, NUM_SPLITS=num_splits,
                                    BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-                                   QUANT_OUT=quantized_out is not None,
-                                   INTERPRETED=interpreted, num_warps=4,
-                                   **launch_options(q.device))
+                                   num_warps=4, **launch_options(q.device))
     return out
 
 

@@ -3,8 +3,6 @@
 
 ``split_kernel``: program (row, KV head, split) runs an online softmax over its split's positions
 for all query heads of the KV head; ``combine_kernel`` merges the splits by their log-sum-exps.
-``QUANT_OUT``: whichever writes the output also writes it in e4m3 with one scale per (row,
-head), the input copy the FP8 rollout's o_proj reads (``fp8.fused_producers``).
 See ``split_kv_attention`` for the layout and the contract. ``FP8_KV``: e4m3 pools with fp32
 scales per (position, KV head): a tile's scores are scaled by its keys' scales and its softmax
 weights by its values' scales (fp32), and the new token is quantized as it is stored (in the
@@ -111,36 +109,14 @@ def _earlier_entry(q, KNew, VNew, Cos, Sin, src, kvh, m_i, l_i, acc, scale, stri
 
 
 @triton.jit
-def _store_out(Out, OutQ, OutS, row, heads, d, out, mask, stride_ob, stride_oh,
-               H: tl.constexpr, D: tl.constexpr, QUANT_OUT: tl.constexpr,
-               INTERPRETED: tl.constexpr):
-    """Heads ``heads`` of ``row``'s output (fp32 ``out`` ``[heads, D]``) to ``Out`` in its dtype;
-    ``QUANT_OUT``: also that rounded output in e4m3 with one scale per (row, head) to ``OutQ``
-    (``[B, H, D]``) / ``OutS`` (``[B, H]``), the FP8 o_proj's group-scaled input (a head's D
-    values one group: ``fp8.quantize.quantize_activation(., "block", group=D)``'s recipe)."""
-    rounded = out.to(Out.dtype.element_ty)
-    tl.store(Out + row * stride_ob + heads[:, None] * stride_oh + d[None, :], rounded,
-             mask=mask)
-    if QUANT_OUT:
-        values = tl.where(mask, rounded.to(tl.float32), 0.0)
-        out_scale = e4m3_scale(tl.max(tl.abs(values), axis=1), E4M3_MAX)
-        q = scaled_for_e4m3(values, out_scale[:, None], E4M3_MAX, INTERPRETED)
-        slots = row.to(tl.int64) * H + heads
-        tl.store(OutQ + slots[:, None] * D + d[None, :], q.to(OutQ.dtype.element_ty),
-                 mask=mask)
-        tl.store(OutS + slots, out_scale, mask=tl.max(mask.to(tl.int32), axis=1) > 0)
-
-
-@triton.jit
 def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Back, Out, PartOut, PartLse, Cos,
-                 Sin, KScale, VScale, OutQ, OutS, scale, stride_qb, stride_qh, stride_kb,
-                 stride_kh, stride_vb, stride_vh, stride_pt, stride_ph, stride_ob, stride_oh,
-                 stride_cos, stride_st, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                 D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                 NUM_SPLITS: tl.constexpr, H: tl.constexpr, IEEE: tl.constexpr,
-                 RUNTIME_LOOP: tl.constexpr, ROPE: tl.constexpr, MAX_BACK: tl.constexpr,
-                 FP8_KV: tl.constexpr, INTERPRETED: tl.constexpr,
-                 QUANT_OUT: tl.constexpr = False, PDL: tl.constexpr = False):
+                 Sin, KScale, VScale, scale, stride_qb, stride_qh, stride_kb, stride_kh,
+                 stride_vb, stride_vh, stride_pt, stride_ph, stride_ob, stride_oh, stride_cos,
+                 stride_st, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 H: tl.constexpr, IEEE: tl.constexpr, RUNTIME_LOOP: tl.constexpr,
+                 ROPE: tl.constexpr, MAX_BACK: tl.constexpr, FP8_KV: tl.constexpr,
+                 INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_inputs(PDL)  # (every read and write after it)
     release_dependents(PDL)
     row = tl.program_id(0)
@@ -223,8 +199,8 @@ def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Back, Out, PartOut,
     denom = tl.where(l_i > 0, l_i, 1.0)
     out = acc / denom[:, None]
     if NUM_SPLITS == 1:
-        _store_out(Out, OutQ, OutS, row, heads, d, out, gmask[:, None] & nonempty, stride_ob,
-                   stride_oh, H, D, QUANT_OUT, INTERPRETED)
+        tl.store(Out + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=gmask[:, None] & nonempty)
     else:
         part = (row * H + heads) * NUM_SPLITS + split  # PartLse [B, H, S], PartOut [.., D]
         tl.store(PartOut + part[:, None] * D + d[None, :], out,
@@ -233,11 +209,9 @@ def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Back, Out, PartOut,
 
 
 @triton.jit
-def combine_kernel(PartOut, PartLse, Used, Out, OutQ, OutS, stride_ob, stride_oh,
+def combine_kernel(PartOut, PartLse, Used, Out, stride_ob, stride_oh,
                    H: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
-                   NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                   QUANT_OUT: tl.constexpr = False, INTERPRETED: tl.constexpr = False,
-                   PDL: tl.constexpr = False):
+                   NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_inputs(PDL)
     release_dependents(PDL)
     row = tl.program_id(0)
@@ -254,6 +228,4 @@ def combine_kernel(PartOut, PartLse, Used, Out, OutQ, OutS, stride_ob, stride_oh
     parts = tl.load(PartOut + (base + s)[:, None] * D + d[None, :], mask=smask[:, None],
                     other=0.0)
     out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
-    heads = head + tl.arange(0, 1)  # (one head: _store_out's [heads, D] layout)
-    _store_out(Out, OutQ, OutS, row, heads, d, out[None, :], tl.full([1, D], 1, tl.int1),
-               stride_ob, stride_oh, H, D, QUANT_OUT, INTERPRETED)
+    tl.store(Out + row * stride_ob + head * stride_oh + d, out.to(Out.dtype.element_ty))

@@ -102,38 +102,3 @@ def test_enabled_scopes_the_tracking():
     with fp8.enabled():
         assert fp8.active and fp8 in fused_producers._active
     assert not fp8.active and fp8 not in fused_producers._active
-
-
-def test_the_attention_output_copy_and_the_fused_mlp_input_stay_off_the_cpu(monkeypatch):
-    """The decode attention's output copy and the fused gate_up + SwiGLU kernel are CUDA's: on
-    the CPU (and with no channel rollout generating) the quantizer offers neither, and the MLP
-    runs its linear and SwiGLU; a copy left on a tensor follows it through
-    ``reshape_keeping_copy``."""
-    from parallel_models.inference.fp8.quantize import QUANTIZED_COPY
-
-    monkeypatch.setattr(gemm, "DECODE_KERNEL", "tma")
-    quantizer = fused_producers.QUANTIZER
-    q = torch.randn(4, 8, 128, dtype=torch.bfloat16)
-    assert fused_ops.attention_output_copy(q) is None  # nothing generating
-    channel = _State("channel")
-    with fused_producers.tracking(channel):
-        assert quantizer.attention_copy_buffers(q) is None  # a CPU tensor
-        assert quantizer.attention_copy_buffers(q[..., :96]) is None  # 96: no scale group
-    out = torch.randn(4, 8, 128)
-    copy = (torch.zeros(4, 8, 128, dtype=torch.float8_e4m3fn), torch.ones(4, 8))
-    quantizer.leave_copy(out, copy)
-    flat = fused_ops.reshape_keeping_copy(out, 4, 1, -1)
-    left_q, left_s = getattr(flat, QUANTIZED_COPY)
-    assert left_q.shape == (4, 1024) and left_s is copy[1]
-    assert not hasattr(fused_ops.reshape_keeping_copy(torch.randn(4, 8), 32), QUANTIZED_COPY)
-
-    class _Linear(torch.nn.Module):  # a [gate; up] linear that is not an FP8 one
-        bias = None
-
-        def forward(self, x):
-            return torch.cat([x, x], dim=-1), None
-
-    x = torch.randn(3, 16)
-    with fused_producers.tracking(channel):
-        h = fused_ops.gated_mlp_input(_Linear(), x, "silu")
-    assert torch.allclose(h, torch.nn.functional.silu(x) * x)

@@ -127,25 +127,21 @@ from triton.compiler import ASTSource
 from parallel_models.inference import split_kv_kernels as K
 types = dict(Q="*bf16", KNew="*bf16", VNew="*bf16", KPool="*bf16", VPool="*bf16",
              Offsets="*i64", Used="*i32", Back="*i32", Out="*bf16", PartOut="*fp32", PartLse="*fp32",
-             Cos="*bf16", Sin="*bf16", KScale="*fp32", VScale="*fp32", scale="fp32",
-             OutQ="*fp8e4nv", OutS="*fp32")
+             Cos="*bf16", Sin="*bf16", KScale="*fp32", VScale="*fp32", scale="fp32")
 types.update({n: "i32" for n in K.split_kernel.arg_names if n.startswith("stride")})
-for split, splits, rope, fp8, quant_out in ((512, 1, False, False, True),
-                                            (128, 3, True, False, False),
-                                            (128, 3, True, True, False)):  # fp8: e4m3 pools
+for split, splits, rope, fp8 in ((512, 1, False, False), (128, 3, True, False),
+                                 (128, 3, True, True)):  # fp8: e4m3 pools with scales
     consts = dict(G=2, BLOCK_G=16, D=128, BLOCK_N=64, SPLIT=split, NUM_SPLITS=splits, H=16,
                   IEEE=False, RUNTIME_LOOP=True, ROPE=rope, MAX_BACK=0, FP8_KV=fp8,
-                  INTERPRETED=False, QUANT_OUT=quant_out,  # (quant_out: the output's copy)
-                  PDL=True)  # (dependent launch, as on Hopper)
+                  INTERPRETED=False, PDL=True)  # (dependent launch, as on Hopper)
     pools = dict(KPool="*fp8e4nv", VPool="*fp8e4nv") if fp8 else {}
     sig = {n: "constexpr" if n in consts else pools.get(n, types[n])
            for n in K.split_kernel.arg_names}
     triton.compile(ASTSource(K.split_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                    options=dict(num_warps=4, num_stages=2))
-consts = dict(H=16, D=128, SPLIT=128, NUM_SPLITS=3, BLOCK_S=4, QUANT_OUT=True,
-              INTERPRETED=False, PDL=True)
+consts = dict(H=16, D=128, SPLIT=128, NUM_SPLITS=3, BLOCK_S=4, PDL=True)
 types = dict(PartOut="*fp32", PartLse="*fp32", Used="*i32", Out="*bf16", stride_ob="i32",
-             stride_oh="i32", OutQ="*fp8e4nv", OutS="*fp32")
+             stride_oh="i32")
 sig = {n: "constexpr" if n in consts else types[n] for n in K.combine_kernel.arg_names}
 triton.compile(ASTSource(K.combine_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                options=dict(num_warps=4))
@@ -254,31 +250,3 @@ def test_a_rows_entries_fed_in_one_step_read_each_other_not_the_pool(rope):
     assert (got.cpu() - ref).abs().max().item() < 1e-5
     if DEV == "cpu":  # every entry's k / v landed at its position
         assert (k_pool - k_ref).abs().max().item() < 1e-6 and torch.equal(v_pool, v_ref)
-
-
-@pytest.mark.parametrize("split,max_row", [(16, 80), (32, 32)])  # the combine pass; none
-def test_the_output_copy_for_an_fp8_o_proj(split, max_row):
-    """``quantized_out``: the output also written in e4m3 with one scale per (row, head), as
-    ``quantize_activation(out, "block", group=D)`` quantizes it, whichever kernel writes it."""
-    from parallel_models.inference.fp8.quantize import E4M3, quantize_activation
-
-    g = torch.Generator().manual_seed(3)
-    heads, kv_heads, d, used = 4, 2, 64, [1, 17, 32]
-    rows = len(used)
-    k_pool = torch.randn(max_row * rows, kv_heads, d, generator=g).to(DEV)
-    v_pool = torch.randn(max_row * rows, kv_heads, d, generator=g).to(DEV)
-    q = torch.randn(rows, heads, d, generator=g).to(DEV)
-    kv_new = torch.randn(rows, kv_heads, d, generator=g).to(DEV)
-    offsets = torch.tensor([i * max_row for i in range(rows)]).to(DEV)
-    copy = (torch.empty(rows, heads, d, dtype=E4M3, device=DEV),
-            torch.empty(rows, heads, dtype=torch.float32, device=DEV))
-    out = split_kv_decode(q, kv_new, kv_new, k_pool, v_pool, offsets,
-                          torch.tensor(used, dtype=torch.int32, device=DEV), max_row, 0.3,
-                          split=split, quantized_out=copy)
-    want_q, want_s = quantize_activation(out.reshape(rows, -1), "block", group=d)
-    assert torch.equal(copy[1], want_s)
-    assert torch.equal(copy[0].view(rows, -1).view(torch.uint8), want_q.view(torch.uint8))
-    with pytest.raises(ValueError, match="quantized_out"):
-        split_kv_decode(q, kv_new, kv_new, k_pool, v_pool, offsets,
-                        torch.tensor(used, dtype=torch.int32, device=DEV), max_row, 0.3,
-                        split=split, quantized_out=(copy[0], copy[1][:, :2]))

@@ -21,9 +21,7 @@ imported) whether it wants a given op. It says yes only under all of these condi
 Otherwise the op runs as before. The dense MLP's gate_up GEMM and its SwiGLU go further: one
 kernel (``swiglu_gemm_kernel``) computes both and leaves the output's e4m3 copy with a scale per
 token and 64 or 128 features, which the down GEMM multiplies group by group
-(:meth:`OutputQuantizer.gated_mlp_input`, asked by ``fused_ops.gated_mlp_input``). The split-KV
-decode attention writes its output's copy with a scale per token and head (a head one group),
-which the o_proj reads (:meth:`OutputQuantizer.attention_copy_buffers`). The output
+(:meth:`OutputQuantizer.gated_mlp_input`, asked by ``fused_ops.gated_mlp_input``). The output
 in the model's dtype is the eager reference's rounding (see ``producer_kernels``). A copy that
 no FP8 linear reads (the final norm's, before the LM head) costs one small write.
 """
@@ -36,16 +34,11 @@ import weakref
 import torch
 
 from parallel_models.inference.fp8 import gemm
-from parallel_models.inference.fp8.quantize import (E4M3, MAX_PRODUCER_COLS, QUANTIZED_COPY,
-                                                    SCALE_GROUPS, fp8_weight_of,
-                                                    reshape_keeping_copy)
+from parallel_models.inference.fp8.quantize import (MAX_PRODUCER_COLS, QUANTIZED_COPY,
+                                                    fp8_weight_of, reshape_keeping_copy)
 from parallel_models.llama.layers import fused_ops
 
 _active = weakref.WeakSet()  # the channel-scaled Fp8Linears generating (Fp8Linears.enabled)
-FUSE_ATTENTION_OUTPUT = True
-"""The split-KV decode attention writes its output's e4m3 copy for the o_proj
-(:meth:`OutputQuantizer.attention_copy_buffers`; False: the o_proj quantizes its input in a
-launch of its own)."""
 FUSE_GATE_UP = True
 """Run the dense MLP's gate_up GEMM and SwiGLU as one kernel at decode
 (:meth:`OutputQuantizer.gated_mlp_input`; False: the GEMM, then the SwiGLU producer)."""
@@ -111,35 +104,6 @@ class OutputQuantizer:
             return None
         h = swiglu_gemm_kernel.gate_up_swiglu(x2, weight)
         return reshape_keeping_copy(h, *x.shape[:-1], h.shape[-1])
-
-    def attention_copy_buffers(self, q: torch.Tensor):
-        """(e4m3 ``[B, heads, D]``, fp32 ``[B, heads]``) buffers for the split-KV decode
-        attention to write its output's copy into (one scale per row and head: a head's D
-        values one group of the o_proj's group-scaled input), or None: where :meth:`wanted`
-        would say no for the ``[B, heads * D]`` output, or D is no scale group
-        (``quantize.SCALE_GROUPS``)."""
-        if not FUSE_ATTENTION_OUTPUT or q.dim() != 3 or q.shape[-1] not in SCALE_GROUPS or \
-                not _active or gemm.DECODE_KERNEL != "tma" or not q.is_cuda:
-            return None
-        rows, heads, dim = q.shape
-        if not 0 < rows <= gemm.DECODE_ROWS or heads * dim > MAX_PRODUCER_COLS or \
-                q.dtype not in DTYPES or torch.is_grad_enabled() or \
-                torch.compiler.is_compiling():
-            return None
-        return (torch.empty(rows, heads, dim, dtype=E4M3, device=q.device),
-                torch.empty(rows, heads, dtype=torch.float32, device=q.device))
-
-    def leave_copy(self, out: torch.Tensor, buffers) -> None:
-        """``out`` ``[B, heads, D]`` gets the filled :meth:`attention_copy_buffers` as its
-        copy, for the ``[B, heads * D]`` view the o_proj reads (:meth:`carry_copy`)."""
-        q, scales = buffers
-        setattr(out, QUANTIZED_COPY, (q.view(q.shape[0], -1), scales))
-
-    def carry_copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """``dst`` (a reshape of ``src``) gets ``src``'s copy, if it has one."""
-        copy = getattr(src, QUANTIZED_COPY, None)
-        if copy is not None:
-            setattr(dst, QUANTIZED_COPY, copy)
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` with its e4m3 copy left on it."""

@@ -42,9 +42,6 @@ QUANTIZED_COPY = "fp8_token_quantized"
 ``(e4m3 [rows, in], fp32 scales)`` for the FP8 linear that reads it (``fused_producers``,
 ``tma_decode_kernel.quantized_input``): scales per token ``[rows]``, or per token and group
 of inputs ``[rows, in / group]`` (groups of 64 or 128: ``swiglu_gemm_kernel``)."""
-SCALE_GROUPS = (64, 128)
-"""Inputs one activation scale of a producer's copy may cover besides a whole token (the TMA
-decode GEMM's group-scaled mode)."""
 MAX_PRODUCER_COLS = 32768
 """The widest row the fused producer kernels hold in one program (``producer_kernels``)."""
 
@@ -190,7 +187,6 @@ def dequantize_activation(data: torch.Tensor, scale: torch.Tensor, granularity: 
 
 
 __all__ = ["BLOCK", "E4M3", "E4M3_MAX", "GRANULARITIES", "MAX_PRODUCER_COLS", "QUANTIZED_COPY",
-           "SCALE_GROUPS",
            "QuantizedWeight", "dequantize_activation", "dequantize_weight", "quantize_activation",
            "fp8_weight_of", "reshape_keeping_copy",
            "quantize_weight", "weight_scale_shape"]

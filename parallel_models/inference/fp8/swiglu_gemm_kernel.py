@@ -5,7 +5,7 @@ that read the ``[rows, 2I]`` product back and wrote ``silu(gate) * up`` with its
 e4m3 copy (``producer_kernels``): 4.4 us a layer for the 8B shape at 64 rows on an H100, plus
 a launch.
 
-A program takes ``BLOCK_N`` (64 or 128: ``quantize.SCALE_GROUPS``) intermediate
+A program takes ``BLOCK_N`` (64 or 128: ``tma_decode_kernel.SCALE_GROUPS``) intermediate
 features: their gate rows and their up rows of the ``[gate; up]`` weight (two TMA loads, one
 activation tile a K step, two fp32 accumulators), so it holds whole ``silu(gate) * up`` values.
 Its epilogue:
@@ -45,9 +45,8 @@ from parallel_models.inference.fp8.dependent_launch import (launch_options, pref
                                                             prefetch_weights, release_dependents,
                                                             wait_for_inputs)
 from parallel_models.inference.fp8.e4m3_rounding import e4m3_scale, scaled_for_e4m3
-from parallel_models.inference.fp8.quantize import (E4M3, E4M3_MAX, QUANTIZED_COPY, SCALE_GROUPS,
-                                                    QuantizedWeight)
-from parallel_models.inference.fp8.tma_decode_kernel import PROMOTE_EVERY, part_dot
+from parallel_models.inference.fp8.quantize import E4M3, E4M3_MAX, QUANTIZED_COPY, QuantizedWeight
+from parallel_models.inference.fp8.tma_decode_kernel import PROMOTE_EVERY, SCALE_GROUPS, part_dot
 from parallel_models.llama.layers.exact import interpreter_fix
 
 interpreter_fix.apply()  # (the CPU interpreter's loop bounds; nothing on the GPU)

@@ -63,13 +63,14 @@ from parallel_models.inference.fp8.decode_tuning import MAX_PARTS, DecodeConfig,
 from parallel_models.inference.fp8.dependent_launch import (launch_options, prefetch_lines,
                                                             prefetch_weights, release_dependents,
                                                             wait_for_inputs)
-from parallel_models.inference.fp8.quantize import QUANTIZED_COPY, SCALE_GROUPS, QuantizedWeight
+from parallel_models.inference.fp8.quantize import QUANTIZED_COPY, QuantizedWeight
 from parallel_models.llama.layers.exact import interpreter_fix
 
 interpreter_fix.apply()  # (the CPU interpreter's loop bounds; nothing on the GPU)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL = "tma"  # (its name in ``decode_tuning``'s keys)
 PROMOTE_EVERY = 128  # inputs the FP8 MMA sums in its own precision before the fp32 accumulator
+SCALE_GROUPS = (64, 128)  # inputs one activation scale may cover besides a whole token
 
 
 @triton.jit
@@ -316,5 +317,6 @@ def tma_mm(x2: torch.Tensor, weight: QuantizedWeight,
     return shared.product(KERNEL, launch, x2, weight, config)
 
 
-__all__ = ["KERNEL", "PROMOTE_EVERY", "descriptor_blocks", "launch", "part_constexprs", "part_dot",
-           "quantize_tokens", "quantized_input", "strip_of_parts", "supports", "tma_mm"]
+__all__ = ["KERNEL", "PROMOTE_EVERY", "SCALE_GROUPS", "descriptor_blocks", "launch",
+           "part_constexprs", "part_dot", "quantize_tokens", "quantized_input", "strip_of_parts",
+           "supports", "tma_mm"]

@@ -86,9 +86,7 @@ _output_quantizer = None  # inference/fp8/fused_producers' OutputQuantizer, once
 def set_output_quantizer(quantizer) -> None:
     """Install ``quantizer`` (``wanted(*tensors) -> bool``, ``rms_norm(x, residual, weight, eps)
     -> (total or None, y)``, ``swiglu(gate_up) -> y``, ``gated_mlp_input(gate_up_linear, x,
-    hidden_act) -> y or None``, ``attention_copy_buffers(q) -> buffers or None``,
-    ``leave_copy(out, buffers)``, ``carry_copy(src, dst)``) for the ops it wants; None removes
-    it."""
+    hidden_act) -> y or None``) for the ops it wants; None removes it."""
     global _output_quantizer
     _output_quantizer = quantizer
 
@@ -150,28 +148,6 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 _compiled_geglu_tanh = compiled_on_gpu(_geglu_tanh)
-
-
-def attention_output_copy(q: torch.Tensor):
-    """Buffers for an e4m3 copy of the decode attention's output (shaped like ``q`` ``[B, heads,
-    D]``) where the installed output quantizer wants one (the FP8 rollout's o_proj reads it),
-    else None; the attention kernel fills them, :func:`leave_output_copy` attaches them."""
-    quantizer = _output_quantizer
-    return None if quantizer is None or exact.enabled() else quantizer.attention_copy_buffers(q)
-
-
-def leave_output_copy(out: torch.Tensor, buffers) -> None:
-    """Attach the filled :func:`attention_output_copy` buffers to ``out``."""
-    _output_quantizer.leave_copy(out, buffers)
-
-
-def reshape_keeping_copy(x: torch.Tensor, *shape) -> torch.Tensor:
-    """``x.reshape(*shape)``, with the e4m3 copy an output quantizer's producer left on ``x``
-    (if any) left on the result too."""
-    y = x.reshape(*shape)
-    if _output_quantizer is not None and y is not x:
-        _output_quantizer.carry_copy(x, y)
-    return y
 
 
 def gated_mlp_input(gate_up_linear: torch.nn.Module, x: torch.Tensor,

@@ -191,3 +191,18 @@ def test_an_sm_share_strip_in_power_of_two_parts():
     for bad in (8, 40, 256):
         with pytest.raises(ValueError, match="strip of"):
             dt.strip_parts(bad)
+
+
+def test_tokens_first_strips_split_only_short_of_a_program_per_sm():
+    """A tokens-first tile is split along K only while its strips leave SMs without a program:
+    the 8B o_proj's 16-row strips (256 programs on 132 SMs) never, its 32-row ones (128) in
+    two; the qkv's 32-row strips (192) never."""
+    def splits(out, inp, block_n):
+        return sorted({c.split_k for c in dt.candidates(64, out, inp, "channel", sms=132,
+                                                         kernel="tma")
+                       if c.tokens_first and c.block_n == block_n})
+
+    assert splits(4096, 4096, 16) == [1]
+    assert splits(4096, 4096, 32) == [1, 2]
+    assert splits(6144, 4096, 32) == [1]
+    assert splits(4096, 14336, 32) == [1, 2]

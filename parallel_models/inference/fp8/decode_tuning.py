@@ -268,7 +268,11 @@ def strip_parts(width: int) -> tuple[int, ...]:
 def _tokens_first(rows: int, out: int, inp: int, granularity: str, sms: int, smem: int,
                   kernel: str) -> list[DecodeConfig]:
     """The ``tokens_first`` candidates: 64-row tiles by :data:`TOKENS_FIRST_TILES`, each at every
-    power-of-two K split up to the one that fills the SMs; and (no K split) strips of one SM's
+    power-of-two K split up to the one that fills the SMs, but none where the strips before the
+    split already give every SM a program (the splits' partial sums and hand-over cost more in
+    the decode graph than timed alone: the 8B o_proj's 16-row strips in 2 splits, which the
+    tuner once chose, took 18.1 us a layer in the graph against 9.7 us for unsplit 32-row
+    strips; ``bench/decode_timeline.py``, docs/PERFORMANCE.md session 21); and (no K split) strips of one SM's
     share of the output features rounded up to 16, where that is no power of two (several
     parts, one activation tile: the 8B gate_up's 224 rows make 128 programs, one wave; channel
     scales only, as the TMA kernel takes)."""
@@ -288,7 +292,8 @@ def _tokens_first(rows: int, out: int, inp: int, granularity: str, sms: int, sme
         full = dataclasses.replace(full, tokens_first=True,
                                    num_stages=min(stages, full.num_stages))
         configs += [dataclasses.replace(full, split_k=1 << s)
-                    for s in range(full.split_k.bit_length())]
+                    for s in range(full.split_k.bit_length())
+                    if s == 0 or _cdiv(out, block_n) << (s - 1) < sms]
     return configs
 
 

@@ -53,11 +53,12 @@ def _quantize_row(y, Q, S, row, offs, mask, stride_q, FP8_MAX: tl.constexpr,
 def _rms_norm_quant_kernel(X, R, T, W, Y, Q, S, n, stride_x, stride_r, stride_t, stride_y,
                            stride_q, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
                            FP8_MAX: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    w = tl.load(W + offs, mask=mask, other=0.0)  # (the norm's weight: no kernel writes it)
     wait_for_inputs(PDL)
     release_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:  # the sum, rounded to the model's dtype, is what is normed
         r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
@@ -66,7 +67,6 @@ def _rms_norm_quant_kernel(X, R, T, W, Y, Q, S, n, stride_x, stride_r, stride_t,
     h = x.to(tl.float32)
     mean_sq = tl.sum(h * h, axis=0) / n
     normed = (h * tl.math.rsqrt(mean_sq + eps)).to(Y.dtype.element_ty)
-    w = tl.load(W + offs, mask=mask, other=0.0)
     y = (w.to(tl.float32) * normed.to(tl.float32)).to(Y.dtype.element_ty)
     tl.store(Y + row * stride_y + offs, y, mask=mask)
     _quantize_row(y.to(tl.float32), Q, S, row, offs, mask, stride_q, FP8_MAX, EMULATE)

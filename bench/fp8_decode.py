@@ -106,7 +106,10 @@ def _flag_env(flag: str):
     ``pf0``: none). The names come from ``dependent_launch``, which imports triton: only here."""
     if flag == "unfused":
         return None
-    from parallel_models.inference.fp8 import dependent_launch as dl
+    try:
+        from parallel_models.inference.fp8 import dependent_launch as dl
+    except ImportError:  # (no triton: no kernel these variables switch)
+        return None
 
     if flag == "nopdl":
         return dl.ENV, "0"
@@ -192,8 +195,9 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
     for kernel in args.decode_kernels:
         select(kernel)
         with _fp8_on(fp8, kernel):
-            engines[f"fp8_{kernel}" if _is_fp8(kernel) else kernel] = (_engine(model, batch, args.prompt, new, spec["vocab"],
-                                                batch), kernel)
+            name = f"fp8_{kernel}" if _is_fp8(kernel) else kernel
+            engines[name] = (_engine(model, batch, args.prompt, new, spec["vocab"], batch),
+                             kernel)
     if args.kv_fp8:  # the KV pool in e4m3: with the bf16 linears, and with the first kernel's
         for kernel in [None] + args.decode_kernels[:1]:
             select(kernel)

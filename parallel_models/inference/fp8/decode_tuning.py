@@ -272,10 +272,10 @@ def _tokens_first(rows: int, out: int, inp: int, granularity: str, sms: int, sme
     split already give every SM a program (the splits' partial sums and hand-over cost more in
     the decode graph than timed alone: the 8B o_proj's 16-row strips in 2 splits, which the
     tuner once chose, took 18.1 us a layer in the graph against 9.7 us for unsplit 32-row
-    strips; ``bench/decode_timeline.py``, docs/PERFORMANCE.md session 21); and (no K split) strips of one SM's
-    share of the output features rounded up to 16, where that is no power of two (several
-    parts, one activation tile: the 8B gate_up's 224 rows make 128 programs, one wave; channel
-    scales only, as the TMA kernel takes)."""
+    strips; ``bench/decode_timeline.py``, docs/PERFORMANCE.md session 21); and (no K split)
+    strips of one SM's share of the output features rounded up to 16, where that is no power
+    of two (several parts, one activation tile: the 8B gate_up's 224 rows make 128 programs,
+    one wave; channel scales only, as the TMA kernel takes)."""
     configs = []
     strip = -(-_cdiv(out, sms) // 16) * 16
     if granularity == "channel" and strip & (strip - 1) and 48 <= strip <= MAX_STRIP:

@@ -1,7 +1,8 @@
-"""Programmatic dependent launch (PDL, Hopper and later) for the FP8 decode kernels: a kernel
-launched with it may start while the kernel before it on the stream is still running, so its
-launch and prologue overlap that kernel's tail instead of following it. A CUDA graph captured from such launches keeps them as programmatic edges. CUDA only;
-imported lazily (triton is not a dependency).
+"""Programmatic dependent launch (PDL, Hopper and later) for the FP8 decode kernels and the
+split-KV attention: a kernel launched with it may start while the kernel before it on the
+stream is still running, so its launch and prologue overlap that kernel's tail instead of
+following it. A CUDA graph captured from such launches keeps them as programmatic edges. CUDA
+only; imported lazily (triton is not a dependency).
 
 The contract every kernel launched with :func:`launch_options` keeps (``PDL`` its constexpr):
 

@@ -41,10 +41,9 @@ def test_candidates_keep_the_kernel_limits_and_fill_the_sms(granularity, rows, k
 
         def tile(c):
             return c.block_n, c.block_m, c.block_k, c.tokens_first
-        for t in {tile(c) for c in cands}:  # each tile at every power-of-two split to its
-            splits = {c.split_k for c in cands if tile(c) == t}  # largest (from the smallest
-            low = min(splits).bit_length() - 1                    # of enough programs)
-            assert splits == {1 << s for s in range(low, max(splits).bit_length())}, (t, splits)
+        for t in {tile(c) for c in cands}:  # each tile at every power-of-two split to its largest
+            splits = {c.split_k for c in cands if tile(c) == t}
+            assert splits == {1 << s for s in range(max(splits).bit_length())}, (t, splits)
         first = [c for c in cands if c.tokens_first]  # (the MMA's long side: 64 decode rows)
         assert all(c.block_m == 64 for c in first)
         for c in first:  # 16 / 32-row strips, or one SM's share in parts without a K split
@@ -207,18 +206,3 @@ def test_tokens_first_strips_split_only_short_of_a_program_per_sm():
     assert splits(4096, 4096, 32) == [1, 2]
     assert splits(6144, 4096, 32) == [1]
     assert splits(4096, 14336, 32) == [1, 2]
-
-
-def test_weight_first_tiles_of_few_programs_left_out_where_strips_are_offered():
-    """At the tokens-first buckets the TMA kernel gets no weight-first config of fewer programs
-    than half the SMs (the 8B o_proj's unsplit 128-row tiles: 32 programs; its 4-way split
-    stays); the other kernels, and the TMA kernel at other buckets, keep theirs."""
-    def weight_first(kernel, rows, out=4096):
-        return [c for c in dt.candidates(rows, out, 4096, "channel", sms=132, kernel=kernel)
-                if not c.tokens_first]
-
-    tma = weight_first("tma", 64)
-    assert tma and min(c.grid(64, 4096) for c in tma) >= 66
-    assert {c.split_k for c in tma if c.block_n == 128} == {4, 8}
-    assert min(c.grid(64, 4096) for c in weight_first("weight_only", 64)) < 66
-    assert min(c.grid(16, 4096) for c in weight_first("tma", 16)) < 66

@@ -219,13 +219,7 @@ def candidates(rows: int, out: int, inp: int, granularity: str, sms: int = 132,
     smaller splits are there because filling the SMs is not always fastest: each split adds
     its fp32 partial sums' traffic and the last program's serial hand-over; at 64 rows on an
     H100 the 8B qkv / o / down GEMMs ran 15.0 / 14.2 / 29.4 us with 1 / 1 / 2 splits against
-    22.5 / 16.8 / 35.4 us at the SM-filling ones (docs/PERFORMANCE.md, session 19). Where the
-    kernel also takes ``tokens_first`` configs (:func:`_tokens_first`), weight-first configs of
-    fewer programs than half the SMs are left out (a tile's smaller splits; not the untimed
-    :func:`default_config`): in the decode graph, with dependent launch and the weight
-    prefetch, the 8B o_proj's 128-row tiles (32 programs) took 12.1 us a layer against 9.7 us
-    for 32-row strips, and the step 4.60-4.63 against 4.52 ms for 16-row strips on the same
-    H100 (docs/PERFORMANCE.md, session 21)."""
+    22.5 / 16.8 / 35.4 us at the SM-filling ones (docs/PERFORMANCE.md, session 19)."""
     _check_kernel(kernel)
     if kernel in FUSED_KERNELS:
         return _swiglu_candidates(rows, smem)
@@ -255,12 +249,6 @@ def candidates(rows: int, out: int, inp: int, granularity: str, sms: int = 132,
                 out_list += [cfg for cfg in variants
                              if _workspace_ok(cfg, rows, out) and cfg not in out_list]
     if kernel in TOKENS_FIRST and bucket in TOKENS_FIRST_ROWS:
-        # (weight-first configs of fewer programs than half the SMs, but the untimed default:
-        # few programs start the weight reads early in the decode graph, where they ran slower
-        # than timed alone)
-        default = default_config(rows, out, inp, granularity, sms, smem, kernel)
-        out_list = [cfg for cfg in out_list
-                    if cfg.grid(rows, out) >= sms // 2 or cfg == default]
         out_list += [cfg for cfg in _tokens_first(rows, out, inp, granularity, sms, smem,
                                                   kernel)
                      if _workspace_ok(cfg, rows, out) and cfg not in out_list]

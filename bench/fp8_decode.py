@@ -103,9 +103,14 @@ def _flag_env(flag: str):
     """(variable, value) a contender flag sets at graph capture, None for ``unfused`` (a
     module switch): ``nopdl`` (the FP8 kernels' dependent launch off), ``noattnpdl`` (the
     attention's), ``pf<KiB>`` (each FP8 decode GEMM program's L2 prefetch before its wait, KiB;
-    ``pf0``: none). The names come from ``dependent_launch``, which imports triton: only here."""
+    ``pf0``: none), ``tiles=<pins>`` (decode GEMM tiles instead of the tuner's:
+    ``decode_tuning.pinned_configs``, e.g. ``tiles=64:4096x4096=32,64,256,1,4,4,tf``). The names come from ``dependent_launch``, which imports triton: only here."""
     if flag == "unfused":
         return None
+    if flag.startswith("tiles="):
+        from parallel_models.inference.fp8.decode_tuning import PIN_ENV
+
+        return PIN_ENV, flag[len("tiles="):]
     try:
         from parallel_models.inference.fp8 import dependent_launch as dl
     except ImportError:  # (no triton: no kernel these variables switch)
@@ -151,7 +156,7 @@ def _selector():
 
 
 DECODE_CONTENDERS = ("dynamic", "w8a8", "weight_only", "tma", "scaled_mm", "bf16")
-CONTENDER_FLAGS = ("unfused", "nopdl", "noattnpdl", "pf<KiB>")
+CONTENDER_FLAGS = ("unfused", "nopdl", "noattnpdl", "pf<KiB>", "tiles=<pins>")
 
 
 def _contender(text: str) -> str:
@@ -160,12 +165,25 @@ def _contender(text: str) -> str:
     base, *flags = text.split("+")
     name, _, rows = base.partition("@")
     if name not in DECODE_CONTENDERS or (rows and not rows.isdigit()) or \
-            any(flag not in CONTENDER_FLAGS[:-1] and not
+            any(flag not in CONTENDER_FLAGS[:-2] and not flag.startswith("tiles=") and not
                 (flag.startswith("pf") and flag[2:].isdigit()) for flag in flags):
         raise argparse.ArgumentTypeError(f"{text!r}: one of {DECODE_CONTENDERS}, optionally "
                                          "@<rows> (gemm.DECODE_ROWS), then any of "
                                          f"{['+' + f for f in CONTENDER_FLAGS]}")
+    for flag in flags:
+        if flag.startswith("tiles="):
+            try:
+                _pins(flag)
+            except ValueError as err:
+                raise argparse.ArgumentTypeError(f"{text!r}: {err}") from None
     return text
+
+
+def _pins(flag: str) -> dict:
+    """The decode tiles a ``tiles=`` flag pins (``decode_tuning.pinned_configs``)."""
+    from parallel_models.inference.fp8.decode_tuning import pinned_configs
+
+    return pinned_configs(flag[len("tiles="):])
 
 
 def _kernel_of(contender: str) -> str:
@@ -234,8 +252,14 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
 
     def tiles(contender):  # (out x in, then a fused kernel's name) -> the chosen tiles
         kernel = _kernel_of(contender)
+        pins = {}  # (its +tiles= pins: what its graph runs)
+        for flag in contender.split("+")[1:]:
+            if flag.startswith("tiles="):
+                pins.update(_pins(flag))
+        chosen = {key: pins.get((key[0], key[1], key[2], key[5]), cfg)
+                  for key, cfg in chosen_configs().items()}
         return {f"{key[1]}x{key[2]}" + (f" {key[5]}" if key[5] != kernel else ""): cfg.as_dict()
-                for key, cfg in chosen_configs().items()
+                for key, cfg in chosen.items()
                 if key[0] == row_bucket(batch) and key[3] == fp8.granularity
                 and key[5].startswith(kernel)}
 

@@ -206,3 +206,33 @@ def test_tokens_first_strips_split_only_short_of_a_program_per_sm():
     assert splits(4096, 4096, 32) == [1, 2]
     assert splits(6144, 4096, 32) == [1]
     assert splits(4096, 14336, 32) == [1, 2]
+
+
+def test_pinned_tiles_run_instead_of_the_tuners(monkeypatch):
+    """``PARALLEL_MODELS_FP8_DECODE_TILES`` pins a config per (row bucket, linear shape,
+    kernel): ``choose`` returns it without timing anything; a malformed entry names the
+    variable and the entry."""
+    pins = dt.pinned_configs("64:4096x4096=32,64,256,1,4,4,tf / "
+                             "64:28672x4096:tma_swiglu=128,64,128,1,4,4,tf/16:6144x4096=64,16,"
+                             "128,2,4,3")
+    assert pins == {
+        (64, 4096, 4096, "tma"): dt.DecodeConfig(32, 64, 256, 1, 4, 4, tokens_first=True),
+        (64, 28672, 4096, "tma_swiglu"): dt.DecodeConfig(128, 64, 128, 1, 4, 4,
+                                                         tokens_first=True),
+        (16, 6144, 4096, "tma"): dt.DecodeConfig(64, 16, 128, 2, 4, 3)}
+    for bad in ("64:4096x4096=32,64,256", "48:4096x4096=32,64,256,1,4,4",
+                "64:4096=32,64,256,1,4,4", "64:4096x4096:nope=32,64,256,1,4,4",
+                "64:4096x4096=32,64,256,1,4,4,xx"):
+        with pytest.raises(ValueError, match="PARALLEL_MODELS_FP8_DECODE_TILES"):
+            dt.pinned_configs(bad)
+    monkeypatch.setenv(dt.PIN_ENV, "64:4096x4096=32,64,256,1,4,4,tf")
+
+    def never(cfg):
+        raise AssertionError("a pinned key is not timed")
+
+    got = dt.choose(50, 4096, 4096, "channel", torch.device("cpu"), never, kernel="tma")
+    assert got == dt.DecodeConfig(32, 64, 256, 1, 4, 4, tokens_first=True)
+    other = dt.choose(50, 4096, 4096, "channel", torch.device("cpu"), never,
+                      kernel="weight_only")  # (another kernel: its own default)
+    assert other == dt.default_config(50, 4096, 4096, "channel", dt.sm_count(
+        torch.device("cpu")), dt.smem_bytes(torch.device("cpu")), kernel="weight_only")

@@ -17,7 +17,8 @@ operands (CUDA events, the L2 cache flushed before each run, the median of a few
 fastest three timed again, round-robin: :func:`tune`) and keeps the fastest; that happens in
 the eager run before a CUDA graph is captured (``generation.capture_cuda_graph`` runs the step
 once eagerly first), so the graph holds the chosen kernel. A config whose output disagrees
-with the default config's is passed over. Inside a capture, on the CPU (the Triton
+with the default config's is passed over. A config pinned by ``PARALLEL_MODELS_FP8_DECODE_TILES``
+runs instead (:func:`pinned_configs`). Inside a capture, on the CPU (the Triton
 interpreter), above :data:`TUNED_ROWS` rows, or with :data:`TUNE` off, the
 :func:`default_config` runs untimed. ``bench/fp8_gemm_sweep.py`` prints
 every candidate's time.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import statistics
 
 import torch
@@ -37,6 +39,10 @@ TUNE = True
 """Time the candidates per key (False: always :func:`default_config`)."""
 TUNED_ROWS = 256
 """Keys of at most this many rows are tuned (decode); larger products take the default."""
+PIN_ENV = "PARALLEL_MODELS_FP8_DECODE_TILES"
+"""Configs to run instead of the tuner's, per (row bucket, linear shape, kernel):
+:func:`pinned_configs` (a choice that differs from process to process can be held, and
+``bench/fp8_decode.py`` compares tiles in one process: ``+tiles=...``)."""
 KERNELS = ("weight_only", "dynamic", "w8a8", "tma")
 """The decode GEMM kernels (``weight_only_kernel.KERNEL``, ``dynamic_act_kernel.KERNEL`` and
 ``KERNEL_PREQUANT``: the W8A8 GEMM quantizing its activations itself, or reading them quantized
@@ -392,12 +398,46 @@ def key_of(rows: int, out: int, inp: int, granularity: str, device: torch.device
     return (row_bucket(rows), out, inp, granularity, str(device), kernel)
 
 
+def pinned_configs(text: str | None = None) -> dict:
+    """The configs :data:`PIN_ENV` (or ``text``) pins: ``(row bucket, out, in, kernel) ->
+    DecodeConfig``, from entries ``BUCKET:OUTxIN[:KERNEL]=block_n,block_m,block_k,split_k,
+    num_warps,num_stages[,tf]`` separated by ``/`` (kernel default ``tma``; ``tf``: tokens
+    first), e.g. ``64:4096x4096=32,64,256,1,4,4,tf``. A malformed entry raises ValueError
+    naming the variable and the entry."""
+    text = os.environ.get(PIN_ENV, "") if text is None else text
+    pins = {}
+    for entry in filter(None, (e.strip() for e in text.split("/"))):
+        try:
+            where, tiles = entry.split("=")
+            bucket, shape, *kernel = where.split(":")
+            out, inp = (int(v) for v in shape.split("x"))
+            values = tiles.split(",")
+            tokens_first = values[6:] == ["tf"]
+            if len(values) != 6 + tokens_first or len(kernel) > 1:
+                raise ValueError
+            cfg = DecodeConfig(*(int(v) for v in values[:6]), tokens_first=tokens_first)
+            kernel = kernel[0] if kernel else "tma"
+            _check_kernel(kernel)
+            if row_bucket(int(bucket)) != int(bucket):
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{PIN_ENV}: {entry!r} is no BUCKET:OUTxIN[:KERNEL]=block_n,"
+                             "block_m,block_k,split_k,num_warps,num_stages[,tf] (bucket a "
+                             "row bucket: 16, 32, 64, ...)") from None
+        pins[(int(bucket), out, inp, kernel)] = cfg
+    return pins
+
+
 def choose(rows: int, out: int, inp: int, granularity: str, device: torch.device,
            run, kernel: str = "weight_only") -> DecodeConfig:
-    """The config of ``kernel`` for this product (see the module docstring); ``run(config)``
-    launches the kernel on the real operands and returns its output (overwritten by each
-    run)."""
+    """The config of ``kernel`` for this product (see the module docstring), or the one
+    :data:`PIN_ENV` pins for it (:func:`pinned_configs`); ``run(config)`` launches the kernel
+    on the real operands and returns its output (overwritten by each run)."""
     key = key_of(rows, out, inp, granularity, device, kernel)
+    pinned = pinned_configs().get((key[0], out, inp, kernel)) if os.environ.get(PIN_ENV) \
+        else None
+    if pinned is not None:
+        return pinned
     cfg = _chosen.get(key)
     if cfg is not None:
         return cfg
@@ -425,8 +465,8 @@ def chosen_configs() -> dict:
 
 
 __all__ = ["DecodeConfig", "FP8_ACTIVATIONS", "FUSED_KERNELS", "KERNELS", "MAX_PARTS",
-           "MAX_STAGES", "MAX_STRIP", "REFINE_ROUNDS", "REFINE_TOP", "TOKENS_FIRST",
+           "MAX_STAGES", "MAX_STRIP", "PIN_ENV", "REFINE_ROUNDS", "REFINE_TOP", "TOKENS_FIRST",
            "TOKENS_FIRST_ROWS", "TOKENS_FIRST_TILES", "TUNE", "TUNED_ROWS", "W8A8_KERNELS",
            "candidates", "choose", "chosen_configs", "default_config", "key_of",
-           "l2_flush_buffer", "row_bucket", "sm_count", "smem_bytes", "stage_bytes",
+           "l2_flush_buffer", "pinned_configs", "row_bucket", "sm_count", "smem_bytes", "stage_bytes",
            "strip_parts", "time_ms", "timing", "timings", "tune"]

@@ -104,7 +104,8 @@ def _flag_env(flag: str):
     module switch): ``nopdl`` (the FP8 kernels' dependent launch off), ``noattnpdl`` (the
     attention's), ``pf<KiB>`` (each FP8 decode GEMM program's L2 prefetch before its wait, KiB;
     ``pf0``: none), ``tiles=<pins>`` (decode GEMM tiles instead of the tuner's:
-    ``decode_tuning.pinned_configs``, e.g. ``tiles=64:4096x4096=32,64,256,1,4,4,tf``). The names come from ``dependent_launch``, which imports triton: only here."""
+    ``decode_tuning.pinned_configs``, e.g. ``tiles=64:4096x4096=32,64,256,1,4,4,tf``). The
+    names come from ``dependent_launch``, which imports triton: only here."""
     if flag == "unfused":
         return None
     if flag.startswith("tiles="):

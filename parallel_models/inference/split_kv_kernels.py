@@ -7,9 +7,10 @@ See ``split_kv_attention`` for the layout and the contract. ``FP8_KV``: e4m3 poo
 scales per (position, KV head): a tile's scores are scaled by its keys' scales and its softmax
 weights by its values' scales (fp32), and the new token is quantized as it is stored (in the
 CPU interpreter, whose fp32 -> e4m3 conversion is wrong, rounded by
-``fp8.e4m3_rounding.round_to_e4m3`` first). On Hopper both launch with programmatic dependent launch (``fp8.dependent_launch``, switched by
-``PARALLEL_MODELS_ATTENTION_PDL``): each waits for the kernel before it before it reads or
-writes anything, so its launch overlaps that kernel's end.
+``fp8.e4m3_rounding.round_to_e4m3`` first). On Hopper both launch with programmatic
+dependent launch (``fp8.dependent_launch``, switched by ``PARALLEL_MODELS_ATTENTION_PDL``):
+each waits for the kernel before it before it reads or writes anything, so its launch
+overlaps that kernel's end.
 """
 
 import triton

@@ -468,5 +468,5 @@ __all__ = ["DecodeConfig", "FP8_ACTIVATIONS", "FUSED_KERNELS", "KERNELS", "MAX_P
            "MAX_STAGES", "MAX_STRIP", "PIN_ENV", "REFINE_ROUNDS", "REFINE_TOP", "TOKENS_FIRST",
            "TOKENS_FIRST_ROWS", "TOKENS_FIRST_TILES", "TUNE", "TUNED_ROWS", "W8A8_KERNELS",
            "candidates", "choose", "chosen_configs", "default_config", "key_of",
-           "l2_flush_buffer", "pinned_configs", "row_bucket", "sm_count", "smem_bytes", "stage_bytes",
-           "strip_parts", "time_ms", "timing", "timings", "tune"]
+           "l2_flush_buffer", "pinned_configs", "row_bucket", "sm_count", "smem_bytes",
+           "stage_bytes", "strip_parts", "time_ms", "timing", "timings", "tune"]

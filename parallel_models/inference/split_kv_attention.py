@@ -258,6 +258,7 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         raise ValueError("split-KV decode kv_scales needs e4m3 pools and fp32 scales "
                          "[positions, kv_heads] alike, contiguous in the heads")
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    pdl = launch_options(q.device)
     split_kernel[(b, kv_heads, num_splits)](
         q, k_new, v_new, k_pool, v_pool, offsets, used, back, out, part_out, part_lse, cos, sin,
         k_scale, v_scale, scale,
@@ -270,12 +271,12 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         INTERPRETED=interpreted,
         # the interpreter loops a fixed count over a row's earlier entries (compiled: any)
         MAX_BACK=int(back.max()) if interpreted else 0,
-        num_warps=config.num_warps, num_stages=config.num_stages, **launch_options(q.device))
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
     if num_splits > 1:
         combine_kernel[(b, heads)](part_out, part_lse, used, out, out.stride(0), out.stride(1),
                                    H=heads, D=dim, SPLIT=split, NUM_SPLITS=num_splits,
                                    BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-                                   num_warps=4, **launch_options(q.device))
+                                   num_warps=4, **pdl)
     return out
 
 

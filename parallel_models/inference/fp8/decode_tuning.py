@@ -27,6 +27,7 @@ every candidate's time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import statistics
@@ -404,7 +405,12 @@ def pinned_configs(text: str | None = None) -> dict:
     num_warps,num_stages[,tf]`` separated by ``/`` (kernel default ``tma``; ``tf``: tokens
     first), e.g. ``64:4096x4096=32,64,256,1,4,4,tf``. A malformed entry raises ValueError
     naming the variable and the entry."""
-    text = os.environ.get(PIN_ENV, "") if text is None else text
+    return dict(_parse_pins(os.environ.get(PIN_ENV, "") if text is None else text))
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_pins(text: str) -> dict:
+    """:func:`pinned_configs` of ``text``, parsed once (``choose`` asks on every product)."""
     pins = {}
     for entry in filter(None, (e.strip() for e in text.split("/"))):
         try:
@@ -434,8 +440,7 @@ def choose(rows: int, out: int, inp: int, granularity: str, device: torch.device
     :data:`PIN_ENV` pins for it (:func:`pinned_configs`); ``run(config)`` launches the kernel
     on the real operands and returns its output (overwritten by each run)."""
     key = key_of(rows, out, inp, granularity, device, kernel)
-    pinned = pinned_configs().get((key[0], out, inp, kernel)) if os.environ.get(PIN_ENV) \
-        else None
+    pinned = _parse_pins(os.environ.get(PIN_ENV, "")).get((key[0], out, inp, kernel))
     if pinned is not None:
         return pinned
     cfg = _chosen.get(key)

@@ -117,7 +117,7 @@ def _script(name, argv):
     """The console script ``name``'s ``main(argv)`` as a process of its own, forked from the
     preloaded forkserver (the installed scripts themselves: tests/test_cli.py); a
     ``CompletedProcess``."""
-    from parallel_models.testing import start_main
+    from parallel_models.console_processes import start_main
 
     run = start_main(f"conversion.scripts:{name}", argv)
     try:

@@ -6,7 +6,7 @@ import logging
 import os
 
 from parallel_models.llama.checkpoint_utils.output_dir import AtomicOutputDir
-from parallel_models.testing import start_main
+from parallel_models.console_processes import start_main
 
 
 def test_stale_temp_folders_of_killed_saves_are_removed(tmp_path, caplog):

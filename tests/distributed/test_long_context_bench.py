@@ -14,7 +14,7 @@ import os
 def test_tiny_cp2_step_prints_one_json_line_per_step():
     """Its 2 ranks forked with torchrun's environment (``start_main_ranks``) instead of a
     ``torchrun`` launch of fresh interpreters."""
-    from parallel_models.testing import start_main_ranks
+    from parallel_models.console_processes import start_main_ranks
 
     ranks = start_main_ranks("bench.long_context:main", ["--tiny", "--steps", "1", "--warmup",
                                                          "1", "--logits-chunk-mib", "0.05"], 2,

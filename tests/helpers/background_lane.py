@@ -10,8 +10,8 @@ The lane is a fork of the collected session: it runs each test through pytest's 
 ``pytest_runtest_protocol`` (fixtures, capture, warnings, timeouts), the module-scoped fixtures
 of the lane's modules once in the lane, and sends every report (and the warnings pytest
 recorded) back as pytest-xdist does (``pytest_report_to_serializable``). What the lane's tests
-start through ``parallel_models.testing`` (forked from the preloaded forkserver, which would
-give them its priority) runs at the lane's priority (tests/helpers/niced_targets.py); a
+start through ``parallel_models.testing`` / ``console_processes`` (forked from the preloaded
+forkserver, which would give them its priority) runs at the lane's priority (tests/helpers/niced_targets.py); a
 subprocess inherits it. A module goes into the lane whole (its module fixtures then run once,
 in the lane), or a test whose fixtures are its own (``tmp_path``): a module or session fixture
 that tests outside the lane use too would run in both processes. A test whose asserts time a
@@ -139,7 +139,7 @@ def _run_lane(session, items: list, folder: str) -> None:
     import multiprocessing.process
     from multiprocessing import forkserver, resource_tracker
 
-    from parallel_models import testing
+    from parallel_models import console_processes, testing
     from tests.helpers import niced_targets
 
     # the session's processes (early runs) are not the lane's: polling one here would read the
@@ -160,7 +160,7 @@ def _run_lane(session, items: list, folder: str) -> None:
     # the session's forkserver serves this process too; it is not this process's child
     server = forkserver._forkserver
     server.ensure_running = lambda: resource_tracker.ensure_running()
-    testing._main_process = niced_targets.niced_main_process
+    console_processes._main_process = niced_targets.niced_main_process
     testing._worker = niced_targets.niced_worker
     reports: list = []
     caught: list = []  # the warnings pytest recorded during the test, as plain values

@@ -44,7 +44,7 @@ def pytest_configure(config):
 def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return
-    from parallel_models.testing import start_main
+    from parallel_models.console_processes import start_main
     from tests.helpers.ppo_runs import ENV, MAIN
 
     for item in session.items:

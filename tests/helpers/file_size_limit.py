@@ -1,6 +1,6 @@
 """``parallel-models-ppo`` with a file size limit (``RLIMIT_FSIZE``), for tests of a save that
 runs out of space: every write past the limit fails with EFBIG, as writes on a full disk fail with
-ENOSPC. Run it through :func:`parallel_models.testing.start_main` as
+ENOSPC. Run it through :func:`parallel_models.console_processes.start_main` as
 ``"tests.helpers.file_size_limit:main"`` with ``[limit_bytes, *ppo_args]``."""
 
 from __future__ import annotations

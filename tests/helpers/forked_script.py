@@ -1,5 +1,5 @@
 """Running a Python script (``python path/to/script.py args``) in tests without a fresh
-interpreter: ``run_script`` is a ``main`` for ``parallel_models.testing.start_main``, so the
+interpreter: ``run_script`` is a ``main`` for ``parallel_models.console_processes.start_main``, so the
 script runs in a process forked from the preloaded forkserver (torch / megatron-core /
 transformers imported once, not seconds of CPU per run) exactly as ``python`` runs it: as
 ``__main__``, with ``sys.argv`` set and the script's folder first on ``sys.path``."""

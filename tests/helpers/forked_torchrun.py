@@ -1,7 +1,7 @@
 """A script's own ``torchrun`` launches, run in tests as forked ranks: ``ForkingSubprocess`` stands
 in for the ``subprocess`` module of a script loaded in the test's process (e.g. a bench) and
 starts ``python -m torch.distributed.run --nproc-per-node N ... -m package.module args`` as N
-processes forked from the preloaded forkserver (``parallel_models.testing.start_main_ranks``,
+processes forked from the preloaded forkserver (``parallel_models.console_processes.start_main_ranks``,
 torchrun's environment per rank) instead of a launcher and N fresh interpreters (seconds of CPU
 each for importing torch / megatron-core / transformers). Every other command goes to the real
 ``subprocess``. The torchrun launcher itself is tested where it is the subject
@@ -80,7 +80,7 @@ class ForkingSubprocess:
 
     @staticmethod
     def Popen(cmd, *args, env=None, **kwargs):  # noqa: N802 (subprocess's name)
-        from parallel_models.testing import start_main_ranks
+        from parallel_models.console_processes import start_main_ranks
 
         launch = parse_torchrun(cmd)
         if launch is None or args or set(kwargs) - {"start_new_session"}:

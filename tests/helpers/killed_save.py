@@ -1,7 +1,7 @@
 """A save killed mid-write, as ``kill -9`` of hf2mcore: ``main([folder])`` opens an
 ``AtomicOutputDir`` on ``folder``, writes a file into its temporary folder and SIGKILLs its own
 process (tests/checkpoint/test_output_dir_stale.py runs it through
-``parallel_models.testing.start_main``)."""
+``parallel_models.console_processes.start_main``)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Running ``parallel-models-ppo`` in tests (its ``main`` in a process forked from the preloaded
-forkserver: ``parallel_models.testing.start_main``, one per rank for a multi-rank run; the
+forkserver: ``parallel_models.console_processes.start_main``, one per rank for a multi-rank run; the
 console script itself and ``torchrun`` launches: tests/test_cli.py,
 tests/distributed/test_multinode.py), and reading what a run wrote."""
 
@@ -16,7 +16,7 @@ MAIN = "parallel_models.rl.train:main"
 
 def start_ppo(args, env=None):
     """``parallel-models-ppo *args`` started (``poll`` / ``kill`` / ``wait`` as a Popen)."""
-    from parallel_models.testing import start_main
+    from parallel_models.console_processes import start_main
 
     return start_main(MAIN, list(args), env or ENV)
 
@@ -37,9 +37,9 @@ def run_ppo(args, timeout=300, check=True, env=None):
 
 def run_ppo_ranks(args, nproc: int, timeout=300, env=None):
     """``torchrun --nproc-per-node nproc -m parallel_models.rl.train *args`` to its end, each
-    rank forked from the preloaded forkserver (``parallel_models.testing.start_main_ranks``);
+    rank forked from the preloaded forkserver (``parallel_models.console_processes.start_main_ranks``);
     raises with the end of the ranks' stderr when it fails; returns their stderr."""
-    from parallel_models.testing import start_main_ranks
+    from parallel_models.console_processes import start_main_ranks
 
     run = start_main_ranks(MAIN, list(args), nproc, env or ENV)
     try:

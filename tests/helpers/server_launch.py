@@ -1,7 +1,7 @@
 """Starting ``parallel-models-serve`` in tests with the arguments and environment of
 ``parallel_models.inference.server.launch.start_server``, without paying a fresh interpreter's
 seconds of CPU for importing torch / megatron-core / transformers: the server's ``main`` runs in
-processes forked from the preloaded forkserver (``parallel_models.testing.start_main``). At TP=1
+processes forked from the preloaded forkserver (``parallel_models.console_processes.start_main``). At TP=1
 one process in a session of its own; at TP > 1 one per rank with the environment torchrun gives
 them (one process group led by rank 0, so that ``launch.stop_server``'s SIGTERM to the group
 reaches every rank, as it reaches torchrun's). ``torchrun=True`` uses the library's launcher
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from parallel_models.inference.server import launch
-from parallel_models.testing import TORCHRUN_VARS, MainRanks
+from parallel_models.console_processes import TORCHRUN_VARS, MainRanks
 
 stop_server = launch.stop_server
 
@@ -28,7 +28,7 @@ def start_server(model: str, port: int, *, tp: int = 1, api_key: str | None = No
         return launch.start_server(model, port, tp=tp, api_key=api_key, extra=extra,
                                    log_path=log_path, timeout=timeout, enable_admin=enable_admin)
     from parallel_models.distributed import free_port
-    from parallel_models.testing import start_main
+    from parallel_models.console_processes import start_main
 
     args = ["--model", model, "--port", str(port), "--tp", str(tp), *extra]
     if api_key:

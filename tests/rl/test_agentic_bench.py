@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from parallel_models.testing import start_main
+from parallel_models.console_processes import start_main
 from tests.helpers.forked_script import TARGET
 
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "agentic_rollout.py")

@@ -6,7 +6,7 @@ must not be its first run).
 
 The bench's ``main`` runs in the test's process; its two ``parallel-models-ppo`` launches
 (``torchrun --nproc-per-node 2`` for sync, one process for async) run as processes forked from
-the preloaded forkserver (``parallel_models.testing.start_main``, torchrun's environment per
+the preloaded forkserver (``parallel_models.console_processes.start_main``, torchrun's environment per
 rank) instead of fresh interpreters; the async run starts its own rollout server as the bench
 does on the GPU. The launcher itself is tested where it is the subject (tests/test_cli.py,
 tests/distributed/test_multinode.py). (Measured at load 5-10 on 2 cores: 13-17 s, against
@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-from parallel_models.testing import MainRanks
+from parallel_models.console_processes import MainRanks
 
 pytestmark = pytest.mark.background_lane  # subprocess-bound: tests/helpers/background_lane.py
 
@@ -44,7 +44,7 @@ class _ForkedLaunches:
         return getattr(subprocess, name)
 
     def Popen(self, cmd, *, env=None, **_):  # noqa: N802 (subprocess's name)
-        from parallel_models.testing import start_main
+        from parallel_models.console_processes import start_main
 
         cmd = [str(c) for c in cmd]
         nproc, master_port, rest = 1, None, cmd[1:]

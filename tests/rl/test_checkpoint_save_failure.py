@@ -4,7 +4,7 @@ the file and what to do, exit code 2, no temporary folder left, the previous che
 import os
 import subprocess
 
-from parallel_models.testing import start_main
+from parallel_models.console_processes import start_main
 from tests.helpers import trainer_checkpoint_checks as checks
 from tests.helpers.ppo_runs import ENV
 

@@ -115,7 +115,7 @@ def test_torchrun_reports_an_input_error_once(tmp_path):
     The two ranks run ``main`` with the environment torchrun gives them, forked from the
     preloaded forkserver (``start_main_ranks``; the launcher itself: tests/test_quiet_runs.py,
     tests/distributed/test_multinode.py), and each rank's own exit code is read."""
-    from parallel_models.testing import start_main_ranks
+    from parallel_models.console_processes import start_main_ranks
     from tests.helpers.ppo_runs import MAIN
 
     bad = tmp_path / "broken.jsonl"
@@ -144,7 +144,7 @@ def test_under_torchrun_other_ranks_leave_after_rank0(tmp_path):
     import time
 
     from parallel_models.distributed import free_port
-    from parallel_models.testing import TORCHRUN_VARS, start_main
+    from parallel_models.console_processes import TORCHRUN_VARS, start_main
     from tests.helpers.ppo_runs import MAIN
 
     bad = tmp_path / "broken.jsonl"

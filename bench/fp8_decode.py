@@ -104,10 +104,16 @@ def _flag_env(flag: str):
     module switch): ``nopdl`` (the FP8 kernels' dependent launch off), ``noattnpdl`` (the
     attention's), ``pf<KiB>`` (each FP8 decode GEMM program's L2 prefetch before its wait, KiB;
     ``pf0``: none), ``tiles=<pins>`` (decode GEMM tiles instead of the tuner's:
-    ``decode_tuning.pinned_configs``, e.g. ``tiles=64:4096x4096=32,64,256,1,4,4,tf``). The
-    names come from ``dependent_launch``, which imports triton: only here."""
+    ``decode_tuning.pinned_configs``, e.g. ``tiles=64:4096x4096=32,64,256,1,4,4,tf``),
+    ``alone`` (the tiles timed fastest alone, without ``graph_tuning``'s pass: list it before
+    the contender it is compared with, whose capture then makes the pass). The names come from
+    ``dependent_launch``, which imports triton: only here."""
     if flag == "unfused":
         return None
+    if flag == "alone":
+        from parallel_models.inference.fp8.graph_tuning import ENV
+
+        return ENV, "0"
     if flag.startswith("tiles="):
         from parallel_models.inference.fp8.decode_tuning import PIN_ENV
 
@@ -157,7 +163,7 @@ def _selector():
 
 
 DECODE_CONTENDERS = ("dynamic", "w8a8", "weight_only", "tma", "scaled_mm", "bf16")
-CONTENDER_FLAGS = ("unfused", "nopdl", "noattnpdl", "pf<KiB>", "tiles=<pins>")
+CONTENDER_FLAGS = ("unfused", "nopdl", "noattnpdl", "alone", "pf<KiB>", "tiles=<pins>")
 
 
 def _contender(text: str) -> str:
@@ -250,6 +256,7 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
            "decode_kernel_checks": {f"{k[2]}": ok for k, ok in gemm._decode_checked.items()
                                     if k[1] == fp8.granularity}}
     from parallel_models.inference.fp8.decode_tuning import chosen_configs, row_bucket
+    from parallel_models.inference.fp8.graph_tuning import alone_choices, graph_timings
 
     def tiles(contender):  # (out x in, then a fused kernel's name) -> the chosen tiles
         kernel = _kernel_of(contender)
@@ -257,8 +264,11 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
         for flag in contender.split("+")[1:]:
             if flag.startswith("tiles="):
                 pins.update(_pins(flag))
+        chosen = chosen_configs()
+        if "alone" in contender.split("+"):
+            chosen.update(alone_choices)
         chosen = {key: pins.get((key[0], key[1], key[2], key[5]), cfg)
-                  for key, cfg in chosen_configs().items()}
+                  for key, cfg in chosen.items()}
         return {f"{key[1]}x{key[2]}" + (f" {key[5]}" if key[5] != kernel else ""): cfg.as_dict()
                 for key, cfg in chosen.items()
                 if key[0] == row_bucket(batch) and key[3] == fp8.granularity
@@ -266,6 +276,11 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
 
     row["decode_tiles"] = {contender: tiles(contender) for contender in args.decode_kernels
                            if _is_fp8(contender)}
+    row["graph_tuning"] = [  # the second pass's comparisons (the step's ms both ways)
+        {"linear": f"{key[1]}x{key[2]} {key[5]}", "tiles": cfg.as_dict(), "step_ms": new,
+         "current_ms": now, "kept": kept}
+        for key, cfg, new, now, kept in graph_timings
+        if key[0] == row_bucket(batch) and key[3] == fp8.granularity]
     for name in contenders:
         row[f"{name}_step_ms"] = 1e3 * timing[name]["median_s"] / args.chain
         row[f"{name}_spread"] = timing[name]["spread"]

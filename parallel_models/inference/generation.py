@@ -138,19 +138,31 @@ def capture_cuda_graph(forward):
     ``output`` in place. The side stream is one per device for every capture: with a new one per
     capture (``torch.cuda.Stream()`` hands out the pool's 32 streams in turn, and each continuous
     engine captures its buckets again), cuBLAS gets a workspace for each stream it meets and
-    keeps it for the process."""
-    device = torch.cuda.current_device()
-    side = _warmup_streams.get(device)
-    if side is None:
-        side = _warmup_streams[device] = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        forward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        output = forward()
-    return graph, output
+    keeps it for the process. Where the eager run tuned FP8 decode GEMMs, their runners-up are
+    compared in the captured step too (``fp8.graph_tuning``)."""
+
+    def capture():
+        device = torch.cuda.current_device()
+        side = _warmup_streams.get(device)
+        if side is None:
+            side = _warmup_streams[device] = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            output = forward()
+        return graph, output
+
+    graph, output = capture()
+    from parallel_models.inference.fp8 import decode_tuning
+
+    if not decode_tuning.fresh:
+        return graph, output
+    from parallel_models.inference.fp8 import graph_tuning
+
+    return graph_tuning.refine(capture, graph, output)
 
 
 class _DecodeStep:

@@ -108,6 +108,8 @@ def test_choose_times_once_keeps_the_fastest_agreeing_and_never_tunes_in_a_captu
     monkeypatch.setattr(dt, "smem_bytes", lambda device: dt.SMEM_BYTES)
     monkeypatch.setattr(dt, "_chosen", {})
     monkeypatch.setattr(dt, "timings", {})
+    monkeypatch.setattr(dt, "alternatives", {})
+    monkeypatch.setattr(dt, "fresh", [])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
 
     capturing[0] = True  # first met inside a capture: the default, untimed, not remembered
@@ -115,6 +117,8 @@ def test_choose_times_once_keeps_the_fastest_agreeing_and_never_tunes_in_a_captu
     capturing[0] = False
     assert dt.choose(50, 4096, 4096, "block", cuda, run) == cands[-2]  # bucket 64
     assert dt.choose(64, 4096, 4096, "block", cuda, run) == cands[-2] and timed == [len(cands)]
+    key = dt.key_of(64, 4096, 4096, "block", cuda)
+    assert dt.fresh == [key] and wrong not in dt.alternatives[key]  # (graph_tuning's runners-up)
     capturing[0] = True  # tuned before: the capture gets the tuned config
     assert dt.choose(33, 4096, 4096, "block", cuda, run) == cands[-2] and len(timed) == 1
     capturing[0] = False

@@ -17,7 +17,9 @@ operands (CUDA events, the L2 cache flushed before each run, the median of a few
 fastest three timed again, round-robin: :func:`tune`) and keeps the fastest; that happens in
 the eager run before a CUDA graph is captured (``generation.capture_cuda_graph`` runs the step
 once eagerly first), so the graph holds the chosen kernel. A config whose output disagrees
-with the default config's is passed over. A config pinned by ``PARALLEL_MODELS_FP8_DECODE_TILES``
+with the default config's is passed over. A kernel timed alone is not timed as the graph runs
+it (dependent launch, weight prefetch, its neighbours), so a few runners-up of other kinds are
+kept (:data:`alternatives`) and ``graph_tuning`` times the captured step with each of them. A config pinned by ``PARALLEL_MODELS_FP8_DECODE_TILES``
 runs instead (:func:`pinned_configs`). Inside a capture, on the CPU (the Triton
 interpreter), above :data:`TUNED_ROWS` rows, or with :data:`TUNE` off, the
 :func:`default_config` runs untimed. ``bench/fp8_gemm_sweep.py`` prints
@@ -73,7 +75,13 @@ REFINE_TOP, REFINE_ROUNDS = 3, 3  # the fastest few timed again, round-robin (se
 LAUNCH_COVER_CYCLES = 200_000  # ~100 us of GPU spin before each timed run: longer than a Triton
 # launch on the host, so the events time the kernel, not the launch (CUDA graphs replay without)
 
+GRAPH_TOP = 2
+"""Of a key's timed configs, the fastest this many (and the fastest of each other kind:
+:func:`_family`) are kept for ``graph_tuning`` to compare inside the decode step's graph."""
+
 _chosen: dict = {}  # key -> DecodeConfig
+alternatives: dict = {}  # key -> [DecodeConfig]: the runners-up that agree (see _agreeing)
+fresh: list = []  # keys tuned since graph_tuning last looked (it empties the list)
 _timing = False  # inside tune(): the candidates launch without dependent launch
 timings: dict = {}  # key -> [(DecodeConfig, ms)] of the candidates timed for it
 _warned: set = set()
@@ -374,9 +382,17 @@ def timing() -> bool:
     return _timing
 
 
-def _fastest_agreeing(results: list[tuple], default: DecodeConfig, run) -> DecodeConfig:
-    """The fastest timed config whose output agrees with the default's (to bf16 rounding and
-    accumulation order): a config that builds but computes something else is never chosen."""
+def _family(cfg: DecodeConfig) -> tuple:
+    """What a config's time in the graph depends on beyond its time alone: which operand is
+    the MMA's long side and whether it splits K (docs/PERFORMANCE.md, session 21)."""
+    return cfg.tokens_first, cfg.split_k > 1
+
+
+def _agreeing(results: list[tuple], default: DecodeConfig, run) -> list[DecodeConfig]:
+    """The timed configs whose outputs agree with the default's (to bf16 rounding and
+    accumulation order), fastest first: the fastest one, the next :data:`GRAPH_TOP` - 1 and
+    the fastest of each other :func:`_family` (for ``graph_tuning`` to compare in the step's
+    graph). A config that builds but computes something else is never among them."""
     try:
         want = run(default).to(torch.float32, copy=True)  # (run rewrites one output each time)
     except Exception as exc:  # noqa: BLE001 - the default does not build on this device
@@ -384,14 +400,19 @@ def _fastest_agreeing(results: list[tuple], default: DecodeConfig, run) -> Decod
             raise
         log.warning("fp8 decode GEMM: the default tiles %s do not run here (%s); the fastest "
                     "candidate %s unchecked", default, exc, results[0][0])
-        return results[0][0]
+        return [results[0][0]]
     tol = 2.0 ** -7 * (float(want.abs().max()) + 1.0)
+    out, families = [], set()
     for cfg, _ in results:
+        if len(out) >= GRAPH_TOP and _family(cfg) in families:
+            continue
         if cfg == default or float((run(cfg).float() - want).abs().max()) <= tol:
-            return cfg
-        log.warning("fp8 decode GEMM: %s disagrees with the default tiles %s; not used", cfg,
-                    default)
-    return default
+            out.append(cfg)
+            families.add(_family(cfg))
+        else:
+            log.warning("fp8 decode GEMM: %s disagrees with the default tiles %s; not used",
+                        cfg, default)
+    return out or [default]
 
 
 def key_of(rows: int, out: int, inp: int, granularity: str, device: torch.device,
@@ -458,7 +479,8 @@ def choose(rows: int, out: int, inp: int, granularity: str, device: torch.device
         return default
     results = tune(candidates(rows, out, inp, granularity, *limits, kernel=kernel), run, device)
     timings[key] = results
-    _chosen[key] = _fastest_agreeing(results, default, run)
+    _chosen[key], *alternatives[key] = _agreeing(results, default, run)
+    fresh.append(key)
     log.info("fp8 decode GEMM %s: %s (%.1f us of %d candidates)", key, _chosen[key],
              1e3 * results[0][1] if results else float("nan"), len(results))
     return _chosen[key]
@@ -469,9 +491,14 @@ def chosen_configs() -> dict:
     return dict(_chosen)
 
 
-__all__ = ["DecodeConfig", "FP8_ACTIVATIONS", "FUSED_KERNELS", "KERNELS", "MAX_PARTS",
-           "MAX_STAGES", "MAX_STRIP", "PIN_ENV", "REFINE_ROUNDS", "REFINE_TOP", "TOKENS_FIRST",
+def settle(key: tuple, cfg: DecodeConfig) -> None:
+    """Make ``cfg`` the choice for ``key`` from now on (``graph_tuning``'s verdict)."""
+    _chosen[key] = cfg
+
+
+__all__ = ["DecodeConfig", "FP8_ACTIVATIONS", "FUSED_KERNELS", "GRAPH_TOP", "KERNELS",
+           "MAX_PARTS", "MAX_STAGES", "MAX_STRIP", "PIN_ENV", "REFINE_ROUNDS", "REFINE_TOP", "TOKENS_FIRST",
            "TOKENS_FIRST_ROWS", "TOKENS_FIRST_TILES", "TUNE", "TUNED_ROWS", "W8A8_KERNELS",
-           "candidates", "choose", "chosen_configs", "default_config", "key_of",
-           "l2_flush_buffer", "pinned_configs", "row_bucket", "sm_count", "smem_bytes",
-           "stage_bytes", "strip_parts", "time_ms", "timing", "timings", "tune"]
+           "alternatives", "candidates", "choose", "chosen_configs", "default_config", "fresh",
+           "key_of", "l2_flush_buffer", "pinned_configs", "row_bucket", "settle", "sm_count",
+           "smem_bytes", "stage_bytes", "strip_parts", "time_ms", "timing", "timings", "tune"]

@@ -105,15 +105,15 @@ def _flag_env(flag: str):
     attention's), ``pf<KiB>`` (each FP8 decode GEMM program's L2 prefetch before its wait, KiB;
     ``pf0``: none), ``tiles=<pins>`` (decode GEMM tiles instead of the tuner's:
     ``decode_tuning.pinned_configs``, e.g. ``tiles=64:4096x4096=32,64,256,1,4,4,tf``),
-    ``alone`` (the tiles timed fastest alone, without ``graph_tuning``'s pass: list it before
-    the contender it is compared with, whose capture then makes the pass). The names come from
-    ``dependent_launch``, which imports triton: only here."""
+    ``graphtuned`` (``graph_tuning``'s pass at its capture, off by default: list the contender
+    it is compared with first, whose tiles are then those timed fastest alone). The names come
+    from ``dependent_launch``, which imports triton: only here."""
     if flag == "unfused":
         return None
-    if flag == "alone":
+    if flag == "graphtuned":
         from parallel_models.inference.fp8.graph_tuning import ENV
 
-        return ENV, "0"
+        return ENV, "1"
     if flag.startswith("tiles="):
         from parallel_models.inference.fp8.decode_tuning import PIN_ENV
 
@@ -163,7 +163,7 @@ def _selector():
 
 
 DECODE_CONTENDERS = ("dynamic", "w8a8", "weight_only", "tma", "scaled_mm", "bf16")
-CONTENDER_FLAGS = ("unfused", "nopdl", "noattnpdl", "alone", "pf<KiB>", "tiles=<pins>")
+CONTENDER_FLAGS = ("unfused", "nopdl", "noattnpdl", "graphtuned", "pf<KiB>", "tiles=<pins>")
 
 
 def _contender(text: str) -> str:
@@ -265,7 +265,7 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
             if flag.startswith("tiles="):
                 pins.update(_pins(flag))
         chosen = chosen_configs()
-        if "alone" in contender.split("+"):
+        if "graphtuned" not in contender.split("+"):
             chosen.update(alone_choices)
         chosen = {key: pins.get((key[0], key[1], key[2], key[5]), cfg)
                   for key, cfg in chosen.items()}

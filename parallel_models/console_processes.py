@@ -77,6 +77,16 @@ def _main_process(target: str, argv: list, env: dict, out_path: str, err_path: s
     sys.exit(code or 0)
 
 
+def process_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie has: it waits to be reaped;
+    Linux's /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 class MainProcess:
     """A console script's ``main`` (``"package.module:main"``) started by :func:`start_main`;
     ``poll`` / ``wait`` / ``kill`` / ``returncode`` / ``stdout`` / ``stderr`` as in
@@ -115,11 +125,8 @@ class MainProcess:
                 return int(f.read())
         except (OSError, ValueError):
             pass
-        try:  # no record: still running (an orphan now), or it died without writing one
-            with open(f"/proc/{self.pid}/stat") as f:
-                return None if f.read().rsplit(")", 1)[1].split()[0] != "Z" else code
-        except (OSError, IndexError):
-            return code
+        # no record: still running (an orphan now), or it died without writing one
+        return None if process_running(self.pid) else code
 
     def kill(self) -> None:
         import signal

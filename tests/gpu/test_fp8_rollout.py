@@ -351,3 +351,51 @@ def test_tma_decode_reads_the_producers_e4m3_copies(single_rank, monkeypatch):
     second = (one.log_probs[:, 1] - fused.log_probs[:, 1]).abs().mean().item()
     print(f"gate_up + SwiGLU in one kernel vs two: second token mean |logprob diff| {second:.5f}")
     assert second <= 0.15
+
+
+def test_graph_tuning_compares_runners_up_in_the_captured_step(single_rank, monkeypatch):
+    """``fp8.graph_tuning`` (``PARALLEL_MODELS_FP8_GRAPH_TUNING=1``): the continuous engine's
+    first decode capture compares each tuned key's runners-up inside the step's graph, keeps a
+    config only from that key's agreeing ones, and the engine's log-probs stay those of the
+    configs timed alone up to tile rounding (the bound of the decode kernel's batch-shape noise,
+    test_fp8_engine_vs_bf16_on_089b)."""
+    pytest.importorskip("triton")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the TMA kernel needs SM 9.0+")
+    from parallel_models.inference import RolloutEngine
+    from parallel_models.inference.fp8 import decode_tuning, gemm, graph_tuning
+    from parallel_models.inference.sampling import SamplingParams
+
+    model = _random_089b()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist()
+               for n in torch.randint(16, 48, (16,), generator=g)]
+    params = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=8)
+    monkeypatch.setattr(gemm, "DECODE_KERNEL", "tma")
+    for name, value in (("_chosen", {}), ("alternatives", {}), ("fresh", []), ("timings", {})):
+        monkeypatch.setattr(decode_tuning, name, value)
+    monkeypatch.setattr(graph_tuning, "graph_timings", [])
+
+    def generate():
+        engine = RolloutEngine(model, kv_budget_tokens=16 * 64, max_rows=16,
+                               weight_dtype="fp8", fp8_scales="channel")
+        return engine.generate(prompts, params)
+
+    monkeypatch.delenv(graph_tuning.ENV, raising=False)
+    alone = generate()  # the configs timed fastest alone; the keys stay fresh
+    alone_choices = decode_tuning.chosen_configs()
+    assert decode_tuning.fresh and not graph_tuning.graph_timings
+    monkeypatch.setenv(graph_tuning.ENV, "1")
+    tuned = generate()
+    compared = graph_tuning.graph_timings
+    print(f"\ngraph tuning: {len(compared)} comparisons, "
+          f"{sum(kept for *_, kept in compared)} kept")
+    assert compared and not decode_tuning.fresh
+    for key, cfg, new_ms, now_ms, kept in compared:
+        assert cfg in decode_tuning.alternatives[key] and new_ms > 0 and now_ms > 0
+    for key, cfg in decode_tuning.chosen_configs().items():
+        kept = [c for k, c, *_, was_kept in compared if k == key and was_kept]
+        assert cfg == (kept[-1] if kept else alone_choices[key])
+    assert torch.equal(tuned.responses[:, 0], alone.responses[:, 0])  # (the prefill's)
+    diff = (tuned.log_probs[:, 1] - alone.log_probs[:, 1]).abs().mean().item()
+    assert diff <= 0.15, diff

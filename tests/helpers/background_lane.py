@@ -11,9 +11,9 @@ The lane is a fork of the collected session: it runs each test through pytest's 
 of the lane's modules once in the lane, and sends every report (and the warnings pytest
 recorded) back as pytest-xdist does (``pytest_report_to_serializable``). What the lane's tests
 start through ``parallel_models.testing`` / ``console_processes`` (forked from the preloaded
-forkserver, which would give them its priority) runs at the lane's priority (tests/helpers/niced_targets.py); a
-subprocess inherits it. A module goes into the lane whole (its module fixtures then run once,
-in the lane), or a test whose fixtures are its own (``tmp_path``): a module or session fixture
+forkserver, which would give them its priority) runs at the lane's priority
+(tests/helpers/niced_targets.py); a subprocess inherits it. A module goes into the lane whole
+(its module fixtures then run once, in the lane), or a test whose fixtures are its own (``tmp_path``): a module or session fixture
 that tests outside the lane use too would run in both processes. A test whose asserts time a
 limit does not belong in it (it runs at a low priority); one marked ``timed`` runs in the
 session with the niced background (the lane and what it started, torchrun's workers too, and
@@ -157,9 +157,21 @@ def _run_lane(session, items: list, folder: str) -> None:
     os.dup2(log, 2)
     if capman is not None and capman._method != "no":
         capman.start_global_capturing()
-    # the session's forkserver serves this process too; it is not this process's child
-    server = forkserver._forkserver
-    server.ensure_running = lambda: resource_tracker.ensure_running()
+    # the session's forkserver serves this process too; it is not this process's child. Should
+    # it be gone (killed: its processes' exit codes then come from console_processes' records),
+    # the lane starts one of its own
+    server, start_own = forkserver._forkserver, forkserver._forkserver.ensure_running
+
+    def ensure_running():
+        if server._forkserver_pid is not None and \
+                not console_processes.process_running(server._forkserver_pid):
+            server._forkserver_address = server._forkserver_alive_fd = None
+            server._forkserver_pid = None
+        if server._forkserver_pid is None:
+            return start_own()
+        resource_tracker.ensure_running()
+
+    server.ensure_running = ensure_running
     console_processes._main_process = niced_targets.niced_main_process
     testing._worker = niced_targets.niced_worker
     reports: list = []

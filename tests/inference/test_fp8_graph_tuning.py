@@ -45,7 +45,7 @@ def tuned(monkeypatch):
     monkeypatch.setattr(dt, "fresh", [small, big])
     monkeypatch.setattr(gt, "graph_timings", [])
     monkeypatch.setattr(gt, "alone_choices", {})
-    monkeypatch.delenv(gt.ENV, raising=False)
+    monkeypatch.setenv(gt.ENV, "1")
     return big, small, a, b, c
 
 
@@ -96,11 +96,12 @@ def test_refine_off_and_a_failed_capture(tuned, monkeypatch):
     big, small, a, b, c = tuned
     captures, capture, time_graphs = _stand_ins({big: {a: 1.0, b: 0.5},
                                                   small: {a: 1.0, b: 0.5, c: 0.1}})
-    monkeypatch.setenv(gt.ENV, "0")
+    monkeypatch.delenv(gt.ENV)  # off by default
     first = capture()
+    assert not gt.enabled()
     assert gt.refine(capture, *first, time_graphs=time_graphs) == first
     assert dt.fresh == [small, big] and dt.chosen_configs() == {big: a, small: a}  # for later
-    monkeypatch.delenv(gt.ENV)
+    monkeypatch.setenv(gt.ENV, "1")
     dt.fresh[:] = [big]
 
     def failing():

@@ -18,12 +18,11 @@ fastest three timed again, round-robin: :func:`tune`) and keeps the fastest; tha
 the eager run before a CUDA graph is captured (``generation.capture_cuda_graph`` runs the step
 once eagerly first), so the graph holds the chosen kernel. A config whose output disagrees
 with the default config's is passed over. A kernel timed alone is not timed as the graph runs
-it (dependent launch, weight prefetch, its neighbours), so a few runners-up of other kinds are
-kept (:data:`alternatives`) and ``graph_tuning`` times the captured step with each of them. A config pinned by ``PARALLEL_MODELS_FP8_DECODE_TILES``
-runs instead (:func:`pinned_configs`). Inside a capture, on the CPU (the Triton
-interpreter), above :data:`TUNED_ROWS` rows, or with :data:`TUNE` off, the
-:func:`default_config` runs untimed. ``bench/fp8_gemm_sweep.py`` prints
-every candidate's time.
+it (dependent launch, weight prefetch, its neighbours): a few runners-up of other kinds are kept
+(:data:`alternatives`) for ``graph_tuning`` to time the captured step with. A config pinned by
+``PARALLEL_MODELS_FP8_DECODE_TILES`` runs instead (:func:`pinned_configs`). Inside a capture, on
+the CPU (the Triton interpreter), above :data:`TUNED_ROWS` rows, or with :data:`TUNE` off, the
+:func:`default_config` runs untimed. ``bench/fp8_gemm_sweep.py`` prints every candidate's time.
 """
 
 from __future__ import annotations
@@ -75,9 +74,7 @@ REFINE_TOP, REFINE_ROUNDS = 3, 3  # the fastest few timed again, round-robin (se
 LAUNCH_COVER_CYCLES = 200_000  # ~100 us of GPU spin before each timed run: longer than a Triton
 # launch on the host, so the events time the kernel, not the launch (CUDA graphs replay without)
 
-GRAPH_TOP = 2
-"""Of a key's timed configs, the fastest this many (and the fastest of each other kind:
-:func:`_family`) are kept for ``graph_tuning`` to compare inside the decode step's graph."""
+GRAPH_TOP = 2  # runners-up kept per key: the fastest this many, and of each other _family
 
 _chosen: dict = {}  # key -> DecodeConfig
 alternatives: dict = {}  # key -> [DecodeConfig]: the runners-up that agree (see _agreeing)
@@ -383,8 +380,7 @@ def timing() -> bool:
 
 
 def _family(cfg: DecodeConfig) -> tuple:
-    """What a config's time in the graph depends on beyond its time alone: which operand is
-    the MMA's long side and whether it splits K (docs/PERFORMANCE.md, session 21)."""
+    """What its time in the graph depends on beyond its time alone (PERFORMANCE.md, session 21)."""
     return cfg.tokens_first, cfg.split_k > 1
 
 
@@ -492,13 +488,13 @@ def chosen_configs() -> dict:
 
 
 def settle(key: tuple, cfg: DecodeConfig) -> None:
-    """Make ``cfg`` the choice for ``key`` from now on (``graph_tuning``'s verdict)."""
-    _chosen[key] = cfg
+    _chosen[key] = cfg  # the choice for ``key`` from now on (``graph_tuning``'s verdict)
 
 
 __all__ = ["DecodeConfig", "FP8_ACTIVATIONS", "FUSED_KERNELS", "GRAPH_TOP", "KERNELS",
-           "MAX_PARTS", "MAX_STAGES", "MAX_STRIP", "PIN_ENV", "REFINE_ROUNDS", "REFINE_TOP", "TOKENS_FIRST",
-           "TOKENS_FIRST_ROWS", "TOKENS_FIRST_TILES", "TUNE", "TUNED_ROWS", "W8A8_KERNELS",
-           "alternatives", "candidates", "choose", "chosen_configs", "default_config", "fresh",
-           "key_of", "l2_flush_buffer", "pinned_configs", "row_bucket", "settle", "sm_count",
-           "smem_bytes", "stage_bytes", "strip_parts", "time_ms", "timing", "timings", "tune"]
+           "MAX_PARTS", "MAX_STAGES", "MAX_STRIP", "PIN_ENV", "REFINE_ROUNDS", "REFINE_TOP",
+           "TOKENS_FIRST", "TOKENS_FIRST_ROWS", "TOKENS_FIRST_TILES", "TUNE", "TUNED_ROWS",
+           "W8A8_KERNELS", "alternatives", "candidates", "choose", "chosen_configs",
+           "default_config", "fresh", "key_of", "l2_flush_buffer", "pinned_configs",
+           "row_bucket", "settle", "sm_count", "smem_bytes", "stage_bytes", "strip_parts",
+           "time_ms", "timing", "timings", "tune"]

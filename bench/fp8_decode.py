@@ -30,7 +30,9 @@ GEMM backend of the larger products (``scaled_mm``, or ``emulated`` where the GP
 cannot), ``decode_kernel_checks`` (per kernel, whether it passed ``gemm``'s device check: one
 that failed is replaced by the other) and ``decode_tiles``: per kernel, the tiles
 ``inference/fp8/decode_tuning`` chose per linear shape (timed during the FP8 engine's first,
-eager decode step). ``--kv-fp8``: two engines more with the KV pool in e4m3
+eager decode step); ``graph_tuning``: the comparisons ``inference/fp8/graph_tuning``'s pass made
+in the captured step (a ``+graphtuned`` contender's capture) and ``graph_tuning_s`` its time.
+Contender flags (``+...`` after a kernel): :func:`_flag_env`. ``--kv-fp8``: two engines more with the KV pool in e4m3
 (``rollout.kv_cache_dtype=fp8``, ``pool_cache``): ``bf16_kvfp8`` (bf16 linears) and
 ``fp8_<first decode kernel>_kvfp8`` (FP8 linears too). ``--out`` also writes every line and the
 run's settings as one JSON file.
@@ -256,6 +258,7 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
            "decode_kernel_checks": {f"{k[2]}": ok for k, ok in gemm._decode_checked.items()
                                     if k[1] == fp8.granularity}}
     from parallel_models.inference.fp8.decode_tuning import chosen_configs, row_bucket
+    from parallel_models.inference.fp8 import graph_tuning
     from parallel_models.inference.fp8.graph_tuning import alone_choices, graph_timings
 
     def tiles(contender):  # (out x in, then a fused kernel's name) -> the chosen tiles
@@ -281,6 +284,7 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
          "current_ms": now, "kept": kept}
         for key, cfg, new, now, kept in graph_timings
         if key[0] == row_bucket(batch) and key[3] == fp8.granularity]
+    row["graph_tuning_s"] = graph_tuning.seconds  # (the process's so far: every engine's start)
     for name in contenders:
         row[f"{name}_step_ms"] = 1e3 * timing[name]["median_s"] / args.chain
         row[f"{name}_spread"] = timing[name]["spread"]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import statistics
+import time
 
 import torch
 
@@ -45,6 +46,8 @@ graph_timings: list = []
 """``(key, config, its step ms, the current step ms, kept)`` of every comparison made."""
 alone_choices: dict = {}
 """key -> the config timed fastest alone, for each key the pass looked at."""
+seconds = 0.0
+"""Wall time the pass took in this process (its captures and replays: an engine's start)."""
 
 
 def enabled() -> bool:
@@ -85,6 +88,8 @@ def refine(capture, graph, output, time_graphs=replay_ms):
     if not keys:
         return graph, output
     keys.sort(key=lambda k: -k[1] * k[2])  # (out x in: the largest weights first)
+    global seconds
+    began = time.perf_counter()
     for key in keys:
         current = alone_choices[key] = decode_tuning.chosen_configs()[key]
         for alt in decode_tuning.alternatives[key]:
@@ -104,8 +109,9 @@ def refine(capture, graph, output, time_graphs=replay_ms):
             del new_graph, new_output
             decode_tuning.settle(key, current)
         log.info("fp8 decode GEMM %s: %s in the step's graph", key, current)
+    seconds += time.perf_counter() - began
     return graph, output
 
 
 __all__ = ["ENV", "MARGIN", "ROUNDS", "alone_choices", "enabled", "graph_timings", "refine",
-           "replay_ms"]
+           "replay_ms", "seconds"]

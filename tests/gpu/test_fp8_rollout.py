@@ -269,6 +269,31 @@ def test_decode_gemm_configs_tuning_and_graph_replay(granularity, kernel):
             assert int(counters.abs().sum()) == 0
 
 
+def _tma_generate(monkeypatch, seed: int):
+    """``generate()``: a fresh FP8 engine (channel scales, the TMA decode kernel) on the random
+    0.89B model, 8 greedy tokens of 16 prompts drawn with ``seed``; skips without SM 9.0."""
+    pytest.importorskip("triton")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the TMA kernel needs SM 9.0+")
+    from parallel_models.inference import RolloutEngine
+    from parallel_models.inference.fp8 import gemm
+    from parallel_models.inference.sampling import SamplingParams
+
+    model = _random_089b()
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist()
+               for n in torch.randint(16, 48, (16,), generator=g)]
+    params = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=8)
+    monkeypatch.setattr(gemm, "DECODE_KERNEL", "tma")
+
+    def generate():
+        engine = RolloutEngine(model, kv_budget_tokens=16 * 64, max_rows=16,
+                               weight_dtype="fp8", fp8_scales="channel")
+        return engine.generate(prompts, params)
+
+    return generate
+
+
 def test_tma_decode_reads_the_producers_e4m3_copies(single_rank, monkeypatch):
     """With the TMA decode kernel, the decoder's norms and SwiGLU write the e4m3 copies the
     qkv / gate_up / down GEMMs read (``fused_producers``): only o_proj's input is quantized by the
@@ -282,13 +307,9 @@ def test_tma_decode_reads_the_producers_e4m3_copies(single_rank, monkeypatch):
     noise of the down GEMM's input (0.090 on an H100; the kernel's recipe is checked exactly in
     tests/inference/test_fp8_swiglu_gemm.py), bounded as the decode kernel's batch-shape noise
     is in test_fp8_engine_vs_bf16_on_089b (0.15); a wrong copy gives errors of order 1."""
-    pytest.importorskip("triton")
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the TMA kernel needs SM 9.0+")
-    from parallel_models.inference import RolloutEngine
-    from parallel_models.inference.fp8 import fused_producers, gemm, tma_decode_kernel
+    generate = _tma_generate(monkeypatch, 1)
+    from parallel_models.inference.fp8 import fused_producers, tma_decode_kernel
     from parallel_models.inference.fp8.quantize import QUANTIZED_COPY
-    from parallel_models.inference.sampling import SamplingParams
     from parallel_models.llama.layers import fused_ops
 
     class Stripped(fused_producers.OutputQuantizer):
@@ -304,12 +325,6 @@ def test_tma_decode_reads_the_producers_e4m3_copies(single_rank, monkeypatch):
             delattr(y, QUANTIZED_COPY)
             return y
 
-    model = _random_089b()
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist()
-               for n in torch.randint(16, 48, (16,), generator=g)]
-    params = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=8)
-    monkeypatch.setattr(gemm, "DECODE_KERNEL", "tma")
     counts = {"read": 0, "quantized": 0}
     quantized_input = tma_decode_kernel.quantized_input
 
@@ -318,12 +333,6 @@ def test_tma_decode_reads_the_producers_e4m3_copies(single_rank, monkeypatch):
         return quantized_input(x2)
 
     monkeypatch.setattr(tma_decode_kernel, "quantized_input", counted)
-
-    def generate():
-        engine = RolloutEngine(model, kv_budget_tokens=16 * 64, max_rows=16,
-                               weight_dtype="fp8", fp8_scales="channel")
-        return engine.generate(prompts, params)
-
     for fuse in (False, True):  # (tunes the decode tiles: every candidate's launch reads its
         monkeypatch.setattr(fused_producers, "FUSE_GATE_UP", fuse)  # input)
         generate()
@@ -359,28 +368,12 @@ def test_graph_tuning_compares_runners_up_in_the_captured_step(single_rank, monk
     config only from that key's agreeing ones, and the engine's log-probs stay those of the
     configs timed alone up to tile rounding (the bound of the decode kernel's batch-shape noise,
     test_fp8_engine_vs_bf16_on_089b)."""
-    pytest.importorskip("triton")
-    if torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("the TMA kernel needs SM 9.0+")
-    from parallel_models.inference import RolloutEngine
-    from parallel_models.inference.fp8 import decode_tuning, gemm, graph_tuning
-    from parallel_models.inference.sampling import SamplingParams
+    generate = _tma_generate(monkeypatch, 2)
+    from parallel_models.inference.fp8 import decode_tuning, graph_tuning
 
-    model = _random_089b()
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, 32000, (int(n),), generator=g).tolist()
-               for n in torch.randint(16, 48, (16,), generator=g)]
-    params = SamplingParams(greedy=True, ignore_eos=True, max_new_tokens=8)
-    monkeypatch.setattr(gemm, "DECODE_KERNEL", "tma")
     for name, value in (("_chosen", {}), ("alternatives", {}), ("fresh", []), ("timings", {})):
         monkeypatch.setattr(decode_tuning, name, value)
     monkeypatch.setattr(graph_tuning, "graph_timings", [])
-
-    def generate():
-        engine = RolloutEngine(model, kv_budget_tokens=16 * 64, max_rows=16,
-                               weight_dtype="fp8", fp8_scales="channel")
-        return engine.generate(prompts, params)
-
     monkeypatch.delenv(graph_tuning.ENV, raising=False)
     alone = generate()  # the configs timed fastest alone; the keys stay fresh
     alone_choices = decode_tuning.chosen_configs()

@@ -1,9 +1,17 @@
+import importlib.util
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if importlib.util.find_spec("triton") is not None and not torch.cuda.is_available():
+    # the Triton kernels' tests run them in Triton's CPU interpreter, which has to be chosen
+    # before anything imports triton (a kernel module imported before, e.g. by an earlier test
+    # module or the forkserver's preload, fails in the interpreter: "Cannot call @triton.jit'd
+    # outside of the scope of a kernel")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest_plugins = ["tests.helpers.early_runs",  # long PPO runs started when collection ends
                   "tests.helpers.background_lane"]  # subprocess-bound tests, forked then

@@ -43,6 +43,7 @@ def tuned(monkeypatch):
     monkeypatch.setattr(dt, "_chosen", {big: a, small: a})
     monkeypatch.setattr(dt, "alternatives", {big: [b], small: [b, c]})
     monkeypatch.setattr(dt, "fresh", [small, big])
+    monkeypatch.setattr(dt, "used", {small, big})  # (the step asked for both)
     monkeypatch.setattr(gt, "graph_timings", [])
     monkeypatch.setattr(gt, "alone_choices", {})
     monkeypatch.setenv(gt.ENV, "1")
@@ -90,6 +91,20 @@ def test_refine_keeps_the_current_choice_within_the_margin(tuned):
     assert gt.refine(capture, *first, time_graphs=time_graphs) == first
     assert dt.chosen_configs() == {big: a, small: a}
     assert not any(kept for *_, kept in gt.graph_timings) and len(gt.graph_timings) == 3
+
+
+def test_refine_compares_only_the_keys_of_the_step_it_captured(tuned):
+    big, small, a, b, c = tuned
+    other = dt.key_of(512 // 2, 4096, 4096, "channel", CUDA, "tma")  # (e.g. a prefill's)
+    dt.fresh.append(other)
+    dt.alternatives[other], dt._chosen[other] = [b], a
+    dt.used.discard(big)
+    captures, capture, time_graphs = _stand_ins({big: {a: 1.0, b: 0.5},
+                                                  small: {a: 2.0, b: 1.0, c: 3.0},
+                                                  other: {a: 1.0, b: 0.5}})
+    gt.refine(capture, *capture(), time_graphs=time_graphs)
+    assert dt.chosen_configs() == {big: a, small: b, other: a}
+    assert dt.fresh == [big, other]  # left for the capture of a step that asks for them
 
 
 def test_refine_off_and_a_failed_capture(tuned, monkeypatch):

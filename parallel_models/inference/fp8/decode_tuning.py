@@ -78,7 +78,8 @@ GRAPH_TOP = 2  # runners-up kept per key: the fastest this many, and of each oth
 
 _chosen: dict = {}  # key -> DecodeConfig
 alternatives: dict = {}  # key -> [DecodeConfig]: the runners-up that agree (see _agreeing)
-fresh: list = []  # keys tuned since graph_tuning last looked (it empties the list)
+fresh: list = []  # keys tuned that graph_tuning has not compared in a graph yet
+used: set = set()  # keys asked for since graph_tuning last cleared it (the step it captures)
 _timing = False  # inside tune(): the candidates launch without dependent launch
 timings: dict = {}  # key -> [(DecodeConfig, ms)] of the candidates timed for it
 _warned: set = set()
@@ -379,16 +380,14 @@ def timing() -> bool:
     return _timing
 
 
-def _family(cfg: DecodeConfig) -> tuple:
-    """What its time in the graph depends on beyond its time alone (PERFORMANCE.md, session 21)."""
-    return cfg.tokens_first, cfg.split_k > 1
+def _family(cfg: DecodeConfig) -> tuple:  # what its time in the graph depends on beyond its
+    return cfg.tokens_first, cfg.split_k > 1  # time alone (PERFORMANCE.md, session 21)
 
 
 def _agreeing(results: list[tuple], default: DecodeConfig, run) -> list[DecodeConfig]:
-    """The timed configs whose outputs agree with the default's (to bf16 rounding and
-    accumulation order), fastest first: the fastest one, the next :data:`GRAPH_TOP` - 1 and
-    the fastest of each other :func:`_family` (for ``graph_tuning`` to compare in the step's
-    graph). A config that builds but computes something else is never among them."""
+    """Timed configs whose outputs agree with the default's (to bf16 rounding and accumulation
+    order), fastest first: the :data:`GRAPH_TOP` fastest, then the fastest of each other
+    :func:`_family` (``graph_tuning`` compares them in the step's graph)."""
     try:
         want = run(default).to(torch.float32, copy=True)  # (run rewrites one output each time)
     except Exception as exc:  # noqa: BLE001 - the default does not build on this device
@@ -457,6 +456,7 @@ def choose(rows: int, out: int, inp: int, granularity: str, device: torch.device
     :data:`PIN_ENV` pins for it (:func:`pinned_configs`); ``run(config)`` launches the kernel
     on the real operands and returns its output (overwritten by each run)."""
     key = key_of(rows, out, inp, granularity, device, kernel)
+    used.add(key)
     pinned = _parse_pins(os.environ.get(PIN_ENV, "")).get((key[0], out, inp, kernel))
     if pinned is not None:
         return pinned
@@ -497,4 +497,4 @@ __all__ = ["DecodeConfig", "FP8_ACTIVATIONS", "FUSED_KERNELS", "GRAPH_TOP", "KER
            "W8A8_KERNELS", "alternatives", "candidates", "choose", "chosen_configs",
            "default_config", "fresh", "key_of", "l2_flush_buffer", "pinned_configs",
            "row_bucket", "settle", "sm_count", "smem_bytes", "stage_bytes", "strip_parts",
-           "time_ms", "timing", "timings", "tune"]
+           "time_ms", "timing", "timings", "tune", "used"]

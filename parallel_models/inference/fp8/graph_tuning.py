@@ -10,7 +10,8 @@ alone and took 12.1 us a layer in the graph, against 9.7 us for unsplit 32-row s
 strips in 2 K splits took 18.1 us (docs/PERFORMANCE.md, session 21).
 
 :func:`refine` runs after ``generation.capture_cuda_graph`` captured a step whose eager run
-tuned new keys (``decode_tuning.fresh``). For each such key, largest weight first, it captures
+tuned new keys (``decode_tuning.fresh``; of those, the ones this step asked for,
+``decode_tuning.used``). For each such key, largest weight first, it captures
 the step again with each of the key's ``decode_tuning.alternatives`` in its place (the fastest
 runners-up, and the fastest config of each other kind: tokens first or not, split along K or
 not). It replays the current graph and the new one in turn (CUDA events, :data:`ROUNDS` each,
@@ -80,11 +81,13 @@ def refine(capture, graph, output, time_graphs=replay_ms):
     """``(graph, output)``: the given capture of the step, or the capture with the configs that
     made it faster (see the module docstring). ``capture()`` runs the step eagerly once (it
     compiles a config's kernels as the graph launches them) and captures it again, returning
-    ``(graph, output)``; ``time_graphs(graphs)`` -> each graph's step in ms."""
+    ``(graph, output)``; ``time_graphs(graphs)`` -> each graph's step in ms. The caller
+    cleared ``decode_tuning.used`` before its eager run (the keys of this step)."""
     if not enabled():  # (the keys stay fresh: a later capture with the pass on compares them)
         return graph, output
-    keys = [k for k in decode_tuning.fresh if decode_tuning.alternatives.get(k)]
-    decode_tuning.fresh.clear()
+    fresh, in_step = decode_tuning.fresh, decode_tuning.used
+    keys = [k for k in fresh if k in in_step and decode_tuning.alternatives.get(k)]
+    fresh[:] = [k for k in fresh if k not in in_step]  # (e.g. a prefill's: a later capture's)
     if not keys:
         return graph, output
     keys.sort(key=lambda k: -k[1] * k[2])  # (out x in: the largest weights first)

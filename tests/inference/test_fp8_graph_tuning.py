@@ -124,3 +124,10 @@ def test_refine_off_and_a_failed_capture(tuned, monkeypatch):
 
     assert gt.refine(failing, *first, time_graphs=time_graphs) == first
     assert dt.chosen_configs()[big] == a and gt.graph_timings == []
+    dt.fresh[:] = [big]
+
+    def failing_replay(graphs):
+        raise RuntimeError("replay failed")
+
+    assert gt.refine(capture, *first, time_graphs=failing_replay) == first
+    assert dt.chosen_configs()[big] == a and gt.graph_timings == []

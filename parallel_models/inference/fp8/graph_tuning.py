@@ -99,12 +99,12 @@ def refine(capture, graph, output, time_graphs=replay_ms):
             decode_tuning.settle(key, alt)
             try:
                 new_graph, new_output = capture()
+                now_ms, new_ms = time_graphs([graph, new_graph])
             except Exception as exc:  # noqa: BLE001 - e.g. out of memory for a second graph
-                log.warning("fp8 decode GEMM %s: the step with %s did not capture (%s); kept %s",
-                            key, alt, exc, current)
+                log.warning("fp8 decode GEMM %s: the step with %s did not capture or replay "
+                            "(%s); kept %s", key, alt, exc, current)
                 decode_tuning.settle(key, current)
                 continue
-            now_ms, new_ms = time_graphs([graph, new_graph])
             kept = new_ms < now_ms * (1 - MARGIN)
             graph_timings.append((key, alt, new_ms, now_ms, kept))
             if kept:

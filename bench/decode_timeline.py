@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import build_random_llama  # noqa: E402
 from fp8_decode import SHAPES, _engine, _fp8_on, _selector  # noqa: E402
 
+
 def _kernels(prof) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")

@@ -32,10 +32,10 @@ that failed is replaced by the other) and ``decode_tiles``: per kernel, the tile
 ``inference/fp8/decode_tuning`` chose per linear shape (timed during the FP8 engine's first,
 eager decode step); ``graph_tuning``: the comparisons ``inference/fp8/graph_tuning``'s pass made
 in the captured step (a ``+graphtuned`` contender's capture) and ``graph_tuning_s`` its time.
-Contender flags (``+...`` after a kernel): :func:`_flag_env`. ``--kv-fp8``: two engines more with the KV pool in e4m3
-(``rollout.kv_cache_dtype=fp8``, ``pool_cache``): ``bf16_kvfp8`` (bf16 linears) and
-``fp8_<first decode kernel>_kvfp8`` (FP8 linears too). ``--out`` also writes every line and the
-run's settings as one JSON file.
+Contender flags (``+...`` after a kernel): :func:`_flag_env`. ``--kv-fp8``: two engines more
+with the KV pool in e4m3 (``rollout.kv_cache_dtype=fp8``, ``pool_cache``): ``bf16_kvfp8`` (bf16
+linears) and ``fp8_<first decode kernel>_kvfp8`` (FP8 linears too). ``--out`` also writes every
+line and the run's settings as one JSON file.
 The 8B shape needs about 40 GiB at B = 256 with both kernels (weights, their FP8 copy, three KV
 pools of B x (prompt + 25) positions).
 
@@ -263,12 +263,12 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
 
     def tiles(contender):  # (out x in, then a fused kernel's name) -> the chosen tiles
         kernel = _kernel_of(contender)
-        pins = {}  # (its +tiles= pins: what its graph runs)
-        for flag in contender.split("+")[1:]:
+        flags, pins = contender.split("+")[1:], {}  # (its +tiles= pins: what its graph runs)
+        for flag in flags:
             if flag.startswith("tiles="):
                 pins.update(_pins(flag))
         chosen = chosen_configs()
-        if "graphtuned" not in contender.split("+"):
+        if "graphtuned" not in flags:
             chosen.update(alone_choices)
         chosen = {key: pins.get((key[0], key[1], key[2], key[5]), cfg)
                   for key, cfg in chosen.items()}

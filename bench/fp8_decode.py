@@ -31,7 +31,7 @@ cannot), ``decode_kernel_checks`` (per kernel, whether it passed ``gemm``'s devi
 that failed is replaced by the other) and ``decode_tiles``: per kernel, the tiles
 ``inference/fp8/decode_tuning`` chose per linear shape (timed during the FP8 engine's first,
 eager decode step); ``graph_tuning``: the comparisons ``inference/fp8/graph_tuning``'s pass made
-in the captured step (a ``+graphtuned`` contender's capture) and ``graph_tuning_s`` its time.
+in the captured step (a capture with the pass on, the default) and ``graph_tuning_s`` its time.
 Contender flags (``+...`` after a kernel): :func:`_flag_env`. ``--kv-fp8``: two engines more
 with the KV pool in e4m3 (``rollout.kv_cache_dtype=fp8``, ``pool_cache``): ``bf16_kvfp8`` (bf16
 linears) and ``fp8_<first decode kernel>_kvfp8`` (FP8 linears too). ``--out`` also writes every
@@ -107,15 +107,16 @@ def _flag_env(flag: str):
     attention's), ``pf<KiB>`` (each FP8 decode GEMM program's L2 prefetch before its wait, KiB;
     ``pf0``: none), ``tiles=<pins>`` (decode GEMM tiles instead of the tuner's:
     ``decode_tuning.pinned_configs``, e.g. ``tiles=64:4096x4096=32,64,256,1,4,4,tf``),
-    ``graphtuned`` (``graph_tuning``'s pass at its capture, off by default: list the contender
-    it is compared with first, whose tiles are then those timed fastest alone). The names come
-    from ``dependent_launch``, which imports triton: only here."""
+    ``nographtuning`` (``graph_tuning``'s pass off at its capture: list it before the contenders
+    with the pass, which is on by default and whose verdicts then stay for the process) and
+    ``graphtuned`` (the pass asked for explicitly). The names come from ``dependent_launch``,
+    which imports triton: only here."""
     if flag == "unfused":
         return None
-    if flag == "graphtuned":
+    if flag in ("graphtuned", "nographtuning"):
         from parallel_models.inference.fp8.graph_tuning import ENV
 
-        return ENV, "1"
+        return ENV, "1" if flag == "graphtuned" else "0"
     if flag.startswith("tiles="):
         from parallel_models.inference.fp8.decode_tuning import PIN_ENV
 
@@ -165,7 +166,8 @@ def _selector():
 
 
 DECODE_CONTENDERS = ("dynamic", "w8a8", "weight_only", "tma", "scaled_mm", "bf16")
-CONTENDER_FLAGS = ("unfused", "nopdl", "noattnpdl", "graphtuned", "pf<KiB>", "tiles=<pins>")
+CONTENDER_FLAGS = ("unfused", "nopdl", "noattnpdl", "graphtuned", "nographtuning", "pf<KiB>",
+                   "tiles=<pins>")
 
 
 def _contender(text: str) -> str:
@@ -268,7 +270,7 @@ def run_case(args, shape: str, model, fp8, dev, batch: int) -> dict:
             if flag.startswith("tiles="):
                 pins.update(_pins(flag))
         chosen = chosen_configs()
-        if "graphtuned" not in flags:
+        if "nographtuning" in flags:  # (listed first, it ran the configs timed alone)
             chosen.update(alone_choices)
         chosen = {key: pins.get((key[0], key[1], key[2], key[5]), cfg)
                   for key, cfg in chosen.items()}

@@ -46,9 +46,9 @@
 #                                      # 8B) and the GRPO-shaped workload both ways (0.89B)
 #   bash bench/gpu_session.sh fp8graph # issue 37, one GPU, <= 7.5 min: the tuner's second pass
 #                                      # (inference/fp8/graph_tuning.py): its GPU test, the 8B
-#                                      # decode step at batch 64 without / with it in one process
-#                                      # (comparisons and the pass's time in the row)
-#   bash bench/gpu_session.sh fp8graph_timeline  # <= 3 min: the 8B graph timeline with it on
+#                                      # decode step at batch 64 without it / with it (the
+#                                      # default) in one process (comparisons, the pass's time)
+#   bash bench/gpu_session.sh fp8graph_timeline  # <= 3 min: the 8B graph timeline (pass on)
 #   bash bench/gpu_session.sh fp8_kv   # the FP8 KV pool (rollout.kv_cache_dtype=fp8), <= 6 min:
 #                                      # its GPU-side tests, the 8B decode step at batch 64 and
 #                                      # 256, bf16 / FP8 linears x model-dtype / e4m3 KV pool
@@ -154,11 +154,11 @@ Issued" "$OUT/ncu.txt" | cut -c1-120
         -k graph_tuning 2>&1 | tee "$OUT/fp8_graph_test.log" \
         | grep -E "graph tuning|passed|failed|Error" | tail -6
     timeout 280 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales channel \
-        --decode-kernels tma tma+graphtuned --rounds 4 --out "$OUT/fp8_graph.json" 2>&1 \
+        --decode-kernels tma+nographtuning tma --rounds 4 --out "$OUT/fp8_graph.json" 2>&1 \
         | grep -E '^\{' | tee "$OUT/fp8_graph.log" | grep -o '"graph_tuning".*' | cut -c1-2500
     ;;
   fp8graph_timeline)
-    PARALLEL_MODELS_FP8_GRAPH_TUNING=1 timeout 170 python3 bench/decode_timeline.py \
+    timeout 170 python3 bench/decode_timeline.py \
         --decode-kernels bf16 tma > "$OUT/timeline_graph.log" 2>&1
     tail -40 "$OUT/timeline_graph.log"
     ;;

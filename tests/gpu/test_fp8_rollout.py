@@ -363,7 +363,7 @@ def test_tma_decode_reads_the_producers_e4m3_copies(single_rank, monkeypatch):
 
 
 def test_graph_tuning_compares_runners_up_in_the_captured_step(single_rank, monkeypatch):
-    """``fp8.graph_tuning`` (``PARALLEL_MODELS_FP8_GRAPH_TUNING=1``): the continuous engine's
+    """``fp8.graph_tuning`` (on by default; ``PARALLEL_MODELS_FP8_GRAPH_TUNING=0`` off): the engine's
     first decode capture compares each tuned key's runners-up inside the step's graph, keeps a
     config only from that key's agreeing ones, and the engine's log-probs stay those of the
     configs timed alone up to tile rounding (the bound of the decode kernel's batch-shape noise,
@@ -374,7 +374,7 @@ def test_graph_tuning_compares_runners_up_in_the_captured_step(single_rank, monk
     for name, value in (("_chosen", {}), ("alternatives", {}), ("fresh", []), ("timings", {})):
         monkeypatch.setattr(decode_tuning, name, value)
     monkeypatch.setattr(graph_tuning, "graph_timings", [])
-    monkeypatch.delenv(graph_tuning.ENV, raising=False)
+    monkeypatch.setenv(graph_tuning.ENV, "0")
     alone = generate()  # the configs timed fastest alone; the keys stay fresh
     alone_choices = decode_tuning.chosen_configs()
     assert decode_tuning.fresh and not graph_tuning.graph_timings

@@ -111,7 +111,7 @@ def test_refine_off_and_a_failed_capture(tuned, monkeypatch):
     big, small, a, b, c = tuned
     captures, capture, time_graphs = _stand_ins({big: {a: 1.0, b: 0.5},
                                                   small: {a: 1.0, b: 0.5, c: 0.1}})
-    monkeypatch.delenv(gt.ENV)  # off by default
+    monkeypatch.setenv(gt.ENV, "0")
     first = capture()
     assert not gt.enabled()
     assert gt.refine(capture, *first, time_graphs=time_graphs) == first
@@ -131,3 +131,34 @@ def test_refine_off_and_a_failed_capture(tuned, monkeypatch):
 
     assert gt.refine(capture, *first, time_graphs=failing_replay) == first
     assert dt.chosen_configs()[big] == a and gt.graph_timings == []
+
+
+def test_on_by_default_only_where_the_step_has_no_collective(monkeypatch):
+    """The pass is on unless switched off, and only on a rank whose decode graph runs no
+    collective: each rank would capture and replay on its own timings, and a tensor-parallel
+    step's all-reduces must pair up across ranks."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    monkeypatch.delenv(gt.ENV, raising=False)
+    assert gt.enabled()  # (no process group: one rank)
+    monkeypatch.setenv(gt.ENV, "0")
+    assert not gt.enabled()
+    monkeypatch.delenv(gt.ENV)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(ps, "model_parallel_is_initialized", lambda: False)
+    assert not gt.enabled()  # (ranks, but no megatron groups to tell what they share)
+    sizes = {"tensor": 1, "pipeline": 1, "expert": 1}
+    monkeypatch.setattr(ps, "model_parallel_is_initialized", lambda: True)
+    for name in sizes:
+        monkeypatch.setattr(ps, f"get_{name}_model_parallel_world_size",
+                            lambda name=name: sizes[name])
+    assert gt.enabled()  # (data parallel only: each rank's step is its own)
+    for name in sizes:
+        sizes[name] = 2
+        assert not gt.enabled(), name
+        monkeypatch.setenv(gt.ENV, "1")
+        assert not gt.enabled(), name  # (asked for, still not with collectives in the step)
+        monkeypatch.delenv(gt.ENV)
+        sizes[name] = 1

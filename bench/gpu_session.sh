@@ -49,11 +49,6 @@
 #                                      # decode step at batch 64 without it / with it (the
 #                                      # default) in one process (comparisons, the pass's time)
 #   bash bench/gpu_session.sh fp8graph_timeline  # <= 3 min: the 8B graph timeline (pass on)
-#   bash bench/gpu_session.sh fp8token # issue 37, one GPU, <= 9 min: the fused SwiGLU kernel's
-#                                      # per-token copy (its kernel tests on CUDA, the gate_up and
-#                                      # down GEMMs back to back both ways, the 8B decode step
-#                                      # without the graph pass and the copy / without the copy /
-#                                      # default, in one process)
 #   bash bench/gpu_session.sh fp8_kv   # the FP8 KV pool (rollout.kv_cache_dtype=fp8), <= 6 min:
 #                                      # its GPU-side tests, the 8B decode step at batch 64 and
 #                                      # 256, bf16 / FP8 linears x model-dtype / e4m3 KV pool
@@ -161,18 +156,6 @@ Issued" "$OUT/ncu.txt" | cut -c1-120
     timeout 280 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales channel \
         --decode-kernels tma+nographtuning tma --rounds 4 --out "$OUT/fp8_graph.json" 2>&1 \
         | grep -E '^\{' | tee "$OUT/fp8_graph.log" | grep -o '"graph_tuning".*' | cut -c1-2500
-    ;;
-  fp8token)
-    nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/inference/test_fp8_swiglu_gemm.py \
-        tests/inference/test_fp8_tma_decode.py 2>&1 | tee "$OUT/fp8_token_tests.log" | tail -4
-    timeout 100 python3 bench/fp8_gemm_graph_probe.py --linears gate_up down \
-        --out "$OUT/probe_token.json" 2>&1 | grep -E '^\{' | grep -E 'tma_swiglu|group128|"bf16"|read' \
-        | cut -c1-330 > "$OUT/probe_token.log"; grep -c . "$OUT/probe_token.log"
-    timeout 300 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales channel \
-        --decode-kernels tma+nographtuning+noswiglutoken tma+noswiglutoken tma --rounds 4 \
-        --out "$OUT/fp8_token.json" 2>&1 | grep -E '^\{' | tee "$OUT/fp8_token.log" \
-        | grep -oE '"(bf16|fp8_[a-z0-9_+]+)_(step_ms|over_bf16)": [0-9.]+'
     ;;
   fp8graph_timeline)
     timeout 170 python3 bench/decode_timeline.py \

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 
@@ -111,10 +110,8 @@ def probe(name: str, out: int, inp: int, args, device: torch.device) -> list[dic
         emit("read", _timed([lambda w=w: read(w.data, sums) for w in fp8], args.replays, graph))
     del bf16
     sms, smem = decode_tuning.sm_count(device), decode_tuning.smem_bytes(device)
-    if name == "gate_up":  # (the copy it leaves: per token and group / per token)
-        kernel = "tma_swiglu"
-        copies = {"out_group": quantize_activation(x, "channel"),
-                  "out_token": quantize_activation(x, "channel")}
+    if name == "gate_up":
+        kernel, copies = "tma_swiglu", {"token": quantize_activation(x, "channel")}
     else:
         kernel = "tma"
         copies = {"token": quantize_activation(x, "channel")}
@@ -131,9 +128,7 @@ def probe(name: str, out: int, inp: int, args, device: torch.device) -> list[dic
                 inter = out // 2
                 h = torch.empty(args.rows, inter, dtype=dtype, device=device)
                 hq = (torch.empty(args.rows, inter, dtype=E4M3, device=device),
-                      torch.empty(args.rows * inter // 64, dtype=torch.float32, device=device))
-                os.environ[swiglu_gemm_kernel.TOKEN_SCALES_ENV] = \
-                    "1" if scales == "out_token" else "0"
+                      torch.empty(args.rows, inter // 64, dtype=torch.float32, device=device))
                 launches = [lambda w=w, c=cfg: swiglu_gemm_kernel.launch(xc, w, h, c, hq)
                             for w in fp8]
             else:
@@ -163,6 +158,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.tiny:
+        import os
         os.environ.setdefault("TRITON_INTERPRET", "1")
         args.layers, args.replays, args.rows = 2, 1, min(args.rows, 16)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")

@@ -301,9 +301,8 @@ def test_tma_decode_reads_the_producers_e4m3_copies(single_rank, monkeypatch):
     quantize itself: the same engine with the producers' outputs stripped of their copies (the
     GEMM quantizing every input) samples the same tokens with the same log-probs, bit for bit
     (both with the gate_up GEMM and SwiGLU as two kernels). With them as one
-    (``swiglu_gemm_kernel``, the default) its copy is read too (three copies per one quantized
-    again; per token where the launch fits the GPU at once, else per token and group), and the
-    log-probs move only by the fused kernel's other accumulation order and rounding: the first
+    (``swiglu_gemm_kernel``, the default) its group-scaled copy is read too (three copies per
+    one quantized again), and the log-probs move only by that copy's other rounding: the first
     response token (the prefill's) is the same; the second's log-prob moves by e4m3 rounding
     noise of the down GEMM's input (0.090 on an H100; the kernel's recipe is checked exactly in
     tests/inference/test_fp8_swiglu_gemm.py), bounded as the decode kernel's batch-shape noise

@@ -64,50 +64,23 @@ def _group_matmul(x, weight, group):
     (37, DecodeConfig(64, 64, 128, 1, 4, 2)),                      # 64-feature groups
     (70, DecodeConfig(64, 64, 256, 1, 4, 2, tokens_first=True)),
 ])
-def test_output_and_its_copy(rows, cfg):
-    """The copy is per token and group of the program's features, or (CUDA, a launch of at most
-    one program per SM: ``token_scales``) per token, the same launch three times in a row (the
-    grid-wide barrier's counter and its two halves of maxima in turn)."""
+def test_output_and_its_group_scaled_copy(rows, cfg):
     x, w = _operands(rows, 256, 384)
-    programs = -(-rows // cfg.block_m) * (256 // cfg.block_n)
-    per_token = swiglu_gemm_kernel.token_scales(x.device, programs)
-    assert per_token == (DEV == "cuda")
-    for _ in range(3 if per_token else 1):
-        h = swiglu_gemm_kernel.gate_up_swiglu(x, w, cfg)
-        assert h.shape == (rows, 256) and h.dtype == x.dtype
-        assert _swiglu_close(h, _swiglu_reference(x, w))
-        q, s = getattr(h, QUANTIZED_COPY)
-        want_q, want_s = quantize_activation(h, "channel") if per_token else \
-            quantize_activation(h, "block", group=cfg.block_n)
-        assert torch.equal(s, want_s)
-        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
-    # the down GEMM multiplies the copy per token, or group by group (128: gemm.dynamic_matmul's
-    # recipe)
+    h = swiglu_gemm_kernel.gate_up_swiglu(x, w, cfg)
+    assert h.shape == (rows, 256) and h.dtype == x.dtype
+    assert _swiglu_close(h, _swiglu_reference(x, w))
+    q, s = getattr(h, QUANTIZED_COPY)
+    want_q, want_s = quantize_activation(h, "block", group=cfg.block_n)
+    assert torch.equal(s, want_s)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    # the down GEMM multiplies the copy group by group (128: gemm.dynamic_matmul's recipe)
     down = quantize_weight((0.05 * torch.randn(96, 256)).to(DEV), "channel")
     from parallel_models.inference.fp8 import tma_decode_kernel
     y = tma_decode_kernel.tma_mm(h, down, DecodeConfig(32, 64, 128, 1, 4, 2))
-    if per_token:
-        assert _close(y, gemm.token_matmul(h, down))
-        return
     assert _close(y, _group_matmul(h, down, cfg.block_n))
     if cfg.block_n == 128:
         assert _close(y, gemm.dynamic_matmul(h, down))
     assert not _close(y, gemm.token_matmul(h, down))
-
-
-def test_per_token_copy_only_where_the_launch_fits_the_gpu_at_once(monkeypatch):
-    """The grid-wide barrier needs every program resident at once: CUDA, compiled (the
-    interpreter runs programs one after another), at most one program per SM, not switched
-    off."""
-    cuda = torch.device("cuda")
-    assert not swiglu_gemm_kernel.token_scales(torch.device("cpu"), 1)
-    monkeypatch.setattr(swiglu_gemm_kernel, "_INTERPRETED", False)
-    monkeypatch.setattr(decode_tuning, "sm_count", lambda device: 132)
-    assert swiglu_gemm_kernel.token_scales(cuda, 112)  # (the 8B gate_up at 64 rows)
-    assert swiglu_gemm_kernel.token_scales(cuda, 132)
-    assert not swiglu_gemm_kernel.token_scales(cuda, 133)
-    monkeypatch.setenv(swiglu_gemm_kernel.TOKEN_SCALES_ENV, "0")
-    assert not swiglu_gemm_kernel.token_scales(cuda, 112)
 
 
 def test_the_norms_copy_is_what_it_multiplies_and_the_candidates_agree():

@@ -14,19 +14,18 @@ Its epilogue:
   the token's scale, then the output feature's, rounded to the model's dtype;
 - SwiGLU as ``producer_kernels`` computes it (``silu(gate)`` rounded, times ``up``, rounded);
   written to ``H`` ``[rows, I]`` (the MLP's activation, as the unfused path has it);
-- the e4m3 copy of ``H``, left on it for the down GEMM, with one scale per token
-  (``quantize_activation(h, "channel")``'s recipe) where the launch fits the GPU at once
-  (:func:`token_scales`: at most one program per SM): each program adds its tokens' maxima to
-  a per-token maximum by atomic max, and a grid-wide barrier (a launch counter) waits for all
-  of them before any quantizes (:func:`_token_amax`). Otherwise one scale per token and
-  ``BLOCK_N`` features (``quantize_activation(h, "block", group=BLOCK_N)``: a program's
-  features are one group, so nothing crosses programs), which the down GEMM reads in
-  ``tma_decode_kernel``'s group-scaled mode (a dot per group, scaled): 28.8 against 26.5 us
-  for the 8B down GEMM at 64 rows on an H100, back to back in a graph (session 23,
-  ``bench/fp8_gemm_graph_probe.py``).
+- the e4m3 copy of ``H`` with one scale per token and ``BLOCK_N`` features (``quantize.
+  quantize_activation(h, "block", group=BLOCK_N)``'s recipe: a program's features are one
+  group, so no reduction crosses programs, which a per-token scale would need), left on ``H``
+  for the down GEMM (``tma_decode_kernel``'s group-scaled mode: a dot per group, scaled).
+
+The group is the tuned config's ``BLOCK_N``: 128-feature programs (256 weight rows) are fewer
+than an H100's SMs for the 8B shape (112), 64-feature ones are not (224); on an H100 the
+128-feature ones were faster all the same (49.2 against 52.5 us at 64 rows; the GEMM alone
+took 48.6 us and the SwiGLU kernel after it 8.4 us, docs/PERFORMANCE.md session 20).
 
 So the result is ``swiglu(token_matmul(x, W_gate_up))`` up to the accumulation order, and its
-copy what ``quantize_activation`` gives from that; ``fused_producers`` routes the
+copy what ``quantize_activation(., "block", group)`` gives from that; ``fused_producers`` routes the
 dense MLP's decode steps here. Configs (K step, warps, pipeline depth, which operand is the
 MMA's long side) are tuned per shape by ``decode_tuning`` (kernel ``"tma_swiglu"``); no K split.
 """
@@ -53,8 +52,6 @@ from parallel_models.llama.layers.exact import interpreter_fix
 interpreter_fix.apply()  # (the CPU interpreter's loop bounds; nothing on the GPU)
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL = "tma_swiglu"  # (its name in ``decode_tuning``'s keys)
-TOKEN_SCALES_ENV = "PARALLEL_MODELS_FP8_SWIGLU_TOKEN_SCALES"
-_sync: dict = {}  # (device, programs, row bucket) -> (launch counter, per-token maxima)
 
 
 @triton.jit
@@ -66,12 +63,11 @@ def _scaled_product(acc, token_scale, S, cols, OUT_DTYPE: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _gate_up_swiglu_kernel(x_desc, w_desc, W, XS, S, H, Q, QS, SYNC, AMAX, M, inter, K, stride_w,
-                           stride_h, stride_q, stride_qs, stride_amax, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr,
-                           EMULATE: tl.constexpr, TOKENS_FIRST: tl.constexpr,
-                           FP8_MAX: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr = 0,
-                           TOKEN_SCALES: tl.constexpr = False):
+def _gate_up_swiglu_kernel(x_desc, w_desc, W, XS, S, H, Q, QS, M, inter, K, stride_w, stride_h,
+                           stride_q, stride_qs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr, EMULATE: tl.constexpr,
+                           TOKENS_FIRST: tl.constexpr, FP8_MAX: tl.constexpr,
+                           PDL: tl.constexpr, LINES: tl.constexpr = 0):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     pid_m, pid_n = pid % num_m, pid // num_m
@@ -82,8 +78,6 @@ def _gate_up_swiglu_kernel(x_desc, w_desc, W, XS, S, H, Q, QS, SYNC, AMAX, M, in
     prefetch_weights(W + inter.to(tl.int64) * stride_w, rn, inter, stride_w, 0, K, LINES)
     wait_for_inputs(PDL)
     release_dependents(PDL)
-    if TOKEN_SCALES:  # (the launches before this one are done: SYNC counts whole launches)
-        epoch = tl.atomic_add(SYNC, 0) // tl.num_programs(0)
     if TOKENS_FIRST:
         acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
@@ -111,41 +105,11 @@ def _gate_up_swiglu_kernel(x_desc, w_desc, W, XS, S, H, Q, QS, SYNC, AMAX, M, in
     offs = rm[:, None].to(tl.int64) * stride_h + rn[None, :]
     tl.store(H + offs, h, mask=m_ok[:, None])
     values = tl.where(m_ok[:, None], h.to(tl.float32), 0.0)
-    amax = tl.max(tl.abs(values), axis=1)
-    q_offs = rm[:, None].to(tl.int64) * stride_q + rn[None, :]
-    if TOKEN_SCALES:
-        amax = _token_amax(amax, epoch, SYNC, AMAX, rm, m_ok, stride_amax)
-        scale = e4m3_scale(amax, FP8_MAX)
-        if pid_n == 0:
-            tl.store(QS + rm, scale, mask=m_ok)
-    else:
-        scale = e4m3_scale(amax, FP8_MAX)
-        tl.store(QS + rm.to(tl.int64) * stride_qs + pid_n, scale, mask=m_ok)
+    scale = e4m3_scale(tl.max(tl.abs(values), axis=1), FP8_MAX)
     q = scaled_for_e4m3(values, scale[:, None], FP8_MAX, EMULATE)
+    q_offs = rm[:, None].to(tl.int64) * stride_q + rn[None, :]
     tl.store(Q + q_offs, q.to(Q.dtype.element_ty), mask=m_ok[:, None])
-
-
-@triton.jit
-def _token_amax(amax, epoch, SYNC, AMAX, rm, m_ok, stride_amax):
-    """Each token's absolute maximum over the whole ``[rows, I]`` output: every program adds its
-    own (``amax``, over its features) to ``AMAX[epoch % 2]`` by atomic max, counts itself in
-    ``SYNC`` and waits until the launch's programs all have (a grid-wide barrier: the launch
-    must fit on the GPU at once, see :func:`token_scales`); the first program zeroes the other
-    half of ``AMAX`` for the next launch (the one before is done with it)."""
-    programs = tl.num_programs(0)
-    row = AMAX + (epoch % 2) * stride_amax + rm
-    tl.atomic_max(row, amax, mask=m_ok)
-    tl.debug_barrier()  # (every thread's atomic before the program counts itself)
-    tl.atomic_add(SYNC, 1)
-    target = (epoch + 1) * programs
-    arrived = tl.atomic_add(SYNC, 0)
-    while arrived < target:
-        arrived = tl.atomic_add(SYNC, 0)
-    tl.debug_barrier()
-    total = tl.atomic_max(row, 0.0, mask=m_ok)  # (an atomic read: the value after every max)
-    if tl.program_id(0) == 0:
-        tl.store(AMAX + ((epoch + 1) % 2) * stride_amax + rm, 0.0, mask=m_ok)
-    return total
+    tl.store(QS + rm.to(tl.int64) * stride_qs + pid_n, scale, mask=m_ok)
 
 
 def supports(x2: torch.Tensor, weight: QuantizedWeight) -> bool:
@@ -158,34 +122,11 @@ def supports(x2: torch.Tensor, weight: QuantizedWeight) -> bool:
         weight.data.data_ptr() % 16 == 0
 
 
-def token_scales(device: torch.device, programs: int) -> bool:
-    """Whether a launch of ``programs`` programs on ``device`` quantizes its output per token
-    (:func:`_token_amax`'s grid-wide barrier) rather than per program's features: on CUDA (not
-    the interpreter, which runs programs one after another), at most one program per SM (so
-    they all fit on the GPU at once whatever else runs), unless
-    ``PARALLEL_MODELS_FP8_SWIGLU_TOKEN_SCALES=0``."""
-    return device.type == "cuda" and not _INTERPRETED and \
-        os.environ.get(TOKEN_SCALES_ENV, "1") != "0" and \
-        programs <= decode_tuning.sm_count(device)
-
-
-def _sync_workspace(device: torch.device, programs: int, rows: int):
-    """(int64 launch counter ``[1]``, fp32 per-token maxima ``[2, bucket]``, zeroed) of
-    :func:`_token_amax` for launches of ``programs`` programs and ``rows`` rows (the counter
-    assumes every launch that shares it has that many programs)."""
-    key = (str(device), programs, decode_tuning.row_bucket(rows))
-    if key not in _sync:
-        _sync[key] = (torch.zeros(1, dtype=torch.int64, device=device),
-                      torch.zeros(2, key[2], dtype=torch.float32, device=device))
-    return _sync[key]
-
-
 def launch(x2: torch.Tensor, weight: QuantizedWeight, h: torch.Tensor, cfg: DecodeConfig,
-           copy: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the kernel with ``cfg`` (``block_n``: one of ``SCALE_GROUPS``): ``h`` ``[rows, I]``
-    and ``copy`` (e4m3 ``[rows, I]``, fp32 scales: a flat buffer of at least ``rows x I / 64``)
-    written; returns the copy as the down GEMM reads it: (e4m3, scales ``[rows]``) where
-    :func:`token_scales`, else (e4m3, scales ``[rows, I / block_n]``)."""
+           copy: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Run the kernel with ``cfg`` (``block_n``: the group, one of ``SCALE_GROUPS``): ``h``
+    ``[rows, I]`` and ``copy`` (e4m3 ``[rows, I]``, fp32 scales ``[rows, >= I / block_n]``: the
+    first ``I / block_n`` columns) written; returns ``h``."""
     if not supports(x2, weight):
         raise ValueError(f"fp8 gate_up + SwiGLU decode GEMM: a {weight.granularity}-scaled "
                          f"{tuple(weight.shape)} weight with {x2.shape[1]} inputs; it takes "
@@ -200,53 +141,45 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, h: torch.Tensor, cfg: Deco
         q, scales = tma_decode_kernel.quantize_tokens(x2)
     rows, inp = q.shape
     inter = weight.shape[0] // 2
-    hq, flat_scales = copy
+    hq, hs = copy
     x_desc = TensorDescriptor(q, [rows, inp], [q.stride(0), 1], [cfg.block_m, cfg.block_k])
     w_desc = TensorDescriptor(weight.data, [2 * inter, inp], [weight.data.stride(0), 1],
                               [cfg.block_n, cfg.block_k])
     grid = -(-rows // cfg.block_m) * (inter // cfg.block_n)
-    per_token = token_scales(x2.device, grid)
-    if per_token:
-        sync, amax = _sync_workspace(x2.device, grid, rows)
-        hs = flat_scales[:rows]
-    else:
-        sync, amax = flat_scales, flat_scales  # (not read)
-        hs = flat_scales[:rows * (inter // cfg.block_n)].view(rows, inter // cfg.block_n)
     _gate_up_swiglu_kernel[(grid,)](
-        x_desc, w_desc, weight.data, scales, weight.scale, h, hq, hs, sync, amax, rows, inter,
-        inp, weight.data.stride(0), h.stride(0), hq.stride(0), hs.stride(0),
-        amax.stride(0) if per_token else 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, PROMOTE=PROMOTE_EVERY, EMULATE=_INTERPRETED,
+        x_desc, w_desc, weight.data, scales, weight.scale, h, hq, hs, rows, inter, inp,
+        weight.data.stride(0), h.stride(0), hq.stride(0), hs.stride(0), BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROMOTE=PROMOTE_EVERY, EMULATE=_INTERPRETED,
         TOKENS_FIRST=cfg.tokens_first, FP8_MAX=E4M3_MAX,
         LINES=prefetch_lines(x2.device, 2 * cfg.block_n, inp), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, TOKEN_SCALES=per_token, **launch_options(x2.device))
-    return hq, hs
+        num_stages=cfg.num_stages, **launch_options(x2.device))
+    return h
 
 
 def gate_up_swiglu(x2: torch.Tensor, weight: QuantizedWeight,
                    config: DecodeConfig | None = None) -> torch.Tensor:
     """``silu(gate) * up`` ``[rows, I]`` of ``x2`` ``[rows, in]`` (quantized per token, or its
     producer's copy) times the ``[gate; up]`` ``weight`` ``[2I, in]``, in ``x2``'s dtype, with its
-    e4m3 copy left on it (``quantize.QUANTIZED_COPY``: per token, or per token and group, see
-    :func:`launch`); ``config``: these tiles (default: ``decode_tuning.choose`` among this
-    kernel's candidates)."""
+    group-scaled e4m3 copy left on it (``quantize.QUANTIZED_COPY``); ``config``: these tiles
+    (default: ``decode_tuning.choose`` among this kernel's candidates)."""
     rows, inp = x2.shape
     inter = weight.shape[0] // 2
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     h = torch.empty(rows, inter, dtype=x2.dtype, device=x2.device)
     copy = (torch.empty(rows, inter, dtype=E4M3, device=x2.device),
-            torch.empty(rows * (inter // min(SCALE_GROUPS)), dtype=torch.float32,
+            torch.empty(rows, inter // min(SCALE_GROUPS), dtype=torch.float32,
                         device=x2.device))  # (scales: as many as the smallest group needs)
-    left = (copy[0], copy[1][:0].view(0, inter // max(SCALE_GROUPS)))  # (no rows: any)
+    group = max(SCALE_GROUPS)  # (no rows: any)
     if rows:
         if config is None:
             config = decode_tuning.choose(rows, 2 * inter, inp, weight.granularity, x2.device,
                                           lambda cfg: launch(x2, weight, h, cfg, copy),
                                           kernel=KERNEL)
-        left = launch(x2, weight, h, config, copy)
-    setattr(h, QUANTIZED_COPY, left)
+        launch(x2, weight, h, config, copy)
+        group = config.block_n
+    setattr(h, QUANTIZED_COPY, (copy[0], copy[1][:, :inter // group]))
     return h
 
 
-__all__ = ["KERNEL", "TOKEN_SCALES_ENV", "gate_up_swiglu", "launch", "supports", "token_scales"]
+__all__ = ["KERNEL", "gate_up_swiglu", "launch", "supports"]

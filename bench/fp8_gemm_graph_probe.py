@@ -17,7 +17,8 @@ each into its own output; replayed ``--replays`` times (CUDA events), the median
 divided by the launches. One JSON line per timing: ``linear``, ``what`` (``tma`` / ``tma_swiglu``
 with ``tiles`` and ``scales``; ``bf16``: ``F.linear`` on a bf16 copy; ``read``: a Triton kernel
 summing the e4m3 weight's bytes, 64 KiB a program), ``us`` a launch and ``tbps`` (the weight's
-bytes over it). Candidates: ``decode_tuning.candidates`` for the kernel and shape.
+bytes over it: 1 a weight, 2 for ``bf16``). Candidates: ``decode_tuning.candidates`` for the
+kernel and shape.
 """
 
 from __future__ import annotations
@@ -98,8 +99,9 @@ def probe(name: str, out: int, inp: int, args, device: torch.device) -> list[dic
     rows = []
 
     def emit(what: str, us: float, **extra) -> None:
+        read = weight_bytes * (2 if what == "bf16" else 1)  # (the bf16 GEMM reads 2 bytes each)
         row = {"linear": name, "shape": [out, inp], "rows": args.rows, "what": what, **extra,
-               "us": round(us, 3), "tbps": round(weight_bytes / us / 1e6, 3)}
+               "us": round(us, 3), "tbps": round(read / us / 1e6, 3)}
         rows.append(row)
         print(json.dumps(row), flush=True)
 

@@ -44,39 +44,38 @@ from parallel_models.inference.fp8.tma_decode_kernel import part_dot  # noqa: E4
 GROUP = 128
 
 
-if True:  # (the kernel; module level, so Triton finds the helpers among its globals)
-    @triton.jit(do_not_specialize=["M", "SPLIT_K"])
-    def group_kernel(x_desc, w_desc, W, XS, S, Y, P, C, M, N, K, stride_w, stride_xm, stride_xg,
-                     stride_ym, ws_rows, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     GROUP: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
-                     LINES: tl.constexpr, DEFER: tl.constexpr):
-        pid_m, pid_k, pid_n, num_m, k_begin, k_end = program_tile(M, K, SPLIT_K, BLOCK_M, GROUP)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        prefetch_weights(W, rn, N, stride_w, k_begin, k_end, LINES)
-        wait_for_inputs(PDL)
-        release_dependents(PDL)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        n_ok, m_ok = rn < N, rm < M
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        part_prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        scale_prev = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k in range(k_begin, k_end, GROUP):
-            w = w_desc.load([pid_n * BLOCK_N, k])
-            x = x_desc.load([pid_m * BLOCK_M, k])
-            scale = tl.load(XS + rm.to(tl.int64) * stride_xm + (k // GROUP) * stride_xg,
-                            mask=m_ok, other=0.0)
-            part = part_dot(x, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), GROUP,
-                            EMULATE)
-            if DEFER:
-                acc = acc + part_prev * scale_prev[:, None]
-                part_prev = part
-                scale_prev = scale
-            else:
-                acc = acc + part * scale[:, None]
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
+def group_kernel(x_desc, w_desc, W, XS, S, Y, P, C, M, N, K, stride_w, stride_xm, stride_xg,
+                 stride_ym, ws_rows, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 GROUP: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
+                 LINES: tl.constexpr, DEFER: tl.constexpr):
+    pid_m, pid_k, pid_n, num_m, k_begin, k_end = program_tile(M, K, SPLIT_K, BLOCK_M, GROUP)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    prefetch_weights(W, rn, N, stride_w, k_begin, k_end, LINES)
+    wait_for_inputs(PDL)
+    release_dependents(PDL)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n_ok, m_ok = rn < N, rm < M
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    part_prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    scale_prev = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k in range(k_begin, k_end, GROUP):
+        w = w_desc.load([pid_n * BLOCK_N, k])
+        x = x_desc.load([pid_m * BLOCK_M, k])
+        scale = tl.load(XS + rm.to(tl.int64) * stride_xm + (k // GROUP) * stride_xg,
+                        mask=m_ok, other=0.0)
+        part = part_dot(x, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), GROUP,
+                        EMULATE)
         if DEFER:
             acc = acc + part_prev * scale_prev[:, None]
-        finish_tile(acc, Y, S, P, C, rm, rn, n_ok, m_ok, pid_m, pid_k, pid_n, num_m, N, ws_rows,
-                    stride_ym, SPLIT_K, False, BLOCK_N, BLOCK_M, True)
+            part_prev = part
+            scale_prev = scale
+        else:
+            acc = acc + part * scale[:, None]
+    if DEFER:
+        acc = acc + part_prev * scale_prev[:, None]
+    finish_tile(acc, Y, S, P, C, rm, rn, n_ok, m_ok, pid_m, pid_k, pid_n, num_m, N, ws_rows,
+                stride_ym, SPLIT_K, False, BLOCK_N, BLOCK_M, True)
 
 
 def _launcher(q, scales, weight, y, cfg, defer: bool):

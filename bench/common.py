@@ -178,6 +178,39 @@ def timed(fn, warmup: int = 2, iters: int = 5, steps: list | None = None) -> flo
     return sorted(times)[len(times) // 2]
 
 
+def graph_us(calls, dev, reps: int = 20, replays: int = 5) -> float:
+    """Microseconds per call of ``calls[i % len(calls)]()`` (i < reps) captured in one CUDA
+    graph, median over ``replays`` replays (CPU: wall time of the eager calls)."""
+    if dev.type != "cuda":
+        t0 = time.perf_counter()
+        for i in range(reps):
+            calls[i % len(calls)]()
+        return 1e6 * (time.perf_counter() - t0) / reps
+    for fn in calls:  # compile / autotune outside the capture
+        fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        calls[0]()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            calls[i % len(calls)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(1e3 * a.elapsed_time(b) / reps)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
 def kernel_seconds(fn, iters: int = 10) -> float:
     """GPU time of the kernels (and copies / memsets) one call of ``fn`` launches, summed from
     the profiler's device events over ``iters`` calls after one warm call: what a GPU-bound step

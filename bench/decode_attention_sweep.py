@@ -39,7 +39,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import timed  # noqa: E402  (bench/common.py: the one timing method)
+from common import graph_us, timed  # noqa: E402  (bench/common.py: the timing methods)
 
 SPLITS = (32, 64, 128, 256, 512, 1024, 2048)
 BLOCK_NS = (16, 32, 64, 128)
@@ -52,39 +52,6 @@ def bandwidth(dev: torch.device) -> float:
         return 50e9  # nominal: the smoke run's floors mean nothing
     name = torch.cuda.get_device_name()
     return 4.8e12 if "H200" in name else 3.35e12 if "H100" in name else 2.0e12
-
-
-def graph_us(calls, dev, reps: int = 20, replays: int = 5) -> float:
-    """Microseconds per call of ``calls[i % len(calls)]()`` (i < reps) captured in one CUDA
-    graph, median over ``replays`` replays (CPU: wall time of the eager calls)."""
-    if dev.type != "cuda":
-        t0 = time.perf_counter()
-        for i in range(reps):
-            calls[i % len(calls)]()
-        return 1e6 * (time.perf_counter() - t0) / reps
-    for fn in calls:  # compile / autotune outside the capture
-        fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        calls[0]()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            calls[i % len(calls)]()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(1e3 * a.elapsed_time(b) / reps)
-    del graph
-    return sorted(times)[len(times) // 2]
 
 
 def eager_us(fn, dev, iters: int = 20) -> float:

@@ -33,7 +33,7 @@ same with PyTorch's flash kernel and two ``index_copy_`` KV writes, ``no_pipelin
   ``engine_step_ms - graph_replay_ms - draw_ms`` = the host's share of a step.
 - ``attention_micro``: one layer's decode attention at these shapes: the split-KV kernel vs
   PyTorch's flash kernel (+ its two KV writes), microseconds per call captured in a CUDA graph
-  (``decode_attention_sweep.graph_us``: as the engine runs it; ``split_kv_eager_us``: one eager
+  (``common.graph_us``: as the engine runs it; ``split_kv_eager_us``: one eager
   call, launch and host included), beside the KV-bytes floor. The launch-config sweep:
   bench/decode_attention_sweep.py.
 
@@ -58,7 +58,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (add_decode_shape_args, add_llama_shape_args,  # noqa: E402
                     hbm_read_bandwidth, report, save_llama_model, timed)
-from decode_attention_sweep import graph_us  # noqa: E402
+from common import graph_us  # noqa: E402
 
 LABEL = "dp::"
 GEMMS = {"qkv_proj": "qkv_gemm", "o_proj": "o_gemm", "gate_up_proj": "gate_up_gemm",

@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import graph_us  # noqa: E402
 
 LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
            "down": (4096, 14336)}
@@ -55,32 +58,19 @@ def _read_kernel():
     return read
 
 
-def _timed(launches: list, replays: int, graph: bool) -> float:
-    """Microseconds a launch: the median replay of a graph of ``launches`` over their count."""
-    if not graph:  # (the CPU smoke run: wall time of one pass)
-        import time
-        t0 = time.perf_counter()
-        for fn in launches:
-            fn()
-        return 1e6 * (time.perf_counter() - t0) / len(launches)
-    for fn in launches:  # (compiles and warms up outside the capture)
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in launches:
-            fn()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times) / len(launches)
+def probe_parser(doc: str) -> argparse.ArgumentParser:
+    """The arguments the decode GEMM probes share: ``--layers``, ``--replays``, ``--tiny``."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=16, help="distinct weights, one launch each")
+    ap.add_argument("--replays", type=int, default=10)
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run (Triton's interpreter)")
+    return ap
+
+
+def _timed(launches: list, replays: int, device: torch.device) -> float:
+    """Microseconds a launch of ``launches`` captured back to back in one CUDA graph, the median
+    of ``replays`` replays (``common.graph_us``; the CPU: wall time of one pass)."""
+    return graph_us(launches, device, reps=len(launches), replays=replays)
 
 
 def probe(name: str, out: int, inp: int, args, device: torch.device) -> list[dict]:
@@ -106,10 +96,10 @@ def probe(name: str, out: int, inp: int, args, device: torch.device) -> list[dic
         print(json.dumps(row), flush=True)
 
     if graph:
-        emit("bf16", _timed([lambda w=w: F.linear(x, w) for w in bf16], args.replays, graph))
+        emit("bf16", _timed([lambda w=w: F.linear(x, w) for w in bf16], args.replays, device))
         sums = torch.empty(weight_bytes // 65536 + 1, dtype=torch.int32, device=device)
         read = _read_kernel()
-        emit("read", _timed([lambda w=w: read(w.data, sums) for w in fp8], args.replays, graph))
+        emit("read", _timed([lambda w=w: read(w.data, sums) for w in fp8], args.replays, device))
     del bf16
     sms, smem = decode_tuning.sm_count(device), decode_tuning.smem_bytes(device)
     if name == "gate_up":
@@ -141,7 +131,7 @@ def probe(name: str, out: int, inp: int, args, device: torch.device) -> list[dic
                 launches = [lambda w=w, c=cfg: tma_decode_kernel.launch(xc, w, y, c)
                             for w in fp8]
             try:
-                us = _timed(launches, args.replays, graph)
+                us = _timed(launches, args.replays, device)
             except Exception as e:  # (a config that does not build here: out of shared memory)
                 print(json.dumps({"linear": name, "tiles": cfg.as_dict(),
                                   "error": f"{type(e).__name__}: {str(e)[:200]}"}), flush=True)
@@ -151,16 +141,12 @@ def probe(name: str, out: int, inp: int, args, device: torch.device) -> list[dic
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = probe_parser(__doc__)
     ap.add_argument("--linears", nargs="+", default=list(LINEARS), choices=list(LINEARS))
     ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--replays", type=int, default=10)
-    ap.add_argument("--tiny", action="store_true", help="CPU smoke run (Triton's interpreter)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.tiny:
-        import os
         os.environ.setdefault("TRITON_INTERPRET", "1")
         args.layers, args.replays, args.rows = 2, 1, min(args.rows, 16)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")

@@ -22,7 +22,6 @@ One JSON line per (variant, tiles): ``us`` a launch (the median replay over the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -112,11 +111,9 @@ def _launcher(q, scales, weight, y, cfg, defer: bool):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--replays", type=int, default=10)
-    ap.add_argument("--tiny", action="store_true")
-    args = ap.parse_args(argv)
+    from fp8_gemm_graph_probe import probe_parser
+
+    args = probe_parser(__doc__).parse_args(argv)
     from fp8_gemm_graph_probe import _timed
 
     from parallel_models.inference.fp8 import tma_decode_kernel
@@ -156,7 +153,7 @@ def main(argv=None) -> int:
                 launches = [_launcher(gq.to(E4M3), source, w, y, cfg, defer)
                             for w, y in zip(weights, ys)]
             try:
-                us = _timed(launches, args.replays, graph)
+                us = _timed(launches, args.replays, device)
             except Exception as e:
                 print(json.dumps({"variant": name, "tiles": cfg.as_dict(),
                                   "error": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)

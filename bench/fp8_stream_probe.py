@@ -19,7 +19,6 @@ One JSON line per (linear, variant): ``us`` a launch and ``tbps`` (the weight's 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -82,11 +81,9 @@ def gemm_kernel(x_desc, w_desc, W, XS, S, Y, P, C, M, N, K, stride_w, stride_ym,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--replays", type=int, default=10)
-    ap.add_argument("--tiny", action="store_true")
-    args = ap.parse_args(argv)
+    from fp8_gemm_graph_probe import probe_parser
+
+    args = probe_parser(__doc__).parse_args(argv)
     from fp8_gemm_graph_probe import _read_kernel, _timed
 
     from parallel_models.inference.fp8 import decode_gemm_shared as shared
@@ -155,7 +152,7 @@ def main(argv=None) -> int:
             if launches is None:
                 continue
             try:
-                us = _timed(launches, args.replays, graph)
+                us = _timed(launches, args.replays, device)
             except Exception as e:  # noqa: BLE001 - reported, the next variant runs
                 print(json.dumps({"linear": name, "variant": variant,
                                   "error": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)

@@ -363,11 +363,11 @@ def test_tma_decode_reads_the_producers_e4m3_copies(single_rank, monkeypatch):
 
 
 def test_graph_tuning_compares_runners_up_in_the_captured_step(single_rank, monkeypatch):
-    """``fp8.graph_tuning`` (on by default; ``PARALLEL_MODELS_FP8_GRAPH_TUNING=0`` off): the engine's
-    first decode capture compares each tuned key's runners-up inside the step's graph, keeps a
-    config only from that key's agreeing ones, and the engine's log-probs stay those of the
-    configs timed alone up to tile rounding (the bound of the decode kernel's batch-shape noise,
-    test_fp8_engine_vs_bf16_on_089b)."""
+    """``fp8.graph_tuning`` (on by default; ``PARALLEL_MODELS_FP8_GRAPH_TUNING=0`` off): the
+    engine's first decode capture compares each tuned key's runners-up inside the step's
+    graph, keeps a config only from that key's agreeing ones, and the engine's log-probs stay
+    those of the configs timed alone up to tile rounding (the bound of the decode kernel's
+    batch-shape noise, test_fp8_engine_vs_bf16_on_089b)."""
     generate = _tma_generate(monkeypatch, 2)
     from parallel_models.inference.fp8 import decode_tuning, graph_tuning
 

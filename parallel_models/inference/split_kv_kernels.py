@@ -3,6 +3,9 @@
 
 ``split_kernel``: program (row, KV head, split) runs an online softmax over its split's positions
 for all query heads of the KV head; ``combine_kernel`` merges the splits by their log-sum-exps.
+``QUANT_OUT`` (one split only: the program then holds its KV head's whole output): the output
+also in e4m3 with one scale per (row, KV head), the input copy the FP8 rollout's o_proj reads
+(``split_kv_attention.OutputCopy``).
 See ``split_kv_attention`` for the layout and the contract. ``FP8_KV``: e4m3 pools with fp32
 scales per (position, KV head): a tile's scores are scaled by its keys' scales and its softmax
 weights by its values' scales (fp32), and the new token is quantized as it is stored (in the
@@ -111,13 +114,14 @@ def _earlier_entry(q, KNew, VNew, Cos, Sin, src, kvh, m_i, l_i, acc, scale, stri
 
 @triton.jit
 def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Back, Out, PartOut, PartLse, Cos,
-                 Sin, KScale, VScale, scale, stride_qb, stride_qh, stride_kb, stride_kh,
-                 stride_vb, stride_vh, stride_pt, stride_ph, stride_ob, stride_oh, stride_cos,
-                 stride_st, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                 H: tl.constexpr, IEEE: tl.constexpr, RUNTIME_LOOP: tl.constexpr,
-                 ROPE: tl.constexpr, MAX_BACK: tl.constexpr, FP8_KV: tl.constexpr,
-                 INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
+                 Sin, KScale, VScale, OutQ, OutS, scale, stride_qb, stride_qh, stride_kb,
+                 stride_kh, stride_vb, stride_vh, stride_pt, stride_ph, stride_ob, stride_oh,
+                 stride_cos, stride_st, stride_oq, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                 D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                 NUM_SPLITS: tl.constexpr, H: tl.constexpr, IEEE: tl.constexpr,
+                 RUNTIME_LOOP: tl.constexpr, ROPE: tl.constexpr, MAX_BACK: tl.constexpr,
+                 FP8_KV: tl.constexpr, INTERPRETED: tl.constexpr,
+                 QUANT_OUT: tl.constexpr = False, PDL: tl.constexpr = False):
     wait_for_inputs(PDL)  # (every read and write after it)
     release_dependents(PDL)
     row = tl.program_id(0)
@@ -200,8 +204,16 @@ def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Back, Out, PartOut,
     denom = tl.where(l_i > 0, l_i, 1.0)
     out = acc / denom[:, None]
     if NUM_SPLITS == 1:
-        tl.store(Out + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                 out.to(Out.dtype.element_ty), mask=gmask[:, None] & nonempty)
+        rounded = out.to(Out.dtype.element_ty)
+        tl.store(Out + row * stride_ob + heads[:, None] * stride_oh + d[None, :], rounded,
+                 mask=gmask[:, None] & nonempty)
+        if QUANT_OUT:  # (the FP8 rollout's o_proj input: one scale per row and KV head)
+            values = tl.where(gmask[:, None], rounded.to(tl.float32), 0.0)
+            out_scale = e4m3_scale(tl.max(tl.max(tl.abs(values), axis=1), axis=0), E4M3_MAX)
+            quantized = scaled_for_e4m3(values, out_scale, E4M3_MAX, INTERPRETED)
+            tl.store(OutQ + row * stride_oq + heads[:, None] * D + d[None, :],
+                     quantized.to(OutQ.dtype.element_ty), mask=gmask[:, None] & nonempty)
+            tl.store(OutS + row * (H // G) + kvh, out_scale)
     else:
         part = (row * H + heads) * NUM_SPLITS + split  # PartLse [B, H, S], PartOut [.., D]
         tl.store(PartOut + part[:, None] * D + d[None, :], out,

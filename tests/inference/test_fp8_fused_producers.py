@@ -102,3 +102,41 @@ def test_enabled_scopes_the_tracking():
     with fp8.enabled():
         assert fp8.active and fp8 in fused_producers._active
     assert not fp8.active and fp8 not in fused_producers._active
+
+
+def test_the_attention_copy_goes_to_o_proj_through_reshapes(monkeypatch):
+    """The decode attention asks for buffers of its output's e4m3 copy only while a
+    channel-scaled rollout generates through the TMA kernel on CUDA, not switched off
+    (``PARALLEL_MODELS_FP8_ATTENTION_COPY=0``), never in exact mode; a filled copy is attached
+    to the output and follows its reshapes to the o_proj's input."""
+    from parallel_models.inference.fp8.quantize import QUANTIZED_COPY
+    from parallel_models.inference.split_kv_attention import OutputCopy
+
+    monkeypatch.setattr(gemm, "DECODE_KERNEL", "tma")
+    q = torch.randn(4, 8, 16, dtype=torch.bfloat16)
+    with fused_producers.tracking(_State("channel")):
+        assert fused_ops.attention_output_copy(q, 2) is None  # (a CPU tensor)
+    quantizer = fused_producers.QUANTIZER
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    assert fused_ops.attention_output_copy(q, 2) is None  # (no FP8 rollout generating)
+    with fused_producers.tracking(_State("channel")):
+        assert fused_ops.attention_output_copy(q, 2) is None  # (gradients on)
+        with torch.no_grad():
+            copy = fused_ops.attention_output_copy(q, 2)
+            assert copy.data.shape == (4, 128) and copy.data.dtype == torch.float8_e4m3fn
+            assert copy.scales.shape == (4, 2) and not copy.filled
+            monkeypatch.setenv(fused_producers.ATTENTION_COPY_ENV, "0")
+            assert fused_ops.attention_output_copy(q, 2) is None
+            monkeypatch.delenv(fused_producers.ATTENTION_COPY_ENV)
+            monkeypatch.setattr(exact, "enabled", lambda: True)
+            assert fused_ops.attention_output_copy(q, 2) is None
+            monkeypatch.setattr(exact, "enabled", lambda: False)
+            many = torch.empty(65, 8, 16, dtype=q.dtype)  # (more rows than a decode kernel's)
+            assert fused_ops.attention_output_copy(many, 2) is None
+    out = torch.randn(4, 8, 16)
+    quantizer.leave_copy(out, OutputCopy(copy.data, copy.scales))  # (not filled: nothing)
+    assert getattr(out, QUANTIZED_COPY, None) is None
+    quantizer.leave_copy(out, OutputCopy(copy.data, copy.scales, filled=True))
+    x = fused_ops.reshape_keeping_copy(out, 4, 1, -1)
+    x2 = fused_ops.reshape_keeping_copy(x, -1, 128)
+    assert getattr(x2, QUANTIZED_COPY) == (copy.data, copy.scales)

@@ -119,6 +119,41 @@ def test_group_scaled_copy_is_multiplied_group_by_group(cfg):
         assert not _close(got, gemm.token_matmul(other, q))
 
 
+def _wide_group_reference(x, weight, group):
+    """``x`` quantized per token and ``group`` inputs, dequantized, times ``dequantize(W)^T``."""
+    from parallel_models.inference.fp8.quantize import (dequantize_activation,
+                                                        quantize_activation)
+
+    xq, xs = quantize_activation(x.float(), "block", group=group)
+    x_deq = dequantize_activation(xq, xs, "block", group=group)
+    return (x_deq @ weight.dequantize(torch.float32).t()).to(x.dtype)
+
+
+@pytest.mark.parametrize("group,cfg,fits", [
+    (512, DecodeConfig(32, 64, 128, 1, 4, 2, tokens_first=True), True),   # 4 steps a group
+    (512, DecodeConfig(64, 16, 256, 2, 4, 2), True),          # weight rows first, 2 splits
+    (256, DecodeConfig(16, 64, 128, 2, 4, 2, tokens_first=True), True),
+    (512, DecodeConfig(32, 64, 256, 4, 4, 2, tokens_first=True), False),  # a split: 256 inputs
+])
+def test_a_copy_scaled_per_group_of_k_steps(group, cfg, fits):
+    """A copy with a scale per token and a group of whole K steps (the split-KV attention's,
+    a KV head's outputs, for o_proj) is multiplied as such: the group's dots chained, then
+    scaled; where a K split does not hold whole groups the activations are quantized per token
+    instead."""
+    from parallel_models.inference.fp8.quantize import quantize_activation
+
+    assert tma_decode_kernel.group_fits(group, 1024, cfg) == fits
+    x, q = _operands(37, 96, 1024, seed=5)
+    setattr(x, QUANTIZED_COPY, quantize_activation(x, "block", group=group))
+    y = torch.empty(37, 96, dtype=x.dtype, device=DEV)
+    got = tma_decode_kernel.launch(x, q, y, cfg)
+    if fits:
+        assert _close(got, _wide_group_reference(x, q, group))
+        assert not _close(got, gemm.token_matmul(x, q))
+    else:
+        assert _close(got, gemm.token_matmul(x, q))
+
+
 @pytest.mark.parametrize("cfg", [
     DecodeConfig(128, 64, 128, 1, 8, 3),                      # weight rows first: 2 lines a row
     DecodeConfig(16, 64, 256, 1, 4, 3, tokens_first=True),    # o_proj's strips: 16 lines a row

@@ -21,20 +21,24 @@ imported) whether it wants a given op. It says yes only under all of these condi
 Otherwise the op runs as before. The dense MLP's gate_up GEMM and its SwiGLU go further: one
 kernel (``swiglu_gemm_kernel``) computes both and leaves the output's e4m3 copy with a scale per
 token and 64 or 128 features, which the down GEMM multiplies group by group
-(:meth:`OutputQuantizer.gated_mlp_input`, asked by ``fused_ops.gated_mlp_input``). The output
-in the model's dtype is the eager reference's rounding (see ``producer_kernels``). A copy that
-no FP8 linear reads (the final norm's, before the LM head) costs one small write.
+(:meth:`OutputQuantizer.gated_mlp_input`, asked by ``fused_ops.gated_mlp_input``). The split-KV
+decode attention writes its output's copy with a scale per token and KV head, which o_proj reads
+in place of quantizing its input in a launch of its own (:meth:`OutputQuantizer.attention_copy`,
+asked by ``fused_ops.attention_output_copy``; one split only, ``split_kv_attention.OutputCopy``;
+``PARALLEL_MODELS_FP8_ATTENTION_COPY=0`` off). The output in the model's dtype is the eager
+reference's rounding (see ``producer_kernels``). A copy that no FP8 linear reads (the final norm's, before the LM head) costs one small write.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 
 import torch
 
 from parallel_models.inference.fp8 import gemm
-from parallel_models.inference.fp8.quantize import (MAX_PRODUCER_COLS, QUANTIZED_COPY,
+from parallel_models.inference.fp8.quantize import (E4M3, MAX_PRODUCER_COLS, QUANTIZED_COPY,
                                                     fp8_weight_of, reshape_keeping_copy)
 from parallel_models.llama.layers import fused_ops
 
@@ -42,6 +46,7 @@ _active = weakref.WeakSet()  # the channel-scaled Fp8Linears generating (Fp8Line
 FUSE_GATE_UP = True
 """Run the dense MLP's gate_up GEMM and SwiGLU as one kernel at decode
 (:meth:`OutputQuantizer.gated_mlp_input`; False: the GEMM, then the SwiGLU producer)."""
+ATTENTION_COPY_ENV = "PARALLEL_MODELS_FP8_ATTENTION_COPY"
 DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -105,6 +110,34 @@ class OutputQuantizer:
         h = swiglu_gemm_kernel.gate_up_swiglu(x2, weight)
         return reshape_keeping_copy(h, *x.shape[:-1], h.shape[-1])
 
+    def attention_copy(self, q: torch.Tensor, kv_heads: int):
+        """An empty ``split_kv_attention.OutputCopy`` for the decode attention of ``q`` ``[B,
+        heads, D]`` to fill (its o_proj's e4m3 input), or None: switched off
+        (:data:`ATTENTION_COPY_ENV` ``=0``), no channel-scaled FP8 linears generating through
+        the TMA kernel, not CUDA bf16/fp16, more than ``gemm.DECODE_ROWS`` rows, gradients."""
+        if os.environ.get(ATTENTION_COPY_ENV, "1") == "0" or not _active or \
+                gemm.DECODE_KERNEL != "tma" or not q.is_cuda or q.dtype not in DTYPES or \
+                not 0 < q.shape[0] <= gemm.DECODE_ROWS or torch.is_grad_enabled() or \
+                torch.compiler.is_compiling():
+            return None
+        from parallel_models.inference.split_kv_attention import OutputCopy
+
+        rows, heads, dim = q.shape
+        return OutputCopy(torch.empty(rows, heads * dim, dtype=E4M3, device=q.device),
+                          torch.empty(rows, kv_heads, dtype=torch.float32, device=q.device))
+
+    def leave_copy(self, out: torch.Tensor, copy) -> None:
+        """``out`` ``[B, heads, D]`` gets a filled :meth:`attention_copy` as its e4m3 copy (for
+        its ``[B, heads * D]`` reshape: :meth:`carry_copy`)."""
+        if copy.filled:
+            setattr(out, QUANTIZED_COPY, (copy.data, copy.scales))
+
+    def carry_copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """``dst`` (a reshape of ``src``) gets ``src``'s copy, if it has one."""
+        copy = getattr(src, QUANTIZED_COPY, None)
+        if copy is not None and dst is not src:
+            setattr(dst, QUANTIZED_COPY, copy)
+
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` with its e4m3 copy left on it."""
         from parallel_models.inference.fp8.producer_kernels import swiglu_quantized
@@ -118,4 +151,4 @@ class OutputQuantizer:
 QUANTIZER = OutputQuantizer()
 fused_ops.set_output_quantizer(QUANTIZER)
 
-__all__ = ["QUANTIZER", "OutputQuantizer", "tracking"]
+__all__ = ["ATTENTION_COPY_ENV", "QUANTIZER", "OutputQuantizer", "tracking"]

@@ -297,13 +297,14 @@ def _tma_generate(monkeypatch, seed: int):
 def test_tma_decode_reads_the_producers_e4m3_copies(single_rank, monkeypatch):
     """With the TMA decode kernel, the decoder's norms and SwiGLU write the e4m3 copies the
     qkv / gate_up / down GEMMs read (``fused_producers``), and the split-KV attention (where one
-    split covers the bucket) the one o_proj reads. The norms' and SwiGLU's copies are what the
+    split covers the bucket; ``PARALLEL_MODELS_FP8_ATTENTION_COPY=1``, off by default) the
+    one o_proj reads. The norms' and SwiGLU's copies are what the
     GEMM would quantize itself: with the attention's copy off, the same engine with the
     producers' outputs stripped of their copies (the GEMM quantizing every input) samples the
     same tokens with the same log-probs, bit for bit (both with the gate_up GEMM and SwiGLU as
     two kernels; three copies read per one quantized). With them as one kernel
     (``swiglu_gemm_kernel``, the default) its group-scaled copy is read too, and with the
-    attention's copy on (the default) o_proj reads that, scaled per row and KV head (none
+    attention's copy on o_proj reads that, scaled per row and KV head (none
     quantized where one split covers the bucket): the log-probs move only by those copies'
     other rounding. The first response token (the prefill's) is the same; the second's
     log-prob moves by e4m3 rounding noise (0.090 on an H100 for the fused kernel; the kernels'

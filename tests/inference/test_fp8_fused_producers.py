@@ -105,14 +105,15 @@ def test_enabled_scopes_the_tracking():
 
 
 def test_the_attention_copy_goes_to_o_proj_through_reshapes(monkeypatch):
-    """The decode attention asks for buffers of its output's e4m3 copy only while a
-    channel-scaled rollout generates through the TMA kernel on CUDA, not switched off
-    (``PARALLEL_MODELS_FP8_ATTENTION_COPY=0``), never in exact mode; a filled copy is attached
-    to the output and follows its reshapes to the o_proj's input."""
+    """The decode attention asks for buffers of its output's e4m3 copy only where switched on
+    (``PARALLEL_MODELS_FP8_ATTENTION_COPY=1``; off by default until timed on a GPU) while a
+    channel-scaled rollout generates through the TMA kernel on CUDA, never in exact mode; a
+    filled copy is attached to the output and follows its reshapes to the o_proj's input."""
     from parallel_models.inference.fp8.quantize import QUANTIZED_COPY
     from parallel_models.inference.split_kv_attention import OutputCopy
 
     monkeypatch.setattr(gemm, "DECODE_KERNEL", "tma")
+    monkeypatch.setenv(fused_producers.ATTENTION_COPY_ENV, "1")
     q = torch.randn(4, 8, 16, dtype=torch.bfloat16)
     with fused_producers.tracking(_State("channel")):
         assert fused_ops.attention_output_copy(q, 2) is None  # (a CPU tensor)
@@ -125,9 +126,9 @@ def test_the_attention_copy_goes_to_o_proj_through_reshapes(monkeypatch):
             copy = fused_ops.attention_output_copy(q, 2)
             assert copy.data.shape == (4, 128) and copy.data.dtype == torch.float8_e4m3fn
             assert copy.scales.shape == (4, 2) and not copy.filled
-            monkeypatch.setenv(fused_producers.ATTENTION_COPY_ENV, "0")
+            monkeypatch.delenv(fused_producers.ATTENTION_COPY_ENV)  # (off by default)
             assert fused_ops.attention_output_copy(q, 2) is None
-            monkeypatch.delenv(fused_producers.ATTENTION_COPY_ENV)
+            monkeypatch.setenv(fused_producers.ATTENTION_COPY_ENV, "1")
             monkeypatch.setattr(exact, "enabled", lambda: True)
             assert fused_ops.attention_output_copy(q, 2) is None
             monkeypatch.setattr(exact, "enabled", lambda: False)

@@ -24,9 +24,12 @@ token and 64 or 128 features, which the down GEMM multiplies group by group
 (:meth:`OutputQuantizer.gated_mlp_input`, asked by ``fused_ops.gated_mlp_input``). The split-KV
 decode attention writes its output's copy with a scale per token and KV head, which o_proj reads
 in place of quantizing its input in a launch of its own (:meth:`OutputQuantizer.attention_copy`,
-asked by ``fused_ops.attention_output_copy``; one split only, ``split_kv_attention.OutputCopy``;
-``PARALLEL_MODELS_FP8_ATTENTION_COPY=0`` off). The output in the model's dtype is the eager
-reference's rounding (see ``producer_kernels``). A copy that no FP8 linear reads (the final norm's, before the LM head) costs one small write.
+asked by ``fused_ops.attention_output_copy``; one split only, ``split_kv_attention.OutputCopy``).
+That one is off until timed on a GPU (``PARALLEL_MODELS_FP8_ATTENTION_COPY=1`` on): its first
+version made the 8B step slower on an H200, its o_proj programs holding whole groups in each
+pipeline stage (docs/PERFORMANCE.md, session 23). The output in the model's dtype is the eager
+reference's rounding (see ``producer_kernels``). A copy that no FP8 linear reads (the final
+norm's, before the LM head) costs one small write.
 """
 
 from __future__ import annotations
@@ -112,10 +115,10 @@ class OutputQuantizer:
 
     def attention_copy(self, q: torch.Tensor, kv_heads: int):
         """An empty ``split_kv_attention.OutputCopy`` for the decode attention of ``q`` ``[B,
-        heads, D]`` to fill (its o_proj's e4m3 input), or None: switched off
-        (:data:`ATTENTION_COPY_ENV` ``=0``), no channel-scaled FP8 linears generating through
+        heads, D]`` to fill (its o_proj's e4m3 input), or None: not switched on
+        (:data:`ATTENTION_COPY_ENV` ``=1``), no channel-scaled FP8 linears generating through
         the TMA kernel, not CUDA bf16/fp16, more than ``gemm.DECODE_ROWS`` rows, gradients."""
-        if os.environ.get(ATTENTION_COPY_ENV, "1") == "0" or not _active or \
+        if os.environ.get(ATTENTION_COPY_ENV, "0") != "1" or not _active or \
                 gemm.DECODE_KERNEL != "tma" or not q.is_cuda or q.dtype not in DTYPES or \
                 not 0 < q.shape[0] <= gemm.DECODE_ROWS or torch.is_grad_enabled() or \
                 torch.compiler.is_compiling():

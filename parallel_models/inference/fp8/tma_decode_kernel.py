@@ -345,8 +345,21 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
         PROMOTE=min(PROMOTE_EVERY, group or PROMOTE_EVERY),  # (a group's dot: at most its K)
         EMULATE=_INTERPRETED, TOKENS_FIRST=cfg.tokens_first, GROUP=group,
         LINES=prefetch_lines(x2.device, cfg.block_n, k_span),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x2.device))
+        num_warps=cfg.num_warps, num_stages=launch_stages(cfg, group),
+        **launch_options(x2.device))
     return y
+
+
+def launch_stages(cfg: DecodeConfig, group: int) -> int:
+    """Triton's ``num_stages`` for a launch with ``cfg`` on activations with a scale per
+    ``group`` inputs: the config's, except where a group spans several K steps. There the loop
+    Triton pipelines is the one over groups, so a stage holds a whole group: the config's
+    stages over the steps a group holds (at least 2) keep the shared memory the config was
+    sized for (with 5 stages of 256-wide steps and 512-input groups: 205 KB instead of 102 KB,
+    one program per SM instead of two; docs/PERFORMANCE.md, session 23)."""
+    if group <= cfg.block_k:
+        return cfg.num_stages
+    return max(2, cfg.num_stages * cfg.block_k // group)
 
 
 def tma_mm(x2: torch.Tensor, weight: QuantizedWeight,
@@ -362,5 +375,5 @@ def tma_mm(x2: torch.Tensor, weight: QuantizedWeight,
 
 
 __all__ = ["KERNEL", "PROMOTE_EVERY", "SCALE_GROUPS", "descriptor_blocks", "group_fits",
-           "launch", "part_constexprs", "part_dot", "quantize_tokens", "quantized_input",
-           "strip_of_parts", "supports", "tma_mm"]
+           "launch", "launch_stages", "part_constexprs", "part_dot", "quantize_tokens",
+           "quantized_input", "strip_of_parts", "supports", "tma_mm"]

@@ -35,9 +35,9 @@ if "--tiny" in sys.argv:  # (before triton is imported)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from parallel_models.inference.fp8.decode_gemm_shared import finish_tile, program_tile  # noqa
-from parallel_models.inference.fp8.dependent_launch import (prefetch_weights,  # noqa: E402
-                                                            release_dependents, wait_for_inputs)
+from fp8_stream_probe import tile_start  # noqa: E402  (its kernels' start)
+
+from parallel_models.inference.fp8.decode_gemm_shared import finish_tile  # noqa: E402
 from parallel_models.inference.fp8.tma_decode_kernel import part_dot  # noqa: E402
 
 GROUP = 128
@@ -48,12 +48,8 @@ def group_kernel(x_desc, w_desc, W, XS, S, Y, P, C, M, N, K, stride_w, stride_xm
                  stride_ym, ws_rows, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  GROUP: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr,
                  LINES: tl.constexpr, DEFER: tl.constexpr):
-    pid_m, pid_k, pid_n, num_m, k_begin, k_end = program_tile(M, K, SPLIT_K, BLOCK_M, GROUP)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    prefetch_weights(W, rn, N, stride_w, k_begin, k_end, LINES)
-    wait_for_inputs(PDL)
-    release_dependents(PDL)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid_m, pid_k, pid_n, num_m, k_begin, k_end, rn, rm = tile_start(
+        W, M, N, K, SPLIT_K, stride_w, BLOCK_M, BLOCK_N, GROUP, PDL, LINES)
     n_ok, m_ok = rn < N, rm < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     part_prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

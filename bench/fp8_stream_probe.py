@@ -55,17 +55,28 @@ def tiles_kernel(w_desc, x_desc, OUT, M, N, K, SPLIT_K, BLOCK_M: tl.constexpr,
     tl.store(OUT + tl.program_id(0), tl.sum(acc, 0))
 
 
-@triton.jit(do_not_specialize=["M", "SPLIT_K"])
-def gemm_kernel(x_desc, w_desc, W, XS, S, Y, P, C, M, N, K, stride_w, stride_ym, ws_rows,
-                SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EMULATE: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr,
-                ROTATE: tl.constexpr):
+@triton.jit
+def tile_start(W, M, N, K, SPLIT_K, stride_w, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr):
+    """A probe GEMM program's start, as ``tma_decode_kernel``'s: its tile (``program_tile``),
+    the weight prefetch, the dependent-launch wait -> (row tile, K split, strip, row tiles,
+    first K, end of K, weight rows, activation rows)."""
     pid_m, pid_k, pid_n, num_m, k_begin, k_end = program_tile(M, K, SPLIT_K, BLOCK_M, BLOCK_K)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     prefetch_weights(W, rn, N, stride_w, k_begin, k_end, LINES)
     wait_for_inputs(PDL)
     release_dependents(PDL)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return pid_m, pid_k, pid_n, num_m, k_begin, k_end, rn, rm
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
+def gemm_kernel(x_desc, w_desc, W, XS, S, Y, P, C, M, N, K, stride_w, stride_ym, ws_rows,
+                SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                EMULATE: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr,
+                ROTATE: tl.constexpr):
+    pid_m, pid_k, pid_n, num_m, k_begin, k_end, rn, rm = tile_start(
+        W, M, N, K, SPLIT_K, stride_w, BLOCK_M, BLOCK_N, BLOCK_K, PDL, LINES)
     n_ok, m_ok = rn < N, rm < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     steps = tl.cdiv(k_end - k_begin, BLOCK_K)

@@ -77,6 +77,14 @@ def _main_process(target: str, argv: list, env: dict, out_path: str, err_path: s
     sys.exit(code or 0)
 
 
+def _poll_until(poll, deadline: float | None):
+    """``poll()`` every 50 ms until it gives an exit code or ``time.monotonic()`` passes
+    ``deadline`` (None: no deadline) -> the code, or None at the deadline."""
+    while (code := poll()) is None and (deadline is None or time.monotonic() < deadline):
+        time.sleep(0.05)
+    return code
+
+
 def process_running(pid: int) -> bool:
     """Whether process ``pid`` exists and has not ended (a zombie has: it waits to be reaped;
     Linux's /proc)."""
@@ -143,13 +151,12 @@ class MainProcess:
 
         deadline = None if timeout is None else time.monotonic() + timeout
         self._proc.join(timeout)
-        while self.poll() is None and (deadline is None or time.monotonic() < deadline):
-            time.sleep(0.05)  # (only when the forkserver is gone)
-        if self.poll() is None:
+        code = _poll_until(self.poll, deadline)  # (a loop only when the forkserver is gone)
+        if code is None:
             self.kill()
             self._proc.join()
             raise subprocess.TimeoutExpired(self.args, timeout)
-        return self.poll()
+        return code
 
     def _read(self, i: int) -> str:
         with open(self._paths[i], errors="replace") as f:
@@ -229,12 +236,10 @@ class MainRanks:
         """Waits for every rank; on ``timeout`` raises ``subprocess.TimeoutExpired``."""
         import subprocess
 
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.05)
-        return self.poll()
+        code = _poll_until(self.poll, None if timeout is None else time.monotonic() + timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return code
 
     @property
     def stdout(self) -> str:

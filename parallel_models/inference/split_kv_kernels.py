@@ -116,7 +116,7 @@ def _earlier_entry(q, KNew, VNew, Cos, Sin, src, kvh, m_i, l_i, acc, scale, stri
 def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Back, Out, PartOut, PartLse, Cos,
                  Sin, KScale, VScale, OutQ, OutS, scale, stride_qb, stride_qh, stride_kb,
                  stride_kh, stride_vb, stride_vh, stride_pt, stride_ph, stride_ob, stride_oh,
-                 stride_cos, stride_st, stride_oq, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                 stride_cos, stride_st, G: tl.constexpr, BLOCK_G: tl.constexpr,
                  D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                  NUM_SPLITS: tl.constexpr, H: tl.constexpr, IEEE: tl.constexpr,
                  RUNTIME_LOOP: tl.constexpr, ROPE: tl.constexpr, MAX_BACK: tl.constexpr,
@@ -211,7 +211,7 @@ def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Back, Out, PartOut,
             values = tl.where(gmask[:, None], rounded.to(tl.float32), 0.0)
             out_scale = e4m3_scale(tl.max(tl.max(tl.abs(values), axis=1), axis=0), E4M3_MAX)
             quantized = scaled_for_e4m3(values, out_scale, E4M3_MAX, INTERPRETED)
-            tl.store(OutQ + row * stride_oq + heads[:, None] * D + d[None, :],
+            tl.store(OutQ + (row * H + heads[:, None]) * D + d[None, :],  # ([B, H * D])
                      quantized.to(OutQ.dtype.element_ty), mask=gmask[:, None] & nonempty)
             tl.store(OutS + row * (H // G) + kvh, out_scale)
     else:

@@ -131,15 +131,14 @@ class OutputQuantizer:
 
     def leave_copy(self, out: torch.Tensor, copy) -> None:
         """``out`` ``[B, heads, D]`` gets a filled :meth:`attention_copy` as its e4m3 copy (for
-        its ``[B, heads * D]`` reshape: :meth:`carry_copy`)."""
+        its ``[B, heads * D]`` reshape: :meth:`reshape`)."""
         if copy.filled:
             setattr(out, QUANTIZED_COPY, (copy.data, copy.scales))
 
-    def carry_copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """``dst`` (a reshape of ``src``) gets ``src``'s copy, if it has one."""
-        copy = getattr(src, QUANTIZED_COPY, None)
-        if copy is not None and dst is not src:
-            setattr(dst, QUANTIZED_COPY, copy)
+    def reshape(self, x: torch.Tensor, *shape) -> torch.Tensor:
+        """``x.reshape(*shape)`` with ``x``'s e4m3 copy, if any (``quantize.
+        reshape_keeping_copy``)."""
+        return reshape_keeping_copy(x, *shape)
 
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` with its e4m3 copy left on it."""

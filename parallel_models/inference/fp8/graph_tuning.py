@@ -140,5 +140,5 @@ def refine(capture, graph, output, time_graphs=replay_ms):
     return graph, output
 
 
-__all__ = ["ENV", "MARGIN", "ROUNDS", "alone_choices", "collective_free", "enabled", "graph_timings", "refine",
-           "replay_ms", "seconds"]
+__all__ = ["ENV", "MARGIN", "ROUNDS", "alone_choices", "collective_free", "enabled",
+           "graph_timings", "refine", "replay_ms", "seconds"]

@@ -87,7 +87,7 @@ def set_output_quantizer(quantizer) -> None:
     """Install ``quantizer`` (``wanted(*tensors) -> bool``, ``rms_norm(x, residual, weight, eps)
     -> (total or None, y)``, ``swiglu(gate_up) -> y``, ``gated_mlp_input(gate_up_linear, x,
     hidden_act) -> y or None``, ``attention_copy(q, kv_heads) -> copy or None``,
-    ``leave_copy(out, copy)``, ``carry_copy(src, dst)``) for the ops it wants; None removes
+    ``leave_copy(out, copy)``, ``reshape(x, *shape) -> y``) for the ops it wants; None removes
     it."""
     global _output_quantizer
     _output_quantizer = quantizer
@@ -170,10 +170,8 @@ def leave_output_copy(out: torch.Tensor, copy) -> None:
 def reshape_keeping_copy(x: torch.Tensor, *shape) -> torch.Tensor:
     """``x.reshape(*shape)``, with the e4m3 copy an output quantizer's producer left on ``x``
     (if any) on the result too."""
-    y = x.reshape(*shape)
-    if _output_quantizer is not None:
-        _output_quantizer.carry_copy(x, y)
-    return y
+    quantizer = _output_quantizer
+    return x.reshape(*shape) if quantizer is None else quantizer.reshape(x, *shape)
 
 
 def gated_mlp_input(gate_up_linear: torch.nn.Module, x: torch.Tensor,

@@ -1,8 +1,8 @@
-"""The FP8 decode GEMM probes of session 23 (``bench/fp8_gemm_graph_probe.py``,
+"""The decode probes of session 23 (``bench/fp8_gemm_graph_probe.py``,
 ``fp8_group_scale_probe.py``, ``fp8_stream_probe.py``) in their ``--tiny`` CPU runs (Triton's
 interpreter, no graph): every timing line present, and each experimental kernel's product equal
-to the production kernel's, bit for bit, where the probe says it should be. Skipped without
-triton (not a dependency)."""
+to the production kernel's, bit for bit, where the probe says it should be; and
+``split_kv_resources.py``'s sm_90 compile. Skipped without triton (not a dependency)."""
 
 import json
 import os
@@ -57,3 +57,23 @@ def test_stream_probe_gemms_give_the_production_bits(capsys):
     production, gemm, rotated = rows[2:]
     assert production["max_abs_diff_vs_production"] == gemm["max_abs_diff_vs_production"] == 0.0
     assert rotated["max_abs_diff_vs_production"] <= 1e-3  # (K in another order: fp32 rounding)
+
+
+def test_split_kv_resources_reports_one_line_per_config():
+    """``bench/split_kv_resources.py``: the split-KV kernel compiled for sm_90 (no GPU; in a
+    process of its own, triton not imported for the interpreter), registers, spills and shared
+    memory per launch config."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, os.path.join(BENCH, "split_kv_resources.py"),
+                          "--configs", "32,4,2", "--rope", "off"], env=env,
+                         capture_output=True, text=True, timeout=240)
+    if "ptxas" in run.stderr and "not found" in run.stderr.lower():
+        pytest.skip("triton without its bundled ptxas")
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 1
+    row = rows[0]
+    assert (row["block_n"], row["num_warps"], row["rope"]) == (32, 4, False)
+    assert row["registers"] > 0 and row["shared"] > 0 and row["spill_bytes"] is not None

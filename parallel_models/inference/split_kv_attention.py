@@ -25,10 +25,12 @@ being the token decoded now (its k/v come in as ``k_new`` / ``v_new``).
   dequantized values), and the new token is quantized (amax / 448 per KV head) as it is
   written. The step's own entries (the new token, a re-entry's ``back`` ones) are attended
   unquantized, from ``k_new`` / ``v_new``.
-- ``output_copy`` (:class:`OutputCopy`): where one split covers the bucket, each program also
-  writes its KV head's output in e4m3 with one scale (amax / 448 of the output rounded to
+- ``output_copy`` (:class:`OutputCopy`): where one split covers the bucket, the output is
+  also written in e4m3 with one scale per row (amax / 448 of the row's output rounded to
   ``q``'s dtype), the input copy the FP8 rollout's o_proj reads instead of quantizing its input
-  in a launch of its own (``fp8.fused_producers``).
+  in a launch of its own (``fp8.fused_producers``). A row's KV heads are separate programs:
+  each records its output's amax and counts itself in, and the last to finish quantizes the
+  whole row (``split_kv_kernels._quantize_row_when_last``).
 
 Launch settings (tile, warps, stages, split): ``split_kv_config`` (an env var or a table by shape).
 The kernels live in ``split_kv_kernels``, imported lazily (:func:`available`): without triton
@@ -52,14 +54,27 @@ from parallel_models.options import option
 
 @dataclasses.dataclass
 class OutputCopy:
-    """Buffers for the output's e4m3 copy: ``data`` ``[B, heads * D]`` e4m3 and ``scales``
-    ``[B, kv_heads]`` fp32, contiguous (one scale per row and KV head: the KV head's query heads'
-    ``G x D`` outputs one group, ``quantize_activation(out, "block", group=G * D)``'s recipe).
+    """Buffers for the output's e4m3 copy, one scale per row (``quantize_activation(out,
+    "channel")``'s recipe), all contiguous: ``data`` ``[B, heads * D]`` e4m3 and ``scales``
+    ``[B]`` fp32; the kernel's own ``amax`` ``[B, kv_heads]`` fp32 (each program's output amax)
+    and ``arrivals`` (int32, at least ``B``, zeros: a row's programs count themselves in and the
+    last sets it back to zero, so one buffer serves every launch on its stream).
     :func:`split_kv_decode` sets ``filled`` where it wrote them (one split only)."""
 
     data: torch.Tensor
     scales: torch.Tensor
+    amax: torch.Tensor
+    arrivals: torch.Tensor
     filled: bool = False
+
+    def fits(self, rows: int, heads: int, kv_heads: int, dim: int) -> bool:
+        """Whether the buffers take ``rows`` rows of ``heads`` x ``dim`` outputs."""
+        shapes = ((self.data, (rows, heads * dim), torch.float8_e4m3fn),
+                  (self.scales, (rows,), torch.float32),
+                  (self.amax, (rows, kv_heads), torch.float32))
+        return all(t.shape == shape and t.dtype == dtype and t.is_contiguous()
+                   for t, shape, dtype in shapes) and self.arrivals.dtype == torch.int32 and \
+            self.arrivals.is_contiguous() and self.arrivals.numel() >= rows
 
 
 def split_size(batch: int, kv_heads: int, max_row_tokens: int, device,
@@ -279,19 +294,19 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                          "[positions, kv_heads] alike, contiguous in the heads")
     quant_out = output_copy is not None and num_splits == 1
     if quant_out:
-        out_q, out_s = output_copy.data, output_copy.scales
-        if out_q.shape != (b, heads * dim) or out_s.shape != (b, kv_heads) or \
-                not out_q.is_contiguous() or not out_s.is_contiguous() or \
-                out_q.dtype != torch.float8_e4m3fn or out_s.dtype != torch.float32:
+        if not output_copy.fits(b, heads, kv_heads, dim):
             raise ValueError(f"split-KV decode output_copy needs contiguous e4m3 [{b}, "
-                             f"{heads * dim}] and fp32 [{b}, {kv_heads}] buffers")
+                             f"{heads * dim}], fp32 [{b}] and [{b}, {kv_heads}] buffers and "
+                             f"at least {b} int32 arrivals")
+        copy_buffers = (output_copy.data, output_copy.scales, output_copy.amax,
+                        output_copy.arrivals)
     else:
-        out_q = out_s = out  # unused
+        copy_buffers = (out,) * 4  # unused
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     pdl = launch_options(q.device)
     split_kernel[(b, kv_heads, num_splits)](
         q, k_new, v_new, k_pool, v_pool, offsets, used, back, out, part_out, part_lse, cos, sin,
-        k_scale, v_scale, out_q, out_s, scale,
+        k_scale, v_scale, *copy_buffers, scale,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1), k_pool.stride(0),
         k_pool.stride(1), out.stride(0), out.stride(1), cos.stride(0), k_scale.stride(0),
@@ -299,6 +314,7 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         SPLIT=split, NUM_SPLITS=num_splits, H=heads, IEEE=q.dtype == torch.float32,
         RUNTIME_LOOP=not interpreted, ROPE=rope is not None, FP8_KV=kv_scales is not None,
         INTERPRETED=interpreted, QUANT_OUT=quant_out,
+        BLOCK_KVH=triton.next_power_of_2(kv_heads),
         # the interpreter loops a fixed count over a row's earlier entries (compiled: any)
         MAX_BACK=int(back.max()) if interpreted else 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl)

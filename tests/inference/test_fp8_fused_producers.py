@@ -110,7 +110,6 @@ def test_the_attention_copy_goes_to_o_proj_through_reshapes(monkeypatch):
     channel-scaled rollout generates through the TMA kernel on CUDA, never in exact mode; a
     filled copy is attached to the output and follows its reshapes to the o_proj's input."""
     from parallel_models.inference.fp8.quantize import QUANTIZED_COPY
-    from parallel_models.inference.split_kv_attention import OutputCopy
 
     monkeypatch.setattr(gemm, "DECODE_KERNEL", "tma")
     monkeypatch.setenv(fused_producers.ATTENTION_COPY_ENV, "1")
@@ -125,7 +124,10 @@ def test_the_attention_copy_goes_to_o_proj_through_reshapes(monkeypatch):
         with torch.no_grad():
             copy = fused_ops.attention_output_copy(q, 2)
             assert copy.data.shape == (4, 128) and copy.data.dtype == torch.float8_e4m3fn
-            assert copy.scales.shape == (4, 2) and not copy.filled
+            assert copy.scales.shape == (4,) and copy.amax.shape == (4, 2) and not copy.filled
+            assert copy.arrivals.dtype == torch.int32 and not copy.arrivals.any()
+            again = fused_ops.attention_output_copy(q, 2)  # (one arrivals buffer a device)
+            assert again.arrivals is copy.arrivals and again.data is not copy.data
             monkeypatch.delenv(fused_producers.ATTENTION_COPY_ENV)  # (off by default)
             assert fused_ops.attention_output_copy(q, 2) is None
             monkeypatch.setenv(fused_producers.ATTENTION_COPY_ENV, "1")
@@ -135,9 +137,10 @@ def test_the_attention_copy_goes_to_o_proj_through_reshapes(monkeypatch):
             many = torch.empty(65, 8, 16, dtype=q.dtype)  # (more rows than a decode kernel's)
             assert fused_ops.attention_output_copy(many, 2) is None
     out = torch.randn(4, 8, 16)
-    quantizer.leave_copy(out, OutputCopy(copy.data, copy.scales))  # (not filled: nothing)
+    quantizer.leave_copy(out, copy)  # (not filled: nothing)
     assert getattr(out, QUANTIZED_COPY, None) is None
-    quantizer.leave_copy(out, OutputCopy(copy.data, copy.scales, filled=True))
+    copy.filled = True
+    quantizer.leave_copy(out, copy)
     x = fused_ops.reshape_keeping_copy(out, 4, 1, -1)
     x2 = fused_ops.reshape_keeping_copy(x, -1, 128)
     assert getattr(x2, QUANTIZED_COPY) == (copy.data, copy.scales)

@@ -119,41 +119,6 @@ def test_group_scaled_copy_is_multiplied_group_by_group(cfg):
         assert not _close(got, gemm.token_matmul(other, q))
 
 
-def _wide_group_reference(x, weight, group):
-    """``x`` quantized per token and ``group`` inputs, dequantized, times ``dequantize(W)^T``."""
-    from parallel_models.inference.fp8.quantize import (dequantize_activation,
-                                                        quantize_activation)
-
-    xq, xs = quantize_activation(x.float(), "block", group=group)
-    x_deq = dequantize_activation(xq, xs, "block", group=group)
-    return (x_deq @ weight.dequantize(torch.float32).t()).to(x.dtype)
-
-
-@pytest.mark.parametrize("group,cfg,fits", [
-    (512, DecodeConfig(32, 64, 128, 1, 4, 2, tokens_first=True), True),   # 4 steps a group
-    (512, DecodeConfig(64, 16, 256, 2, 4, 2), True),          # weight rows first, 2 splits
-    (256, DecodeConfig(16, 64, 128, 2, 4, 2, tokens_first=True), True),
-    (512, DecodeConfig(32, 64, 256, 4, 4, 2, tokens_first=True), False),  # a split: 256 inputs
-])
-def test_a_copy_scaled_per_group_of_k_steps(group, cfg, fits):
-    """A copy with a scale per token and a group of whole K steps (the split-KV attention's,
-    a KV head's outputs, for o_proj) is multiplied as such: the group's dots chained, then
-    scaled; where a K split does not hold whole groups the activations are quantized per token
-    instead."""
-    from parallel_models.inference.fp8.quantize import quantize_activation
-
-    assert tma_decode_kernel.group_fits(group, 1024, cfg) == fits
-    x, q = _operands(37, 96, 1024, seed=5)
-    setattr(x, QUANTIZED_COPY, quantize_activation(x, "block", group=group))
-    y = torch.empty(37, 96, dtype=x.dtype, device=DEV)
-    got = tma_decode_kernel.launch(x, q, y, cfg)
-    if fits:
-        assert _close(got, _wide_group_reference(x, q, group))
-        assert not _close(got, gemm.token_matmul(x, q))
-    else:
-        assert _close(got, gemm.token_matmul(x, q))
-
-
 @pytest.mark.parametrize("cfg", [
     DecodeConfig(128, 64, 128, 1, 8, 3),                      # weight rows first: 2 lines a row
     DecodeConfig(16, 64, 256, 1, 4, 3, tokens_first=True),    # o_proj's strips: 16 lines a row
@@ -184,48 +149,3 @@ def test_weight_prefetch_before_the_wait_changes_nothing(monkeypatch, cfg):
         assert torch.equal(with_prefetch, without)
         assert _close(with_prefetch, gemm.token_matmul(x, q) if copy is None else
                       gemm.dynamic_matmul(x, q))
-
-
-_WIDE_GROUP_SHARED = """
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from parallel_models.inference.fp8 import tma_decode_kernel as T
-from parallel_models.inference.fp8.decode_tuning import DecodeConfig
-cfg = DecodeConfig(16, 64, 256, 1, 4, 5, tokens_first=True)  # (the 8B o_proj's strips)
-shared = []
-for group in (0, 512):
-    step = min(group, cfg.block_k) if group else cfg.block_k
-    sig = {"x_desc": f"tensordesc<fp8e4nv[64, {step}]>",
-           "w_desc": f"tensordesc<fp8e4nv[16, {step}]>", "W": "*fp8e4nv", "XS": "*fp32",
-           "S": "*fp32", "Y": "*bf16", "P": "*fp32", "C": "*i32",
-           "M": "i32", "N": "i32", "K": "i32", "stride_w": "i32", "stride_xs": "i32",
-           "stride_ym": "i32", "ws_rows": "i32", "SPLIT_K": "i32"}
-    consts = dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=cfg.block_k, PROMOTE=128, EMULATE=False,
-                  TOKENS_FIRST=True, PDL=True, GROUP=group, LINES=16)
-    fn = T._w8a8_tma_kernel
-    sig = {n: sig[n] for n in fn.arg_names if n in sig}
-    k = triton.compile(ASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, consts),
-                       target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4, num_stages=T.launch_stages(cfg, group)))
-    shared.append(k.metadata.shared)
-print("shared", *shared)
-"""
-
-
-def test_a_wide_group_launch_keeps_the_configs_shared_memory():
-    """Compiled for sm_90 (no GPU needed): with 512-input groups (2 K steps each) the loop Triton
-    pipelines is the one over groups, so the launch takes fewer stages (``launch_stages``) and
-    its shared memory stays what the config was sized for (session 23's first version took
-    twice as much: one program per SM instead of two)."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _WIDE_GROUP_SHARED], env=env,
-                         capture_output=True, text=True, timeout=240)
-    if "ptxas" in run.stderr and "not found" in run.stderr.lower():
-        pytest.skip("triton without its bundled ptxas")
-    assert run.returncode == 0, run.stderr[-3000:]
-    per_token, wide = (int(v) for v in run.stdout.split()[-2:])
-    assert wide <= per_token * 1.05, (per_token, wide)

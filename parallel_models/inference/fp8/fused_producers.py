@@ -22,12 +22,13 @@ Otherwise the op runs as before. The dense MLP's gate_up GEMM and its SwiGLU go 
 kernel (``swiglu_gemm_kernel``) computes both and leaves the output's e4m3 copy with a scale per
 token and 64 or 128 features, which the down GEMM multiplies group by group
 (:meth:`OutputQuantizer.gated_mlp_input`, asked by ``fused_ops.gated_mlp_input``). The split-KV
-decode attention writes its output's copy with a scale per token and KV head, which o_proj reads
-in place of quantizing its input in a launch of its own (:meth:`OutputQuantizer.attention_copy`,
-asked by ``fused_ops.attention_output_copy``; one split only, ``split_kv_attention.OutputCopy``).
-That one is off until timed on a GPU (``PARALLEL_MODELS_FP8_ATTENTION_COPY=1`` on): its first
-version made the 8B step slower on an H200, its o_proj programs holding whole groups in each
-pipeline stage (docs/PERFORMANCE.md, session 23). The output in the model's dtype is the eager
+decode attention writes its output's copy with a scale per token (the last of a row's KV-head
+programs quantizes the row), which o_proj reads in place of quantizing its input in a launch of
+its own (:meth:`OutputQuantizer.attention_copy`, asked by ``fused_ops.attention_output_copy``;
+one split only, ``split_kv_attention.OutputCopy``). That one is off until timed on a GPU
+(``PARALLEL_MODELS_FP8_ATTENTION_COPY=1`` on): a version with a scale per row and KV head made
+the 8B step slower, its o_proj multiplying the groups' scales (docs/PERFORMANCE.md, sessions
+23 and 24). The output in the model's dtype is the eager
 reference's rounding (see ``producer_kernels``). A copy that no FP8 linear reads (the final
 norm's, before the LM head) costs one small write.
 """
@@ -69,6 +70,9 @@ def tracking(state):
 
 class OutputQuantizer:
     """What ``fused_ops`` calls (see the module docstring)."""
+
+    def __init__(self):
+        self._arrivals: dict = {}  # device -> the attention copy's int32 arrival counts
 
     def wanted(self, *tensors: torch.Tensor) -> bool:
         x = tensors[0]
@@ -117,17 +121,27 @@ class OutputQuantizer:
         """An empty ``split_kv_attention.OutputCopy`` for the decode attention of ``q`` ``[B,
         heads, D]`` to fill (its o_proj's e4m3 input), or None: not switched on
         (:data:`ATTENTION_COPY_ENV` ``=1``), no channel-scaled FP8 linears generating through
-        the TMA kernel, not CUDA bf16/fp16, more than ``gemm.DECODE_ROWS`` rows, gradients."""
+        the TMA kernel, not CUDA bf16/fp16, more than ``gemm.DECODE_ROWS`` rows, gradients, or
+        a CUDA graph capturing before the device's arrival counts exist (they are zeroed once,
+        eagerly: a zeroing captured in one graph would not run before the others)."""
         if os.environ.get(ATTENTION_COPY_ENV, "0") != "1" or not _active or \
                 gemm.DECODE_KERNEL != "tma" or not q.is_cuda or q.dtype not in DTYPES or \
                 not 0 < q.shape[0] <= gemm.DECODE_ROWS or torch.is_grad_enabled() or \
                 torch.compiler.is_compiling():
             return None
+        arrivals = self._arrivals.get(q.device)
+        if arrivals is None:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                return None
+            arrivals = self._arrivals[q.device] = torch.zeros(
+                gemm.DECODE_ROWS, dtype=torch.int32, device=q.device)
         from parallel_models.inference.split_kv_attention import OutputCopy
 
         rows, heads, dim = q.shape
         return OutputCopy(torch.empty(rows, heads * dim, dtype=E4M3, device=q.device),
-                          torch.empty(rows, kv_heads, dtype=torch.float32, device=q.device))
+                          torch.empty(rows, dtype=torch.float32, device=q.device),
+                          torch.empty(rows, kv_heads, dtype=torch.float32, device=q.device),
+                          arrivals)
 
     def leave_copy(self, out: torch.Tensor, copy) -> None:
         """``out`` ``[B, heads, D]`` gets a filled :meth:`attention_copy` as its e4m3 copy (for

@@ -29,9 +29,7 @@ wait and the wgmma.
 - Activation scales per token, or per token and 64 or 128 inputs (``GROUP``: the copy the
   fused gate_up + SwiGLU kernel leaves, ``swiglu_gemm_kernel``): then a dot per group, its
   fp32 result times the group's scales before it is added (with 128-input groups
-  ``gemm.dynamic_matmul``'s recipe); or per token and a group of whole K steps (the split-KV
-  attention's copy for o_proj: a KV head's outputs, ``split_kv_attention.OutputCopy``): the
-  group's dots chained, then scaled (:func:`group_fits`).
+  ``gemm.dynamic_matmul``'s recipe).
 - Launched with programmatic dependent launch on Hopper (``dependent_launch``); before it
   waits for the kernel before, a program asks L2 for the first lines of its weight rows
   (``dependent_launch.prefetch_weights``; not the strips of parts, which the tuner passes over).
@@ -103,28 +101,6 @@ def _group_step(x_desc, w_desc, XS, acc, rm, m_ok, row0, n0, k, K, stride_xs,
         return acc + part * group_scale[None, :]
 
 
-@triton.jit
-def _wide_group(x_desc, w_desc, XS, acc, rm, m_ok, row0, n0, k, K, stride_xs,
-                GROUP: tl.constexpr, BLOCK_K: tl.constexpr, PROMOTE: tl.constexpr,
-                EMULATE: tl.constexpr, TOKENS_FIRST: tl.constexpr):
-    """``acc`` plus the product of the ``GROUP`` inputs from ``k`` on (``GROUP / BLOCK_K`` K
-    steps, their dots chained), times their tokens' scales (``XS[token, k // GROUP]``)."""
-    group_scale = tl.load(XS + rm.to(tl.int64) * stride_xs + k // GROUP, mask=m_ok & (k < K),
-                          other=0.0)
-    part = tl.zeros(acc.shape, dtype=tl.float32)
-    for i in tl.static_range(GROUP // BLOCK_K):
-        w = w_desc.load([n0, k + i * BLOCK_K])
-        x = x_desc.load([row0, k + i * BLOCK_K])
-        if TOKENS_FIRST:
-            part = part_dot(x, w, part, PROMOTE, EMULATE)
-        else:
-            part = part_dot(w, x, part, PROMOTE, EMULATE)
-    if TOKENS_FIRST:
-        return acc + part * group_scale[:, None]
-    else:
-        return acc + part * group_scale[None, :]
-
-
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def _w8a8_tma_kernel(x_desc, w_desc, W, XS, S, Y, P, C, M, N, K, stride_w, stride_xs, stride_ym,
                      ws_rows, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -142,12 +118,7 @@ def _w8a8_tma_kernel(x_desc, w_desc, W, XS, S, Y, P, C, M, N, K, stride_w, strid
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    if GROUP > BLOCK_K:  # a scale per token and GROUP inputs, several K steps: chained dots
-        for k in range(k_begin, k_end, GROUP):
-            acc = _wide_group(x_desc, w_desc, XS, acc, rm, m_ok, pid_m * BLOCK_M,
-                              pid_n * BLOCK_N, k, K, stride_xs, GROUP, BLOCK_K, PROMOTE, EMULATE,
-                              TOKENS_FIRST)
-    elif GROUP:  # activation scales per token and GROUP inputs: a dot per group, then scaled
+    if GROUP:  # activation scales per token and GROUP inputs: a dot per group, then scaled
         for k in range(k_begin, k_end, BLOCK_K):
             for i in tl.static_range(BLOCK_K // GROUP):
                 acc = _group_step(x_desc, w_desc, XS, acc, rm, m_ok, pid_m * BLOCK_M,
@@ -268,34 +239,19 @@ def quantized_input(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_tokens(x2)
 
 
-def _k_span(inp: int, cfg: DecodeConfig) -> int:
-    """Inputs one K split of a launch with ``cfg`` covers."""
-    return -(-inp // (cfg.block_k * cfg.split_k)) * cfg.block_k
-
-
-def group_fits(group: int, inp: int, cfg: DecodeConfig) -> bool:
-    """Whether a launch with ``cfg`` takes activations with a scale per token and ``group``
-    inputs: a group of :data:`SCALE_GROUPS` inside each K step, or a group of whole K steps
-    inside each K split (the split-KV attention's copy: a KV head's outputs), no strip of
-    parts."""
-    if strip_of_parts(cfg) or not group or inp % group:
-        return False
-    if group in SCALE_GROUPS and cfg.block_k % group == 0:
-        return True
-    return group % cfg.block_k == 0 and _k_span(inp, cfg) % group == 0
-
-
 def _activations(x2: torch.Tensor, cfg: DecodeConfig) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(e4m3 activations, their scales, the inputs a scale covers: 0 per token) of a launch with
-    ``cfg``: :func:`quantized_input`, the copy with group scales only where
-    :func:`group_fits` (else quantized per token from ``x2``)."""
+    ``cfg``: :func:`quantized_input`, the copy with group scales (groups of
+    :data:`SCALE_GROUPS` inputs) only where the config's K step holds whole groups and it is
+    no strip of parts (else quantized per token from ``x2``)."""
     q, scales = quantized_input(x2)
     if scales.dim() == 1:
         return q, scales, 0
     rows, inp = x2.shape
     groups = scales.shape[1]
     group = inp // groups if groups and inp % groups == 0 else 0
-    if scales.shape[0] == rows and group_fits(group, inp, cfg):
+    if scales.shape[0] == rows and group in SCALE_GROUPS and cfg.block_k % group == 0 and \
+            not strip_of_parts(cfg):
         return q, scales, group
     q, scales = quantize_tokens(x2)
     return q, scales, 0
@@ -318,7 +274,7 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
     if strip and cfg.split_k > 1:
         raise ValueError(f"fp8 TMA decode GEMM: {cfg}: a strip of several parts takes no K "
                          "split")
-    step = min(group, cfg.block_k) if group else cfg.block_k  # (the K extent of a tile load)
+    step = group or cfg.block_k  # (the K extent of one tile load)
     x_desc = TensorDescriptor(q, [rows, inp], [q.stride(0), 1], [cfg.block_m, step])
     w_descs = [TensorDescriptor(weight.data, [out, inp], [weight.data.stride(0), 1],
                                 [block_rows, step]) for block_rows, _ in descriptor_blocks(cfg)]
@@ -337,7 +293,7 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
     else:  # (not read by the kernel: pointers of the right types)
         partials, counters = shared.unused_pointers(x2.device)
         ws_rows = 0
-    k_span = _k_span(inp, cfg)
+    k_span = -(-inp // (cfg.block_k * cfg.split_k)) * cfg.block_k
     _w8a8_tma_kernel[(cfg.grid(rows, out),)](
         x_desc, w_desc, weight.data, scales, weight.scale, y, partials, counters, rows, out,
         inp, weight.data.stride(0), scales.stride(0), y.stride(0), ws_rows, cfg.split_k,
@@ -345,21 +301,8 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
         PROMOTE=min(PROMOTE_EVERY, group or PROMOTE_EVERY),  # (a group's dot: at most its K)
         EMULATE=_INTERPRETED, TOKENS_FIRST=cfg.tokens_first, GROUP=group,
         LINES=prefetch_lines(x2.device, cfg.block_n, k_span),
-        num_warps=cfg.num_warps, num_stages=launch_stages(cfg, group),
-        **launch_options(x2.device))
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x2.device))
     return y
-
-
-def launch_stages(cfg: DecodeConfig, group: int) -> int:
-    """Triton's ``num_stages`` for a launch with ``cfg`` on activations with a scale per
-    ``group`` inputs: the config's, except where a group spans several K steps. There the loop
-    Triton pipelines is the one over groups, so a stage holds a whole group: the config's
-    stages over the steps a group holds (at least 2) keep the shared memory the config was
-    sized for (with 5 stages of 256-wide steps and 512-input groups: 205 KB instead of 102 KB,
-    one program per SM instead of two; docs/PERFORMANCE.md, session 23)."""
-    if group <= cfg.block_k:
-        return cfg.num_stages
-    return max(2, cfg.num_stages * cfg.block_k // group)
 
 
 def tma_mm(x2: torch.Tensor, weight: QuantizedWeight,
@@ -374,6 +317,6 @@ def tma_mm(x2: torch.Tensor, weight: QuantizedWeight,
     return shared.product(KERNEL, launch, x2, weight, config)
 
 
-__all__ = ["KERNEL", "PROMOTE_EVERY", "SCALE_GROUPS", "descriptor_blocks", "group_fits",
-           "launch", "launch_stages", "part_constexprs", "part_dot", "quantize_tokens",
-           "quantized_input", "strip_of_parts", "supports", "tma_mm"]
+__all__ = ["KERNEL", "PROMOTE_EVERY", "SCALE_GROUPS", "descriptor_blocks", "launch",
+           "part_constexprs", "part_dot", "quantize_tokens", "quantized_input", "strip_of_parts",
+           "supports", "tma_mm"]

@@ -109,15 +109,10 @@ def _flag_env(flag: str):
     ``decode_tuning.pinned_configs``, e.g. ``tiles=64:4096x4096=32,64,256,1,4,4,tf``),
     ``nographtuning`` (``graph_tuning``'s pass off at its capture: list it before the contenders
     with the pass, which is on by default and whose verdicts then stay for the process) and
-    ``graphtuned`` (the pass asked for explicitly), ``attncopy`` (o_proj reads an e4m3 copy of
-    its input the split-KV attention writes, off by default: ``fused_producers``). The names
-    come from ``dependent_launch``, which imports triton: only here."""
+    ``graphtuned`` (the pass asked for explicitly). The names come from ``dependent_launch``,
+    which imports triton: only here."""
     if flag == "unfused":
         return None
-    if flag == "attncopy":
-        from parallel_models.inference.fp8.fused_producers import ATTENTION_COPY_ENV
-
-        return ATTENTION_COPY_ENV, "1"
     if flag in ("graphtuned", "nographtuning"):
         from parallel_models.inference.fp8.graph_tuning import ENV
 
@@ -171,8 +166,8 @@ def _selector():
 
 
 DECODE_CONTENDERS = ("dynamic", "w8a8", "weight_only", "tma", "scaled_mm", "bf16")
-CONTENDER_FLAGS = ("unfused", "nopdl", "noattnpdl", "graphtuned", "nographtuning",
-                   "attncopy", "pf<KiB>", "tiles=<pins>")
+CONTENDER_FLAGS = ("unfused", "nopdl", "noattnpdl", "graphtuned", "nographtuning", "pf<KiB>",
+                   "tiles=<pins>")
 
 
 def _contender(text: str) -> str:

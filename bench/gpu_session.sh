@@ -49,10 +49,6 @@
 #                                      # decode step at batch 64 without it / with it (the
 #                                      # default) in one process (comparisons, the pass's time)
 #   bash bench/gpu_session.sh fp8graph_timeline  # <= 3 min: the 8B graph timeline (pass on)
-#   bash bench/gpu_session.sh fp8attn  # issue 37, one GPU, <= 5 min: o_proj's input copy from the
-#                                      # split-KV attention (off by default): the 8B step at
-#                                      # batch 64 without / with it (3 rounds), its kernel and
-#                                      # GPU tests
 #   bash bench/gpu_session.sh fp8_kv   # the FP8 KV pool (rollout.kv_cache_dtype=fp8), <= 6 min:
 #                                      # its GPU-side tests, the 8B decode step at batch 64 and
 #                                      # 256, bf16 / FP8 linears x model-dtype / e4m3 KV pool
@@ -160,17 +156,6 @@ Issued" "$OUT/ncu.txt" | cut -c1-120
     timeout 280 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales channel \
         --decode-kernels tma+nographtuning tma --rounds 4 --out "$OUT/fp8_graph.json" 2>&1 \
         | grep -E '^\{' | tee "$OUT/fp8_graph.log" | grep -o '"graph_tuning".*' | cut -c1-2500
-    ;;
-  fp8attn)
-    nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
-    timeout 150 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales channel \
-        --decode-kernels tma tma+attncopy --rounds 3 --out "$OUT/fp8_attn.json" 2>&1 \
-        | grep -E '^\{' | tee "$OUT/fp8_attn.log" \
-        | grep -oE '"(bf16|fp8_[a-z0-9_+]+)_(step_ms|over_bf16)": [0-9.]+'
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/inference/test_split_kv_attention.py \
-        tests/inference/test_fp8_fused_producers.py 2>&1 | tail -2
-    timeout 60 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_rollout.py \
-        -k producers_e4m3 2>&1 | grep -E "TMA decode|vs two|passed|failed|Error" | tail -5
     ;;
   fp8graph_timeline)
     timeout 170 python3 bench/decode_timeline.py \

@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from parallel_models.llama.layers import exact, fused_ops
+from parallel_models.llama.layers import exact
 from parallel_models.llama.layers.attention_kernels import varlen_causal_attention
 from parallel_models.inference import split_kv_attention
 from parallel_models.options import option
@@ -167,13 +167,9 @@ class PoolKVCache:
         if self.decode_kernel == "triton" and not exact.enabled():  # writes k / v itself
             rows = self._rows
             scales = (self.k_scale[layer], self.v_scale[layer]) if self.fp8 else None
-            copy = fused_ops.attention_output_copy(q, self.k.shape[2])  # (FP8 o_proj input)
-            out = split_kv_decode(q, k, v, self.k[layer], self.v[layer], rows.offsets,
-                                  rows.used, self.max_row_tokens, scale, rope=rope,
-                                  back=rows.back, kv_scales=scales, output_copy=copy)
-            if copy is not None:
-                fused_ops.leave_output_copy(out, copy)
-            return out
+            return split_kv_decode(q, k, v, self.k[layer], self.v[layer], rows.offsets,
+                                   rows.used, self.max_row_tokens, scale, rope=rope,
+                                   back=rows.back, kv_scales=scales)
         self.write_kv(layer, k, v)
         return self.decode_attention(layer, q, scale)
 

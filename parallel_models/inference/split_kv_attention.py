@@ -25,12 +25,6 @@ being the token decoded now (its k/v come in as ``k_new`` / ``v_new``).
   dequantized values), and the new token is quantized (amax / 448 per KV head) as it is
   written. The step's own entries (the new token, a re-entry's ``back`` ones) are attended
   unquantized, from ``k_new`` / ``v_new``.
-- ``output_copy`` (:class:`OutputCopy`): where one split covers the bucket, the output is
-  also written in e4m3 with one scale per row (amax / 448 of the row's output rounded to
-  ``q``'s dtype), the input copy the FP8 rollout's o_proj reads instead of quantizing its input
-  in a launch of its own (``fp8.fused_producers``). A row's KV heads are separate programs:
-  each records its output's amax and counts itself in, and the last to finish quantizes the
-  whole row (``split_kv_kernels._quantize_row_when_last``).
 
 Launch settings (tile, warps, stages, split): ``split_kv_config`` (an env var or a table by shape).
 The kernels live in ``split_kv_kernels``, imported lazily (:func:`available`): without triton
@@ -40,7 +34,6 @@ Set ``TRITON_INTERPRET=1`` before importing triton to run the kernels on the CPU
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import warnings
@@ -50,31 +43,6 @@ import torch
 from parallel_models.inference.kv_quant import dequantize_kv, quantize_kv
 from parallel_models.inference.split_kv_config import LaunchConfig, launch_config
 from parallel_models.options import option
-
-
-@dataclasses.dataclass
-class OutputCopy:
-    """Buffers for the output's e4m3 copy, one scale per row (``quantize_activation(out,
-    "channel")``'s recipe), all contiguous: ``data`` ``[B, heads * D]`` e4m3 and ``scales``
-    ``[B]`` fp32; the kernel's own ``amax`` ``[B, kv_heads]`` fp32 (each program's output amax)
-    and ``arrivals`` (int32, at least ``B``, zeros: a row's programs count themselves in and the
-    last sets it back to zero, so one buffer serves every launch on its stream).
-    :func:`split_kv_decode` sets ``filled`` where it wrote them (one split only)."""
-
-    data: torch.Tensor
-    scales: torch.Tensor
-    amax: torch.Tensor
-    arrivals: torch.Tensor
-    filled: bool = False
-
-    def fits(self, rows: int, heads: int, kv_heads: int, dim: int) -> bool:
-        """Whether the buffers take ``rows`` rows of ``heads`` x ``dim`` outputs."""
-        shapes = ((self.data, (rows, heads * dim), torch.float8_e4m3fn),
-                  (self.scales, (rows,), torch.float32),
-                  (self.amax, (rows, kv_heads), torch.float32))
-        return all(t.shape == shape and t.dtype == dtype and t.is_contiguous()
-                   for t, shape, dtype in shapes) and self.arrivals.dtype == torch.int32 and \
-            self.arrivals.is_contiguous() and self.arrivals.numel() >= rows
 
 
 def split_size(batch: int, kv_heads: int, max_row_tokens: int, device,
@@ -229,8 +197,7 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     used: torch.Tensor, max_row_tokens: int, scale: float,
                     split: int | None = None,
                     config: LaunchConfig | None = None, rope=None,
-                    back: torch.Tensor | None = None, kv_scales=None,
-                    output_copy: OutputCopy | None = None) -> torch.Tensor:
+                    back: torch.Tensor | None = None, kv_scales=None) -> torch.Tensor:
     """Attention of one query token per row over its pool region; writes ``k_new`` / ``v_new``
     at ``offsets + used - 1`` of the pools.
 
@@ -245,8 +212,6 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     their k / v from ``k_new`` / ``v_new``, not the pool. Default: none (0).
     ``kv_scales``: ``(k_scale, v_scale)`` fp32 ``[positions, kv_heads]`` of e4m3 pools (the
     new k / v quantized into them as they are written); None: the pools in ``q``'s dtype.
-    ``output_copy``: buffers for the output's e4m3 copy, written (``filled``) where one split
-    covers ``max_row_tokens`` (see :class:`OutputCopy`).
     """
     triton, split_kernel, combine_kernel, launch_options = _kernels()
     b, heads, dim = q.shape
@@ -292,29 +257,18 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                                   or k_scale.stride(1) != 1):
         raise ValueError("split-KV decode kv_scales needs e4m3 pools and fp32 scales "
                          "[positions, kv_heads] alike, contiguous in the heads")
-    quant_out = output_copy is not None and num_splits == 1
-    if quant_out:
-        if not output_copy.fits(b, heads, kv_heads, dim):
-            raise ValueError(f"split-KV decode output_copy needs contiguous e4m3 [{b}, "
-                             f"{heads * dim}], fp32 [{b}] and [{b}, {kv_heads}] buffers and "
-                             f"at least {b} int32 arrivals")
-        copy_buffers = (output_copy.data, output_copy.scales, output_copy.amax,
-                        output_copy.arrivals)
-    else:
-        copy_buffers = (out,) * 4  # unused
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     pdl = launch_options(q.device)
     split_kernel[(b, kv_heads, num_splits)](
         q, k_new, v_new, k_pool, v_pool, offsets, used, back, out, part_out, part_lse, cos, sin,
-        k_scale, v_scale, *copy_buffers, scale,
+        k_scale, v_scale, scale,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0),
         v_new.stride(1), k_pool.stride(0),
         k_pool.stride(1), out.stride(0), out.stride(1), cos.stride(0), k_scale.stride(0),
         G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=dim, BLOCK_N=block_n,
         SPLIT=split, NUM_SPLITS=num_splits, H=heads, IEEE=q.dtype == torch.float32,
         RUNTIME_LOOP=not interpreted, ROPE=rope is not None, FP8_KV=kv_scales is not None,
-        INTERPRETED=interpreted, QUANT_OUT=quant_out,
-        BLOCK_KVH=triton.next_power_of_2(kv_heads),
+        INTERPRETED=interpreted,
         # the interpreter loops a fixed count over a row's earlier entries (compiled: any)
         MAX_BACK=int(back.max()) if interpreted else 0,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl)
@@ -323,10 +277,8 @@ def split_kv_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                                    H=heads, D=dim, SPLIT=split, NUM_SPLITS=num_splits,
                                    BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
                                    num_warps=4, **pdl)
-    if output_copy is not None:
-        output_copy.filled = quant_out
     return out
 
 
-__all__ = ["OutputCopy", "available", "split_size", "reference_decode", "rope_supported",
-           "split_kv_decode", "supported"]
+__all__ = ["available", "split_size", "reference_decode", "rope_supported", "split_kv_decode",
+           "supported"]

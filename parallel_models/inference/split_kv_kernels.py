@@ -3,9 +3,6 @@
 
 ``split_kernel``: program (row, KV head, split) runs an online softmax over its split's positions
 for all query heads of the KV head; ``combine_kernel`` merges the splits by their log-sum-exps.
-``QUANT_OUT`` (one split only: the program then holds its KV head's whole output): the output
-also in e4m3 with one scale per (row, KV head), the input copy the FP8 rollout's o_proj reads
-(``split_kv_attention.OutputCopy``).
 See ``split_kv_attention`` for the layout and the contract. ``FP8_KV``: e4m3 pools with fp32
 scales per (position, KV head): a tile's scores are scaled by its keys' scales and its softmax
 weights by its values' scales (fp32), and the new token is quantized as it is stored (in the
@@ -113,48 +110,14 @@ def _earlier_entry(q, KNew, VNew, Cos, Sin, src, kvh, m_i, l_i, acc, scale, stri
 
 
 @triton.jit
-def _quantize_row_when_last(Out, OutQ, OutS, OutAmax, Arrivals, rounded, row, kvh, nonempty, g,
-                            gmask, d, stride_ob, stride_oh, G: tl.constexpr, D: tl.constexpr,
-                            H: tl.constexpr, BLOCK_KVH: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The row's e4m3 copy with one scale (``quantize_activation(out, "channel")``'s recipe),
-    written by the last of its KV heads' programs to finish: each program (its output already
-    stored) records its output's amax and counts itself in ``Arrivals[row]``; the one that
-    counts last reads the row's amaxes and outputs back, writes ``OutQ`` ``[B, H * D]`` and
-    ``OutS`` ``[B]``, and sets the count back to 0 for the next launch."""
-    values = tl.where(gmask[:, None] & nonempty, rounded.to(tl.float32), 0.0)
-    tl.store(OutAmax + row * (H // G) + kvh, tl.max(tl.max(tl.abs(values), axis=1), axis=0))
-    tl.debug_barrier()  # (every thread's stores before the count releases them)
-    arrived = tl.atomic_add(Arrivals + row, 1, sem="acq_rel", scope="gpu")
-    if arrived == H // G - 1:
-        tl.debug_barrier()  # (the count acquired before any thread reads the others' stores)
-        heads_of = tl.arange(0, BLOCK_KVH)
-        amax = tl.max(tl.load(OutAmax + row * (H // G) + heads_of, mask=heads_of < H // G,
-                              other=0.0, cache_modifier=".cg"), axis=0)
-        out_scale = e4m3_scale(amax, E4M3_MAX)
-        for other in range(0, H // G):
-            heads = other * G + g
-            row_values = tl.load(Out + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                                 mask=gmask[:, None] & nonempty, other=0.0,
-                                 cache_modifier=".cg").to(tl.float32)
-            quantized = scaled_for_e4m3(row_values, out_scale, E4M3_MAX, INTERPRETED)
-            tl.store(OutQ + (row * H + heads[:, None]) * D + d[None, :],  # ([B, H * D])
-                     quantized.to(OutQ.dtype.element_ty), mask=gmask[:, None])
-        tl.store(OutS + row, out_scale)
-        tl.store(Arrivals + row, 0)
-
-
-@triton.jit
 def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Back, Out, PartOut, PartLse, Cos,
-                 Sin, KScale, VScale, OutQ, OutS, OutAmax, Arrivals, scale, stride_qb,
-                 stride_qh, stride_kb,
-                 stride_kh, stride_vb, stride_vh, stride_pt, stride_ph, stride_ob, stride_oh,
-                 stride_cos, stride_st, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                 D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                 NUM_SPLITS: tl.constexpr, H: tl.constexpr, IEEE: tl.constexpr,
-                 RUNTIME_LOOP: tl.constexpr, ROPE: tl.constexpr, MAX_BACK: tl.constexpr,
-                 FP8_KV: tl.constexpr, INTERPRETED: tl.constexpr,
-                 QUANT_OUT: tl.constexpr = False, BLOCK_KVH: tl.constexpr = 1,
-                 PDL: tl.constexpr = False):
+                 Sin, KScale, VScale, scale, stride_qb, stride_qh, stride_kb, stride_kh,
+                 stride_vb, stride_vh, stride_pt, stride_ph, stride_ob, stride_oh, stride_cos,
+                 stride_st, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 H: tl.constexpr, IEEE: tl.constexpr, RUNTIME_LOOP: tl.constexpr,
+                 ROPE: tl.constexpr, MAX_BACK: tl.constexpr, FP8_KV: tl.constexpr,
+                 INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
     wait_for_inputs(PDL)  # (every read and write after it)
     release_dependents(PDL)
     row = tl.program_id(0)
@@ -237,13 +200,8 @@ def split_kernel(Q, KNew, VNew, KPool, VPool, Offsets, Used, Back, Out, PartOut,
     denom = tl.where(l_i > 0, l_i, 1.0)
     out = acc / denom[:, None]
     if NUM_SPLITS == 1:
-        rounded = out.to(Out.dtype.element_ty)
-        tl.store(Out + row * stride_ob + heads[:, None] * stride_oh + d[None, :], rounded,
-                 mask=gmask[:, None] & nonempty)
-        if QUANT_OUT:  # (the FP8 rollout's o_proj input, quantized per token)
-            _quantize_row_when_last(Out, OutQ, OutS, OutAmax, Arrivals, rounded, row, kvh,
-                                    nonempty, g, gmask, d, stride_ob, stride_oh, G, D, H,
-                                    BLOCK_KVH, INTERPRETED)
+        tl.store(Out + row * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=gmask[:, None] & nonempty)
     else:
         part = (row * H + heads) * NUM_SPLITS + split  # PartLse [B, H, S], PartOut [.., D]
         tl.store(PartOut + part[:, None] * D + d[None, :], out,

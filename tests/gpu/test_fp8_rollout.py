@@ -296,21 +296,17 @@ def _tma_generate(monkeypatch, seed: int):
 
 def test_tma_decode_reads_the_producers_e4m3_copies(single_rank, monkeypatch):
     """With the TMA decode kernel, the decoder's norms and SwiGLU write the e4m3 copies the
-    qkv / gate_up / down GEMMs read (``fused_producers``), and the split-KV attention (where one
-    split covers the bucket, as here, ``PARALLEL_MODELS_DECODE_SPLIT=1024``;
-    ``PARALLEL_MODELS_FP8_ATTENTION_COPY=1``, off by default) the one o_proj reads. The
-    norms' and SwiGLU's copies are what the GEMM would quantize itself: with the attention's
-    copy off, the same engine with the producers' outputs stripped of their copies (the GEMM
-    quantizing every input) samples the same tokens with the same log-probs, bit for bit (both
-    with the gate_up GEMM and SwiGLU as two kernels; three copies read per one quantized).
-    The attention's copy is scaled per row, as o_proj would quantize its input: with it on,
-    o_proj quantizes nothing and the tokens and log-probs are the same bits. With gate_up and
-    SwiGLU as one kernel (``swiglu_gemm_kernel``, the default) its group-scaled copy is read
-    too: the log-probs move only by that copy's other rounding. The first response token (the
-    prefill's) is the same; the second's log-prob moves by e4m3 rounding noise (0.090 on an
-    H100; the kernels' recipes are checked exactly in tests/inference/test_fp8_swiglu_gemm.py
-    and test_split_kv_attention.py), bounded as the decode kernel's batch-shape noise is in
-    test_fp8_engine_vs_bf16_on_089b (0.15); a wrong copy gives errors of order 1."""
+    qkv / gate_up / down GEMMs read (``fused_producers``): only o_proj's input is quantized by the
+    GEMM's own launch (three copies read per one quantized). The copies are what the GEMM would
+    quantize itself: the same engine with the producers' outputs stripped of their copies (the
+    GEMM quantizing every input) samples the same tokens with the same log-probs, bit for bit
+    (both with the gate_up GEMM and SwiGLU as two kernels). With them as one
+    (``swiglu_gemm_kernel``, the default) its group-scaled copy is read too (three copies per
+    one quantized again), and the log-probs move only by that copy's other rounding: the first
+    response token (the prefill's) is the same; the second's log-prob moves by e4m3 rounding
+    noise of the down GEMM's input (0.090 on an H100; the kernel's recipe is checked exactly in
+    tests/inference/test_fp8_swiglu_gemm.py), bounded as the decode kernel's batch-shape noise
+    is in test_fp8_engine_vs_bf16_on_089b (0.15); a wrong copy gives errors of order 1."""
     generate = _tma_generate(monkeypatch, 1)
     from parallel_models.inference.fp8 import fused_producers, tma_decode_kernel
     from parallel_models.inference.fp8.quantize import QUANTIZED_COPY
@@ -329,9 +325,6 @@ def test_tma_decode_reads_the_producers_e4m3_copies(single_rank, monkeypatch):
             delattr(y, QUANTIZED_COPY)
             return y
 
-        def attention_copy(self, q, kv_heads):
-            return None
-
     counts = {"read": 0, "quantized": 0}
     quantized_input = tma_decode_kernel.quantized_input
 
@@ -344,36 +337,28 @@ def test_tma_decode_reads_the_producers_e4m3_copies(single_rank, monkeypatch):
         monkeypatch.setattr(fused_producers, "FUSE_GATE_UP", fuse)  # input)
         generate()
     runs = {}
-    monkeypatch.setenv("PARALLEL_MODELS_DECODE_SPLIT", "1024")  # (one split: the copy written)
-    for name, quantizer, fuse, attention in (
-            ("copies", fused_producers.QUANTIZER, False, "0"),
-            ("stripped", Stripped(), False, "0"),
-            ("one_kernel", fused_producers.QUANTIZER, True, "0"),
-            ("attention_copy", fused_producers.QUANTIZER, True, "1")):
+    for name, quantizer, fuse in (("copies", fused_producers.QUANTIZER, False),
+                                  ("stripped", Stripped(), False),
+                                  ("one_kernel", fused_producers.QUANTIZER, True)):
         fused_ops.set_output_quantizer(quantizer)
         monkeypatch.setattr(fused_producers, "FUSE_GATE_UP", fuse)
-        monkeypatch.setenv(fused_producers.ATTENTION_COPY_ENV, attention)
         counts.update(read=0, quantized=0)
         try:
             runs[name] = (generate(), dict(counts))
         finally:
             fused_ops.set_output_quantizer(fused_producers.QUANTIZER)
     (fused, n_fused), (alone, n_alone) = runs["copies"], runs["stripped"]
-    (one, n_one), (attention, n_attention) = runs["one_kernel"], runs["attention_copy"]
+    one, n_one = runs["one_kernel"]
     print(f"\nTMA decode inputs, producers' copies read: {n_fused}; stripped: {n_alone}; "
-          f"gate_up + SwiGLU one kernel: {n_one}; the attention's copy too: {n_attention}")
+          f"gate_up + SwiGLU one kernel: {n_one}")
     assert n_fused["quantized"] > 0 and n_fused["read"] == 3 * n_fused["quantized"]
     assert n_alone["read"] == 0 and n_alone["quantized"] == 4 * n_fused["quantized"]
     assert torch.equal(fused.responses, alone.responses)
     assert torch.equal(fused.log_probs, alone.log_probs)
     assert n_one == n_fused
-    assert n_attention == {"read": sum(n_fused.values()), "quantized": 0}
-    assert torch.equal(attention.responses, one.responses)
-    assert torch.equal(attention.log_probs, one.log_probs)
     assert torch.equal(one.responses[:, 0], fused.responses[:, 0])
     second = (one.log_probs[:, 1] - fused.log_probs[:, 1]).abs().mean().item()
-    print(f"gate_up + SwiGLU in one kernel vs two kernels: second token mean |logprob diff| "
-          f"{second:.5f}")
+    print(f"gate_up + SwiGLU in one kernel vs two: second token mean |logprob diff| {second:.5f}")
     assert second <= 0.15
 
 

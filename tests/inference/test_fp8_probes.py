@@ -77,3 +77,24 @@ def test_split_kv_resources_reports_one_line_per_config():
     row = rows[0]
     assert (row["block_n"], row["num_warps"], row["rope"]) == (32, 4, False)
     assert row["registers"] > 0 and row["shared"] > 0 and row["spill_bytes"] is not None
+
+
+def test_wave_probe_times_reads_and_the_fused_kernel_per_program_count(capsys):
+    """``bench/fp8_wave_probe.py``: the read by each grid, then the fused gate_up + SwiGLU
+    kernel per program count (``PxS``: S K steps), each at the tuned depth and the extra ones."""
+    rows = _run("fp8_wave_probe", ["--tiny", "--stages", "2"], capsys)
+    assert all("error" not in r for r in rows)
+    assert [(r["what"], r["programs"]) for r in rows] == \
+        [("read", 2), ("read", 3)] + [("tma_swiglu", 2)] * 2 + [("tma_swiglu", 3)] * 2
+    fused = [r for r in rows if r["what"] == "tma_swiglu"]
+    assert [r["k"] for r in fused] == [256, 256, 128, 128]  # (the tiny hidden size; 3x1)
+    assert [r["tiles"]["num_stages"] for r in fused][1::2] == [2, 2]
+    assert all(r["us"] > 0 for r in rows)
+
+
+def test_norm_probe_gives_the_same_bits_at_every_warp_count(capsys):
+    """``bench/fp8_norm_probe.py``: the RMSNorm + e4m3 copy kernel per warp count, its outputs
+    equal to the first warp count's."""
+    rows = _run("fp8_norm_probe", ["--tiny"], capsys)
+    assert [r["warps"] for r in rows] == [4, 8]
+    assert all(r["max_abs_diff"] == 0.0 and r["us"] > 0 for r in rows)

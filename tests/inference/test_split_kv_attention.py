@@ -13,8 +13,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU
 pytest.importorskip("triton")
 
-from parallel_models.inference.split_kv_attention import (OutputCopy,  # noqa: E402
-                                                           reference_decode, split_kv_decode)
+from parallel_models.inference.split_kv_attention import (reference_decode,  # noqa: E402
+                                                           split_kv_decode)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -43,55 +43,6 @@ def test_matches_sdpa_and_writes_the_new_token(heads, kv_heads, split, max_row, 
     assert (got.cpu() - ref).abs().max().item() < 1e-5
     if DEV == "cpu":  # on CUDA the pools were copied by .to(); the GPU test checks the write
         assert torch.equal(k_pool, k_ref) and torch.equal(v_pool, v_ref)
-
-
-@pytest.mark.parametrize("heads,kv_heads,split,max_row,filled", [
-    (8, 2, 64, 40, True),     # one split: the row's last KV-head program quantizes the row
-    (4, 4, 64, 40, True),     # no GQA
-    (6, 3, 64, 40, True),     # KV heads no power of two
-    (8, 2, 16, 40, False),    # several splits: the combine pass writes the output, no copy
-])
-def test_output_copy_per_row(heads, kv_heads, split, max_row, filled):
-    """``output_copy`` (the FP8 rollout's o_proj input): where one split covers the bucket the
-    kernel also writes its output in e4m3 with one scale per row, what
-    ``quantize_activation(out, "channel")`` gives from the output, bit for bit, and leaves the
-    arrival counts at zero, so the next launch (here with other inputs) reuses them; with
-    several splits it leaves the buffers alone (``filled`` False). An empty row (no positions
-    used) gets a zero copy."""
-    from parallel_models.inference.fp8.quantize import quantize_activation
-
-    g = torch.Generator().manual_seed(heads + split)
-    d, used = 16, [1, 7, 40, 0]
-    rows = len(used)
-    arrivals = torch.zeros(rows + 2, dtype=torch.int32, device=DEV)
-    for launch in range(2):
-        k_pool = torch.randn(max_row * rows, kv_heads, d, generator=g).to(DEV)
-        v_pool = torch.randn(max_row * rows, kv_heads, d, generator=g).to(DEV)
-        q = torch.randn(rows, heads, d, generator=g).to(DEV)
-        k_new, v_new = (torch.randn(rows, kv_heads, d, generator=g).to(DEV) for _ in range(2))
-        offsets = torch.tensor([i * max_row for i in range(rows)], device=DEV)
-        copy = OutputCopy(torch.zeros(rows, heads * d, device=DEV).to(torch.float8_e4m3fn),
-                          torch.zeros(rows, device=DEV), torch.empty(rows, kv_heads, device=DEV),
-                          arrivals)
-        out = split_kv_decode(q, k_new, v_new, k_pool, v_pool, offsets,
-                              torch.tensor(used, dtype=torch.int32, device=DEV), max_row, 0.3,
-                              split=split, output_copy=copy)
-        assert copy.filled == filled and not arrivals.any()
-        if not filled:
-            assert not copy.scales.any() and not copy.data.float().any()
-            return
-        out[used.index(0)] = 0  # (an empty row's output is not written)
-        want_q, want_s = quantize_activation(out.reshape(rows, -1), "channel")
-        assert torch.equal(copy.scales, want_s), launch
-        assert torch.equal(copy.data.view(torch.uint8), want_q.view(torch.uint8)), launch
-    bad = [OutputCopy(copy.data[:, :-1], copy.scales, copy.amax, arrivals),
-           OutputCopy(copy.data, copy.scales, copy.amax, arrivals[:rows - 1]),
-           OutputCopy(copy.data, copy.scales[:, None], copy.amax, arrivals)]
-    for wrong in bad:
-        with pytest.raises(ValueError, match="output_copy"):
-            split_kv_decode(q, k_new, v_new, k_pool, v_pool, offsets,
-                            torch.tensor(used, dtype=torch.int32, device=DEV), max_row, 0.3,
-                            split=split, output_copy=wrong)
 
 
 def test_bad_shapes_are_refused():
@@ -176,15 +127,13 @@ from triton.compiler import ASTSource
 from parallel_models.inference import split_kv_kernels as K
 types = dict(Q="*bf16", KNew="*bf16", VNew="*bf16", KPool="*bf16", VPool="*bf16",
              Offsets="*i64", Used="*i32", Back="*i32", Out="*bf16", PartOut="*fp32", PartLse="*fp32",
-             Cos="*bf16", Sin="*bf16", KScale="*fp32", VScale="*fp32", OutQ="*fp8e4nv",
-             OutS="*fp32", OutAmax="*fp32", Arrivals="*i32", scale="fp32")
+             Cos="*bf16", Sin="*bf16", KScale="*fp32", VScale="*fp32", scale="fp32")
 types.update({n: "i32" for n in K.split_kernel.arg_names if n.startswith("stride")})
-for split, splits, rope, fp8, copy in ((512, 1, False, False, True), (128, 3, True, False, False),
-                                       (128, 3, True, True, False)):  # fp8: e4m3 pools
+for split, splits, rope, fp8 in ((512, 1, False, False), (128, 3, True, False),
+                                 (128, 3, True, True)):  # fp8: e4m3 pools with scales
     consts = dict(G=2, BLOCK_G=16, D=128, BLOCK_N=64, SPLIT=split, NUM_SPLITS=splits, H=16,
                   IEEE=False, RUNTIME_LOOP=True, ROPE=rope, MAX_BACK=0, FP8_KV=fp8,
-                  INTERPRETED=False, QUANT_OUT=copy, BLOCK_KVH=8,
-                  PDL=True)  # (PDL: as on Hopper)
+                  INTERPRETED=False, PDL=True)  # (dependent launch, as on Hopper)
     pools = dict(KPool="*fp8e4nv", VPool="*fp8e4nv") if fp8 else {}
     sig = {n: "constexpr" if n in consts else pools.get(n, types[n])
            for n in K.split_kernel.arg_names}

@@ -21,28 +21,20 @@ imported) whether it wants a given op. It says yes only under all of these condi
 Otherwise the op runs as before. The dense MLP's gate_up GEMM and its SwiGLU go further: one
 kernel (``swiglu_gemm_kernel``) computes both and leaves the output's e4m3 copy with a scale per
 token and 64 or 128 features, which the down GEMM multiplies group by group
-(:meth:`OutputQuantizer.gated_mlp_input`, asked by ``fused_ops.gated_mlp_input``). The split-KV
-decode attention writes its output's copy with a scale per token (the last of a row's KV-head
-programs quantizes the row), which o_proj reads in place of quantizing its input in a launch of
-its own (:meth:`OutputQuantizer.attention_copy`, asked by ``fused_ops.attention_output_copy``;
-one split only, ``split_kv_attention.OutputCopy``). That one is off until timed on a GPU
-(``PARALLEL_MODELS_FP8_ATTENTION_COPY=1`` on): a version with a scale per row and KV head made
-the 8B step slower, its o_proj multiplying the groups' scales (docs/PERFORMANCE.md, sessions
-23 and 24). The output in the model's dtype is the eager
-reference's rounding (see ``producer_kernels``). A copy that no FP8 linear reads (the final
-norm's, before the LM head) costs one small write.
+(:meth:`OutputQuantizer.gated_mlp_input`, asked by ``fused_ops.gated_mlp_input``). The output
+in the model's dtype is the eager reference's rounding (see ``producer_kernels``). A copy that
+no FP8 linear reads (the final norm's, before the LM head) costs one small write.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
 
 import torch
 
 from parallel_models.inference.fp8 import gemm
-from parallel_models.inference.fp8.quantize import (E4M3, MAX_PRODUCER_COLS, QUANTIZED_COPY,
+from parallel_models.inference.fp8.quantize import (MAX_PRODUCER_COLS, QUANTIZED_COPY,
                                                     fp8_weight_of, reshape_keeping_copy)
 from parallel_models.llama.layers import fused_ops
 
@@ -50,7 +42,6 @@ _active = weakref.WeakSet()  # the channel-scaled Fp8Linears generating (Fp8Line
 FUSE_GATE_UP = True
 """Run the dense MLP's gate_up GEMM and SwiGLU as one kernel at decode
 (:meth:`OutputQuantizer.gated_mlp_input`; False: the GEMM, then the SwiGLU producer)."""
-ATTENTION_COPY_ENV = "PARALLEL_MODELS_FP8_ATTENTION_COPY"
 DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -70,9 +61,6 @@ def tracking(state):
 
 class OutputQuantizer:
     """What ``fused_ops`` calls (see the module docstring)."""
-
-    def __init__(self):
-        self._arrivals: dict = {}  # device -> the attention copy's int32 arrival counts
 
     def wanted(self, *tensors: torch.Tensor) -> bool:
         x = tensors[0]
@@ -117,43 +105,6 @@ class OutputQuantizer:
         h = swiglu_gemm_kernel.gate_up_swiglu(x2, weight)
         return reshape_keeping_copy(h, *x.shape[:-1], h.shape[-1])
 
-    def attention_copy(self, q: torch.Tensor, kv_heads: int):
-        """An empty ``split_kv_attention.OutputCopy`` for the decode attention of ``q`` ``[B,
-        heads, D]`` to fill (its o_proj's e4m3 input), or None: not switched on
-        (:data:`ATTENTION_COPY_ENV` ``=1``), no channel-scaled FP8 linears generating through
-        the TMA kernel, not CUDA bf16/fp16, more than ``gemm.DECODE_ROWS`` rows, gradients, or
-        a CUDA graph capturing before the device's arrival counts exist (they are zeroed once,
-        eagerly: a zeroing captured in one graph would not run before the others)."""
-        if os.environ.get(ATTENTION_COPY_ENV, "0") != "1" or not _active or \
-                gemm.DECODE_KERNEL != "tma" or not q.is_cuda or q.dtype not in DTYPES or \
-                not 0 < q.shape[0] <= gemm.DECODE_ROWS or torch.is_grad_enabled() or \
-                torch.compiler.is_compiling():
-            return None
-        arrivals = self._arrivals.get(q.device)
-        if arrivals is None:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                return None
-            arrivals = self._arrivals[q.device] = torch.zeros(
-                gemm.DECODE_ROWS, dtype=torch.int32, device=q.device)
-        from parallel_models.inference.split_kv_attention import OutputCopy
-
-        rows, heads, dim = q.shape
-        return OutputCopy(torch.empty(rows, heads * dim, dtype=E4M3, device=q.device),
-                          torch.empty(rows, dtype=torch.float32, device=q.device),
-                          torch.empty(rows, kv_heads, dtype=torch.float32, device=q.device),
-                          arrivals)
-
-    def leave_copy(self, out: torch.Tensor, copy) -> None:
-        """``out`` ``[B, heads, D]`` gets a filled :meth:`attention_copy` as its e4m3 copy (for
-        its ``[B, heads * D]`` reshape: :meth:`reshape`)."""
-        if copy.filled:
-            setattr(out, QUANTIZED_COPY, (copy.data, copy.scales))
-
-    def reshape(self, x: torch.Tensor, *shape) -> torch.Tensor:
-        """``x.reshape(*shape)`` with ``x``'s e4m3 copy, if any (``quantize.
-        reshape_keeping_copy``)."""
-        return reshape_keeping_copy(x, *shape)
-
     def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` with its e4m3 copy left on it."""
         from parallel_models.inference.fp8.producer_kernels import swiglu_quantized
@@ -167,4 +118,4 @@ class OutputQuantizer:
 QUANTIZER = OutputQuantizer()
 fused_ops.set_output_quantizer(QUANTIZER)
 
-__all__ = ["ATTENTION_COPY_ENV", "QUANTIZER", "OutputQuantizer", "tracking"]
+__all__ = ["QUANTIZER", "OutputQuantizer", "tracking"]

@@ -14,7 +14,7 @@ from parallel_models.llama.layers.context_parallel import context_parallel_atten
 from parallel_models.llama.layers import recompute
 from parallel_models.llama.layers.attention_kernels import varlen_causal_attention
 from parallel_models.llama.layers.linear import ParallelRowLinear, QKVParallelLinear
-from parallel_models.llama.layers.fused_ops import reshape_keeping_copy, rms_norm, rotary
+from parallel_models.llama.layers.fused_ops import rms_norm, rotary
 from parallel_models.llama.layers.norm import RMSNorm
 
 
@@ -69,5 +69,5 @@ class ParallelAttention(torch.nn.Module):
             attend = recompute.core_attention if self.recompute_core_attention else \
                 varlen_causal_attention  # (selective recomputation)
             out = attend(q, k, v, cu_seqlens, max_seqlen, scale=self.scale)
-        out, _ = self.o_proj(reshape_keeping_copy(out, out.shape[0], 1, -1))
+        out, _ = self.o_proj(out.reshape(out.shape[0], 1, -1))
         return out

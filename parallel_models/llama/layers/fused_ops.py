@@ -86,9 +86,7 @@ _output_quantizer = None  # inference/fp8/fused_producers' OutputQuantizer, once
 def set_output_quantizer(quantizer) -> None:
     """Install ``quantizer`` (``wanted(*tensors) -> bool``, ``rms_norm(x, residual, weight, eps)
     -> (total or None, y)``, ``swiglu(gate_up) -> y``, ``gated_mlp_input(gate_up_linear, x,
-    hidden_act) -> y or None``, ``attention_copy(q, kv_heads) -> copy or None``,
-    ``leave_copy(out, copy)``, ``reshape(x, *shape) -> y``) for the ops it wants; None removes
-    it."""
+    hidden_act) -> y or None``) for the ops it wants; None removes it."""
     global _output_quantizer
     _output_quantizer = quantizer
 
@@ -150,28 +148,6 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 _compiled_geglu_tanh = compiled_on_gpu(_geglu_tanh)
-
-
-def attention_output_copy(q: torch.Tensor, kv_heads: int):
-    """Buffers for an e4m3 copy of the decode attention's output (``q``'s shape ``[B, heads,
-    D]``) where the installed output quantizer wants one (the FP8 rollout's o_proj reads it;
-    ``split_kv_attention.OutputCopy``), else None. :func:`leave_output_copy` attaches it."""
-    quantizer = _output_quantizer
-    if quantizer is None or exact.enabled():
-        return None
-    return quantizer.attention_copy(q, kv_heads)
-
-
-def leave_output_copy(out: torch.Tensor, copy) -> None:
-    """Attach an :func:`attention_output_copy` the attention filled to its output ``out``."""
-    _output_quantizer.leave_copy(out, copy)
-
-
-def reshape_keeping_copy(x: torch.Tensor, *shape) -> torch.Tensor:
-    """``x.reshape(*shape)``, with the e4m3 copy an output quantizer's producer left on ``x``
-    (if any) on the result too."""
-    quantizer = _output_quantizer
-    return x.reshape(*shape) if quantizer is None else quantizer.reshape(x, *shape)
 
 
 def gated_mlp_input(gate_up_linear: torch.nn.Module, x: torch.Tensor,

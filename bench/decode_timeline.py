@@ -13,7 +13,9 @@ the one ahead of it ends, so its duration says little. What a kernel costs the s
 marginal times and the idle time add up to the span. Printed per contender, one JSON line: the
 span a step (first start to last end over the steps, divided by them), the idle time, and per
 kernel (name and grid) its calls a step and marginal us a step, largest first; the time no
-kernel ran (the host's) apart.
+kernel ran (the host's) apart, and (``idle_before``) per kernel the idle time a step just before
+it starts, largest first: the host's time between graph replays falls before a step's first
+kernel, a gap inside the graph before the kernel that waited for it.
 
 Why not ``decode_profile.py``: that one profiles the eager step (no graph, no dependent launch),
 where the launches, not the kernels, set the pace.
@@ -55,10 +57,12 @@ def timeline(kernels: list[dict], steps: int) -> dict:
     end over ``steps``), the idle time a step (no kernel running: the host's) and the marginal
     busy time a step per kernel label (see the module docstring)."""
     marginal, calls = collections.defaultdict(float), collections.Counter()
+    idle_before = collections.defaultdict(float)
     latest, idle = kernels[0]["ts"], 0.0
     for e in kernels:
         end = e["ts"] + e["dur"]
         idle += max(0.0, e["ts"] - latest)
+        idle_before[_label(e)] += max(0.0, e["ts"] - latest)
         marginal[_label(e)] += max(0.0, end - max(latest, e["ts"]))
         calls[_label(e)] += 1
         latest = max(latest, end)
@@ -66,7 +70,10 @@ def timeline(kernels: list[dict], steps: int) -> dict:
     return {"steps": steps, "span_us": round((latest - kernels[0]["ts"]) / steps, 1),
             "idle_us": round(idle / steps, 1),
             "kernels": [{"kernel": k, "calls": calls[k] / steps,
-                         "marginal_us": round(v / steps, 1)} for k, v in rows]}
+                         "marginal_us": round(v / steps, 1)} for k, v in rows],
+            "idle_before": [{"kernel": k, "idle_us": round(v / steps, 1)}
+                            for k, v in sorted(idle_before.items(), key=lambda kv: -kv[1])
+                            if v > 0]}
 
 
 def main(argv=None) -> list[dict]:
@@ -108,6 +115,7 @@ def main(argv=None) -> list[dict]:
             row = {"shape": args.shape, "batch": args.batch, "contender": contender,
                    "device": torch.cuda.get_device_name(), **timeline(_kernels(prof), args.steps)}
             row["kernels"] = row["kernels"][:args.top]
+            row["idle_before"] = row["idle_before"][:args.top]
             print(json.dumps(row), flush=True)
             out.append(row)
             del eng

@@ -1,6 +1,7 @@
 """``bench/decode_timeline.py``'s accounting (the GPU run needs CUDA): a kernel's marginal time is
 its end minus the latest end before it, the time no kernel runs is idle, and the two add up to
-the span; kernels are told apart by name and grid."""
+the span; kernels are told apart by name and grid; each idle gap is put to the kernel that
+starts after it."""
 
 import os
 import sys
@@ -28,6 +29,7 @@ def test_marginal_times_and_idle_add_up_to_the_span():
                         "gemm (128, 1, 1)": (5.0, 1)}
     assert sum(m for m, _ in marginal.values()) + got["idle_us"] == got["span_us"]
     assert got["kernels"][0]["kernel"] == "gemm (48, 1, 1)"  # (largest first)
+    assert got["idle_before"] == [{"kernel": "gemm (128, 1, 1)", "idle_us": 5.0}]
 
 
 def test_per_step_figures_divide_by_the_steps():

@@ -471,12 +471,17 @@ def _gaps_from_trace(trace: list, path: str, rows: int, min_us: float) -> dict:
     return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "gap_ms": total_gap / 1e3}
 
 
-def report(results: dict, out: str | None) -> None:
-    """Print ``results`` as JSON and, with ``out``, write them there."""
-    print(json.dumps(results, indent=1))
+def save(results, out: str | None) -> None:
+    """With ``out``, write ``results`` there as JSON."""
     if out:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def report(results: dict, out: str | None) -> None:
+    """Print ``results`` as JSON and, with ``out``, write them there."""
+    print(json.dumps(results, indent=1))
+    save(results, out)
 
 
 class HostMemoryWatch:

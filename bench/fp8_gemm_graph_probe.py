@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import graph_us  # noqa: E402
+from common import graph_us, save  # noqa: E402
 
 LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
            "down": (4096, 14336)}
@@ -154,9 +154,7 @@ def main(argv=None) -> int:
     results = []
     for name in args.linears:
         results += probe(name, *shapes[name], args, device)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    save(results, args.out)
     return 0
 
 

@@ -31,6 +31,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import save  # noqa: E402
 from fp8_gemm_graph_probe import _timed, probe_parser  # noqa: E402
 
 HIDDEN, FEATURES = 4096, 128  # the 8B hidden size; the fused kernel's features a program
@@ -126,9 +127,7 @@ def main(argv=None) -> int:
             emit("tma_swiglu", programs, us, weights[0].data.numel(), k=k,
                  tiles=tiles.as_dict())
         del weights
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    save(results, args.out)
     return 0
 
 

@@ -67,9 +67,17 @@ def validation(root) -> list[str]:
     return [f"data.val_path={val}", "trainer.test_freq=2"]
 
 
+ROUNDING_KEYS = ("rollout_corr/", "rollout/logprob_diff", "rollout/k3_kl")
+"""The rollout-vs-training mismatch statistics: zero up to rounding where both sides run the
+same weights (chi2 and log-prob differences ~1e-7 .. 1e-6, which move with the batch shapes the
+server's engine and the in-process one sum in): compared with an absolute floor of 1e-5, as at
+DP=2 (a package update moved them by 1.5e-6 in session 24)."""
+
+
 def _same(got: dict, want: dict, step: int, floor: float = ABS_FLOOR) -> None:
     for k in want:
-        tol = REL * max(abs(want[k]), abs(got[k])) + floor
+        base = max(floor, 1e-5) if k.startswith(ROUNDING_KEYS) else floor
+        tol = REL * max(abs(want[k]), abs(got[k])) + base
         assert abs(got[k] - want[k]) <= tol, f"step {step + 1} {k}: {got[k]} vs {want[k]}"
 
 

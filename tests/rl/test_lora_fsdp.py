@@ -37,10 +37,12 @@ def test_fsdp_lora_steps_equal_megatron_lora(runs):
     assert len(meg) == len(fsdp) == 2
     for a, b in zip(meg, fsdp):
         for key in ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/grad_norm",
-                    "actor/kl_loss", "critic/vf_loss", "critic/grad_norm", "kl/actor_ref",
-                    "rollout/logprob_diff_max"):
+                    "actor/kl_loss", "critic/vf_loss", "critic/grad_norm", "kl/actor_ref"):
             x, y = a[key], b[key]
             assert abs(x - y) <= 1e-5 * max(abs(x), 1e-2), f"step {a['step']} {key}: {x} vs {y}"
+        # (the rollout-vs-training log-prob mismatch: rounding on both backends, 2^-21 .. 2^-20
+        # here, so each is bounded rather than the two compared to 1e-7)
+        assert max(a["rollout/logprob_diff_max"], b["rollout/logprob_diff_max"]) <= 1e-5
     # step 2 samples from the trained adapters (the refill merged them) and the reference
     # (adapters off) moved away from the actor
     assert fsdp[1]["kl/actor_ref"] > 0 and fsdp[1]["rollout/logprob_diff_max"] <= 1e-5

@@ -277,13 +277,29 @@ def layer_lines(rows: list[dict], kernels) -> list[dict]:
     return out
 
 
-def _compile(kernel_fn, consts: dict, cfg, arch: int) -> dict:
-    """One kernel variant compiled for ``sm_<arch>``: its MMA, shared memory, registers and
-    spill bytes."""
+def register_usage(compiled) -> dict:
+    """``registers`` and ``spill_bytes`` (stack) of a Triton kernel compiled for a CUDA target,
+    from ``cuobjdump --dump-resource-usage`` of its cubin (Triton's bundled binary)."""
     import re
     import subprocess
     import tempfile
 
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                             "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
+                               capture_output=True, text=True).stdout
+    found = {m: int(v) for m, v in re.findall(r"(REG|STACK):(\d+)", usage)}
+    return {"registers": found.get("REG"), "spill_bytes": found.get("STACK")}
+
+
+def _compile(kernel_fn, consts: dict, cfg, arch: int) -> dict:
+    """One kernel variant compiled for ``sm_<arch>``: its MMA, shared memory, registers and
+    spill bytes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -306,22 +322,13 @@ def _compile(kernel_fn, consts: dict, cfg, arch: int) -> dict:
     attrs = {(kernel_fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned
              if n in kernel_fn.arg_names}
     consts = {c: v for c, v in consts.items() if c in kernel_fn.arg_names}
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                             "cuobjdump")
     src = ASTSource(fn=kernel_fn, signature={**sig, **{c: "constexpr" for c in consts}},
                     constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={
         "num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
-                               capture_output=True, text=True).stdout
-    found = {m: int(v) for m, v in re.findall(r"(REG|STACK):(\d+)", usage)}
     shared = k.metadata.shared
     return {"wgmma": "warp_group_dot" in k.asm["ttgir"], "shared": shared,
-            "fits": shared <= SMEM_LIMIT.get(arch, SMEM_LIMIT[90]), "registers": found.get("REG"),
-            "spill_bytes": found.get("STACK")}
+            "fits": shared <= SMEM_LIMIT.get(arch, SMEM_LIMIT[90]), **register_usage(k)}
 
 
 def compile_only(plan: dict, rows_list, scales, arch: int, kernels=KERNELS) -> list[dict]:

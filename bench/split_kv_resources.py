@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)  # (the compiled kernel, not the interpreter's)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fp8_gemm_sweep import register_usage  # noqa: E402  (imports no triton at load)
 
 
 def resources(heads: int, kv_heads: int, dim: int, block_n: int, warps: int, stages: int,
@@ -44,16 +43,7 @@ def resources(heads: int, kv_heads: int, dim: int, block_n: int, warps: int, sta
            for n in K.split_kernel.arg_names}
     k = triton.compile(ASTSource(K.split_kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=warps, num_stages=stages))
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                             "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name],
-                               capture_output=True, text=True).stdout
-    found = {m: int(v) for m, v in re.findall(r"(REG|STACK):(\d+)", usage)}
-    return {"registers": found.get("REG"), "spill_bytes": found.get("STACK"),
-            "shared": k.metadata.shared}
+    return {**register_usage(k), "shared": k.metadata.shared}
 
 
 def main(argv=None) -> int:

@@ -81,13 +81,13 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(args.rows, hidden, device=device, dtype=dtype, generator=gen)
-    smem = decode_tuning.smem_bytes(device) if device.type == "cuda" else 232448
     shapes = [(int(p.split("x")[0]), int(p.split("x")[1]) * 128 if "x" in p else hidden)
               for p in args.programs]
-    cfg = next(c for c in decode_tuning.candidates(args.rows, 2 * features * shapes[0][0], hidden, "channel", smem=smem,
-                                                   kernel="tma_swiglu")
-               if c.block_n == features and c.tokens_first == (args.rows == 64)
-               and c.block_k == 128)
+    candidates = decode_tuning.candidates(args.rows, 2 * features * shapes[0][0], hidden,
+                                          "channel", smem=decode_tuning.smem_bytes(device),
+                                          kernel="tma_swiglu")
+    cfg = next(c for c in candidates if c.block_n == features and c.block_k == 128
+               and c.tokens_first == (args.rows == 64))
     results = []
 
     def emit(what: str, programs: int, us: float, weight_bytes: int, **extra) -> None:

@@ -58,17 +58,16 @@ def timeline(kernels: list[dict], steps: int) -> dict:
     busy time a step per kernel label (see the module docstring)."""
     marginal, calls = collections.defaultdict(float), collections.Counter()
     idle_before = collections.defaultdict(float)
-    latest, idle = kernels[0]["ts"], 0.0
+    latest = kernels[0]["ts"]
     for e in kernels:
         end = e["ts"] + e["dur"]
-        idle += max(0.0, e["ts"] - latest)
         idle_before[_label(e)] += max(0.0, e["ts"] - latest)
         marginal[_label(e)] += max(0.0, end - max(latest, e["ts"]))
         calls[_label(e)] += 1
         latest = max(latest, end)
     rows = sorted(marginal.items(), key=lambda kv: -kv[1])
     return {"steps": steps, "span_us": round((latest - kernels[0]["ts"]) / steps, 1),
-            "idle_us": round(idle / steps, 1),
+            "idle_us": round(sum(idle_before.values()) / steps, 1),
             "kernels": [{"kernel": k, "calls": calls[k] / steps,
                          "marginal_us": round(v / steps, 1)} for k, v in rows],
             "idle_before": [{"kernel": k, "idle_us": round(v / steps, 1)}

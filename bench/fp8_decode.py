@@ -108,11 +108,19 @@ def _flag_env(flag: str):
     ``pf0``: none), ``tiles=<pins>`` (decode GEMM tiles instead of the tuner's:
     ``decode_tuning.pinned_configs``, e.g. ``tiles=64:4096x4096=32,64,256,1,4,4,tf``),
     ``nographtuning`` (``graph_tuning``'s pass off at its capture: list it before the contenders
-    with the pass, which is on by default and whose verdicts then stay for the process) and
-    ``graphtuned`` (the pass asked for explicitly). The names come from ``dependent_launch``,
-    which imports triton: only here."""
+    with the pass, which is on by default and whose verdicts then stay for the process),
+    ``graphtuned`` (the pass asked for explicitly) and ``promote<N>`` (the TMA kernels' FP8 MMA
+    promoted to fp32 every N inputs, ``promote0`` never: ``tma_decode_kernel.PROMOTE_ENV``).
+    The names come from ``dependent_launch`` and ``tma_decode_kernel``, which import triton:
+    only here."""
     if flag == "unfused":
         return None
+    if flag.startswith("promote"):
+        try:
+            from parallel_models.inference.fp8.tma_decode_kernel import PROMOTE_ENV
+        except ImportError:  # (no triton: no kernel this variable switches)
+            return None
+        return PROMOTE_ENV, flag[len("promote"):]
     if flag in ("graphtuned", "nographtuning"):
         from parallel_models.inference.fp8.graph_tuning import ENV
 
@@ -167,7 +175,7 @@ def _selector():
 
 DECODE_CONTENDERS = ("dynamic", "w8a8", "weight_only", "tma", "scaled_mm", "bf16")
 CONTENDER_FLAGS = ("unfused", "nopdl", "noattnpdl", "graphtuned", "nographtuning", "pf<KiB>",
-                   "tiles=<pins>")
+                   "promote<N>", "tiles=<pins>")
 
 
 def _contender(text: str) -> str:
@@ -176,8 +184,9 @@ def _contender(text: str) -> str:
     base, *flags = text.split("+")
     name, _, rows = base.partition("@")
     if name not in DECODE_CONTENDERS or (rows and not rows.isdigit()) or \
-            any(flag not in CONTENDER_FLAGS[:-2] and not flag.startswith("tiles=") and not
-                (flag.startswith("pf") and flag[2:].isdigit()) for flag in flags):
+            any(flag not in CONTENDER_FLAGS[:-3] and not flag.startswith("tiles=") and not
+                any(flag.startswith(p) and flag[len(p):].isdigit() for p in ("pf", "promote"))
+                for flag in flags):
         raise argparse.ArgumentTypeError(f"{text!r}: one of {DECODE_CONTENDERS}, optionally "
                                          "@<rows> (gemm.DECODE_ROWS), then any of "
                                          f"{['+' + f for f in CONTENDER_FLAGS]}")

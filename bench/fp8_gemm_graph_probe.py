@@ -5,7 +5,8 @@ the rollout has them), rather than one launch timed alone with the L2 flushed
 (``decode_tuning``'s tuner, bench/fp8_gemm_sweep.py).
 
     python bench/fp8_gemm_graph_probe.py [--linears qkv o gate_up down] [--rows 64]
-                                         [--layers 16] [--replays 10] [--out probe.json]
+                                         [--layers 16] [--replays 10] [--promote 128 0]
+                                         [--candidates I ...] [--out probe.json]
     python bench/fp8_gemm_graph_probe.py --tiny      # CPU smoke (Triton's interpreter, no graph)
 
 Per linear of the 8B shape (qkv 6144x4096, o 4096x4096, gate_up 28672x4096 as the fused gate_up
@@ -18,7 +19,11 @@ divided by the launches. One JSON line per timing: ``linear``, ``what`` (``tma``
 with ``tiles`` and ``scales``; ``bf16``: ``F.linear`` on a bf16 copy; ``read``: a Triton kernel
 summing the e4m3 weight's bytes, 64 KiB a program), ``us`` a launch and ``tbps`` (the weight's
 bytes over it: 1 a weight, 2 for ``bf16``). Candidates: ``decode_tuning.candidates`` for the
-kernel and shape.
+kernel and shape (``--candidates``: those at these indices). ``--promote``: each config once per value of
+``tma_decode_kernel.PROMOTE_ENV`` (``promote``: inputs the FP8 MMA sums before the fp32
+accumulator, 0 never), with the output's error against fp32 arithmetic on the same e4m3 values
+and scales (the first weight): ``max_err`` (the largest |difference| over the largest |exact|)
+and ``mean_err`` (mean |difference| over mean |exact|).
 """
 
 from __future__ import annotations
@@ -73,6 +78,26 @@ def _timed(launches: list, replays: int, device: torch.device) -> float:
     return graph_us(launches, device, reps=len(launches), replays=replays)
 
 
+def _exact(name: str, x_q, x_scale, weight) -> torch.Tensor:
+    """fp32 (float64 sums) arithmetic on the e4m3 values and scales a launch reads: ``x_q``
+    times ``weight``, for ``gate_up`` then SwiGLU (``[rows, out / 2]``)."""
+    from parallel_models.inference.fp8.quantize import dequantize_weight
+
+    x = x_q.double() * (x_scale.double()[:, None] if x_scale.dim() == 1 else
+                        x_scale.double().repeat_interleave(x_q.shape[1] // x_scale.shape[1], 1))
+    y = x @ dequantize_weight(weight.data, weight.scale, "channel", torch.float64).t()
+    if name == "gate_up":
+        gate, up = y.chunk(2, dim=1)
+        y = gate * torch.sigmoid(gate) * up
+    return y
+
+
+def _errors(got: torch.Tensor, exact: torch.Tensor) -> dict:
+    diff = (got.double() - exact).abs()
+    return {"max_err": float(diff.max() / exact.abs().max()),
+            "mean_err": float(diff.mean() / exact.abs().mean())}
+
+
 def probe(name: str, out: int, inp: int, args, device: torch.device) -> list[dict]:
     from parallel_models.inference.fp8 import decode_tuning, swiglu_gemm_kernel, tma_decode_kernel
     from parallel_models.inference.fp8.quantize import (E4M3, QUANTIZED_COPY, quantize_activation,
@@ -112,10 +137,15 @@ def probe(name: str, out: int, inp: int, args, device: torch.device) -> list[dic
     configs = decode_tuning.candidates(args.rows, out, inp, "channel", sms, smem, kernel=kernel)
     if args.tiny:
         configs = [c for c in configs if c.block_n <= 64 and c.block_m <= 16][:2] or configs[:1]
+    if args.candidates:
+        configs = [configs[i] for i in args.candidates if i < len(configs)]
+    promote_default = os.environ.get(tma_decode_kernel.PROMOTE_ENV)
     for scales, copy in copies.items():
         xc = x.clone()
         setattr(xc, QUANTIZED_COPY, (copy[0].to(E4M3), copy[1]))
-        for cfg in configs:
+        exact = _exact(name, copy[0].to(E4M3), copy[1], fp8[0])
+        for cfg, promote in ((c, p) for c in configs for p in args.promote):
+            os.environ[tma_decode_kernel.PROMOTE_ENV] = str(promote)
             if kernel == "tma_swiglu":
                 inter = out // 2
                 h = torch.empty(args.rows, inter, dtype=dtype, device=device)
@@ -123,6 +153,7 @@ def probe(name: str, out: int, inp: int, args, device: torch.device) -> list[dic
                       torch.empty(args.rows, inter // 64, dtype=torch.float32, device=device))
                 launches = [lambda w=w, c=cfg: swiglu_gemm_kernel.launch(xc, w, h, c, hq)
                             for w in fp8]
+                result = h
             else:
                 if scales == "group128" and (cfg.block_k % 128 or
                                              tma_decode_kernel.strip_of_parts(cfg)):
@@ -130,13 +161,20 @@ def probe(name: str, out: int, inp: int, args, device: torch.device) -> list[dic
                 y = torch.empty(args.rows, out, dtype=dtype, device=device)
                 launches = [lambda w=w, c=cfg: tma_decode_kernel.launch(xc, w, y, c)
                             for w in fp8]
+                result = y
             try:
+                launches[0]()
+                errors = _errors(result, exact)
                 us = _timed(launches, args.replays, device)
             except Exception as e:  # (a config that does not build here: out of shared memory)
                 print(json.dumps({"linear": name, "tiles": cfg.as_dict(),
                                   "error": f"{type(e).__name__}: {str(e)[:200]}"}), flush=True)
                 continue
-            emit(kernel, us, scales=scales, tiles=cfg.as_dict())
+            emit(kernel, us, scales=scales, tiles=cfg.as_dict(), promote=promote, **errors)
+    if promote_default is None:
+        os.environ.pop(tma_decode_kernel.PROMOTE_ENV, None)
+    else:
+        os.environ[tma_decode_kernel.PROMOTE_ENV] = promote_default
     return rows
 
 
@@ -144,6 +182,10 @@ def main(argv=None) -> int:
     ap = probe_parser(__doc__)
     ap.add_argument("--linears", nargs="+", default=list(LINEARS), choices=list(LINEARS))
     ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--promote", type=int, nargs="+", default=[128],
+                    help="PARALLEL_MODELS_FP8_PROMOTE values to time each config with")
+    ap.add_argument("--candidates", type=int, nargs="+", default=None,
+                    help="indices into decode_tuning.candidates (default: all)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.tiny:

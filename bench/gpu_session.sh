@@ -49,6 +49,10 @@
 #                                      # decode step at batch 64 without it / with it (the
 #                                      # default) in one process (comparisons, the pass's time)
 #   bash bench/gpu_session.sh fp8graph_timeline  # <= 3 min: the 8B graph timeline (pass on)
+#   bash bench/gpu_session.sh fp8promote  # issue 37, one GPU, <= 9.5 min: the FP8 MMA promoted
+#                                      # every 128 inputs vs never (promote0): the TMA kernel
+#                                      # tests on CUDA, the gate_up / down graph probe with the
+#                                      # errors, the 8B decode step at batch 64 both ways
 #   bash bench/gpu_session.sh fp8_kv   # the FP8 KV pool (rollout.kv_cache_dtype=fp8), <= 6 min:
 #                                      # its GPU-side tests, the 8B decode step at batch 64 and
 #                                      # 256, bf16 / FP8 linears x model-dtype / e4m3 KV pool
@@ -156,6 +160,20 @@ Issued" "$OUT/ncu.txt" | cut -c1-120
     timeout 280 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales channel \
         --decode-kernels tma+nographtuning tma --rounds 4 --out "$OUT/fp8_graph.json" 2>&1 \
         | grep -E '^\{' | tee "$OUT/fp8_graph.log" | grep -o '"graph_tuning".*' | cut -c1-2500
+    ;;
+  fp8promote)
+    nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
+    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/inference/test_fp8_tma_decode.py \
+        tests/inference/test_fp8_swiglu_gemm.py 2>&1 | tail -2
+    timeout 150 python3 bench/fp8_gemm_graph_probe.py --linears gate_up --promote 128 0 \
+        --candidates 8 9 10 11 12 --out "$OUT/promote_probe.json" 2>&1 | grep -E '^\{' \
+        | cut -c1-400
+    timeout 100 python3 bench/fp8_gemm_graph_probe.py --linears down --promote 128 0 \
+        --candidates 26 27 29 --out "$OUT/promote_probe_down.json" 2>&1 | grep -E '^\{' \
+        | cut -c1-400
+    timeout 200 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales channel \
+        --decode-kernels tma tma+promote0 --rounds 3 --out "$OUT/fp8_promote.json" 2>&1 \
+        | grep -E '^\{' | cut -c1-1500
     ;;
   fp8graph_timeline)
     timeout 170 python3 bench/decode_timeline.py \

@@ -40,6 +40,19 @@ def test_graph_probe_times_each_candidate_per_linear(capsys):
     assert all(r["what"] == "tma" and r["us"] > 0 for r in rows)
 
 
+def test_graph_probe_promotion_settings_and_errors(capsys):
+    """``--promote 128 0`` times each config twice (the interpreter's dot is fp32 either way)
+    with its error against fp64 arithmetic on the same e4m3 values and scales: fp32 rounding
+    (the SwiGLU output: the dtype's rounding too, fp32 on the CPU)."""
+    rows = _run("fp8_gemm_graph_probe", ["--tiny", "--linears", "gate_up", "down", "--promote",
+                                         "128", "0", "--candidates", "0"], capsys)
+    assert [(r["linear"], r["scales"], r["promote"]) for r in rows] == [
+        ("gate_up", "token", 128), ("gate_up", "token", 0), ("down", "token", 128),
+        ("down", "token", 0), ("down", "group128", 128), ("down", "group128", 0)]
+    assert all(0 < r["max_err"] < 1e-5 and 0 < r["mean_err"] < 1e-5 for r in rows)
+    assert os.environ.get("PARALLEL_MODELS_FP8_PROMOTE") is None  # (the probe restores it)
+
+
 def test_group_scale_variants_give_todays_bits(capsys):
     rows = _run("fp8_group_scale_probe", ["--tiny"], capsys)
     assert all("error" not in r for r in rows)

@@ -149,3 +149,21 @@ def test_weight_prefetch_before_the_wait_changes_nothing(monkeypatch, cfg):
         assert torch.equal(with_prefetch, without)
         assert _close(with_prefetch, gemm.token_matmul(x, q) if copy is None else
                       gemm.dynamic_matmul(x, q))
+
+
+@pytest.mark.parametrize("cfg", [DecodeConfig(128, 64, 128, 1, 8, 3),
+                                 DecodeConfig(32, 64, 256, 2, 4, 3, tokens_first=True)])
+def test_promotion_setting_keeps_the_product(monkeypatch, cfg):
+    """``PARALLEL_MODELS_FP8_PROMOTE``: 128 (the default) promotes the FP8 MMA's sums to fp32
+    every 128 inputs, 0 never (on Hopper the tensor cores then accumulate all of K; in the
+    interpreter the dot is fp32 either way); both give the row-wise recipe's product within its
+    tolerance. Any other value is refused, naming the variable."""
+    x, q = _operands(64, 384, 1024, seed=6)
+    for value in ("128", "0"):
+        monkeypatch.setenv(tma_decode_kernel.PROMOTE_ENV, value)
+        assert tma_decode_kernel.promote_every() == int(value)
+        got = tma_decode_kernel.launch(x, q, torch.empty(64, 384, dtype=ACT, device=DEV), cfg)
+        assert _close(got, gemm.token_matmul(x, q))
+    monkeypatch.setenv(tma_decode_kernel.PROMOTE_ENV, "64")
+    with pytest.raises(ValueError, match="PARALLEL_MODELS_FP8_PROMOTE"):
+        tma_decode_kernel.promote_every()

@@ -46,7 +46,8 @@ from parallel_models.inference.fp8.dependent_launch import (launch_options, pref
                                                             wait_for_inputs)
 from parallel_models.inference.fp8.e4m3_rounding import e4m3_scale, scaled_for_e4m3
 from parallel_models.inference.fp8.quantize import E4M3, E4M3_MAX, QUANTIZED_COPY, QuantizedWeight
-from parallel_models.inference.fp8.tma_decode_kernel import PROMOTE_EVERY, SCALE_GROUPS, part_dot
+from parallel_models.inference.fp8.tma_decode_kernel import (PROMOTE_EVERY, SCALE_GROUPS, part_dot,
+                                                              promote_every)
 from parallel_models.llama.layers.exact import interpreter_fix
 
 interpreter_fix.apply()  # (the CPU interpreter's loop bounds; nothing on the GPU)
@@ -149,8 +150,8 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, h: torch.Tensor, cfg: Deco
     _gate_up_swiglu_kernel[(grid,)](
         x_desc, w_desc, weight.data, scales, weight.scale, h, hq, hs, rows, inter, inp,
         weight.data.stride(0), h.stride(0), hq.stride(0), hs.stride(0), BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROMOTE=PROMOTE_EVERY, EMULATE=_INTERPRETED,
-        TOKENS_FIRST=cfg.tokens_first, FP8_MAX=E4M3_MAX,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROMOTE=promote_every(),
+        EMULATE=_INTERPRETED, TOKENS_FIRST=cfg.tokens_first, FP8_MAX=E4M3_MAX,
         LINES=prefetch_lines(x2.device, 2 * cfg.block_n, inp), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch_options(x2.device))
     return h

@@ -70,15 +70,29 @@ interpreter_fix.apply()  # (the CPU interpreter's loop bounds; nothing on the GP
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL = "tma"  # (its name in ``decode_tuning``'s keys)
 PROMOTE_EVERY = 128  # inputs the FP8 MMA sums in its own precision before the fp32 accumulator
+PROMOTE_ENV = "PARALLEL_MODELS_FP8_PROMOTE"  # 0: never (the tensor cores accumulate all of K)
 SCALE_GROUPS = (64, 128)  # inputs one activation scale may cover besides a whole token
+
+
+def promote_every() -> int:
+    """Inputs the FP8 MMA sums before the fp32 accumulator, read at each launch (a CUDA graph
+    keeps what its capture read): :data:`PROMOTE_EVERY`, or ``PARALLEL_MODELS_FP8_PROMOTE``:
+    ``0`` never promotes, so the whole K stays in the tensor cores' accumulator (CUTLASS's
+    ``FP8FastAccum`` schedules, which SGLang's per-token FP8 GEMMs use)."""
+    text = os.environ.get(PROMOTE_ENV, str(PROMOTE_EVERY))
+    if text not in ("0", str(PROMOTE_EVERY)):
+        raise ValueError(f"{PROMOTE_ENV}={text!r}: 0 (never) or {PROMOTE_EVERY}")
+    return int(text)
 
 
 @triton.jit
 def part_dot(a, b, acc, PROMOTE: tl.constexpr, EMULATE: tl.constexpr):
     """``acc + a @ b^T`` on e4m3 tiles, both K-major (the interpreter: an fp32 dot of the exact
-    e4m3 values), promoted to the fp32 accumulator every ``PROMOTE`` inputs."""
+    e4m3 values), promoted to the fp32 accumulator every ``PROMOTE`` inputs (0: never)."""
     if EMULATE:
         return acc + tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
+    elif PROMOTE == 0:  # (Triton's default on sm_90: the MMA's own accumulation throughout)
+        return tl.dot(a, tl.trans(b), acc)
     else:
         return tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=PROMOTE)
 
@@ -283,7 +297,7 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
         _w8a8_tma_strip_kernel[(cfg.grid(rows, out),)](
             x_desc, *w_descs, scales, weight.scale, y, partials, counters, rows, out, inp,
             y.stride(0), BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
-            PROMOTE=PROMOTE_EVERY, EMULATE=_INTERPRETED, **part_constexprs(cfg),
+            PROMOTE=promote_every(), EMULATE=_INTERPRETED, **part_constexprs(cfg),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x2.device))
         return y
     w_desc = w_descs[0]
@@ -294,11 +308,12 @@ def launch(x2: torch.Tensor, weight: QuantizedWeight, y: torch.Tensor,
         partials, counters = shared.unused_pointers(x2.device)
         ws_rows = 0
     k_span = -(-inp // (cfg.block_k * cfg.split_k)) * cfg.block_k
+    promote = promote_every()
     _w8a8_tma_kernel[(cfg.grid(rows, out),)](
         x_desc, w_desc, weight.data, scales, weight.scale, y, partials, counters, rows, out,
         inp, weight.data.stride(0), scales.stride(0), y.stride(0), ws_rows, cfg.split_k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        PROMOTE=min(PROMOTE_EVERY, group or PROMOTE_EVERY),  # (a group's dot: at most its K)
+        PROMOTE=min(promote, group or promote),  # (a group's dot: at most its K)
         EMULATE=_INTERPRETED, TOKENS_FIRST=cfg.tokens_first, GROUP=group,
         LINES=prefetch_lines(x2.device, cfg.block_n, k_span),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x2.device))
@@ -317,6 +332,6 @@ def tma_mm(x2: torch.Tensor, weight: QuantizedWeight,
     return shared.product(KERNEL, launch, x2, weight, config)
 
 
-__all__ = ["KERNEL", "PROMOTE_EVERY", "SCALE_GROUPS", "descriptor_blocks", "launch",
-           "part_constexprs", "part_dot", "quantize_tokens", "quantized_input", "strip_of_parts",
-           "supports", "tma_mm"]
+__all__ = ["KERNEL", "PROMOTE_ENV", "PROMOTE_EVERY", "SCALE_GROUPS", "descriptor_blocks",
+           "launch", "part_constexprs", "part_dot", "promote_every", "quantize_tokens",
+           "quantized_input", "strip_of_parts", "supports", "tma_mm"]

@@ -53,6 +53,9 @@
 #                                      # every 128 inputs vs never (promote0): the TMA kernel
 #                                      # tests on CUDA, the gate_up / down graph probe with the
 #                                      # errors, the 8B decode step at batch 64 both ways
+#   bash bench/gpu_session.sh fp8promote2  # <= 9 min: the 0.89B FP8-vs-bf16 mismatch test with
+#                                      # promotion every 128 / never, the 8B step at batch 64
+#                                      # with the tuner run never promoting (listed first)
 #   bash bench/gpu_session.sh fp8_kv   # the FP8 KV pool (rollout.kv_cache_dtype=fp8), <= 6 min:
 #                                      # its GPU-side tests, the 8B decode step at batch 64 and
 #                                      # 256, bf16 / FP8 linears x model-dtype / e4m3 KV pool
@@ -174,6 +177,17 @@ Issued" "$OUT/ncu.txt" | cut -c1-120
     timeout 200 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales channel \
         --decode-kernels tma tma+promote0 --rounds 3 --out "$OUT/fp8_promote.json" 2>&1 \
         | grep -E '^\{' | cut -c1-1500
+    ;;
+  fp8promote2)
+    nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
+    for p in 128 0; do
+      PARALLEL_MODELS_FP8_PROMOTE=$p timeout 120 python3 -m pytest -q -s -p no:cacheprovider \
+          tests/gpu/test_fp8_rollout.py -k engine_vs_bf16 2>&1 \
+          | grep -E "fp8 vs|everywhere|relative|passed|failed" | sed "s/^/promote $p: /"
+    done
+    timeout 300 python3 bench/fp8_decode.py --shapes 8b --batches 64 --scales channel \
+        --decode-kernels tma+promote0 tma --rounds 4 --out "$OUT/fp8_promote2.json" 2>&1 \
+        | grep -E '^\{' | grep -o '"bf16_step_ms.*' | cut -c1-600
     ;;
   fp8graph_timeline)
     timeout 170 python3 bench/decode_timeline.py \

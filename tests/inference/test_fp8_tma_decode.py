@@ -154,10 +154,12 @@ def test_weight_prefetch_before_the_wait_changes_nothing(monkeypatch, cfg):
 @pytest.mark.parametrize("cfg", [DecodeConfig(128, 64, 128, 1, 8, 3),
                                  DecodeConfig(32, 64, 256, 2, 4, 3, tokens_first=True)])
 def test_promotion_setting_keeps_the_product(monkeypatch, cfg):
-    """``PARALLEL_MODELS_FP8_PROMOTE``: 128 (the default) promotes the FP8 MMA's sums to fp32
-    every 128 inputs, 0 never (on Hopper the tensor cores then accumulate all of K; in the
-    interpreter the dot is fp32 either way); both give the row-wise recipe's product within its
-    tolerance. Any other value is refused, naming the variable."""
+    """``PARALLEL_MODELS_FP8_PROMOTE``: 0 (the default) never promotes the FP8 MMA's sums (on
+    Hopper the tensor cores accumulate all of K), 128 promotes them to fp32 every 128 inputs (in
+    the interpreter the dot is fp32 either way); both give the row-wise recipe's product within
+    its tolerance. Any other value is refused, naming the variable."""
+    monkeypatch.delenv(tma_decode_kernel.PROMOTE_ENV, raising=False)
+    assert tma_decode_kernel.promote_every() == 0
     x, q = _operands(64, 384, 1024, seed=6)
     for value in ("128", "0"):
         monkeypatch.setenv(tma_decode_kernel.PROMOTE_ENV, value)

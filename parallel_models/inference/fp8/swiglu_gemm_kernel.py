@@ -7,7 +7,9 @@ a launch.
 
 A program takes ``BLOCK_N`` (64 or 128: ``tma_decode_kernel.SCALE_GROUPS``) intermediate
 features: their gate rows and their up rows of the ``[gate; up]`` weight (two TMA loads, one
-activation tile a K step, two fp32 accumulators), so it holds whole ``silu(gate) * up`` values.
+activation tile a K step, two accumulators, summed as ``tma_decode_kernel``'s: in the tensor
+cores unless ``tma_decode_kernel.promote_every`` says otherwise), so it holds whole
+``silu(gate) * up`` values.
 Its epilogue:
 
 - the GEMM's scales and rounding, as ``tma_decode_kernel`` finishes a tile: the fp32 sums times

@@ -232,6 +232,11 @@ def test_decode_gemm_configs_tuning_and_graph_replay(granularity, kernel):
         "dynamic": ("dynamic_act_mm", "launch"), "w8a8": ("prequantized_mm", "launch_prequantized"),
         "weight_only": ("weight_only_mm", "launch"), "tma": ("tma_mm", "launch")}[kernel])
     emulation = gemm.decode_emulation(kernel)
+    # bf16's rounding, plus 2^-11 of the largest output for the accumulation order; the TMA
+    # kernel's tensor cores accumulate all of K in their own precision by default (no fp32
+    # promotion: tma_decode_kernel.promote_every() == 0), which left up to 0.9 % of the largest
+    # output over K = 14336 on an H100 (docs/PERFORMANCE.md, session 25): 2^-6 for it
+    floor = 2.0 ** -6 if kernel == "tma" and module.promote_every() == 0 else 2.0 ** -11
     g = torch.Generator(device=DEV).manual_seed(0)
     for rows, out, inp in ((64, 4096, 14336), (256, 6144, 4096)):
         w = torch.randn(out, inp, device=DEV, generator=g) * 0.02
@@ -244,7 +249,7 @@ def test_decode_gemm_configs_tuning_and_graph_replay(granularity, kernel):
 
         def check(got, x=x):
             want = emulation(x, q).float()
-            tol = 2.0 ** -7 * (want.abs() + want.abs().max() * 2.0 ** -4)
+            tol = 2.0 ** -7 * want.abs() + floor * want.abs().max()
             assert ((got.float() - want).abs() <= tol).all()
 
         y = torch.empty(rows, out, dtype=torch.bfloat16, device=DEV)

@@ -111,7 +111,8 @@ def _flag_env(flag: str):
     with the pass, which is on by default and whose verdicts then stay for the process),
     ``graphtuned`` (the pass asked for explicitly) and ``promote<N>`` (the TMA kernels' FP8 MMA
     promoted to fp32 every N inputs: ``promote128``; ``promote0``, the default, never:
-    ``tma_decode_kernel.PROMOTE_ENV``).
+    ``tma_decode_kernel.PROMOTE_ENV``; the tuner's choices are the process's, made under the
+    first contender's setting).
     The names come from ``dependent_launch`` and ``tma_decode_kernel``, which import triton:
     only here."""
     if flag == "unfused":

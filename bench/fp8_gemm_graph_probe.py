@@ -19,11 +19,11 @@ divided by the launches. One JSON line per timing: ``linear``, ``what`` (``tma``
 with ``tiles`` and ``scales``; ``bf16``: ``F.linear`` on a bf16 copy; ``read``: a Triton kernel
 summing the e4m3 weight's bytes, 64 KiB a program), ``us`` a launch and ``tbps`` (the weight's
 bytes over it: 1 a weight, 2 for ``bf16``). Candidates: ``decode_tuning.candidates`` for the
-kernel and shape (``--candidates``: those at these indices). ``--promote``: each config once per value of
-``tma_decode_kernel.PROMOTE_ENV`` (``promote``: inputs the FP8 MMA sums before the fp32
-accumulator, 0 never), with the output's error against fp32 arithmetic on the same e4m3 values
-and scales (the first weight): ``max_err`` (the largest |difference| over the largest |exact|)
-and ``mean_err`` (mean |difference| over mean |exact|).
+kernel and shape (``--candidates``: those at these indices). ``--promote``: each config once
+per value of ``tma_decode_kernel.PROMOTE_ENV`` (``promote``: inputs the FP8 MMA sums before an
+fp32 accumulator takes them, 0 never), with the output's error against float64 arithmetic on
+the same e4m3 values and scales (the first weight): ``max_err`` (the largest |difference| over
+the largest |exact|) and ``mean_err`` (mean |difference| over mean |exact|).
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def _timed(launches: list, replays: int, device: torch.device) -> float:
 
 
 def _exact(name: str, x_q, x_scale, weight) -> torch.Tensor:
-    """fp32 (float64 sums) arithmetic on the e4m3 values and scales a launch reads: ``x_q``
-    times ``weight``, for ``gate_up`` then SwiGLU (``[rows, out / 2]``)."""
+    """float64 arithmetic on the e4m3 values and scales a launch reads: ``x_q`` times
+    ``weight``, for ``gate_up`` then SwiGLU (``[rows, out / 2]``)."""
     from parallel_models.inference.fp8.quantize import dequantize_weight
 
     x = x_q.double() * (x_scale.double()[:, None] if x_scale.dim() == 1 else
@@ -93,6 +93,7 @@ def _exact(name: str, x_q, x_scale, weight) -> torch.Tensor:
 
 
 def _errors(got: torch.Tensor, exact: torch.Tensor) -> dict:
+    """``max_err`` and ``mean_err`` of ``got`` against ``exact`` (the module docstring)."""
     diff = (got.double() - exact).abs()
     return {"max_err": float(diff.max() / exact.abs().max()),
             "mean_err": float(diff.mean() / exact.abs().mean())}

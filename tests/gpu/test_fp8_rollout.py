@@ -209,7 +209,8 @@ def test_fp8_grouped_experts_gemm_on_hopper():
 @pytest.mark.parametrize("granularity", ["block", "channel"])
 def test_decode_gemm_configs_tuning_and_graph_replay(granularity, kernel):
     """The decode GEMM kernels (W8A8-dynamic: the activations quantized in the kernel; W8A8 on
-    activations quantized before it; weight-only) at 8B shapes (down 4096 x 14336 at 64 rows, qkv 6144 x 4096 at 256 rows):
+    activations quantized before it; weight-only) at 8B shapes (down 4096 x 14336 at 64 rows,
+    qkv 6144 x 4096 at 256 rows):
     every candidate tile config, the tuned choice, and the tuned kernel captured in a CUDA graph
     and replayed on new activations (the split-K partial sums' hand-over between programs, many
     times) agree with the kernel's emulation (``gemm.dynamic_matmul``: ``x`` quantized per token

@@ -16,10 +16,10 @@ Numerics, the DeepSeek-V3 recipe of the prefill (``quantize.quantize_activation`
 rounded, round to nearest even), so decode and prefill round the activations alike, whatever the
 weight's granularity. (Until session 16 the recipe divided, ``x / scale``: bf16 activations land
 on exact e4m3 ties in ~5 of 10^4 elements, which the division and the kernel's multiply round
-apart, one e4m3 step; the GPU test found the outputs up to 6 % off.) Each group's product is its own ``tl.dot`` (a fresh fp32
-accumulator: Hopper's FP8 MMA accumulates in reduced precision, so the sum is promoted to fp32
-every 128 inputs, as DeepSeek-V3 does) and is added to the fp32 total times (activation group
-scale per row) x (the weight's block scale: one scalar for a tile inside one block row, one per
+apart, one e4m3 step; the GPU test found the outputs up to 6 % off.) Each group's product is its
+own ``tl.dot`` (a fresh fp32 accumulator: Hopper's FP8 MMA accumulates in reduced precision, so
+the sum is promoted to fp32 every 128 inputs, as DeepSeek-V3 does) and is added to the fp32
+total times (activation group scale per row) x (the weight's block scale: one scalar for a tile inside one block row, one per
 weight row for a 256-row tile); channel scales multiply the finished sums once per output
 feature. The result is ``gemm.emulated_matmul(x, W, act_groups="block")`` in fp32 (``gemm.
 dynamic_matmul``) up to the accumulation order; ``gemm`` checks the two agree once per device
@@ -35,9 +35,9 @@ bf16 weights); the program mapping, the split-K hand-over and its workspace and 
 
 Triton's CPU interpreter converts fp32 -> e4m3 wrongly (no carry into the exponent, subnormals
 cut): there (``_INTERPRETED``) the kernel rounds to e4m3 values itself
-(``e4m3_rounding.round_to_e4m3``, integer ops on the fp32 bits) and takes an fp32 dot of those exact e4m3 values, so the
-interpreter checks the quantization logic, the scales and the reduction; the GPU's e4m3 dot is
-checked by ``gemm``'s device check and ``tests/gpu``.
+(``e4m3_rounding.round_to_e4m3``, integer ops on the fp32 bits) and takes an fp32 dot of those
+exact e4m3 values, so the interpreter checks the quantization logic, the scales and the
+reduction; the GPU's e4m3 dot is checked by ``gemm``'s device check and ``tests/gpu``.
 """
 
 from __future__ import annotations

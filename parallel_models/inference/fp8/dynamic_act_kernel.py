@@ -19,9 +19,9 @@ on exact e4m3 ties in ~5 of 10^4 elements, which the division and the kernel's m
 apart, one e4m3 step; the GPU test found the outputs up to 6 % off.) Each group's product is its
 own ``tl.dot`` (a fresh fp32 accumulator: Hopper's FP8 MMA accumulates in reduced precision, so
 the sum is promoted to fp32 every 128 inputs, as DeepSeek-V3 does) and is added to the fp32
-total times (activation group scale per row) x (the weight's block scale: one scalar for a tile inside one block row, one per
-weight row for a 256-row tile); channel scales multiply the finished sums once per output
-feature. The result is ``gemm.emulated_matmul(x, W, act_groups="block")`` in fp32 (``gemm.
+total times (activation group scale per row) x (the weight's block scale: one scalar for a tile
+inside one block row, one per weight row for a 256-row tile); channel scales multiply the
+finished sums once per output feature. The result is ``gemm.emulated_matmul(x, W, act_groups="block")`` in fp32 (``gemm.
 dynamic_matmul``) up to the accumulation order; ``gemm`` checks the two agree once per device
 before using it.
 

@@ -21,9 +21,9 @@ own ``tl.dot`` (a fresh fp32 accumulator: Hopper's FP8 MMA accumulates in reduce
 the sum is promoted to fp32 every 128 inputs, as DeepSeek-V3 does) and is added to the fp32
 total times (activation group scale per row) x (the weight's block scale: one scalar for a tile
 inside one block row, one per weight row for a 256-row tile); channel scales multiply the
-finished sums once per output feature. The result is ``gemm.emulated_matmul(x, W, act_groups="block")`` in fp32 (``gemm.
-dynamic_matmul``) up to the accumulation order; ``gemm`` checks the two agree once per device
-before using it.
+finished sums once per output feature. The result is ``gemm.emulated_matmul(x, W,
+act_groups="block")`` in fp32 (``gemm.dynamic_matmul``) up to the accumulation order; ``gemm``
+checks the two agree once per device before using it.
 
 Tiles as the weight-only kernel's (:class:`~parallel_models.inference.fp8.decode_tuning.
 DecodeConfig`, chosen per shape by ``decode_tuning.choose`` among this kernel's candidates): the

@@ -79,12 +79,16 @@ def _timed(launches: list, replays: int, device: torch.device) -> float:
 
 
 def _exact(name: str, x_q, x_scale, weight) -> torch.Tensor:
-    """float64 arithmetic on the e4m3 values and scales a launch reads: ``x_q`` times
+    """float64 arithmetic on the e4m3 values and scales a launch reads (each value times its
+    scale rounded to fp32 first, as ``quantize``'s dequantizers give them): ``x_q`` times
     ``weight``, for ``gate_up`` then SwiGLU (``[rows, out / 2]``)."""
-    from parallel_models.inference.fp8.quantize import dequantize_weight
+    from parallel_models.inference.fp8.quantize import dequantize_activation, dequantize_weight
 
-    x = x_q.double() * (x_scale.double()[:, None] if x_scale.dim() == 1 else
-                        x_scale.double().repeat_interleave(x_q.shape[1] // x_scale.shape[1], 1))
+    if x_scale.dim() == 1:  # (per token, else per token and group: the fused SwiGLU's copy)
+        x = dequantize_activation(x_q, x_scale, "channel", torch.float64)
+    else:
+        x = dequantize_activation(x_q, x_scale, "block", torch.float64,
+                                  group=x_q.shape[1] // x_scale.shape[1])
     y = x @ dequantize_weight(weight.data, weight.scale, "channel", torch.float64).t()
     if name == "gate_up":
         gate, up = y.chunk(2, dim=1)
